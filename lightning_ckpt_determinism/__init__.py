@@ -1,0 +1,23 @@
+"""Activation checkpointing for PyTorch Lightning that proves recomputation reproduces the forward pass."""
+
+from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
+from lightning_ckpt_determinism.wrapping import (
+    apply_activation_checkpointing,
+    checkpointed_modules,
+    checkpointing_disabled,
+    remove_activation_checkpointing,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointingConfig",
+    "LightningCkptDeterminismWarning",
+    "RecomputationDivergenceError",
+    "__version__",
+    "apply_activation_checkpointing",
+    "checkpointed_modules",
+    "checkpointing_disabled",
+    "remove_activation_checkpointing",
+]

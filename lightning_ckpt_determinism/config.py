@@ -1,0 +1,162 @@
+"""The typed checkpointing configuration, filled from Python or LightningCLI YAML."""
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import _allowed_determinism_checks_to_fns
+
+__all__ = ["CheckpointingConfig"]
+
+
+@dataclass
+class CheckpointingConfig:
+    """Which submodules to checkpoint and how.
+
+    A module is selected when it matches ``classes`` or ``names``. Only the outermost of nested matches is
+    checkpointed, then ``every_n`` thins the selection in module order.
+
+    Args:
+        classes: Module classes to checkpoint, by bare class name (``"Block"``, matched against the class and its
+            bases) or by dotted import path (``"torch.nn.TransformerEncoderLayer"``, matched with ``isinstance``).
+        names: ``fnmatch`` globs over module names relative to the module the config is applied to (the
+            LightningModule under a strategy), e.g. ``"model.blocks.*"`` or ``"encoder.layers.3"``.
+        every_n: Checkpoint every n-th matched module in module order (the n-th, 2n-th, ...). ``1`` checkpoints
+            all of them; ``2`` every second one, trading half the memory saving for half the recomputation.
+        save_ops: Op-level selective checkpointing: ops whose outputs are kept instead of recomputed, as
+            ``"aten.mm"`` (every overload) or ``"aten.mm.default"`` (one overload). Saving matmuls keeps the
+            expensive results and recomputes only the cheap pointwise ops, at the cost of their memory.
+        preserve_rng_state: Replay torch's CPU and accelerator RNG during recomputation (torch's own mechanism).
+            Turning it off saves a little time and makes dropout masks differ between forward and recomputation.
+        preserve_host_rng: Also capture Python's ``random`` and NumPy's global RNG at the original forward and
+            replay them during recomputation, leaving the live streams exactly where they were. Needed by custom
+            layers that draw from NumPy or ``random``; costs one state copy per checkpointed call.
+        protect_buffers: Recomputation never mutates module buffers: BatchNorm running statistics and
+            ``num_batches_tracked`` are updated once per step, as without checkpointing. Costs a copy of the
+            region's buffers while it is recomputed.
+        determinism_check: Passed to ``torch.utils.checkpoint`` (``"default"`` compares shapes, dtypes and devices
+            of recomputed tensors; ``"none"`` skips it).
+
+    Raises:
+        ValueError: If nothing can be selected, ``every_n < 1``, a class path or op cannot be found, or
+            ``determinism_check`` is not one torch knows.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> config = CheckpointingConfig(classes=["Block"], every_n=2, save_ops=["aten.mm"])
+        >>> config.every_n
+        2
+    """
+
+    classes: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    every_n: int = 1
+    save_ops: list[str] = field(default_factory=list)
+    preserve_rng_state: bool = True
+    preserve_host_rng: bool = False
+    protect_buffers: bool = True
+    determinism_check: str = "default"
+
+    def __post_init__(self) -> None:
+        self.classes = list(self.classes)
+        self.names = list(self.names)
+        self.save_ops = list(self.save_ops)
+        if not self.classes and not self.names:
+            raise ValueError(
+                "`CheckpointingConfig` selects nothing: set `classes` (e.g. ['Block']) or `names`"
+                " (e.g. ['model.blocks.*'])."
+            )
+        if not isinstance(self.every_n, int) or isinstance(self.every_n, bool) or self.every_n < 1:
+            raise ValueError(f"`every_n` must be an integer >= 1, got {self.every_n!r}.")
+        allowed_checks = sorted(_allowed_determinism_checks_to_fns)
+        if self.determinism_check not in allowed_checks:
+            raise ValueError(
+                f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."
+            )
+        for path in self.classes:
+            if "." in path:
+                resolve_class_path(path)
+        resolve_ops(self.save_ops)
+
+
+def resolve_class_path(path: str) -> type:
+    """Import a class from its dotted path.
+
+    Args:
+        path: A dotted path such as ``"torch.nn.TransformerEncoderLayer"``.
+
+    Returns:
+        The class.
+
+    Raises:
+        ValueError: If the module cannot be imported or holds no class of that name.
+
+    Example::
+
+        >>> resolve_class_path("torch.nn.Linear")
+        <class 'torch.nn.modules.linear.Linear'>
+    """
+    module_path, _, class_name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"`classes` entry {path!r} cannot be imported ({err}). Use a bare class name such as"
+            f" {class_name!r} or a dotted path to an importable class."
+        ) from err
+    if not isinstance(found, type):
+        raise ValueError(f"`classes` entry {path!r} is not a class, got {type(found).__name__}.")
+    return found
+
+
+def resolve_ops(names: list[str]) -> list[torch._ops.OpOverload]:
+    """Turn op names into the op overloads that selective checkpointing matches.
+
+    Args:
+        names: Op names such as ``"aten.mm"`` (every overload) or ``"aten.addmm.default"`` (one overload).
+
+    Returns:
+        The op overloads, in order, without duplicates.
+
+    Raises:
+        ValueError: If a name does not name an op torch knows.
+
+    Example::
+
+        >>> resolve_ops(["aten.mm.default"])
+        [<OpOverload(op='aten.mm', overload='default')>]
+    """
+    resolved: list[torch._ops.OpOverload] = []
+    for name in names:
+        for op in _resolve_op(name):
+            if op not in resolved:
+                resolved.append(op)
+    return resolved
+
+
+def _resolve_op(name: str) -> list[torch._ops.OpOverload]:
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(
+            f"`save_ops` entry {name!r} is not an op name: use 'namespace.op' or 'namespace.op.overload',"
+            " e.g. 'aten.mm' or 'aten.mm.default'."
+        )
+    namespace, op_name = parts[0], parts[1]
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+    except (AttributeError, RuntimeError) as err:
+        raise ValueError(
+            f"`save_ops` entry {name!r} is not an op torch knows. Check the spelling against `torch.ops.{namespace}`"
+            " (e.g. 'aten.mm', 'aten.addmm', 'aten._scaled_dot_product_flash_attention')."
+        ) from err
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise ValueError(f"`save_ops` entry {name!r} is not an op, got {type(packet).__name__}.")
+    if len(parts) == 2:
+        return [getattr(packet, overload) for overload in packet.overloads()]
+    try:
+        return [getattr(packet, parts[2])]
+    except AttributeError as err:
+        raise ValueError(
+            f"`save_ops` entry {name!r} names an unknown overload; {namespace}.{op_name} has {packet.overloads()}."
+        ) from err

@@ -1,0 +1,361 @@
+"""Select submodules and run them under non-reentrant activation checkpointing, in place.
+
+Wrapping sets an instance-level ``forward`` on each selected module, so the module object, its parameters, its
+buffers and every ``state_dict`` key stay exactly as they were. Recomputation composes up to four contexts:
+host-RNG replay, buffer protection, the selective-op policy and, only while a check runs, the check's observer.
+"""
+
+import contextlib
+import fnmatch
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack
+from contextvars import ContextVar
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path, resolve_ops
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, restore_host_rng
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpointed_modules",
+    "checkpointing_disabled",
+    "remove_activation_checkpointing",
+    "select_modules",
+]
+
+_disabled_depth: ContextVar[int] = ContextVar("lightning_ckpt_determinism_disabled_depth", default=0)
+_active_observer: ContextVar["_RegionObserver | None"] = ContextVar(
+    "lightning_ckpt_determinism_active_observer", default=None
+)
+
+
+class _RegionObserver(Protocol):
+    """What the check engine plugs into each checkpointed region while a check runs."""
+
+    def contexts(
+        self, region: str, module: nn.Module
+    ) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]: ...
+
+
+@contextlib.contextmanager
+def checkpointing_disabled() -> Iterator[None]:
+    """Run every checkpointed module with its plain forward (nothing is recomputed) inside this block.
+
+    The recomputation check uses it for its reference pass. It nests and is restored whatever is raised.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> apply_activation_checkpointing(model, CheckpointingConfig(classes=["Linear"]))
+        ['0']
+        >>> with checkpointing_disabled():
+        ...     loss = model(torch.ones(1, 2)).sum()
+    """
+    token = _disabled_depth.set(_disabled_depth.get() + 1)
+    try:
+        yield
+    finally:
+        _disabled_depth.reset(token)
+
+
+@contextlib.contextmanager
+def _observing(observer: _RegionObserver) -> Iterator[None]:
+    token = _active_observer.set(observer)
+    try:
+        yield
+    finally:
+        _active_observer.reset(token)
+
+
+class _CheckpointedForward:
+    """The instance-level ``forward`` of a checkpointed module."""
+
+    def __init__(self, module: nn.Module, region: str, config: CheckpointingConfig) -> None:
+        self.module = module
+        self.region = region
+        self.config = config
+        self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
+        self._save_ops = frozenset(resolve_ops(config.save_ops))
+
+    def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous_forward is not None:
+            return self.previous_forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _disabled_depth.get() > 0 or not torch.is_grad_enabled():
+            return self.plain_forward(*args, **kwargs)
+        keys = tuple(kwargs)
+        num_positional = len(args)
+
+        def run(*flat: Any) -> Any:
+            return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:])))
+
+        # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
+        return checkpoint(
+            run,
+            *args,
+            *kwargs.values(),
+            use_reentrant=False,
+            preserve_rng_state=self.config.preserve_rng_state,
+            determinism_check=self.config.determinism_check,
+            context_fn=self._context_fn(),
+        )
+
+    def _context_fn(self) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]:
+        observer = _active_observer.get()
+        if not (self.config.preserve_host_rng or self.config.protect_buffers or self._save_ops or observer):
+            return noop_context_fn
+        return partial(self._make_contexts, observer)
+
+    def _make_contexts(
+        self, observer: _RegionObserver | None
+    ) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        forward: list[AbstractContextManager[Any]] = []
+        recompute: list[AbstractContextManager[Any]] = []
+        if self.config.preserve_host_rng:
+            replay = _HostRNGReplay()
+            forward.append(replay.capture())
+            recompute.append(replay.replay())
+        if self.config.protect_buffers:
+            recompute.append(_protected_buffers(self.module))
+        if self._save_ops:
+            save_ops = self._save_ops
+
+            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+                return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+            sac_forward, sac_recompute = create_selective_checkpoint_contexts(policy)
+            forward.append(sac_forward)
+            recompute.append(sac_recompute)
+        if observer is not None:
+            # Last, so its dispatch mode sits on top of the selective-checkpointing one and sees every op,
+            # including those whose outputs selective checkpointing serves from its cache.
+            observe_forward, observe_recompute = observer.contexts(self.region, self.module)
+            forward.append(observe_forward)
+            recompute.append(observe_recompute)
+        return _stacked(forward), _stacked(recompute)
+
+
+@contextlib.contextmanager
+def _stacked(contexts: list[AbstractContextManager[Any]]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+class _HostRNGReplay:
+    """Capture Python's and NumPy's RNG at the forward; replay it during recomputation, then put the live state back."""
+
+    def __init__(self) -> None:
+        self._state: HostRNGState | None = None
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        self._state = capture_host_rng()
+        yield
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        if self._state is None:
+            raise RuntimeError("lightning_ckpt_determinism: recomputation ran before the forward it replays.")
+        live = capture_host_rng()
+        restore_host_rng(self._state)
+        try:
+            yield
+        finally:
+            restore_host_rng(live)
+
+
+@contextlib.contextmanager
+def _protected_buffers(module: nn.Module) -> Iterator[None]:
+    """Let recomputation update copies of the region's buffers, never the buffers themselves."""
+    originals: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for owner in module.modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is not None:
+                originals.append((owner, name, buffer))
+    try:
+        with torch.no_grad():
+            for owner, name, buffer in originals:
+                owner._buffers[name] = buffer.clone()
+        yield
+    finally:
+        for owner, name, buffer in originals:
+            owner._buffers[name] = buffer
+
+
+def _is_wrapped(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
+
+
+def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """The checkpointed submodules of ``module`` by name (``module`` itself included, under ``""``).
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> list(checkpointed_modules(model))
+        ['1']
+    """
+    return {name: sub for name, sub in module.named_modules() if _is_wrapped(sub)}
+
+
+def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, nn.Module]:
+    """The submodules of ``module`` that ``config`` selects, by name, in module order, without wrapping anything.
+
+    Modules already checkpointed count as selected, so selecting is idempotent; a match nested in (or holding)
+    a checkpointed module is skipped rather than checkpointed twice.
+
+    Args:
+        module: The root module; names are relative to it.
+        config: What to select.
+
+    Raises:
+        ValueError: If nothing matches; the message lists the module classes and a sample of module names.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
+        >>> list(select_modules(model, CheckpointingConfig(classes=["Linear"], every_n=2)))
+        ['1', '3']
+    """
+    bare_names = {path for path in config.classes if "." not in path}
+    classes = tuple(resolve_class_path(path) for path in config.classes if "." in path)
+    wrapped_names = [name for name, sub in module.named_modules() if _is_wrapped(sub)]
+
+    def matches(name: str, sub: nn.Module) -> bool:
+        if _is_wrapped(sub):
+            return True
+        if any(wrapped.startswith(name + ".") for wrapped in wrapped_names):
+            return False
+        if isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
+            return True
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
+
+    matched: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if not name or any(name.startswith(outer + ".") for outer, _ in matched):
+            continue
+        if matches(name, sub):
+            matched.append((name, sub))
+    if not matched:
+        raise ValueError(_nothing_matched_message(module, config))
+    _warn_unused_entries(module, config, bare_names, classes)
+    return {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
+
+
+def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfig) -> list[str]:
+    """Checkpoint the submodules of ``module`` that ``config`` selects, in place, always non-reentrant.
+
+    Nothing is replaced: parameter names, buffer names and ``state_dict`` keys do not change, so checkpoints load
+    with ``strict=True`` with or without checkpointing. Forward keyword arguments and any outputs (tuples, dicts,
+    non-tensors) pass through. Applying the same config twice wraps nothing twice. Under ``torch.no_grad()`` and
+    inside :func:`checkpointing_disabled` a wrapped module runs its plain forward.
+
+    Args:
+        module: The root module; ``config.names`` are relative to it.
+        config: What to checkpoint and how.
+
+    Returns:
+        The names of the checkpointed modules, in module order.
+
+    Raises:
+        ValueError: If ``config`` matches no module (nothing is wrapped then).
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+        >>> apply_activation_checkpointing(model, CheckpointingConfig(classes=["torch.nn.Linear"]))
+        ['0', '2']
+        >>> list(model.state_dict())
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+    """
+    selected = select_modules(module, config)
+    for name, sub in selected.items():
+        if not _is_wrapped(sub):
+            sub.forward = _CheckpointedForward(sub, name, config)  # type: ignore[method-assign]
+    return list(selected)
+
+
+def remove_activation_checkpointing(module: nn.Module) -> list[str]:
+    """Undo :func:`apply_activation_checkpointing` on ``module`` and all its submodules.
+
+    Args:
+        module: The root module.
+
+    Returns:
+        The names of the modules that were checkpointed.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Linear"]))
+        >>> remove_activation_checkpointing(model)
+        ['0']
+        >>> checkpointed_modules(model)
+        {}
+    """
+    removed = []
+    for name, sub in module.named_modules():
+        wrapper = sub.__dict__.get("forward")
+        if isinstance(wrapper, _CheckpointedForward):
+            if wrapper.previous_forward is None:
+                del sub.forward
+            else:
+                sub.forward = wrapper.previous_forward  # type: ignore[method-assign]
+            removed.append(name)
+    return removed
+
+
+def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> str:
+    class_names = sorted({type(sub).__name__ for _, sub in module.named_modules()})
+    module_names = [name for name, _ in module.named_modules() if name]
+    sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
+    return (
+        f"`CheckpointingConfig` matches no module of {type(module).__name__}: classes={config.classes},"
+        f" names={config.names}. The model's module classes are {class_names}; its module names include"
+        f" {sample}. Names are relative to the module the config is applied to (the LightningModule under a"
+        " strategy)."
+    )
+
+
+def _warn_unused_entries(
+    module: nn.Module, config: CheckpointingConfig, bare_names: set[str], classes: tuple[type, ...]
+) -> None:
+    named = list(module.named_modules())[1:]
+    seen_class_names = {base.__name__ for _, sub in named for base in type(sub).__mro__}
+    unused = [name for name in sorted(bare_names) if name not in seen_class_names]
+    unused += [cls.__qualname__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]
+    unused += [pattern for pattern in config.names if not any(fnmatch.fnmatchcase(n, pattern) for n, _ in named)]
+    if unused:
+        warnings.warn(
+            f"lightning_ckpt_determinism: `CheckpointingConfig` entries {unused} match no module of"
+            f" {type(module).__name__}; check their spelling.",
+            LightningCkptDeterminismWarning,
+            stacklevel=3,
+        )
