@@ -2,8 +2,15 @@
 
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
+from lightning_ckpt_determinism.strategy import (
+    ActivationCheckpointingMixin,
+    DDPCheckpointingStrategy,
+    FSDPCheckpointingStrategy,
+    SingleDeviceCheckpointingStrategy,
+)
 from lightning_ckpt_determinism.wrapping import (
     apply_activation_checkpointing,
+    checkpoint_module,
     checkpointed_modules,
     checkpointing_disabled,
     remove_activation_checkpointing,
@@ -12,11 +19,16 @@ from lightning_ckpt_determinism.wrapping import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationCheckpointingMixin",
     "CheckpointingConfig",
+    "DDPCheckpointingStrategy",
+    "FSDPCheckpointingStrategy",
     "LightningCkptDeterminismWarning",
     "RecomputationDivergenceError",
+    "SingleDeviceCheckpointingStrategy",
     "__version__",
     "apply_activation_checkpointing",
+    "checkpoint_module",
     "checkpointed_modules",
     "checkpointing_disabled",
     "remove_activation_checkpointing",

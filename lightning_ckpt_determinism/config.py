@@ -71,9 +71,7 @@ class CheckpointingConfig:
             raise ValueError(f"`every_n` must be an integer >= 1, got {self.every_n!r}.")
         allowed_checks = sorted(_allowed_determinism_checks_to_fns)
         if self.determinism_check not in allowed_checks:
-            raise ValueError(
-                f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."
-            )
+            raise ValueError(f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}.")
         for path in self.classes:
             if "." in path:
                 resolve_class_path(path)

@@ -29,6 +29,7 @@ from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, resto
 
 __all__ = [
     "apply_activation_checkpointing",
+    "checkpoint_module",
     "checkpointed_modules",
     "checkpointing_disabled",
     "remove_activation_checkpointing",
@@ -103,7 +104,7 @@ class _CheckpointedForward:
         num_positional = len(args)
 
         def run(*flat: Any) -> Any:
-            return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:])))
+            return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
 
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         return checkpoint(
@@ -296,9 +297,30 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
     """
     selected = select_modules(module, config)
     for name, sub in selected.items():
-        if not _is_wrapped(sub):
-            sub.forward = _CheckpointedForward(sub, name, config)  # type: ignore[method-assign]
+        checkpoint_module(sub, name, config)
     return list(selected)
+
+
+def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfig) -> None:
+    """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is.
+
+    ``config``'s selection fields are ignored; its other fields say how to checkpoint.
+
+    Args:
+        module: The module to checkpoint.
+        region: The name reports use for it, usually its name in the model.
+        config: How to checkpoint it.
+
+    Example::
+
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Linear"]))
+        >>> list(checkpointed_modules(layer))
+        ['']
+    """
+    if not _is_wrapped(module):
+        module.forward = _CheckpointedForward(module, region, config)  # type: ignore[method-assign]
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:

@@ -1,0 +1,186 @@
+"""Apply activation checkpointing inside any Lightning strategy, in the order that strategy needs."""
+
+from collections import Counter
+from typing import Any, ClassVar
+
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.wrapping import (
+    checkpoint_module,
+    checkpointed_modules,
+    remove_activation_checkpointing,
+    select_modules,
+)
+
+__all__ = [
+    "ActivationCheckpointingMixin",
+    "DDPCheckpointingStrategy",
+    "FSDPCheckpointingStrategy",
+    "SingleDeviceCheckpointingStrategy",
+]
+
+
+class ActivationCheckpointingMixin:
+    """Adds non-reentrant activation checkpointing of configured submodules to a Lightning strategy.
+
+    Put it first among the bases: ``class MyStrategy(ActivationCheckpointingMixin, DDPStrategy)``. The config is
+    applied when the strategy sets up the model, after ``LightningModule.configure_model`` has run (so modules
+    created there are covered) and after Lightning's own module conversions (``sync_batchnorm``, precision), then
+    before the strategy wraps the model (DDP) or after it (strategies that set ``_checkpoint_after_wrapping``,
+    as FSDP requires). Module names in the config are relative to the LightningModule. Checkpointing applied by
+    the strategy is removed again at teardown, leaving the model as it was given.
+
+    Args:
+        checkpointing: Which submodules to checkpoint and how.
+        *args: Passed to the base strategy.
+        **kwargs: Passed to the base strategy.
+
+    Raises:
+        TypeError: If ``checkpointing`` is not a :class:`CheckpointingConfig`.
+        ValueError: At setup, before any training step, if the config matches no module.
+
+    Example::
+
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> class MyStrategy(ActivationCheckpointingMixin, SingleDeviceStrategy):
+        ...     pass
+        >>> strategy = MyStrategy(checkpointing=CheckpointingConfig(classes=["Block"]), device="cpu")
+        >>> strategy.checkpointing.classes
+        ['Block']
+    """
+
+    _checkpoint_after_wrapping: ClassVar[bool] = False
+
+    def __init__(self, *args: Any, checkpointing: CheckpointingConfig, **kwargs: Any) -> None:
+        if not isinstance(checkpointing, CheckpointingConfig):
+            raise TypeError(
+                f"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}. Build one with"
+                " `CheckpointingConfig(classes=[...])` or give `checkpointing: {classes: [...]}` in YAML."
+            )
+        self.checkpointing = checkpointing
+        self._applied_checkpointing: dict[str, nn.Module] = {}
+        super().__init__(*args, **kwargs)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        selected = self._select_for_checkpointing()
+        if self._checkpoint_after_wrapping:
+            # The wrapper (FSDP) must own the modules before their forward is checkpointed; they were selected
+            # above, while their names were still those of the LightningModule.
+            model = super()._setup_model(model)  # type: ignore[misc]
+            self._checkpoint(selected)
+            return model
+        # Before the wrapper (DDP) registers its hooks on the model.
+        self._checkpoint(selected)
+        return super()._setup_model(model)  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        for module in self._applied_checkpointing.values():
+            remove_activation_checkpointing(module)
+        self._applied_checkpointing = {}
+        super().teardown()  # type: ignore[misc]
+
+    def _select_for_checkpointing(self) -> dict[str, nn.Module]:
+        lightning_module = self.lightning_module  # type: ignore[attr-defined]
+        if self._applied_checkpointing:
+            return {}
+        already = checkpointed_modules(lightning_module)
+        if already:
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: {len(already)} modules of {type(lightning_module).__name__} are already"
+                f" checkpointed ({_summary(already)}); `{type(self).__name__}` leaves them as they are and applies"
+                " nothing. Remove `apply_activation_checkpointing` from the model to let the strategy apply it.",
+                category=LightningCkptDeterminismWarning,
+            )
+            return {}
+        return select_modules(lightning_module, self.checkpointing)
+
+    def _checkpoint(self, selected: dict[str, nn.Module]) -> None:
+        if not selected:
+            return
+        for name, module in selected.items():
+            checkpoint_module(module, name, self.checkpointing)
+            self._applied_checkpointing[name] = module
+        rank_zero_info(
+            f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
+            f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"
+            f" save_ops={self.checkpointing.save_ops or 'none'}."
+        )
+
+
+def _summary(modules: dict[str, nn.Module]) -> str:
+    counts = Counter(type(module).__name__ for module in modules.values())
+    return ", ".join(f"{count} x {name}" for name, count in counts.items())
+
+
+class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDeviceStrategy):
+    """Lightning's single-device strategy with activation checkpointing of the configured submodules.
+
+    Args:
+        checkpointing: Which submodules to checkpoint and how.
+        device: The device to train on.
+        **kwargs: The remaining arguments of :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+
+    Example::
+
+        >>> strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"]))
+        >>> strategy.root_device
+        device(type='cpu')
+    """
+
+    def __init__(self, checkpointing: CheckpointingConfig, device: str = "cpu", **kwargs: Any) -> None:
+        super().__init__(checkpointing=checkpointing, device=device, **kwargs)
+
+
+class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # type: ignore[misc]
+    """Lightning's DDP strategy with activation checkpointing applied before DDP wraps the model.
+
+    Args:
+        checkpointing: Which submodules to checkpoint and how.
+        **kwargs: The arguments of :class:`~lightning.pytorch.strategies.DDPStrategy`.
+
+    Example::
+
+        >>> strategy = DDPCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+        >>> strategy.checkpointing.names
+        ['model.blocks.*']
+    """
+
+    def __init__(self, checkpointing: CheckpointingConfig, **kwargs: Any) -> None:
+        super().__init__(checkpointing=checkpointing, **kwargs)
+
+
+class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
+    """Lightning's FSDP strategy with this package's checkpointing applied after FSDP wraps the model.
+
+    Lightning's own FSDP checkpointing replaces modules with a wrapper; this one keeps the modules and adds RNG
+    replay, buffer protection and the recomputation check. FSDP needs CUDA in Lightning.
+
+    Args:
+        checkpointing: Which submodules to checkpoint and how.
+        **kwargs: The arguments of :class:`~lightning.pytorch.strategies.FSDPStrategy`, except its own
+            ``activation_checkpointing`` and ``activation_checkpointing_policy``.
+
+    Raises:
+        ValueError: If FSDP's own activation checkpointing is also requested.
+
+    Example::
+
+        >>> strategy = FSDPCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"]))
+        >>> strategy.checkpointing.classes
+        ['Block']
+    """
+
+    _checkpoint_after_wrapping = True
+
+    def __init__(self, checkpointing: CheckpointingConfig, **kwargs: Any) -> None:
+        for own in ("activation_checkpointing", "activation_checkpointing_policy"):
+            if kwargs.get(own) is not None:
+                raise ValueError(
+                    f"`{own}` is FSDP's own activation checkpointing; `FSDPCheckpointingStrategy` applies"
+                    " `checkpointing` instead. Pass one of them, not both."
+                )
+        super().__init__(checkpointing=checkpointing, **kwargs)
