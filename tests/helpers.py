@@ -1,0 +1,176 @@
+"""Tiny seeded models shared by the tests, each with one way recomputation can differ from the forward."""
+
+import random
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+DIM = 8
+
+
+class DropoutBlock(nn.Module):
+    """Linear, ReLU, dropout, residual: recomputation differs unless torch's RNG is replayed."""
+
+    def __init__(self, dim: int = DIM, p: float = 0.5) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(torch.relu(self.linear(x)))
+
+
+class BatchNormBlock(nn.Module):
+    """Linear then BatchNorm: recomputation updates the running statistics again unless buffers are protected."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(torch.relu(self.linear(x)))
+
+
+class NumpyNoiseBlock(nn.Module):
+    """Adds noise drawn from NumPy's global RNG: recomputation differs unless host RNG is replayed."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.from_numpy(np.random.standard_normal(x.shape).astype(np.float32))
+        return x + torch.tanh(self.linear(x)) * (1 + noise)
+
+
+class PythonRandomBlock(nn.Module):
+    """Scales by a factor drawn from Python's ``random``: recomputation differs unless host RNG is replayed."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x)) * random.uniform(0.5, 1.5)
+
+
+class CounterBlock(nn.Module):
+    """Reads a Python counter it increments on every call: recomputation sees another value."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tanh(self.linear(x)) * self.calls
+
+
+class RoutingBlock(nn.Module):
+    """Routes a number of rows that depends on a call counter: a saved shape changes on recomputation."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        routed = 1 + self.calls % (x.shape[0] - 1)
+        out = x.clone()
+        out[:routed] = x[:routed] + torch.tanh(self.linear(x[:routed]))
+        return out
+
+
+class PlainBlock(nn.Module):
+    """Linear and tanh with a residual: nothing in it can differ on recomputation."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class Stack(nn.Module):
+    """An input projection, the given blocks in order, and an output head."""
+
+    def __init__(self, blocks: list[nn.Module], dim: int = DIM) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_stack(block: type[nn.Module] = DropoutBlock, n: int = 3, seed: int = 0) -> Stack:
+    """A :class:`Stack` of ``n`` blocks of one class, with weights from ``seed``."""
+    torch.manual_seed(seed)
+    return Stack([block() for _ in range(n)])
+
+
+def batch(seed: int = 1, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and regression targets from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, DIM, generator=generator), torch.randn(size, 1, generator=generator)
+
+
+class StackModule(pl.LightningModule):
+    """A LightningModule regressing with a :class:`Stack`; logs ``train/loss``.
+
+    Args:
+        block: Block class name in this module.
+        n: Number of blocks.
+        lr: SGD learning rate.
+        momentum: SGD momentum (optimizer state to compare).
+    """
+
+    def __init__(self, block: str = "DropoutBlock", n: int = 3, lr: float = 0.1, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = make_stack(globals()[block], n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(2)
+        x = torch.randn(64, DIM, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+def trainer_kwargs(tmp_path: object, **overrides: object) -> dict[str, object]:
+    """A minimal CPU Trainer: a few steps, no progress bar, no summary, no checkpoints, logs under ``tmp_path``."""
+    kwargs: dict[str, object] = {
+        "max_steps": 4,
+        "accelerator": "cpu",
+        "devices": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+        "default_root_dir": str(tmp_path),
+    }
+    kwargs.update(overrides)
+    return kwargs
