@@ -1,5 +1,7 @@
 """Activation checkpointing for PyTorch Lightning that proves recomputation reproduces the forward pass."""
 
+from lightning_ckpt_determinism.callback import RecomputationMonitor
+from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation, gradient_divergence
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.strategy import (
@@ -25,11 +27,15 @@ __all__ = [
     "FSDPCheckpointingStrategy",
     "LightningCkptDeterminismWarning",
     "RecomputationDivergenceError",
+    "RecomputationMonitor",
+    "RecomputationReport",
     "SingleDeviceCheckpointingStrategy",
     "__version__",
     "apply_activation_checkpointing",
+    "check_recomputation",
     "checkpoint_module",
     "checkpointed_modules",
     "checkpointing_disabled",
+    "gradient_divergence",
     "remove_activation_checkpointing",
 ]

@@ -97,9 +97,7 @@ def gradient_divergence(
         ref_t = torch.zeros_like(other) if ref is None else ref  # type: ignore[arg-type]
         other_t = torch.zeros_like(ref_t) if other is None else other
         if ref_t.shape != other_t.shape:
-            raise ValueError(
-                f"Gradient {position} differs in shape: {tuple(ref_t.shape)} and {tuple(other_t.shape)}."
-            )
+            raise ValueError(f"Gradient {position} differs in shape: {tuple(ref_t.shape)} and {tuple(other_t.shape)}.")
         diff = _elementwise_difference(ref_t.detach().double(), other_t.detach().double())
         finite_ref = torch.nan_to_num(ref_t.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
         diff_sq += float(diff.square().sum())
