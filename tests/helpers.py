@@ -9,6 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_ckpt_determinism import checkpointed_modules
+
 DIM = 8
 
 
@@ -56,7 +58,8 @@ class PythonRandomBlock(nn.Module):
         self.linear = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.linear(x)) * random.uniform(0.5, 1.5)
+        # Inside tanh, so the drawn factor reaches a tensor saved for backward (tanh's output).
+        return x + torch.tanh(self.linear(x) * random.uniform(0.5, 1.5))
 
 
 class CounterBlock(nn.Module):
@@ -174,3 +177,57 @@ def trainer_kwargs(tmp_path: object, **overrides: object) -> dict[str, object]:
     }
     kwargs.update(overrides)
     return kwargs
+
+
+class KeywordBlock(nn.Module):
+    """Takes a keyword tensor and a keyword float: both must reach the forward when it is checkpointed."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x)) * scale + shift
+
+
+class TupleOutputBlock(nn.Module):
+    """Returns a tuple mixing tensors and non-tensors: ``(out, aux, tag, count)``."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str, int]:
+        hidden = self.linear(x)
+        return torch.tanh(hidden), hidden.square().mean(), "tuple", 3
+
+
+class DictOutputBlock(nn.Module):
+    """Returns a dict mixing tensors and non-tensors: ``{"out", "aux", "tag"}``."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        hidden = self.linear(x)
+        return {"out": torch.sigmoid(hidden), "aux": hidden.abs().sum(), "tag": "dict"}
+
+
+class CheckpointedModulesRecorder(pl.Callback):
+    """Records the names of the checkpointed modules of the LightningModule at the start of every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        self.seen.append(list(checkpointed_modules(pl_module)))
+
+
+class ScaledLinear(nn.Linear):
+    """A ``Linear`` subclass, to tell matching a class by its own name from matching it by a base's name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)

@@ -1,0 +1,246 @@
+import csv
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.nn import functional as F
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+)
+from tests.helpers import DIM, StackModule, trainer_kwargs
+
+
+def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing=True, **overrides):
+    pl.seed_everything(0, verbose=False)
+    module = module if module is not None else StackModule(block=block)
+    strategy = (
+        SingleDeviceCheckpointingStrategy(
+            checkpointing=CheckpointingConfig(
+                classes=[block], **overrides.pop("config", {})
+            )
+        )
+        if checkpointing
+        else "auto"
+    )
+    callbacks = [monitor] if monitor is not None else []
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=callbacks, strategy=strategy, **overrides))
+    trainer.fit(module)
+    return trainer, module
+
+
+def test_arguments_are_validated():
+    with pytest.raises(ValueError, match="`every_n_steps` must be an integer >= 1, got 0"):
+        RecomputationMonitor(every_n_steps=0)
+    with pytest.raises(ValueError, match="`tolerance` must be a non-negative float, got -0.1"):
+        RecomputationMonitor(tolerance=-0.1)
+    with pytest.raises(ValueError, match="`on_divergence` can be warn, raise, ignore, got 'stop'"):
+        RecomputationMonitor(on_divergence="stop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`log_prefix` must be a non-empty string"):
+        RecomputationMonitor(log_prefix="")
+    with pytest.raises(ValueError, match="`history_size` must be an integer >= 1, got 0"):
+        RecomputationMonitor(history_size=0)
+    with pytest.raises(ValueError, match="`loss_fn` must be callable, got int"):
+        RecomputationMonitor(loss_fn=3)  # type: ignore[arg-type]
+
+
+def test_checks_first_step_then_every_n_optimizer_steps(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=3)
+    fit(tmp_path, monitor=monitor, max_steps=7)
+    assert [entry["step"] for entry in monitor.history] == [0, 3, 6]
+    assert all(entry["grad_divergence"] == 0.0 and not entry["diverged"] for entry in monitor.history)
+    assert monitor.last_checked_step == 6
+
+
+def test_gradient_accumulation_checks_once_per_optimizer_step(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=2)
+    fit(tmp_path, monitor=monitor, max_steps=4, accumulate_grad_batches=2)
+    assert [entry["step"] for entry in monitor.history] == [0, 2]
+
+
+def test_divergence_warns_naming_the_worst_parameters_once(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"recomputation diverged at step 0: grad_div") as rec:
+        fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
+    messages = [str(w.message) for w in rec if issubclass(w.category, LightningCkptDeterminismWarning)]
+    assert len(messages) == 1
+    assert "the worst parameters on this rank: model." in messages[0]
+    assert len(monitor.history) == 4
+    assert all(entry["diverged"] and entry["grad_divergence"] > 0 for entry in monitor.history)
+
+
+def test_divergence_raises_in_raise_mode(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    with pytest.raises(RecomputationDivergenceError, match="recomputation diverged at step 0"):
+        fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
+
+
+def test_ignore_mode_only_records_the_metric(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=2, on_divergence="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningCkptDeterminismWarning)
+        fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
+    assert [entry["diverged"] for entry in monitor.history] == [True, True]
+
+
+class OnceReroutingBlock(torch.nn.Module):
+    """Routes 2 rows, except on its third call (the recomputation of the check at step 0), where it routes 3.
+
+    A real data-dependent router changes its count intermittently; this one does so at a known call, so the
+    check meets the shape change while the training steps around it do not.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        routed = 3 if self.calls == 3 else 2
+        out = x.clone()
+        out[:routed] = x[:routed] + torch.tanh(self.linear(x[:routed]))
+        return out
+
+
+def test_shape_change_is_reported_and_training_goes_on_in_warn_mode(tmp_path):
+    module = StackModule(block="PlainBlock")
+    module.model.blocks[1] = OnceReroutingBlock()
+    monitor = RecomputationMonitor(every_n_steps=2)
+    with pytest.warns(LightningCkptDeterminismWarning, match="recomputation failed on this rank: CheckpointError"):
+        trainer, _ = fit(tmp_path, module=module, monitor=monitor, block="OnceReroutingBlock", max_steps=4)
+    assert trainer.global_step == 4
+    assert [(entry["step"], entry["diverged"]) for entry in monitor.history] == [(0, True), (2, False)]
+    assert module.model.blocks[1].calls == 3 + 4 * 2 + 3
+
+
+def test_metric_is_written_to_tensorboard(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=2)
+    fit(tmp_path, monitor=monitor, max_steps=5, logger=TensorBoardLogger(tmp_path, name="tb"))
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0")).Reload()
+    assert "recompute/grad_divergence" in accumulator.Tags()["scalars"]
+    events = accumulator.Scalars("recompute/grad_divergence")
+    assert [(e.step, e.value) for e in events] == [(0, 0.0), (2, 0.0), (4, 0.0)]
+    assert [e.value for e in accumulator.Scalars("recompute/max_abs_diff")] == [0.0, 0.0, 0.0]
+
+
+def test_log_prefix_names_the_metrics(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=10, log_prefix="ac_check", on_divergence="ignore")
+    fit(tmp_path, monitor=monitor, logger=CSVLogger(tmp_path), config={"preserve_rng_state": False})
+    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    checked = [row for row in rows if row.get("ac_check/grad_divergence")]
+    assert [row["step"] for row in checked] == ["0"]
+    assert float(checked[0]["ac_check/grad_divergence"]) > 0
+
+
+def read_training_metrics(log_dir: Path) -> list[dict[str, str]]:
+    rows = csv.DictReader(open(log_dir / "metrics.csv"))
+    return [
+        {key: value for key, value in row.items() if not key.startswith("recompute/") and value}
+        for row in rows
+        if row.get("train/loss")
+    ]
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("block", ["DropoutBlock", "BatchNormBlock"])
+def test_training_is_bit_identical_with_the_monitor(tmp_path, accumulate, block):
+    runs = {}
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1))):
+        trainer, module = fit(
+            tmp_path / name,
+            monitor=monitor,
+            block=block,
+            max_steps=5,
+            accumulate_grad_batches=accumulate,
+            logger=CSVLogger(tmp_path / name, name="logs"),
+            log_every_n_steps=1,
+        )
+        runs[name] = (trainer, module)
+    (plain_trainer, plain), (monitored_trainer, monitored) = runs["plain"], runs["monitored"]
+    assert len(monitored_trainer.callbacks[0].history) == 5  # type: ignore[attr-defined]
+    for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values()):
+        assert torch.equal(expected, actual), key
+    plain_opt = plain_trainer.optimizers[0].state_dict()["state"]
+    monitored_opt = monitored_trainer.optimizers[0].state_dict()["state"]
+    for index, state in plain_opt.items():
+        assert torch.equal(state["momentum_buffer"], monitored_opt[index]["momentum_buffer"])
+    plain_metrics = read_training_metrics(tmp_path / "plain" / "logs" / "version_0")
+    assert len(plain_metrics) >= 5
+    assert plain_metrics == read_training_metrics(tmp_path / "monitored" / "logs" / "version_0")
+    assert torch.equal(plain_trainer.callback_metrics["train/loss"], monitored_trainer.callback_metrics["train/loss"])
+
+
+def test_no_checkpointed_module_warns_once_and_checks_nothing(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with pytest.warns(LightningCkptDeterminismWarning, match="found no checkpointed module in StackModule"):
+        fit(tmp_path, monitor=monitor, checkpointing=False)
+    assert list(monitor.history) == []
+    assert monitor.last_checked_step == -1
+
+
+def test_custom_loss_fn_replaces_training_step(tmp_path):
+    calls = []
+
+    def loss_fn(module, batch, batch_idx):
+        calls.append(batch_idx)
+        x, y = batch
+        return F.l1_loss(module(x), y)
+
+    monitor = RecomputationMonitor(every_n_steps=2, loss_fn=loss_fn)
+    fit(tmp_path, monitor=monitor)
+    assert calls == [0, 0, 2, 2]  # reference and checkpointed pass at steps 0 and 2
+    assert monitor.last_report is not None
+    assert monitor.last_report.reference_loss > 0
+
+
+class ManualModule(StackModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_manual_optimization_needs_a_loss_fn(tmp_path):
+    with pytest.raises(ValueError, match="`RecomputationMonitor` needs `loss_fn` with manual optimization"):
+        fit(tmp_path, module=ManualModule(), monitor=RecomputationMonitor())
+    monitor = RecomputationMonitor(every_n_steps=2, loss_fn=lambda m, b, i: F.mse_loss(m(b[0]), b[1]))
+    fit(tmp_path, module=ManualModule(), monitor=monitor)
+    assert [entry["step"] for entry in monitor.history] == [0, 2]
+
+
+def test_state_is_saved_in_and_restored_from_lightning_checkpoints(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1, history_size=2)
+    trainer, _ = fit(tmp_path, monitor=monitor)
+    assert [entry["step"] for entry in monitor.history] == [2, 3]
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["callbacks"][monitor.state_key]
+    assert saved == {"last_checked_step": 3, "history": list(monitor.history)}
+
+    resumed = RecomputationMonitor(every_n_steps=1, history_size=2)
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=6, callbacks=[resumed], strategy=strategy))
+    trainer.fit(StackModule(), ckpt_path=path)
+    assert [entry["step"] for entry in resumed.history] == [4, 5]
+    assert resumed.last_checked_step == 5
+
+
+def test_state_key_distinguishes_instances():
+    assert RecomputationMonitor(every_n_steps=5).state_key != RecomputationMonitor(every_n_steps=50).state_key

@@ -1,0 +1,202 @@
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    apply_activation_checkpointing,
+    check_recomputation,
+    gradient_divergence,
+)
+from tests.helpers import (
+    BatchNormBlock,
+    DropoutBlock,
+    NumpyNoiseBlock,
+    PlainBlock,
+    PythonRandomBlock,
+    RoutingBlock,
+    batch,
+    make_stack,
+)
+
+
+def checked_stack(block: type[nn.Module], **config: object) -> nn.Module:
+    model = make_stack(block)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[block.__name__], **config))  # type: ignore[arg-type]
+    return model
+
+
+def mse_closure(model: nn.Module, seed: int = 1):
+    x, y = batch(seed)
+    return lambda: F.mse_loss(model(x), y)
+
+
+def test_dropout_with_rng_preserved_is_exact():
+    model = checked_stack(DropoutBlock)
+    report = check_recomputation(model, mse_closure(model))
+    assert report.grad_divergence == 0.0
+    assert report.max_abs_diff == 0.0
+    assert not report.diverged
+    assert report.error is None
+    assert report.worst_parameters == []
+    assert report.checked_regions == ["blocks.0", "blocks.1", "blocks.2"]
+    assert report.reference_loss == report.checkpointed_loss
+
+
+def test_dropout_without_rng_preserved_diverges_and_names_parameters():
+    model = checked_stack(DropoutBlock, preserve_rng_state=False)
+    report = check_recomputation(model, mse_closure(model))
+    assert report.grad_divergence > 0.01
+    assert report.diverged
+    assert report.max_abs_diff == max(report.per_parameter.values())
+    names = [name for name, _ in report.worst_parameters]
+    assert 1 <= len(names) <= 5
+    assert set(names) <= {name for name, _ in model.named_parameters()}
+    diffs = [diff for _, diff in report.worst_parameters]
+    assert diffs == sorted(diffs, reverse=True)
+    # The loss is the same: dropout masks differ only in recomputation, inside backward.
+    assert report.reference_loss == report.checkpointed_loss
+
+
+@pytest.mark.parametrize("block", [NumpyNoiseBlock, PythonRandomBlock])
+def test_host_rng_diverges_unless_replayed(block):
+    without = checked_stack(block)
+    assert check_recomputation(without, mse_closure(without)).diverged
+    replayed = checked_stack(block, preserve_host_rng=True)
+    report = check_recomputation(replayed, mse_closure(replayed))
+    assert report.grad_divergence == 0.0
+    assert not report.diverged
+
+
+def test_shape_change_is_reported_with_torchs_message_and_state_is_restored():
+    model = checked_stack(RoutingBlock)
+    torch_state, numpy_state = torch.get_rng_state(), np.random.get_state()[1].copy()
+    report = check_recomputation(model, mse_closure(model))
+    assert report.diverged
+    assert math.isinf(report.grad_divergence)
+    assert report.error is not None
+    assert report.error.startswith("CheckpointError: torch.utils.checkpoint: Recomputed values")
+    assert "different metadata" in report.error
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert np.array_equal(np.random.get_state()[1], numpy_state)
+
+
+def test_random_streams_continue_as_if_no_check_ran():
+    model = checked_stack(DropoutBlock)
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    check_recomputation(model, lambda: F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 1)) + random.random())
+    after = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(after[0], expected[0])
+    assert after[1:] == expected[1:]
+
+
+def test_buffers_grads_modes_and_grad_mode_are_untouched():
+    model = checked_stack(BatchNormBlock)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    existing = torch.full_like(model.head.weight, 7.0)
+    model.head.weight.grad = existing.clone()
+    model.blocks[1].eval()
+    with torch.no_grad():
+        report = check_recomputation(model, mse_closure(model))
+        assert not torch.is_grad_enabled()
+    assert report.grad_divergence == 0.0
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    assert torch.equal(model.head.weight.grad, existing)
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "head.weight")
+    assert [m.training for m in model.blocks] == [True, False, True]
+
+
+def test_state_is_restored_when_the_reference_pass_raises():
+    model = checked_stack(BatchNormBlock)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    torch_state = torch.get_rng_state()
+    x, _ = batch()
+
+    def closure() -> torch.Tensor:
+        model(x)
+        torch.rand(10)
+        raise RuntimeError("user bug")
+
+    with pytest.raises(RuntimeError, match="user bug"):
+        check_recomputation(model, closure)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+
+
+def test_torchmetrics_updated_by_the_closure_are_restored():
+    model = checked_stack(PlainBlock)
+    model.metric = torchmetrics.MeanMetric()
+    model.metric.update(torch.tensor(1.0))
+    x, y = batch()
+
+    def closure() -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.metric.update(loss.detach() * 100)
+        return loss
+
+    check_recomputation(model, closure)
+    assert model.metric.update_count == 1
+    assert model.metric.compute() == 1.0
+
+
+def test_tolerance_decides_the_verdict():
+    model = checked_stack(DropoutBlock, preserve_rng_state=False)
+    strict = check_recomputation(model, mse_closure(model))
+    lenient = check_recomputation(model, mse_closure(model), tolerance=strict.grad_divergence * 10)
+    assert lenient.grad_divergence == strict.grad_divergence
+    assert strict.diverged and not lenient.diverged
+
+
+def test_bad_input_raises_clear_errors():
+    model = checked_stack(PlainBlock)
+    with pytest.raises(ValueError, match="`tolerance` must be a non-negative float, got -1"):
+        check_recomputation(model, mse_closure(model), tolerance=-1.0)
+    with pytest.raises(ValueError, match="must return a scalar loss tensor, got Tensor\\(16, 1\\)"):
+        check_recomputation(model, lambda: model(batch()[0]))
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="has no parameter that requires grad"):
+        check_recomputation(frozen, lambda: frozen(torch.ones(1, 2)).sum())
+
+
+def reference_divergence(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    ref = np.concatenate([t.numpy().ravel() for t in reference]).astype(np.float64)
+    oth = np.concatenate([t.numpy().ravel() for t in other]).astype(np.float64)
+    return float(np.linalg.norm(ref - oth) / np.linalg.norm(ref))
+
+
+def test_gradient_divergence_matches_an_independent_implementation():
+    generator = torch.Generator().manual_seed(0)
+    reference = [torch.randn(5, 3, generator=generator), torch.randn(7, generator=generator)]
+    other = [t + 1e-3 * torch.randn(t.shape, generator=generator) for t in reference]
+    divergence, max_diffs = gradient_divergence(reference, other)
+    assert divergence == pytest.approx(reference_divergence(reference, other), rel=1e-12)
+    assert max_diffs == [float((r.double() - o.double()).abs().max()) for r, o in zip(reference, other)]
+    assert gradient_divergence(reference, [t.clone() for t in reference]) == (0.0, [0.0, 0.0])
+
+
+def test_gradient_divergence_non_finite_and_missing_values():
+    nan_both = [torch.tensor([1.0, math.nan, math.inf])]
+    assert gradient_divergence(nan_both, [torch.tensor([1.0, math.nan, math.inf])]) == (0.0, [0.0])
+    assert gradient_divergence(nan_both, [torch.tensor([1.0, 2.0, math.inf])]) == (math.inf, [math.inf])
+    assert gradient_divergence([torch.tensor([1.0])], [torch.tensor([-math.inf])]) == (math.inf, [math.inf])
+    assert gradient_divergence([None], [None]) == (0.0, [0.0])
+    assert gradient_divergence([torch.tensor([3.0, 4.0])], [None]) == (1.0, [4.0])
+    assert gradient_divergence([None], [torch.tensor([1.0])]) == (math.inf, [1.0])
+    with pytest.raises(ValueError, match="differs in shape: \\(2,\\) and \\(3,\\)"):
+        gradient_divergence([torch.zeros(2)], [torch.zeros(3)])
+    with pytest.raises(ValueError, match="as many gradients on both sides, got 1 and 2"):
+        gradient_divergence([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)])
