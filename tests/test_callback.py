@@ -244,3 +244,19 @@ def test_state_is_saved_in_and_restored_from_lightning_checkpoints(tmp_path):
 
 def test_state_key_distinguishes_instances():
     assert RecomputationMonitor(every_n_steps=5).state_key != RecomputationMonitor(every_n_steps=50).state_key
+
+
+def test_check_runs_in_train_mode_under_the_trainers_precision_context(tmp_path):
+    seen = []
+
+    def loss_fn(module, batch, batch_idx):
+        x, y = batch
+        out = module(x)
+        seen.append((module.training, torch.is_autocast_enabled("cpu"), out.dtype, x.device.type))
+        return F.mse_loss(out.float(), y)
+
+    monitor = RecomputationMonitor(every_n_steps=10, loss_fn=loss_fn)
+    fit(tmp_path, monitor=monitor, precision="bf16-mixed")
+    assert seen == [(True, True, torch.bfloat16, "cpu")] * 2
+    assert monitor.last_report is not None
+    assert monitor.last_report.grad_divergence == 0.0
