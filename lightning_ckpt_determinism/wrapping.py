@@ -92,6 +92,17 @@ class _CheckpointedForward:
         self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         self._save_ops = frozenset(resolve_ops(config.save_ops))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
+        # could not be pickled or `torch.save`d; they are resolved again from the config on load.
+        state = self.__dict__.copy()
+        del state["_save_ops"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._save_ops = frozenset(resolve_ops(self.config.save_ops))
+
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous_forward is not None:
             return self.previous_forward(*args, **kwargs)
@@ -234,7 +245,8 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         config: What to select.
 
     Raises:
-        ValueError: If nothing matches; the message lists the module classes and a sample of module names.
+        ValueError: If nothing matches (the message lists the module classes and a sample of module names), or if
+            ``every_n`` exceeds the number of matched modules.
 
     Example::
 
@@ -265,6 +277,12 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
     if not matched:
         raise ValueError(_nothing_matched_message(module, config))
     _warn_unused_entries(module, config, bare_names, classes)
+    if len(matched) < config.every_n:
+        # Otherwise nothing would be checkpointed and training would run silently without it.
+        raise ValueError(
+            f"`every_n`={config.every_n} selects none of the {len(matched)} matched modules of"
+            f" {type(module).__name__} ({[name for name, _ in matched]}). Use an `every_n` of at most {len(matched)}."
+        )
     return {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
 
 
@@ -284,7 +302,7 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
         The names of the checkpointed modules, in module order.
 
     Raises:
-        ValueError: If ``config`` matches no module (nothing is wrapped then).
+        ValueError: If ``config`` matches no module or ``every_n`` skips every match (nothing is wrapped then).
 
     Example::
 

@@ -1,6 +1,8 @@
 """Tiny seeded models shared by the tests, each with one way recomputation can differ from the forward."""
 
+import itertools
 import random
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import numpy as np
@@ -215,15 +217,19 @@ class DictOutputBlock(nn.Module):
 
 
 class CheckpointedModulesRecorder(pl.Callback):
-    """Records the names of the checkpointed modules of the LightningModule at the start of every training batch."""
+    """Records the names of the LightningModule's checkpointed modules at every training batch and checkpoint save."""
 
     def __init__(self) -> None:
         self.seen: list[list[str]] = []
+        self.saved: list[list[str]] = []
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         self.seen.append(list(checkpointed_modules(pl_module)))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self.saved.append(list(checkpointed_modules(pl_module)))
 
 
 class ScaledLinear(nn.Linear):
@@ -231,3 +237,100 @@ class ScaledLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * super().forward(x)
+
+
+def step_gradients(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Gradients by parameter name after one MSE forward and backward on :func:`batch`, torch seeded with ``seed``."""
+    x, y = batch()
+    torch.manual_seed(seed)
+    F.mse_loss(model(x), y).backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+
+
+class CounterScaleBlock(nn.Module):
+    """Scales its pre-activation by a call counter it increments in forward: recomputation sees another scale."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * self.calls))
+
+
+_row_sum_calls = itertools.count()
+
+
+@torch.library.custom_op("lckd_tests::unordered_row_sum", mutates_args=())
+def unordered_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` summed first to last on one call, last to first on the next: a kernel that differs from itself."""
+    rows = list(range(x.shape[0]))
+    total = torch.zeros_like(x[0])
+    for row in rows if next(_row_sum_calls) % 2 else reversed(rows):
+        total = total + x[row]
+    return total
+
+
+@unordered_row_sum.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[1:])
+
+
+def _row_sum_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.input_shape = inputs[0].shape  # type: ignore[attr-defined]
+
+
+def _row_sum_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+    return grad.expand(ctx.input_shape).clone()  # type: ignore[attr-defined]
+
+
+unordered_row_sum.register_autograd(_row_sum_backward, setup_context=_row_sum_setup)
+
+
+class RowSumBlock(nn.Module):
+    """Adds the batch mean of its input, by :func:`unordered_row_sum` or, with ``deterministic``, ``torch.sum``."""
+
+    def __init__(self, dim: int = DIM, deterministic: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.deterministic = deterministic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.sum(dim=0) if self.deterministic else unordered_row_sum(x)
+        return x + torch.tanh(self.linear(x) + total / x.shape[0])
+
+
+class FailingRecomputeBlock(PlainBlock):
+    """Raises from its third call on: in a check (reference, forward, recomputation) its recomputation fails."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 2:
+            raise RuntimeError(f"call {self.calls} of FailingRecomputeBlock")
+        return super().forward(x)
+
+
+def stack_with(block: Callable[[], nn.Module], position: int = 1, n: int = 3, seed: int = 0) -> Stack:
+    """A :class:`Stack` of ``n`` plain blocks, the one at ``position`` made by ``block``; weights from ``seed``."""
+    torch.manual_seed(seed)
+    return Stack([block() if index == position else PlainBlock() for index in range(n)])
+
+
+class FlagBlock(nn.Module):
+    """Flips a flag on every call and takes ``tanh`` or ``sigmoid`` by it: recomputation runs another op."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.flag = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.flag = not self.flag
+        hidden = self.linear(x)
+        return x + (torch.tanh(hidden) if self.flag else torch.sigmoid(hidden))

@@ -24,9 +24,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
     module = module if module is not None else StackModule(block=block)
     strategy = (
         SingleDeviceCheckpointingStrategy(
-            checkpointing=CheckpointingConfig(
-                classes=[block], **overrides.pop("config", {})
-            )
+            checkpointing=CheckpointingConfig(classes=[block], **overrides.pop("config", {}))
         )
         if checkpointing
         else "auto"
@@ -40,7 +38,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="`every_n_steps` must be an integer >= 1, got 0"):
         RecomputationMonitor(every_n_steps=0)
-    with pytest.raises(ValueError, match="`tolerance` must be a non-negative float, got -0.1"):
+    with pytest.raises(ValueError, match=r"`tolerance` must be a non-negative float, got -0\.1"):
         RecomputationMonitor(tolerance=-0.1)
     with pytest.raises(ValueError, match="`on_divergence` can be warn, raise, ignore, got 'stop'"):
         RecomputationMonitor(on_divergence="stop")  # type: ignore[arg-type]
@@ -135,14 +133,19 @@ def test_metric_is_written_to_tensorboard(tmp_path):
 def test_log_prefix_names_the_metrics(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=10, log_prefix="ac_check", on_divergence="ignore")
     fit(tmp_path, monitor=monitor, logger=CSVLogger(tmp_path), config={"preserve_rng_state": False})
-    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    rows = read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
     checked = [row for row in rows if row.get("ac_check/grad_divergence")]
     assert [row["step"] for row in checked] == ["0"]
     assert float(checked[0]["ac_check/grad_divergence"]) > 0
 
 
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path) as file:
+        return list(csv.DictReader(file))
+
+
 def read_training_metrics(log_dir: Path) -> list[dict[str, str]]:
-    rows = csv.DictReader(open(log_dir / "metrics.csv"))
+    rows = read_csv(log_dir / "metrics.csv")
     return [
         {key: value for key, value in row.items() if not key.startswith("recompute/") and value}
         for row in rows
@@ -167,7 +170,8 @@ def test_training_is_bit_identical_with_the_monitor(tmp_path, accumulate, block)
         runs[name] = (trainer, module)
     (plain_trainer, plain), (monitored_trainer, monitored) = runs["plain"], runs["monitored"]
     assert len(monitored_trainer.callbacks[0].history) == 5  # type: ignore[attr-defined]
-    for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values()):
+    assert list(plain.state_dict()) == list(monitored.state_dict())
+    for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
     plain_opt = plain_trainer.optimizers[0].state_dict()["state"]
     monitored_opt = monitored_trainer.optimizers[0].state_dict()["state"]

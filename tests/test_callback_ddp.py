@@ -13,9 +13,7 @@ SCRIPT = REPO / "tests" / "ddp_monitor_script.py"
 
 def run_ddp(out_dir: Path, mode: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run(
-        [sys.executable, str(SCRIPT), str(out_dir), mode], cwd=REPO, env=env, check=True, timeout=240
-    )
+    subprocess.run([sys.executable, str(SCRIPT), str(out_dir), mode], cwd=REPO, env=env, check=True, timeout=240)
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -28,7 +26,8 @@ def test_ddp_logs_the_maximum_over_ranks_and_all_ranks_agree(tmp_path):
     assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True), (2, True)]
     assert rank0["history"][0]["grad_divergence"] == pytest.approx(rank1["history"][0]["grad_divergence"])
     assert rank0["checksum"] == rank1["checksum"]
-    rows = list(csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")))
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
     logged = [float(row["recompute/grad_divergence"]) for row in rows if row.get("recompute/grad_divergence")]
     assert logged == [entry["grad_divergence"] for entry in rank0["history"]]
     assert all(value > 0.0 for value in logged)

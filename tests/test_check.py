@@ -184,7 +184,7 @@ def test_gradient_divergence_matches_an_independent_implementation():
     other = [t + 1e-3 * torch.randn(t.shape, generator=generator) for t in reference]
     divergence, max_diffs = gradient_divergence(reference, other)
     assert divergence == pytest.approx(reference_divergence(reference, other), rel=1e-12)
-    assert max_diffs == [float((r.double() - o.double()).abs().max()) for r, o in zip(reference, other)]
+    assert max_diffs == [float((r.double() - o.double()).abs().max()) for r, o in zip(reference, other, strict=True)]
     assert gradient_divergence(reference, [t.clone() for t in reference]) == (0.0, [0.0, 0.0])
 
 

@@ -1,0 +1,105 @@
+"""Tests for the shipped examples: each YAML under ``examples/configs/`` names its command and loads; GPT ones train."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch.cli import LightningCLI
+
+from examples import train
+from examples.gpt import Block, GPTModule
+from lightning_ckpt_determinism import ActivationCheckpointingMixin, CheckpointingConfig, checkpointed_modules
+from lightning_ckpt_determinism.config import resolve_class_path
+from lightning_ckpt_determinism.wrapping import select_modules
+from tests.helpers import CheckpointedModulesRecorder
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+TRAIN_COMMAND = "# python -m examples.train fit --config "
+TRAIN_CONFIGS = [path for path in CONFIGS if path.read_text().startswith(TRAIN_COMMAND)]
+GPT_CONFIGS = [path for path in TRAIN_CONFIGS if path.name.startswith("gpt_")]
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [path.name for path in paths]
+
+
+def _run_train_main(monkeypatch: pytest.MonkeyPatch, argv: list[str], run: bool) -> LightningCLI:
+    """Run ``examples.train.main`` with ``argv`` as the command line; the LightningCLI it built."""
+    built: list[LightningCLI] = []
+
+    class RecordingCLI(LightningCLI):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.append(self)
+            super().__init__(*args, run=run, **kwargs)  # type: ignore[arg-type]
+
+    # LightningCLI seeds through `seed_everything`, which exports the seed to the environment.
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setattr(train, "LightningCLI", RecordingCLI)
+    monkeypatch.setattr(sys, "argv", ["examples/train.py", *argv])
+    train.main()
+    return built[0]
+
+
+def _checkpointing_of(path: Path) -> CheckpointingConfig:
+    return CheckpointingConfig(**yaml.safe_load(path.read_text())["trainer"]["strategy"]["init_args"]["checkpointing"])
+
+
+def test_the_gpt_configs_are_shipped() -> None:
+    assert {"gpt_blocks_by_class.yaml", "gpt_blocks_by_name.yaml"} <= set(_ids(GPT_CONFIGS))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_ids(CONFIGS))
+def test_config_starts_with_the_command_that_runs_it_and_parses(path: Path) -> None:
+    text = path.read_text()
+    first_line = text.splitlines()[0]
+    assert first_line.startswith("# python "), first_line
+    assert f"--config examples/configs/{path.name}" in first_line
+    assert isinstance(yaml.safe_load(text), dict)
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=_ids(TRAIN_CONFIGS))
+def test_train_config_loads_with_lightning_cli_into_a_checkpointing_strategy(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cli = _run_train_main(monkeypatch, ["--config", str(path), f"--trainer.default_root_dir={tmp_path}"], run=False)
+    strategy = cli.trainer.strategy
+    spec = yaml.safe_load(path.read_text())["trainer"]["strategy"]
+    assert type(strategy) is resolve_class_path(spec["class_path"])
+    assert isinstance(strategy, ActivationCheckpointingMixin)
+    assert isinstance(strategy.checkpointing, CheckpointingConfig)
+    assert strategy.checkpointing == _checkpointing_of(path)
+    assert isinstance(cli.model, GPTModule)
+    selected = select_modules(cli.model, strategy.checkpointing)
+    assert selected
+    assert all(isinstance(module, Block) for module in selected.values())
+
+
+@pytest.mark.parametrize("path", GPT_CONFIGS, ids=_ids(GPT_CONFIGS))
+def test_gpt_config_trains_with_checkpointing_applied(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = [
+        "fit",
+        "--config",
+        str(path),
+        "--trainer.max_steps=3",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
+        "--trainer.callbacks+=tests.helpers.CheckpointedModulesRecorder",
+    ]
+    cli = _run_train_main(monkeypatch, argv, run=True)
+    expected = list(select_modules(GPTModule(**yaml.safe_load(path.read_text())["model"]), _checkpointing_of(path)))
+    assert expected
+    assert all(isinstance(cli.model.get_submodule(name), Block) for name in expected)
+    (recorder,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, CheckpointedModulesRecorder)]
+    assert cli.trainer.global_step == 3
+    assert recorder.seen == [expected] * 3
+    assert checkpointed_modules(cli.model) == {}
+    assert math.isfinite(cli.trainer.callback_metrics["train/loss"].item())
+    assert all(torch.isfinite(param).all() for param in cli.model.parameters())

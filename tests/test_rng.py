@@ -1,0 +1,126 @@
+"""Tests for `lightning_ckpt_determinism.rng` and the RNG replay of checkpointed regions."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+from lightning_ckpt_determinism.rng import capture_host_rng, capture_rng, restore_host_rng, restore_rng
+from tests.helpers import DropoutBlock, NumpyNoiseBlock, PythonRandomBlock, make_stack, step_gradients
+
+
+def _draws() -> tuple[float, float, float]:
+    """The next number of torch's CPU stream, NumPy's global stream and Python's ``random``."""
+    return torch.rand(1).item(), float(np.random.random()), random.random()
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def test_restore_rng_rewinds_torch_numpy_and_python() -> None:
+    _seed_all(0)
+    state = capture_rng()
+    first = _draws()
+    assert _draws() != first
+    restore_rng(state)
+    assert _draws() == first
+
+
+def test_restore_host_rng_rewinds_numpy_and_python_but_not_torch() -> None:
+    _seed_all(0)
+    state = capture_host_rng()
+    torch_first, numpy_first, python_first = _draws()
+    restore_host_rng(state)
+    torch_second, numpy_second, python_second = _draws()
+    assert (numpy_second, python_second) == (numpy_first, python_first)
+    assert torch_second != torch_first
+
+
+def test_capture_rng_ignores_cpu_and_meta_devices() -> None:
+    state = capture_rng([torch.device("cpu"), torch.device("meta"), "cpu"])  # type: ignore[list-item]
+    assert state.devices == {}
+    assert torch.equal(state.torch_cpu, torch.get_rng_state())
+
+
+def test_capture_rng_never_initialises_cuda() -> None:
+    if torch.cuda.is_initialized():
+        pytest.skip("needs a process in which CUDA has not been initialised; an earlier test initialised it")
+    state = capture_rng([torch.device("cuda")])
+    assert state.devices == {}
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_capture_rng_captures_and_restores_an_initialised_cuda_device() -> None:
+    torch.cuda.init()
+    state = capture_rng([torch.device("cuda"), torch.device("cuda", 0)])
+    assert list(state.devices) == [torch.device("cuda", 0)]
+    first = torch.rand(4, device="cuda")
+    restore_rng(state)
+    assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+# Replay of the host streams during recomputation.
+
+
+def _host_rng_step(block: type[nn.Module], config: CheckpointingConfig | None) -> tuple[dict, tuple]:
+    """Gradients of one step of a stack of ``block`` and the next draw of every stream after it."""
+    model = make_stack(block)
+    if config is not None:
+        apply_activation_checkpointing(model, config)
+    _seed_all(11)
+    gradients = step_gradients(model)
+    return gradients, _draws()
+
+
+def _unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
+    assert first.keys() == second.keys()
+    return [name for name in first if not torch.equal(first[name], second[name])]
+
+
+@pytest.mark.parametrize("block", [NumpyNoiseBlock, PythonRandomBlock])
+def test_host_rng_replay_reproduces_gradients_and_leaves_the_streams_as_unchecked(block: type[nn.Module]) -> None:
+    reference_gradients, reference_draws = _host_rng_step(block, None)
+    config = CheckpointingConfig(classes=[block.__name__], preserve_host_rng=True)
+    gradients, draws = _host_rng_step(block, config)
+    assert _unequal(reference_gradients, gradients) == []
+    assert draws == reference_draws
+
+
+@pytest.mark.parametrize("block", [NumpyNoiseBlock, PythonRandomBlock])
+def test_without_host_rng_replay_gradients_and_streams_differ(block: type[nn.Module]) -> None:
+    reference_gradients, reference_draws = _host_rng_step(block, None)
+    gradients, draws = _host_rng_step(block, CheckpointingConfig(classes=[block.__name__], preserve_host_rng=False))
+    differing = _unequal(reference_gradients, gradients)
+    assert [f"blocks.{index}.linear.weight" for index in range(3)] == [
+        name for name in differing if name.endswith(".linear.weight")
+    ]
+    torch_next, numpy_next, python_next = draws
+    # Recomputation drew again from the live stream the block uses, leaving it ahead; torch forks its own stream.
+    assert torch_next == reference_draws[0]
+    if block is NumpyNoiseBlock:
+        assert numpy_next != reference_draws[1]
+        assert python_next == reference_draws[2]
+    else:
+        assert numpy_next == reference_draws[1]
+        assert python_next != reference_draws[2]
+
+
+def test_torch_rng_replay_leaves_torch_stream_as_unchecked() -> None:
+    _, reference_draws = _host_rng_step(DropoutBlock, None)
+    _, draws = _host_rng_step(DropoutBlock, CheckpointingConfig(classes=["DropoutBlock"]))
+    assert draws == reference_draws
+
+
+def test_host_rng_replay_with_torch_rng_off_still_replays_the_host_streams() -> None:
+    reference_gradients, reference_draws = _host_rng_step(NumpyNoiseBlock, None)
+    config = CheckpointingConfig(classes=["NumpyNoiseBlock"], preserve_host_rng=True, preserve_rng_state=False)
+    gradients, draws = _host_rng_step(NumpyNoiseBlock, config)
+    assert _unequal(reference_gradients, gradients) == []
+    assert draws[1:] == reference_draws[1:]

@@ -1,0 +1,271 @@
+"""Tests for `lightning_ckpt_determinism.strategy`: checkpointing applied by Lightning strategies during a fit."""
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_ckpt_determinism import (
+    ActivationCheckpointingMixin,
+    CheckpointingConfig,
+    DDPCheckpointingStrategy,
+    FSDPCheckpointingStrategy,
+    LightningCkptDeterminismWarning,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    checkpointed_modules,
+)
+from tests.helpers import CheckpointedModulesRecorder, StackModule, trainer_kwargs
+
+REPO = Path(__file__).resolve().parents[1]
+DDP_SCRIPT = REPO / "tests" / "ddp_train_script.py"
+BLOCKS = ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+CONFIG = CheckpointingConfig(classes=["DropoutBlock"])
+
+
+def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+def _unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
+    assert first.keys() == second.keys()
+    return [name for name in first if not torch.equal(first[name], second[name])]
+
+
+def _fit(tmp_path: Path, module: StackModule, strategy: object = "auto", **overrides: object) -> pl.Trainer:
+    torch.manual_seed(5)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, **overrides))
+    trainer.fit(module)
+    return trainer
+
+
+@pytest.fixture
+def lightning_info(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """``caplog`` receiving Lightning's info lines, which do not reach the root logger when it had no handler."""
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+# Single device.
+
+
+def test_single_device_strategy_trains_checkpointed_and_equals_an_unchecked_run(
+    tmp_path: Path, lightning_info: pytest.LogCaptureFixture
+) -> None:
+    initial = _weights(StackModule())
+    recorder = CheckpointedModulesRecorder()
+    module = StackModule()
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CONFIG)
+    trainer = _fit(tmp_path, module, strategy, callbacks=[recorder])
+    assert trainer.global_step == 4
+    assert recorder.seen == [BLOCKS] * 4
+    assert checkpointed_modules(module) == {}
+    assert sorted(_unequal(initial, _weights(module))) == sorted(initial)
+
+    unchecked = StackModule()
+    _fit(tmp_path, unchecked)
+    assert _unequal(_weights(unchecked), _weights(module)) == []
+
+    applied = [
+        record.getMessage() for record in lightning_info.records if "lightning_ckpt_determinism" in record.getMessage()
+    ]
+    assert applied == [
+        "lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to 3 modules (3 x DropoutBlock);"
+        " every_n=1, save_ops=none."
+    ]
+
+
+def test_strategy_names_are_relative_to_the_lightning_module(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    config = CheckpointingConfig(names=["model.blocks.*"], every_n=2)
+    _fit(tmp_path, StackModule(), SingleDeviceCheckpointingStrategy(checkpointing=config), callbacks=[recorder])
+    assert recorder.seen == [["model.blocks.1"]] * 4
+
+
+def test_strategy_can_fit_twice_and_unwraps_after_each(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    module = StackModule()
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CONFIG)
+    _fit(tmp_path, module, strategy, callbacks=[recorder], max_steps=2)
+    assert checkpointed_modules(module) == {}
+    _fit(tmp_path, module, SingleDeviceCheckpointingStrategy(checkpointing=CONFIG), callbacks=[recorder], max_steps=2)
+    assert recorder.seen == [BLOCKS] * 4
+    assert checkpointed_modules(module) == {}
+
+
+def test_model_already_checkpointed_by_the_user_is_left_alone(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    module = StackModule()
+    apply_activation_checkpointing(module, CheckpointingConfig(names=["model.blocks.0"]))
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CONFIG)
+    with pytest.warns(
+        LightningCkptDeterminismWarning,
+        match=r"1 modules of StackModule are already checkpointed \(1 x DropoutBlock\);"
+        r" `SingleDeviceCheckpointingStrategy` leaves them as they are and applies nothing",
+    ):
+        _fit(tmp_path, module, strategy, callbacks=[recorder])
+    assert recorder.seen == [["model.blocks.0"]] * 4
+    # Teardown removes only what the strategy applied; the user's checkpointing stays.
+    assert list(checkpointed_modules(module)) == ["model.blocks.0"]
+
+
+def test_entry_matching_nothing_warns_at_setup_and_the_rest_applies(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    config = CheckpointingConfig(classes=["DropoutBlock", "Block"])
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"entries \['Block'\] match no module of StackModule"):
+        _fit(tmp_path, StackModule(), SingleDeviceCheckpointingStrategy(checkpointing=config), callbacks=[recorder])
+    assert recorder.seen == [BLOCKS] * 4
+
+
+def test_config_matching_nothing_fails_at_setup_before_any_step(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    module = StackModule()
+    initial = _weights(module)
+    config = CheckpointingConfig(classes=["Block"], names=["blocks.*"])
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            tmp_path, strategy=SingleDeviceCheckpointingStrategy(checkpointing=config), callbacks=[recorder]
+        )
+    )
+    message = (
+        r"matches no module of StackModule: classes=\['Block'\], names=\['blocks\.\*'\]\. The model's module classes"
+        r" are \['Dropout', 'DropoutBlock', 'Linear', 'ModuleList', 'Stack', 'StackModule'\]; its module names include"
+        r" \['model', 'model\.inp', 'model\.blocks', .*\]\. Names are relative to the module the config is applied to"
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module)
+    assert recorder.seen == []
+    assert trainer.global_step == 0
+    assert checkpointed_modules(module) == {}
+    assert _unequal(initial, _weights(module)) == []
+
+
+# Lightning checkpoints.
+
+
+def test_lightning_checkpoint_saved_with_checkpointing_loads_strictly_without(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    module = StackModule()
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CONFIG)
+    _fit(tmp_path, module, strategy, callbacks=[recorder, saver], enable_checkpointing=True)
+    path = tmp_path / "ckpts" / "step=4.ckpt"
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert recorder.saved == [BLOCKS]
+
+    loaded = StackModule.load_from_checkpoint(path, strict=True)
+    assert checkpointed_modules(loaded) == {}
+    assert _unequal(_weights(module), _weights(loaded)) == []
+    assert list(torch.load(path, weights_only=True)["state_dict"]) == list(StackModule().state_dict())
+
+
+def test_lightning_checkpoint_saved_without_checkpointing_loads_strictly_into_a_checkpointed_model(
+    tmp_path: Path,
+) -> None:
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="plain", every_n_train_steps=4, save_top_k=-1)
+    module = StackModule()
+    _fit(tmp_path, module, callbacks=[saver], enable_checkpointing=True)
+
+    target = StackModule(n=3)
+    apply_activation_checkpointing(target, CONFIG)
+    state = torch.load(tmp_path / "ckpts" / "plain.ckpt", weights_only=True)["state_dict"]
+    loaded = target.load_state_dict(state, strict=True)
+    assert (loaded.missing_keys, loaded.unexpected_keys) == ([], [])
+    assert list(checkpointed_modules(target)) == BLOCKS
+    assert _unequal(_weights(module), _weights(target)) == []
+
+
+# Constructors.
+
+
+@pytest.mark.parametrize(
+    "strategy", [SingleDeviceCheckpointingStrategy, DDPCheckpointingStrategy, FSDPCheckpointingStrategy]
+)
+def test_strategy_needs_a_checkpointing_config(strategy: type) -> None:
+    with pytest.raises(TypeError, match=r"`checkpointing` must be a `CheckpointingConfig`, got dict\. Build one with"):
+        strategy(checkpointing={"classes": ["Block"]})
+
+
+@pytest.mark.parametrize(
+    "strategy", [SingleDeviceCheckpointingStrategy, DDPCheckpointingStrategy, FSDPCheckpointingStrategy]
+)
+def test_strategy_keeps_its_config(strategy: type) -> None:
+    config = CheckpointingConfig(classes=["Block"], every_n=2)
+    built = strategy(checkpointing=config)
+    assert isinstance(built, ActivationCheckpointingMixin)
+    assert built.checkpointing is config
+
+
+def test_fsdp_strategy_constructs_on_cpu_and_checkpoints_after_wrapping() -> None:
+    strategy = FSDPCheckpointingStrategy(checkpointing=CONFIG, sharding_strategy="NO_SHARD")
+    assert strategy.checkpointing is CONFIG
+    assert strategy._checkpoint_after_wrapping is True
+    assert strategy._activation_checkpointing_kwargs == {}
+    assert DDPCheckpointingStrategy._checkpoint_after_wrapping is False
+
+
+@pytest.mark.parametrize(
+    "own", [{"activation_checkpointing_policy": {nn.Linear}}, {"activation_checkpointing": nn.Linear}]
+)
+def test_fsdp_strategy_rejects_fsdps_own_checkpointing(own: dict[str, object]) -> None:
+    name = next(iter(own))
+    with pytest.raises(
+        ValueError, match=rf"`{name}` is FSDP's own activation checkpointing; `FSDPCheckpointingStrategy`"
+    ):
+        FSDPCheckpointingStrategy(checkpointing=CONFIG, **own)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a CUDA device")
+def test_fsdp_strategy_trains_checkpointed_on_one_gpu(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    module = StackModule()
+    initial = _weights(module)
+    strategy = FSDPCheckpointingStrategy(checkpointing=CONFIG)
+    trainer = _fit(tmp_path, module, strategy, accelerator="cuda", devices=1, callbacks=[recorder])
+    assert trainer.global_step == 4
+    assert recorder.seen == [BLOCKS] * 4
+    assert checkpointed_modules(module) == {}
+    final = {name: tensor.cpu() for name, tensor in _weights(module).items()}
+    assert all(torch.isfinite(tensor).all() for tensor in final.values())
+    assert _unequal(initial, final) != []
+
+
+# DDP: two CPU processes.
+
+
+def test_ddp_strategy_trains_checkpointed_on_two_processes_and_equals_unchecked_ddp(tmp_path: Path) -> None:
+    # A clean launch: no rank, world or seed left in the environment by this process or its own launcher.
+    launch_vars = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"}
+    env = {key: value for key, value in os.environ.items() if key not in launch_vars}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=180)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    for rank, result in enumerate(ranks):
+        checkpointed, unchecked = result["checkpointed"], result["unchecked"]
+        assert checkpointed["rank"] == rank
+        assert checkpointed["global_step"] == unchecked["global_step"] == 4
+        assert checkpointed["seen"] == [BLOCKS] * 4
+        assert unchecked["seen"] == [[]] * 4
+        assert checkpointed["wrapped_after_fit"] == []
+        assert math.isfinite(checkpointed["loss"])
+        assert checkpointed["loss"] == unchecked["loss"]
+        assert checkpointed["final"] != checkpointed["initial"]
+        assert checkpointed["final"] == unchecked["final"]
+    # Different batches on each rank, yet the averaged gradients leave both with the same weights.
+    assert ranks[0]["checkpointed"]["loss"] != ranks[1]["checkpointed"]["loss"]
+    assert ranks[0]["checkpointed"]["final"] == ranks[1]["checkpointed"]["final"]

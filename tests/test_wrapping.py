@@ -1,0 +1,593 @@
+"""Tests for `lightning_ckpt_determinism.wrapping`: selection, in-place wrapping, and what recomputation reproduces."""
+
+import copy
+import gc
+import pickle
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointError
+
+from examples.gpt import GPT, Block
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    apply_activation_checkpointing,
+    checkpoint_module,
+    checkpointed_modules,
+    checkpointing_disabled,
+    remove_activation_checkpointing,
+)
+from lightning_ckpt_determinism import wrapping as wrapping_module
+from lightning_ckpt_determinism.wrapping import select_modules
+from tests.helpers import (
+    DIM,
+    BatchNormBlock,
+    CounterBlock,
+    DictOutputBlock,
+    DropoutBlock,
+    KeywordBlock,
+    PlainBlock,
+    RoutingBlock,
+    ScaledLinear,
+    StackModule,
+    TupleOutputBlock,
+    batch,
+    make_stack,
+    step_gradients,
+)
+
+BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
+SAVE_MATMULS = ["aten.mm", "aten.addmm", "aten.bmm"]
+
+
+def _unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
+    assert first.keys() == second.keys()
+    return [name for name in first if not torch.equal(first[name], second[name])]
+
+
+def _checkpointed(model: nn.Module, config: CheckpointingConfig) -> nn.Module:
+    apply_activation_checkpointing(model, config)
+    return model
+
+
+def _calls_per_step(model: nn.Module) -> list[int]:
+    """Forward calls of each ``CounterBlock`` of a stack during one forward and backward."""
+    for block in model.blocks:
+        block.calls = 0
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    return [block.calls for block in model.blocks]
+
+
+# Dropout: torch's RNG replay.
+
+
+def test_checkpointed_dropout_gradients_equal_unchecked_bit_for_bit() -> None:
+    reference = step_gradients(make_stack(DropoutBlock))
+    model = make_stack(DropoutBlock)
+    assert apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"])) == BLOCKS
+    assert _unequal(reference, step_gradients(model)) == []
+
+
+def test_dropout_gradients_differ_without_rng_preservation() -> None:
+    reference = step_gradients(make_stack(DropoutBlock))
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
+    differing = _unequal(reference, step_gradients(_checkpointed(make_stack(DropoutBlock), config)))
+    # The head sees the block outputs of the original forward; everything before it sees new dropout masks.
+    assert differing == [name for name in reference if not name.startswith("head.")]
+
+
+# Memory: bytes saved for backward.
+
+
+def _gpt(layers: int = 6) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=32, seq_len=16, dim=32, heads=4, layers=layers, dropout=0.1)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(32, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _bytes_saved_for_backward(model: nn.Module) -> int:
+    """Bytes the forward hands autograd to keep; tensors saved inside a checkpointed region never reach this hook."""
+    packed: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(_tokens())
+    return sum(packed)
+
+
+def test_checkpointing_blocks_reduces_bytes_saved_and_every_second_block_saves_half() -> None:
+    unchecked = _bytes_saved_for_backward(_gpt())
+    every_block = _bytes_saved_for_backward(_checkpointed(_gpt(), CheckpointingConfig(classes=["Block"])))
+    every_second = _bytes_saved_for_backward(_checkpointed(_gpt(), CheckpointingConfig(classes=["Block"], every_n=2)))
+    assert unchecked > every_second > every_block
+    assert every_block < unchecked // 10
+    # The six blocks are identical, so checkpointing three of them saves exactly half of what six save.
+    assert unchecked - every_second == (unchecked - every_block) // 2
+
+
+# Selective checkpointing: `save_ops`.
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops run while it is active, by op name (``"aten.addmm"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Keeps a weak reference to the storage of every tensor an op creates, to sum those still alive later.
+
+    Unlike a saved-tensors hook this also sees what selective checkpointing keeps in its own cache.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._storages += [weakref.ref(t.untyped_storage()) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def live_bytes(self) -> int:
+        gc.collect()
+        live = [ref() for ref in self._storages]
+        return sum({id(storage): storage.nbytes() for storage in live if storage is not None}.values())
+
+
+@dataclass
+class _GPTStep:
+    live_bytes: int
+    backward_ops: Counter[str]
+    gradients: dict[str, torch.Tensor]
+
+
+def _gpt_step(config: CheckpointingConfig | None) -> _GPTStep:
+    model = _gpt()
+    if config is not None:
+        apply_activation_checkpointing(model, config)
+    torch.manual_seed(3)
+    with _LiveStorages() as storages:
+        logits = model(_tokens())
+    live_bytes = storages.live_bytes()
+    with _OpCounter() as ops:
+        logits.square().mean().backward()
+    gradients = {name: param.grad for name, param in model.named_parameters()}
+    return _GPTStep(live_bytes, ops.counts, gradients)
+
+
+def test_example_block_runs_its_matmuls_as_addmm_and_bmm_on_cpu() -> None:
+    block = _gpt(layers=1).blocks[0]
+    with _OpCounter() as ops:
+        block(torch.randn(2, 16, 32))
+    linears = sum(isinstance(sub, nn.Linear) for sub in block.modules())
+    assert linears == 4
+    assert (ops.counts["aten.addmm"], ops.counts["aten.bmm"], ops.counts["aten.mm"]) == (linears, 2, 0)
+
+
+def test_save_ops_keeps_matmul_outputs_instead_of_recomputing_them() -> None:
+    unchecked = _gpt_step(None)
+    full = _gpt_step(CheckpointingConfig(classes=["Block"]))
+    selective = _gpt_step(CheckpointingConfig(classes=["Block"], save_ops=SAVE_MATMULS))
+    block_linears = 6 * 4
+
+    assert full.backward_ops["aten.addmm"] == block_linears
+    assert full.backward_ops["aten.bmm"] == unchecked.backward_ops["aten.bmm"] + 6 * 2
+    for op in SAVE_MATMULS:
+        assert selective.backward_ops[op] == unchecked.backward_ops[op], op
+    # Only the cheap ops run again, e.g. one GELU per block.
+    assert (unchecked.backward_ops["aten.gelu"], selective.backward_ops["aten.gelu"]) == (0, 6)
+    assert sum(selective.backward_ops.values()) < sum(full.backward_ops.values())
+
+    assert unchecked.live_bytes > selective.live_bytes > full.live_bytes
+    assert _unequal(unchecked.gradients, full.gradients) == []
+    assert _unequal(unchecked.gradients, selective.gradients) == []
+
+
+# Buffers: BatchNorm running statistics.
+
+
+def _buffers_after_step(model: nn.Module) -> dict[str, torch.Tensor]:
+    step_gradients(model)
+    return {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+
+def test_protected_buffers_update_once_per_step_as_without_checkpointing() -> None:
+    reference = _buffers_after_step(make_stack(BatchNormBlock))
+    model = _checkpointed(make_stack(BatchNormBlock), CheckpointingConfig(classes=["BatchNormBlock"]))
+    buffers = _buffers_after_step(model)
+    assert [reference[f"{block}.norm.num_batches_tracked"].item() for block in BLOCKS] == [1, 1, 1]
+    assert _unequal(reference, buffers) == []
+
+
+def test_unprotected_buffers_are_updated_again_by_recomputation() -> None:
+    reference = _buffers_after_step(make_stack(BatchNormBlock))
+    config = CheckpointingConfig(classes=["BatchNormBlock"], protect_buffers=False)
+    buffers = _buffers_after_step(_checkpointed(make_stack(BatchNormBlock), config))
+    assert [buffers[f"{block}.norm.num_batches_tracked"].item() for block in BLOCKS] == [2, 2, 2]
+    assert all(
+        not torch.equal(reference[f"{block}.norm.running_mean"], buffers[f"{block}.norm.running_mean"])
+        for block in BLOCKS
+    )
+
+
+# Names and state_dict keys.
+
+
+def test_names_and_state_dict_keys_are_unchanged_by_apply_and_remove() -> None:
+    model = make_stack(BatchNormBlock)
+    keys = list(model.state_dict())
+    parameters = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    modules = dict(model.named_modules())
+
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["BatchNormBlock"]))
+    assert list(model.state_dict()) == keys
+    assert dict(model.named_parameters()) == parameters
+    assert dict(model.named_buffers()) == buffers
+    assert dict(model.named_modules()) == modules
+
+    assert remove_activation_checkpointing(model) == BLOCKS
+    assert list(model.state_dict()) == keys
+    assert dict(model.named_modules()) == modules
+
+
+def test_state_dict_loads_strictly_across_checkpointing() -> None:
+    checkpointed = _checkpointed(make_stack(PlainBlock, seed=1), CheckpointingConfig(classes=["PlainBlock"]))
+    plain = make_stack(PlainBlock, seed=2)
+    loaded = plain.load_state_dict(checkpointed.state_dict(), strict=True)
+    assert (loaded.missing_keys, loaded.unexpected_keys) == ([], [])
+    target = _checkpointed(make_stack(PlainBlock, seed=3), CheckpointingConfig(classes=["PlainBlock"]))
+    loaded = target.load_state_dict(plain.state_dict(), strict=True)
+    assert (loaded.missing_keys, loaded.unexpected_keys) == ([], [])
+    assert _unequal(dict(checkpointed.state_dict()), dict(plain.state_dict())) == []
+    assert _unequal(dict(checkpointed.state_dict()), dict(target.state_dict())) == []
+
+
+# Selection.
+
+
+def test_only_the_outermost_of_nested_matches_is_wrapped() -> None:
+    model = make_stack(DropoutBlock)
+    names = apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock", "Linear"]))
+    assert names == ["inp", *BLOCKS, "head"]
+    assert list(checkpointed_modules(model)) == names
+
+
+def test_applying_twice_wraps_nothing_twice() -> None:
+    model = make_stack(CounterBlock)
+    config = CheckpointingConfig(classes=["CounterBlock"])
+    first = apply_activation_checkpointing(model, config)
+    second = apply_activation_checkpointing(model, CheckpointingConfig(classes=["CounterBlock"]))
+    assert first == second == BLOCKS
+    assert list(checkpointed_modules(model)) == BLOCKS
+    # One forward and one recomputation; a doubly wrapped block would recompute its inner region once more.
+    assert _calls_per_step(model) == [2, 2, 2]
+
+
+def test_applying_twice_keeps_every_n_selection() -> None:
+    model = make_stack(PlainBlock, n=4)
+    config = CheckpointingConfig(classes=["PlainBlock"], every_n=2)
+    assert apply_activation_checkpointing(model, config) == ["blocks.1", "blocks.3"]
+    assert apply_activation_checkpointing(model, config) == ["blocks.1", "blocks.3"]
+    assert list(checkpointed_modules(model)) == ["blocks.1", "blocks.3"]
+
+
+def test_remove_restores_the_plain_forward() -> None:
+    model = make_stack(CounterBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["CounterBlock"]))
+    assert _calls_per_step(model) == [2, 2, 2]
+    assert remove_activation_checkpointing(model) == BLOCKS
+    assert checkpointed_modules(model) == {}
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+    assert _calls_per_step(model) == [1, 1, 1]
+    assert remove_activation_checkpointing(model) == []
+
+
+def test_remove_restores_an_instance_forward_set_before_wrapping() -> None:
+    block = PlainBlock()
+    x = torch.randn(4, DIM)
+
+    def doubled(inputs: torch.Tensor) -> torch.Tensor:
+        return 2 * PlainBlock.forward(block, inputs)
+
+    block.forward = doubled  # type: ignore[method-assign]
+    checkpoint_module(block, "block", CheckpointingConfig(classes=["PlainBlock"]))
+    assert torch.equal(block(x), 2 * PlainBlock.forward(block, x))
+    assert remove_activation_checkpointing(block) == [""]
+    assert block.forward is doubled
+
+
+@pytest.mark.parametrize(
+    ("every_n", "expected"),
+    [(1, [f"blocks.{i}" for i in range(6)]), (2, ["blocks.1", "blocks.3", "blocks.5"]), (3, ["blocks.2", "blocks.5"])],
+)
+def test_every_n_picks_the_nth_2nth_and_so_on(every_n: int, expected: list[str]) -> None:
+    model = make_stack(PlainBlock, n=6)
+    assert (
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["PlainBlock"], every_n=every_n)) == expected
+    )
+    assert list(checkpointed_modules(model)) == expected
+
+
+def test_every_n_counts_matches_in_module_order_across_classes() -> None:
+    model = make_stack(PlainBlock, n=3)
+    # Matches in order: inp, blocks.0, blocks.1, blocks.2, head.
+    config = CheckpointingConfig(classes=["PlainBlock", "Linear"], every_n=2)
+    assert apply_activation_checkpointing(model, config) == ["blocks.0", "blocks.2"]
+
+
+def test_every_n_above_the_number_of_matches_is_rejected_and_wraps_nothing() -> None:
+    model = make_stack(PlainBlock, n=3)
+    with pytest.raises(ValueError, match=r"`every_n`=4 selects none of the 3 matched modules of Stack"):
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["PlainBlock"], every_n=4))
+    assert checkpointed_modules(model) == {}
+
+
+def test_bare_class_name_matches_class_and_bases_dotted_path_matches_isinstance() -> None:
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(DIM, DIM), ScaledLinear(DIM, DIM), nn.ReLU())
+
+    assert apply_activation_checkpointing(model(), CheckpointingConfig(classes=["Linear"])) == ["0", "1"]
+    assert apply_activation_checkpointing(model(), CheckpointingConfig(classes=["ScaledLinear"])) == ["1"]
+    assert apply_activation_checkpointing(model(), CheckpointingConfig(classes=["torch.nn.Linear"])) == ["0", "1"]
+    assert apply_activation_checkpointing(model(), CheckpointingConfig(classes=["tests.helpers.ScaledLinear"])) == ["1"]
+
+
+def test_dotted_path_selects_the_outermost_instances() -> None:
+    model = make_stack(DropoutBlock)
+    names = apply_activation_checkpointing(model, CheckpointingConfig(classes=["torch.nn.Linear"]))
+    assert names == ["inp", *(f"{block}.linear" for block in BLOCKS), "head"]
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["blocks.*"], BLOCKS),
+        (["blocks.1"], ["blocks.1"]),
+        (["*.linear"], [f"{block}.linear" for block in BLOCKS]),
+        (["inp", "blocks.2"], ["inp", "blocks.2"]),
+    ],
+)
+def test_name_globs_are_relative_to_the_root(names: list[str], expected: list[str]) -> None:
+    model = make_stack(DropoutBlock)
+    assert apply_activation_checkpointing(model, CheckpointingConfig(names=names)) == expected
+
+
+def test_name_globs_follow_the_module_the_config_is_applied_to() -> None:
+    module = StackModule()
+    assert apply_activation_checkpointing(module, CheckpointingConfig(names=["model.blocks.*"])) == [
+        f"model.{block}" for block in BLOCKS
+    ]
+    assert apply_activation_checkpointing(StackModule().model.blocks, CheckpointingConfig(names=["1"])) == ["1"]
+    with pytest.raises(ValueError, match=r"matches no module of StackModule: classes=\[\], names=\['blocks\.\*'\]"):
+        apply_activation_checkpointing(StackModule(), CheckpointingConfig(names=["blocks.*"]))
+
+
+def test_select_modules_selects_without_wrapping() -> None:
+    model = make_stack(DropoutBlock)
+    selected = select_modules(model, CheckpointingConfig(classes=["DropoutBlock"]))
+    assert list(selected) == BLOCKS
+    assert list(selected.values()) == list(model.blocks)
+    assert checkpointed_modules(model) == {}
+
+
+def test_checkpoint_module_wraps_the_module_itself_once() -> None:
+    block = CounterBlock()
+    config = CheckpointingConfig(classes=["Unused"])
+    checkpoint_module(block, "solo", config)
+    checkpoint_module(block, "solo", config)
+    assert checkpointed_modules(block) == {"": block}
+    x = torch.randn(4, DIM, requires_grad=True)
+    block(x).sum().backward()
+    assert block.calls == 2
+
+
+# Inputs and outputs pass through.
+
+
+def _twin(factory: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+    """The module from ``factory`` and a checkpointed copy of it with the same weights."""
+    torch.manual_seed(0)
+    plain = factory()
+    checkpointed = copy.deepcopy(plain)
+    checkpoint_module(checkpointed, "region", CheckpointingConfig(classes=["Unused"]))
+    return plain, checkpointed
+
+
+def _leaf_gradients(module: nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    return [param.grad for param in module.parameters()] + [tensor.grad for tensor in inputs]
+
+
+def test_keyword_arguments_reach_the_checkpointed_forward() -> None:
+    plain, checkpointed = _twin(KeywordBlock)
+    results = []
+    for module in (plain, checkpointed):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        scale = torch.full((DIM,), 0.5, requires_grad=True)
+        out = module(x, scale=scale, shift=0.25)
+        out.square().sum().backward()
+        results.append((out.detach(), _leaf_gradients(module, x, scale)))
+    (plain_out, plain_grads), (out, grads) = results
+    assert torch.equal(plain_out, out)
+    assert all(grad is not None for grad in grads)
+    assert all(torch.equal(expected, got) for expected, got in zip(plain_grads, grads, strict=True))
+
+
+def test_tuple_outputs_with_non_tensors_pass_through() -> None:
+    plain, checkpointed = _twin(TupleOutputBlock)
+    results = []
+    for module in (plain, checkpointed):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out, aux, tag, count = module(x)
+        assert (tag, count) == ("tuple", 3)
+        (out.sum() + aux).backward()
+        results.append(((out.detach(), aux.detach()), _leaf_gradients(module, x)))
+    (plain_outs, plain_grads), (outs, grads) = results
+    assert all(torch.equal(expected, got) for expected, got in zip(plain_outs, outs, strict=True))
+    assert all(torch.equal(expected, got) for expected, got in zip(plain_grads, grads, strict=True))
+
+
+def test_dict_outputs_with_non_tensors_pass_through() -> None:
+    plain, checkpointed = _twin(DictOutputBlock)
+    results = []
+    for module in (plain, checkpointed):
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = module(x)
+        assert sorted(out) == ["aux", "out", "tag"]
+        assert out["tag"] == "dict"
+        (out["out"].sum() * out["aux"]).backward()
+        results.append((out["out"].detach(), _leaf_gradients(module, x)))
+    (plain_out, plain_grads), (out, grads) = results
+    assert torch.equal(plain_out, out)
+    assert all(torch.equal(expected, got) for expected, got in zip(plain_grads, grads, strict=True))
+
+
+# When the plain forward runs instead.
+
+
+def test_checkpointing_disabled_recomputes_nothing_and_restores_after_an_exception() -> None:
+    model = _checkpointed(make_stack(CounterBlock), CheckpointingConfig(classes=["CounterBlock"]))
+    with checkpointing_disabled():
+        assert _calls_per_step(model) == [1, 1, 1]
+        with checkpointing_disabled():
+            assert _calls_per_step(model) == [1, 1, 1]
+        assert _calls_per_step(model) == [1, 1, 1]
+    assert _calls_per_step(model) == [2, 2, 2]
+    with pytest.raises(RuntimeError, match="raised inside"), checkpointing_disabled():
+        raise RuntimeError("raised inside checkpointing_disabled")
+    assert _calls_per_step(model) == [2, 2, 2]
+
+
+@pytest.fixture
+def checkpoint_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The keyword arguments of every call the wrapped modules make to torch's ``checkpoint``."""
+    calls: list[dict[str, Any]] = []
+    original = wrapping_module.checkpoint
+
+    def spy(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return original(function, *args, **kwargs)
+
+    monkeypatch.setattr(wrapping_module, "checkpoint", spy)
+    return calls
+
+
+def test_no_grad_runs_the_plain_forward(checkpoint_calls: list[dict[str, Any]]) -> None:
+    reference = make_stack(PlainBlock)
+    model = _checkpointed(make_stack(PlainBlock), CheckpointingConfig(classes=["PlainBlock"]))
+    x, _ = batch()
+    with torch.no_grad():
+        out = model(x)
+    assert checkpoint_calls == []
+    assert torch.equal(out, reference(x))
+    model(x)
+    assert len(checkpoint_calls) == 3
+
+
+def test_torch_checkpoint_is_called_non_reentrant_with_the_configured_settings(
+    checkpoint_calls: list[dict[str, Any]],
+) -> None:
+    config = CheckpointingConfig(classes=["PlainBlock"], preserve_rng_state=False, determinism_check="none")
+    model = _checkpointed(make_stack(PlainBlock, n=1), config)
+    model(batch()[0])
+    assert len(checkpoint_calls) == 1
+    settings = {key: value for key, value in checkpoint_calls[0].items() if key != "context_fn"}
+    assert settings == {"use_reentrant": False, "preserve_rng_state": False, "determinism_check": "none"}
+
+
+def test_default_determinism_check_catches_a_shape_change_on_recomputation() -> None:
+    model = _checkpointed(make_stack(RoutingBlock, n=1), CheckpointingConfig(classes=["RoutingBlock"]))
+    x, y = batch()
+    loss = F.mse_loss(model(x), y)
+    with pytest.raises(CheckpointError, match="Recomputed values for the following tensors have different metadata"):
+        loss.backward()
+
+
+# Copies.
+
+
+@pytest.mark.parametrize("save_ops", [[], SAVE_MATMULS], ids=["full", "save_ops"])
+@pytest.mark.parametrize(
+    "clone", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))], ids=["deepcopy", "pickle"]
+)
+def test_copies_of_a_wrapped_model_stay_wrapped_around_their_own_modules(
+    clone: Callable[[nn.Module], nn.Module], save_ops: list[str]
+) -> None:
+    original = _checkpointed(make_stack(CounterBlock), CheckpointingConfig(classes=["CounterBlock"], save_ops=save_ops))
+    copied = clone(original)
+    assert list(checkpointed_modules(copied)) == BLOCKS
+    assert _calls_per_step(copied) == [2, 2, 2]
+    assert [block.calls for block in original.blocks] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "clone", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))], ids=["deepcopy", "pickle"]
+)
+def test_copies_of_a_wrapped_model_reproduce_unchecked_gradients(clone: Callable[[nn.Module], nn.Module]) -> None:
+    reference = step_gradients(make_stack(DropoutBlock))
+    config = CheckpointingConfig(classes=["DropoutBlock"], save_ops=SAVE_MATMULS)
+    copied = clone(_checkpointed(make_stack(DropoutBlock), config))
+    assert _unequal(reference, step_gradients(copied)) == []
+
+
+# Bad input.
+
+
+def test_config_matching_nothing_lists_classes_and_names_and_wraps_nothing() -> None:
+    model = make_stack(DropoutBlock)
+    message = (
+        r"`CheckpointingConfig` matches no module of Stack: classes=\['Block'\], names=\['layers\.\*'\]\."
+        r" The model's module classes are \['Dropout', 'DropoutBlock', 'Linear', 'ModuleList', 'Stack'\];"
+        r" its module names include \['inp', 'blocks', 'blocks\.0', 'blocks\.0\.linear', .*'head'\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["Block"], names=["layers.*"]))
+    assert checkpointed_modules(model) == {}
+
+
+def test_no_match_message_samples_twelve_names_of_a_large_model() -> None:
+    with pytest.raises(ValueError, match=r"its module names include \['inp', .*'blocks\.4\.linear', '\.\.\.'\]"):
+        apply_activation_checkpointing(make_stack(PlainBlock, n=10), CheckpointingConfig(classes=["Block"]))
+
+
+def test_entries_matching_nothing_warn_while_the_others_apply() -> None:
+    model = make_stack(DropoutBlock)
+    config = CheckpointingConfig(classes=["DropoutBlock", "NoSuchBlock", "torch.nn.Conv2d"], names=["layers.*"])
+    with pytest.warns(
+        LightningCkptDeterminismWarning,
+        match=r"`CheckpointingConfig` entries \['NoSuchBlock', 'Conv2d', 'layers\.\*'\] match no module of Stack",
+    ):
+        names = apply_activation_checkpointing(model, config)
+    assert names == BLOCKS
+
+
+def test_config_matching_the_gpt_blocks_by_class_and_by_path() -> None:
+    for classes in (["Block"], ["examples.gpt.Block"]):
+        model = _gpt(layers=2)
+        assert apply_activation_checkpointing(model, CheckpointingConfig(classes=classes)) == ["blocks.0", "blocks.1"]
+        assert all(isinstance(module, Block) for module in checkpointed_modules(model).values())
