@@ -1,17 +1,24 @@
-"""Train the example GPT with activation checkpointing from a LightningCLI YAML.
+"""Train an example model with activation checkpointing from a LightningCLI YAML.
 
-Run from the repository root::
+The YAML names the model and data classes (``class_path``), so the same file also drives the audit. Run from the
+repository root::
 
     python -m examples.train fit --config examples/configs/gpt_blocks_by_class.yaml
+    python -m lightning_ckpt_determinism audit --config examples/configs/gpt_blocks_by_class.yaml
 """
 
+import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
-
-from examples.gpt import GPTModule, SyntheticTokensDataModule
 
 
 def main() -> None:
-    LightningCLI(GPTModule, SyntheticTokensDataModule, seed_everything_default=0)
+    LightningCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        seed_everything_default=0,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Activation checkpointing for PyTorch Lightning that proves recomputation reproduces the forward pass."""
 
+from lightning_ckpt_determinism.attribution import CAUSE_HINTS, RegionReport
 from lightning_ckpt_determinism.callback import RecomputationMonitor
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation, gradient_divergence
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -21,6 +22,7 @@ from lightning_ckpt_determinism.wrapping import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CAUSE_HINTS",
     "ActivationCheckpointingMixin",
     "CheckpointingConfig",
     "DDPCheckpointingStrategy",
@@ -29,6 +31,7 @@ __all__ = [
     "RecomputationDivergenceError",
     "RecomputationMonitor",
     "RecomputationReport",
+    "RegionReport",
     "SingleDeviceCheckpointingStrategy",
     "__version__",
     "apply_activation_checkpointing",

@@ -1,9 +1,8 @@
 """A Lightning callback that periodically checks that recomputation reproduces the forward pass."""
 
-import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -13,6 +12,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
+from lightning_ckpt_determinism.attribution import RegionReport
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.wrapping import checkpointed_modules
@@ -20,10 +21,8 @@ from lightning_ckpt_determinism.wrapping import checkpointed_modules
 __all__ = ["RecomputationMonitor"]
 
 _DIVERGENCE_ACTIONS = ("warn", "raise", "ignore")
-
-
-class _SkippedStep(Exception):
-    """The training step returned ``None``: Lightning skips the batch, so the check does too."""
+_LOGGED_REGIONS = 5
+_NAMED_REGIONS = 3
 
 
 class RecomputationMonitor(Callback):
@@ -38,7 +37,18 @@ class RecomputationMonitor(Callback):
     rank checks its own batch without any gradient all-reduce; the logged values are the maximum over ranks and
     every rank takes the same decision.
 
-    A check costs about two forward and backward passes of the step (see the README's Performance section).
+    With ``attribution`` the check also compares, op by op, what each checkpointed region recomputes with what
+    its forward produced: a region that differs (or whose buffers recomputation changed) counts as a divergence
+    even when the gradients agree, up to five diverging regions (worst first) are logged as
+    ``{log_prefix}/regions/{name}/max_abs_diff`` (this rank's values), and the warning names the region, the first
+    differing op, the cause and what to change. With ``calibrate_noise`` the noise floor is logged as
+    ``{log_prefix}/noise_floor``.
+
+    A check costs about two forward and backward passes of the step (see the README's Performance section);
+    ``calibrate_noise`` adds a third. ``attribution`` makes the check's checkpointed pass several times slower
+    (every op of the regions is observed from Python) and, during the check step only, holds a copy of the
+    regions' op outputs from forward until their recomputation: about the activation memory of the step without
+    checkpointing, which the check's reference pass needs anyway.
 
     Args:
         every_n_steps: Check every this many optimizer steps; the first training step of a fit is always checked
@@ -52,6 +62,10 @@ class RecomputationMonitor(Callback):
             check suppressed. Required with manual optimization.
         log_prefix: Prefix of the logged metric names.
         history_size: How many recent results the callback keeps (and saves in checkpoints).
+        attribution: Attribute differences to regions, ops and causes (see above for the cost). Turn it off to make
+            checks cheaper; the warning then names parameters only.
+        calibrate_noise: Run the reference pass twice per check and count only divergences above the measured
+            noise floor, for non-deterministic kernels (GPU atomics) that differ from run to run by themselves.
 
     Raises:
         ValueError: If an argument is out of range, or at fit start if the module uses manual optimization
@@ -76,6 +90,8 @@ class RecomputationMonitor(Callback):
         loss_fn: Callable[[pl.LightningModule, Any, int], torch.Tensor] | None = None,
         log_prefix: str = "recompute",
         history_size: int = 32,
+        attribution: bool = True,
+        calibrate_noise: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -90,11 +106,16 @@ class RecomputationMonitor(Callback):
             raise ValueError("`log_prefix` must be a non-empty string, got ''.")
         if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
             raise ValueError(f"`history_size` must be an integer >= 1, got {history_size!r}.")
+        for name, value in (("attribution", attribution), ("calibrate_noise", calibrate_noise)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
         self.every_n_steps = every_n_steps
         self.tolerance = float(tolerance)
         self.on_divergence = on_divergence
         self.loss_fn = loss_fn
         self.log_prefix = log_prefix
+        self.attribution = attribution
+        self.calibrate_noise = calibrate_noise
         self.last_checked_step = -1
         self.history: deque[dict[str, Any]] = deque(maxlen=history_size)
         self.last_report: RecomputationReport | None = None
@@ -171,30 +192,44 @@ class RecomputationMonitor(Callback):
         def closure() -> torch.Tensor:
             if loss_fn is not None:
                 return loss_fn(pl_module, batch, batch_idx)
-            output = pl_module.training_step(batch, batch_idx)
-            if output is None:
-                raise _SkippedStep
-            return output["loss"] if isinstance(output, Mapping) else output
+            return training_step_loss(pl_module, batch, batch_idx)
 
         try:
-            with trainer.strategy.precision_plugin.train_step_context(), _logging_suppressed(pl_module):
-                return check_recomputation(pl_module, closure, tolerance=self.tolerance)
-        except _SkippedStep:
+            with trainer.strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
+                return check_recomputation(
+                    pl_module,
+                    closure,
+                    tolerance=self.tolerance,
+                    attribution=self.attribution,
+                    calibrate_noise=self.calibrate_noise,
+                )
+        except SkippedStep:
             return None
 
     def _record(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int, report: RecomputationReport
     ) -> None:
+        diverging = _diverging_regions(report)
         local = torch.tensor(
-            [report.grad_divergence, report.max_abs_diff, float(report.diverged)],
+            [
+                report.grad_divergence,
+                report.max_abs_diff,
+                float(report.diverged or bool(diverging)),
+                report.noise_floor,
+            ],
             dtype=torch.float64 if pl_module.device.type != "mps" else torch.float32,
             device=pl_module.device,
         )
-        divergence, max_abs_diff, diverged_anywhere = trainer.strategy.reduce(local, reduce_op="max").tolist()
+        reduced = trainer.strategy.reduce(local, reduce_op="max").tolist()
+        divergence, max_abs_diff, diverged_anywhere, noise_floor = reduced
         metrics = {
             f"{self.log_prefix}/grad_divergence": divergence,
             f"{self.log_prefix}/max_abs_diff": max_abs_diff,
         }
+        if self.calibrate_noise:
+            metrics[f"{self.log_prefix}/noise_floor"] = noise_floor
+        for region in diverging[:_LOGGED_REGIONS]:
+            metrics[f"{self.log_prefix}/regions/{region.name}/max_abs_diff"] = region.max_abs_diff
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         diverged = diverged_anywhere > 0.0
@@ -207,7 +242,10 @@ class RecomputationMonitor(Callback):
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
         # One warning per kind of finding; the metric carries every check's numbers.
-        key = report.error.split(":", 1)[0] if report.error else "gradients"
+        if diverging:
+            key = f"cause:{diverging[0].cause}"
+        else:
+            key = report.error.split(":", 1)[0] if report.error else "gradients"
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
@@ -219,34 +257,46 @@ def _divergence_message(step: int, divergence: float, max_abs_diff: float, repor
     elif report.worst_parameters:
         worst = ", ".join(f"{name} ({diff:.3g})" for name, diff in report.worst_parameters)
         local = f"the worst parameters on this rank: {worst}"
+    elif _diverging_regions(report):
+        local = "this rank's gradients agree"
     else:
         local = "this rank's gradients agree; another rank diverged"
     shown = "inf" if math.isinf(divergence) else f"{divergence:.3g}"
-    return (
+    message = (
         f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
-        f" {report.tolerance:g}), max_abs_diff={max_abs_diff:.3g}; {local}. Something in a checkpointed module"
-        " differs between forward and recomputation: dropout with `preserve_rng_state=False`, NumPy or `random`"
-        " without `preserve_host_rng=True`, buffers without `protect_buffers=True`, Python state read in forward,"
-        " or a non-deterministic kernel."
+        f" {report.tolerance:g}), max_abs_diff={max_abs_diff:.3g}; {local}."
+    )
+    diverging = _diverging_regions(report)
+    if diverging:
+        return f"{message} {' '.join(_region_sentence(region) for region in diverging[:_NAMED_REGIONS])}"
+    if not (report.error or report.worst_parameters):
+        return message
+    if report.regions and not report.error:
+        return (
+            f"{message} Every checkpointed region recomputed exactly what its forward produced: the gradients differ"
+            " because something changed between the check's two passes, such as Python state a module updates in"
+            " forward (a counter)."
+        )
+    advice = "" if report.regions else " Turn on `attribution` to be told which region and op."
+    return (
+        f"{message} Something in a checkpointed module differs between forward and recomputation: dropout with"
+        " `preserve_rng_state=False`, NumPy or `random` without `preserve_host_rng=True`, buffers without"
+        f" `protect_buffers=True`, Python state read in forward, or a non-deterministic kernel.{advice}"
     )
 
 
-@contextlib.contextmanager
-def _logging_suppressed(pl_module: "pl.LightningModule") -> Iterator[None]:
-    """Make ``self.log`` and ``self.log_dict`` do nothing, so the check adds nothing to the training metrics."""
-    names = ("log", "log_dict")
-    own = {name: pl_module.__dict__[name] for name in names if name in pl_module.__dict__}
-    for name in names:
-        setattr(pl_module, name, _ignore)
-    try:
-        yield
-    finally:
-        for name in names:
-            if name in own:
-                setattr(pl_module, name, own[name])
-            else:
-                delattr(pl_module, name)
+def _diverging_regions(report: RecomputationReport) -> list[RegionReport]:
+    """The diverged regions of ``report``, worst first."""
+    return sorted((region for region in report.regions if region.diverged), key=lambda r: -r.max_abs_diff)
 
 
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
+def _region_sentence(region: RegionReport) -> str:
+    if region.first_divergent_op is None:
+        where = ""
+    else:
+        op, index = region.first_divergent_op
+        where = f" at `{op}` (op {index} of the region)"
+    return (
+        f"Region `{region.name}` diverged{where}, max abs diff {region.max_abs_diff:.3g}, cause {region.cause}:"
+        f" {region.hint}"
+    )

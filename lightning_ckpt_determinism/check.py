@@ -1,9 +1,10 @@
 """Check that recomputation reproduces the forward: one step's gradients with and without checkpointing.
 
 The engine knows nothing of Lightning. It forks every random stream, runs a reference pass with checkpointing
-switched off and a checkpointed pass from the same random state, compares the gradients (obtained with
-``torch.autograd.grad``, so no ``.grad`` is touched), and puts back every random stream, buffer, grad mode and
-training flag it found, whatever is raised.
+switched off (twice to measure the noise floor) and a checkpointed pass from the same random state, compares the
+gradients (obtained with ``torch.autograd.grad``, so no ``.grad`` is touched), optionally attributes differences to
+regions and ops (:mod:`~lightning_ckpt_determinism.attribution`), and puts back every random stream, buffer, grad
+mode and training flag it found, whatever is raised.
 """
 
 import contextlib
@@ -14,12 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism.attribution import RegionReport, _Attribution, _elementwise_difference
 from lightning_ckpt_determinism.rng import capture_rng, restore_rng
 from lightning_ckpt_determinism.wrapping import checkpointed_modules, checkpointing_disabled
 
 __all__ = ["RecomputationReport", "check_recomputation", "gradient_divergence"]
 
 _WORST_PARAMETERS = 5
+# One sample of the noise: a second draw (the checkpointed pass) exceeds it about half the time, by a little, so
+# the floor is set at twice the divergence of the two reference passes.
+_NOISE_MARGIN = 2.0
 
 
 @dataclass
@@ -31,7 +36,8 @@ class RecomputationReport:
             divided by the norm of the reference gradients; ``0.0`` when identical, ``inf`` when the
             checkpointed pass failed or produced a non-finite value the reference did not.
         max_abs_diff: Largest absolute difference of any gradient element.
-        diverged: Whether ``grad_divergence`` exceeds the tolerance, or the checkpointed pass raised.
+        diverged: Whether ``grad_divergence`` exceeds both the tolerance and the noise floor, or the checkpointed
+            pass raised. Buffer mutations, which change no gradient, show in ``regions`` and ``buffer_mutations``.
         tolerance: The tolerance the verdict used.
         per_parameter: Largest absolute gradient difference for each parameter, by parameter name.
         worst_parameters: The parameters with the largest differences, worst first (at most five, only those
@@ -41,6 +47,12 @@ class RecomputationReport:
         checked_regions: Names of the checkpointed modules the check exercised.
         reference_loss: The loss of the reference pass.
         checkpointed_loss: The loss of the checkpointed pass (``nan`` when it raised before computing one).
+        noise_floor: With ``calibrate_noise``, twice the ``grad_divergence`` between two reference passes: what
+            non-deterministic kernels alone produce, with a margin; ``0.0`` otherwise.
+        regions: With ``attribution``, one :class:`RegionReport` per checkpointed region in module order: where
+            recomputation differed from the forward, at which op, and why; empty otherwise.
+        buffer_mutations: With ``attribution``, the names of the buffers recomputation changed (relative to the
+            checked module), whether or not that changed a gradient.
 
     Example::
 
@@ -59,6 +71,9 @@ class RecomputationReport:
     checked_regions: list[str] = field(default_factory=list)
     reference_loss: float = math.nan
     checkpointed_loss: float = math.nan
+    noise_floor: float = 0.0
+    regions: list[RegionReport] = field(default_factory=list)
+    buffer_mutations: list[str] = field(default_factory=list)
 
 
 def gradient_divergence(
@@ -110,15 +125,13 @@ def gradient_divergence(
     return math.sqrt(diff_sq / ref_sq), max_diffs
 
 
-def _elementwise_difference(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    diff = (ref - other).abs()
-    agree = (ref.isnan() & other.isnan()) | (ref.isinf() & (ref == other))
-    disagree = ~agree & ~(ref.isfinite() & other.isfinite())
-    return diff.masked_fill(agree, 0.0).masked_fill(disagree, math.inf)
-
-
 def check_recomputation(
-    module: nn.Module, closure: Callable[[], torch.Tensor], *, tolerance: float = 0.0
+    module: nn.Module,
+    closure: Callable[[], torch.Tensor],
+    *,
+    tolerance: float = 0.0,
+    attribution: bool = False,
+    calibrate_noise: bool = False,
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
@@ -133,11 +146,24 @@ def check_recomputation(
     about recomputation. Python state a module changes in forward (a counter) is not restored.
 
     The check holds one extra set of gradients while it runs, and costs two forward and backward passes.
+    ``calibrate_noise`` adds a third (a second reference pass). ``attribution`` observes every op of the
+    checkpointed regions in the checkpointed pass: it holds a copy of each op's outputs from the region's forward
+    until the region is recomputed in backward (about the regions' activations once more, which is what the
+    reference pass holds anyway) plus small fingerprints of op inputs, and the Python-level observation makes that
+    pass several times slower. When a region differs in a way only host RNG could explain, one more checkpointed
+    pass replays host RNG for it to confirm. Nothing of this outlives the call. How causes are decided is
+    described in :mod:`lightning_ckpt_determinism.attribution`.
 
     Args:
         module: The model; its parameters that require grad are compared.
         closure: Computes and returns a scalar loss from ``module``.
         tolerance: Largest ``grad_divergence`` (relative L2) that still counts as equal.
+        attribution: Compare, op by op, every tensor each checkpointed region recomputes with the one its forward
+            produced, and fill ``regions`` and ``buffer_mutations`` with where and why they differ.
+        calibrate_noise: Run the reference pass twice and take twice their divergence as the noise floor: the
+            verdict then asks for a divergence above both ``tolerance`` and the noise floor, so that
+            non-deterministic kernels (GPU atomics) are not reported as recomputation bugs. Python state that a
+            module changes in forward also makes the two reference passes differ, and so raises the floor.
 
     Returns:
         The :class:`RecomputationReport`.
@@ -151,9 +177,11 @@ def check_recomputation(
         >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
         >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["0", "1"]))
-        >>> report = check_recomputation(model, lambda: model(torch.ones(2, 4)).sum())
+        >>> report = check_recomputation(model, lambda: model(torch.ones(2, 4)).sum(), attribution=True)
         >>> report.grad_divergence
         0.0
+        >>> [(region.name, region.diverged) for region in report.regions]
+        [('0', False), ('1', False)]
     """
     if not tolerance >= 0.0:
         raise ValueError(f"`tolerance` must be a non-negative float, got {tolerance!r}.")
@@ -163,35 +191,73 @@ def check_recomputation(
     names = [name for name, _ in named]
     params = [p for _, p in named]
     regions = list(checkpointed_modules(module))
+    observer = _Attribution(module) if attribution else None
     with _restored_state(module) as restore_between_passes:
         reference_loss, reference = _gradients(closure, params, disable_checkpointing=True)
+        noise_floor = 0.0
+        if calibrate_noise:
+            restore_between_passes()
+            _, second_reference = _gradients(closure, params, disable_checkpointing=True)
+            noise_floor = _NOISE_MARGIN * gradient_divergence(reference, second_reference)[0]
         restore_between_passes()
-        try:
-            checkpointed_loss, recomputed = _gradients(closure, params, disable_checkpointing=False)
-        except Exception as err:  # any failure of recomputation is the finding, not a crash
-            return RecomputationReport(
-                grad_divergence=math.inf,
-                max_abs_diff=math.inf,
-                diverged=True,
-                tolerance=tolerance,
-                error=f"{type(err).__name__}: {err}",
-                checked_regions=regions,
-                reference_loss=reference_loss,
-            )
-    divergence, max_diffs = gradient_divergence(reference, recomputed)
-    per_parameter = dict(zip(names, max_diffs, strict=True))
+        checkpointed_loss, recomputed, error = _checkpointed_pass(closure, params, observer)
+        explained: frozenset[str] = frozenset()
+        if observer is not None and observer.host_rng_suspects():
+            restore_between_passes()
+            explained = _host_rng_explains(module, closure, params, observer.host_rng_suspects())
+    if error is not None or recomputed is None:
+        divergence, max_diffs = math.inf, [math.inf]
+        per_parameter: dict[str, float] = {}
+    else:
+        divergence, max_diffs = gradient_divergence(reference, recomputed)
+        per_parameter = dict(zip(names, max_diffs, strict=True))
+    diverged = error is not None or divergence > max(tolerance, noise_floor)
+    region_reports, buffer_mutations = (
+        observer.reports(gradients_diverged=diverged, host_rng_explained=explained) if observer else ([], [])
+    )
     worst = sorted(((n, d) for n, d in per_parameter.items() if d > 0.0), key=lambda item: -item[1])
     return RecomputationReport(
         grad_divergence=divergence,
         max_abs_diff=max(max_diffs, default=0.0),
-        diverged=divergence > tolerance,
+        diverged=diverged,
         tolerance=tolerance,
         per_parameter=per_parameter,
         worst_parameters=worst[:_WORST_PARAMETERS],
+        error=None if error is None else f"{type(error).__name__}: {error}",
         checked_regions=regions,
         reference_loss=reference_loss,
         checkpointed_loss=checkpointed_loss,
+        noise_floor=noise_floor,
+        regions=region_reports,
+        buffer_mutations=buffer_mutations,
     )
+
+
+def _checkpointed_pass(
+    closure: Callable[[], torch.Tensor], params: list[nn.Parameter], observer: _Attribution | None
+) -> tuple[float, list[torch.Tensor | None] | None, Exception | None]:
+    """The checkpointed pass, observed when ``observer`` is given: ``(loss, gradients, error)``."""
+    observing = observer.observing() if observer is not None else contextlib.nullcontext()
+    error: Exception | None = None
+    try:
+        with observing:
+            loss, grads = _gradients(closure, params, disable_checkpointing=False)
+    except Exception as err:  # any failure of recomputation is the finding, not a crash
+        error = err
+    if observer is not None:
+        observer.finish(error)
+    if error is not None:
+        return math.nan, None, error
+    return loss, grads, None
+
+
+def _host_rng_explains(
+    module: nn.Module, closure: Callable[[], torch.Tensor], params: list[nn.Parameter], suspects: frozenset[str]
+) -> frozenset[str]:
+    """The suspects whose recomputation matches its forward once their host RNG is replayed."""
+    replaying = _Attribution(module, replay_host_rng=suspects)
+    _checkpointed_pass(closure, params, replaying)
+    return suspects - replaying.diverging_regions()
 
 
 def _gradients(

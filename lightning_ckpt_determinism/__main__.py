@@ -1,0 +1,7 @@
+"""``python -m lightning_ckpt_determinism audit --config CONFIG.yaml``: see :mod:`lightning_ckpt_determinism.cli`."""
+
+import sys
+
+from lightning_ckpt_determinism.cli import main
+
+sys.exit(main())

@@ -1,0 +1,354 @@
+import csv
+import math
+import random
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_ckpt_determinism import (
+    CAUSE_HINTS,
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    RecomputationReport,
+    RegionReport,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+)
+from lightning_ckpt_determinism.attribution import _Attribution
+from lightning_ckpt_determinism.wrapping import _active_observer
+from tests.helpers import (
+    BatchNormBlock,
+    CounterScaleBlock,
+    DropoutBlock,
+    FailingRecomputeBlock,
+    FlagBlock,
+    NumpyNoiseBlock,
+    PlainBlock,
+    PythonRandomBlock,
+    RoutingBlock,
+    RowSumBlock,
+    StackModule,
+    batch,
+    stack_with,
+    trainer_kwargs,
+)
+
+REGIONS = ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def attributed(
+    block: Callable[[], nn.Module], position: int = 1, calibrate_noise: bool = False, **config: object
+) -> tuple[nn.Module, RecomputationReport]:
+    """A three-block stack with ``block`` at ``position``, every block checkpointed, checked with attribution."""
+    model = stack_with(block, position=position)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"], **config))  # type: ignore[arg-type]
+    x, y = batch()
+    report = check_recomputation(
+        model, lambda: F.mse_loss(model(x), y), attribution=True, calibrate_noise=calibrate_noise
+    )
+    return model, report
+
+
+def only_finding(report: RecomputationReport) -> RegionReport:
+    """The one region with a cause, after checking every other region is clean."""
+    assert [region.name for region in report.regions] == REGIONS
+    found = [region for region in report.regions if region.cause is not None]
+    assert len(found) == 1, report.regions
+    for region in report.regions:
+        if region is not found[0]:
+            assert (region.diverged, region.max_abs_diff, region.first_divergent_op, region.hint) == (
+                False,
+                0.0,
+                None,
+                None,
+            )
+    return found[0]
+
+
+def assert_clean(report: RecomputationReport) -> None:
+    assert not report.diverged
+    assert report.grad_divergence == 0.0
+    assert report.buffer_mutations == []
+    assert [region.name for region in report.regions] == REGIONS
+    for region in report.regions:
+        assert region == RegionReport(name=region.name, ops_compared=region.ops_compared)
+        assert region.ops_compared > 0
+
+
+# Each catalogue entry: the defective block, the config that breaks it (or {}), the config or block that fixes it,
+# and the first op that must differ.
+CATALOGUE = {
+    "rng_not_preserved": (DropoutBlock, {"preserve_rng_state": False}, {}, "aten.bernoulli_.float"),
+    "host_rng": (NumpyNoiseBlock, {}, {"preserve_host_rng": True}, "aten.add.Tensor"),
+    "shape_change": (RoutingBlock, {}, PlainBlock, "aten.slice.Tensor"),
+    "python_state": (CounterScaleBlock, {}, PlainBlock, "aten.mul.Tensor"),
+    "nondeterministic_kernel": (
+        RowSumBlock,
+        {},
+        lambda: RowSumBlock(deterministic=True),
+        "lckd_tests.unordered_row_sum.default",
+    ),
+}
+
+
+@pytest.mark.parametrize("position", [0, 2])
+@pytest.mark.parametrize("cause", sorted(CATALOGUE))
+def test_the_defective_block_is_named_with_its_cause_and_no_other(cause, position):
+    block, breaking, _, op = CATALOGUE[cause]
+    _, report = attributed(block, position=position, **breaking)
+    region = only_finding(report)
+    assert region.name == f"blocks.{position}"
+    assert (region.cause, region.hint, region.diverged) == (cause, CAUSE_HINTS[cause], True)
+    assert region.first_divergent_op is not None
+    assert region.first_divergent_op[0] == op
+    assert region.max_abs_diff > 0.0
+    assert report.diverged
+    assert report.buffer_mutations == []
+
+
+@pytest.mark.parametrize("cause", sorted(CATALOGUE))
+def test_the_same_model_without_the_defect_reports_nothing(cause):
+    block, breaking, fix, _ = CATALOGUE[cause]
+    if isinstance(fix, dict):
+        _, report = attributed(block, **fix)
+    else:
+        _, report = attributed(fix, **breaking)
+    assert_clean(report)
+
+
+def test_ops_are_aligned_on_what_both_passes_ran():
+    # Dropout on the CPU: t, addmm, relu, empty_like (never compared as values), bernoulli_, div_; recomputation
+    # stops after div_ (the last tensor backward needs), so mul and add are not compared.
+    _, report = attributed(DropoutBlock, preserve_rng_state=False)
+    region = only_finding(report)
+    assert region.first_divergent_op == ("aten.bernoulli_.float", 4)
+    assert region.ops_compared == 6
+    assert region.max_abs_diff == 2.0  # a kept element scaled by 1 / (1 - p) against a dropped one
+    assert [r.ops_compared for r in report.regions] == [3, 6, 3]
+
+
+def test_python_random_is_host_rng_too():
+    _, report = attributed(PythonRandomBlock)
+    region = only_finding(report)
+    assert (region.name, region.cause) == ("blocks.1", "host_rng")
+    _, replayed = attributed(PythonRandomBlock, preserve_host_rng=True)
+    assert_clean(replayed)
+
+
+def test_shape_change_names_the_region_torch_failed_in():
+    _, report = attributed(RoutingBlock)
+    assert report.error is not None
+    assert report.error.startswith("CheckpointError: torch.utils.checkpoint: Recomputed values")
+    region = report.regions[1]
+    assert (region.cause, region.first_divergent_op, region.max_abs_diff) == (
+        "shape_change",
+        ("aten.slice.Tensor", 1),
+        math.inf,
+    )
+    # Backward stopped at the failure: the block before it was never recomputed.
+    assert report.regions[0].ops_compared == 0
+    assert report.regions[2].ops_compared == 3
+
+
+def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
+    _, report = attributed(BatchNormBlock, protect_buffers=False)
+    assert report.grad_divergence == 0.0
+    assert not report.diverged
+    assert report.buffer_mutations == [
+        "blocks.1.norm.running_mean",
+        "blocks.1.norm.running_var",
+        "blocks.1.norm.num_batches_tracked",
+    ]
+    region = only_finding(report)
+    assert region == RegionReport(
+        name="blocks.1",
+        ops_compared=6,
+        max_abs_diff=0.0,
+        first_divergent_op=None,
+        diverged=True,
+        cause="buffer_mutation",
+        hint=CAUSE_HINTS["buffer_mutation"],
+    )
+    _, protected = attributed(BatchNormBlock)
+    assert_clean(protected)
+
+
+def test_calibrated_noise_floor_tolerates_a_non_deterministic_kernel():
+    _, report = attributed(RowSumBlock, calibrate_noise=True)
+    assert 0.0 < report.grad_divergence < 1e-6
+    assert report.noise_floor > report.grad_divergence
+    assert not report.diverged
+    region = only_finding(report)
+    assert (region.name, region.cause, region.diverged) == ("blocks.1", "nondeterministic_kernel", False)
+    # Without calibration the same difference is a divergence.
+    _, uncalibrated = attributed(RowSumBlock)
+    assert uncalibrated.noise_floor == 0.0
+    assert uncalibrated.diverged
+    assert only_finding(uncalibrated).diverged
+
+
+def test_calibration_of_a_deterministic_model_measures_no_noise():
+    _, report = attributed(DropoutBlock, calibrate_noise=True)
+    assert report.noise_floor == 0.0
+    assert_clean(report)
+
+
+def test_selective_checkpointing_is_observed_without_false_positives():
+    save_ops = ["aten.addmm", "aten.mul", "aten.clone", "aten.sum"]
+    _, report = attributed(DropoutBlock, save_ops=save_ops)
+    assert_clean(report)
+    _, broken = attributed(DropoutBlock, save_ops=save_ops, preserve_rng_state=False)
+    assert only_finding(broken).cause == "rng_not_preserved"
+
+
+def test_a_flag_that_changes_which_ops_run_is_python_state():
+    _, report = attributed(FlagBlock)
+    region = only_finding(report)
+    # The reference pass took tanh, the checkpointed forward sigmoid, its recomputation tanh: they part at op 2.
+    assert (region.name, region.cause) == ("blocks.1", "python_state")
+    assert region.first_divergent_op == ("aten.sigmoid.default", 2)
+    assert region.max_abs_diff == math.inf
+    assert report.diverged
+
+
+def test_a_failing_recomputation_is_named_and_its_error_kept():
+    _, report = attributed(FailingRecomputeBlock)
+    assert report.error == "RuntimeError: call 3 of FailingRecomputeBlock"
+    assert report.regions[1].cause == "python_state"
+    assert report.regions[1].diverged
+    assert _active_observer.get() is None
+
+
+def test_a_module_called_twice_is_one_region_with_every_call_compared():
+    torch.manual_seed(0)
+    shared = DropoutBlock()
+    model = nn.Sequential(nn.Linear(8, 8), shared, shared, nn.Linear(8, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["1"], preserve_rng_state=False))
+    x, y = batch()
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    (region,) = report.regions
+    assert (region.name, region.ops_compared, region.cause) == ("1", 12, "rng_not_preserved")
+
+
+def test_attribution_leaves_every_stream_and_the_next_step_as_without_it():
+    def next_step(attribution: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, float, float]:
+        model = stack_with(NumpyNoiseBlock)
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+        torch.manual_seed(3)
+        np.random.seed(3)
+        random.seed(3)
+        x, y = batch()
+        report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=attribution)
+        assert len(report.regions) == (3 if attribution else 0)
+        x, y = batch(seed=4)
+        F.mse_loss(model(x), y).backward()
+        grads = {name: param.grad for name, param in model.named_parameters() if param.grad is not None}
+        return grads, torch.rand(3), float(np.random.rand()), random.random()
+
+    with_grads, *with_streams = next_step(attribution=True)
+    without_grads, *without_streams = next_step(attribution=False)
+    assert with_grads.keys() == without_grads.keys()
+    assert all(torch.equal(with_grads[name], without_grads[name]) for name in with_grads)
+    assert torch.equal(with_streams[0], without_streams[0])
+    assert with_streams[1:] == without_streams[1:]
+
+
+def test_buffers_are_restored_after_attribution_found_a_mutation():
+    model = stack_with(BatchNormBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"], protect_buffers=False))
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    x, y = batch()
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    assert len(report.buffer_mutations) == 3
+    assert all(torch.equal(before[name], buffer) for name, buffer in model.named_buffers())
+
+
+def test_forward_copies_are_held_only_until_their_region_is_recomputed():
+    model = stack_with(DropoutBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    observer = _Attribution(model)
+    x, y = batch()
+    with observer.observing():
+        loss = F.mse_loss(model(x), y)
+        held = [out for call in observer.calls for op in call.ops for out in op.outputs if out is not None]
+        # Plain blocks: addmm, tanh, add; the dropout block: addmm, relu, bernoulli_, div_, mul, add (t is a view,
+        # empty_like uninitialised memory).
+        assert len(held) == 3 + 6 + 3
+        torch.autograd.grad(loss, list(model.parameters()))
+    assert [call.recomputed for call in observer.calls] == [True] * 3
+    assert all(op.outputs == [] and op.inputs == [] for call in observer.calls for op in call.ops)
+    assert _active_observer.get() is None
+
+
+def test_the_catalogue_has_a_hint_per_cause():
+    assert set(CAUSE_HINTS) == {*CATALOGUE, "buffer_mutation"}
+    assert all(hint.endswith(".") for hint in CAUSE_HINTS.values())
+    fixes = {
+        "rng_not_preserved": "`preserve_rng_state=True`",
+        "host_rng": "`preserve_host_rng=True`",
+        "buffer_mutation": "`protect_buffers=True`",
+        "nondeterministic_kernel": "`torch.use_deterministic_algorithms(True)`",
+    }
+    assert all(fix in CAUSE_HINTS[cause] for cause, fix in fixes.items())
+
+
+def fit_monitored(tmp_path, monitor, block="DropoutBlock", **config):
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[block], **config))
+    logger = CSVLogger(tmp_path)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=2, callbacks=[monitor], strategy=strategy, logger=logger))
+    trainer.fit(StackModule(block=block))
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        return [{key: value for key, value in row.items() if value} for row in csv.DictReader(file)]
+
+
+def test_monitor_logs_diverging_regions_and_warns_with_region_op_and_hint(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"Region `model\.blocks\.\d` diverged at") as record:
+        rows = fit_monitored(tmp_path, monitor, preserve_rng_state=False)
+    (message,) = [str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning)]
+    assert "at `aten.bernoulli_.float` (op 4 of the region)" in message
+    assert f"cause rng_not_preserved: {CAUSE_HINTS['rng_not_preserved']}" in message
+    checked = [row for row in rows if "recompute/grad_divergence" in row]
+    assert [row["step"] for row in checked] == ["0", "1"]
+    region_metrics = sorted(key for key in checked[0] if key.startswith("recompute/regions/"))
+    assert region_metrics == [f"recompute/regions/model.blocks.{i}/max_abs_diff" for i in range(3)]
+    assert all(float(checked[0][key]) > 0 for key in region_metrics)
+    assert "recompute/noise_floor" not in checked[0]
+
+
+def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True)
+    with pytest.warns(LightningCkptDeterminismWarning, match="this rank's gradients agree. Region `model.blocks"):
+        rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
+    assert [entry["diverged"] for entry in monitor.history] == [True, True]
+    assert monitor.last_report is not None
+    assert monitor.last_report.grad_divergence == 0.0
+    assert "model.blocks.0.norm.running_mean" in monitor.last_report.buffer_mutations
+    checked = [row for row in rows if "recompute/grad_divergence" in row]
+    assert [float(row["recompute/noise_floor"]) for row in checked] == [0.0, 0.0]
+    assert float(checked[0]["recompute/regions/model.blocks.0/max_abs_diff"]) == 0.0
+
+
+def test_monitor_without_attribution_checks_gradients_only(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1, attribution=False, on_divergence="ignore")
+    rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
+    assert [entry["diverged"] for entry in monitor.history] == [False, False]
+    assert monitor.last_report is not None
+    assert monitor.last_report.regions == []
+    assert not any(key.startswith("recompute/regions/") for row in rows for key in row)
+
+
+def test_monitor_validates_its_attribution_arguments():
+    with pytest.raises(ValueError, match="`attribution` must be True or False, got 'yes'"):
+        RecomputationMonitor(attribution="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`calibrate_noise` must be True or False, got 1"):
+        RecomputationMonitor(calibrate_noise=1)  # type: ignore[arg-type]

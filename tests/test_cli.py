@@ -1,0 +1,242 @@
+import json
+import math
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from lightning_ckpt_determinism import CAUSE_HINTS
+from lightning_ckpt_determinism.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "configs"
+GPT_CONFIG = CONFIGS / "gpt_blocks_by_name.yaml"
+GPT_CLASSES = ["--model", "examples.gpt.GPTModule", "--data", "examples.gpt.SyntheticTokensDataModule"]
+# Where each broken config puts its defect.
+BROKEN_REGION = {
+    "rng_not_preserved": "blocks.1",
+    "host_rng": "blocks.2",
+    "buffer_mutation": "blocks.1",
+    "shape_change": "blocks.1",
+    "python_state": "blocks.3",
+    "nondeterministic_kernel": "blocks.0",
+}
+HEADER = ["region", "verdict", "cause", "max diff", "first divergent op", "hint"]
+
+
+@pytest.fixture(autouse=True)
+def _no_exported_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The audit seeds through LightningCLI, which exports the seed to the environment.
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
+def audit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["audit", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table(out: str) -> dict[str, dict[str, str]]:
+    """The printed table as ``{region: {column: cell}}``, after checking its header."""
+    lines = out.splitlines()
+    assert re.split(r"\s{2,}", lines[0]) == HEADER
+    rows = {}
+    for line in lines[1:]:
+        if line.startswith("gradients:"):
+            break
+        cells = re.split(r"\s{2,}", line)
+        rows[cells[0]] = dict(zip(HEADER, cells, strict=True))
+    return rows
+
+
+def test_subprocess_audit_of_a_broken_config_prints_the_table_writes_json_and_exits_1(tmp_path):
+    report = tmp_path / "audit.json"
+    command = ["-m", "lightning_ckpt_determinism", "audit", "--config", "examples/configs/broken_host_rng.yaml"]
+    result = subprocess.run(
+        [sys.executable, *command, "--json", str(report)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    rows = table(result.stdout)
+    assert list(rows) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert rows["blocks.2"]["verdict"] == "diverged"
+    assert rows["blocks.2"]["cause"] == "host_rng"
+    assert rows["blocks.2"]["first divergent op"] == "aten.mul.Tensor (op 3)"
+    assert rows["blocks.2"]["hint"] == CAUSE_HINTS["host_rng"]
+    assert [rows[name]["verdict"] for name in ("blocks.0", "blocks.1", "blocks.3")] == ["ok"] * 3
+    assert result.stdout.splitlines()[-1] == "result: 1 of 4 checkpointed regions diverged: blocks.2"
+    written = json.loads(report.read_text())
+    assert written["config"] == "examples/configs/broken_host_rng.yaml"
+    assert (written["device"], written["batches"], written["diverged"]) == ("cpu", 1, True)
+    assert [region["verdict"] for region in written["regions"]] == ["ok", "ok", "diverged", "ok"]
+    assert written["regions"][2]["first_divergent_op"] == ["aten.mul.Tensor", 3]
+    assert written["checks"][0]["regions"][2]["cause"] == "host_rng"
+
+
+def test_the_console_script_is_the_cli_main():
+    (script,) = [entry for entry in entry_points(group="console_scripts") if entry.name == "lightning-ckpt-determinism"]
+    assert script.load() is main
+
+
+@pytest.mark.parametrize("cause", sorted(CAUSE_HINTS))
+def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys):
+    path = CONFIGS / f"broken_{cause}.yaml"
+    lines = path.read_text().splitlines()
+    assert lines[0] == f"# python -m lightning_ckpt_determinism audit --config examples/configs/broken_{cause}.yaml"
+    assert lines[1].startswith("# Broken ")
+    code, out, err = audit(capsys, "--config", str(path))
+    assert code == 1, err
+    rows = table(out)
+    diverged = [name for name, row in rows.items() if row["verdict"] == "diverged"]
+    assert diverged == [BROKEN_REGION[cause]]
+    row = rows[BROKEN_REGION[cause]]
+    assert (row["cause"], row["hint"]) == (cause, CAUSE_HINTS[cause])
+    assert all(other["cause"] == "-" for name, other in rows.items() if name not in diverged)
+    assert out.splitlines()[-1] == f"result: 1 of 4 checkpointed regions diverged: {BROKEN_REGION[cause]}"
+
+
+def test_a_clean_config_exits_0_and_its_json_says_so(capsys, tmp_path):
+    report = tmp_path / "clean.json"
+    code, out, err = audit(capsys, "--config", str(GPT_CONFIG), "--json", str(report))
+    assert code == 0, err
+    rows = table(out)
+    # every_n: 2 checkpoints blocks 1 and 3; their selective checkpointing keeps the matmuls.
+    assert {name: row["verdict"] for name, row in rows.items()} == {"model.blocks.1": "ok", "model.blocks.3": "ok"}
+    assert "grad_divergence up to 0 over 1 batch (tolerance 0)" in out
+    assert out.splitlines()[-1] == "result: none of the 2 checkpointed regions diverged"
+    written = json.loads(report.read_text())
+    assert (written["diverged"], written["batches"], written["buffer_mutations"]) == (False, 1, [])
+    assert written["checks"][0]["grad_divergence"] == 0.0
+    assert all(region["ops_compared"] > 0 and region["cause"] is None for region in written["regions"])
+
+
+def test_batches_are_checked_in_turn_and_summed_up_per_region(capsys, tmp_path):
+    report = tmp_path / "three.json"
+    config = str(CONFIGS / "broken_python_state.yaml")
+    code, out, _ = audit(capsys, "--config", config, "--batches", "3", "--json", str(report))
+    assert code == 1
+    assert " over 3 batches (tolerance 0)" in out
+    written = json.loads(report.read_text())
+    assert len(written["checks"]) == written["batches"] == 3
+    assert [region["batches_diverged"] for region in written["regions"]] == [0, 0, 0, 3]
+    per_batch = [check["regions"][3]["max_abs_diff"] for check in written["checks"]]
+    assert written["regions"][3]["max_abs_diff"] == max(per_batch) > 0.0
+    assert written["regions"][3]["ops_compared"] == 3 * written["checks"][0]["regions"][3]["ops_compared"]
+
+
+def test_calibrated_noise_tolerates_the_non_deterministic_kernel(capsys):
+    config = CONFIGS / "broken_nondeterministic_kernel.yaml"
+    code, out, err = audit(capsys, "--config", str(config), "--calibrate-noise")
+    assert code == 0, err
+    row = table(out)["blocks.0"]
+    assert (row["verdict"], row["cause"]) == ("noise", "nondeterministic_kernel")
+    floor = float(re.search(r"noise floor ([0-9.e+-]+)\)", out).group(1))  # type: ignore[union-attr]
+    assert 0.0 < floor < 1e-5
+    assert out.splitlines()[-1] == (
+        "result: none of the 4 checkpointed regions diverged (1 differ within the noise floor)"
+    )
+
+
+def test_json_reports_buffer_mutations_errors_and_infinities(capsys, tmp_path):
+    report = tmp_path / "buffers.json"
+    code, out, _ = audit(capsys, "--config", str(CONFIGS / "broken_buffer_mutation.yaml"), "--json", str(report))
+    assert code == 1
+    buffers = ["blocks.1.norm.running_mean", "blocks.1.norm.running_var", "blocks.1.norm.num_batches_tracked"]
+    assert f"buffers changed by recomputation: {', '.join(buffers)}" in out
+    written = json.loads(report.read_text())
+    assert written["buffer_mutations"] == buffers
+    assert written["checks"][0]["grad_divergence"] == 0.0
+    assert written["checks"][0]["diverged"] is False
+
+    report = tmp_path / "shape.json"
+    code, out, _ = audit(capsys, "--config", str(CONFIGS / "broken_shape_change.yaml"), "--json", str(report))
+    assert code == 1
+    assert table(out)["blocks.0"]["verdict"] == "unchecked"  # backward stopped where torch raised
+    written = json.loads(report.read_text())
+    assert written["checks"][0]["grad_divergence"] == "inf"
+    assert written["regions"][1]["max_abs_diff"] == "inf"
+    assert written["checks"][0]["error"].startswith("CheckpointError: torch.utils.checkpoint")
+    assert math.isinf(float(written["checks"][0]["max_abs_diff"]))
+
+
+def write_config(tmp_path: Path, name: str, strategy: str, model: str = "examples.broken.BrokenModule") -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"trainer:\n  accelerator: cpu\n  strategy:\n{strategy}\nmodel:\n  class_path: {model}\n"
+        "data:\n  class_path: examples.broken.SyntheticRegression\n"
+    )
+    return path
+
+
+CHECKPOINTING = (
+    "    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+    "    init_args:\n      checkpointing:\n        classes: [{classes}]"
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", r"error: `--config` 'missing\.yaml' is not a file"),
+        ("no_class_path", r"error: `model` in .*classless\.yaml names no class: give it `class_path"),
+        ("plain_strategy", r"is SingleDeviceStrategy, which applies no activation checkpointing"),
+        ("unknown_model", r"cannot be loaded: .*examples\.broken\.Nope"),
+        ("selects_nothing", r"error: `CheckpointingConfig` matches no module of BrokenModule"),
+        ("bad_json_path", r"error: `--json` '.*no_dir/out\.json' cannot be written"),
+        ("zero_batches", r"argument --batches: must be an integer >= 1, got '0'"),
+        ("no_command", r"the following arguments are required: command"),
+    ],
+)
+def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(case, message, capsys, tmp_path):
+    broken = str(CONFIGS / "broken_python_state.yaml")
+    argv = {
+        "missing": ["audit", "--config", "missing.yaml"],
+        "no_class_path": ["audit", "--config", str(write_classless_config(tmp_path))],
+        "plain_strategy": [
+            "audit",
+            "--config",
+            str(write_config(tmp_path, "plain", "    class_path: SingleDeviceStrategy")),
+        ],
+        "unknown_model": [
+            "audit",
+            "--config",
+            str(write_config(tmp_path, "unknown", CHECKPOINTING.format(classes="Block"), model="examples.broken.Nope")),
+        ],
+        "selects_nothing": [
+            "audit",
+            "--config",
+            str(write_config(tmp_path, "nothing", CHECKPOINTING.format(classes="Conv2d"))),
+        ],
+        "bad_json_path": ["audit", "--config", broken, "--json", str(tmp_path / "no_dir" / "out.json")],
+        "zero_batches": ["audit", "--config", broken, "--batches", "0"],
+        "no_command": [],
+    }[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def write_classless_config(tmp_path: Path) -> Path:
+    """A YAML for `LightningCLI(GPTModule, SyntheticTokensDataModule)`: `model` and `data` name no class."""
+    path = tmp_path / "classless.yaml"
+    path.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  strategy:\n"
+        + CHECKPOINTING.format(classes="Block")
+        + "\nmodel:\n  layers: 2\n  dim: 16\ndata:\n  batch_size: 4\n"
+    )
+    return path
+
+
+def test_model_and_data_options_name_the_classes_a_config_leaves_out(capsys, tmp_path):
+    code, out, err = audit(capsys, "--config", str(write_classless_config(tmp_path)), *GPT_CLASSES)
+    assert code == 0, err
+    assert out.splitlines()[-1] == "result: none of the 2 checkpointed regions diverged"
+
+
+def test_help_exits_0(capsys):
+    assert main(["audit", "--help"]) == 0
+    assert "--calibrate-noise" in capsys.readouterr().out
