@@ -94,7 +94,9 @@ def test_gpt_config_trains_with_checkpointing_applied(
         "--trainer.callbacks+=tests.helpers.CheckpointedModulesRecorder",
     ]
     cli = _run_train_main(monkeypatch, argv, run=True)
-    expected = list(select_modules(GPTModule(**yaml.safe_load(path.read_text())["model"]["init_args"]), _checkpointing_of(path)))
+    expected = list(
+        select_modules(GPTModule(**yaml.safe_load(path.read_text())["model"]["init_args"]), _checkpointing_of(path))
+    )
     assert expected
     assert all(isinstance(cli.model.get_submodule(name), Block) for name in expected)
     (recorder,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, CheckpointedModulesRecorder)]
