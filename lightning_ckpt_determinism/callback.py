@@ -21,6 +21,7 @@ from lightning_ckpt_determinism.wrapping import checkpointed_modules
 __all__ = ["RecomputationMonitor"]
 
 _DIVERGENCE_ACTIONS = ("warn", "raise", "ignore")
+_ATTRIBUTION_MODES = ("on_divergence", "always", "never")
 _LOGGED_REGIONS = 5
 _NAMED_REGIONS = 3
 
@@ -37,18 +38,19 @@ class RecomputationMonitor(Callback):
     rank checks its own batch without any gradient all-reduce; the logged values are the maximum over ranks and
     every rank takes the same decision.
 
-    With ``attribution`` the check also compares, op by op, what each checkpointed region recomputes with what
-    its forward produced: a region that differs (or whose buffers recomputation changed) counts as a divergence
-    even when the gradients agree, up to five diverging regions (worst first) are logged as
+    With attribution the check also compares, op by op, what each checkpointed region recomputes with what its
+    forward produced: a region that differs (or whose buffers recomputation changed) counts as a divergence even
+    when the gradients agree, up to five diverging regions (worst first) are logged as
     ``{log_prefix}/regions/{name}/max_abs_diff`` (this rank's values), and the warning names the region, the first
     differing op, the cause and what to change. With ``calibrate_noise`` the noise floor is logged as
     ``{log_prefix}/noise_floor``.
 
-    A check costs about two forward and backward passes of the step (see the README's Performance section);
-    ``calibrate_noise`` adds a third. ``attribution`` makes the check's checkpointed pass several times slower
-    (every op of the regions is observed from Python) and, during the check step only, holds a copy of the
-    regions' op outputs from forward until their recomputation: about the activation memory of the step without
-    checkpointing, which the check's reference pass needs anyway.
+    A check costs about two forward and backward passes of the step (1.7 steps measured, see the README's
+    Performance section); ``calibrate_noise`` adds a reference pass. Attribution observes every op of the regions
+    from Python (about three more steps measured) and, during the check step only, holds a copy of the regions'
+    op outputs from forward until their recomputation: about the activation memory of the step without
+    checkpointing, which the check's reference pass needs anyway. By default it runs only when the cheap check
+    diverged, on the same batch from the same state, so clean checks stay cheap.
 
     Args:
         every_n_steps: Check every this many optimizer steps; the first training step of a fit is always checked
@@ -62,8 +64,10 @@ class RecomputationMonitor(Callback):
             check suppressed. Required with manual optimization.
         log_prefix: Prefix of the logged metric names.
         history_size: How many recent results the callback keeps (and saves in checkpoints).
-        attribution: Attribute differences to regions, ops and causes (see above for the cost). Turn it off to make
-            checks cheaper; the warning then names parameters only.
+        attribution: When to attribute differences to regions, ops and causes (see above for the cost):
+            ``"on_divergence"`` reruns a check that diverged with attribution (decided on all ranks alike);
+            ``"always"`` attributes every check, which also catches buffer mutations that change no gradient;
+            ``"never"`` keeps to gradients, and the warning names parameters only.
         calibrate_noise: Run the reference pass twice per check and count only divergences above the measured
             noise floor, for non-deterministic kernels (GPU atomics) that differ from run to run by themselves.
 
@@ -90,7 +94,7 @@ class RecomputationMonitor(Callback):
         loss_fn: Callable[[pl.LightningModule, Any, int], torch.Tensor] | None = None,
         log_prefix: str = "recompute",
         history_size: int = 32,
-        attribution: bool = True,
+        attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
         calibrate_noise: bool = False,
     ) -> None:
         super().__init__()
@@ -106,9 +110,10 @@ class RecomputationMonitor(Callback):
             raise ValueError("`log_prefix` must be a non-empty string, got ''.")
         if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
             raise ValueError(f"`history_size` must be an integer >= 1, got {history_size!r}.")
-        for name, value in (("attribution", attribution), ("calibrate_noise", calibrate_noise)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        if attribution not in _ATTRIBUTION_MODES:
+            raise ValueError(f"`attribution` can be {', '.join(_ATTRIBUTION_MODES)}, got {attribution!r}.")
+        if not isinstance(calibrate_noise, bool):
+            raise ValueError(f"`calibrate_noise` must be True or False, got {calibrate_noise!r}.")
         self.every_n_steps = every_n_steps
         self.tolerance = float(tolerance)
         self.on_divergence = on_divergence
@@ -194,17 +199,28 @@ class RecomputationMonitor(Callback):
                 return loss_fn(pl_module, batch, batch_idx)
             return training_step_loss(pl_module, batch, batch_idx)
 
-        try:
+        def check(attribution: bool) -> RecomputationReport:
             with trainer.strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
                 return check_recomputation(
                     pl_module,
                     closure,
                     tolerance=self.tolerance,
-                    attribution=self.attribution,
+                    attribution=attribution,
                     calibrate_noise=self.calibrate_noise,
                 )
+
+        try:
+            report = check(attribution=self.attribution == "always")
+            # Every rank reruns or none does: a rerun's forward may hold collectives (SyncBatchNorm).
+            if self.attribution == "on_divergence" and trainer.strategy.reduce_boolean_decision(
+                report.diverged, all=False
+            ):
+                attributed = check(attribution=True)
+                # A difference that changes from pass to pass may not come back; the first finding stands then.
+                report = attributed if attributed.diverged else report
         except SkippedStep:
             return None
+        return report
 
     def _record(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int, report: RecomputationReport
@@ -238,7 +254,7 @@ class RecomputationMonitor(Callback):
         )
         if not diverged or self.on_divergence == "ignore":
             return
-        message = _divergence_message(step, divergence, max_abs_diff, report)
+        message = _divergence_message(step, divergence, max_abs_diff, report, self.attribution)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
         # One warning per kind of finding; the metric carries every check's numbers.
@@ -251,7 +267,9 @@ class RecomputationMonitor(Callback):
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
 
 
-def _divergence_message(step: int, divergence: float, max_abs_diff: float, report: RecomputationReport) -> str:
+def _divergence_message(
+    step: int, divergence: float, max_abs_diff: float, report: RecomputationReport, attribution: str
+) -> str:
     if report.error:
         local = f"recomputation failed on this rank: {report.error}"
     elif report.worst_parameters:
@@ -277,7 +295,15 @@ def _divergence_message(step: int, divergence: float, max_abs_diff: float, repor
             " because something changed between the check's two passes, such as Python state a module updates in"
             " forward (a counter)."
         )
-    advice = "" if report.regions else " Turn on `attribution` to be told which region and op."
+    if report.regions:
+        advice = ""
+    elif attribution == "never":
+        advice = " Set `attribution` to be told which region and op."
+    else:
+        advice = (
+            " A rerun with attribution on the same batch did not diverge: the difference changes from pass to pass,"
+            " as Python state read in forward (a counter) does."
+        )
     return (
         f"{message} Something in a checkpointed module differs between forward and recomputation: dropout with"
         " `preserve_rng_state=False`, NumPy or `random` without `preserve_host_rng=True`, buffers without"

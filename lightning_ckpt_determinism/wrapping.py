@@ -130,12 +130,14 @@ class _CheckpointedForward:
 
     def _context_fn(self) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]:
         observer = _active_observer.get()
-        if not (self.config.preserve_host_rng or self.config.protect_buffers or self._save_ops or observer):
+        # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
+        protect_buffers = self.config.protect_buffers and next(self.module.buffers(), None) is not None
+        if not (self.config.preserve_host_rng or protect_buffers or self._save_ops or observer):
             return noop_context_fn
-        return partial(self._make_contexts, observer)
+        return partial(self._make_contexts, observer, protect_buffers)
 
     def _make_contexts(
-        self, observer: _RegionObserver | None
+        self, observer: _RegionObserver | None, protect_buffers: bool
     ) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         forward: list[AbstractContextManager[Any]] = []
         recompute: list[AbstractContextManager[Any]] = []
@@ -143,7 +145,7 @@ class _CheckpointedForward:
             replay = _HostRNGReplay()
             forward.append(replay.capture())
             recompute.append(replay.replay())
-        if self.config.protect_buffers:
+        if protect_buffers:
             recompute.append(_protected_buffers(self.module))
         if self._save_ops:
             save_ops = self._save_ops

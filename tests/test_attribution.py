@@ -326,7 +326,7 @@ def test_monitor_logs_diverging_regions_and_warns_with_region_op_and_hint(tmp_pa
 
 
 def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
-    monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True)
+    monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True, attribution="always")
     with pytest.warns(LightningCkptDeterminismWarning, match="this rank's gradients agree. Region `model.blocks"):
         rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
     assert [entry["diverged"] for entry in monitor.history] == [True, True]
@@ -338,8 +338,23 @@ def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
     assert float(checked[0]["recompute/regions/model.blocks.0/max_abs_diff"]) == 0.0
 
 
+def test_monitor_by_default_attributes_only_checks_that_diverged(tmp_path):
+    clean = RecomputationMonitor(every_n_steps=1)
+    fit_monitored(tmp_path / "clean", clean, block="BatchNormBlock")
+    assert clean.last_report is not None
+    assert clean.last_report.regions == []
+    unprotected = RecomputationMonitor(every_n_steps=1)
+    fit_monitored(tmp_path / "unprotected", unprotected, block="BatchNormBlock", protect_buffers=False)
+    assert unprotected.last_report is not None
+    assert unprotected.last_report.regions == []  # gradients agree, so no rerun: `always` catches this one
+    diverging = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+    fit_monitored(tmp_path / "diverging", diverging, preserve_rng_state=False)
+    assert diverging.last_report is not None
+    assert [region.cause for region in diverging.last_report.regions] == ["rng_not_preserved"] * 3
+
+
 def test_monitor_without_attribution_checks_gradients_only(tmp_path):
-    monitor = RecomputationMonitor(every_n_steps=1, attribution=False, on_divergence="ignore")
+    monitor = RecomputationMonitor(every_n_steps=1, attribution="never", on_divergence="ignore")
     rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
     assert [entry["diverged"] for entry in monitor.history] == [False, False]
     assert monitor.last_report is not None
@@ -348,7 +363,7 @@ def test_monitor_without_attribution_checks_gradients_only(tmp_path):
 
 
 def test_monitor_validates_its_attribution_arguments():
-    with pytest.raises(ValueError, match="`attribution` must be True or False, got 'yes'"):
-        RecomputationMonitor(attribution="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`attribution` can be on_divergence, always, never, got True"):
+        RecomputationMonitor(attribution=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="`calibrate_noise` must be True or False, got 1"):
         RecomputationMonitor(calibrate_noise=1)  # type: ignore[arg-type]

@@ -113,11 +113,17 @@ def test_shape_change_is_reported_and_training_goes_on_in_warn_mode(tmp_path):
     module = StackModule(block="PlainBlock")
     module.model.blocks[1] = OnceReroutingBlock()
     monitor = RecomputationMonitor(every_n_steps=2)
-    with pytest.warns(LightningCkptDeterminismWarning, match="recomputation failed on this rank: CheckpointError"):
+    with pytest.warns(
+        LightningCkptDeterminismWarning, match="recomputation failed on this rank: CheckpointError"
+    ) as rec:
         trainer, _ = fit(tmp_path, module=module, monitor=monitor, block="OnceReroutingBlock", max_steps=4)
     assert trainer.global_step == 4
     assert [(entry["step"], entry["diverged"]) for entry in monitor.history] == [(0, True), (2, False)]
-    assert module.model.blocks[1].calls == 3 + 4 * 2 + 3
+    # The check at step 0 (3 calls) and its rerun with attribution (3 calls, no longer rerouting), four steps of
+    # forward and recomputation, the check at step 2.
+    assert module.model.blocks[1].calls == 3 + 3 + 4 * 2 + 3
+    (message,) = [str(w.message) for w in rec if issubclass(w.category, LightningCkptDeterminismWarning)]
+    assert "A rerun with attribution on the same batch did not diverge" in message
 
 
 def test_metric_is_written_to_tensorboard(tmp_path):
