@@ -1,0 +1,162 @@
+"""What the benchmarks share: the model size, the GPT variants, one training step and timing statistics."""
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from examples.gpt import GPT
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The GPT's shape and the batch it trains on.
+
+    Args:
+        layers: Transformer blocks.
+        dim: Width of the residual stream (``h`` in Korthikanti et al.).
+        heads: Attention heads (``a``).
+        seq_len: Tokens per sequence (``s``).
+        batch_size: Sequences per batch (``b``).
+        vocab_size: Distinct tokens.
+        dropout: Dropout probability everywhere in the model.
+    """
+
+    layers: int
+    dim: int
+    heads: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int
+    dropout: float = 0.1
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the blocks: plainly, checkpointed by hand, or by this package with ``config``.
+
+    Args:
+        name: The name the table and the JSON use.
+        hand: Checkpoint every block with a hand-written loop (:class:`HandCheckpointedGPT`).
+        config: Apply this package's checkpointing with this config.
+    """
+
+    name: str
+    hand: bool = False
+    config: CheckpointingConfig | None = None
+
+
+class HandCheckpointedGPT(GPT):
+    """:class:`examples.gpt.GPT` whose forward checkpoints each block by hand, as one writes it without the package."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln_f(x))
+
+
+def build_model(size: ModelSize, variant: Variant, device: torch.device, layers: int | None = None) -> GPT:
+    """A GPT of ``size`` on ``device`` set up as ``variant`` says, with the same weights for every variant.
+
+    Args:
+        size: The model's shape.
+        variant: How to checkpoint its blocks.
+        device: Where the model lives.
+        layers: Override ``size.layers`` (``0`` gives the model without blocks that memory figures subtract).
+    """
+    torch.manual_seed(0)
+    model_class = HandCheckpointedGPT if variant.hand else GPT
+    depth = size.layers if layers is None else layers
+    model = model_class(size.vocab_size, size.seq_len, size.dim, size.heads, depth, size.dropout).to(device)
+    if variant.config is not None:
+        apply_activation_checkpointing(model, variant.config)
+    return model
+
+
+def make_batch(size: ModelSize, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One seeded batch of input tokens and next-token targets."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(size.vocab_size, (size.batch_size, size.seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def lm_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``model`` on one batch."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer every timed step uses."""
+    return torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """Forward, backward and optimizer step."""
+    lm_loss(model, inputs, targets).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer reads the time the work took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_times(
+    functions: Mapping[str, Callable[[], object]], rounds: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Time each function once per round, round-robin, rotating the order every round.
+
+    Rotating keeps any variant from always running right after the same other one (caches, allocator state,
+    CPU frequency), and interleaving makes slow drift of a shared machine hit every variant alike. Round ``r``
+    of each list is measured within seconds of round ``r`` of the others, so per-round ratios pair them.
+
+    Args:
+        functions: What to time, by name.
+        rounds: Timed rounds.
+        warmup: Untimed rounds first (allocator, kernels, optimizer state).
+        device: Synchronized before and after each call.
+
+    Returns:
+        Seconds per call, by name, one entry per timed round.
+    """
+    names = list(functions)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(warmup + rounds):
+        shift = index % len(names)
+        gc.collect(1)  # the young generations, where a step's garbage cycles are, outside the timed calls
+        for name in names[shift:] + names[:shift]:
+            synchronize(device)
+            start = time.perf_counter()
+            functions[name]()
+            synchronize(device)
+            elapsed = time.perf_counter() - start
+            if index >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles, extremes and count of ``samples``."""
+    if len(samples) == 1:
+        q1 = median = q3 = samples[0]
+    else:
+        q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return {"median": median, "q1": q1, "q3": q3, "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    """Round-by-round ratios of two interleaved series."""
+    return [a / b for a, b in zip(numerator, denominator, strict=True)]

@@ -1,0 +1,167 @@
+"""The benchmark runs at its smallest size so it cannot rot; its values are checked for sanity, never for speed."""
+
+import contextlib
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import memory
+from benchmarks.common import ModelSize
+from benchmarks.run import main
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_VARIANTS = ["none", "hand-written", "package", "package +host_rng"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """The JSON and the printed table of one ``--size tiny`` run."""
+    path = tmp_path_factory.mktemp("benchmarks") / "tiny.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--size", "tiny", "--json", str(path)]) == 0
+    return json.loads(path.read_text()), printed.getvalue()
+
+
+def _finite_positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _sane_summary(stats: dict[str, float]) -> bool:
+    return all(_finite_positive(stats[key]) for key in ("min", "q1", "median", "q3", "max")) and (
+        stats["min"] <= stats["q1"] <= stats["median"] <= stats["q3"] <= stats["max"]
+    )
+
+
+def test_tiny_run_writes_every_section(tiny: tuple[dict[str, Any], str]) -> None:
+    result, _ = tiny
+    assert {"step_time", "memory", "check_cost", "lightning", "goals", "notes", "machine", "size"} <= set(result)
+    assert result["command"].startswith("python benchmarks/run.py --size tiny")
+    assert result["size"] == {
+        "layers": 2,
+        "dim": 16,
+        "heads": 2,
+        "seq_len": 8,
+        "batch_size": 2,
+        "vocab_size": 16,
+        "dropout": 0.1,
+    }
+    machine = result["machine"]
+    assert machine["torch"] == torch.__version__
+    assert machine["torch_threads"] == torch.get_num_threads()
+    assert machine["cores"] >= 1 and machine["cpu"]
+    assert result["wall_s"] > 0
+
+
+def test_step_times_and_ratios_are_finite_and_positive(tiny: tuple[dict[str, Any], str]) -> None:
+    steps = tiny[0]["step_time"]
+    assert list(steps["variants"]) == STEP_VARIANTS
+    assert all(_sane_summary(stats) and stats["n"] == 3 for stats in steps["variants"].values())
+    assert {"package/hand-written", "package +host_rng/hand-written", "hand-written/none", "package/none"} <= set(
+        steps["ratios"]
+    )
+    assert all(_sane_summary(stats) for stats in steps["ratios"].values())
+
+
+def test_memory_orders_the_variants_and_matches_the_analytical_figures(tiny: tuple[dict[str, Any], str]) -> None:
+    mem = tiny[0]["memory"]
+    assert mem["save_ops"] == ["aten.addmm", "aten.bmm"]
+    variants = mem["variants"]
+    held = {name: entry["held_bytes_per_block"] for name, entry in variants.items()}
+    save_ops = "save_ops=aten.addmm,aten.bmm"
+    assert held["none"] > held["every_n=2"] > held["full"] > 0
+    assert held["full"] < held[save_ops] < held["none"]
+    assert held["hand-written full"] == held["full"]
+    # The example GPT has the paper's layout, so the counted bytes equal the converted formula exactly.
+    assert all(entry["held_bytes_per_block"] == entry["analytical_bytes_per_block"] for entry in variants.values())
+    # The selective-checkpointing cache bypasses saved-tensor hooks: only the held column sees it.
+    assert variants[save_ops]["saved_bytes_per_block"] == held["full"]
+    assert all(variants[name]["saved_bytes_per_block"] == held[name] for name in held if name != save_ops)
+    assert mem["element_bytes"] == 4 and mem["mask_element_bytes"] == 4
+    assert mem["korthikanti_16bit_bytes_per_layer"] == {"none": 8 * 2 * 16 * (34 + 5 * 2 * 8 / 16), "full": 512}
+
+
+def test_check_cost_and_lightning_throughput_are_reported(tiny: tuple[dict[str, Any], str]) -> None:
+    result = tiny[0]
+    cost, run = result["check_cost"], result["lightning"]
+    for name in ("step", "check", "check/step", "check_attribution", "check_attribution/step"):
+        assert _sane_summary(cost[name]), name
+    assert math.isfinite(cost["attribution_adds/step"]["median"])
+    assert cost["max_grad_divergence"] == 0.0
+    assert run["monitor_defaults"]["attribution"] == "on_divergence"
+    assert list(run["runs"]) == ["without monitor", "monitor", "monitor attribution='always'"]
+    for runs in run["runs"].values():
+        assert _sane_summary(runs["median"]) and _sane_summary(runs["wall"])
+    # No check diverges, so the default monitor runs the check without attribution, and 'always' the one with it.
+    check_cost = {"monitor": "check/step", "monitor attribution='always'": "check_attribution/step"}
+    assert list(run["ratios"]) == list(check_cost)
+    for name, ratio in run["ratios"].items():
+        assert all(_sane_summary(ratio[kind]) for kind in ("median", "wall", "in_run"))
+        assert ratio["expected"] == pytest.approx(1 / (1 + cost[check_cost[name]]["median"] / 2))
+    assert run["ratios"]["monitor"]["monitor_kwargs"] == {"every_n_steps": 2}
+    assert run["ratios"]["monitor attribution='always'"]["monitor_kwargs"] == {
+        "every_n_steps": 2,
+        "attribution": "always",
+    }
+    assert (run["every_n_steps"], run["warmup_steps"], run["measured_steps"]) == (2, 2, 4)
+    assert run["checks_per_run"] == 3  # steps 0, 2 and 4
+    assert run["max_grad_divergence"] == 0.0
+
+
+def test_goals_and_table(tiny: tuple[dict[str, Any], str]) -> None:
+    result, printed = tiny
+    assert [goal["goal"] for goal in result["goals"]] == ["<= 1.03", "<= 1.03", "<= 2.0", ">= 0.97"]
+    assert result["goals"][-1]["name"] == "throughput monitor/without"
+    always = result["lightning"]["ratios"]["monitor attribution='always'"]["in_run"]["median"]
+    assert f"throughput monitor attribution='always'/without: {always:.3f} (no goal)" in printed
+    assert all(isinstance(goal["met"], bool) and _finite_positive(goal["value"]) for goal in result["goals"])
+    for heading in ("1. Step time", "2. Activation memory", "3. Recomputation check", "Goals:", "Notes:"):
+        assert heading in printed
+    assert result["machine"]["cpu"] in printed
+    assert "JSON written to" in printed
+
+
+def test_analytical_figures_reproduce_the_paper() -> None:
+    size = ModelSize(layers=1, dim=64, heads=4, seq_len=32, batch_size=2, vocab_size=8)
+    s, b, h, a = 32, 2, 64, 4
+    assert memory.bytes_without_recomputation(size, 2, 1) == s * b * h * (34 + 5 * a * s / h)
+    assert memory.bytes_with_full_recomputation(size, 2) == 2 * s * b * h
+    assert memory.bytes_without_recomputation(size, 4, 4) == 4 * s * b * h * 18 + 4 * 3 * a * s * s * b
+    assert memory.layout_extra_bytes(size) == 16 * s * b + s * s
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dim", "10", "--heads", "3"], "`--dim` must be divisible by `--heads`"),
+        (["--layers", "1"], "`--layers` must be at least 2, got 1"),
+        (["--device", "tpu"], "`--device` must be 'cpu' or 'cuda'"),
+    ],
+)
+def test_invalid_arguments_are_rejected(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="2"):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no CUDA GPU is present")
+def test_cuda_without_gpu_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="2"):
+        main(["--device", "cuda"])
+    assert "`--device cuda` needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_script_entry_point() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--size {default,tiny}" in done.stdout
+    assert "--json PATH" in done.stdout
