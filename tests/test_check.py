@@ -200,3 +200,17 @@ def test_gradient_divergence_non_finite_and_missing_values():
         gradient_divergence([torch.zeros(2)], [torch.zeros(3)])
     with pytest.raises(ValueError, match="as many gradients on both sides, got 1 and 2"):
         gradient_divergence([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_dropout_is_replayed_and_the_cuda_stream_continues_as_if_no_check_ran():
+    model = checked_stack(DropoutBlock).cuda()
+    x, y = (t.cuda() for t in batch())
+    torch.cuda.manual_seed(3)
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(3)
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y))
+    assert report.grad_divergence == 0.0
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+    unpreserved = checked_stack(DropoutBlock, preserve_rng_state=False).cuda()
+    assert check_recomputation(unpreserved, lambda: F.mse_loss(unpreserved(x), y)).diverged
