@@ -66,8 +66,9 @@ CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
             " function of the region's inputs only, or leave this module out of checkpointing."
         ),
         "python_state": (
-            "The forward reads Python state that changed before recomputation (a counter, a flag): compute it"
-            " outside the checkpointed module and pass it in, or change it only outside forward."
+            "The forward reads state that changed before recomputation (a Python counter or flag, or a buffer the"
+            " forward itself updates, such as a step count): compute it outside the checkpointed module and pass it"
+            " in, or change it only outside forward."
         ),
         "nondeterministic_kernel": (
             "A kernel returned other values for the same inputs: call `torch.use_deterministic_algorithms(True)`,"

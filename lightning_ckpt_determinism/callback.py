@@ -210,16 +210,21 @@ class RecomputationMonitor(Callback):
                 )
 
         try:
-            report = check(attribution=self.attribution == "always")
-            # Every rank reruns or none does: a rerun's forward may hold collectives (SyncBatchNorm).
-            if self.attribution == "on_divergence" and trainer.strategy.reduce_boolean_decision(
-                report.diverged, all=False
-            ):
-                attributed = check(attribution=True)
-                # A difference that changes from pass to pass may not come back; the first finding stands then.
-                report = attributed if attributed.diverged else report
+            report: RecomputationReport | None = check(attribution=self.attribution == "always")
         except SkippedStep:
+            report = None
+        # One collective on every rank, whatever happened locally, so that all ranks skip or all rerun alike (a
+        # rerun's forward may hold collectives, e.g. SyncBatchNorm).
+        flags = torch.tensor(
+            [float(report is None), float(report is not None and report.diverged)], device=pl_module.device
+        )
+        skipped_anywhere, diverged_anywhere = trainer.strategy.reduce(flags, reduce_op="max").tolist()
+        if report is None or skipped_anywhere > 0.0:
             return None
+        if self.attribution == "on_divergence" and diverged_anywhere > 0.0:
+            attributed = check(attribution=True)
+            # A difference that changes from pass to pass may not come back; the first finding stands then.
+            report = attributed if attributed.diverged else report
         return report
 
     def _record(

@@ -33,7 +33,9 @@ class CheckpointingConfig:
             layers that draw from NumPy or ``random``; costs one state copy per checkpointed call.
         protect_buffers: Recomputation never mutates module buffers: BatchNorm running statistics and
             ``num_batches_tracked`` are updated once per step, as without checkpointing. Costs a copy of the
-            region's buffers while it is recomputed.
+            region's buffers while it is recomputed (nothing for regions without buffers). Recomputation reads the
+            buffers as they are then: a buffer the forward both updates and reads (a step count) is seen updated,
+            which the check reports as ``python_state``; BatchNorm in training mode does not read its statistics.
         determinism_check: Passed to ``torch.utils.checkpoint`` (``"default"`` compares shapes, dtypes and devices
             of recomputed tensors; ``"none"`` skips it).
 

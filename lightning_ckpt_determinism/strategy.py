@@ -3,7 +3,9 @@
 from collections import Counter
 from typing import Any, ClassVar
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -31,8 +33,9 @@ class ActivationCheckpointingMixin:
     applied when the strategy sets up the model, after ``LightningModule.configure_model`` has run (so modules
     created there are covered) and after Lightning's own module conversions (``sync_batchnorm``, precision), then
     before the strategy wraps the model (DDP) or after it (strategies that set ``_checkpoint_after_wrapping``,
-    as FSDP requires). Module names in the config are relative to the LightningModule. Checkpointing applied by
-    the strategy is removed again at teardown, leaving the model as it was given.
+    as FSDP requires). Strategies that leave the wrapping to ``configure_model`` (``ModelParallelStrategy``) get
+    it at the end of their setup, when fitting. Module names in the config are relative to the LightningModule.
+    Checkpointing applied by the strategy is removed again at teardown, leaving the model as it was given.
 
     Args:
         checkpointing: Which submodules to checkpoint and how.
@@ -63,9 +66,19 @@ class ActivationCheckpointingMixin:
             )
         self.checkpointing = checkpointing
         self._applied_checkpointing: dict[str, nn.Module] = {}
+        self._model_set_up = False
         super().__init__(*args, **kwargs)
 
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self._model_set_up = False
+        super().setup(trainer)  # type: ignore[misc]
+        if not self._model_set_up and trainer.state.fn == TrainerFn.FITTING:
+            # Some strategies never call `_setup_model` (ModelParallelStrategy; FSDP with `configure_sharded_model`):
+            # the user's `configure_model` has wrapped the model already, so it is final once their setup returns.
+            self._checkpoint(self._select_for_checkpointing())
+
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        self._model_set_up = True
         selected = self._select_for_checkpointing()
         if self._checkpoint_after_wrapping:
             # The wrapper (FSDP) must own the modules before their forward is checkpointed; they were selected

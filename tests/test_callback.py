@@ -270,3 +270,24 @@ def test_check_runs_in_train_mode_under_the_trainers_precision_context(tmp_path)
     assert seen == [(True, True, torch.bfloat16, "cpu")] * 2
     assert monitor.last_report is not None
     assert monitor.last_report.grad_divergence == 0.0
+
+
+class SkipFirstBatchModule(StackModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches_seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.batches_seen.append(batch_idx)
+        return None if batch_idx == 0 else super().training_step(batch, batch_idx)
+
+
+def test_a_skipped_training_step_is_not_checked(tmp_path):
+    module = SkipFirstBatchModule()
+    monitor = RecomputationMonitor(every_n_steps=10)
+    fit(tmp_path, module=module, monitor=monitor, max_steps=2)
+    # Batch 0: the check's reference pass meets the skip (1 call), then the real step skips (Lightning still counts
+    # the step); batch 1, at global step 1: checked (reference and checkpointed pass), then trained.
+    assert module.batches_seen[:5] == [0, 0, 1, 1, 1]
+    assert [entry["step"] for entry in monitor.history] == [1]
+    assert monitor.last_report is not None and monitor.last_report.grad_divergence == 0.0

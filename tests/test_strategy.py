@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_ckpt_determinism import (
@@ -269,3 +270,27 @@ def test_ddp_strategy_trains_checkpointed_on_two_processes_and_equals_unchecked_
     # Different batches on each rank, yet the averaged gradients leave both with the same weights.
     assert ranks[0]["checkpointed"]["loss"] != ranks[1]["checkpointed"]["loss"]
     assert ranks[0]["checkpointed"]["final"] == ranks[1]["checkpointed"]["final"]
+
+
+class ModelParallelCheckpointingStrategy(ActivationCheckpointingMixin, ModelParallelStrategy):
+    """A strategy whose setup never calls `_setup_model`: `configure_model` does the wrapping."""
+
+
+class ConfiguredStackModule(StackModule):
+    def configure_model(self) -> None:
+        """ModelParallelStrategy requires the hook; this model needs no parallelism applied."""
+
+
+def test_mixin_applies_on_a_strategy_that_never_calls_setup_model(tmp_path):
+    recorder = CheckpointedModulesRecorder()
+    strategy = ModelParallelCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+    _fit(tmp_path, ConfiguredStackModule(), strategy, max_steps=2, callbacks=[recorder])
+    assert recorder.seen == [["model.blocks.0", "model.blocks.1", "model.blocks.2"]] * 2
+
+
+def test_mixin_rejects_a_config_matching_nothing_on_a_strategy_that_never_calls_setup_model(tmp_path):
+    recorder = CheckpointedModulesRecorder()
+    strategy = ModelParallelCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["NoSuchClass"]))
+    with pytest.raises(ValueError, match="`CheckpointingConfig` matches no module of ConfiguredStackModule"):
+        _fit(tmp_path, ConfiguredStackModule(), strategy, max_steps=2, callbacks=[recorder])
+    assert recorder.seen == []
