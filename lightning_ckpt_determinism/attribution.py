@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import CheckpointError, _StopRecomputationError
 
 from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, restore_host_rng
-from lightning_ckpt_determinism.wrapping import _observing, checkpointed_modules
+from lightning_ckpt_determinism.wrapping import _buffer_slots, _observing, checkpointed_modules
 
 __all__ = ["CAUSE_HINTS", "RegionReport"]
 
@@ -234,8 +234,7 @@ class _Call:
     def snapshot_buffers(self) -> None:
         with torch.no_grad():
             self.buffers_after_forward = [
-                (name, owner, key, buffer.clone())
-                for name, (owner, key, buffer) in _named_buffer_slots(self.module).items()
+                (name, owner, key, buffer.clone()) for name, (owner, key, buffer) in _buffer_slots(self.module).items()
             ]
 
     def mutated_buffers(self) -> list[str]:
@@ -556,15 +555,6 @@ def _same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         return False
     return _max_abs_difference(expected, actual) == 0.0
-
-
-def _named_buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    slots = {}
-    for prefix, owner in module.named_modules():
-        for key, buffer in owner._buffers.items():
-            if buffer is not None:
-                slots[f"{prefix}.{key}" if prefix else key] = (owner, key, buffer)
-    return slots
 
 
 def _same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:

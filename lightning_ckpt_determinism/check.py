@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.attribution import RegionReport, _Attribution, _elementwise_difference
 from lightning_ckpt_determinism.rng import capture_rng, restore_rng
-from lightning_ckpt_determinism.wrapping import checkpointed_modules, checkpointing_disabled
+from lightning_ckpt_determinism.wrapping import _buffer_slots, checkpointed_modules, checkpointing_disabled
 
 __all__ = ["RecomputationReport", "check_recomputation", "gradient_divergence"]
 
@@ -310,12 +310,10 @@ class _BufferSnapshot:
     """The buffer objects of a module and copies of their values."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._entries: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
-            for owner in module.modules():
-                for name, buffer in owner._buffers.items():
-                    if buffer is not None:
-                        self._entries.append((owner, name, buffer, buffer.clone()))
+            self._entries = [
+                (owner, key, buffer, buffer.clone()) for owner, key, buffer in _buffer_slots(module).values()
+            ]
 
     def restore(self) -> None:
         with torch.no_grad():

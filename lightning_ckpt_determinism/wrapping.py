@@ -196,14 +196,20 @@ class _HostRNGReplay:
             restore_host_rng(live)
 
 
+def _buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """Each buffer of ``module`` by its name, with the module that holds it and its key there."""
+    slots = {}
+    for prefix, owner in module.named_modules():
+        for key, buffer in owner._buffers.items():
+            if buffer is not None:
+                slots[f"{prefix}.{key}" if prefix else key] = (owner, key, buffer)
+    return slots
+
+
 @contextlib.contextmanager
 def _protected_buffers(module: nn.Module) -> Iterator[None]:
     """Let recomputation update copies of the region's buffers, never the buffers themselves."""
-    originals: list[tuple[nn.Module, str, torch.Tensor]] = []
-    for owner in module.modules():
-        for name, buffer in owner._buffers.items():
-            if buffer is not None:
-                originals.append((owner, name, buffer))
+    originals = list(_buffer_slots(module).values())
     try:
         with torch.no_grad():
             for owner, name, buffer in originals:
