@@ -1,6 +1,5 @@
 """Tiny seeded models shared by the tests, each with one way recomputation can differ from the forward."""
 
-import itertools
 import random
 from collections.abc import Callable
 
@@ -11,6 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from examples.broken import unordered_row_sum
 from lightning_ckpt_determinism import checkpointed_modules
 
 DIM = 8
@@ -258,35 +258,6 @@ class CounterScaleBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * self.calls))
-
-
-_row_sum_calls = itertools.count()
-
-
-@torch.library.custom_op("lckd_tests::unordered_row_sum", mutates_args=())
-def unordered_row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` summed first to last on one call, last to first on the next: a kernel that differs from itself."""
-    rows = list(range(x.shape[0]))
-    total = torch.zeros_like(x[0])
-    for row in rows if next(_row_sum_calls) % 2 else reversed(rows):
-        total = total + x[row]
-    return total
-
-
-@unordered_row_sum.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[1:])
-
-
-def _row_sum_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.input_shape = inputs[0].shape  # type: ignore[attr-defined]
-
-
-def _row_sum_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-    return grad.expand(ctx.input_shape).clone()  # type: ignore[attr-defined]
-
-
-unordered_row_sum.register_autograd(_row_sum_backward, setup_context=_row_sum_setup)
 
 
 class RowSumBlock(nn.Module):

@@ -94,7 +94,7 @@ CATALOGUE = {
         RowSumBlock,
         {},
         lambda: RowSumBlock(deterministic=True),
-        "lckd_tests.unordered_row_sum.default",
+        "lckd_examples.unordered_row_sum.default",
     ),
 }
 
