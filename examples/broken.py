@@ -5,7 +5,8 @@ others are plain. Each ``examples/configs/broken_<cause>.yaml`` checkpoints ever
 
     python -m lightning_ckpt_determinism audit --config examples/configs/broken_<cause>.yaml
 
-Some defects live in the model (host RNG, Python state, a data-dependent shape, a non-deterministic kernel), two
+Some defects live in the model (host RNG, Python state, a data-dependent shape, a non-deterministic kernel, an
+in-place op on a block's input), two
 in the checkpointing config (dropout with ``preserve_rng_state: false``, BatchNorm with ``protect_buffers:
 false``). Data are synthetic regression targets made in code.
 """
@@ -21,7 +22,13 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 Defect = Literal[
-    "rng_not_preserved", "host_rng", "buffer_mutation", "shape_change", "python_state", "nondeterministic_kernel"
+    "rng_not_preserved",
+    "host_rng",
+    "buffer_mutation",
+    "shape_change",
+    "python_state",
+    "nondeterministic_kernel",
+    "recompute_error",
 ]
 
 _accumulation_orders = itertools.count()
@@ -137,6 +144,18 @@ class UnorderedSumBlock(Block):
         return x + torch.tanh(self.linear(x) + unordered_row_sum(x) / x.shape[0])
 
 
+class InPlaceReluBlock(Block):
+    """Starts with an in-place ReLU on its input, as pre-activation blocks often do: fine without checkpointing, but
+    the input checkpointing saved for recomputation has changed by then, so recomputing the block fails."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(self.act(x)))
+
+
 DEFECTIVE_BLOCKS: dict[str, type[Block]] = {
     "rng_not_preserved": DropoutBlock,
     "host_rng": NumpyNoiseBlock,
@@ -144,6 +163,7 @@ DEFECTIVE_BLOCKS: dict[str, type[Block]] = {
     "shape_change": RoutingBlock,
     "python_state": CounterBlock,
     "nondeterministic_kernel": UnorderedSumBlock,
+    "recompute_error": InPlaceReluBlock,
 }
 
 

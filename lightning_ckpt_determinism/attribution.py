@@ -23,15 +23,25 @@ How the cause of a region's first difference is decided, from evidence gathered 
 5. otherwise (other inputs, or another sequence of ops: Python state decided them): ``python_state``.
 
 A region whose recomputation raised without an op having differed first is blamed by the error: torch's
-``CheckpointError`` about metadata (raised right after the region's recomputation) gives ``shape_change``, any other
-error ``python_state``. A region whose recomputation reproduced every compared value but changed one of its buffers
-(compared at the end of the pass with their values after the region's last forward) gets ``buffer_mutation``.
+``CheckpointError`` about metadata (raised right after the region's recomputation) gives ``shape_change``, its other
+``CheckpointError`` (another number of tensors saved: control flow changed) ``python_state``, and any other error
+``recompute_error``, with the error's first line. torch checks the version counters of a region's saved inputs before
+it enters the region's recompute context, so an input modified in place after the forward is found by comparing the
+versions the observer recorded at the forward with the inputs' versions when the pass failed. A region whose
+recomputation reproduced every compared value but changed one of its buffers (compared at the end of the pass with
+their values after the region's last forward) gets ``buffer_mutation``, with the names of those buffers.
+
+A region recomputed more than once in a pass (a gradient penalty, a backward with ``retain_graph=True``) is compared
+op by op at its first recomputation; the later ones replay the same state, are counted in
+``RegionReport.recomputations`` and are not compared, so they are never reported as a difference by themselves.
 """
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -74,6 +84,10 @@ CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
             "A kernel returned other values for the same inputs: call `torch.use_deterministic_algorithms(True)`,"
             " or check with `calibrate_noise=True` so that differences within the noise floor are tolerated."
         ),
+        "recompute_error": (
+            "Recomputing the region raised an error its forward did not (see `error`): make the region's code"
+            " depend only on its inputs, or leave this module out of checkpointing."
+        ),
     }
 )
 """The catalogue of causes: each ``RegionReport.cause`` key and the hint reports give for it.
@@ -83,6 +97,13 @@ Example::
     >>> sorted(CAUSE_HINTS)[:2]
     ['buffer_mutation', 'host_rng']
 """
+
+_INPUT_MODIFIED_HINT = (
+    "An input the region received was modified in place after the forward saved it for recomputation, by an"
+    " in-place op in the region (such as `nn.ReLU(inplace=True)` on its input) or by code after it: torch found its"
+    " version counter changed when it came to recompute the region. Use the out-of-place op (`inplace=False`), or"
+    " modify a copy (`x = x.clone()` first)."
+)
 
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 _BITS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -106,7 +127,15 @@ class RegionReport:
             noise floor.
         cause: A key of :data:`CAUSE_HINTS` when recomputation did not reproduce the forward; ``None`` when it
             reproduced every compared value and buffer exactly.
-        hint: What to change, for people (:data:`CAUSE_HINTS` of ``cause``); ``None`` when ``cause`` is.
+        hint: What to change, for people: :data:`CAUSE_HINTS` of ``cause`` followed by what was found (the
+            buffers changed), or, for an input modified in place after the forward, a hint of its own; ``None``
+            when ``cause`` is.
+        buffer_mutations: The names of the buffers of the region that recomputation changed.
+        error: With ``cause`` ``"recompute_error"`` (or an error that decided another cause), the first line of the
+            exception raised while the region was recomputed, as ``"Type: message"``; ``None`` otherwise.
+        recomputations: How many times the region was recomputed in the pass, over all its calls. More
+            recomputations than calls come from a gradient penalty or ``retain_graph=True``; only the first
+            recomputation of each call is compared.
 
     Example::
 
@@ -122,6 +151,9 @@ class RegionReport:
     diverged: bool = False
     cause: str | None = None
     hint: str | None = None
+    buffer_mutations: list[str] = field(default_factory=list)
+    error: str | None = None
+    recomputations: int = 0
 
 
 @dataclass(frozen=True)
@@ -171,12 +203,14 @@ class _Call:
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    input_versions: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
     cursor: int = 0
     compared: int = 0
     max_abs_diff: float = 0.0
     divergence: _Divergence | None = None
-    recomputed: bool = False
+    recomputations: int = 0
     error: BaseException | None = None
+    input_modified: bool = False
 
     def record(self, func: torch._ops.OpOverload, inputs: list[Any], args: Any, kwargs: Any, out: Any) -> None:
         outputs = _flatten(out)
@@ -236,6 +270,14 @@ class _Call:
             self.buffers_after_forward = [
                 (name, owner, key, buffer.clone()) for name, (owner, key, buffer) in _buffer_slots(self.module).items()
             ]
+
+    def inputs_modified(self) -> bool:
+        """Whether an input saved at the forward has been modified in place since (its version counter moved)."""
+        for ref, version in self.input_versions:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                return True
+        return False
 
     def mutated_buffers(self) -> list[str]:
         mutated = []
@@ -304,35 +346,43 @@ class _Attribution:
         self._mutated: dict[str, list[str]] = {}
 
     def contexts(
-        self, region: str, module: nn.Module
-    ) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+        self, region: str, module: nn.Module, inputs: tuple[Any, ...]
+    ) -> tuple[
+        Callable[[], contextlib.AbstractContextManager[Any]], Callable[[], contextlib.AbstractContextManager[Any]]
+    ]:
         call = _Call(region=self._name_of.get(id(module), region), module=module)
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        return self._forward(call), self._recompute(call)
+            return contextlib.nullcontext, contextlib.nullcontext
+        call.input_versions = [
+            (weakref.ref(value), value._version) for value in inputs if isinstance(value, torch.Tensor)
+        ]
+        return partial(self._forward, call), partial(self._recompute, call)
 
     def observing(self) -> contextlib.AbstractContextManager[None]:
         return _observing(self)
 
     def finish(self, error: BaseException | None) -> None:
         """Close the pass: blame ``error`` on the region it came from; drop every recorded copy."""
-        if (
-            isinstance(error, CheckpointError)
-            and self._last_recomputed is not None
-            and not any(call.error for call in self.calls)
-        ):
-            # torch raises it from the unpack hook right after the region's recomputation, outside its context.
-            self._last_recomputed.error = error
+        if error is not None and not any(call.error for call in self.calls):
+            # torch raises these from its unpack hook, outside the region's recompute context: its CheckpointError
+            # right after the region's recomputation, its version-counter error before recomputing a region whose
+            # saved input was modified in place.
+            modified = [call for call in self.calls if call.inputs_modified()]
+            for call in modified:
+                call.error, call.input_modified = error, True
+            if not modified and isinstance(error, CheckpointError) and self._last_recomputed is not None:
+                self._last_recomputed.error = error
         # Compared before the engine puts the buffers back: their values after each module's last forward call.
         last: dict[int, _Call] = {id(call.module): call for call in self.calls}
         for call in last.values():
-            if call.recomputed:
+            if call.recomputations:
                 self._mutated.setdefault(call.region, []).extend(
                     f"{call.region}.{name}" for name in call.mutated_buffers()
                 )
         for call in self.calls:
             call.release()
             call.buffers_after_forward = []
+            call.input_versions = []
 
     def host_rng_suspects(self) -> frozenset[str]:
         """Regions whose difference is not yet explained and that read host RNG in their forward."""
@@ -356,20 +406,25 @@ class _Attribution:
                 name=name,
                 ops_compared=sum(call.compared for call in calls),
                 max_abs_diff=max((call.max_abs_diff for call in calls), default=0.0),
+                buffer_mutations=list(self._mutated.get(name, [])),
+                recomputations=sum(call.recomputations for call in calls),
             )
             for call in calls:
                 cause = _cause(call, host_rng_explained=name in host_rng_explained)
                 if cause is not None:
                     report.cause = cause
+                    report.hint = _INPUT_MODIFIED_HINT if call.input_modified else CAUSE_HINTS[cause]
+                    if call.error is not None:
+                        report.error = _first_line(call.error)
                     if call.divergence is not None:
                         report.first_divergent_op = (call.divergence.op, call.divergence.index)
                     else:
                         report.max_abs_diff = math.inf
                     break
-            if report.cause is None and self._mutated.get(name):
+            if report.cause is None and report.buffer_mutations:
                 report.cause = "buffer_mutation"
+                report.hint = f"{CAUSE_HINTS['buffer_mutation']} Changed: {', '.join(report.buffer_mutations)}."
             if report.cause is not None:
-                report.hint = CAUSE_HINTS[report.cause]
                 report.diverged = report.cause != "nondeterministic_kernel" or gradients_diverged
             reports.append(report)
         return reports, [buffer for name in self.names for buffer in self._mutated.get(name, [])]
@@ -391,13 +446,17 @@ class _Attribution:
 
     @contextlib.contextmanager
     def _recompute(self, call: _Call) -> Iterator[None]:
+        """Entered at each recomputation of ``call``: the first is compared with the forward, later ones only run."""
         self._last_recomputed = call
         live = None
         if self._replay_host_rng is not None and call.host_rng_before is not None:
             live = capture_host_rng()
             restore_host_rng(call.host_rng_before)
+        # The recorded copies were released after the first comparison, and a later recomputation replays the same
+        # state: it runs unobserved.
+        comparing = _RecomputeComparer(call) if not call.recomputations else contextlib.nullcontext()
         try:
-            with _RecomputeComparer(call):
+            with comparing:
                 yield
         except _StopRecomputationError:
             raise
@@ -405,7 +464,7 @@ class _Attribution:
             call.error = err
             raise
         finally:
-            call.recomputed = True
+            call.recomputations += 1
             call.release()
             if live is not None:
                 restore_host_rng(live)
@@ -430,12 +489,18 @@ def _cause(call: _Call, *, host_rng_explained: bool) -> str | None:
             return None
         # torch's metadata mismatch; its other CheckpointError, a different number of saved tensors, comes from
         # control flow that changed, as do errors raised by the region's own code.
-        metadata = isinstance(call.error, CheckpointError) and "different metadata" in str(call.error)
-        return "shape_change" if metadata else "python_state"
+        if not isinstance(call.error, CheckpointError):
+            return "recompute_error"
+        return "shape_change" if "different metadata" in str(call.error) else "python_state"
     found = _evidence_cause(call.divergence)
     if found is not None:
         return found
     return "host_rng" if host_rng_explained and call.host_rng_read else "python_state"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _is_random(func: torch._ops.OpOverload) -> bool:

@@ -3,6 +3,9 @@
 Wrapping sets an instance-level ``forward`` on each selected module, so the module object, its parameters, its
 buffers and every ``state_dict`` key stay exactly as they were. Recomputation composes up to four contexts:
 host-RNG replay, buffer protection, the selective-op policy and, only while a check runs, the check's observer.
+Each recompute context can be entered any number of times (a gradient penalty or ``retain_graph=True`` recomputes a
+region once per backward), and each entry replays the same state. A region that needs only the selective-op policy
+gets torch's own pair of dispatch modes.
 """
 
 import contextlib
@@ -16,12 +19,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path, resolve_ops
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
@@ -42,12 +40,20 @@ _active_observer: ContextVar["_RegionObserver | None"] = ContextVar(
 )
 
 
+_ContextFactory = Callable[[], AbstractContextManager[Any]]
+
+
 class _RegionObserver(Protocol):
-    """What the check engine plugs into each checkpointed region while a check runs."""
+    """What the check engine plugs into each checkpointed region while a check runs.
+
+    ``contexts`` is called at each checkpointed call with the tensors torch saves as the region's inputs, and returns
+    two factories: one context for the forward, and one for each recomputation (there can be several, e.g. under a
+    gradient penalty).
+    """
 
     def contexts(
-        self, region: str, module: nn.Module
-    ) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]: ...
+        self, region: str, module: nn.Module, inputs: tuple[Any, ...]
+    ) -> tuple[_ContextFactory, _ContextFactory]: ...
 
 
 @contextlib.contextmanager
@@ -118,63 +124,91 @@ class _CheckpointedForward:
             return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
 
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
+        inputs = (*args, *kwargs.values())
+        options: dict[str, Any] = {}
+        context_fn = self._context_fn(inputs)
+        if context_fn is not None:
+            # Only when there is one: torch's default is taken by leaving the argument out.
+            options["context_fn"] = context_fn
         return checkpoint(
             run,
-            *args,
-            *kwargs.values(),
+            *inputs,
             use_reentrant=False,
             preserve_rng_state=self.config.preserve_rng_state,
             determinism_check=self.config.determinism_check,
-            context_fn=self._context_fn(),
+            **options,
         )
 
-    def _context_fn(self) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]:
+    def _context_fn(
+        self, inputs: tuple[Any, ...]
+    ) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None:
         observer = _active_observer.get()
         # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
         protect_buffers = self.config.protect_buffers and next(self.module.buffers(), None) is not None
-        if not (self.config.preserve_host_rng or protect_buffers or self._save_ops or observer):
-            return noop_context_fn
-        return partial(self._make_contexts, observer, protect_buffers)
+        if self.config.preserve_host_rng or protect_buffers or observer is not None:
+            return partial(self._make_contexts, observer, protect_buffers, inputs)
+        if self._save_ops:
+            # The pair of dispatch modes alone, as torch builds it: the form `torch.compile` accepts.
+            return partial(create_selective_checkpoint_contexts, self._save_ops_policy)
+        return None
+
+    def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in self._save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     def _make_contexts(
-        self, observer: _RegionObserver | None, protect_buffers: bool
-    ) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-        forward: list[AbstractContextManager[Any]] = []
-        recompute: list[AbstractContextManager[Any]] = []
+        self, observer: _RegionObserver | None, protect_buffers: bool, inputs: tuple[Any, ...]
+    ) -> tuple["_Reenterable", "_Reenterable"]:
+        forward: list[_ContextFactory] = []
+        recompute: list[_ContextFactory] = []
         if self.config.preserve_host_rng:
             replay = _HostRNGReplay()
-            forward.append(replay.capture())
-            recompute.append(replay.replay())
+            forward.append(replay.capture)
+            recompute.append(replay.replay)
         if protect_buffers:
-            recompute.append(_protected_buffers(self.module))
+            recompute.append(partial(_protected_buffers, self.module))
         if self._save_ops:
-            save_ops = self._save_ops
-
-            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-                return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-            sac_forward, sac_recompute = create_selective_checkpoint_contexts(policy)
-            forward.append(sac_forward)
-            recompute.append(sac_recompute)
+            sac_forward, sac_recompute = create_selective_checkpoint_contexts(self._save_ops_policy)
+            forward.append(partial(_same_context, sac_forward))
+            recompute.append(partial(_same_context, sac_recompute))
         if observer is not None:
             # Last, so its dispatch mode sits on top of the selective-checkpointing one and sees every op,
             # including those whose outputs selective checkpointing serves from its cache.
-            observe_forward, observe_recompute = observer.contexts(self.region, self.module)
+            observe_forward, observe_recompute = observer.contexts(self.region, self.module, inputs)
             forward.append(observe_forward)
             recompute.append(observe_recompute)
-        return _stacked(forward), _stacked(recompute)
+        return _Reenterable(forward), _Reenterable(recompute)
 
 
-@contextlib.contextmanager
-def _stacked(contexts: list[AbstractContextManager[Any]]) -> Iterator[None]:
-    with ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        yield
+class _Reenterable:
+    """A context that can be entered any number of times, one entry after another.
+
+    torch enters a region's recompute context each time the region is recomputed: twice under a gradient penalty
+    (``autograd.grad(..., create_graph=True)`` and then a backward through it) or with ``retain_graph=True``. Each
+    entry enters fresh contexts from the factories, in order, so every recomputation starts from the same state.
+    """
+
+    def __init__(self, factories: list[_ContextFactory]) -> None:
+        self._factories = factories
+        self._entered: list[ExitStack] = []
+
+    def __enter__(self) -> None:
+        with ExitStack() as stack:
+            for factory in self._factories:
+                stack.enter_context(factory())
+            self._entered.append(stack.pop_all())
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return bool(self._entered.pop().__exit__(*exc_info))
+
+
+def _same_context(context: AbstractContextManager[Any]) -> AbstractContextManager[Any]:
+    """A factory for a context that is itself re-enterable, such as a dispatch mode."""
+    return context
 
 
 class _HostRNGReplay:
-    """Capture Python's and NumPy's RNG at the forward; replay it during recomputation, then put the live state back."""
+    """Capture Python's and NumPy's RNG at the forward; replay it during each recomputation, then put the live state
+    back."""
 
     def __init__(self) -> None:
         self._state: HostRNGState | None = None

@@ -30,6 +30,7 @@ from tests.helpers import (
     DropoutBlock,
     FailingRecomputeBlock,
     FlagBlock,
+    InPlaceReluBlock,
     NumpyNoiseBlock,
     PlainBlock,
     PythonRandomBlock,
@@ -79,7 +80,8 @@ def assert_clean(report: RecomputationReport) -> None:
     assert report.buffer_mutations == []
     assert [region.name for region in report.regions] == REGIONS
     for region in report.regions:
-        assert region == RegionReport(name=region.name, ops_compared=region.ops_compared)
+        # One recomputation per region, compared op by op.
+        assert region == RegionReport(name=region.name, ops_compared=region.ops_compared, recomputations=1)
         assert region.ops_compared > 0
 
 
@@ -175,7 +177,12 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
         first_divergent_op=None,
         diverged=True,
         cause="buffer_mutation",
-        hint=CAUSE_HINTS["buffer_mutation"],
+        hint=(
+            f"{CAUSE_HINTS['buffer_mutation']} Changed: blocks.1.norm.running_mean, blocks.1.norm.running_var,"
+            " blocks.1.norm.num_batches_tracked."
+        ),
+        buffer_mutations=report.buffer_mutations,
+        recomputations=1,
     )
     _, protected = attributed(BatchNormBlock)
     assert_clean(protected)
@@ -222,8 +229,13 @@ def test_a_flag_that_changes_which_ops_run_is_python_state():
 def test_a_failing_recomputation_is_named_and_its_error_kept():
     _, report = attributed(FailingRecomputeBlock)
     assert report.error == "RuntimeError: call 3 of FailingRecomputeBlock"
-    assert report.regions[1].cause == "python_state"
-    assert report.regions[1].diverged
+    region = report.regions[1]
+    assert (region.cause, region.hint, region.error) == (
+        "recompute_error",
+        CAUSE_HINTS["recompute_error"],
+        "RuntimeError: call 3 of FailingRecomputeBlock",
+    )
+    assert region.diverged
     assert _active_observer.get() is None
 
 
@@ -283,13 +295,13 @@ def test_forward_copies_are_held_only_until_their_region_is_recomputed():
         # empty_like uninitialised memory).
         assert len(held) == 3 + 6 + 3
         torch.autograd.grad(loss, list(model.parameters()))
-    assert [call.recomputed for call in observer.calls] == [True] * 3
+    assert [call.recomputations for call in observer.calls] == [1] * 3
     assert all(op.outputs == [] and op.inputs == [] for call in observer.calls for op in call.ops)
     assert _active_observer.get() is None
 
 
 def test_the_catalogue_has_a_hint_per_cause():
-    assert set(CAUSE_HINTS) == {*CATALOGUE, "buffer_mutation"}
+    assert set(CAUSE_HINTS) == {*CATALOGUE, "buffer_mutation", "recompute_error"}
     assert all(hint.endswith(".") for hint in CAUSE_HINTS.values())
     fixes = {
         "rng_not_preserved": "`preserve_rng_state=True`",
@@ -367,3 +379,52 @@ def test_monitor_validates_its_attribution_arguments():
         RecomputationMonitor(attribution=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="`calibrate_noise` must be True or False, got 1"):
         RecomputationMonitor(calibrate_noise=1)  # type: ignore[arg-type]
+
+
+def penalised_loss(model: nn.Module) -> Callable[[], torch.Tensor]:
+    """An MSE loss plus a gradient penalty on the input: each region is recomputed by the penalty's
+    ``autograd.grad(..., create_graph=True)`` and again by the check's own backward."""
+    x, y = batch()
+
+    def closure() -> torch.Tensor:
+        inputs = x.clone().requires_grad_(True)
+        out = model(inputs)
+        (input_grad,) = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        return F.mse_loss(out, y) + input_grad.square().sum()
+
+    return closure
+
+
+@pytest.mark.parametrize("block", [DropoutBlock, BatchNormBlock])
+def test_a_clean_model_under_a_gradient_penalty_is_clean_with_every_recomputation_counted(block):
+    model = stack_with(block)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    report = check_recomputation(model, penalised_loss(model), attribution=True)
+    assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
+    assert [(region.cause, region.recomputations) for region in report.regions] == [(None, 2)] * 3
+    assert all(region.ops_compared > 0 for region in report.regions)
+
+
+def test_a_defect_under_a_gradient_penalty_is_named_once_on_its_region():
+    model = stack_with(DropoutBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"], preserve_rng_state=False))
+    report = check_recomputation(model, penalised_loss(model), attribution=True)
+    region = only_finding(report)
+    assert (region.name, region.cause, region.recomputations) == ("blocks.1", "rng_not_preserved", 2)
+    assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.bernoulli_.float"
+
+
+@pytest.mark.parametrize("position", [0, 2])
+def test_an_input_modified_in_place_after_the_forward_is_a_recompute_error_of_its_region(position):
+    _, report = attributed(InPlaceReluBlock, position=position)
+    assert report.error is not None and "modified by an inplace operation" in report.error
+    region = report.regions[position]
+    assert (region.name, region.cause, region.diverged, region.max_abs_diff) == (
+        f"blocks.{position}",
+        "recompute_error",
+        True,
+        math.inf,
+    )
+    assert region.error == report.error.splitlines()[0]
+    assert region.hint is not None and region.hint.startswith("An input the region received was modified in place")
+    assert [other.cause for other in report.regions if other is not region] == [None, None]

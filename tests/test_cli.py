@@ -23,6 +23,7 @@ BROKEN_REGION = {
     "shape_change": "blocks.1",
     "python_state": "blocks.3",
     "nondeterministic_kernel": "blocks.0",
+    "recompute_error": "blocks.2",
 }
 HEADER = ["region", "verdict", "cause", "max diff", "first divergent op", "hint"]
 
@@ -93,7 +94,9 @@ def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys
     diverged = [name for name, row in rows.items() if row["verdict"] == "diverged"]
     assert diverged == [BROKEN_REGION[cause]]
     row = rows[BROKEN_REGION[cause]]
-    assert (row["cause"], row["hint"]) == (cause, CAUSE_HINTS[cause])
+    assert row["cause"] == cause
+    # The in-place case of `recompute_error` has a hint of its own; `buffer_mutation` names the buffers after it.
+    assert row["hint"].startswith(CAUSE_HINTS[cause] if cause != "recompute_error" else "An input the region received")
     assert all(other["cause"] == "-" for name, other in rows.items() if name not in diverged)
     assert out.splitlines()[-1] == f"result: 1 of 4 checkpointed regions diverged: {BROKEN_REGION[cause]}"
 

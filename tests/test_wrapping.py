@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -36,9 +37,11 @@ from tests.helpers import (
     DictOutputBlock,
     DropoutBlock,
     KeywordBlock,
+    NumpyNoiseBlock,
     PlainBlock,
     RoutingBlock,
     ScaledLinear,
+    Stack,
     StackModule,
     TupleOutputBlock,
     batch,
@@ -591,3 +594,109 @@ def test_config_matching_the_gpt_blocks_by_class_and_by_path() -> None:
         model = _gpt(layers=2)
         assert apply_activation_checkpointing(model, CheckpointingConfig(classes=classes)) == ["blocks.0", "blocks.1"]
         assert all(isinstance(module, Block) for module in checkpointed_modules(model).values())
+
+
+# Recomputation that runs more than once: a gradient penalty, or a second backward through a retained graph.
+
+
+def _penalised_gradients(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Gradients of an MSE loss plus a gradient penalty on the input (WGAN-GP, R1): every region recomputes twice."""
+    x, y = batch()
+    x.requires_grad_(True)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    out = model(x)
+    (input_grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (F.mse_loss(out, y) + input_grad.square().sum()).backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def _retained_graph_gradients(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Gradients accumulated by two backward passes through one retained graph: every region recomputes twice."""
+    x, y = batch()
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    loss = F.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+TWICE = {"gradient_penalty": _penalised_gradients, "retain_graph": _retained_graph_gradients}
+REENTERED = {
+    "batchnorm_protected_buffers": (BatchNormBlock, {}),
+    "numpy_noise_host_rng": (NumpyNoiseBlock, {"preserve_host_rng": True}),
+    "dropout": (DropoutBlock, {}),
+}
+
+
+@pytest.mark.parametrize("twice", sorted(TWICE))
+@pytest.mark.parametrize("case", sorted(REENTERED))
+def test_a_region_recomputed_twice_gives_the_gradients_and_buffers_of_no_checkpointing(case: str, twice: str) -> None:
+    block, options = REENTERED[case]
+    reference = make_stack(block)
+    model = _checkpointed(make_stack(block), CheckpointingConfig(classes=[block.__name__], **options))
+    live_numpy = np.random.get_state()
+    expected = TWICE[twice](reference)
+    got = TWICE[twice](model)
+    assert _unequal(expected, got) == []
+    # Each recomputation put the live streams back: NumPy continues as without checkpointing.
+    np.random.set_state(live_numpy)
+    assert _unequal(dict(reference.named_buffers()), dict(model.named_buffers())) == []
+
+
+class _StateRecordingBlock(nn.Module):
+    """NumPy noise and a BatchNorm; records, at every call, the next NumPy draw and the BatchNorm's statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.norm = nn.BatchNorm1d(DIM)
+        self.seen: list[tuple[float, torch.Tensor, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = np.random.get_state()
+        self.seen.append((float(np.random.rand()), self.norm.running_mean.clone(), int(self.norm.num_batches_tracked)))
+        np.random.set_state(state)
+        noise = torch.from_numpy(np.random.standard_normal(x.shape).astype(np.float32))
+        return x + torch.tanh(self.norm(self.linear(x))) * (1 + noise)
+
+
+def test_every_recomputation_of_a_region_replays_the_same_host_rng_and_buffers() -> None:
+    torch.manual_seed(0)
+    model = Stack([_StateRecordingBlock()])
+    _checkpointed(model, CheckpointingConfig(names=["blocks.0"], preserve_host_rng=True))
+    _penalised_gradients(model)
+    forward, *recomputations = model.blocks[0].seen
+    # Recomputed under `autograd.grad(..., create_graph=True)`, then again by the backward through the penalty.
+    assert len(recomputations) == 2
+    assert all(draw == forward[0] for draw, _, _ in recomputations)
+    # Both read the statistics the forward left (updated once), never the copies an earlier recomputation updated.
+    assert all(torch.equal(mean, model.blocks[0].norm.running_mean) for _, mean, _ in recomputations)
+    assert [count for _, _, count in model.blocks[0].seen] == [0, 1, 1]
+    assert int(model.blocks[0].norm.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("block", [DropoutBlock, BatchNormBlock])
+def test_save_ops_refuses_a_second_recomputation_with_torchs_message(block: type[nn.Module]) -> None:
+    # BatchNormBlock also protects buffers, so its selective-checkpointing modes run inside the package's composition.
+    model = _checkpointed(make_stack(block), CheckpointingConfig(classes=[block.__name__], save_ops=SAVE_MATMULS))
+    with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
+        _retained_graph_gradients(model)
+
+
+def test_a_region_without_extra_contexts_takes_torchs_default_context_fn(
+    checkpoint_calls: list[dict[str, Any]],
+) -> None:
+    model = _checkpointed(make_stack(PlainBlock, n=1), CheckpointingConfig(classes=["PlainBlock"]))
+    model(batch()[0])
+    assert "context_fn" not in checkpoint_calls[0]
+
+
+def test_save_ops_alone_gives_torch_its_own_pair_of_dispatch_modes(checkpoint_calls: list[dict[str, Any]]) -> None:
+    config = CheckpointingConfig(classes=["PlainBlock"], save_ops=SAVE_MATMULS)
+    model = _checkpointed(make_stack(PlainBlock, n=1), config)
+    model(batch()[0])
+    forward, recompute = checkpoint_calls[0]["context_fn"]()
+    assert isinstance(forward, TorchDispatchMode)
+    assert isinstance(recompute, TorchDispatchMode)
