@@ -41,8 +41,10 @@ class RecomputationMonitor(Callback):
     With attribution the check also compares, op by op, what each checkpointed region recomputes with what its
     forward produced: a region that differs (or whose buffers recomputation changed) counts as a divergence even
     when the gradients agree, up to five diverging regions (worst first) are logged as
-    ``{log_prefix}/regions/{name}/max_abs_diff`` (this rank's values), and the warning names the region, the first
-    differing op, the cause and what to change. With ``calibrate_noise`` the noise floor is logged as
+    ``{log_prefix}/regions/{name}/max_abs_diff`` (this rank's values), with
+    ``{log_prefix}/regions/{name}/buffer_mutations`` (how many buffers recomputation changed) for a region whose
+    buffers changed, and the warning names the region, the first differing op, the cause, the buffers or the error,
+    and what to change. With ``calibrate_noise`` the noise floor is logged as
     ``{log_prefix}/noise_floor``.
 
     A check costs about two forward and backward passes of the step (1.7 steps measured, see the README's
@@ -251,6 +253,10 @@ class RecomputationMonitor(Callback):
             metrics[f"{self.log_prefix}/noise_floor"] = noise_floor
         for region in diverging[:_LOGGED_REGIONS]:
             metrics[f"{self.log_prefix}/regions/{region.name}/max_abs_diff"] = region.max_abs_diff
+            if region.buffer_mutations:
+                metrics[f"{self.log_prefix}/regions/{region.name}/buffer_mutations"] = float(
+                    len(region.buffer_mutations)
+                )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         diverged = diverged_anywhere > 0.0
@@ -287,7 +293,7 @@ def _divergence_message(
     shown = "inf" if math.isinf(divergence) else f"{divergence:.3g}"
     message = (
         f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
-        f" {report.tolerance:g}), max_abs_diff={max_abs_diff:.3g}; {local}."
+        f" {report.tolerance:g}), max_abs_diff={max_abs_diff:.3g}; {local.rstrip('.')}."
     )
     diverging = _diverging_regions(report)
     if diverging:

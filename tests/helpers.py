@@ -318,3 +318,17 @@ class InPlaceReluBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.linear(self.act(x)))
+
+
+class GradientPenaltyModule(StackModule):
+    """A :class:`StackModule` whose loss adds a gradient penalty on the input (as WGAN-GP and R1 do): every
+    checkpointed region is recomputed twice per step, by the penalty's ``autograd.grad`` and by the backward."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        out = self.model(x)
+        (input_grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = F.mse_loss(out, y) + 0.1 * input_grad.square().sum(dim=1).mean()
+        self.log("train/loss", loss)
+        return loss

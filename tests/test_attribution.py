@@ -15,6 +15,7 @@ from lightning_ckpt_determinism import (
     CAUSE_HINTS,
     CheckpointingConfig,
     LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
     RecomputationMonitor,
     RecomputationReport,
     RegionReport,
@@ -339,8 +340,16 @@ def test_monitor_logs_diverging_regions_and_warns_with_region_op_and_hint(tmp_pa
 
 def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True, attribution="always")
-    with pytest.warns(LightningCkptDeterminismWarning, match="this rank's gradients agree. Region `model.blocks"):
+    with pytest.warns(
+        LightningCkptDeterminismWarning, match="this rank's gradients agree. Region `model.blocks"
+    ) as record:
         rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
+    (message,) = [str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning)]
+    # The warning names the buffers of each region it names.
+    assert (
+        "Changed: model.blocks.0.norm.running_mean, model.blocks.0.norm.running_var,"
+        " model.blocks.0.norm.num_batches_tracked." in message
+    )
     assert [entry["diverged"] for entry in monitor.history] == [True, True]
     assert monitor.last_report is not None
     assert monitor.last_report.grad_divergence == 0.0
@@ -348,6 +357,20 @@ def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
     checked = [row for row in rows if "recompute/grad_divergence" in row]
     assert [float(row["recompute/noise_floor"]) for row in checked] == [0.0, 0.0]
     assert float(checked[0]["recompute/regions/model.blocks.0/max_abs_diff"]) == 0.0
+    assert [float(checked[0][f"recompute/regions/model.blocks.{i}/buffer_mutations"]) for i in range(3)] == [3.0] * 3
+
+
+def test_monitor_names_the_region_whose_input_was_modified_in_place(tmp_path):
+    # Training itself would fail at this step's backward; the check, which runs first, says where and why.
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    with pytest.raises(RecomputationDivergenceError, match="at step 0: grad_divergence=inf") as raised:
+        fit_monitored(tmp_path, monitor, block="InPlaceReluBlock")
+    message = str(raised.value)
+    assert "recomputation failed on this rank: RuntimeError: one of the variables needed for gradient" in message
+    # Every block of this model applies its ReLU in place to its own input.
+    for region in ("model.blocks.0", "model.blocks.1", "model.blocks.2"):
+        assert f"Region `{region}` diverged, max abs diff inf, cause recompute_error: An input the region" in message
+    assert message.count("modified by an inplace operation") == 1
 
 
 def test_monitor_by_default_attributes_only_checks_that_diverged(tmp_path):

@@ -16,7 +16,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
-from tests.helpers import DIM, StackModule, trainer_kwargs
+from tests.helpers import DIM, GradientPenaltyModule, StackModule, trainer_kwargs
 
 
 def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing=True, **overrides):
@@ -291,3 +291,23 @@ def test_a_skipped_training_step_is_not_checked(tmp_path):
     assert module.batches_seen[:5] == [0, 0, 1, 1, 1]
     assert [entry["step"] for entry in monitor.history] == [1]
     assert monitor.last_report is not None and monitor.last_report.grad_divergence == 0.0
+
+
+@pytest.mark.parametrize("block", ["BatchNormBlock", "DropoutBlock"])
+def test_a_gradient_penalty_trains_with_the_monitor_and_logs_zero(tmp_path, block):
+    monitor = RecomputationMonitor(every_n_steps=1, attribution="always")
+    logger = CSVLogger(tmp_path)
+    _, module = fit(tmp_path, module=GradientPenaltyModule(block=block), monitor=monitor, block=block, logger=logger)
+    assert [entry["grad_divergence"] for entry in monitor.history] == [0.0] * 4
+    assert monitor.last_report is not None
+    assert [region.recomputations for region in monitor.last_report.regions] == [2] * 3
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        logged = [
+            float(row["recompute/grad_divergence"]) for row in csv.DictReader(file) if row["recompute/grad_divergence"]
+        ]
+    assert logged == [0.0] * 4
+    # The same training without checkpointing and without the monitor ends with the same weights.
+    _, plain = fit(tmp_path / "plain", module=GradientPenaltyModule(block=block), block=block, checkpointing=False)
+    assert all(
+        torch.equal(a, b) for a, b in zip(module.state_dict().values(), plain.state_dict().values(), strict=True)
+    )
