@@ -14,7 +14,9 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +42,12 @@ EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 _PROGRAM = "lightning-ckpt-determinism"
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+_SPECIAL_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a pipe"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class _UsageError(Exception):
@@ -72,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         ``0`` when every checkpointed region reproduces its forward and the gradients agree, ``1`` when any
-        diverges, ``2`` on a usage or configuration error (printed as one line on stderr).
+        diverges, ``2`` on a usage or configuration error (printed as one line on stderr), found before any batch
+        runs, or when the ``--json`` report cannot be written in the end (after the verdict is printed).
 
     Example::
 
@@ -152,6 +161,8 @@ def _non_negative_float(text: str) -> float:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    # Before the audit, which may run for minutes: a report that cannot be written is a usage error.
+    json_target = _json_target(args.json) if args.json is not None else None
     with _quiet_lightning():
         cli = _build(args)
     model, strategy = cli.model, cli.trainer.strategy
@@ -173,16 +184,14 @@ def _audit(args: argparse.Namespace) -> int:
     summaries = _summarize(reports)
     print(_table(summaries))
     print(_footer(reports, summaries, args))
-    if args.json is not None:
-        _write_json(args, str(device), reports, summaries)
+    if json_target is not None:
+        _write_json(args, json_target, str(device), reports, summaries)
     return EXIT_DIVERGED if _diverged(reports) else EXIT_OK
 
 
 def _build(args: argparse.Namespace) -> LightningCLI:
     if not args.config.is_file():
         raise _UsageError(f"`--config` {str(args.config)!r} is not a file")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise _UsageError(f"`--json` {str(args.json)!r} cannot be written: {str(args.json.parent)!r} is no directory")
     _require_class_paths(args)
     try:
         model_class = resolve_class_path(args.model) if args.model else None
@@ -351,7 +360,11 @@ def _footer(reports: list[RecomputationReport], summaries: list[_RegionSummary],
 
 
 def _write_json(
-    args: argparse.Namespace, device: str, reports: list[RecomputationReport], summaries: list[_RegionSummary]
+    args: argparse.Namespace,
+    target: Path,
+    device: str,
+    reports: list[RecomputationReport],
+    summaries: list[_RegionSummary],
 ) -> None:
     document = {
         "config": str(args.config),
@@ -365,9 +378,71 @@ def _write_json(
         "checks": [asdict(report) for report in reports],
     }
     try:
-        args.json.write_text(json.dumps(_finite(document), indent=2) + "\n")
+        _replace_atomically(target, json.dumps(_finite(document), indent=2) + "\n")
     except OSError as err:
-        raise _UsageError(f"`--json` {str(args.json)!r} cannot be written: {err}") from err
+        raise _UsageError(
+            f"`--json` {str(args.json)!r} cannot be written: {err.strerror or err}; the verdict above stands, but no"
+            " report was written (an existing file is unchanged)"
+        ) from err
+
+
+def _json_target(path: Path) -> Path:
+    """The file ``--json`` names (through symbolic links), once it is known that the report can replace it.
+
+    An existing path must be a regular file the user may write; the directory must take a new file, as the report
+    is written beside the target first and then moved onto it. Nothing of the user's is removed.
+    """
+    target = Path(os.path.realpath(path))
+    if target.exists():
+        mode = target.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise _UsageError(f"`--json` {str(path)!r} is a directory; give the path of a file in it for the report")
+        if not stat.S_ISREG(mode):
+            kind = next((kind for test, kind in _SPECIAL_FILES if test(mode)), "not a regular file")
+            raise _UsageError(
+                f"`--json` {str(path)!r} is {kind}; the report goes to a new or an existing regular file: give the"
+                " path of one"
+            )
+        if not os.access(target, os.W_OK):
+            raise _UsageError(
+                f"`--json` {str(path)!r} is read-only (mode {stat.S_IMODE(mode):o}); make it writable (chmod u+w) or"
+                " give another path"
+            )
+    elif not target.parent.is_dir():
+        raise _UsageError(f"`--json` {str(path)!r} cannot be written: {str(target.parent)!r} is no directory")
+    try:
+        os.unlink(_create_beside(target))
+    except OSError as err:
+        raise _UsageError(
+            f"`--json` {str(path)!r} cannot be written: no new file can be made in {str(target.parent)!r}"
+            f" ({err.strerror or err}); give a path in a writable directory"
+        ) from err
+    return target
+
+
+def _create_beside(target: Path) -> Path:
+    """A new empty file in ``target``'s directory, with the permissions a new file gets there (the umask's)."""
+    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return temporary
+
+
+def _replace_atomically(target: Path, text: str) -> None:
+    """Write ``text`` to a new file beside ``target`` and move it onto ``target``: a failed write (a full disk)
+    leaves ``target`` as it was and no temporary file behind. An existing ``target`` keeps its permissions."""
+    temporary = _create_beside(target)
+    try:
+        with open(temporary, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        if target.exists():
+            os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _finite(value: Any) -> Any:

@@ -1,5 +1,7 @@
+import errno
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ckpt_determinism import CAUSE_HINTS
+from lightning_ckpt_determinism import CAUSE_HINTS, cli
 from lightning_ckpt_determinism.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,10 +100,19 @@ def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys
     assert out.splitlines()[-1] == f"result: 1 of 4 checkpointed regions diverged: {BROKEN_REGION[cause]}"
 
 
-def test_a_clean_config_exits_0_and_its_json_says_so(capsys, tmp_path):
-    report = tmp_path / "clean.json"
-    code, out, err = audit(capsys, "--config", str(GPT_CONFIG), "--json", str(report))
+def test_a_clean_config_exits_0_and_its_json_replaces_the_old_report(capsys, tmp_path):
+    report, link = tmp_path / "clean.json", tmp_path / "link.json"
+    report.write_text("old report\n")
+    report.chmod(0o640)
+    old_inode = report.stat().st_ino
+    link.symlink_to(report)
+    code, out, err = audit(capsys, "--config", str(GPT_CONFIG), "--json", str(link))
     assert code == 0, err
+    # Written beside the report and moved onto it: a new file, the old one's permissions, through the link.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["clean.json", "link.json"]
+    assert link.is_symlink() and link.resolve() == report
+    assert report.stat().st_ino != old_inode
+    assert report.stat().st_mode & 0o777 == 0o640
     rows = table(out)
     # every_n: 2 checkpoints blocks 1 and 3; their selective checkpointing keeps the matmuls.
     assert {name: row["verdict"] for name, row in rows.items()} == {"model.blocks.1": "ok", "model.blocks.3": "ok"}
@@ -240,3 +251,88 @@ def test_model_and_data_options_name_the_classes_a_config_leaves_out(capsys, tmp
 def test_help_exits_0(capsys):
     assert main(["audit", "--help"]) == 0
     assert "--calibrate-noise" in capsys.readouterr().out
+
+
+def permissions_are_ignored(tmp_path: Path) -> bool:
+    """Whether this process may write a read-only file, as root may (unless its capabilities were dropped)."""
+    probe = tmp_path / "probe"
+    probe.touch(mode=0o444)
+    try:
+        return os.access(probe, os.W_OK)
+    finally:
+        probe.unlink()
+
+
+def fail_if_the_audit_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def build(args: object) -> None:
+        pytest.fail("the audit started although `--json` cannot be written")
+
+    monkeypatch.setattr(cli, "_build", build)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("directory", r"`--json` '.*reports' is a directory; give the path of a file in it for the report$"),
+        ("dev_full", r"`--json` '/dev/full' is a character device; the report goes to a new or an existing regular"),
+        ("pipe", r"`--json` '.*pipe\.json' is a pipe; the report goes to a new or an existing regular file"),
+        ("read_only", r"`--json` '.*read_only\.json' is read-only \(mode 444\); make it writable \(chmod u\+w\)"),
+        ("read_only_directory", r"no new file can be made in '.*locked' \(Permission denied\); give a path in a"),
+    ],
+)
+def test_a_json_path_that_cannot_take_the_report_exits_2_before_the_audit_starts(
+    case, message, capsys, tmp_path, monkeypatch
+):
+    if case == "dev_full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    if case.startswith("read_only") and permissions_are_ignored(tmp_path):
+        pytest.skip("root writes to read-only files and directories; the pipe case checks the up-front refusal")
+    paths = {
+        "directory": tmp_path / "reports",
+        "dev_full": Path("/dev/full"),
+        "pipe": tmp_path / "pipe.json",
+        "read_only": tmp_path / "read_only.json",
+        "read_only_directory": tmp_path / "locked" / "report.json",
+    }
+    path = paths[case]
+    if case == "directory":
+        path.mkdir()
+    elif case == "pipe":
+        os.mkfifo(path)
+    elif case == "read_only":
+        path.write_text("kept\n")
+        path.chmod(0o444)
+    elif case == "read_only_directory":
+        path.parent.mkdir(mode=0o555)
+    before = sorted(tmp_path.rglob("*"))
+    fail_if_the_audit_starts(monkeypatch)
+    code, out, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"), "--json", str(path))
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1
+    assert re.search(message, err), err
+    assert sorted(tmp_path.rglob("*")) == before  # the probe left nothing behind
+    if case == "read_only":
+        assert path.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_full_disk_at_the_final_write_exits_2_after_the_verdict_and_leaves_no_file(
+    failing, capsys, tmp_path, monkeypatch
+):
+    report = tmp_path / "report.json"
+    report.write_text("previous report\n")
+
+    def full_disk(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli.os, failing, full_disk)
+    code, out, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"), "--json", str(report))
+    assert code == 2
+    assert table(out)["blocks.3"]["verdict"] == "diverged"
+    assert out.splitlines()[-1] == "result: 1 of 4 checkpointed regions diverged: blocks.3"
+    assert err.splitlines()[-1] == (
+        f"lightning-ckpt-determinism audit: error: `--json` {str(report)!r} cannot be written: No space left on"
+        " device; the verdict above stands, but no report was written (an existing file is unchanged)"
+    )
+    assert [path.name for path in tmp_path.iterdir()] == ["report.json"]  # no temporary left
+    assert report.read_text() == "previous report\n"
