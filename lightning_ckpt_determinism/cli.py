@@ -235,9 +235,17 @@ def _build(args: argparse.Namespace) -> LightningCLI:
 def _require_class_paths(args: argparse.Namespace) -> None:
     """A YAML written for ``LightningCLI(MyModule, MyData)`` does not name its classes: the audit must be told."""
     try:
-        config = yaml.safe_load(args.config.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise _UsageError(f"{args.config} cannot be read as YAML: {err}") from err
+        text = args.config.read_text(encoding="utf-8")
+    except OSError as err:
+        raise _UsageError(f"`--config` {str(args.config)!r} cannot be read: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise _UsageError(
+            f"`--config` {str(args.config)!r} is no UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8"
+        ) from err
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise _UsageError(_yaml_error(args.config, text, err)) from err
     if not isinstance(config, dict):
         raise _UsageError(f"{args.config} holds no LightningCLI config (a mapping with `model`, `trainer` ...)")
     for key, option, example in (("model", args.model, "Module"), ("data", args.data, "DataModule")):
@@ -249,6 +257,20 @@ def _require_class_paths(args: argparse.Namespace) -> None:
             )
     if args.model is None and "model" not in config:
         raise _UsageError(f"{args.config} has no `model`: add one with a `class_path`, or pass `--model`")
+
+
+def _yaml_error(path: Path, text: str, err: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: ``file:line:column`` (1-based) and yaml's problem."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        line, column = err.problem_mark.line, err.problem_mark.column
+        problem = " ".join(part for part in (err.problem, err.context) if part)
+    elif isinstance(err, yaml.reader.ReaderError):
+        line = text.count("\n", 0, err.position)
+        column = err.position - (text.rfind("\n", 0, err.position) + 1)
+        problem = f"unacceptable character #x{err.character:04x}: {err.reason}"
+    else:
+        return f"{path} is no valid YAML: {' '.join(str(err).split())}; correct the file"
+    return f"{path}:{line + 1}:{column + 1}: invalid YAML: {problem}; correct the file there"
 
 
 def _train_dataloader(cli: LightningCLI) -> Any:
@@ -432,7 +454,7 @@ def _replace_atomically(target: Path, text: str) -> None:
     leaves ``target`` as it was and no temporary file behind. An existing ``target`` keeps its permissions."""
     temporary = _create_beside(target)
     try:
-        with open(temporary, "w") as file:
+        with open(temporary, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())

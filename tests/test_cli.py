@@ -336,3 +336,44 @@ def test_a_full_disk_at_the_final_write_exits_2_after_the_verdict_and_leaves_no_
     )
     assert [path.name for path in tmp_path.iterdir()] == ["report.json"]  # no temporary left
     assert report.read_text() == "previous report\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            b"trainer:\n  accelerator: cpu\n   devices: 1\n",
+            r"bad\.yaml:3:11: invalid YAML: mapping values are not allowed here; correct the file there$",
+        ),
+        (
+            b'model:\n  class_path: "examples.broken.BrokenModule\n',
+            r"bad\.yaml:3:1: invalid YAML: found unexpected end of stream while scanning a quoted scalar; correct",
+        ),
+        (
+            b"trainer:\n  accelerator: c\x01pu\n",
+            r"bad\.yaml:2:17: invalid YAML: unacceptable character #x0001: special characters are not allowed; ",
+        ),
+        (b"model: \xff\n", r"`--config` '.*bad\.yaml' is no UTF-8 text \(byte 7: invalid start byte\); save it as"),
+    ],
+)
+def test_a_config_that_is_no_yaml_is_named_with_line_and_column_in_one_line(text, message, capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    code, out, err = audit(capsys, "--config", str(path))
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1
+    assert re.search(message, err), err
+    assert "<unicode string>" not in err
+
+
+def test_a_yaml_error_without_a_position_still_names_the_file_in_one_line(capsys, tmp_path, monkeypatch):
+    def fail(text: str) -> None:
+        raise cli.yaml.YAMLError("no position\n  known")
+
+    monkeypatch.setattr(cli.yaml, "safe_load", fail)
+    code, _, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"))
+    assert code == 2
+    assert err == (
+        f"lightning-ckpt-determinism audit: error: {CONFIGS / 'broken_python_state.yaml'} is no valid YAML: no"
+        " position known; correct the file\n"
+    )
