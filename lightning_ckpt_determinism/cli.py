@@ -3,9 +3,11 @@
 ``python -m lightning_ckpt_determinism audit --config CONFIG.yaml`` (or the ``lightning-ckpt-determinism`` console
 script) builds the model, the data and the checkpointing strategy from the LightningCLI YAML used for training,
 checkpoints the model as the strategy would, and runs :func:`~lightning_ckpt_determinism.check_recomputation` with
-attribution on the first batches, on the strategy's device and under the Trainer's precision. It prints one row per
-checkpointed region and exits 0 when every region reproduces its forward (and the gradients agree), 1 when any
-diverges, 2 on a usage or configuration error.
+attribution on the first batches, on one process, on the strategy's device and under the Trainer's precision (a
+multi-process strategy is audited on one process with its checkpointing config, and the output says so; one that
+cannot train on this machine, such as FSDP without CUDA, is refused). It prints one row per checkpointed region and
+exits 0 when every region reproduces its forward (and the gradients agree), 1 when any diverges, 2 on a usage or
+configuration error.
 """
 
 import argparse
@@ -26,7 +28,9 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 import yaml
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 from tqdm import tqdm
 
 from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
@@ -167,6 +171,7 @@ def _audit(args: argparse.Namespace) -> int:
         cli = _build(args)
     model, strategy = cli.model, cli.trainer.strategy
     device = strategy.root_device
+    notes = _one_process_notes(strategy)
     loader = _train_dataloader(cli)
     model = cast(pl.LightningModule, strategy.precision_plugin.convert_module(model)).to(device)
     model.train()
@@ -183,9 +188,9 @@ def _audit(args: argparse.Namespace) -> int:
         raise _UsageError(f"the training data of {args.config} gave no batch whose `training_step` returned a loss")
     summaries = _summarize(reports)
     print(_table(summaries))
-    print(_footer(reports, summaries, args))
+    print(_footer(reports, summaries, notes, args))
     if json_target is not None:
-        _write_json(args, json_target, str(device), reports, summaries)
+        _write_json(args, json_target, str(device), reports, summaries, notes)
     return EXIT_DIVERGED if _diverged(reports) else EXIT_OK
 
 
@@ -219,6 +224,7 @@ def _build(args: argparse.Namespace) -> LightningCLI:
             " checkpointing; use one of this package's strategies (e.g."
             " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy) with `checkpointing`"
         )
+    _require_runnable_here(strategy, args.config)
     if not cli.model.automatic_optimization:
         raise _UsageError(
             f"{type(cli.model).__name__} uses manual optimization: its `training_step` steps the optimizers, so the"
@@ -230,6 +236,42 @@ def _build(args: argparse.Namespace) -> LightningCLI:
     except ValueError as err:
         raise _UsageError(str(err)) from err
     return cli
+
+
+def _require_runnable_here(strategy: Strategy, config: Path) -> None:
+    """Refuse a strategy that cannot train on this machine, which the audit's single unwrapped process would hide.
+
+    Lightning's accelerator connector demands a CUDA accelerator of FSDP, but only of ``FSDPStrategy`` itself and
+    its registered names (``type(strategy) is FSDPStrategy``): a subclass such as ``FSDPCheckpointingStrategy``
+    passes the Trainer's construction and fails in ``fit``, where torch's FSDP finds no accelerator device. Here the
+    same rule holds for every subclass, and the accelerator says whether the machine could follow it.
+    """
+    if not isinstance(strategy, FSDPStrategy) or isinstance(strategy.accelerator, CUDAAccelerator):
+        return
+    accelerator = type(strategy.accelerator).__name__
+    fix = (
+        "set `trainer.accelerator: cuda`"
+        if CUDAAccelerator.is_available()
+        else "this machine has none: audit with lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy and"
+        " the same `checkpointing`, or on a machine with a GPU"
+    )
+    raise _UsageError(
+        f"`trainer.strategy` {type(strategy).__name__} in {config} needs a CUDA accelerator (Lightning's FSDP"
+        f" shards on GPUs only), got {accelerator}; {fix}"
+    )
+
+
+def _one_process_notes(strategy: Strategy) -> list[str]:
+    """The audit runs the unwrapped model on one process; say so when training would run several."""
+    if not isinstance(strategy, ParallelStrategy):
+        return []
+    devices, nodes = len(strategy.parallel_devices or []), getattr(strategy, "num_nodes", 1)
+    if devices * nodes <= 1:
+        return []
+    where = f"{devices} devices" + (f" on each of {nodes} nodes" if nodes > 1 else "")
+    return [
+        f"note: {type(strategy).__name__} with {where} is audited on one process with the same checkpointing config"
+    ]
 
 
 def _require_class_paths(args: argparse.Namespace) -> None:
@@ -351,13 +393,16 @@ def _table(summaries: list[_RegionSummary]) -> str:
     )
 
 
-def _footer(reports: list[RecomputationReport], summaries: list[_RegionSummary], args: argparse.Namespace) -> str:
+def _footer(
+    reports: list[RecomputationReport], summaries: list[_RegionSummary], notes: list[str], args: argparse.Namespace
+) -> str:
     divergence = max(report.grad_divergence for report in reports)
     noise = max(report.noise_floor for report in reports)
     batches = f"{len(reports)} batch{'es' if len(reports) != 1 else ''}"
     lines = [
         f"gradients: grad_divergence up to {divergence:.3g} over {batches} (tolerance {args.tolerance:g}"
-        + (f", noise floor {noise:.3g})" if args.calibrate_noise else ")")
+        + (f", noise floor {noise:.3g})" if args.calibrate_noise else ")"),
+        *notes,
     ]
     buffers = list(dict.fromkeys(name for report in reports for name in report.buffer_mutations))
     if buffers:
@@ -387,6 +432,7 @@ def _write_json(
     device: str,
     reports: list[RecomputationReport],
     summaries: list[_RegionSummary],
+    notes: list[str],
 ) -> None:
     document = {
         "config": str(args.config),
@@ -395,6 +441,7 @@ def _write_json(
         "tolerance": args.tolerance,
         "calibrate_noise": args.calibrate_noise,
         "diverged": _diverged(reports),
+        "notes": notes,
         "regions": [asdict(summary) for summary in summaries],
         "buffer_mutations": list(dict.fromkeys(name for report in reports for name in report.buffer_mutations)),
         "checks": [asdict(report) for report in reports],

@@ -9,6 +9,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_ckpt_determinism import CAUSE_HINTS, cli
 from lightning_ckpt_determinism.cli import main
@@ -377,3 +379,53 @@ def test_a_yaml_error_without_a_position_still_names_the_file_in_one_line(capsys
         f"lightning-ckpt-determinism audit: error: {CONFIGS / 'broken_python_state.yaml'} is no valid YAML: no"
         " position known; correct the file\n"
     )
+
+
+def test_an_fsdp_config_without_cuda_exits_2_saying_why(capsys, tmp_path):
+    strategy = CHECKPOINTING.format(classes="Block").replace("SingleDevice", "FSDP")
+    path = write_config(tmp_path, "fsdp", strategy)
+    code, out, err = audit(capsys, "--config", str(path))
+    assert (code, out) == (2, "")
+    fix = (
+        "set `trainer.accelerator: cuda`"
+        if torch.cuda.is_available()
+        else "this machine has none: audit with lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy and the"
+        " same `checkpointing`, or on a machine with a GPU"
+    )
+    assert err == (
+        f"lightning-ckpt-determinism audit: error: `trainer.strategy` FSDPCheckpointingStrategy in {path} needs a CUDA"
+        f" accelerator (Lightning's FSDP shards on GPUs only), got CPUAccelerator; {fix}\n"
+    )
+
+
+def forbid_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail at once, instead of hanging for peers, if anything launches workers or joins a process group."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        pytest.fail("the audit started processes or a process group")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "launch", forbidden)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", forbidden)
+    monkeypatch.setattr(torch.distributed, "init_process_group", forbidden)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "where"), [("devices: 2", "2 devices"), ("devices: 2\n  num_nodes: 2", "2 devices on each of 2 nodes")]
+)
+def test_a_multi_process_ddp_config_is_audited_on_one_process_and_says_so(
+    trainer, where, capsys, tmp_path, monkeypatch
+):
+    text = (CONFIGS / "broken_python_state.yaml").read_text()
+    path = tmp_path / "ddp.yaml"
+    path.write_text(text.replace("devices: 1", trainer).replace("SingleDeviceCheckpointing", "DDPCheckpointing"))
+    report = tmp_path / "ddp.json"
+    forbid_processes(monkeypatch)
+    code, out, err = audit(capsys, "--config", str(path), "--json", str(report))
+    assert code == 1, err  # as for the single-device config
+    note = f"note: DDPCheckpointingStrategy with {where} is audited on one process with the same checkpointing config"
+    gradients, *rest = out.splitlines()[-3:]
+    assert re.fullmatch(r"gradients: grad_divergence up to [0-9.e-]+ over 1 batch \(tolerance 0\)", gradients)
+    assert rest == [note, "result: 1 of 4 checkpointed regions diverged: blocks.3"]
+    assert table(out)["blocks.3"]["cause"] == "python_state"
+    assert json.loads(report.read_text())["notes"] == [note]
+    assert not torch.distributed.is_initialized()
