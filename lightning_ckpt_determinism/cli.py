@@ -176,8 +176,10 @@ def _audit(args: argparse.Namespace) -> int:
     model = cast(pl.LightningModule, strategy.precision_plugin.convert_module(model)).to(device)
     model.train()
     reports: list[RecomputationReport] = []
+    seen = 0
     with tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False) as progress:
         for batch_idx, batch in enumerate(loader):
+            seen += 1
             report = _check_batch(model, strategy, model.transfer_batch_to_device(batch, device, 0), batch_idx, args)
             if report is not None:
                 reports.append(report)
@@ -186,6 +188,8 @@ def _audit(args: argparse.Namespace) -> int:
                 break
     if not reports:
         raise _UsageError(f"the training data of {args.config} gave no batch whose `training_step` returned a loss")
+    if len(reports) < args.batches:
+        notes.append(_shortfall_note(len(reports), seen, args.batches))
     summaries = _summarize(reports)
     print(_table(summaries))
     print(_footer(reports, summaries, notes, args))
@@ -393,14 +397,24 @@ def _table(summaries: list[_RegionSummary]) -> str:
     )
 
 
+def _shortfall_note(checked: int, seen: int, asked: int) -> str:
+    """Say that the training data ran out before ``--batches`` were checked."""
+    skipped = seen - checked
+    no_loss = f", and `training_step` returned no loss for {skipped}" if skipped else ""
+    return f"note: checked {_batches(checked)}: the training data has only {seen}{no_loss} (asked for {asked})"
+
+
+def _batches(count: int) -> str:
+    return f"{count} batch{'es' if count != 1 else ''}"
+
+
 def _footer(
     reports: list[RecomputationReport], summaries: list[_RegionSummary], notes: list[str], args: argparse.Namespace
 ) -> str:
     divergence = max(report.grad_divergence for report in reports)
     noise = max(report.noise_floor for report in reports)
-    batches = f"{len(reports)} batch{'es' if len(reports) != 1 else ''}"
     lines = [
-        f"gradients: grad_divergence up to {divergence:.3g} over {batches} (tolerance {args.tolerance:g}"
+        f"gradients: grad_divergence up to {divergence:.3g} over {_batches(len(reports))} (tolerance {args.tolerance:g}"
         + (f", noise floor {noise:.3g})" if args.calibrate_noise else ")"),
         *notes,
     ]
@@ -438,6 +452,7 @@ def _write_json(
         "config": str(args.config),
         "device": device,
         "batches": len(reports),
+        "batches_asked": args.batches,
         "tolerance": args.tolerance,
         "calibrate_noise": args.calibrate_noise,
         "diverged": _diverged(reports),

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.broken import unordered_row_sum
+from examples.broken import BrokenModule, unordered_row_sum
 from lightning_ckpt_determinism import checkpointed_modules
 
 DIM = 8
@@ -305,3 +305,13 @@ class FlagBlock(nn.Module):
         self.flag = not self.flag
         hidden = self.linear(x)
         return x + (torch.tanh(hidden) if self.flag else torch.sigmoid(hidden))
+
+
+class OddStepsSkippedModule(BrokenModule):
+    """A :class:`~examples.broken.BrokenModule` whose ``training_step`` returns no loss on odd batches (skips them)."""
+
+    # Lightning's `training_step` may return None; BrokenModule's narrower annotation never does.
+    def training_step(  # type: ignore[override]
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor | None:
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)

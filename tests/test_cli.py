@@ -429,3 +429,33 @@ def test_a_multi_process_ddp_config_is_audited_on_one_process_and_says_so(
     assert table(out)["blocks.3"]["cause"] == "python_state"
     assert json.loads(report.read_text())["notes"] == [note]
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("model", "checked", "note"),
+    [
+        ("examples.broken.BrokenModule", 3, "note: checked 3 batches: the training data has only 3 (asked for 5)"),
+        (
+            "tests.helpers.OddStepsSkippedModule",
+            2,
+            "note: checked 2 batches: the training data has only 3, and `training_step` returned no loss for 1 (asked"
+            " for 5)",
+        ),
+    ],
+)
+def test_more_batches_than_the_data_has_says_how_many_were_checked(model, checked, note, capsys, tmp_path):
+    path = tmp_path / "short.yaml"
+    path.write_text(
+        f"trainer:\n  accelerator: cpu\n  strategy:\n{CHECKPOINTING.format(classes='Block')}\nmodel:\n"
+        f"  class_path: {model}\ndata:\n  class_path: examples.broken.SyntheticRegression\n"
+        "  init_args:\n    size: 48\n"  # 3 batches of 16
+    )
+    report = tmp_path / "short.json"
+    code, out, err = audit(capsys, "--config", str(path), "--batches", "5", "--json", str(report))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[-3].endswith(f" over {checked} batches (tolerance 0)")
+    assert lines[-2:] == [note, "result: none of the 4 checkpointed regions diverged"]
+    written = json.loads(report.read_text())
+    assert (written["batches_asked"], written["batches"], len(written["checks"])) == (5, checked, checked)
+    assert written["notes"] == [note]
