@@ -166,7 +166,7 @@ def _non_negative_float(text: str) -> float:
 
 def _audit(args: argparse.Namespace) -> int:
     # Before the audit, which may run for minutes: a report that cannot be written is a usage error.
-    json_target = _json_target(args.json) if args.json is not None else None
+    json_target = _json_target(args.json, args.config) if args.json is not None else None
     with _quiet_lightning():
         cli = _build(args)
     model, strategy = cli.model, cli.trainer.strategy
@@ -470,13 +470,15 @@ def _write_json(
         ) from err
 
 
-def _json_target(path: Path) -> Path:
+def _json_target(path: Path, config: Path) -> Path:
     """The file ``--json`` names (through symbolic links), once it is known that the report can replace it.
 
     An existing path must be a regular file the user may write; the directory must take a new file, as the report
     is written beside the target first and then moved onto it. Nothing of the user's is removed.
     """
     target = Path(os.path.realpath(path))
+    if target == Path(os.path.realpath(config)):
+        raise _UsageError(f"`--json` {str(path)!r} is the `--config` file; give another path for the report")
     if target.exists():
         mode = target.stat().st_mode
         if stat.S_ISDIR(mode):

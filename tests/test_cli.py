@@ -280,6 +280,7 @@ def fail_if_the_audit_starts(monkeypatch: pytest.MonkeyPatch) -> None:
         ("pipe", r"`--json` '.*pipe\.json' is a pipe; the report goes to a new or an existing regular file"),
         ("read_only", r"`--json` '.*read_only\.json' is read-only \(mode 444\); make it writable \(chmod u\+w\)"),
         ("read_only_directory", r"no new file can be made in '.*locked' \(Permission denied\); give a path in a"),
+        ("config", r"`--json` '.*broken_python_state\.yaml' is the `--config` file; give another path for the report"),
     ],
 )
 def test_a_json_path_that_cannot_take_the_report_exits_2_before_the_audit_starts(
@@ -295,6 +296,7 @@ def test_a_json_path_that_cannot_take_the_report_exits_2_before_the_audit_starts
         "pipe": tmp_path / "pipe.json",
         "read_only": tmp_path / "read_only.json",
         "read_only_directory": tmp_path / "locked" / "report.json",
+        "config": CONFIGS / "broken_python_state.yaml",
     }
     path = paths[case]
     if case == "directory":
