@@ -3,9 +3,11 @@
 ``python -m lightning_ckpt_determinism audit --config CONFIG.yaml`` (or the ``lightning-ckpt-determinism`` console
 script) builds the model, the data and the checkpointing strategy from the LightningCLI YAML used for training,
 checkpoints the model as the strategy would, and runs :func:`~lightning_ckpt_determinism.check_recomputation` with
-attribution on the first batches, on the strategy's device and under the Trainer's precision. It prints one row per
-checkpointed region and exits 0 when every region reproduces its forward (and the gradients agree), 1 when any
-diverges, 2 on a usage or configuration error.
+attribution on the first batches, on one process, on the strategy's device and under the Trainer's precision (a
+multi-process strategy is audited on one process with its checkpointing config, and the output says so; one that
+cannot train on this machine, such as FSDP without CUDA, is refused). It prints one row per checkpointed region and
+exits 0 when every region reproduces its forward (and the gradients agree), 1 when any diverges, 2 on a usage or
+configuration error.
 """
 
 import argparse
@@ -14,7 +16,9 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -24,7 +28,9 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 import yaml
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 from tqdm import tqdm
 
 from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
@@ -40,6 +46,12 @@ EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 _PROGRAM = "lightning-ckpt-determinism"
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+_SPECIAL_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a pipe"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class _UsageError(Exception):
@@ -72,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         ``0`` when every checkpointed region reproduces its forward and the gradients agree, ``1`` when any
-        diverges, ``2`` on a usage or configuration error (printed as one line on stderr).
+        diverges, ``2`` on a usage or configuration error (printed as one line on stderr), found before any batch
+        runs, or when the ``--json`` report cannot be written in the end (after the verdict is printed).
 
     Example::
 
@@ -152,16 +165,21 @@ def _non_negative_float(text: str) -> float:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    # Before the audit, which may run for minutes: a report that cannot be written is a usage error.
+    json_target = _json_target(args.json, args.config) if args.json is not None else None
     with _quiet_lightning():
         cli = _build(args)
     model, strategy = cli.model, cli.trainer.strategy
     device = strategy.root_device
+    notes = _one_process_notes(strategy)
     loader = _train_dataloader(cli)
     model = cast(pl.LightningModule, strategy.precision_plugin.convert_module(model)).to(device)
     model.train()
     reports: list[RecomputationReport] = []
+    seen = 0
     with tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False) as progress:
         for batch_idx, batch in enumerate(loader):
+            seen += 1
             report = _check_batch(model, strategy, model.transfer_batch_to_device(batch, device, 0), batch_idx, args)
             if report is not None:
                 reports.append(report)
@@ -170,19 +188,19 @@ def _audit(args: argparse.Namespace) -> int:
                 break
     if not reports:
         raise _UsageError(f"the training data of {args.config} gave no batch whose `training_step` returned a loss")
+    if len(reports) < args.batches:
+        notes.append(_shortfall_note(len(reports), seen, args.batches))
     summaries = _summarize(reports)
     print(_table(summaries))
-    print(_footer(reports, summaries, args))
-    if args.json is not None:
-        _write_json(args, str(device), reports, summaries)
+    print(_footer(reports, summaries, notes, args))
+    if json_target is not None:
+        _write_json(args, json_target, str(device), reports, summaries, notes)
     return EXIT_DIVERGED if _diverged(reports) else EXIT_OK
 
 
 def _build(args: argparse.Namespace) -> LightningCLI:
     if not args.config.is_file():
         raise _UsageError(f"`--config` {str(args.config)!r} is not a file")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise _UsageError(f"`--json` {str(args.json)!r} cannot be written: {str(args.json.parent)!r} is no directory")
     _require_class_paths(args)
     try:
         model_class = resolve_class_path(args.model) if args.model else None
@@ -210,6 +228,7 @@ def _build(args: argparse.Namespace) -> LightningCLI:
             " checkpointing; use one of this package's strategies (e.g."
             " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy) with `checkpointing`"
         )
+    _require_runnable_here(strategy, args.config)
     if not cli.model.automatic_optimization:
         raise _UsageError(
             f"{type(cli.model).__name__} uses manual optimization: its `training_step` steps the optimizers, so the"
@@ -223,12 +242,56 @@ def _build(args: argparse.Namespace) -> LightningCLI:
     return cli
 
 
+def _require_runnable_here(strategy: Strategy, config: Path) -> None:
+    """Refuse a strategy that cannot train on this machine, which the audit's single unwrapped process would hide.
+
+    Lightning's accelerator connector demands a CUDA accelerator of FSDP, but only of ``FSDPStrategy`` itself and
+    its registered names (``type(strategy) is FSDPStrategy``): a subclass such as ``FSDPCheckpointingStrategy``
+    passes the Trainer's construction and fails in ``fit``, where torch's FSDP finds no accelerator device. Here the
+    same rule holds for every subclass, and the accelerator says whether the machine could follow it.
+    """
+    if not isinstance(strategy, FSDPStrategy) or isinstance(strategy.accelerator, CUDAAccelerator):
+        return
+    accelerator = type(strategy.accelerator).__name__
+    fix = (
+        "set `trainer.accelerator: cuda`"
+        if CUDAAccelerator.is_available()
+        else "this machine has none: audit with lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy and"
+        " the same `checkpointing`, or on a machine with a GPU"
+    )
+    raise _UsageError(
+        f"`trainer.strategy` {type(strategy).__name__} in {config} needs a CUDA accelerator (Lightning's FSDP"
+        f" shards on GPUs only), got {accelerator}; {fix}"
+    )
+
+
+def _one_process_notes(strategy: Strategy) -> list[str]:
+    """The audit runs the unwrapped model on one process; say so when training would run several."""
+    if not isinstance(strategy, ParallelStrategy):
+        return []
+    devices, nodes = len(strategy.parallel_devices or []), getattr(strategy, "num_nodes", 1)
+    if devices * nodes <= 1:
+        return []
+    where = f"{devices} devices" + (f" on each of {nodes} nodes" if nodes > 1 else "")
+    return [
+        f"note: {type(strategy).__name__} with {where} is audited on one process with the same checkpointing config"
+    ]
+
+
 def _require_class_paths(args: argparse.Namespace) -> None:
     """A YAML written for ``LightningCLI(MyModule, MyData)`` does not name its classes: the audit must be told."""
     try:
-        config = yaml.safe_load(args.config.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise _UsageError(f"{args.config} cannot be read as YAML: {err}") from err
+        text = args.config.read_text(encoding="utf-8")
+    except OSError as err:
+        raise _UsageError(f"`--config` {str(args.config)!r} cannot be read: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise _UsageError(
+            f"`--config` {str(args.config)!r} is no UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8"
+        ) from err
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise _UsageError(_yaml_error(args.config, text, err)) from err
     if not isinstance(config, dict):
         raise _UsageError(f"{args.config} holds no LightningCLI config (a mapping with `model`, `trainer` ...)")
     for key, option, example in (("model", args.model, "Module"), ("data", args.data, "DataModule")):
@@ -240,6 +303,20 @@ def _require_class_paths(args: argparse.Namespace) -> None:
             )
     if args.model is None and "model" not in config:
         raise _UsageError(f"{args.config} has no `model`: add one with a `class_path`, or pass `--model`")
+
+
+def _yaml_error(path: Path, text: str, err: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: ``file:line:column`` (1-based) and yaml's problem."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        line, column = err.problem_mark.line, err.problem_mark.column
+        problem = " ".join(part for part in (err.problem, err.context) if part)
+    elif isinstance(err, yaml.reader.ReaderError):
+        line = text.count("\n", 0, err.position)
+        column = err.position - (text.rfind("\n", 0, err.position) + 1)
+        problem = f"unacceptable character #x{err.character:04x}: {err.reason}"
+    else:
+        return f"{path} is no valid YAML: {' '.join(str(err).split())}; correct the file"
+    return f"{path}:{line + 1}:{column + 1}: invalid YAML: {problem}; correct the file there"
 
 
 def _train_dataloader(cli: LightningCLI) -> Any:
@@ -320,13 +397,26 @@ def _table(summaries: list[_RegionSummary]) -> str:
     )
 
 
-def _footer(reports: list[RecomputationReport], summaries: list[_RegionSummary], args: argparse.Namespace) -> str:
+def _shortfall_note(checked: int, seen: int, asked: int) -> str:
+    """Say that the training data ran out before ``--batches`` were checked."""
+    skipped = seen - checked
+    no_loss = f", and `training_step` returned no loss for {skipped}" if skipped else ""
+    return f"note: checked {_batches(checked)}: the training data has only {seen}{no_loss} (asked for {asked})"
+
+
+def _batches(count: int) -> str:
+    return f"{count} batch{'es' if count != 1 else ''}"
+
+
+def _footer(
+    reports: list[RecomputationReport], summaries: list[_RegionSummary], notes: list[str], args: argparse.Namespace
+) -> str:
     divergence = max(report.grad_divergence for report in reports)
     noise = max(report.noise_floor for report in reports)
-    batches = f"{len(reports)} batch{'es' if len(reports) != 1 else ''}"
     lines = [
-        f"gradients: grad_divergence up to {divergence:.3g} over {batches} (tolerance {args.tolerance:g}"
-        + (f", noise floor {noise:.3g})" if args.calibrate_noise else ")")
+        f"gradients: grad_divergence up to {divergence:.3g} over {_batches(len(reports))} (tolerance {args.tolerance:g}"
+        + (f", noise floor {noise:.3g})" if args.calibrate_noise else ")"),
+        *notes,
     ]
     buffers = list(dict.fromkeys(name for report in reports for name in report.buffer_mutations))
     if buffers:
@@ -351,23 +441,94 @@ def _footer(reports: list[RecomputationReport], summaries: list[_RegionSummary],
 
 
 def _write_json(
-    args: argparse.Namespace, device: str, reports: list[RecomputationReport], summaries: list[_RegionSummary]
+    args: argparse.Namespace,
+    target: Path,
+    device: str,
+    reports: list[RecomputationReport],
+    summaries: list[_RegionSummary],
+    notes: list[str],
 ) -> None:
     document = {
         "config": str(args.config),
         "device": device,
         "batches": len(reports),
+        "batches_asked": args.batches,
         "tolerance": args.tolerance,
         "calibrate_noise": args.calibrate_noise,
         "diverged": _diverged(reports),
+        "notes": notes,
         "regions": [asdict(summary) for summary in summaries],
         "buffer_mutations": list(dict.fromkeys(name for report in reports for name in report.buffer_mutations)),
         "checks": [asdict(report) for report in reports],
     }
     try:
-        args.json.write_text(json.dumps(_finite(document), indent=2) + "\n")
+        _replace_atomically(target, json.dumps(_finite(document), indent=2) + "\n")
     except OSError as err:
-        raise _UsageError(f"`--json` {str(args.json)!r} cannot be written: {err}") from err
+        raise _UsageError(
+            f"`--json` {str(args.json)!r} cannot be written: {err.strerror or err}; the verdict above stands, but no"
+            " report was written (an existing file is unchanged)"
+        ) from err
+
+
+def _json_target(path: Path, config: Path) -> Path:
+    """The file ``--json`` names (through symbolic links), once it is known that the report can replace it.
+
+    An existing path must be a regular file the user may write; the directory must take a new file, as the report
+    is written beside the target first and then moved onto it. Nothing of the user's is removed.
+    """
+    target = Path(os.path.realpath(path))
+    if target == Path(os.path.realpath(config)):
+        raise _UsageError(f"`--json` {str(path)!r} is the `--config` file; give another path for the report")
+    if target.exists():
+        mode = target.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise _UsageError(f"`--json` {str(path)!r} is a directory; give the path of a file in it for the report")
+        if not stat.S_ISREG(mode):
+            kind = next((kind for test, kind in _SPECIAL_FILES if test(mode)), "not a regular file")
+            raise _UsageError(
+                f"`--json` {str(path)!r} is {kind}; the report goes to a new or an existing regular file: give the"
+                " path of one"
+            )
+        if not os.access(target, os.W_OK):
+            raise _UsageError(
+                f"`--json` {str(path)!r} is read-only (mode {stat.S_IMODE(mode):o}); make it writable (chmod u+w) or"
+                " give another path"
+            )
+    elif not target.parent.is_dir():
+        raise _UsageError(f"`--json` {str(path)!r} cannot be written: {str(target.parent)!r} is no directory")
+    try:
+        os.unlink(_create_beside(target))
+    except OSError as err:
+        raise _UsageError(
+            f"`--json` {str(path)!r} cannot be written: no new file can be made in {str(target.parent)!r}"
+            f" ({err.strerror or err}); give a path in a writable directory"
+        ) from err
+    return target
+
+
+def _create_beside(target: Path) -> Path:
+    """A new empty file in ``target``'s directory, with the permissions a new file gets there (the umask's)."""
+    temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return temporary
+
+
+def _replace_atomically(target: Path, text: str) -> None:
+    """Write ``text`` to a new file beside ``target`` and move it onto ``target``: a failed write (a full disk)
+    leaves ``target`` as it was and no temporary file behind. An existing ``target`` keeps its permissions."""
+    temporary = _create_beside(target)
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        if target.exists():
+            os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _finite(value: Any) -> Any:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.broken import unordered_row_sum
+from examples.broken import BrokenModule, unordered_row_sum
 from lightning_ckpt_determinism import checkpointed_modules
 
 DIM = 8
@@ -332,3 +332,13 @@ class GradientPenaltyModule(StackModule):
         loss = F.mse_loss(out, y) + 0.1 * input_grad.square().sum(dim=1).mean()
         self.log("train/loss", loss)
         return loss
+
+
+class OddStepsSkippedModule(BrokenModule):
+    """A :class:`~examples.broken.BrokenModule` whose ``training_step`` returns no loss on odd batches (skips them)."""
+
+    # Lightning's `training_step` may return None; BrokenModule's narrower annotation never does.
+    def training_step(  # type: ignore[override]
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor | None:
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)

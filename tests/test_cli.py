@@ -1,5 +1,7 @@
+import errno
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -7,8 +9,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_ckpt_determinism import CAUSE_HINTS
+from lightning_ckpt_determinism import CAUSE_HINTS, cli
 from lightning_ckpt_determinism.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,10 +105,19 @@ def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys
     assert out.splitlines()[-1] == f"result: 1 of 4 checkpointed regions diverged: {BROKEN_REGION[cause]}"
 
 
-def test_a_clean_config_exits_0_and_its_json_says_so(capsys, tmp_path):
-    report = tmp_path / "clean.json"
-    code, out, err = audit(capsys, "--config", str(GPT_CONFIG), "--json", str(report))
+def test_a_clean_config_exits_0_and_its_json_replaces_the_old_report(capsys, tmp_path):
+    report, link = tmp_path / "clean.json", tmp_path / "link.json"
+    report.write_text("old report\n")
+    report.chmod(0o640)
+    old_inode = report.stat().st_ino
+    link.symlink_to(report)
+    code, out, err = audit(capsys, "--config", str(GPT_CONFIG), "--json", str(link))
     assert code == 0, err
+    # Written beside the report and moved onto it: a new file, the old one's permissions, through the link.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["clean.json", "link.json"]
+    assert link.is_symlink() and link.resolve() == report
+    assert report.stat().st_ino != old_inode
+    assert report.stat().st_mode & 0o777 == 0o640
     rows = table(out)
     # every_n: 2 checkpoints blocks 1 and 3; their selective checkpointing keeps the matmuls.
     assert {name: row["verdict"] for name, row in rows.items()} == {"model.blocks.1": "ok", "model.blocks.3": "ok"}
@@ -243,3 +256,211 @@ def test_model_and_data_options_name_the_classes_a_config_leaves_out(capsys, tmp
 def test_help_exits_0(capsys):
     assert main(["audit", "--help"]) == 0
     assert "--calibrate-noise" in capsys.readouterr().out
+
+
+def permissions_are_ignored(tmp_path: Path) -> bool:
+    """Whether this process may write a read-only file, as root may (unless its capabilities were dropped)."""
+    probe = tmp_path / "probe"
+    probe.touch(mode=0o444)
+    try:
+        return os.access(probe, os.W_OK)
+    finally:
+        probe.unlink()
+
+
+def fail_if_the_audit_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def build(args: object) -> None:
+        pytest.fail("the audit started although `--json` cannot be written")
+
+    monkeypatch.setattr(cli, "_build", build)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("directory", r"`--json` '.*reports' is a directory; give the path of a file in it for the report$"),
+        ("dev_full", r"`--json` '/dev/full' is a character device; the report goes to a new or an existing regular"),
+        ("pipe", r"`--json` '.*pipe\.json' is a pipe; the report goes to a new or an existing regular file"),
+        ("read_only", r"`--json` '.*read_only\.json' is read-only \(mode 444\); make it writable \(chmod u\+w\)"),
+        ("read_only_directory", r"no new file can be made in '.*locked' \(Permission denied\); give a path in a"),
+        ("config", r"`--json` '.*broken_python_state\.yaml' is the `--config` file; give another path for the report"),
+    ],
+)
+def test_a_json_path_that_cannot_take_the_report_exits_2_before_the_audit_starts(
+    case, message, capsys, tmp_path, monkeypatch
+):
+    if case == "dev_full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    if case.startswith("read_only") and permissions_are_ignored(tmp_path):
+        pytest.skip("root writes to read-only files and directories; the pipe case checks the up-front refusal")
+    paths = {
+        "directory": tmp_path / "reports",
+        "dev_full": Path("/dev/full"),
+        "pipe": tmp_path / "pipe.json",
+        "read_only": tmp_path / "read_only.json",
+        "read_only_directory": tmp_path / "locked" / "report.json",
+        "config": CONFIGS / "broken_python_state.yaml",
+    }
+    path = paths[case]
+    if case == "directory":
+        path.mkdir()
+    elif case == "pipe":
+        os.mkfifo(path)
+    elif case == "read_only":
+        path.write_text("kept\n")
+        path.chmod(0o444)
+    elif case == "read_only_directory":
+        path.parent.mkdir(mode=0o555)
+    before = sorted(tmp_path.rglob("*"))
+    fail_if_the_audit_starts(monkeypatch)
+    code, out, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"), "--json", str(path))
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1
+    assert re.search(message, err), err
+    assert sorted(tmp_path.rglob("*")) == before  # the probe left nothing behind
+    if case == "read_only":
+        assert path.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_full_disk_at_the_final_write_exits_2_after_the_verdict_and_leaves_no_file(
+    failing, capsys, tmp_path, monkeypatch
+):
+    report = tmp_path / "report.json"
+    report.write_text("previous report\n")
+
+    def full_disk(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli.os, failing, full_disk)
+    code, out, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"), "--json", str(report))
+    assert code == 2
+    assert table(out)["blocks.3"]["verdict"] == "diverged"
+    assert out.splitlines()[-1] == "result: 1 of 4 checkpointed regions diverged: blocks.3"
+    assert err.splitlines()[-1] == (
+        f"lightning-ckpt-determinism audit: error: `--json` {str(report)!r} cannot be written: No space left on"
+        " device; the verdict above stands, but no report was written (an existing file is unchanged)"
+    )
+    assert [path.name for path in tmp_path.iterdir()] == ["report.json"]  # no temporary left
+    assert report.read_text() == "previous report\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            b"trainer:\n  accelerator: cpu\n   devices: 1\n",
+            r"bad\.yaml:3:11: invalid YAML: mapping values are not allowed here; correct the file there$",
+        ),
+        (
+            b'model:\n  class_path: "examples.broken.BrokenModule\n',
+            r"bad\.yaml:3:1: invalid YAML: found unexpected end of stream while scanning a quoted scalar; correct",
+        ),
+        (
+            b"trainer:\n  accelerator: c\x01pu\n",
+            r"bad\.yaml:2:17: invalid YAML: unacceptable character #x0001: special characters are not allowed; ",
+        ),
+        (b"model: \xff\n", r"`--config` '.*bad\.yaml' is no UTF-8 text \(byte 7: invalid start byte\); save it as"),
+    ],
+)
+def test_a_config_that_is_no_yaml_is_named_with_line_and_column_in_one_line(text, message, capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    code, out, err = audit(capsys, "--config", str(path))
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1
+    assert re.search(message, err), err
+    assert "<unicode string>" not in err
+
+
+def test_a_yaml_error_without_a_position_still_names_the_file_in_one_line(capsys, tmp_path, monkeypatch):
+    def fail(text: str) -> None:
+        raise cli.yaml.YAMLError("no position\n  known")
+
+    monkeypatch.setattr(cli.yaml, "safe_load", fail)
+    code, _, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"))
+    assert code == 2
+    assert err == (
+        f"lightning-ckpt-determinism audit: error: {CONFIGS / 'broken_python_state.yaml'} is no valid YAML: no"
+        " position known; correct the file\n"
+    )
+
+
+def test_an_fsdp_config_without_cuda_exits_2_saying_why(capsys, tmp_path):
+    strategy = CHECKPOINTING.format(classes="Block").replace("SingleDevice", "FSDP")
+    path = write_config(tmp_path, "fsdp", strategy)
+    code, out, err = audit(capsys, "--config", str(path))
+    assert (code, out) == (2, "")
+    fix = (
+        "set `trainer.accelerator: cuda`"
+        if torch.cuda.is_available()
+        else "this machine has none: audit with lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy and the"
+        " same `checkpointing`, or on a machine with a GPU"
+    )
+    assert err == (
+        f"lightning-ckpt-determinism audit: error: `trainer.strategy` FSDPCheckpointingStrategy in {path} needs a CUDA"
+        f" accelerator (Lightning's FSDP shards on GPUs only), got CPUAccelerator; {fix}\n"
+    )
+
+
+def forbid_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail at once, instead of hanging for peers, if anything launches workers or joins a process group."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        pytest.fail("the audit started processes or a process group")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "launch", forbidden)
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", forbidden)
+    monkeypatch.setattr(torch.distributed, "init_process_group", forbidden)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "where"), [("devices: 2", "2 devices"), ("devices: 2\n  num_nodes: 2", "2 devices on each of 2 nodes")]
+)
+def test_a_multi_process_ddp_config_is_audited_on_one_process_and_says_so(
+    trainer, where, capsys, tmp_path, monkeypatch
+):
+    text = (CONFIGS / "broken_python_state.yaml").read_text()
+    path = tmp_path / "ddp.yaml"
+    path.write_text(text.replace("devices: 1", trainer).replace("SingleDeviceCheckpointing", "DDPCheckpointing"))
+    report = tmp_path / "ddp.json"
+    forbid_processes(monkeypatch)
+    code, out, err = audit(capsys, "--config", str(path), "--json", str(report))
+    assert code == 1, err  # as for the single-device config
+    note = f"note: DDPCheckpointingStrategy with {where} is audited on one process with the same checkpointing config"
+    gradients, *rest = out.splitlines()[-3:]
+    assert re.fullmatch(r"gradients: grad_divergence up to [0-9.e-]+ over 1 batch \(tolerance 0\)", gradients)
+    assert rest == [note, "result: 1 of 4 checkpointed regions diverged: blocks.3"]
+    assert table(out)["blocks.3"]["cause"] == "python_state"
+    assert json.loads(report.read_text())["notes"] == [note]
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("model", "checked", "note"),
+    [
+        ("examples.broken.BrokenModule", 3, "note: checked 3 batches: the training data has only 3 (asked for 5)"),
+        (
+            "tests.helpers.OddStepsSkippedModule",
+            2,
+            "note: checked 2 batches: the training data has only 3, and `training_step` returned no loss for 1 (asked"
+            " for 5)",
+        ),
+    ],
+)
+def test_more_batches_than_the_data_has_says_how_many_were_checked(model, checked, note, capsys, tmp_path):
+    path = tmp_path / "short.yaml"
+    path.write_text(
+        f"trainer:\n  accelerator: cpu\n  strategy:\n{CHECKPOINTING.format(classes='Block')}\nmodel:\n"
+        f"  class_path: {model}\ndata:\n  class_path: examples.broken.SyntheticRegression\n"
+        "  init_args:\n    size: 48\n"  # 3 batches of 16
+    )
+    report = tmp_path / "short.json"
+    code, out, err = audit(capsys, "--config", str(path), "--batches", "5", "--json", str(report))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[-3].endswith(f" over {checked} batches (tolerance 0)")
+    assert lines[-2:] == [note, "result: none of the 4 checkpointed regions diverged"]
+    written = json.loads(report.read_text())
+    assert (written["batches_asked"], written["batches"], len(written["checks"])) == (5, checked, checked)
+    assert written["notes"] == [note]
