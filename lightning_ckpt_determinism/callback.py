@@ -27,8 +27,7 @@ _NAMED_REGIONS = 3
 
 
 class RecomputationMonitor(Callback):
-    r"""Every ``every_n_steps`` optimizer steps, rerun the training step without and with checkpointing and log
-    how far the gradients diverge.
+    r"""Every ``every_n_steps`` optimizer steps, rerun the training step without checkpointing and log the divergence.
 
     The check runs at the start of the step's first batch, in train mode, under the Trainer's precision context
     and on the step's device, with every random stream forked and restored, so training continues exactly as
