@@ -129,7 +129,7 @@ def test_resolve_ops_keeps_a_single_overload() -> None:
 @pytest.mark.parametrize("field_name", ["classes", "names", "save_ops"])
 def test_a_string_for_a_list_field_is_rejected(field_name: str) -> None:
     kwargs = {"classes": ["Block"], field_name: "aten.mm"}
-    with pytest.raises(CheckpointingConfigError, match=rf"`{field_name}` must be a list of strings, got 'aten.mm'"):
+    with pytest.raises(CheckpointingConfigError, match=rf"^`{field_name}` must be a list of strings, got 'aten.mm'"):
         CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
 
 
@@ -139,6 +139,7 @@ def test_config_error_is_a_value_error_exported_from_the_package_root() -> None:
     assert "CheckpointingConfigError" in lightning_ckpt_determinism.__all__
 
 
+# Each message starts with the argument in backticks: `examples/train.py` relies on it to find them in jsonargparse's.
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -151,14 +152,14 @@ def test_config_error_is_a_value_error_exported_from_the_package_root() -> None:
     ],
 )
 def test_config_checks_raise_the_config_error(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(CheckpointingConfigError, match=message):
+    with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
         CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
 
 
 def test_resolvers_raise_the_config_error() -> None:
-    with pytest.raises(CheckpointingConfigError, match=r"`classes` entry 'torch.nn.NoSuchLayer' cannot be imported"):
+    with pytest.raises(CheckpointingConfigError, match=r"^`classes` entry 'torch.nn.NoSuchLayer' cannot be imported"):
         resolve_class_path("torch.nn.NoSuchLayer")
-    with pytest.raises(CheckpointingConfigError, match=r"`save_ops` entry 'mm' is not an op name"):
+    with pytest.raises(CheckpointingConfigError, match=r"^`save_ops` entry 'mm' is not an op name"):
         resolve_ops(["mm"])
 
 
@@ -176,7 +177,7 @@ def test_resolvers_raise_the_config_error() -> None:
     ],
 )
 def test_monitor_checks_raise_the_config_error(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(CheckpointingConfigError, match=message):
+    with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
         RecomputationMonitor(**kwargs)  # type: ignore[arg-type]
 
 
@@ -184,15 +185,17 @@ def test_monitor_without_loss_fn_under_manual_optimization_raises_the_config_err
     module = StackModule()
     module.automatic_optimization = False
     trainer = pl.Trainer(**trainer_kwargs(tmp_path))  # type: ignore[arg-type]
-    with pytest.raises(CheckpointingConfigError, match=r"`RecomputationMonitor` needs `loss_fn` with manual"):
+    with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor` needs `loss_fn` with manual"):
         RecomputationMonitor().on_fit_start(trainer, module)
 
 
 def test_selections_that_wrap_nothing_raise_the_config_error() -> None:
     model = make_stack(n=3)
-    with pytest.raises(CheckpointingConfigError, match=r"matches no module of Stack: classes=\['NoSuchBlock'\]"):
+    with pytest.raises(
+        CheckpointingConfigError, match=r"^`CheckpointingConfig` matches no module of Stack: classes=\['NoSuchBlock'\]"
+    ):
         select_modules(model, CheckpointingConfig(classes=["NoSuchBlock"]))
-    with pytest.raises(CheckpointingConfigError, match=r"`every_n`=4 selects none of the 3 matched modules of Stack"):
+    with pytest.raises(CheckpointingConfigError, match=r"^`every_n`=4 selects none of the 3 matched modules of Stack"):
         apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"], every_n=4))
 
 
@@ -210,7 +213,7 @@ def test_strategy_without_a_config_raises_the_config_error_naming_the_mapping(ch
 
 
 def test_fsdp_strategy_with_fsdps_own_checkpointing_raises_the_config_error() -> None:
-    with pytest.raises(CheckpointingConfigError, match=r"`activation_checkpointing_policy` is FSDP's own"):
+    with pytest.raises(CheckpointingConfigError, match=r"^`activation_checkpointing_policy` is FSDP's own"):
         FSDPCheckpointingStrategy(
             checkpointing=CheckpointingConfig(classes=["Block"]), activation_checkpointing_policy={nn.Linear}
         )
