@@ -4,7 +4,11 @@ from lightning_ckpt_determinism.attribution import CAUSE_HINTS, RegionReport
 from lightning_ckpt_determinism.callback import RecomputationMonitor
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation, gradient_divergence
 from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+)
 from lightning_ckpt_determinism.strategy import (
     ActivationCheckpointingMixin,
     DDPCheckpointingStrategy,
@@ -25,6 +29,7 @@ __all__ = [
     "CAUSE_HINTS",
     "ActivationCheckpointingMixin",
     "CheckpointingConfig",
+    "CheckpointingConfigError",
     "DDPCheckpointingStrategy",
     "FSDPCheckpointingStrategy",
     "LightningCkptDeterminismWarning",

@@ -13,9 +13,14 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
+from lightning_ckpt_determinism._types import NonNegativeFloat, NotEmptyStr, PositiveInt
 from lightning_ckpt_determinism.attribution import RegionReport
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+)
 from lightning_ckpt_determinism.wrapping import checkpointed_modules
 
 __all__ = ["RecomputationMonitor"]
@@ -27,8 +32,7 @@ _NAMED_REGIONS = 3
 
 
 class RecomputationMonitor(Callback):
-    r"""Every ``every_n_steps`` optimizer steps, rerun the training step without and with checkpointing and log
-    how far the gradients diverge.
+    r"""Every ``every_n_steps`` optimizer steps, rerun the training step without checkpointing and log the divergence.
 
     The check runs at the start of the step's first batch, in train mode, under the Trainer's precision context
     and on the step's device, with every random stream forked and restored, so training continues exactly as
@@ -74,8 +78,8 @@ class RecomputationMonitor(Callback):
             noise floor, for non-deterministic kernels (GPU atomics) that differ from run to run by themselves.
 
     Raises:
-        ValueError: If an argument is out of range, or at fit start if the module uses manual optimization
-            and no ``loss_fn`` is given.
+        CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
+            optimization and no ``loss_fn`` is given.
         RecomputationDivergenceError: During training, with ``on_divergence="raise"``, when a check diverges.
 
     Example::
@@ -90,41 +94,46 @@ class RecomputationMonitor(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 100,
-        tolerance: float = 0.0,
+        every_n_steps: PositiveInt = 100,
+        tolerance: NonNegativeFloat = 0.0,
         on_divergence: Literal["warn", "raise", "ignore"] = "warn",
         loss_fn: Callable[[pl.LightningModule, Any, int], torch.Tensor] | None = None,
-        log_prefix: str = "recompute",
-        history_size: int = 32,
+        log_prefix: NotEmptyStr = "recompute",
+        history_size: PositiveInt = 32,
         attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
         calibrate_noise: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}.")
+            raise CheckpointingConfigError(f"`every_n_steps` must be an integer >= 1, got {every_n_steps!r}.")
         if not (isinstance(tolerance, (int, float)) and tolerance >= 0.0):
-            raise ValueError(f"`tolerance` must be a non-negative float, got {tolerance!r}.")
+            raise CheckpointingConfigError(f"`tolerance` must be a non-negative float, got {tolerance!r}.")
         if on_divergence not in _DIVERGENCE_ACTIONS:
-            raise ValueError(f"`on_divergence` can be {', '.join(_DIVERGENCE_ACTIONS)}, got {on_divergence!r}.")
+            raise CheckpointingConfigError(
+                f"`on_divergence` can be {', '.join(_DIVERGENCE_ACTIONS)}, got {on_divergence!r}."
+            )
         if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+            raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         if not log_prefix:
-            raise ValueError("`log_prefix` must be a non-empty string, got ''.")
+            raise CheckpointingConfigError("`log_prefix` must be a non-empty string, got ''.")
         if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
-            raise ValueError(f"`history_size` must be an integer >= 1, got {history_size!r}.")
+            raise CheckpointingConfigError(f"`history_size` must be an integer >= 1, got {history_size!r}.")
         if attribution not in _ATTRIBUTION_MODES:
-            raise ValueError(f"`attribution` can be {', '.join(_ATTRIBUTION_MODES)}, got {attribution!r}.")
+            raise CheckpointingConfigError(
+                f"`attribution` can be {', '.join(_ATTRIBUTION_MODES)}, got {attribution!r}."
+            )
         if not isinstance(calibrate_noise, bool):
-            raise ValueError(f"`calibrate_noise` must be True or False, got {calibrate_noise!r}.")
-        self.every_n_steps = every_n_steps
+            raise CheckpointingConfigError(f"`calibrate_noise` must be True or False, got {calibrate_noise!r}.")
+        # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
+        self.every_n_steps = int(every_n_steps)
         self.tolerance = float(tolerance)
         self.on_divergence = on_divergence
         self.loss_fn = loss_fn
-        self.log_prefix = log_prefix
+        self.log_prefix = str(log_prefix)
         self.attribution = attribution
         self.calibrate_noise = calibrate_noise
         self.last_checked_step = -1
-        self.history: deque[dict[str, Any]] = deque(maxlen=history_size)
+        self.history: deque[dict[str, Any]] = deque(maxlen=int(history_size))
         self.last_report: RecomputationReport | None = None
         self._enabled = False
         self._checked_this_fit = False
@@ -139,7 +148,7 @@ class RecomputationMonitor(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._checked_this_fit = False
         if not pl_module.automatic_optimization and self.loss_fn is None:
-            raise ValueError(
+            raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
                 " `training_step`, which would step the optimizers. Pass"
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."

@@ -2,9 +2,13 @@
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch.utils.checkpoint import _allowed_determinism_checks_to_fns
+
+from lightning_ckpt_determinism._types import PositiveInt
+from lightning_ckpt_determinism.errors import CheckpointingConfigError
 
 __all__ = ["CheckpointingConfig"]
 
@@ -40,8 +44,8 @@ class CheckpointingConfig:
             of recomputed tensors; ``"none"`` skips it).
 
     Raises:
-        ValueError: If nothing can be selected, ``every_n < 1``, a class path or op cannot be found, or
-            ``determinism_check`` is not one torch knows.
+        CheckpointingConfigError: If nothing can be selected, a list field is given a string, ``every_n < 1``, a
+            class path or op cannot be found, or ``determinism_check`` is not one torch knows.
 
     Example::
 
@@ -53,27 +57,36 @@ class CheckpointingConfig:
 
     classes: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    every_n: int = 1
+    every_n: PositiveInt = 1
     save_ops: list[str] = field(default_factory=list)
     preserve_rng_state: bool = True
     preserve_host_rng: bool = False
     protect_buffers: bool = True
-    determinism_check: str = "default"
+    determinism_check: Literal["default", "none"] = "default"
 
     def __post_init__(self) -> None:
+        for name in ("classes", "names", "save_ops"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                # `list("Block")` would silently select classes named "B", "l", ...
+                raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
         self.classes = list(self.classes)
         self.names = list(self.names)
         self.save_ops = list(self.save_ops)
         if not self.classes and not self.names:
-            raise ValueError(
+            raise CheckpointingConfigError(
                 "`CheckpointingConfig` selects nothing: set `classes` (e.g. ['Block']) or `names`"
                 " (e.g. ['model.blocks.*'])."
             )
         if not isinstance(self.every_n, int) or isinstance(self.every_n, bool) or self.every_n < 1:
-            raise ValueError(f"`every_n` must be an integer >= 1, got {self.every_n!r}.")
+            raise CheckpointingConfigError(f"`every_n` must be an integer >= 1, got {self.every_n!r}.")
+        # LightningCLI hands jsonargparse's `PositiveInt`; a plain int saves to YAML and pickles anywhere.
+        self.every_n = int(self.every_n)
         allowed_checks = sorted(_allowed_determinism_checks_to_fns)
         if self.determinism_check not in allowed_checks:
-            raise ValueError(f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}.")
+            raise CheckpointingConfigError(
+                f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."
+            )
         for path in self.classes:
             if "." in path:
                 resolve_class_path(path)
@@ -90,7 +103,7 @@ def resolve_class_path(path: str) -> type:
         The class.
 
     Raises:
-        ValueError: If the module cannot be imported or holds no class of that name.
+        CheckpointingConfigError: If the module cannot be imported or holds no class of that name.
 
     Example::
 
@@ -101,12 +114,12 @@ def resolve_class_path(path: str) -> type:
     try:
         found = getattr(importlib.import_module(module_path), class_name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(
+        raise CheckpointingConfigError(
             f"`classes` entry {path!r} cannot be imported ({err}). Use a bare class name such as"
             f" {class_name!r} or a dotted path to an importable class."
         ) from err
     if not isinstance(found, type):
-        raise ValueError(f"`classes` entry {path!r} is not a class, got {type(found).__name__}.")
+        raise CheckpointingConfigError(f"`classes` entry {path!r} is not a class, got {type(found).__name__}.")
     return found
 
 
@@ -120,7 +133,7 @@ def resolve_ops(names: list[str]) -> list[torch._ops.OpOverload]:
         The op overloads, in order, without duplicates.
 
     Raises:
-        ValueError: If a name does not name an op torch knows.
+        CheckpointingConfigError: If a name does not name an op torch knows.
 
     Example::
 
@@ -138,7 +151,7 @@ def resolve_ops(names: list[str]) -> list[torch._ops.OpOverload]:
 def _resolve_op(name: str) -> list[torch._ops.OpOverload]:
     parts = name.split(".")
     if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(
+        raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is not an op name: use 'namespace.op' or 'namespace.op.overload',"
             " e.g. 'aten.mm' or 'aten.mm.default'."
         )
@@ -146,17 +159,17 @@ def _resolve_op(name: str) -> list[torch._ops.OpOverload]:
     try:
         packet = getattr(getattr(torch.ops, namespace), op_name)
     except (AttributeError, RuntimeError) as err:
-        raise ValueError(
+        raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is not an op torch knows. Check the spelling against `torch.ops.{namespace}`"
             " (e.g. 'aten.mm', 'aten.addmm', 'aten._scaled_dot_product_flash_attention')."
         ) from err
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise ValueError(f"`save_ops` entry {name!r} is not an op, got {type(packet).__name__}.")
+        raise CheckpointingConfigError(f"`save_ops` entry {name!r} is not an op, got {type(packet).__name__}.")
     if len(parts) == 2:
         return [getattr(packet, overload) for overload in packet.overloads()]
     try:
         return [getattr(packet, parts[2])]
     except AttributeError as err:
-        raise ValueError(
+        raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} names an unknown overload; {namespace}.{op_name} has {packet.overloads()}."
         ) from err

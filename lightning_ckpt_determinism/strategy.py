@@ -10,7 +10,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    _CheckpointingTypeError,
+)
 from lightning_ckpt_determinism.wrapping import (
     checkpoint_module,
     checkpointed_modules,
@@ -38,13 +42,15 @@ class ActivationCheckpointingMixin:
     Checkpointing applied by the strategy is removed again at teardown, leaving the model as it was given.
 
     Args:
-        checkpointing: Which submodules to checkpoint and how.
+        checkpointing: Which submodules to checkpoint and how. ``None`` is rejected: the type admits it so that a
+            YAML ``checkpointing: null`` reaches the error that says what to give instead, rather than failing
+            inside LightningCLI's parser.
         *args: Passed to the base strategy.
         **kwargs: Passed to the base strategy.
 
     Raises:
-        TypeError: If ``checkpointing`` is not a :class:`CheckpointingConfig`.
-        ValueError: At setup, before any training step, if the config matches no module.
+        CheckpointingConfigError: If ``checkpointing`` is not a :class:`CheckpointingConfig` (also a ``TypeError``
+            then), or at setup, before any training step, if the config matches no module.
 
     Example::
 
@@ -58,11 +64,12 @@ class ActivationCheckpointingMixin:
 
     _checkpoint_after_wrapping: ClassVar[bool] = False
 
-    def __init__(self, *args: Any, checkpointing: CheckpointingConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         if not isinstance(checkpointing, CheckpointingConfig):
-            raise TypeError(
+            raise _CheckpointingTypeError(
                 f"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}. Build one with"
-                " `CheckpointingConfig(classes=[...])` or give `checkpointing: {classes: [...]}` in YAML."
+                " `CheckpointingConfig(classes=[...])` or give a mapping such as `checkpointing: {classes: [Block]}`"
+                " in YAML."
             )
         self.checkpointing = checkpointing
         self._applied_checkpointing: dict[str, nn.Module] = {}
@@ -133,7 +140,7 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
     """Lightning's single-device strategy with activation checkpointing of the configured submodules.
 
     Args:
-        checkpointing: Which submodules to checkpoint and how.
+        checkpointing: Which submodules to checkpoint and how; ``None`` (YAML ``null``) is rejected with an error.
         device: The device to train on.
         **kwargs: The remaining arguments of :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
@@ -144,7 +151,7 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
         device(type='cpu')
     """
 
-    def __init__(self, checkpointing: CheckpointingConfig, device: str = "cpu", **kwargs: Any) -> None:
+    def __init__(self, checkpointing: CheckpointingConfig | None, device: str = "cpu", **kwargs: Any) -> None:
         super().__init__(checkpointing=checkpointing, device=device, **kwargs)
 
 
@@ -152,7 +159,7 @@ class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # ty
     """Lightning's DDP strategy with activation checkpointing applied before DDP wraps the model.
 
     Args:
-        checkpointing: Which submodules to checkpoint and how.
+        checkpointing: Which submodules to checkpoint and how; ``None`` (YAML ``null``) is rejected with an error.
         **kwargs: The arguments of :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Example::
@@ -162,7 +169,7 @@ class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # ty
         ['model.blocks.*']
     """
 
-    def __init__(self, checkpointing: CheckpointingConfig, **kwargs: Any) -> None:
+    def __init__(self, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         super().__init__(checkpointing=checkpointing, **kwargs)
 
 
@@ -173,12 +180,12 @@ class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
     replay, buffer protection and the recomputation check. FSDP needs CUDA in Lightning.
 
     Args:
-        checkpointing: Which submodules to checkpoint and how.
+        checkpointing: Which submodules to checkpoint and how; ``None`` (YAML ``null``) is rejected with an error.
         **kwargs: The arguments of :class:`~lightning.pytorch.strategies.FSDPStrategy`, except its own
             ``activation_checkpointing`` and ``activation_checkpointing_policy``.
 
     Raises:
-        ValueError: If FSDP's own activation checkpointing is also requested.
+        CheckpointingConfigError: If FSDP's own activation checkpointing is also requested.
 
     Example::
 
@@ -189,10 +196,10 @@ class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
 
     _checkpoint_after_wrapping = True
 
-    def __init__(self, checkpointing: CheckpointingConfig, **kwargs: Any) -> None:
+    def __init__(self, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         for own in ("activation_checkpointing", "activation_checkpointing_policy"):
             if kwargs.get(own) is not None:
-                raise ValueError(
+                raise CheckpointingConfigError(
                     f"`{own}` is FSDP's own activation checkpointing; `FSDPCheckpointingStrategy` applies"
                     " `checkpointing` instead. Pass one of them, not both."
                 )

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path, resolve_ops
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, restore_host_rng
 
 __all__ = [
@@ -287,8 +287,8 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         config: What to select.
 
     Raises:
-        ValueError: If nothing matches (the message lists the module classes and a sample of module names), or if
-            ``every_n`` exceeds the number of matched modules.
+        CheckpointingConfigError: If nothing matches (the message lists the module classes and a sample of module
+            names), or if ``every_n`` exceeds the number of matched modules.
 
     Example::
 
@@ -317,11 +317,11 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         if matches(name, sub):
             matched.append((name, sub))
     if not matched:
-        raise ValueError(_nothing_matched_message(module, config))
+        raise CheckpointingConfigError(_nothing_matched_message(module, config))
     _warn_unused_entries(module, config, bare_names, classes)
     if len(matched) < config.every_n:
         # Otherwise nothing would be checkpointed and training would run silently without it.
-        raise ValueError(
+        raise CheckpointingConfigError(
             f"`every_n`={config.every_n} selects none of the {len(matched)} matched modules of"
             f" {type(module).__name__} ({[name for name, _ in matched]}). Use an `every_n` of at most {len(matched)}."
         )
@@ -344,7 +344,8 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
         The names of the checkpointed modules, in module order.
 
     Raises:
-        ValueError: If ``config`` matches no module or ``every_n`` skips every match (nothing is wrapped then).
+        CheckpointingConfigError: If ``config`` matches no module or ``every_n`` skips every match (nothing is
+            wrapped then).
 
     Example::
 

@@ -1,11 +1,34 @@
-"""Tests for `lightning_ckpt_determinism.config`: the fields, their validation and the op and class resolvers."""
+"""Tests for `lightning_ckpt_determinism.config`: the fields, their validation and the op and class resolvers.
 
+Also that every configuration check of the package, wherever it sits, raises `CheckpointingConfigError`.
+"""
+
+import dataclasses
+import inspect
+import io
+import pickle
+import typing
+
+import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
+from jsonargparse.typing import NonNegativeFloat, NotEmptyStr, PositiveInt
 from torch import nn
+from torch.utils.checkpoint import _allowed_determinism_checks_to_fns
 
-from lightning_ckpt_determinism import CheckpointingConfig
+import lightning_ckpt_determinism
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    CheckpointingConfigError,
+    FSDPCheckpointingStrategy,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+)
 from lightning_ckpt_determinism.config import resolve_class_path, resolve_ops
+from lightning_ckpt_determinism.wrapping import select_modules
+from tests.helpers import StackModule, make_stack, trainer_kwargs
 
 
 def test_defaults_checkpoint_everything_matched_with_full_recomputation() -> None:
@@ -101,3 +124,138 @@ def test_resolve_ops_expands_packets_to_every_overload_without_duplicates() -> N
 def test_resolve_ops_keeps_a_single_overload() -> None:
     assert resolve_ops(["aten.bmm.default"]) == [torch.ops.aten.bmm.default]
     assert resolve_ops([]) == []
+
+
+@pytest.mark.parametrize("field_name", ["classes", "names", "save_ops"])
+def test_a_string_for_a_list_field_is_rejected(field_name: str) -> None:
+    kwargs = {"classes": ["Block"], field_name: "aten.mm"}
+    with pytest.raises(CheckpointingConfigError, match=rf"^`{field_name}` must be a list of strings, got 'aten.mm'"):
+        CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_config_error_is_a_value_error_exported_from_the_package_root() -> None:
+    assert issubclass(CheckpointingConfigError, ValueError)
+    assert lightning_ckpt_determinism.CheckpointingConfigError is CheckpointingConfigError
+    assert "CheckpointingConfigError" in lightning_ckpt_determinism.__all__
+
+
+# Each message starts with the argument in backticks: `examples/train.py` relies on it to find them in jsonargparse's.
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, r"`CheckpointingConfig` selects nothing"),
+        ({"classes": ["Block"], "every_n": 0}, r"`every_n` must be an integer >= 1, got 0\."),
+        ({"classes": ["Block"], "determinism_check": "strict"}, r"`determinism_check` can be one of"),
+        ({"classes": ["no_such_package.Block"]}, r"`classes` entry 'no_such_package.Block' cannot be imported"),
+        ({"classes": ["math.pi"]}, r"`classes` entry 'math.pi' is not a class"),
+        ({"classes": ["Block"], "save_ops": ["aten.nosuchop"]}, r"`save_ops` entry 'aten.nosuchop' is not an op"),
+    ],
+)
+def test_config_checks_raise_the_config_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
+        CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_resolvers_raise_the_config_error() -> None:
+    with pytest.raises(CheckpointingConfigError, match=r"^`classes` entry 'torch.nn.NoSuchLayer' cannot be imported"):
+        resolve_class_path("torch.nn.NoSuchLayer")
+    with pytest.raises(CheckpointingConfigError, match=r"^`save_ops` entry 'mm' is not an op name"):
+        resolve_ops(["mm"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, r"`every_n_steps` must be an integer >= 1, got 0\."),
+        ({"tolerance": -1}, r"`tolerance` must be a non-negative float, got -1\."),
+        ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
+        ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
+        ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
+        ({"history_size": 0}, r"`history_size` must be an integer >= 1, got 0\."),
+        ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
+        ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),
+    ],
+)
+def test_monitor_checks_raise_the_config_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
+        RecomputationMonitor(**kwargs)  # type: ignore[arg-type]
+
+
+def test_monitor_without_loss_fn_under_manual_optimization_raises_the_config_error(tmp_path: object) -> None:
+    module = StackModule()
+    module.automatic_optimization = False
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path))  # type: ignore[arg-type]
+    with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor` needs `loss_fn` with manual"):
+        RecomputationMonitor().on_fit_start(trainer, module)
+
+
+def test_selections_that_wrap_nothing_raise_the_config_error() -> None:
+    model = make_stack(n=3)
+    with pytest.raises(
+        CheckpointingConfigError, match=r"^`CheckpointingConfig` matches no module of Stack: classes=\['NoSuchBlock'\]"
+    ):
+        select_modules(model, CheckpointingConfig(classes=["NoSuchBlock"]))
+    with pytest.raises(CheckpointingConfigError, match=r"^`every_n`=4 selects none of the 3 matched modules of Stack"):
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"], every_n=4))
+
+
+@pytest.mark.parametrize("checkpointing", [None, ["Block"], {"classes": ["Block"]}])
+def test_strategy_without_a_config_raises_the_config_error_naming_the_mapping(checkpointing: object) -> None:
+    with pytest.raises(
+        CheckpointingConfigError, match=r"give a mapping such as `checkpointing: \{classes: \[Block\]\}`"
+    ):
+        SingleDeviceCheckpointingStrategy(checkpointing=checkpointing)  # type: ignore[arg-type]
+    # It raised `TypeError` before, and still is one.
+    with pytest.raises(
+        TypeError, match=rf"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}"
+    ):
+        SingleDeviceCheckpointingStrategy(checkpointing=checkpointing)  # type: ignore[arg-type]
+
+
+def test_fsdp_strategy_with_fsdps_own_checkpointing_raises_the_config_error() -> None:
+    with pytest.raises(CheckpointingConfigError, match=r"^`activation_checkpointing_policy` is FSDP's own"):
+        FSDPCheckpointingStrategy(
+            checkpointing=CheckpointingConfig(classes=["Block"]), activation_checkpointing_policy={nn.Linear}
+        )
+
+
+def test_signatures_carry_the_types_lightning_cli_checks_while_parsing() -> None:
+    fields = {field.name: field.type for field in dataclasses.fields(CheckpointingConfig)}
+    assert fields["every_n"] is PositiveInt
+    assert typing.get_args(fields["determinism_check"]) == tuple(sorted(_allowed_determinism_checks_to_fns))
+    monitor = inspect.signature(RecomputationMonitor).parameters
+    assert monitor["every_n_steps"].annotation is PositiveInt
+    assert monitor["tolerance"].annotation is NonNegativeFloat
+    assert monitor["log_prefix"].annotation is NotEmptyStr
+    assert monitor["history_size"].annotation is PositiveInt
+    strategy = inspect.signature(SingleDeviceCheckpointingStrategy).parameters
+    assert strategy["checkpointing"].annotation == CheckpointingConfig | None
+    assert strategy["checkpointing"].default is inspect.Parameter.empty
+
+
+def test_values_of_restricted_types_are_stored_as_plain_ones() -> None:
+    config = CheckpointingConfig(classes=["Block"], every_n=PositiveInt(2))
+    assert type(config.every_n) is int
+    assert config == CheckpointingConfig(classes=["Block"], every_n=2)
+    assert yaml.safe_load(yaml.safe_dump(dataclasses.asdict(config)))["every_n"] == 2
+    monitor = RecomputationMonitor(
+        every_n_steps=PositiveInt(5),
+        tolerance=NonNegativeFloat(0.5),
+        log_prefix=NotEmptyStr("check"),
+        history_size=PositiveInt(3),
+    )
+    assert (type(monitor.every_n_steps), type(monitor.tolerance), type(monitor.log_prefix)) == (int, float, str)
+    assert monitor.state_key == RecomputationMonitor(every_n_steps=5, log_prefix="check").state_key
+    assert monitor.history.maxlen == 3
+    assert pickle.loads(pickle.dumps(monitor)).every_n_steps == 5
+
+
+def test_a_model_wrapped_with_a_config_of_restricted_types_saves_and_loads() -> None:
+    model = make_stack(n=2)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"], every_n=PositiveInt(2)))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert list(select_modules(loaded, CheckpointingConfig(classes=["DropoutBlock"], every_n=2))) == ["blocks.1"]
+    assert loaded.state_dict().keys() == model.state_dict().keys()

@@ -1,0 +1,208 @@
+"""Tests for the example's `CheckpointingCLI`: each configuration mistake ends in one short message and exit code 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from examples import train
+from lightning_ckpt_determinism import RecomputationMonitor
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
+
+# (where the value goes, key, bad value, what the message must say)
+MISTAKES = {
+    "every_n": (
+        "checkpointing",
+        "every_n",
+        0,
+        "`trainer.strategy.checkpointing.every_n`: Not of type PositiveInt: 0 does not conform to restriction v>0",
+    ),
+    "tolerance": (
+        "monitor",
+        "tolerance",
+        -1,
+        "`trainer.callbacks.tolerance`: Not of type NonNegativeFloat: -1 does not conform to restriction v>=0",
+    ),
+    "every_n_steps": (
+        "monitor",
+        "every_n_steps",
+        0,
+        "`trainer.callbacks.every_n_steps`: Not of type PositiveInt: 0 does not conform to restriction v>0",
+    ),
+    "save_ops": (
+        "checkpointing",
+        "save_ops",
+        ["aten.nosuchop"],
+        "`save_ops` entry 'aten.nosuchop' is not an op torch knows.",
+    ),
+    "classes": (
+        "checkpointing",
+        "classes",
+        ["no_such_package.Block"],
+        "`classes` entry 'no_such_package.Block' cannot be imported (No module named 'no_such_package').",
+    ),
+    "determinism_check": (
+        "checkpointing",
+        "determinism_check",
+        "strict",
+        "`trainer.strategy.checkpointing.determinism_check`: Expected a typing.Literal['default', 'none']. Got value:"
+        " strict",
+    ),
+    "history_size": (
+        "monitor",
+        "history_size",
+        0,
+        "`trainer.callbacks.history_size`: Not of type PositiveInt: 0 does not conform to restriction v>0",
+    ),
+    "log_prefix": (
+        "monitor",
+        "log_prefix",
+        "",
+        "`trainer.callbacks.log_prefix`: Not of type NotEmptyStr:  does not match regular expression",
+    ),
+    "checkpointing_null": (
+        "strategy",
+        "checkpointing",
+        None,
+        "`checkpointing` must be a `CheckpointingConfig`, got NoneType. Build one with"
+        " `CheckpointingConfig(classes=[...])` or give a mapping such as `checkpointing: {classes: [Block]}` in YAML.",
+    ),
+    "checkpointing_list": (
+        "strategy",
+        "checkpointing",
+        ["Block"],
+        "`trainer.strategy.checkpointing`: expected a mapping of CheckpointingConfig arguments, got ['Block']",
+    ),
+    "selection_matches_nothing": (
+        "checkpointing",
+        "classes",
+        ["NoSuchBlock"],
+        "`CheckpointingConfig` matches no module of GPTModule: classes=['NoSuchBlock'], names=[].",
+    ),
+}
+
+
+def _config_with(tmp_path: Path, where: str, key: str, value: object) -> Path:
+    """The shipped GPT config with ``value`` at ``key`` of the strategy, its ``checkpointing`` or the monitor."""
+    config = yaml.safe_load(BASE_CONFIG.read_text())
+    strategy_args = config["trainer"]["strategy"]["init_args"]
+    sections: dict[str, dict[str, Any]] = {
+        "strategy": strategy_args,
+        "checkpointing": strategy_args["checkpointing"],
+        "monitor": config["trainer"]["callbacks"][0]["init_args"],
+    }
+    sections[where][key] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _argv(config: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.max_steps=1",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        *extra,
+    ]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """The lines from the first ``error:`` on (what came before is Lightning's own logging)."""
+    lines = stderr.splitlines()
+    starts = [index for index, line in enumerate(lines) if line.startswith("error: ")]
+    assert starts, stderr
+    return lines[starts[0] :]
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LightningCLI seeds through `seed_everything`, which exports the seed, and warns about pytest's own argv.
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setattr(sys, "argv", ["examples/train.py"])
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_each_configuration_mistake_is_one_line_naming_the_field_and_exit_code_2(
+    mistake: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where, key, value, message = MISTAKES[mistake]
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(_config_with(tmp_path, where, key, value), tmp_path))
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    (line,) = _error_lines(stderr)
+    assert line.startswith(f"error: {message}"), line
+    assert key in message
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_command_line_override_is_named_by_its_full_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_nn=2"))
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted"
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_an_error_that_is_no_configuration_error_keeps_its_traceback(tmp_path: Path) -> None:
+    # torch's own message, not one in the package's style: the CLI leaves it alone.
+    with pytest.raises(ValueError, match=r"dropout probability has to be between 0 and 1, but got 2\.0"):
+        train.main(_argv(BASE_CONFIG, tmp_path, "--model.init_args.dropout=2.0"))
+
+
+@pytest.mark.usefixtures("in_process")
+def test_values_parsed_into_restricted_types_train_save_and_load_as_plain_ones(tmp_path: Path) -> None:
+    config = _config_with(tmp_path, "monitor", "every_n_steps", 1)
+    cli = train.main(_argv(config, tmp_path, "--trainer.max_steps=2", "--trainer.enable_checkpointing=true"))
+    assert cli.trainer.global_step == 2
+    checkpointing = cli.trainer.strategy.checkpointing
+    assert type(checkpointing.every_n) is int
+    (monitor,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RecomputationMonitor)]
+    assert (type(monitor.every_n_steps), type(monitor.tolerance), type(monitor.log_prefix)) == (int, float, str)
+    assert [entry["step"] for entry in monitor.history] == [0, 1]
+    assert [entry["grad_divergence"] for entry in monitor.history] == [0.0, 0.0]
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["trainer"]["strategy"]["init_args"]["checkpointing"]["every_n"] == 1
+    assert saved["trainer"]["callbacks"][0]["init_args"]["every_n_steps"] == 1
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("*.ckpt")
+    loaded = torch.load(checkpoint, weights_only=True)
+    assert loaded["callbacks"][monitor.state_key]["last_checked_step"] == 1
+
+
+def _run_subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PL_GLOBAL_SEED", None)
+    return subprocess.run(
+        [sys.executable, "-m", "examples.train", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("mistake", ["every_n", "selection_matches_nothing"])
+def test_the_command_line_prints_one_line_without_traceback_and_exits_2(mistake: str, tmp_path: Path) -> None:
+    where, key, value, message = MISTAKES[mistake]
+    result = _run_subprocess(_argv(_config_with(tmp_path, where, key, value), tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = _error_lines(result.stderr)
+    assert line.startswith(f"error: {message}"), line
+    assert result.stdout == ""
