@@ -94,6 +94,18 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters()
         self.model = GPT(vocab_size, seq_len, dim, heads, layers, dropout)
 
+    def configure_model(self) -> None:
+        """Shard each block and then the whole model with FSDP2 when the strategy gives a device mesh
+        (``ModelParallelStrategy``); under other strategies the model stays as it is."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

@@ -13,6 +13,7 @@ from lightning_ckpt_determinism.strategy import (
     ActivationCheckpointingMixin,
     DDPCheckpointingStrategy,
     FSDPCheckpointingStrategy,
+    ModelParallelCheckpointingStrategy,
     SingleDeviceCheckpointingStrategy,
 )
 from lightning_ckpt_determinism.wrapping import (
@@ -33,6 +34,7 @@ __all__ = [
     "DDPCheckpointingStrategy",
     "FSDPCheckpointingStrategy",
     "LightningCkptDeterminismWarning",
+    "ModelParallelCheckpointingStrategy",
     "RecomputationDivergenceError",
     "RecomputationMonitor",
     "RecomputationReport",

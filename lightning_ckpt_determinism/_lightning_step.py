@@ -1,25 +1,58 @@
-"""Rerun a LightningModule's training step for a check: its loss, without logging anything."""
+"""Run a LightningModule's training step for a check: capture the live step's start, rerun it, without logging."""
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
 
-__all__ = ["SkippedStep", "logging_suppressed", "training_step_loss"]
+from lightning_ckpt_determinism._state import StepState
+from lightning_ckpt_determinism.wrapping import _run_plainly, checkpointing_disabled
+
+__all__ = [
+    "LIGHTNING_INTERNALS",
+    "SkippedStep",
+    "StepCapture",
+    "logging_suppressed",
+    "loss_of",
+    "reference_pass",
+    "training_step_arguments",
+    "training_step_loss",
+]
+
+LIGHTNING_INTERNALS = frozenset(vars(pl.LightningModule()))
+"""What ``LightningModule.__init__`` sets: Lightning's bookkeeping, which a check never captures nor restores."""
 
 
 class SkippedStep(Exception):
     """The training step returned ``None``: Lightning skips the batch, so the check does too."""
 
 
-def training_step_loss(pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> torch.Tensor:
-    """The loss of the LightningModule's own ``training_step``: its tensor, or ``["loss"]`` of its dict."""
-    output = pl_module.training_step(batch, batch_idx)
+def training_step_arguments(pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    """The positional arguments Lightning passes to ``training_step``: ``batch_idx`` only if the step takes it."""
+    if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2):
+        return (batch, batch_idx)
+    return (batch,)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss of a ``training_step`` output: the tensor, or ``["loss"]`` of a dict.
+
+    Raises:
+        SkippedStep: If the output is ``None``.
+    """
     if output is None:
         raise SkippedStep
     return output["loss"] if isinstance(output, Mapping) else output
+
+
+def training_step_loss(pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The loss of the LightningModule's own ``training_step`` called on the bare module with these arguments."""
+    return loss_of(pl_module.training_step(*args, **kwargs))
 
 
 @contextlib.contextmanager
@@ -41,3 +74,96 @@ def logging_suppressed(pl_module: "pl.LightningModule") -> Iterator[None]:
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _copy_tensors(value: Any) -> Any:
+    return apply_to_collection(value, torch.Tensor, lambda tensor: tensor.detach().clone())
+
+
+class StepCapture:
+    """Captures what the live training step starts from, at the entry of its first ``training_step`` call.
+
+    Installed as an instance-level ``training_step`` for one step: on its first call it records a
+    :class:`StepState` and copies of the arguments, removes itself and calls the real ``training_step``. Later calls
+    in the step (an optimizer such as LBFGS calls its closure again) run the real one directly.
+
+    Args:
+        pl_module: The LightningModule.
+        batch_idx: The index of the step's batch.
+    """
+
+    def __init__(self, pl_module: "pl.LightningModule", batch_idx: int) -> None:
+        self.pl_module = pl_module
+        self.batch_idx = batch_idx
+        self.state: StepState | None = None
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.loss = float("nan")
+        self._own = pl_module.__dict__.get("training_step")
+        pl_module.training_step = self  # type: ignore[method-assign]
+
+    @property
+    def captured(self) -> bool:
+        return self.state is not None
+
+    def remove(self) -> None:
+        """Put the module's own ``training_step`` back (idempotent)."""
+        if self.pl_module.__dict__.get("training_step") is self:
+            if self._own is None:
+                del self.pl_module.training_step
+            else:
+                self.pl_module.training_step = self._own  # type: ignore[method-assign]
+
+    def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Fresh copies of the captured arguments (a step may change its batch in place)."""
+        return _copy_tensors(self.args), _copy_tensors(self.kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.remove()
+        # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
+        self.state = StepState(self.pl_module, LIGHTNING_INTERNALS)
+        self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
+        output = self.pl_module.training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.loss = float(loss.detach())
+        return output
+
+
+def reference_pass(
+    trainer: "pl.Trainer",
+    pl_module: "pl.LightningModule",
+    capture: StepCapture,
+    plain_modules: Iterable[nn.Module] | None,
+    loss_fn: Callable[["pl.LightningModule", Any, int], torch.Tensor] | None,
+    batch_idx: int,
+) -> Callable[[], float]:
+    """The reference pass of a live-step check, as a closure: the step's forward with checkpointing off (all
+    regions, or only ``plain_modules``) and its backward, treated as Lightning treats the live loss.
+
+    The forward goes through the strategy's own wrapper (``strategy.training_step``: DDP, FSDP), with the captured
+    arguments and logging suppressed; with ``loss_fn`` (manual optimization) it calls ``loss_fn`` on the module. The
+    loss is divided by ``accumulate_grad_batches`` under automatic optimization, prepared by the strategy for
+    backward (DDP's ``prepare_for_backward`` under manual optimization), scaled by the precision plugin's GradScaler
+    when there is one, and backpropagated with a plain ``backward()``: ``strategy.backward`` would run the
+    ``on_before_backward``/``on_after_backward`` hooks again.
+    """
+    strategy = trainer.strategy
+
+    def run() -> float:
+        args, kwargs = capture.arguments()
+        plain = checkpointing_disabled() if plain_modules is None else _run_plainly(plain_modules)
+        with plain, logging_suppressed(pl_module):
+            if loss_fn is None:
+                loss = loss_of(strategy.training_step(*args, **kwargs))
+            else:
+                with strategy.precision_plugin.train_step_context():
+                    loss = loss_fn(pl_module, args[0], batch_idx)
+            if pl_module.automatic_optimization:
+                loss = loss / trainer.accumulate_grad_batches
+            strategy.pre_backward(loss)
+            scaler = getattr(strategy.precision_plugin, "scaler", None)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        return float(loss.detach())
+
+    return run

@@ -3,16 +3,28 @@
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
+from lightning_ckpt_determinism._grads import GradientStash
+from lightning_ckpt_determinism._lightning_step import (
+    LIGHTNING_INTERNALS,
+    StepCapture,
+    logging_suppressed,
+    reference_pass,
+    training_step_loss,
+)
+from lightning_ckpt_determinism._state import StepState
 from lightning_ckpt_determinism._types import NonNegativeFloat, NotEmptyStr, PositiveInt
 from lightning_ckpt_determinism.attribution import RegionReport
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation
@@ -21,6 +33,7 @@ from lightning_ckpt_determinism.errors import (
     LightningCkptDeterminismWarning,
     RecomputationDivergenceError,
 )
+from lightning_ckpt_determinism.live_check import check_live_step
 from lightning_ckpt_determinism.wrapping import checkpointed_modules
 
 __all__ = ["RecomputationMonitor"]
@@ -102,6 +115,7 @@ class RecomputationMonitor(Callback):
         history_size: PositiveInt = 32,
         attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
         calibrate_noise: bool = False,
+        reference_regions: PositiveInt | None = None,
     ) -> None:
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -124,6 +138,12 @@ class RecomputationMonitor(Callback):
             )
         if not isinstance(calibrate_noise, bool):
             raise CheckpointingConfigError(f"`calibrate_noise` must be True or False, got {calibrate_noise!r}.")
+        if reference_regions is not None and (
+            isinstance(reference_regions, bool) or not isinstance(reference_regions, int) or reference_regions < 1
+        ):
+            raise CheckpointingConfigError(
+                f"`reference_regions` must be None or an integer >= 1, got {reference_regions!r}."
+            )
         # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
         self.every_n_steps = int(every_n_steps)
         self.tolerance = float(tolerance)
@@ -132,12 +152,16 @@ class RecomputationMonitor(Callback):
         self.log_prefix = str(log_prefix)
         self.attribution = attribution
         self.calibrate_noise = calibrate_noise
+        self.reference_regions = None if reference_regions is None else int(reference_regions)
         self.last_checked_step = -1
         self.history: deque[dict[str, Any]] = deque(maxlen=int(history_size))
         self.last_report: RecomputationReport | None = None
         self._enabled = False
         self._checked_this_fit = False
         self._warned: set[str] = set()
+        self._capture: StepCapture | None = None
+        self._gradients_before: list[torch.Tensor | None] | None = None
+        self._checks = 0
 
     @property
     @override
@@ -147,22 +171,22 @@ class RecomputationMonitor(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._checked_this_fit = False
+        self._disarm()
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
                 " `training_step`, which would step the optimizers. Pass"
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
             )
-        regions = checkpointed_modules(pl_module)
-        model = trainer.strategy.model
-        if model is not pl_module and not isinstance(model, DistributedDataParallel):
+        strategy = trainer.strategy
+        if not isinstance(strategy, _SUPPORTED_STRATEGIES):
             self._enabled = False
             rank_zero_warn(
-                f"`RecomputationMonitor` supports single-device and DDP strategies; the model is wrapped in"
-                f" {type(model).__name__} by {type(trainer.strategy).__name__}, so no check will run.",
+                f"`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and"
+                f" their subclasses), not under {type(strategy).__name__}, so no check will run.",
                 category=LightningCkptDeterminismWarning,
             )
-        elif not regions:
+        elif not checkpointed_modules(pl_module):
             self._enabled = False
             rank_zero_warn(
                 f"`RecomputationMonitor` found no checkpointed module in {type(pl_module).__name__}, so no check will"
@@ -177,66 +201,163 @@ class RecomputationMonitor(Callback):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
+        self._disarm()
         step = trainer.global_step
         if not self._enabled or step == self.last_checked_step:
             return
         if self._checked_this_fit and step % self.every_n_steps:
             return
-        report = self._check(trainer, pl_module, batch, batch_idx)
+        # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
+        self._capture = StepCapture(pl_module, batch_idx)
+        self._gradients_before = None
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        if self._capture is None or not self._capture.captured:
+            return
+        held = [grad for _, grad in _gradient_holders(trainer, pl_module)]
+        if any(param.grad is not None for param in held):
+            # Gradients the step accumulates onto (a later micro-batch, or accumulation by hand): the reference
+            # starts from them too.
+            self._gradients_before = [None if p.grad is None else p.grad.detach().clone() for p in held]
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        capture = self._capture
+        if capture is None or not capture.captured:
+            return
+        self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
+        step = trainer.global_step
+        report = self._check(trainer, pl_module, capture)
+        self.last_checked_step = step
         if report is None:
+            self.history.append({"step": step, "skipped": "non-finite gradients (the GradScaler skips this step)"})
             return
         self._checked_this_fit = True
-        self.last_checked_step = step
+        self._checks += 1
         self.last_report = report
         self._record(trainer, pl_module, step, report)
 
     @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._disarm()
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._disarm()
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._disarm()
+
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_checked_step": self.last_checked_step, "history": list(self.history)}
+        return {"last_checked_step": self.last_checked_step, "history": list(self.history), "checks": self._checks}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_checked_step = state_dict["last_checked_step"]
         self.history.clear()
         self.history.extend(state_dict["history"])
+        self._checks = state_dict.get("checks", 0)
+
+    def _disarm(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
 
     def _check(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", capture: StepCapture
     ) -> RecomputationReport | None:
+        strategy = trainer.strategy
+        if self.attribution == "always" or (self.loss_fn is not None and pl_module.automatic_optimization):
+            return self._two_pass(trainer, pl_module, capture, attribution=self.attribution == "always")
+        regions = list(checkpointed_modules(pl_module).items())
+        plain = self._reference_regions(regions)
+        holders = _gradient_holders(trainer, pl_module)
+        report = check_live_step(
+            pl_module,
+            reference_pass(
+                trainer,
+                pl_module,
+                capture,
+                None if plain is None else [module for _, module in plain],
+                self.loss_fn,
+                capture.batch_idx,
+            ),
+            capture.state,  # type: ignore[arg-type]
+            parameters=holders,
+            all_reduce=partial(_all_reduce, strategy),
+            tolerance=self.tolerance,
+            clone_gradients=_writes_into_bucket_views(strategy),
+            gradients_before=self._gradients_before,
+            calibrate_noise=self.calibrate_noise,
+            skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
+            live_loss=capture.loss,
+            exclude_attributes=LIGHTNING_INTERNALS,
+            device=strategy.root_device,
+        )
+        if report is None:
+            return None
+        report.checked_regions = [name for name, _ in (regions if plain is None else plain)]
+        if self.reference_regions is not None:
+            rank_zero_info(
+                f"lightning_ckpt_determinism: step {trainer.global_step} checked with regions"
+                f" {report.checked_regions} run plainly in the reference pass."
+            )
+        if report.diverged and self.attribution == "on_divergence":
+            # Decided alike on every rank: the comparison's figures are reduced over ranks.
+            attributed = self._two_pass(trainer, pl_module, capture, attribution=True)
+            report.regions, report.buffer_mutations = attributed.regions, attributed.buffer_mutations
+            if report.error is None and attributed.error is not None:
+                report.error = attributed.error
+        return report
+
+    def _reference_regions(self, regions: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]] | None:
+        """The regions the reference runs plainly at this check (``None``: all), rotating with ``reference_regions``."""
+        count = self.reference_regions
+        if count is None or count >= len(regions):
+            return None
+        start = self._checks * count % len(regions)
+        return [regions[(start + offset) % len(regions)] for offset in range(count)]
+
+    def _two_pass(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", capture: StepCapture, attribution: bool
+    ) -> RecomputationReport:
+        """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
+
+        It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
+        gradients with ``backward()``, which works with FSDP2's sharded parameters and with reentrant checkpointing
+        elsewhere in the model.
+        """
+        strategy = trainer.strategy
         loss_fn = self.loss_fn
 
         def closure() -> torch.Tensor:
+            args, kwargs = capture.arguments()
             if loss_fn is not None:
-                return loss_fn(pl_module, batch, batch_idx)
-            return training_step_loss(pl_module, batch, batch_idx)
+                return loss_fn(pl_module, args[0], capture.batch_idx)
+            return training_step_loss(pl_module, *args, **kwargs)
 
-        def check(attribution: bool) -> RecomputationReport:
-            with trainer.strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
+        holders = [param for _, param in _gradient_holders(trainer, pl_module)]
+        after_step = StepState(pl_module, LIGHTNING_INTERNALS)
+        stash = GradientStash(holders, clone=_writes_into_bucket_views(strategy))
+        try:
+            capture.state.restore()  # type: ignore[union-attr]
+            with strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
                 return check_recomputation(
                     pl_module,
                     closure,
                     tolerance=self.tolerance,
                     attribution=attribution,
                     calibrate_noise=self.calibrate_noise,
+                    gradients="backward",
                 )
-
-        try:
-            report: RecomputationReport | None = check(attribution=self.attribution == "always")
-        except SkippedStep:
-            report = None
-        # One collective on every rank, whatever happened locally, so that all ranks skip or all rerun alike (a
-        # rerun's forward may hold collectives, e.g. SyncBatchNorm).
-        flags = torch.tensor(
-            [float(report is None), float(report is not None and report.diverged)], device=pl_module.device
-        )
-        skipped_anywhere, diverged_anywhere = trainer.strategy.reduce(flags, reduce_op="max").tolist()
-        if report is None or skipped_anywhere > 0.0:
-            return None
-        if self.attribution == "on_divergence" and diverged_anywhere > 0.0:
-            attributed = check(attribution=True)
-            # A difference that changes from pass to pass may not come back; the first finding stands then.
-            report = attributed if attributed.diverged else report
-        return report
+        finally:
+            stash.put_back()
+            after_step.restore()
 
     def _record(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int, report: RecomputationReport
@@ -252,15 +373,17 @@ class RecomputationMonitor(Callback):
             dtype=torch.float64 if pl_module.device.type != "mps" else torch.float32,
             device=pl_module.device,
         )
-        reduced = trainer.strategy.reduce(local, reduce_op="max").tolist()
-        divergence, max_abs_diff, diverged_anywhere, noise_floor = reduced
+        divergence, max_abs_diff, diverged_anywhere, noise_floor = _all_reduce(trainer.strategy, local, "max").tolist()
+        diverged = diverged_anywhere > 0.0
+        # Every rank's findings reach every rank (one collective, only on a divergence, decided alike everywhere).
+        findings = _gather(_RankFindings.of(trainer.global_rank, report)) if diverged else []
         metrics = {
             f"{self.log_prefix}/grad_divergence": divergence,
             f"{self.log_prefix}/max_abs_diff": max_abs_diff,
         }
         if self.calibrate_noise:
             metrics[f"{self.log_prefix}/noise_floor"] = noise_floor
-        for region in diverging[:_LOGGED_REGIONS]:
+        for region in _worst_over_ranks(findings)[:_LOGGED_REGIONS]:
             metrics[f"{self.log_prefix}/regions/{region.name}/max_abs_diff"] = region.max_abs_diff
             if region.buffer_mutations:
                 metrics[f"{self.log_prefix}/regions/{region.name}/buffer_mutations"] = float(
@@ -268,66 +391,135 @@ class RecomputationMonitor(Callback):
                 )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-        diverged = diverged_anywhere > 0.0
-        self.history.append(
-            {"step": step, "grad_divergence": divergence, "max_abs_diff": max_abs_diff, "diverged": diverged}
-        )
+        entry: dict[str, Any] = {
+            "step": step,
+            "grad_divergence": divergence,
+            "max_abs_diff": max_abs_diff,
+            "diverged": diverged,
+        }
+        if self.reference_regions is not None:
+            entry["checked_regions"] = list(report.checked_regions)
+        self.history.append(entry)
         if not diverged or self.on_divergence == "ignore":
             return
-        message = _divergence_message(step, divergence, max_abs_diff, report, self.attribution)
+        message = _divergence_message(step, divergence, max_abs_diff, report, findings, self.attribution)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
         # One warning per kind of finding; the metric carries every check's numbers.
-        if diverging:
-            key = f"cause:{diverging[0].cause}"
-        else:
-            key = report.error.split(":", 1)[0] if report.error else "gradients"
+        causes = sorted({region.cause or "" for finding in findings for region in finding.regions})
+        errors = sorted({finding.error.split(":", 1)[0] for finding in findings if finding.error})
+        key = f"causes:{causes}" if causes else f"errors:{errors}" if errors else "gradients"
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
 
 
+_SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
+
+
+def _gradient_holders(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
+    """The tensors whose ``.grad`` the step fills, by name: the module's trainable parameters, plus FSDP1's flat
+    parameters when it keeps the original ones (``use_orig_params=True`` accumulates into the flat gradient)."""
+    holders: list[tuple[str, torch.Tensor]] = [
+        (name, param) for name, param in pl_module.named_parameters() if param.requires_grad
+    ]
+    if isinstance(trainer.strategy, FSDPStrategy) and trainer.strategy.model is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        known = {id(param) for _, param in holders}
+        for index, fsdp_module in enumerate(FullyShardedDataParallel.fsdp_modules(trainer.strategy.model)):
+            handle = getattr(fsdp_module, "_handle", None)
+            flat = getattr(handle, "flat_param", None)
+            if flat is not None and id(flat) not in known and flat.requires_grad:
+                holders.append((f"<FSDP flat parameter {index}>", flat))
+    return holders
+
+
+def _writes_into_bucket_views(strategy: Any) -> bool:
+    return isinstance(strategy.model, DistributedDataParallel) and bool(strategy.model.gradient_as_bucket_view)
+
+
+def _all_reduce(strategy: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    return strategy.reduce(tensor, reduce_op=op)
+
+
+def _gather(finding: "_RankFindings") -> list["_RankFindings"]:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [finding]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, finding)
+    return gathered
+
+
+@dataclass
+class _RankFindings:
+    """What one rank found, sent to every rank when a check diverged."""
+
+    rank: int
+    error: str | None
+    worst_parameters: list[tuple[str, float]]
+    regions: list[RegionReport]
+    attributed: bool
+
+    @classmethod
+    def of(cls, rank: int, report: RecomputationReport) -> "_RankFindings":
+        return cls(rank, report.error, report.worst_parameters, _diverging_regions(report), bool(report.regions))
+
+
+def _worst_over_ranks(findings: list[_RankFindings]) -> list[RegionReport]:
+    """Each diverging region once, with its largest difference over ranks, worst first."""
+    worst: dict[str, RegionReport] = {}
+    for finding in findings:
+        for region in finding.regions:
+            if region.name not in worst or region.max_abs_diff > worst[region.name].max_abs_diff:
+                worst[region.name] = region
+    return sorted(worst.values(), key=lambda region: -region.max_abs_diff)
+
+
 def _divergence_message(
-    step: int, divergence: float, max_abs_diff: float, report: RecomputationReport, attribution: str
+    step: int,
+    divergence: float,
+    max_abs_diff: float,
+    report: RecomputationReport,
+    findings: list[_RankFindings],
+    attribution: str,
 ) -> str:
-    if report.error:
-        local = f"recomputation failed on this rank: {report.error}"
-    elif report.worst_parameters:
-        worst = ", ".join(f"{name} ({diff:.3g})" for name, diff in report.worst_parameters)
-        local = f"the worst parameters on this rank: {worst}"
-    elif _diverging_regions(report):
-        local = "this rank's gradients agree"
-    else:
-        local = "this rank's gradients agree; another rank diverged"
     shown = "inf" if math.isinf(divergence) else f"{divergence:.3g}"
-    message = (
+    ranks = len(findings) > 1
+    parts = [
         f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
-        f" {report.tolerance:g}), max_abs_diff={max_abs_diff:.3g}; {local.rstrip('.')}."
-    )
-    diverging = _diverging_regions(report)
-    if diverging:
-        return f"{message} {' '.join(_region_sentence(region) for region in diverging[:_NAMED_REGIONS])}"
-    if not (report.error or report.worst_parameters):
-        return message
-    if report.regions and not report.error:
-        return (
-            f"{message} Every checkpointed region recomputed exactly what its forward produced: the gradients differ"
-            " because something changed between the check's two passes, such as Python state a module updates in"
-            " forward (a counter)."
+        f" {report.tolerance:g}), max_abs_diff={max_abs_diff:.3g}."
+    ]
+    errors = [finding for finding in findings if finding.error]
+    for finding in errors[:1]:
+        where = f" on rank {finding.rank}" if ranks else ""
+        parts.append(f"Recomputation failed{where}: {(finding.error or '').rstrip('.')}.")
+    if report.worst_parameters and not errors:
+        worst = ", ".join(f"{name} ({diff:.3g})" for name, diff in report.worst_parameters)
+        parts.append(f"The worst parameters: {worst}.")
+    sentences: dict[str, list[int]] = {}
+    for finding in findings:
+        for region in finding.regions[:_NAMED_REGIONS]:
+            sentences.setdefault(_region_sentence(region), []).append(finding.rank)
+    for sentence, on in list(sentences.items())[:_NAMED_REGIONS]:
+        suffix = f" (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" if ranks else ""
+        parts.append(f"{sentence.rstrip('.')}{suffix}.")
+    if sentences or errors:
+        return " ".join(parts)
+    if any(finding.attributed for finding in findings):
+        parts.append(
+            "Every checkpointed region recomputed exactly what its forward produced when rerun with attribution: the"
+            " difference changes from pass to pass, as Python state a module updates in forward (a counter) does."
         )
-    if report.regions:
-        advice = ""
     elif attribution == "never":
-        advice = " Set `attribution` to be told which region and op."
-    else:
-        advice = (
-            " A rerun with attribution on the same batch did not diverge: the difference changes from pass to pass,"
-            " as Python state read in forward (a counter) does."
-        )
-    return (
-        f"{message} Something in a checkpointed module differs between forward and recomputation: dropout with"
-        " `preserve_rng_state=False`, NumPy or `random` without `preserve_host_rng=True`, buffers without"
-        f" `protect_buffers=True`, Python state read in forward, or a non-deterministic kernel.{advice}"
+        parts.append("Set `attribution` to be told which region and op.")
+    return " ".join(
+        [
+            *parts,
+            "Something in a checkpointed module differs between forward and recomputation: dropout with"
+            " `preserve_rng_state=False`, NumPy or `random` without `preserve_host_rng=True`, buffers without"
+            " `protect_buffers=True`, Python state read in forward, or a non-deterministic kernel.",
+        ]
     )
 
 

@@ -11,13 +11,16 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
 
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._grads import GradientStash, local_tensor
+from lightning_ckpt_determinism._state import StepState
 from lightning_ckpt_determinism.attribution import RegionReport, _Attribution, _elementwise_difference
-from lightning_ckpt_determinism.rng import capture_rng, restore_rng
-from lightning_ckpt_determinism.wrapping import _buffer_slots, checkpointed_modules, checkpointing_disabled
+from lightning_ckpt_determinism.wrapping import checkpointed_modules, checkpointing_disabled
 
 __all__ = ["RecomputationReport", "check_recomputation", "gradient_divergence"]
 
@@ -106,23 +109,34 @@ def gradient_divergence(
     ref_sq = 0.0
     max_diffs: list[float] = []
     for position, (ref, other) in enumerate(zip(reference, recomputed, strict=True)):
-        if ref is None and other is None:
-            max_diffs.append(0.0)
-            continue
-        ref_t = torch.zeros_like(other) if ref is None else ref  # type: ignore[arg-type]
-        other_t = torch.zeros_like(ref_t) if other is None else other
-        if ref_t.shape != other_t.shape:
-            raise ValueError(f"Gradient {position} differs in shape: {tuple(ref_t.shape)} and {tuple(other_t.shape)}.")
-        diff = _elementwise_difference(ref_t.detach().double(), other_t.detach().double())
-        finite_ref = torch.nan_to_num(ref_t.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
-        diff_sq += float(diff.square().sum())
-        ref_sq += float(finite_ref.square().sum())
-        max_diffs.append(float(diff.max()) if diff.numel() else 0.0)
+        pair_diff_sq, pair_ref_sq, pair_max = _pair_difference(position, ref, other)
+        diff_sq += pair_diff_sq
+        ref_sq += pair_ref_sq
+        max_diffs.append(pair_max)
+    return _relative(diff_sq, ref_sq), max_diffs
+
+
+def _pair_difference(position: int, ref: torch.Tensor | None, other: torch.Tensor | None) -> tuple[float, float, float]:
+    """``(sum of squared differences, sum of squared finite reference values, max abs difference)`` of one pair,
+    ``None`` counting as zeros."""
+    if ref is None and other is None:
+        return 0.0, 0.0, 0.0
+    ref_t = torch.zeros_like(other) if ref is None else ref  # type: ignore[arg-type]
+    other_t = torch.zeros_like(ref_t) if other is None else other
+    if ref_t.shape != other_t.shape:
+        raise ValueError(f"Gradient {position} differs in shape: {tuple(ref_t.shape)} and {tuple(other_t.shape)}.")
+    diff = _elementwise_difference(ref_t.detach().double(), other_t.detach().double())
+    finite_ref = torch.nan_to_num(ref_t.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+    return float(diff.square().sum()), float(finite_ref.square().sum()), float(diff.max()) if diff.numel() else 0.0
+
+
+def _relative(diff_sq: float, ref_sq: float) -> float:
+    """The relative L2 divergence from the two sums: ``0.0`` for no difference, ``inf`` over a zero reference."""
     if diff_sq == 0.0:
-        return 0.0, max_diffs
+        return 0.0
     if ref_sq == 0.0 or math.isinf(diff_sq):
-        return math.inf, max_diffs
-    return math.sqrt(diff_sq / ref_sq), max_diffs
+        return math.inf
+    return math.sqrt(diff_sq / ref_sq)
 
 
 def check_recomputation(
@@ -132,18 +146,22 @@ def check_recomputation(
     tolerance: float = 0.0,
     attribution: bool = False,
     calibrate_noise: bool = False,
+    gradients: Literal["autograd", "backward"] = "autograd",
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
-    From one random state S the reference pass runs ``closure`` under :func:`checkpointing_disabled` and takes
-    gradients with ``torch.autograd.grad``; S and the module's buffers are restored; the checkpointed pass runs
-    the same way, recomputing inside its backward. Afterwards torch's CPU and accelerator RNG, Python's
-    ``random`` and NumPy are back at S, and buffers, torchmetrics states, grad mode and training flags are as
-    they were: training continues as if no check had run. ``.grad`` is never touched.
+    From one state S the reference pass runs ``closure`` under :func:`checkpointing_disabled` and takes gradients;
+    S is restored; the checkpointed pass runs the same way, recomputing inside its backward. S is every random
+    stream (torch's CPU and accelerator RNG, Python's ``random``, NumPy), the buffers, torchmetrics states, training
+    flags, grad mode and the modules' plain Python attributes (counters, flags, lists: see
+    :class:`~lightning_ckpt_determinism._state.StepState`). Afterwards all of it is back at S: training continues as
+    if no check had run.
 
     An exception raised by the checkpointed pass (torch's ``CheckpointError`` when a recomputed shape differs,
     for example) is reported as a divergence; one raised by the reference pass is re-raised, since it is not
-    about recomputation. Python state a module changes in forward (a counter) is not restored.
+    about recomputation. A check that finds nothing to compare (no gradient reached any parameter, or the
+    reference pass gave none where the checkpointed pass did) does not pass: its ``error`` says why, with
+    ``diverged`` set and ``grad_divergence`` infinite.
 
     The check holds one extra set of gradients while it runs, and costs two forward and backward passes.
     ``calibrate_noise`` adds a third (a second reference pass). ``attribution`` observes every op of the
@@ -164,6 +182,11 @@ def check_recomputation(
             verdict then asks for a divergence above both ``tolerance`` and the noise floor, so that
             non-deterministic kernels (GPU atomics) are not reported as recomputation bugs. Python state that a
             module changes in forward also makes the two reference passes differ, and so raises the floor.
+        gradients: How gradients are taken. ``"autograd"``: ``torch.autograd.grad``, so ``.grad`` is never
+            touched. ``"backward"``: ``loss.backward()``, with the ``.grad`` the parameters held set aside during
+            the check and put back after; needed where ``autograd.grad`` cannot work, such as FSDP2's sharded
+            (DTensor) parameters, which get their gradients from FSDP's reduce-scatter, or reentrant checkpointing
+            elsewhere in the model. A sharded gradient is compared as this rank's shard.
 
     Returns:
         The :class:`RecomputationReport`.
@@ -185,6 +208,8 @@ def check_recomputation(
     """
     if not tolerance >= 0.0:
         raise ValueError(f"`tolerance` must be a non-negative float, got {tolerance!r}.")
+    if gradients not in ("autograd", "backward"):
+        raise ValueError(f"`gradients` can be autograd, backward, got {gradients!r}.")
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"`module` ({type(module).__name__}) has no parameter that requires grad to compare.")
@@ -192,26 +217,33 @@ def check_recomputation(
     params = [p for _, p in named]
     regions = list(checkpointed_modules(module))
     observer = _Attribution(module) if attribution else None
-    with _restored_state(module) as restore_between_passes:
-        reference_loss, reference = _gradients(closure, params, disable_checkpointing=True)
-        noise_floor = 0.0
-        if calibrate_noise:
+    take = partial(_gradients, closure, params, use_backward=gradients == "backward")
+    stash = GradientStash(params) if gradients == "backward" else None
+    try:
+        with _restored_state(module) as restore_between_passes:
+            reference_loss, reference = take(disable_checkpointing=True)
+            noise_floor = 0.0
+            if calibrate_noise:
+                restore_between_passes()
+                _, second_reference = take(disable_checkpointing=True)
+                noise_floor = _NOISE_MARGIN * gradient_divergence(reference, second_reference)[0]
             restore_between_passes()
-            _, second_reference = _gradients(closure, params, disable_checkpointing=True)
-            noise_floor = _NOISE_MARGIN * gradient_divergence(reference, second_reference)[0]
-        restore_between_passes()
-        checkpointed_loss, recomputed, error = _checkpointed_pass(closure, params, observer)
-        explained: frozenset[str] = frozenset()
-        if observer is not None and observer.host_rng_suspects():
-            restore_between_passes()
-            explained = _host_rng_explains(module, closure, params, observer.host_rng_suspects())
-    if error is not None or recomputed is None:
+            checkpointed_loss, recomputed, error = _checkpointed_pass(take, observer)
+            explained: frozenset[str] = frozenset()
+            if observer is not None and observer.host_rng_suspects():
+                restore_between_passes()
+                explained = _host_rng_explains(module, take, observer.host_rng_suspects())
+    finally:
+        if stash is not None:
+            stash.put_back()
+    finding = error if error is not None else _uncomparable(names, reference, recomputed)
+    if finding is not None or recomputed is None:
         divergence, max_diffs = math.inf, [math.inf]
         per_parameter: dict[str, float] = {}
     else:
         divergence, max_diffs = gradient_divergence(reference, recomputed)
         per_parameter = dict(zip(names, max_diffs, strict=True))
-    diverged = error is not None or divergence > max(tolerance, noise_floor)
+    diverged = finding is not None or divergence > max(tolerance, noise_floor)
     region_reports, buffer_mutations = (
         observer.reports(gradients_diverged=diverged, host_rng_explained=explained) if observer else ([], [])
     )
@@ -223,7 +255,7 @@ def check_recomputation(
         tolerance=tolerance,
         per_parameter=per_parameter,
         worst_parameters=worst[:_WORST_PARAMETERS],
-        error=None if error is None else f"{type(error).__name__}: {error}",
+        error=None if finding is None else _describe(finding),
         checked_regions=regions,
         reference_loss=reference_loss,
         checkpointed_loss=checkpointed_loss,
@@ -234,14 +266,14 @@ def check_recomputation(
 
 
 def _checkpointed_pass(
-    closure: Callable[[], torch.Tensor], params: list[nn.Parameter], observer: _Attribution | None
+    take: Callable[..., tuple[float, list[torch.Tensor | None]]], observer: _Attribution | None
 ) -> tuple[float, list[torch.Tensor | None] | None, Exception | None]:
     """The checkpointed pass, observed when ``observer`` is given: ``(loss, gradients, error)``."""
     observing = observer.observing() if observer is not None else contextlib.nullcontext()
     error: Exception | None = None
     try:
         with observing:
-            loss, grads = _gradients(closure, params, disable_checkpointing=False)
+            loss, grads = take(disable_checkpointing=False)
     except Exception as err:  # any failure of recomputation is the finding, not a crash
         error = err
     if observer is not None:
@@ -252,16 +284,49 @@ def _checkpointed_pass(
 
 
 def _host_rng_explains(
-    module: nn.Module, closure: Callable[[], torch.Tensor], params: list[nn.Parameter], suspects: frozenset[str]
+    module: nn.Module, take: Callable[..., tuple[float, list[torch.Tensor | None]]], suspects: frozenset[str]
 ) -> frozenset[str]:
     """The suspects whose recomputation matches its forward once their host RNG is replayed."""
     replaying = _Attribution(module, replay_host_rng=suspects)
-    _checkpointed_pass(closure, params, replaying)
+    _checkpointed_pass(take, replaying)
     return suspects - replaying.diverging_regions()
 
 
+class _UncomparableGradients(Exception):
+    """The check could not compare gradients, so it did not pass."""
+
+
+def _uncomparable(
+    names: list[str], reference: list[torch.Tensor | None], recomputed: list[torch.Tensor | None] | None
+) -> _UncomparableGradients | None:
+    if recomputed is None:
+        return None
+    if all(grad is None for grad in (*reference, *recomputed)):
+        return _UncomparableGradients(
+            "the check could not compare gradients: no parameter received a gradient in either pass; make the loss"
+            " depend on the module's parameters"
+        )
+    missing = [
+        name for name, ref, other in zip(names, reference, recomputed, strict=True) if ref is None and other is not None
+    ]
+    if missing:
+        return _UncomparableGradients(
+            f"the check could not compare gradients: the reference pass gave no gradient for {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''} where the checkpointed pass did"
+        )
+    return None
+
+
+def _describe(error: Exception) -> str:
+    return str(error) if isinstance(error, _UncomparableGradients) else f"{type(error).__name__}: {error}"
+
+
 def _gradients(
-    closure: Callable[[], torch.Tensor], params: list[nn.Parameter], *, disable_checkpointing: bool
+    closure: Callable[[], torch.Tensor],
+    params: list[nn.Parameter],
+    *,
+    disable_checkpointing: bool,
+    use_backward: bool,
 ) -> tuple[float, list[torch.Tensor | None]]:
     context = checkpointing_disabled() if disable_checkpointing else contextlib.nullcontext()
     with context, torch.enable_grad():
@@ -276,77 +341,22 @@ def _gradients(
                 "lightning_ckpt_determinism: the check's loss does not require grad; compute it from the module's"
                 " parameters with grad enabled."
             )
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return float(loss.detach()), list(grads)
+        if not use_backward:
+            return float(loss.detach()), list(torch.autograd.grad(loss, params, allow_unused=True))
+        try:
+            loss.backward()
+            grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
+        finally:
+            for param in params:
+                param.grad = None
+    return float(loss.detach()), grads
 
 
 @contextlib.contextmanager
 def _restored_state(module: nn.Module) -> Iterator[Callable[[], None]]:
     """Snapshot what a step may change; yield a function that puts it back; put it back on exit, always."""
-    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        devices.add(torch.device("cuda", torch.cuda.current_device()))
-    rng = capture_rng(devices)
-    buffers = _BufferSnapshot(module)
-    metrics = _MetricSnapshot(module)
-    training = {sub: sub.training for sub in module.modules()}
-    grad_enabled = torch.is_grad_enabled()
-
-    def restore() -> None:
-        restore_rng(rng)
-        buffers.restore()
-        metrics.restore()
-        for sub, mode in training.items():
-            sub.training = mode
-        torch.set_grad_enabled(grad_enabled)
-
+    state = StepState(module)
     try:
-        yield restore
+        yield state.restore
     finally:
-        restore()
-
-
-class _BufferSnapshot:
-    """The buffer objects of a module and copies of their values."""
-
-    def __init__(self, module: nn.Module) -> None:
-        with torch.no_grad():
-            self._entries = [
-                (owner, key, buffer, buffer.clone()) for owner, key, buffer in _buffer_slots(module).values()
-            ]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            # Always copied: kernels such as batch_norm update running statistics without bumping `_version`.
-            for owner, name, buffer, value in self._entries:
-                owner._buffers[name] = buffer
-                buffer.copy_(value)
-
-
-class _MetricSnapshot:
-    """States of the torchmetrics metrics inside a module, so a loss closure that updates them changes nothing."""
-
-    def __init__(self, module: nn.Module) -> None:
-        from torchmetrics import Metric
-
-        self._entries = [
-            (metric, {name: _copy_state(getattr(metric, name)) for name in metric._defaults}, dict(metric.__dict__))
-            for metric in module.modules()
-            if isinstance(metric, Metric)
-        ]
-
-    def restore(self) -> None:
-        for metric, states, attributes in self._entries:
-            for key in ("_update_count", "_computed", "_forward_cache", "_is_synced", "_cache"):
-                if key in attributes:
-                    setattr(metric, key, attributes[key])
-            for name, value in states.items():
-                setattr(metric, name, _copy_state(value))
-
-
-def _copy_state(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_copy_state(item) for item in value]
-    return value
+        state.restore()

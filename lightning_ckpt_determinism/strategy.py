@@ -4,7 +4,7 @@ from collections import Counter
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -26,6 +26,7 @@ __all__ = [
     "ActivationCheckpointingMixin",
     "DDPCheckpointingStrategy",
     "FSDPCheckpointingStrategy",
+    "ModelParallelCheckpointingStrategy",
     "SingleDeviceCheckpointingStrategy",
 ]
 
@@ -203,4 +204,30 @@ class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
                     f"`{own}` is FSDP's own activation checkpointing; `FSDPCheckpointingStrategy` applies"
                     " `checkpointing` instead. Pass one of them, not both."
                 )
+        super().__init__(checkpointing=checkpointing, **kwargs)
+
+
+class ModelParallelCheckpointingStrategy(ActivationCheckpointingMixin, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) with this package's checkpointing.
+
+    The LightningModule shards itself in ``configure_model`` (``fully_shard`` on its blocks and root, with
+    ``self.device_mesh["data_parallel"]``), which runs before the strategy's setup; checkpointing is applied at the
+    end of the setup, to the sharded modules, which keep their names. FSDP2's hooks stay on the modules, so a
+    checkpointed block is all-gathered before its forward and before its recomputation in backward.
+
+    Args:
+        checkpointing: Which submodules to checkpoint and how; ``None`` (YAML ``null``) is rejected with an error.
+        **kwargs: The arguments of :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+            (``data_parallel_size``, ``tensor_parallel_size``, ``process_group_backend``, ...).
+
+    Example::
+
+        >>> strategy = ModelParallelCheckpointingStrategy(
+        ...     checkpointing=CheckpointingConfig(classes=["Block"]), data_parallel_size=2, tensor_parallel_size=1
+        ... )
+        >>> strategy.checkpointing.classes
+        ['Block']
+    """
+
+    def __init__(self, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         super().__init__(checkpointing=checkpointing, **kwargs)

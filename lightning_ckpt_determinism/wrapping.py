@@ -11,7 +11,7 @@ gets torch's own pair of dispatch modes.
 import contextlib
 import fnmatch
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from contextvars import ContextVar
 from functools import partial
@@ -80,6 +80,19 @@ def checkpointing_disabled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _run_plainly(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run the given checkpointed modules with their plain forward inside this block; the others stay checkpointed."""
+    wrappers = [module.__dict__["forward"] for module in modules if _is_wrapped(module)]
+    for wrapper in wrappers:
+        wrapper.plain_depth += 1
+    try:
+        yield
+    finally:
+        for wrapper in wrappers:
+            wrapper.plain_depth -= 1
+
+
+@contextlib.contextmanager
 def _observing(observer: _RegionObserver) -> Iterator[None]:
     token = _active_observer.set(observer)
     try:
@@ -97,6 +110,8 @@ class _CheckpointedForward:
         self.config = config
         self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         self._save_ops = frozenset(resolve_ops(config.save_ops))
+        # An instance attribute rather than a context variable: `torch.compile` can guard on it.
+        self.plain_depth = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
@@ -115,7 +130,7 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _disabled_depth.get() > 0 or not torch.is_grad_enabled():
+        if _disabled_depth.get() > 0 or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
         keys = tuple(kwargs)
         num_positional = len(args)

@@ -1,0 +1,96 @@
+"""Gradients as a check reads them: set aside and put back, and read as this rank's shard of them."""
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["GradientStash", "counted_here", "local_tensor"]
+
+_DTensor: Any = None
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch < 2.5, or a build without torch.distributed
+    with contextlib.suppress(ImportError):
+        from torch.distributed._tensor import DTensor as _DTensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallelism), or the tensor itself.
+
+    Comparing shards keeps every comparison local: in torch 2.13 ``torch.equal`` on DTensors runs a collective.
+
+    Example::
+
+        >>> local_tensor(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        return tensor.to_local()
+    return tensor
+
+
+def counted_here(tensor: torch.Tensor) -> bool:
+    """Whether this rank's shard of ``tensor`` counts in sums over all ranks.
+
+    A DTensor replicated along a mesh dimension holds the same values on every rank of that dimension: only the
+    rank at coordinate 0 counts it, so a sum over all ranks counts each value once. Plain tensors count everywhere
+    (under DDP each rank holds its own gradient, or the same all-reduced one, which scales a relative norm by
+    nothing).
+
+    Example::
+
+        >>> counted_here(torch.ones(2))
+        True
+    """
+    if _DTensor is None or not isinstance(tensor, _DTensor):
+        return True
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank holds no part of it
+        return False
+    return all(
+        not placement.is_replicate() or position == 0
+        for placement, position in zip(tensor.placements, coordinate, strict=True)
+    )
+
+
+class GradientStash:
+    """The ``.grad`` of some parameters, set aside so that another backward starts from none, and put back after.
+
+    Args:
+        params: The parameters.
+        clone: Keep copies rather than the gradient tensors themselves: needed where the next backward writes into
+            the same storage (DDP with ``gradient_as_bucket_view=True`` writes every gradient into its buckets; given
+            a gradient that is not a bucket view, it copies it into the bucket at the next backward).
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> (weight * 3).sum().backward()
+        >>> stash = GradientStash([weight])
+        >>> weight.grad is None
+        True
+        >>> stash.put_back()
+        >>> weight.grad
+        tensor([3., 3.])
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], clone: bool = False) -> None:
+        self._params = params
+        with torch.no_grad():
+            self._grads = [
+                param.grad.detach().clone() if clone and param.grad is not None else param.grad for param in params
+            ]
+        for param in params:
+            param.grad = None
+
+    @property
+    def gradients(self) -> list[torch.Tensor | None]:
+        """The gradients set aside, in the order of the parameters."""
+        return list(self._grads)
+
+    def put_back(self) -> None:
+        """Give every parameter its gradient back; can be called any number of times."""
+        for param, grad in zip(self._params, self._grads, strict=True):
+            param.grad = grad

@@ -1,0 +1,168 @@
+"""Snapshots of what a training step changes besides the gradients, so a check can put it back exactly.
+
+A :class:`StepState` holds every random stream (torch CPU, the accelerator devices in use, Python, NumPy), the values
+of a module's buffers, the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain
+Python state of the module and its submodules: attributes holding numbers, strings, ``None`` or containers (lists,
+dicts, sets, tuples; copied shallowly and restored in place, so references held elsewhere see the restored contents).
+It never touches ``nn.Module`` internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``:
+anything ``nn.Module.__init__`` sets), tensors, modules or other objects, so the state FSDP keeps in and around a
+module (sharded and unsharded parameters swapped inside ``_parameters``) is left alone.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism.rng import capture_rng, restore_rng
+from lightning_ckpt_determinism.wrapping import _buffer_slots
+
+__all__ = ["StepState"]
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+_CONTAINERS = (list, dict, set, tuple)
+
+
+class StepState:
+    """Everything a step may change besides gradients and parameters, captured now; :meth:`restore` puts it back.
+
+    Args:
+        module: The model whose buffers, metrics, training flags and Python attributes are captured.
+        exclude_attributes: Attribute names never captured nor restored on any module (a framework's own
+            bookkeeping on the root module, for example).
+
+    Example::
+
+        >>> model = torch.nn.BatchNorm1d(2)
+        >>> model.steps = 0
+        >>> state = StepState(model)
+        >>> _ = model(torch.randn(4, 2))
+        >>> model.steps += 1
+        >>> state.restore()
+        >>> int(model.num_batches_tracked), model.steps
+        (0, 0)
+    """
+
+    def __init__(self, module: nn.Module, exclude_attributes: Iterable[str] = ()) -> None:
+        devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            devices.add(torch.device("cuda", torch.cuda.current_device()))
+        self._rng = capture_rng(devices)
+        self._buffers = _BufferSnapshot(module)
+        self._metrics = _MetricSnapshot(module)
+        self._python = _PythonState(module, frozenset(exclude_attributes))
+        self._training = {sub: sub.training for sub in module.modules()}
+        self._grad_enabled = torch.is_grad_enabled()
+
+    def restore(self) -> None:
+        """Put everything captured back; can be called any number of times."""
+        restore_rng(self._rng)
+        self._buffers.restore()
+        self._metrics.restore()
+        self._python.restore()
+        for sub, mode in self._training.items():
+            sub.training = mode
+        torch.set_grad_enabled(self._grad_enabled)
+
+
+class _BufferSnapshot:
+    """The buffer objects of a module and copies of their values."""
+
+    def __init__(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            self._entries = [
+                (owner, key, buffer, buffer.clone()) for owner, key, buffer in _buffer_slots(module).values()
+            ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            # Always copied: kernels such as batch_norm update running statistics without bumping `_version`.
+            for owner, name, buffer, value in self._entries:
+                owner._buffers[name] = buffer
+                buffer.copy_(value)
+
+
+class _MetricSnapshot:
+    """States of the torchmetrics metrics inside a module, so a loss closure that updates them changes nothing."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from torchmetrics import Metric
+
+        self._entries = [
+            (metric, {name: _copy_state(getattr(metric, name)) for name in metric._defaults}, dict(metric.__dict__))
+            for metric in module.modules()
+            if isinstance(metric, Metric)
+        ]
+
+    def restore(self) -> None:
+        for metric, states, attributes in self._entries:
+            for key in ("_update_count", "_computed", "_forward_cache", "_is_synced", "_cache"):
+                if key in attributes:
+                    setattr(metric, key, attributes[key])
+            for name, value in states.items():
+                setattr(metric, name, _copy_state(value))
+
+
+def _copy_state(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copy_state(item) for item in value]
+    return value
+
+
+class _PythonState:
+    """The plain attributes of a module and its submodules (metrics excepted: :class:`_MetricSnapshot` has them)."""
+
+    def __init__(self, module: nn.Module, exclude: frozenset[str]) -> None:
+        from torchmetrics import Metric
+
+        skip = _MODULE_INTERNALS | exclude
+        self._entries: list[tuple[nn.Module, dict[str, tuple[Any, Any]]]] = []
+        for sub in module.modules():
+            if isinstance(sub, Metric):
+                continue
+            captured = {
+                name: (value, _shallow_copy(value))
+                for name, value in vars(sub).items()
+                if name not in skip and _is_plain(value)
+            }
+            self._entries.append((sub, captured))
+        self._skip = skip
+
+    def restore(self) -> None:
+        for sub, captured in self._entries:
+            attributes = vars(sub)
+            # Plain attributes the step created did not exist at capture: they go, as they were not there.
+            for name in [name for name, value in attributes.items() if name not in captured and name not in self._skip]:
+                if _is_plain(attributes[name]):
+                    del attributes[name]
+            for name, (original, copy) in captured.items():
+                _refill(original, copy)
+                attributes[name] = original
+
+
+def _is_plain(value: object) -> bool:
+    return isinstance(value, _SCALARS) or (isinstance(value, _CONTAINERS) and not isinstance(value, nn.Module))
+
+
+def _shallow_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, (list, set)):
+        return list(value)
+    return value
+
+
+def _refill(original: Any, copy: Any) -> None:
+    """Give a mutable container its captured contents back, in place."""
+    if isinstance(original, dict):
+        original.clear()
+        original.update(copy)
+    elif isinstance(original, list):
+        original[:] = copy
+    elif isinstance(original, set):
+        original.clear()
+        original.update(copy)

@@ -1,0 +1,279 @@
+"""Check a live training step: its own checkpointed gradients against one reference pass with checkpointing off.
+
+The engine knows nothing of Lightning. The caller captures a :class:`~lightning_ckpt_determinism._state.StepState`
+when the step starts (every random stream, buffers, metrics, plain Python attributes), lets the real step run
+checkpointed, and after that step's backward calls :func:`check_live_step` with a closure that runs the reference
+pass (forward and backward, with checkpointing off, the gradients landing in ``.grad``). The check sets the live
+gradients aside, puts the captured state back, runs the reference, compares, and puts the live gradients and the
+state after the step back, whatever is raised: training then continues as if no check had run.
+
+Gradients are compared on what this rank holds (whole, replicated or sharded: DTensor gradients are compared shard
+by shard) and the sums are reduced over ranks through the ``all_reduce`` callable the caller gives, so the verdict
+is the same on every rank. A fast path compares every gradient with ``torch.equal`` and reduces one small vector;
+only when something differs are the float64 norms computed.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism._grads import GradientStash, counted_here, local_tensor
+from lightning_ckpt_determinism._state import StepState
+from lightning_ckpt_determinism.check import (
+    _NOISE_MARGIN,
+    _WORST_PARAMETERS,
+    RecomputationReport,
+    _pair_difference,
+    _relative,
+)
+
+__all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
+
+AllReduce = Callable[[torch.Tensor, Literal["sum", "max"]], torch.Tensor]
+"""``all_reduce(tensor, op)``: the tensor reduced over every rank with ``op``; the identity on one process."""
+
+
+def _local_only(tensor: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
+    return tensor
+
+
+@dataclass
+class GradientComparison:
+    """Live against reference gradients, over every rank.
+
+    Attributes:
+        grad_divergence: Relative L2 divergence over all parameters and ranks (``inf`` when not comparable).
+        max_abs_diff: Largest absolute difference of any gradient element on any rank.
+        per_parameter: Largest absolute difference per parameter name, over ranks.
+        error: Why the gradients could not be compared (no gradient anywhere, or the reference gave none where the
+            live step did); ``None`` when they were.
+        skipped: The live gradients were not finite on some rank and ``skip_non_finite`` was asked: nothing was
+            compared (a GradScaler skips such steps).
+    """
+
+    grad_divergence: float
+    max_abs_diff: float
+    per_parameter: dict[str, float]
+    error: str | None = None
+    skipped: bool = False
+
+
+def compare_gradients(
+    names: list[str],
+    live: list[torch.Tensor | None],
+    reference: list[torch.Tensor | None],
+    *,
+    all_reduce: AllReduce = _local_only,
+    counted: list[bool] | None = None,
+    skip_non_finite: bool = False,
+    device: torch.device | str = "cpu",
+) -> GradientComparison:
+    """Compare two sets of gradients held by this rank, with every sum and maximum reduced over ranks.
+
+    Every rank must call it at once with the same ``names`` (one collective on clean checks, three otherwise).
+
+    Args:
+        names: Parameter names, in the order of the gradients.
+        live: This rank's live gradients (shards of sharded ones).
+        reference: This rank's reference gradients, in the same order.
+        all_reduce: Reduces a float64 tensor over ranks (``"sum"`` or ``"max"``).
+        counted: For each gradient, whether this rank's values count in the global sums (a replicated shard counts on
+            one rank only); all count when ``None``.
+        skip_non_finite: Report ``skipped`` when a live gradient holds inf or NaN on any rank.
+        device: Where the reduced tensors live (the device the collective backend needs).
+
+    Returns:
+        The :class:`GradientComparison`.
+
+    Example::
+
+        >>> compare_gradients(["w"], [torch.tensor([3.0, 4.5])], [torch.tensor([3.0, 4.0])]).grad_divergence
+        0.1
+    """
+    counted = [True] * len(names) if counted is None else counted
+    unequal = 0
+    missing = []
+    elements = 0
+    non_finite = False
+    for name, live_grad, ref_grad, counts in zip(names, live, reference, counted, strict=True):
+        if live_grad is None and ref_grad is None:
+            continue
+        if ref_grad is None:
+            missing.append(name)
+        elif live_grad is None or not torch.equal(live_grad, ref_grad):
+            unequal += 1
+        if counts:
+            elements += (live_grad if live_grad is not None else ref_grad).numel()  # type: ignore[union-attr]
+        if skip_non_finite and live_grad is not None and not bool(torch.isfinite(live_grad).all()):
+            non_finite = True
+    flags = torch.tensor([unequal, len(missing), elements, float(non_finite)], dtype=torch.float64, device=device)
+    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere = all_reduce(flags, "sum").tolist()
+    zeros = dict.fromkeys(names, 0.0)
+    if skip_non_finite and non_finite_anywhere > 0:
+        return GradientComparison(0.0, 0.0, zeros, skipped=True)
+    if missing_anywhere > 0:
+        where = f"{missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "parameters of another rank"
+        return GradientComparison(
+            float("inf"),
+            float("inf"),
+            {},
+            error=(
+                f"the check could not compare gradients: the reference pass gave no gradient for {where} where the"
+                " live step did"
+            ),
+        )
+    if elements_anywhere == 0:
+        return GradientComparison(
+            float("inf"),
+            float("inf"),
+            {},
+            error=(
+                "the check could not compare gradients: no parameter received a gradient in the live step or the"
+                " reference pass"
+            ),
+        )
+    if unequal_anywhere == 0:
+        return GradientComparison(0.0, 0.0, zeros)
+    sums = [0.0, 0.0]
+    maxima = []
+    for position, (live_grad, ref_grad, counts) in enumerate(zip(live, reference, counted, strict=True)):
+        diff_sq, ref_sq, max_diff = _pair_difference(position, ref_grad, live_grad)
+        if counts:
+            sums[0] += diff_sq
+            sums[1] += ref_sq
+        maxima.append(max_diff)
+    total = all_reduce(torch.tensor(sums, dtype=torch.float64, device=device), "sum").tolist()
+    per_parameter = all_reduce(torch.tensor(maxima, dtype=torch.float64, device=device), "max").tolist()
+    return GradientComparison(
+        _relative(total[0], total[1]), max(per_parameter, default=0.0), dict(zip(names, per_parameter, strict=True))
+    )
+
+
+def check_live_step(
+    module: nn.Module,
+    reference: Callable[[], float],
+    entry_state: StepState,
+    *,
+    parameters: list[tuple[str, torch.Tensor]] | None = None,
+    all_reduce: AllReduce = _local_only,
+    tolerance: float = 0.0,
+    clone_gradients: bool = False,
+    gradients_before: list[torch.Tensor | None] | None = None,
+    calibrate_noise: bool = False,
+    skip_non_finite: bool = False,
+    live_loss: float = float("nan"),
+    exclude_attributes: Iterable[str] = (),
+    device: torch.device | str = "cpu",
+) -> RecomputationReport | None:
+    """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
+
+    Call it right after the live step's backward, on every rank at once. It captures the state after the step, sets
+    the live gradients aside, puts ``entry_state`` back, gives the parameters ``gradients_before`` (what they held
+    before the live backward, for accumulation the user does by hand), runs ``reference`` (which must run the forward
+    with checkpointing off and the backward, accumulating into ``.grad`` as the live step did: through the same DDP
+    or FSDP hooks), compares, and puts the live gradients and the state after the step back, whatever is raised.
+
+    Args:
+        module: The model: the state after the step is captured from it.
+        reference: Runs the reference forward and backward; returns its loss.
+        entry_state: The state captured when the live step started.
+        parameters: The tensors whose gradients are compared, by name; by default the module's parameters that
+            require grad.
+        all_reduce: Reduces a float64 tensor over ranks; the identity on one process.
+        tolerance: Largest ``grad_divergence`` that still counts as equal.
+        clone_gradients: Set copies of the live gradients aside instead of the tensors themselves (DDP with
+            ``gradient_as_bucket_view=True``, whose buckets the reference backward writes into).
+        gradients_before: The gradients the parameters held before the live backward, or ``None`` for none.
+        calibrate_noise: Run the reference twice; the noise floor is twice their divergence, and the verdict needs a
+            divergence above it.
+        skip_non_finite: Return ``None`` when the live gradients hold inf or NaN on any rank (a GradScaler skips
+            that step).
+        live_loss: The live step's loss, reported as ``checkpointed_loss``.
+        exclude_attributes: Attribute names the state after the step leaves alone (see :class:`StepState`).
+        device: Where the reduced tensors live.
+
+    Returns:
+        The :class:`~lightning_ckpt_determinism.RecomputationReport`, or ``None`` when skipped.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> from lightning_ckpt_determinism import checkpointing_disabled
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["0", "1"]))
+        >>> entry = StepState(model)
+        >>> model(torch.ones(2, 4)).sum().backward()  # the live, checkpointed step
+        >>> def reference():
+        ...     with checkpointing_disabled():
+        ...         loss = model(torch.ones(2, 4)).sum()
+        ...     loss.backward()
+        ...     return float(loss)
+        >>> check_live_step(model, reference, entry).grad_divergence
+        0.0
+    """
+    named = parameters if parameters is not None else [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    names = [name for name, _ in named]
+    params = [param for _, param in named]
+    after_step = StepState(module, exclude_attributes)
+    stash = GradientStash(params, clone=clone_gradients)
+    try:
+        live = [None if grad is None else local_tensor(grad) for grad in stash.gradients]
+        counted = [counted_here(param) for param in params]
+        reference_loss, first = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
+        noise_floor = 0.0
+        if calibrate_noise:
+            _, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
+            noise = compare_gradients(names, second, first, all_reduce=all_reduce, counted=counted, device=device)
+            noise_floor = _NOISE_MARGIN * noise.grad_divergence
+        comparison = compare_gradients(
+            names,
+            live,
+            first,
+            all_reduce=all_reduce,
+            counted=counted,
+            skip_non_finite=skip_non_finite,
+            device=device,
+        )
+    finally:
+        stash.put_back()
+        after_step.restore()
+    if comparison.skipped:
+        return None
+    worst = sorted(((n, d) for n, d in comparison.per_parameter.items() if d > 0.0), key=lambda item: -item[1])
+    return RecomputationReport(
+        grad_divergence=comparison.grad_divergence,
+        max_abs_diff=comparison.max_abs_diff,
+        diverged=comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor),
+        tolerance=tolerance,
+        per_parameter=comparison.per_parameter,
+        worst_parameters=worst[:_WORST_PARAMETERS],
+        error=comparison.error,
+        reference_loss=reference_loss,
+        checkpointed_loss=live_loss,
+        noise_floor=noise_floor,
+    )
+
+
+def _reference_gradients(
+    params: list[torch.Tensor],
+    reference: Callable[[], float],
+    entry_state: StepState,
+    gradients_before: list[torch.Tensor | None] | None,
+    keep_copies: bool,
+) -> tuple[float, list[torch.Tensor | None]]:
+    """Run the reference from the captured state and return its gradients (copies where the storage is reused)."""
+    entry_state.restore()
+    with torch.no_grad():
+        for position, param in enumerate(params):
+            before = None if gradients_before is None else gradients_before[position]
+            param.grad = None if before is None else before.clone()
+    loss = reference()
+    grads = []
+    for param in params:
+        grad = None if param.grad is None else local_tensor(param.grad)
+        grads.append(grad.detach().clone() if keep_copies and grad is not None else grad)
+        param.grad = None
+    return loss, grads
