@@ -1,6 +1,7 @@
 """Run a LightningModule's training step for a check: capture the live step's start, rerun it, without logging."""
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -100,6 +101,11 @@ class StepCapture:
         self.kwargs: dict[str, Any] = {}
         self.loss = float("nan")
         self._own = pl_module.__dict__.get("training_step")
+        # Lightning reads the signature to decide whether to pass `batch_idx`: it must see the real one, with the
+        # leading `self` it strips.
+        real = inspect.signature(pl_module.training_step)
+        bound_self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.__signature__ = real.replace(parameters=[bound_self, *real.parameters.values()])
         pl_module.training_step = self  # type: ignore[method-assign]
 
     @property

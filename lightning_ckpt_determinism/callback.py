@@ -307,7 +307,7 @@ class RecomputationMonitor(Callback):
                 f"lightning_ckpt_determinism: step {trainer.global_step} checked with regions"
                 f" {report.checked_regions} run plainly in the reference pass."
             )
-        if report.diverged and self.attribution == "on_divergence":
+        if report.diverged and report.error is None and self.attribution == "on_divergence":
             # Decided alike on every rank: the comparison's figures are reduced over ranks.
             attributed = self._two_pass(trainer, pl_module, capture, attribution=True)
             report.regions, report.buffer_mutations = attributed.regions, attributed.buffer_mutations

@@ -343,3 +343,75 @@ class OddStepsSkippedModule(BrokenModule):
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor | None:
         return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+class MaskingModule(StackModule):
+    """Masks part of its batch in place in ``training_step``, as masked-language-model code does."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x[torch.rand(x.shape) < 0.25] = 0.0
+        return super().training_step((x, y), batch_idx)
+
+
+class WarmupModule(StackModule):
+    """Scales its loss by a warmup factor from a step counter it increments in ``training_step``."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.steps_seen = 0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.steps_seen += 1
+        return super().training_step(batch, batch_idx) * min(1.0, self.steps_seen / 3)
+
+
+class CollectingModule(StackModule):
+    """Collects every step's loss in a list, as code that averages them at epoch end does."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.collected: list[torch.Tensor] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.collected.append(loss.detach())
+        return loss
+
+
+class BatchOnlyModule(StackModule):
+    """``training_step(self, batch)`` without ``batch_idx``, which Lightning allows."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().training_step(batch, 0)
+
+
+class ReentrantHeadModule(StackModule):
+    """Runs the model's head under reentrant checkpointing of its own, beside the package's checkpointed blocks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        x = model.inp(x)
+        for block in model.blocks:
+            x = block(x)
+        return torch.utils.checkpoint.checkpoint(model.head, x, use_reentrant=True)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+
+class ShardedStackModule(StackModule):
+    """A :class:`StackModule` that shards each block and then its model with FSDP2 under ``ModelParallelStrategy``."""
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)

@@ -1,9 +1,11 @@
 import csv
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -18,7 +20,17 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
-from tests.helpers import GradientPenaltyModule, StackModule, trainer_kwargs
+from tests.helpers import (
+    BatchOnlyModule,
+    CollectingModule,
+    GradientPenaltyModule,
+    MaskingModule,
+    NumpyNoiseBlock,
+    ReentrantHeadModule,
+    StackModule,
+    WarmupModule,
+    trainer_kwargs,
+)
 
 
 def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing=True, **overrides):
@@ -295,3 +307,97 @@ def test_a_gradient_penalty_trains_with_the_monitor_and_logs_zero(tmp_path, bloc
     assert all(
         torch.equal(a, b) for a, b in zip(module.state_dict().values(), plain.state_dict().values(), strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    ("block", "config"), [("DropoutBlock", {"preserve_rng_state": False}), ("NumpyNoiseBlock", {})]
+)
+def test_training_of_a_defective_model_is_unchanged_by_the_monitor(tmp_path, block, config):
+    # Its recomputation draws random numbers the reference pass does not: the check must still leave every stream
+    # where the live step left it.
+    modules = []
+    for name, monitor in (
+        ("plain", None),
+        ("monitored", RecomputationMonitor(every_n_steps=1, on_divergence="ignore")),
+    ):
+        np.random.seed(0)
+        _, module = fit(tmp_path / name, monitor=monitor, block=block, config=config)
+        modules.append(module)
+        if monitor is not None:
+            assert all(entry["diverged"] and entry["grad_divergence"] > 0 for entry in monitor.history)
+    for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key
+
+
+# Training code the check must leave undisturbed: it reruns the step from what the step started with.
+PATTERNS = {
+    "in_place_batch_masking": MaskingModule,
+    "warmup_counter": WarmupModule,
+    "collected_outputs": CollectingModule,
+    "training_step_without_batch_idx": BatchOnlyModule,
+    "reentrant_checkpoint_elsewhere": ReentrantHeadModule,
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_training_code_patterns_train_bit_identically_and_log_zero(tmp_path, pattern):
+    modules = []
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1))):
+        _, module = fit(tmp_path / name, module=PATTERNS[pattern](), monitor=monitor)
+        modules.append(module)
+        if monitor is not None:
+            assert [entry["grad_divergence"] for entry in monitor.history] == [0.0] * 4
+    plain, monitored = modules
+    for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key
+    assert vars(plain).get("steps_seen") == vars(monitored).get("steps_seen")
+    if pattern == "collected_outputs":
+        assert len(monitored.collected) == len(plain.collected) == 4
+        assert all(torch.equal(a, b) for a, b in zip(plain.collected, monitored.collected, strict=True))
+
+
+@pytest.mark.parametrize("module_class", [BatchOnlyModule, ReentrantHeadModule])
+def test_attribution_names_the_region_under_awkward_training_code(tmp_path, module_class):
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+    fit(tmp_path, module=module_class(), monitor=monitor, max_steps=1, config={"preserve_rng_state": False})
+    report = monitor.last_report
+    assert report is not None and report.diverged
+    assert [(region.name, region.cause) for region in report.regions] == [
+        (f"model.blocks.{index}", "rng_not_preserved") for index in range(3)
+    ]
+
+
+class FrozenModule(StackModule):
+    """Every parameter frozen; the loss still needs grad (through its input), so backward runs and fills nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requires_grad_(False)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x.requires_grad_(True)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def test_a_check_that_compares_no_gradient_is_an_error_finding_not_zero(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    with pytest.raises(RecomputationDivergenceError, match="the check could not compare gradients: no parameter"):
+        fit(tmp_path, module=FrozenModule(), monitor=monitor, max_steps=1)
+    assert monitor.last_report is not None
+    assert monitor.last_report.grad_divergence == math.inf
+
+
+def test_reference_regions_rotate_and_find_a_defect_in_one_block_within_a_cycle(tmp_path):
+    module = StackModule(block="PlainBlock", n=4)
+    module.model.blocks[2] = NumpyNoiseBlock()
+    monitor = RecomputationMonitor(every_n_steps=1, reference_regions=1, on_divergence="ignore", attribution="never")
+    fit(tmp_path, module=module, monitor=monitor, block="PlainBlock", max_steps=4, config={"names": ["model.blocks.2"]})
+    checked = [entry["checked_regions"] for entry in monitor.history]
+    assert checked == [["model.blocks.0"], ["model.blocks.1"], ["model.blocks.2"], ["model.blocks.3"]]
+    # While the noise block stays checkpointed in the reference, it carries the same error as the live step; the
+    # check that runs it plainly finds it.
+    assert [entry["diverged"] for entry in monitor.history] == [False, False, True, False]
+    assert monitor.history[2]["grad_divergence"] > 0.0

@@ -1,0 +1,170 @@
+"""Two-process CPU training with the monitor under DDP or FSDP2, run by ``tests/test_callback_distributed.py``.
+
+Usage: ``python tests/distributed_monitor_script.py ddp|fsdp2 OUT_DIR``. Lightning's launcher starts rank 1 by running
+this script again; both ranks run every scenario in order. Each run writes ``OUT_DIR/<run>/rank{N}.json`` (the
+monitor's history, what it warned or raised) and ``OUT_DIR/<run>/rank{N}.pt`` (this rank's trained parameters,
+buffers and optimizer state: shards under FSDP2), and logs through a CSVLogger under ``OUT_DIR/<run>``.
+"""
+
+import json
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    DDPCheckpointingStrategy,
+    LightningCkptDeterminismWarning,
+    ModelParallelCheckpointingStrategy,
+    RecomputationDivergenceError,
+    RecomputationMonitor,
+)
+from lightning_ckpt_determinism._grads import local_tensor
+from tests.helpers import DIM, ShardedStackModule, StackModule, trainer_kwargs
+
+
+class RankOneCounterBlock(torch.nn.Module):
+    """Exact on rank 0; on rank 1 reads a call counter in forward, so its recomputation differs there only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        scale = float(self.calls) if dist.get_rank() == 1 else 1.0
+        return x + torch.tanh(self.linear(x) * scale)
+
+
+def _strategy(kind: str, checkpointing: CheckpointingConfig | None) -> Any:
+    if kind == "ddp":
+        if checkpointing is None:
+            return DDPStrategy(process_group_backend="gloo")
+        return DDPCheckpointingStrategy(checkpointing=checkpointing, process_group_backend="gloo")
+    sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
+    if checkpointing is None:
+        return ModelParallelStrategy(**sizes)
+    return ModelParallelCheckpointingStrategy(checkpointing=checkpointing, **sizes)
+
+
+def _local(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with every tensor (and nested one) as this rank's local, detached copy."""
+    result: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            result[key] = local_tensor(value).detach().clone()
+        elif isinstance(value, dict):
+            result[key] = _local(value)
+        else:
+            result[key] = value
+    return result
+
+
+def _run(
+    kind: str,
+    out_dir: Path,
+    name: str,
+    block: str,
+    monitor: RecomputationMonitor | None,
+    checkpointing: dict[str, Any] | None,
+    setup: dict[str, Any],
+    replace_block: Callable[[], torch.nn.Module] | None = None,
+) -> None:
+    pl.seed_everything(0, verbose=False)
+    np.random.seed(0)
+    module_class = StackModule if kind == "ddp" else ShardedStackModule
+    module = module_class(block=block)
+    if replace_block is not None:
+        module.model.blocks[1] = replace_block()
+    config = None if checkpointing is None else CheckpointingConfig(**checkpointing)
+    run_dir = out_dir / name
+    kwargs = trainer_kwargs(
+        run_dir,
+        max_steps=4,
+        devices=2,
+        callbacks=[monitor] if monitor is not None else [],
+        logger=CSVLogger(run_dir),
+        log_every_n_steps=1,
+        **setup,
+    )
+    trainer = pl.Trainer(**{**kwargs, "strategy": _strategy(kind, config)})
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        try:
+            trainer.fit(module)
+        except RecomputationDivergenceError as err:
+            error = str(err)
+    rank = trainer.global_rank
+    result = {
+        "global_step": trainer.global_step,
+        "history": list(monitor.history) if monitor is not None else [],
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
+        "error": error,
+        "sharded": any(local_tensor(param) is not param for param in module.parameters()),
+        "regions": [
+            [region.name, region.cause]
+            for region in (monitor.last_report.regions if monitor and monitor.last_report else [])
+        ],
+    }
+    (run_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    optimizer = trainer.optimizers[0].state_dict()["state"] if trainer.optimizers else {}
+    torch.save(
+        {"module": _local(module.state_dict()), "optimizer": _local({str(k): v for k, v in optimizer.items()})},
+        run_dir / f"rank{rank}.pt",
+    )
+
+
+def _fp16() -> dict[str, Any]:
+    return {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+
+
+def main(kind: str, out_dir: Path) -> None:
+    def every_step(**kwargs: Any) -> RecomputationMonitor:
+        return RecomputationMonitor(every_n_steps=1, **kwargs)
+
+    ignore = {"on_divergence": "ignore"}
+    run = _run
+    run(kind, out_dir, "clean_dropout", "DropoutBlock", every_step(), {"classes": ["DropoutBlock"]}, {})
+    run(kind, out_dir, "clean_batchnorm", "BatchNormBlock", every_step(), {"classes": ["BatchNormBlock"]}, {})
+    run(
+        kind,
+        out_dir,
+        "clean_bf16",
+        "DropoutBlock",
+        every_step(),
+        {"classes": ["DropoutBlock"]},
+        {"precision": "bf16-mixed"},
+    )
+    dropout_without_rng = {"classes": ["DropoutBlock"], "preserve_rng_state": False}
+    run(kind, out_dir, "rng_not_preserved", "DropoutBlock", every_step(**ignore), dropout_without_rng, {})
+    run(kind, out_dir, "numpy_noise", "NumpyNoiseBlock", every_step(**ignore), {"classes": ["NumpyNoiseBlock"]}, {})
+    # Bit-identical training: checked every step, checkpointed without the monitor, and neither.
+    setups = {"accumulate_2_clipping": lambda: {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}
+    if kind == "ddp":
+        setups.update({"bf16_mixed": lambda: {"precision": "bf16-mixed"}, "fp16_grad_scaler": _fp16})
+    for setup_name, setup in setups.items():
+        checkpointing = {"classes": ["DropoutBlock"]}
+        run(kind, out_dir, f"{setup_name}_monitored", "DropoutBlock", every_step(), checkpointing, setup())
+        run(kind, out_dir, f"{setup_name}_checkpointed", "DropoutBlock", None, checkpointing, setup())
+        run(kind, out_dir, f"{setup_name}_plain", "DropoutBlock", None, None, setup())
+    if kind == "ddp":
+        checkpointing = {"classes": ["PlainBlock", "RankOneCounterBlock"]}
+        for mode in ("warn", "raise"):
+            monitor = RecomputationMonitor(every_n_steps=2, on_divergence=mode)  # type: ignore[arg-type]
+            run(kind, out_dir, f"rank_one_{mode}", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,146 @@
+"""The monitor under DDP and FSDP2 on two CPU processes (gloo): it checks the live, distributed step.
+
+Each strategy's scenarios run in one launch of ``tests/distributed_monitor_script.py`` (one process group, several
+fits), shared by the tests of that strategy.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "distributed_monitor_script.py"
+KINDS = ["ddp", "fsdp2"]
+
+
+def _launch(kind: str, out_dir: Path) -> Path:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(SCRIPT), kind, str(out_dir)], cwd=REPO, env=env, check=True, timeout=400)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    kind = request.param
+    return kind, _launch(kind, tmp_path_factory.mktemp(kind))
+
+
+def result(out_dir: Path, name: str, rank: int) -> dict[str, Any]:
+    return json.loads((out_dir / name / f"rank{rank}.json").read_text())
+
+
+def state(out_dir: Path, name: str, rank: int) -> dict[str, Any]:
+    return torch.load(out_dir / name / f"rank{rank}.pt", weights_only=False)
+
+
+def logged(out_dir: Path, name: str, key: str) -> list[float]:
+    with open(out_dir / name / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        return [float(row[key]) for row in csv.DictReader(file) if row.get(key)]
+
+
+def assert_equal_states(first: dict[str, Any], second: dict[str, Any]) -> None:
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        if isinstance(value, dict):
+            assert_equal_states(value, second[key])
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, second[key]), key
+        else:
+            assert value == second[key], key
+
+
+@pytest.mark.parametrize("name", ["clean_dropout", "clean_batchnorm", "clean_bf16"])
+def test_a_clean_model_logs_exactly_zero_on_every_rank(runs, name):
+    kind, out_dir = runs
+    rank0, rank1 = result(out_dir, name, 0), result(out_dir, name, 1)
+    assert rank0["sharded"] == rank1["sharded"] == (kind == "fsdp2")
+    assert rank0["history"] == rank1["history"]
+    assert [(entry["step"], entry["grad_divergence"], entry["diverged"]) for entry in rank0["history"]] == [
+        (step, 0.0, False) for step in range(4)
+    ]
+    assert logged(out_dir, name, "recompute/grad_divergence") == [0.0] * 4
+
+
+@pytest.mark.parametrize(("name", "cause"), [("rng_not_preserved", "rng_not_preserved"), ("numpy_noise", "host_rng")])
+def test_a_defect_logs_a_positive_divergence_and_is_attributed(runs, name, cause):
+    _, out_dir = runs
+    rank0, rank1 = result(out_dir, name, 0), result(out_dir, name, 1)
+    assert rank0["history"] == rank1["history"]
+    assert all(entry["diverged"] and entry["grad_divergence"] > 0.0 for entry in rank0["history"])
+    assert len(rank0["history"]) == 4
+    assert all(value > 0.0 for value in logged(out_dir, name, "recompute/grad_divergence"))
+    assert rank0["regions"] == [[f"model.blocks.{index}", cause] for index in range(3)]
+
+
+def test_training_is_bit_identical_with_the_monitor_and_without_checkpointing(runs):
+    kind, out_dir = runs
+    setups = ["accumulate_2_clipping"] + (["bf16_mixed", "fp16_grad_scaler"] if kind == "ddp" else [])
+    for setup in setups:
+        for rank in (0, 1):
+            history = result(out_dir, f"{setup}_monitored", rank)["history"]
+            checked = [entry for entry in history if "skipped" not in entry]
+            assert checked and all(entry["grad_divergence"] == 0.0 for entry in checked), setup
+            monitored = state(out_dir, f"{setup}_monitored", rank)
+            assert_equal_states(monitored, state(out_dir, f"{setup}_checkpointed", rank))
+            assert_equal_states(monitored, state(out_dir, f"{setup}_plain", rank))
+
+
+def test_ddp_a_defect_on_rank_one_only_is_named_with_its_region_cause_and_rank(runs):
+    kind, out_dir = runs
+    if kind != "ddp":
+        pytest.skip("the rank-dependent defect is a DDP scenario")
+    rank0, rank1 = result(out_dir, "rank_one_warn", 0), result(out_dir, "rank_one_warn", 1)
+    assert rank0["history"] == rank1["history"]
+    assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True), (2, True)]
+    (message,) = rank0["warnings"]
+    assert "Region `model.blocks.1` diverged at `aten.mul.Tensor`" in message
+    assert "cause python_state" in message
+    assert message.endswith("(rank 1).")
+    assert rank1["warnings"] == []
+    # Rank 0's own rerun is clean; rank 1's names the block.
+    assert [cause for _, cause in rank0["regions"]] == [None, None, None]
+    assert ["model.blocks.1", "python_state"] in rank1["regions"]
+    assert all(
+        value > 0.0 for value in logged(out_dir, "rank_one_warn", "recompute/regions/model.blocks.1/max_abs_diff")
+    )
+
+
+def test_ddp_raise_mode_stops_every_rank_alike_with_the_finding(runs):
+    kind, out_dir = runs
+    if kind != "ddp":
+        pytest.skip("the rank-dependent defect is a DDP scenario")
+    for rank in (0, 1):
+        outcome = result(out_dir, "rank_one_raise", rank)
+        assert outcome["global_step"] == 0
+        assert outcome["error"].startswith("lightning_ckpt_determinism: recomputation diverged at step 0")
+        assert "Region `model.blocks.1`" in outcome["error"] and "(rank 1)." in outcome["error"]
+
+
+def test_fsdp2_example_config_trains_with_the_monitor(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable,
+        "-m",
+        "examples.train",
+        "fit",
+        "--config",
+        "examples/configs/fsdp2_gpt_blocks.yaml",
+        "--trainer.max_steps=11",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+    ]
+    subprocess.run(command, cwd=REPO, env=env, check=True, timeout=300, capture_output=True)
+    (events,) = (tmp_path / "lightning_logs").glob("version_0")
+    accumulator = EventAccumulator(str(events)).Reload()
+    assert [(event.step, event.value) for event in accumulator.Scalars("recompute/grad_divergence")] == [
+        (0, 0.0),
+        (10, 0.0),
+    ]
