@@ -300,6 +300,8 @@ def _divergence_message(
         return f"{message} {' '.join(_region_sentence(region) for region in diverging[:_NAMED_REGIONS])}"
     if not (report.error or report.worst_parameters):
         return message
+    if report.hint is not None:
+        return f"{message} {report.hint}"
     if report.regions and not report.error:
         return (
             f"{message} Every checkpointed region recomputed exactly what its forward produced: the gradients differ"

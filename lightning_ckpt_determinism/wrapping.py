@@ -152,10 +152,9 @@ class _CheckpointedForward:
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values())
         options: dict[str, Any] = {}
-        if torch.compiler.is_compiling():
-            context_fn = self._compiled_context_fn()
-        else:
-            context_fn = self._context_fn(inputs)
+        # Dynamo reads `is_compiling()` as a constant: a traced call never reaches the eager choice, which reads
+        # the observer.
+        context_fn = self._compiled_context_fn() if torch.compiler.is_compiling() else self._context_fn(inputs)
         if context_fn is not None:
             # Only when there is one: torch's default is taken by leaving the argument out.
             options["context_fn"] = context_fn
