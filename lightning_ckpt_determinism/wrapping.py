@@ -10,10 +10,10 @@ gets torch's own pair of dispatch modes.
 Under ``torch.compile`` a checkpointed region is traced into the compiled graph (torch's ``tag_activation_checkpoint``
 higher-order op), and its recomputation happens inside the compiled backward, where the compiler replays torch's RNG
 (NumPy and ``random`` calls are traced onto it) and updates buffers once by itself. The traced path reads only
-state dynamo can guard on (an attribute of :data:`_SWITCH`, never a ContextVar), and passes a ``context_fn`` only
-when a region needs one: torch's selective-checkpointing pair for ``save_ops``, or, when a region has eager-only
-options, :func:`_region_contexts`, which gives the compiler that pair and gives an eager call (a region dynamo could
-not trace, which torch's checkpoint then runs eagerly) every eager context.
+state dynamo can guard on (an attribute of :data:`_SWITCH`, never a ContextVar), never passes ``noop_context_fn``
+(dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops`` or eager-only options:
+:func:`_region_contexts`, which gives the compiler torch's selective-checkpointing pair and gives an eager call (a
+region dynamo could not trace, which torch's checkpoint then runs eagerly) every eager context.
 """
 
 import contextlib
