@@ -11,16 +11,16 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
+from lightning_ckpt_determinism._compile import reference_pass
 from lightning_ckpt_determinism._state import StepState
-from lightning_ckpt_determinism.wrapping import _run_plainly, checkpointing_disabled
 
 __all__ = [
     "LIGHTNING_INTERNALS",
     "SkippedStep",
     "StepCapture",
+    "live_reference",
     "logging_suppressed",
     "loss_of",
-    "reference_pass",
     "training_step_arguments",
     "training_step_loss",
 ]
@@ -136,7 +136,7 @@ class StepCapture:
         return output
 
 
-def reference_pass(
+def live_reference(
     trainer: "pl.Trainer",
     pl_module: "pl.LightningModule",
     capture: StepCapture,
@@ -145,7 +145,9 @@ def reference_pass(
     batch_idx: int,
 ) -> Callable[[], float]:
     """The reference pass of a live-step check, as a closure: the step's forward with checkpointing off (all
-    regions, or only ``plain_modules``) and its backward, treated as Lightning treats the live loss.
+    regions, or only ``plain_modules``; compiled regions with the compiler's own recomputation off too, see
+    :func:`~lightning_ckpt_determinism._compile.reference_pass`) and its backward, treated as Lightning treats the
+    live loss.
 
     The forward goes through the strategy's own wrapper (``strategy.training_step``: DDP, FSDP), with the captured
     arguments and logging suppressed; with ``loss_fn`` (manual optimization) it calls ``loss_fn`` on the module. The
@@ -158,8 +160,7 @@ def reference_pass(
 
     def run() -> float:
         args, kwargs = capture.arguments()
-        plain = checkpointing_disabled() if plain_modules is None else _run_plainly(plain_modules)
-        with plain, logging_suppressed(pl_module):
+        with reference_pass(plain_modules), logging_suppressed(pl_module):
             if loss_fn is None:
                 loss = loss_of(strategy.training_step(*args, **kwargs))
             else:

@@ -88,6 +88,15 @@ CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
             "Recomputing the region raised an error its forward did not (see `error`): make the region's code"
             " depend only on its inputs, or leave this module out of checkpointing."
         ),
+        "compiler_recompute": (
+            "The compiled step diverges and the same step run eagerly does not: the compiler's own recomputation"
+            " differs from its forward. Known triggers: `torch._functorch.config.activation_memory_budget` below 1"
+            " (random ops redrawn, pytorch#190717), inductor's `fallback_random` with `reorder_for_peak_memory`"
+            " (dropout masks reordered), and reductions compiled differently for the recomputation. Fixes: set the"
+            " budget to 1.0, mark the random ops `CheckpointPolicy.MUST_SAVE` in a selective-checkpointing policy,"
+            " or, against the budget's redraws, `torch._inductor.config.fallback_random = True` without"
+            " `reorder_for_peak_memory`."
+        ),
     }
 )
 """The catalogue of causes: each ``RegionReport.cause`` key and the hint reports give for it.

@@ -16,12 +16,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ckpt_determinism._compile import is_compiled
 from lightning_ckpt_determinism._grads import GradientStash
 from lightning_ckpt_determinism._lightning_step import (
     LIGHTNING_INTERNALS,
     StepCapture,
+    live_reference,
     logging_suppressed,
-    reference_pass,
     training_step_loss,
 )
 from lightning_ckpt_determinism._state import StepState
@@ -34,7 +35,7 @@ from lightning_ckpt_determinism.errors import (
     RecomputationDivergenceError,
 )
 from lightning_ckpt_determinism.live_check import check_live_step
-from lightning_ckpt_determinism.wrapping import checkpointed_modules
+from lightning_ckpt_determinism.wrapping import _region_name, checkpointed_modules
 
 __all__ = ["RecomputationMonitor"]
 
@@ -275,11 +276,11 @@ class RecomputationMonitor(Callback):
         if self.attribution == "always" or (self.loss_fn is not None and pl_module.automatic_optimization):
             return self._two_pass(trainer, pl_module, capture, attribution=self.attribution == "always")
         regions = list(checkpointed_modules(pl_module).items())
-        plain = self._reference_regions(regions)
+        plain = self._reference_regions(pl_module, regions)
         holders = _gradient_holders(trainer, pl_module)
         report = check_live_step(
             pl_module,
-            reference_pass(
+            live_reference(
                 trainer,
                 pl_module,
                 capture,
@@ -302,6 +303,7 @@ class RecomputationMonitor(Callback):
         if report is None:
             return None
         report.checked_regions = [name for name, _ in (regions if plain is None else plain)]
+        report.compiled = is_compiled(pl_module)
         if self.reference_regions is not None:
             rank_zero_info(
                 f"lightning_ckpt_determinism: step {trainer.global_step} checked with regions"
@@ -311,14 +313,27 @@ class RecomputationMonitor(Callback):
             # Decided alike on every rank: the comparison's figures are reduced over ranks.
             attributed = self._two_pass(trainer, pl_module, capture, attribution=True)
             report.regions, report.buffer_mutations = attributed.regions, attributed.buffer_mutations
+            report.cause, report.hint = attributed.cause, attributed.hint
             if report.error is None and attributed.error is not None:
                 report.error = attributed.error
         return report
 
-    def _reference_regions(self, regions: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]] | None:
+    def _reference_regions(
+        self, pl_module: "pl.LightningModule", regions: list[tuple[str, nn.Module]]
+    ) -> list[tuple[str, nn.Module]] | None:
         """The regions the reference runs plainly at this check (``None``: all), rotating with ``reference_regions``."""
         count = self.reference_regions
         if count is None or count >= len(regions):
+            return None
+        if is_compiled(pl_module):
+            # Each subset would be another set of guards, one recompile each, past dynamo's limit on a deep model.
+            if "compiled_reference_regions" not in self._warned:
+                self._warned.add("compiled_reference_regions")
+                rank_zero_warn(
+                    "`RecomputationMonitor(reference_regions=...)` runs every region plainly in the reference pass of"
+                    " a compiled model: a rotating subset would compile a graph per subset.",
+                    category=LightningCkptDeterminismWarning,
+                )
             return None
         start = self._checks * count % len(regions)
         return [regions[(start + offset) % len(regions)] for offset in range(count)]
@@ -421,7 +436,7 @@ def _gradient_holders(trainer: "pl.Trainer", pl_module: "pl.LightningModule") ->
     """The tensors whose ``.grad`` the step fills, by name: the module's trainable parameters, plus FSDP1's flat
     parameters when it keeps the original ones (``use_orig_params=True`` accumulates into the flat gradient)."""
     holders: list[tuple[str, torch.Tensor]] = [
-        (name, param) for name, param in pl_module.named_parameters() if param.requires_grad
+        (_region_name(name), param) for name, param in pl_module.named_parameters() if param.requires_grad
     ]
     if isinstance(trainer.strategy, FSDPStrategy) and trainer.strategy.model is not None:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -460,10 +475,12 @@ class _RankFindings:
     worst_parameters: list[tuple[str, float]]
     regions: list[RegionReport]
     attributed: bool
+    hint: str | None
 
     @classmethod
     def of(cls, rank: int, report: RecomputationReport) -> "_RankFindings":
-        return cls(rank, report.error, report.worst_parameters, _diverging_regions(report), bool(report.regions))
+        regions = _diverging_regions(report)
+        return cls(rank, report.error, report.worst_parameters, regions, bool(report.regions), report.hint)
 
 
 def _worst_over_ranks(findings: list[_RankFindings]) -> list[RegionReport]:
@@ -506,6 +523,9 @@ def _divergence_message(
         parts.append(f"{sentence.rstrip('.')}{suffix}.")
     if sentences or errors:
         return " ".join(parts)
+    hints = list(dict.fromkeys(finding.hint for finding in findings if finding.hint))
+    if hints:
+        return " ".join([*parts, *hints])
     if any(finding.attributed for finding in findings):
         parts.append(
             "Every checkpointed region recomputed exactly what its forward produced when rerun with attribution: the"

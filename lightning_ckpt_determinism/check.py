@@ -4,7 +4,8 @@ The engine knows nothing of Lightning. It forks every random stream, runs a refe
 switched off (twice to measure the noise floor) and a checkpointed pass from the same random state, compares the
 gradients (obtained with ``torch.autograd.grad``, so no ``.grad`` is touched), optionally attributes differences to
 regions and ops (:mod:`~lightning_ckpt_determinism.attribution`), and puts back every random stream, buffer, grad
-mode and training flag it found, whatever is raised.
+mode and training flag it found, whatever is raised. On a compiled model both passes run compiled, the reference
+with the compiler's own recomputation off too (:mod:`~lightning_ckpt_determinism._compile`).
 """
 
 import contextlib
@@ -17,10 +18,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._compile import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism._grads import GradientStash, local_tensor
 from lightning_ckpt_determinism._state import StepState
-from lightning_ckpt_determinism.attribution import RegionReport, _Attribution, _elementwise_difference
-from lightning_ckpt_determinism.wrapping import checkpointed_modules, checkpointing_disabled
+from lightning_ckpt_determinism.attribution import CAUSE_HINTS, RegionReport, _Attribution, _elementwise_difference
+from lightning_ckpt_determinism.wrapping import _region_name, checkpointed_modules
 
 __all__ = ["RecomputationReport", "check_recomputation", "gradient_divergence"]
 
@@ -56,6 +58,13 @@ class RecomputationReport:
             recomputation differed from the forward, at which op, and why; empty otherwise.
         buffer_mutations: With ``attribution``, the names of the buffers recomputation changed (relative to the
             checked module), whether or not that changed a gradient.
+        compiled: Whether the module is compiled. Both passes then ran compiled, and ``regions`` come from the same
+            step rerun eagerly (eager semantics): a region's ``diverged`` counts only when the compiled gradients
+            diverged too, since compile replays RNG and updates buffers by itself.
+        cause: ``"compiler_recompute"`` when the compiled step diverged and the same step run eagerly did not (found
+            with ``attribution``): the compiler's recomputation differs, in a region no eager comparison can name;
+            ``None`` otherwise.
+        hint: :data:`~lightning_ckpt_determinism.attribution.CAUSE_HINTS` of ``cause``; ``None`` when it is.
 
     Example::
 
@@ -77,6 +86,9 @@ class RecomputationReport:
     noise_floor: float = 0.0
     regions: list[RegionReport] = field(default_factory=list)
     buffer_mutations: list[str] = field(default_factory=list)
+    compiled: bool = False
+    cause: str | None = None
+    hint: str | None = None
 
 
 def gradient_divergence(
@@ -157,6 +169,13 @@ def check_recomputation(
     :class:`~lightning_ckpt_determinism._state.StepState`). Afterwards all of it is back at S: training continues as
     if no check had run.
 
+    When ``module`` or a submodule is compiled (``torch.compile`` or ``Module.compile()``), both passes run
+    compiled; the reference pass runs with ``torch._functorch.config.activation_memory_budget`` at 1.0 at every
+    call, so that it has none of the compiler's own recomputation, and the check catches the compiler's
+    recomputation bugs (pytorch#190717). Attribution then reruns the step eagerly under
+    ``torch.compiler.set_stance("force_eager")``; a compiled divergence that the eager step does not show gets
+    ``cause`` ``"compiler_recompute"``.
+
     An exception raised by the checkpointed pass (torch's ``CheckpointError`` when a recomputed shape differs,
     for example) is reported as a divergence; one raised by the reference pass is re-raised, since it is not
     about recomputation. A check that finds nothing to compare (no gradient reached any parameter, or the
@@ -213,9 +232,10 @@ def check_recomputation(
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"`module` ({type(module).__name__}) has no parameter that requires grad to compare.")
-    names = [name for name, _ in named]
+    names = [_region_name(name) for name, _ in named]
     params = [p for _, p in named]
     regions = list(checkpointed_modules(module))
+    compiled = is_compiled(module)
     observer = _Attribution(module) if attribution else None
     take = partial(_gradients, closure, params, use_backward=gradients == "backward")
     stash = GradientStash(params) if gradients == "backward" else None
@@ -228,11 +248,24 @@ def check_recomputation(
                 _, second_reference = take(disable_checkpointing=True)
                 noise_floor = _NOISE_MARGIN * gradient_divergence(reference, second_reference)[0]
             restore_between_passes()
-            checkpointed_loss, recomputed, error = _checkpointed_pass(take, observer)
+            checkpointed_loss, recomputed, error = _checkpointed_pass(take, None if compiled else observer)
+            eager_diverged = False
+            if compiled and observer is not None:
+                # The observer sees eager dispatch only: the same step, both passes, rerun eagerly.
+                restore_between_passes()
+                with eager_semantics():
+                    _, eager_reference = take(disable_checkpointing=True)
+                    restore_between_passes()
+                    _, eager_recomputed, eager_error = _checkpointed_pass(take, observer)
+                eager_diverged = eager_error is not None or eager_recomputed is None
+                if not eager_diverged:
+                    eager_divergence = gradient_divergence(eager_reference, eager_recomputed)[0]  # type: ignore[arg-type]
+                    eager_diverged = eager_divergence > max(tolerance, noise_floor)
             explained: frozenset[str] = frozenset()
             if observer is not None and observer.host_rng_suspects():
                 restore_between_passes()
-                explained = _host_rng_explains(module, take, observer.host_rng_suspects())
+                with eager_semantics() if compiled else contextlib.nullcontext():
+                    explained = _host_rng_explains(module, take, observer.host_rng_suspects())
     finally:
         if stash is not None:
             stash.put_back()
@@ -247,6 +280,14 @@ def check_recomputation(
     region_reports, buffer_mutations = (
         observer.reports(gradients_diverged=diverged, host_rng_explained=explained) if observer else ([], [])
     )
+    cause = None
+    if compiled:
+        for region in region_reports:
+            # Eager findings: compile replays RNG and updates buffers itself, so they count where the compiled step
+            # diverged as well.
+            region.diverged = region.diverged and diverged
+        if observer is not None and diverged and not eager_diverged and not any(r.diverged for r in region_reports):
+            cause = "compiler_recompute"
     worst = sorted(((n, d) for n, d in per_parameter.items() if d > 0.0), key=lambda item: -item[1])
     return RecomputationReport(
         grad_divergence=divergence,
@@ -262,6 +303,9 @@ def check_recomputation(
         noise_floor=noise_floor,
         regions=region_reports,
         buffer_mutations=buffer_mutations,
+        compiled=compiled,
+        cause=cause,
+        hint=None if cause is None else CAUSE_HINTS[cause],
     )
 
 
@@ -328,7 +372,7 @@ def _gradients(
     disable_checkpointing: bool,
     use_backward: bool,
 ) -> tuple[float, list[torch.Tensor | None]]:
-    context = checkpointing_disabled() if disable_checkpointing else contextlib.nullcontext()
+    context = reference_pass() if disable_checkpointing else contextlib.nullcontext()
     with context, torch.enable_grad():
         loss = closure()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -423,11 +423,19 @@ def _footer(
         lines.append(f"buffers changed by recomputation: {', '.join(buffers)}")
     errors = list(dict.fromkeys(report.error.splitlines()[0] for report in reports if report.error))
     lines.extend(f"error: {error}" for error in errors)
+    if any(report.compiled for report in reports):
+        lines.append(
+            "compiled: both passes ran compiled; the regions were compared with eager semantics (the same step run"
+            " under torch.compiler.set_stance('force_eager'))"
+        )
     diverged = [summary.name for summary in summaries if summary.verdict == "diverged"]
     if diverged:
         lines.append(
             f"result: {len(diverged)} of {len(summaries)} checkpointed regions diverged: {', '.join(diverged)}"
         )
+    elif any(report.cause == "compiler_recompute" for report in reports):
+        hint = next(report.hint for report in reports if report.cause == "compiler_recompute")
+        lines.append(f"result: diverged: compiler_recompute: {hint}")
     elif _diverged(reports):
         lines.append(
             "result: diverged: every region recomputed what its forward produced, but the gradients of the two"

@@ -6,6 +6,14 @@ host-RNG replay, buffer protection, the selective-op policy and, only while a ch
 Each recompute context can be entered any number of times (a gradient penalty or ``retain_graph=True`` recomputes a
 region once per backward), and each entry replays the same state. A region that needs only the selective-op policy
 gets torch's own pair of dispatch modes.
+
+Under ``torch.compile`` a checkpointed region is traced into the compiled graph (torch's ``tag_activation_checkpoint``
+higher-order op), and its recomputation happens inside the compiled backward, where the compiler replays torch's RNG
+(NumPy and ``random`` calls are traced onto it) and updates buffers once by itself. The traced path reads only
+state dynamo can guard on (an attribute of :data:`_SWITCH`, never a ContextVar), never passes ``noop_context_fn``
+(dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops`` or eager-only options:
+:func:`_region_contexts`, which gives the compiler torch's selective-checkpointing pair and gives an eager call (a
+region dynamo could not trace, which torch's checkpoint then runs eagerly) every eager context.
 """
 
 import contextlib
@@ -13,12 +21,13 @@ import fnmatch
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
-from contextvars import ContextVar
 from functools import partial
 from typing import Any, Protocol
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path, resolve_ops
@@ -33,12 +42,6 @@ __all__ = [
     "remove_activation_checkpointing",
     "select_modules",
 ]
-
-_disabled_depth: ContextVar[int] = ContextVar("lightning_ckpt_determinism_disabled_depth", default=0)
-_active_observer: ContextVar["_RegionObserver | None"] = ContextVar(
-    "lightning_ckpt_determinism_active_observer", default=None
-)
-
 
 _ContextFactory = Callable[[], AbstractContextManager[Any]]
 
@@ -56,11 +59,30 @@ class _RegionObserver(Protocol):
     ) -> tuple[_ContextFactory, _ContextFactory]: ...
 
 
+class _Switch:
+    """What the check changes in every checkpointed region: read by each checkpointed call.
+
+    A plain object rather than ContextVars, because dynamo cannot trace a ContextVar read (it breaks the graph, and
+    then fails on the checkpoint call). The traced path reads only ``disabled``, a bool dynamo guards on: switching
+    checkpointing off compiles one more graph, once, whatever the nesting depth. ``observer`` is read only by eager
+    calls, so compiled graphs never guard on it. The state is per process, not per thread.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.disabled = False
+        self.observer: _RegionObserver | None = None
+
+
+_SWITCH = _Switch()
+
+
 @contextlib.contextmanager
 def checkpointing_disabled() -> Iterator[None]:
     """Run every checkpointed module with its plain forward (nothing is recomputed) inside this block.
 
-    The recomputation check uses it for its reference pass. It nests and is restored whatever is raised.
+    The recomputation check uses it for its reference pass. It nests and is restored whatever is raised. A
+    compiled model compiles one more graph the first time it runs inside this block, and reuses both afterwards.
 
     Example::
 
@@ -72,11 +94,13 @@ def checkpointing_disabled() -> Iterator[None]:
         >>> with checkpointing_disabled():
         ...     loss = model(torch.ones(1, 2)).sum()
     """
-    token = _disabled_depth.set(_disabled_depth.get() + 1)
+    _SWITCH.depth += 1
+    _SWITCH.disabled = True
     try:
         yield
     finally:
-        _disabled_depth.reset(token)
+        _SWITCH.depth -= 1
+        _SWITCH.disabled = _SWITCH.depth > 0
 
 
 @contextlib.contextmanager
@@ -94,11 +118,13 @@ def _run_plainly(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _observing(observer: _RegionObserver) -> Iterator[None]:
-    token = _active_observer.set(observer)
+    """Plug ``observer`` into every checkpointed region that runs eagerly inside this block."""
+    previous = _SWITCH.observer
+    _SWITCH.observer = observer
     try:
         yield
     finally:
-        _active_observer.reset(token)
+        _SWITCH.observer = previous
 
 
 class _CheckpointedForward:
@@ -130,7 +156,7 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _disabled_depth.get() > 0 or self.plain_depth or not torch.is_grad_enabled():
+        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
         keys = tuple(kwargs)
         num_positional = len(args)
@@ -141,7 +167,9 @@ class _CheckpointedForward:
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values())
         options: dict[str, Any] = {}
-        context_fn = self._context_fn(inputs)
+        # Dynamo reads `is_compiling()` as a constant: a traced call never reaches the eager choice, which reads
+        # the observer.
+        context_fn = self._compiled_context_fn() if torch.compiler.is_compiling() else self._context_fn(inputs)
         if context_fn is not None:
             # Only when there is one: torch's default is taken by leaving the argument out.
             options["context_fn"] = context_fn
@@ -154,12 +182,30 @@ class _CheckpointedForward:
             **options,
         )
 
+    def _protects_buffers(self) -> bool:
+        # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
+        return self.config.protect_buffers and next(self.module.buffers(), None) is not None
+
+    def _compiled_context_fn(
+        self,
+    ) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None:
+        """The ``context_fn`` of a call dynamo traces; it reads only what dynamo can guard on.
+
+        A partial of a function and this object, which dynamo takes as a constant (a bound method, such as the
+        ``save_ops`` policy, it cannot). What it returns is decided when called: see :func:`_region_contexts`.
+        """
+        if self.config.preserve_host_rng or self._protects_buffers() or self._save_ops:
+            return partial(_region_contexts, self)
+        return None
+
+    def _compiled_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return self._save_ops_policy(ctx, op, *args, **kwargs) if self._save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
     def _context_fn(
         self, inputs: tuple[Any, ...]
     ) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None:
-        observer = _active_observer.get()
-        # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
-        protect_buffers = self.config.protect_buffers and next(self.module.buffers(), None) is not None
+        observer = _SWITCH.observer
+        protect_buffers = self._protects_buffers()
         if self.config.preserve_host_rng or protect_buffers or observer is not None:
             return partial(self._make_contexts, observer, protect_buffers, inputs)
         if self._save_ops:
@@ -192,6 +238,40 @@ class _CheckpointedForward:
             forward.append(observe_forward)
             recompute.append(observe_recompute)
         return _Reenterable(forward), _Reenterable(recompute)
+
+
+_noted_compiled_options: set[tuple[str, ...]] = set()
+
+
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
+def _region_contexts(forward: _CheckpointedForward) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """The contexts of a region checkpointed under ``torch.compile`` that needs any, decided when torch calls for them.
+
+    The compiler calls this while it compiles the region (``torch.compiler.is_compiling()`` holds then): it gets
+    torch's selective-checkpointing pair, the only form it accepts, and the eager-only options are skipped with one
+    info line. A region dynamo could not trace is checkpointed eagerly by torch, which calls this at the forward:
+    it gets every eager context, as an uncompiled region does. Kept out of dynamo so that the choice is made by the
+    call, not frozen into a graph.
+    """
+    if not torch.compiler.is_compiling():
+        return forward._make_contexts(_SWITCH.observer, forward._protects_buffers(), ())
+    skipped = tuple(
+        option
+        for option, applies in (
+            ("preserve_host_rng", forward.config.preserve_host_rng),
+            ("protect_buffers", forward._protects_buffers()),
+        )
+        if applies
+    )
+    if skipped and skipped not in _noted_compiled_options:
+        _noted_compiled_options.add(skipped)
+        rank_zero_info(
+            f"lightning_ckpt_determinism: {', '.join(f'`{option}`' for option in skipped)} not applied to compiled"
+            f" checkpointed regions (first: `{forward.region}`): torch.compile recomputes them inside its backward"
+            " graph, replaying torch's RNG (NumPy and `random` calls are traced onto it) and updating buffers once by"
+            " itself. Regions that graph-break run eagerly and keep every option."
+        )
+    return create_selective_checkpoint_contexts(forward._compiled_policy)
 
 
 class _Reenterable:
@@ -273,8 +353,23 @@ def _is_wrapped(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
 
 
+def _region_name(name: str) -> str:
+    """A module's name as users write it: without the ``_orig_mod`` that a ``torch.compile`` wrapper adds."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _named_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``module.named_modules()`` by region name, without the compile wrappers: each shares its name with the module
+    it compiles, which is the one to select and report."""
+    for name, sub in module.named_modules():
+        if not isinstance(sub, OptimizedModule):
+            yield _region_name(name), sub
+
+
 def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
     """The checkpointed submodules of ``module`` by name (``module`` itself included, under ``""``).
+
+    Names leave out the ``_orig_mod`` of ``torch.compile`` wrappers, as configs write them.
 
     Args:
         module: The root module.
@@ -288,14 +383,16 @@ def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
         >>> list(checkpointed_modules(model))
         ['1']
     """
-    return {name: sub for name, sub in module.named_modules() if _is_wrapped(sub)}
+    return {name: sub for name, sub in _named_modules(module) if _is_wrapped(sub)}
 
 
 def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, nn.Module]:
     """The submodules of ``module`` that ``config`` selects, by name, in module order, without wrapping anything.
 
     Modules already checkpointed count as selected, so selecting is idempotent; a match nested in (or holding)
-    a checkpointed module is skipped rather than checkpointed twice.
+    a checkpointed module is skipped rather than checkpointed twice. Names leave out the ``_orig_mod`` of
+    ``torch.compile`` wrappers (``names: ["model.blocks.*"]`` selects the blocks of a compiled ``model``), and a
+    wrapper itself is never selected: the module it compiles is, so its checkpoint is traced into the compiled graph.
 
     Args:
         module: The root module; names are relative to it.
@@ -314,7 +411,7 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
     """
     bare_names = {path for path in config.classes if "." not in path}
     classes = tuple(resolve_class_path(path) for path in config.classes if "." in path)
-    wrapped_names = [name for name, sub in module.named_modules() if _is_wrapped(sub)]
+    wrapped_names = [name for name, sub in _named_modules(module) if _is_wrapped(sub)]
 
     def matches(name: str, sub: nn.Module) -> bool:
         if _is_wrapped(sub):
@@ -326,7 +423,7 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
 
     matched: list[tuple[str, nn.Module]] = []
-    for name, sub in module.named_modules():
+    for name, sub in _named_modules(module):
         if not name or any(name.startswith(outer + ".") for outer, _ in matched):
             continue
         if matches(name, sub):
@@ -419,7 +516,7 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
         {}
     """
     removed = []
-    for name, sub in module.named_modules():
+    for name, sub in _named_modules(module):
         wrapper = sub.__dict__.get("forward")
         if isinstance(wrapper, _CheckpointedForward):
             if wrapper.previous_forward is None:
@@ -431,8 +528,8 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
 
 
 def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> str:
-    class_names = sorted({type(sub).__name__ for _, sub in module.named_modules()})
-    module_names = [name for name, _ in module.named_modules() if name]
+    class_names = sorted({type(sub).__name__ for _, sub in _named_modules(module)})
+    module_names = [name for name, _ in _named_modules(module) if name]
     sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
     return (
         f"`CheckpointingConfig` matches no module of {type(module).__name__}: classes={config.classes},"
@@ -445,7 +542,7 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
 def _warn_unused_entries(
     module: nn.Module, config: CheckpointingConfig, bare_names: set[str], classes: tuple[type, ...]
 ) -> None:
-    named = list(module.named_modules())[1:]
+    named = [(name, sub) for name, sub in _named_modules(module) if name]
     seen_class_names = {base.__name__ for _, sub in named for base in type(sub).__mro__}
     unused = [name for name in sorted(bare_names) if name not in seen_class_names]
     unused += [cls.__qualname__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]

@@ -23,7 +23,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
 )
 from lightning_ckpt_determinism.attribution import _Attribution
-from lightning_ckpt_determinism.wrapping import _active_observer
+from lightning_ckpt_determinism.wrapping import _SWITCH
 from tests.helpers import (
     BatchNormBlock,
     CounterScaleBlock,
@@ -236,7 +236,7 @@ def test_a_failing_recomputation_is_named_and_its_error_kept():
         "RuntimeError: call 2 of FailingRecomputeBlock",
     )
     assert region.diverged
-    assert _active_observer.get() is None
+    assert _SWITCH.observer is None
 
 
 def test_a_module_called_twice_is_one_region_with_every_call_compared():
@@ -297,17 +297,18 @@ def test_forward_copies_are_held_only_until_their_region_is_recomputed():
         torch.autograd.grad(loss, list(model.parameters()))
     assert [call.recomputations for call in observer.calls] == [1] * 3
     assert all(op.outputs == [] and op.inputs == [] for call in observer.calls for op in call.ops)
-    assert _active_observer.get() is None
+    assert _SWITCH.observer is None
 
 
 def test_the_catalogue_has_a_hint_per_cause():
-    assert set(CAUSE_HINTS) == {*CATALOGUE, "buffer_mutation", "recompute_error"}
+    assert set(CAUSE_HINTS) == {*CATALOGUE, "buffer_mutation", "recompute_error", "compiler_recompute"}
     assert all(hint.endswith(".") for hint in CAUSE_HINTS.values())
     fixes = {
         "rng_not_preserved": "`preserve_rng_state=True`",
         "host_rng": "`preserve_host_rng=True`",
         "buffer_mutation": "`protect_buffers=True`",
         "nondeterministic_kernel": "`torch.use_deterministic_algorithms(True)`",
+        "compiler_recompute": "activation_memory_budget` below 1",
     }
     assert all(fix in CAUSE_HINTS[cause] for cause, fix in fixes.items())
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import memory
+from benchmarks import compiled, memory
 from benchmarks.common import ModelSize
 from benchmarks.run import main
 
@@ -165,3 +165,15 @@ def test_script_entry_point() -> None:
     assert done.returncode == 0, done.stderr
     assert "--size {default,tiny}" in done.stdout
     assert "--json PATH" in done.stdout
+
+
+def test_compiled_step_time_runs_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "compiled.json"
+    assert compiled.main(["--size", "tiny", "--backend", "aot_eager", "--rounds", "2", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(path.read_text())
+    assert result["backend"] == "aot_eager"
+    assert list(result["variants"]) == [variant.name for variant in compiled.VARIANTS]
+    assert all(_sane_summary(stats) for stats in [*result["variants"].values(), *result["ratios"].values()])
+    assert result["goal"]["value"] == result["ratios"]["compiled, package/compiled, hand-written"]["median"]
+    assert f"Goal: package/hand-written {result['goal']['value']:.3f} (<= 1.03)" in printed

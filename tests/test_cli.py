@@ -86,7 +86,8 @@ def test_the_console_script_is_the_cli_main():
     assert script.load() is main
 
 
-@pytest.mark.parametrize("cause", sorted(CAUSE_HINTS))
+# compiler_recompute names no region, and needs a compiler bug: tests/test_compile.py covers it.
+@pytest.mark.parametrize("cause", sorted(set(CAUSE_HINTS) - {"compiler_recompute"}))
 def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys):
     path = CONFIGS / f"broken_{cause}.yaml"
     lines = path.read_text().splitlines()

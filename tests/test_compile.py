@@ -1,0 +1,370 @@
+"""Checkpointing and the recomputation check under ``torch.compile``.
+
+Compiling costs seconds per graph, so the models are tiny and every test uses ``aot_eager`` except the two that need
+inductor (its float noise, and the memory-budget bug of its partitioner).
+"""
+
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch._dynamo
+from lightning.pytorch.loggers import CSVLogger
+from torch import fx, nn
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+from torch._dynamo.utils import counters
+from torch._prims.rng_prims import run_with_rng_state
+from torch.nn import functional as F
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+    checkpointed_modules,
+    checkpointing_disabled,
+    wrapping,
+)
+from lightning_ckpt_determinism._compile import is_compiled, reference_pass
+from lightning_ckpt_determinism.cli import main
+from lightning_ckpt_determinism.wrapping import select_modules
+from tests.helpers import (
+    BatchNormBlock,
+    DropoutBlock,
+    PlainBlock,
+    Stack,
+    StackModule,
+    batch,
+    make_stack,
+    step_gradients,
+    trainer_kwargs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DDP_SCRIPT = REPO / "tests" / "ddp_compile_script.py"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test compiles from scratch, counts its own graphs and sees its own info lines."""
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(wrapping, "_noted_compiled_options", set())
+    yield
+    torch._dynamo.reset()
+
+
+def mixed_stack(checkpointed: bool) -> Stack:
+    """Three blocks, checkpointed three ways: the default config, ``save_ops`` on the matmul, and a BatchNorm block
+    (buffer protection applies to it eagerly)."""
+    torch.manual_seed(0)
+    model = Stack([DropoutBlock(), DropoutBlock(), BatchNormBlock()])
+    if checkpointed:
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.0"]))
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.1"], save_ops=["aten.addmm"]))
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["BatchNormBlock"]))
+    return model
+
+
+def compiled_step(model: nn.Module, backend: Any, **options: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    """Gradients and the state after one compiled training step."""
+    grads = step_gradients(torch.compile(model, backend=backend, **options))
+    return grads, {name: value.clone() for name, value in model.state_dict().items()}
+
+
+class BackwardGraphs:
+    """The ``aot_eager`` backend, keeping the backward graphs it compiles and rewriting them first if asked."""
+
+    def __init__(self, rewrite: Callable[[fx.GraphModule], None] | None = None) -> None:
+        self.graphs: list[fx.GraphModule] = []
+        self._rewrite = rewrite
+        self.backend = partial(aot_eager, bw_compiler=self._backward)
+
+    def _backward(self, graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        if self._rewrite is not None:
+            self._rewrite(graph)
+        self.graphs.append(graph)
+        return boxed_nop(graph, inputs)
+
+    def count(self, op: Any) -> int:
+        return sum(node.target is op for graph in self.graphs for node in graph.graph.nodes)
+
+
+def redraw_recomputed_random_ops(graph: fx.GraphModule) -> None:
+    """The fault: a random op recomputed in backward draws fresh numbers instead of replaying the forward's state,
+    as the partitioner's recomputation does under a memory budget below 1 (pytorch#190717)."""
+    for node in graph.graph.nodes:
+        if node.target is run_with_rng_state:
+            node.target, node.args = node.args[1], node.args[2:]
+    graph.recompile()
+
+
+def test_a_compiled_model_checkpoints_in_one_graph_with_the_same_gradients(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plain_grads, plain_state = compiled_step(mixed_stack(checkpointed=False), "aot_eager")
+    counters.clear()
+    recorded = BackwardGraphs()
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            grads, state = compiled_step(mixed_stack(checkpointed=True), recorded.backend, fullgraph=True)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
+    # BatchNorm's running statistics were updated once, as without checkpointing.
+    assert all(torch.equal(state[name], plain_state[name]) for name in plain_state)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    # Recomputed in backward: the matmuls of blocks.0 and of the BatchNorm block; blocks.1 saved its own.
+    assert recorded.count(torch.ops.aten.addmm.default) == 2
+    noted = [record.getMessage() for record in caplog.records if "not applied to compiled" in record.getMessage()]
+    assert len(noted) == 1
+    assert noted[0].startswith("lightning_ckpt_determinism: `protect_buffers` not applied")
+    assert "(first: `blocks.2`)" in noted[0]
+
+
+def test_inductor_gradients_match_within_float_noise() -> None:
+    plain_grads, plain_state = compiled_step(mixed_stack(checkpointed=False), "inductor")
+    grads, state = compiled_step(mixed_stack(checkpointed=True), "inductor")
+    for name, expected in plain_grads.items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-7)
+    assert all(torch.equal(state[name], plain_state[name]) for name in plain_state)
+
+
+@pytest.mark.parametrize("compile_first", [True, False], ids=["compiled-then-wrapped", "wrapped-then-compiled"])
+def test_per_block_compile_gives_eager_checkpointing_gradients(compile_first: bool) -> None:
+    config = CheckpointingConfig(classes=["DropoutBlock"])
+    eager = make_stack(DropoutBlock)
+    apply_activation_checkpointing(eager, config)
+    model = make_stack(DropoutBlock)
+    if not compile_first:
+        apply_activation_checkpointing(model, config)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    if compile_first:
+        apply_activation_checkpointing(model, config)
+    expected, grads = step_gradients(eager), step_gradients(model)
+    assert all(torch.equal(grads[name], expected[name]) for name in expected)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["graph_break"]
+
+
+class GraphBreakingBatchNormBlock(BatchNormBlock):
+    """A BatchNorm block dynamo cannot trace whole: torch's checkpoint runs it eagerly."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("protect_buffers", [True, False])
+def test_a_region_that_graph_breaks_keeps_its_eager_contexts(protect_buffers: bool) -> None:
+    torch.manual_seed(0)
+    plain = Stack([PlainBlock(), GraphBreakingBatchNormBlock()])
+    _, plain_state = compiled_step(plain, "aot_eager")
+    torch.manual_seed(0)
+    model = Stack([PlainBlock(), GraphBreakingBatchNormBlock()])
+    apply_activation_checkpointing(
+        model, CheckpointingConfig(classes=["GraphBreakingBatchNormBlock"], protect_buffers=protect_buffers)
+    )
+    _, state = compiled_step(model, "aot_eager")
+    assert counters["graph_break"]
+    statistics = ["blocks.1.norm.running_mean", "blocks.1.norm.running_var", "blocks.1.norm.num_batches_tracked"]
+    updated_once = [torch.equal(state[name], plain_state[name]) for name in statistics]
+    # Buffer protection reached the eager recomputation; without it the statistics are updated a second time.
+    assert updated_once == [protect_buffers] * 3
+
+
+def test_switching_checkpointing_off_compiles_one_more_graph_at_any_depth() -> None:
+    model = make_stack(PlainBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["PlainBlock"]))
+    compiled = torch.compile(model, backend="aot_eager")
+    x, _ = batch()
+    compiled(x).sum().backward()
+    with checkpointing_disabled():
+        compiled(x).sum().backward()
+        with checkpointing_disabled():
+            compiled(x).sum().backward()
+    compiled(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 2
+    assert wrapping._SWITCH.disabled is False and wrapping._SWITCH.depth == 0
+
+
+def test_names_without_orig_mod_select_the_blocks_of_a_compiled_model() -> None:
+    module = StackModule(block="PlainBlock")
+    module.model = torch.compile(module.model, backend="aot_eager")  # type: ignore[assignment]
+    names = apply_activation_checkpointing(module, CheckpointingConfig(names=["model.blocks.*"]))
+    assert names == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert list(checkpointed_modules(module)) == names
+    assert checkpointed_modules(module)["model.blocks.1"] is module.model._orig_mod.blocks[1]
+    assert is_compiled(module)
+
+
+def test_a_compile_wrapper_is_never_selected_the_module_it_compiles_is() -> None:
+    model = make_stack(PlainBlock)
+    model.blocks[1] = torch.compile(model.blocks[1], backend="aot_eager")  # type: ignore[call-overload]
+    selected = select_modules(model, CheckpointingConfig(names=["blocks.*"]))
+    assert list(selected) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert selected["blocks.1"] is model.blocks[1]._orig_mod
+
+
+def test_the_reference_pass_forces_the_memory_budget_to_one() -> None:
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        with reference_pass():
+            assert torch._functorch.config.activation_memory_budget == 1.0
+            assert wrapping._SWITCH.disabled
+        assert torch._functorch.config.activation_memory_budget == 0.5
+    assert not wrapping._SWITCH.disabled
+
+
+def mse_check(model: nn.Module, **options: Any) -> Any:
+    x, y = batch()
+    return check_recomputation(model, lambda: F.mse_loss(model(x), y), **options)
+
+
+def test_check_on_a_clean_compiled_model_is_exact_and_attributes_eagerly() -> None:
+    model = mixed_stack(checkpointed=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    report = mse_check(compiled, attribution=True)
+    assert report.compiled
+    assert report.grad_divergence == 0.0
+    assert not report.diverged
+    assert report.cause is None and report.hint is None
+    assert report.checked_regions == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [(region.name, region.cause) for region in report.regions] == [
+        ("blocks.0", None),
+        ("blocks.1", None),
+        ("blocks.2", None),
+    ]
+    assert all(region.ops_compared > 0 for region in report.regions)
+
+
+def test_check_catches_a_compiler_that_redraws_a_recomputed_random_op() -> None:
+    faulty = BackwardGraphs(rewrite=redraw_recomputed_random_ops)
+    model = make_stack(DropoutBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"]))
+    compiled = torch.compile(model, backend=faulty.backend)
+    report = mse_check(compiled)
+    assert report.diverged
+    assert report.grad_divergence > 0.01
+    assert report.cause is None  # decided by the eager rerun, which only attribution runs
+    attributed = mse_check(compiled, attribution=True)
+    assert attributed.diverged
+    assert attributed.cause == "compiler_recompute"
+    assert "activation_memory_budget` below 1" in (attributed.hint or "")
+    assert [region.diverged for region in attributed.regions] == [False, False, False]
+
+
+def test_the_memory_budget_bug_of_the_partitioner_is_caught() -> None:
+    model = make_stack(DropoutBlock, n=2)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"]))
+    compiled = torch.compile(model)
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        report = mse_check(compiled, attribution=True)
+    if not report.diverged and torch.__version__ >= "2.14":
+        pytest.skip(
+            f"pytorch#190717 (dropout redrawn under an activation memory budget) is fixed in {torch.__version__}"
+        )
+    assert report.diverged
+    assert report.grad_divergence > 0.01
+    assert report.cause == "compiler_recompute"
+    torch._dynamo.reset()
+    clean = mse_check(compiled, attribution=True)
+    assert clean.grad_divergence == 0.0
+    assert not clean.diverged and clean.cause is None
+
+
+class CompiledStackModule(StackModule):
+    """Compiles its model in ``configure_model``, as the README recommends."""
+
+    def configure_model(self) -> None:
+        if not is_compiled(self.model):
+            self.model = torch.compile(self.model, backend="aot_eager")  # type: ignore[assignment]
+
+
+def test_a_lightning_module_compiling_its_model_trains_with_the_monitor_at_zero(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    module = CompiledStackModule()
+    monitor = RecomputationMonitor(every_n_steps=2)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    logger = CSVLogger(tmp_path)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor], logger=logger))
+    trainer.fit(module)
+    assert trainer.global_step == 4
+    assert monitor.last_report is not None and monitor.last_report.compiled
+    assert monitor.last_report.checked_regions == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    with open(Path(logger.log_dir) / "metrics.csv") as file:
+        logged = [
+            float(row["recompute/grad_divergence"]) for row in csv.DictReader(file) if row["recompute/grad_divergence"]
+        ]
+    assert logged == [0.0, 0.0]
+
+
+def test_compile_with_ddp_trains_with_the_monitor_at_zero(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [result["global_step"] for result in ranks] == [4, 4]
+    assert ranks[0]["history"] == ranks[1]["history"]
+    assert [(entry["step"], entry["grad_divergence"]) for entry in ranks[0]["history"]] == [(0, 0.0), (2, 0.0)]
+    assert all(result["compiled"] for result in ranks)
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+
+class FaultyCompiledStackModule(StackModule):
+    """Compiles its model through a backend that redraws recomputed random ops."""
+
+    def configure_model(self) -> None:
+        if not is_compiled(self.model):
+            faulty = BackwardGraphs(rewrite=redraw_recomputed_random_ops)
+            self.model = torch.compile(self.model, backend=faulty.backend)  # type: ignore[assignment]
+
+
+def test_the_monitor_warns_of_the_compilers_recomputation(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    monitor = RecomputationMonitor(every_n_steps=100)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=1, strategy=strategy, callbacks=[monitor]))
+    with pytest.warns(LightningCkptDeterminismWarning, match="the same step run eagerly does not") as caught:
+        trainer.fit(FaultyCompiledStackModule())
+    assert monitor.last_report is not None and monitor.last_report.cause == "compiler_recompute"
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]
+    assert message.startswith("lightning_ckpt_determinism: recomputation diverged at step 0")
+    assert "activation_memory_budget` below 1" in message
+
+
+def test_the_audit_of_a_compiled_model_says_its_regions_were_compared_eagerly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = tmp_path / "compiled.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  strategy:\n"
+        "    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n"
+        "      checkpointing:\n"
+        '        names: ["model.blocks.*"]\n'
+        "model:\n"
+        "  class_path: tests.test_compile.CompiledStackModule\n"
+    )
+    assert main(["audit", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:3] == ["model.blocks.0", "ok", "-"]
+    assert "compiled: both passes ran compiled; the regions were compared with eager semantics" in out
+    assert out.splitlines()[-1] == "result: none of the 3 checkpointed regions diverged"
