@@ -1,8 +1,10 @@
-"""What the recomputation check costs: one check against one training step, and a Lightning run with the monitor.
+"""What the recomputation check costs: a checked step against a training step, its peak memory, and Lightning runs.
 
-A check runs the step's forward and backward twice (once without checkpointing, once with it) and compares the
-gradients; a checkpointed training step runs the forward twice and the backward once, plus the optimizer. So one
-check costs about two steps, and checking every ``n`` steps slows training by about ``check / (n * step)``.
+The monitor checks the live step: the step runs as always (checkpointed), and after its backward one reference pass
+with checkpointing off (a forward and a backward without recomputation) is compared with it. So a check costs a bit
+less than a training step, and checking every ``n`` steps slows training by about ``check / n`` steps. The two-pass
+check (a reference and a checkpointed pass, without and with attribution) is what ``attribution="always"`` and a
+``loss_fn`` under automatic optimization run.
 """
 
 import inspect
@@ -20,6 +22,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
 from benchmarks.common import (
@@ -41,21 +46,30 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
     check_recomputation,
+    checkpointed_modules,
 )
+from lightning_ckpt_determinism._compile import reference_pass
+from lightning_ckpt_determinism._state import StepState
+from lightning_ckpt_determinism.live_check import check_live_step
 
 _BATCHES_PER_EPOCH = 64
 
+CHECKED = "checked step"
+CHECKED_ONE_REGION = "checked step, reference_regions=1"
 WITHOUT = "without monitor"
 MONITOR = "monitor"
 MONITOR_ALWAYS = "monitor attribution='always'"
 
 
 def run_check_cost(size: ModelSize, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
-    """Time ``check_recomputation`` against a training step of the same checkpointed model, interleaved.
+    """Time a training step with and without the monitor's live-step check, interleaved, and the two-pass checks.
 
-    The model is checkpointed with the package's default config, as under the monitor. The check is timed without
-    attribution (what the monitor runs by default on a step that does not diverge) and with it (what
-    ``attribution="always"`` runs on every check, and the default reruns on a diverging one), in the same rounds.
+    The model is checkpointed with the package's default config, as under the monitor. A checked step is what the
+    monitor does on a check step: the live, checkpointed forward and backward, then :func:`check_live_step` with one
+    reference pass (every region plain, or one with ``reference_regions=1``), then the optimizer step. The
+    two-pass :func:`check_recomputation` is timed too, without attribution (what ``loss_fn`` under automatic
+    optimization runs) and with it (what ``attribution="always"`` runs on every check, and the default reruns on
+    a diverging one).
 
     Args:
         size: The model's shape.
@@ -64,33 +78,140 @@ def run_check_cost(size: ModelSize, device: torch.device, rounds: int, warmup: i
         warmup: Untimed rounds first.
 
     Returns:
-        ``{"step", "check", "check_attribution"}`` summaries of seconds, ``"check/step"``,
-        ``"check_attribution/step"`` and ``"attribution_adds/step"`` (the extra time of attribution, in steps)
-        summaries of per-round ratios, and ``"max_grad_divergence"`` over all checks (``0.0`` when recomputation
-        is exact).
+        Summaries of seconds by variant (``"step"``, ``"checked step"``, ``"checked step, reference_regions=1"``,
+        ``"two-pass check"``, ``"two-pass check with attribution"``); per-round ratios: ``"check/step"`` (the extra
+        time of a checked step over a step, in steps), ``"check regions=1/step"``, ``"two-pass/step"``,
+        ``"two-pass attribution/step"``; and ``"max_grad_divergence"`` over all checks (``0.0`` when exact).
     """
     model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
     optimizer = make_optimizer(model)
     inputs, targets = make_batch(size, device)
     closure = partial(lm_loss, model, inputs, targets)
     divergences: list[float] = []
+    first_block = [next(iter(checkpointed_modules(model).values()))]
 
-    def check(**kwargs: Any) -> None:
+    def two_pass(**kwargs: Any) -> None:
         divergences.append(check_recomputation(model, closure, **kwargs).grad_divergence)
+
+    def checked(plain: list[torch.nn.Module] | None) -> None:
+        divergences.append(checked_step(model, optimizer, inputs, targets, plain))
 
     functions: dict[str, Callable[[], object]] = {
         "step": partial(train_step, model, optimizer, inputs, targets),
-        "check": partial(check, attribution=False),
-        "check_attribution": partial(check, attribution=True),
+        CHECKED: partial(checked, None),
+        CHECKED_ONE_REGION: partial(checked, first_block),
+        "two-pass check": partial(two_pass, attribution=False),
+        "two-pass check with attribution": partial(two_pass, attribution=True),
     }
     times = interleaved_times(functions, rounds, warmup, device)
-    extra = [with_ - without for with_, without in zip(times["check_attribution"], times["check"], strict=True)]
+    step = times["step"]
     result: dict[str, Any] = {name: summary(samples) for name, samples in times.items()}
-    result["check/step"] = summary(paired_ratios(times["check"], times["step"]))
-    result["check_attribution/step"] = summary(paired_ratios(times["check_attribution"], times["step"]))
-    result["attribution_adds/step"] = summary(paired_ratios(extra, times["step"]))
+    for key, name in (("check/step", CHECKED), ("check regions=1/step", CHECKED_ONE_REGION)):
+        extra = [with_ - without for with_, without in zip(times[name], step, strict=True)]
+        result[key] = summary(paired_ratios(extra, step))
+    result["two-pass/step"] = summary(paired_ratios(times["two-pass check"], step))
+    result["two-pass attribution/step"] = summary(paired_ratios(times["two-pass check with attribution"], step))
     result["max_grad_divergence"] = max(divergences)
     return result
+
+
+def checked_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    plain: list[torch.nn.Module] | None,
+) -> float:
+    """A training step checked as the monitor checks it; returns the check's ``grad_divergence``.
+
+    Args:
+        model: The checkpointed model.
+        optimizer: Its optimizer.
+        inputs: Input tokens.
+        targets: Next-token targets.
+        plain: The regions the reference pass runs plainly (``None``: all of them).
+    """
+    entry = StepState(model)
+    lm_loss(model, inputs, targets).backward()
+
+    def reference() -> float:
+        with reference_pass(plain):
+            loss = lm_loss(model, inputs, targets)
+            loss.backward()
+        return float(loss.detach())
+
+    report = check_live_step(model, reference, entry)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    assert report is not None
+    return report.grad_divergence
+
+
+def run_check_memory(size: ModelSize, device: torch.device) -> dict[str, Any]:
+    """The peak memory of a checked step relative to a plain training step of the same checkpointed model.
+
+    On CUDA the peak is ``torch.cuda.max_memory_allocated`` over the step, less what was allocated before it. On
+    the CPU, where torch keeps no such statistic, a dispatch mode tracks every storage an op creates during the
+    step and the peak of their total size while they live (parameters, and optimizer states made before the step,
+    are not counted in either).
+
+    Args:
+        size: The model's shape.
+        device: Where to run.
+
+    Returns:
+        ``{"peak_bytes": {variant: bytes}, "peak/step": {variant: ratio to the plain step}}`` for ``"step"``,
+        ``"checked step"`` (every region plain in the reference) and ``"checked step, reference_regions=1"``.
+    """
+    model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
+    optimizer = make_optimizer(model)
+    inputs, targets = make_batch(size, device)
+    train_step(model, optimizer, inputs, targets)  # optimizer states exist before any measured step
+    first_block = [next(iter(checkpointed_modules(model).values()))]
+    variants: dict[str, Callable[[], object]] = {
+        "step": partial(train_step, model, optimizer, inputs, targets),
+        CHECKED: partial(checked_step, model, optimizer, inputs, targets, None),
+        CHECKED_ONE_REGION: partial(checked_step, model, optimizer, inputs, targets, first_block),
+    }
+    peaks = {name: _step_peak_bytes(function, device) for name, function in variants.items()}
+    return {"peak_bytes": peaks, "peak/step": {name: peak / peaks["step"] for name, peak in peaks.items()}}
+
+
+def _step_peak_bytes(function: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        function()
+        synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - before)
+    with _PeakBytes() as tracker:
+        function()
+    return float(tracker.peak)
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The peak total size of the storages that ops create while the mode is active, while they are alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._total = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for expired in [key for key, (ref, _) in self._live.items() if ref.expired()]:
+            self._total -= self._live.pop(expired)[1]
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                ref = StorageWeakRef(leaf.untyped_storage())
+                if ref.cdata not in self._live:
+                    nbytes = leaf.untyped_storage().nbytes()
+                    self._live[ref.cdata] = (ref, nbytes)
+                    self._total += nbytes
+        self.peak = max(self.peak, self._total)
+        return out
 
 
 def monitor_defaults() -> dict[str, Any]:
@@ -139,7 +260,7 @@ def run_lightning(
         run, summaries of its per-round ratio to the run without (``"median"``, ``"wall"``) and of ``"in_run"``, its
         ``"monitor_kwargs"``, and ``"expected"``, ``1 / (1 + check / (every_n_steps * step))`` with the measured
         cost of the check that monitor runs on a step that does not diverge (``"check/step"`` by default,
-        ``"check_attribution/step"`` with ``attribution="always"``); the monitor's defaults, the steps measured and
+        ``"two-pass attribution/step"`` with ``attribution="always"``); the monitor's defaults, the steps measured and
         warmed up, ``"checks_per_run"`` and the largest ``"max_grad_divergence"`` the monitors saw.
     """
     defaults = monitor_defaults()
@@ -173,7 +294,7 @@ def run_lightning(
         if kwargs is None:
             continue
         attributed = kwargs.get("attribution", defaults["attribution"]) == "always"
-        check = check_cost["check_attribution/step" if attributed else "check/step"]["median"]
+        check = check_cost["two-pass attribution/step" if attributed else "check/step"]["median"]
         ratios[name] = {
             kind: summary(paired_ratios(rates[name][kind], rates[WITHOUT][kind])) for kind in ("median", "wall")
         }

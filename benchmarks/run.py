@@ -36,8 +36,8 @@ from benchmarks.common import ModelSize
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 GOAL_PACKAGE_OVER_HAND = 1.03
-GOAL_CHECK_OVER_STEP = 2.0
-GOAL_MONITOR_THROUGHPUT = 0.97
+GOAL_CHECK_OVER_STEP = 0.75
+GOAL_MONITOR_THROUGHPUT = 0.985
 
 _LABEL = 46  # width of the label column of the table
 
@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step_time": lambda: step_time.run(size, device, repeats.rounds, repeats.warmup),
         "memory": lambda: memory.run(size, device),
         "check_cost": lambda: monitor.run_check_cost(size, device, repeats.check_rounds, repeats.warmup),
+        "check_memory": lambda: monitor.run_check_memory(size, device),
         "lightning": lambda: monitor.run_lightning(
             size,
             device,
@@ -223,7 +224,7 @@ def _goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         (f"{name} step time", ratios[name]["median"], "<=", GOAL_PACKAGE_OVER_HAND)
         for name in ("package/hand-written", "package +host_rng/hand-written")
     ]
-    goals.append(("check/step time", result["check_cost"]["check/step"]["median"], "<=", GOAL_CHECK_OVER_STEP))
+    goals.append(("check cost in steps", result["check_cost"]["check/step"]["median"], "<=", GOAL_CHECK_OVER_STEP))
     # Judged on the monitor as users get it, with its defaults; the `always` variant is reported, not judged.
     throughput = result["lightning"]["ratios"][monitor.MONITOR]["in_run"]["median"]
     goals.append((f"throughput {monitor.MONITOR}/without", throughput, ">=", GOAL_MONITOR_THROUGHPUT))
@@ -276,10 +277,15 @@ def _notes(result: dict[str, Any]) -> list[str]:
         " of a shared machine do not move (its drift between runs still does). 'in_run': the same period with the"
         " monitored run's own plain steps in place of the run without (the monitor does nothing on them), free of"
         " drift between runs; the goal is judged on it. 'expected':"
-        f" 1 / (1 + c / {period}) with c the check/step of section 3 for the monitor with its defaults (which"
-        " attributes only a check that diverges, and none does here) and the check with attribution/step for"
-        " attribution='always'. The goal is judged on the monitor with its defaults, what users get; the"
-        " attribution='always' ratio is information.",
+        f" 1 / (1 + c / {period}) with c the check cost in steps of section 3 for the monitor with its defaults"
+        " (which attributes only a check that diverges, and none does here) and the two-pass check with"
+        " attribution/step for attribution='always'. The goal is judged on the monitor with its defaults, what"
+        " users get; the attribution='always' ratio is information.",
+        "Check cost: a checked step (the live checkpointed step, then one reference pass with checkpointing off"
+        " compared with it, as the monitor runs it) less a training step, over the training step, per round."
+        " Peak memory: on the CPU, the largest total size of the storages ops create during the step while they"
+        " live (a dispatch mode tracks them); on CUDA, max_memory_allocated over the step. reference_regions=1 runs"
+        " one block plainly in the reference and recomputes the others.",
     ]
     return notes
 
@@ -313,12 +319,13 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _information_lines(result: dict[str, Any]) -> list[str]:
-    """The figures next to the goals that have no goal of their own: what attribution costs."""
-    cost = result["check_cost"]
+    """The figures next to the goals that have no goal of their own: the other checks' costs and memory."""
+    cost, peaks = result["check_cost"], result["check_memory"]["peak/step"]
     lines = [
-        f"  check with attribution/step time: {cost['check_attribution/step']['median']:.3f} (no goal; attribution"
-        f" adds {cost['attribution_adds/step']['median']:.3f} steps)"
+        f"  check cost with reference_regions=1, in steps: {cost['check regions=1/step']['median']:.3f} (no goal)",
+        f"  two-pass check with attribution/step time: {cost['two-pass attribution/step']['median']:.3f} (no goal)",
     ]
+    lines += [f"  peak memory {name}/step: {ratio:.3f} (no goal)" for name, ratio in peaks.items() if name != "step"]
     for name, ratio in result["lightning"]["ratios"].items():
         if name != monitor.MONITOR:
             lines.append(f"  throughput {name}/without: {ratio['in_run']['median']:.3f} (no goal)")
@@ -363,16 +370,24 @@ def _memory_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _monitor_lines(result: dict[str, Any]) -> list[str]:
-    cost, run = result["check_cost"], result["lightning"]
+    cost, run, peaks = result["check_cost"], result["lightning"], result["check_memory"]
     lines = [
         f"3. Recomputation check, {result['repeats']['check_rounds']} interleaved rounds",
         _header(""),
         _stat_line("training step, ms", cost["step"], _ms),
-        _stat_line("check_recomputation, ms", cost["check"], _ms),
-        _stat_line("check / step", cost["check/step"], _number),
-        _stat_line("check with attribution, ms", cost["check_attribution"], _ms),
-        _stat_line("check with attribution / step", cost["check_attribution/step"], _number),
-        _stat_line("attribution adds, in steps", cost["attribution_adds/step"], _number),
+        _stat_line(f"{monitor.CHECKED}, ms", cost[monitor.CHECKED], _ms),
+        _stat_line("check cost, in steps", cost["check/step"], _number),
+        _stat_line(f"{monitor.CHECKED_ONE_REGION}, ms", cost[monitor.CHECKED_ONE_REGION], _ms),
+        _stat_line("check cost with reference_regions=1, in steps", cost["check regions=1/step"], _number),
+        _stat_line("two-pass check, ms", cost["two-pass check"], _ms),
+        _stat_line("two-pass check / step", cost["two-pass/step"], _number),
+        _stat_line("two-pass check with attribution, ms", cost["two-pass check with attribution"], _ms),
+        _stat_line("two-pass check with attribution / step", cost["two-pass attribution/step"], _number),
+        "  peak memory of one step, MiB (ratio to a plain step): "
+        + ", ".join(
+            f"{name} {peaks['peak_bytes'][name] / 2**20:.1f} ({peaks['peak/step'][name]:.2f})"
+            for name in peaks["peak_bytes"]
+        ),
         f"  Lightning: steps/s, {run['measured_steps']} steps after {run['warmup_steps']} warm-up,"
         f" {result['repeats']['lightning_rounds']} round-robin rounds; monitor: RecomputationMonitor(every_n_steps="
         f"{run['every_n_steps']}, on_divergence='ignore'), defaults {_cost_defaults(run['monitor_defaults'])}",
@@ -391,7 +406,7 @@ def _monitor_lines(result: dict[str, Any]) -> list[str]:
 
 def _cost_defaults(defaults: dict[str, Any]) -> str:
     """The monitor's defaults that change what a check costs."""
-    shown = ("tolerance", "attribution", "calibrate_noise")
+    shown = ("tolerance", "attribution", "calibrate_noise", "reference_regions")
     return ", ".join(f"{key}={value!r}" for key, value in defaults.items() if key in shown)
 
 

@@ -96,7 +96,7 @@ class StepCapture:
     def __init__(self, pl_module: "pl.LightningModule", batch_idx: int) -> None:
         self.pl_module = pl_module
         self.batch_idx = batch_idx
-        self.state: StepState | None = None
+        self._state: StepState | None = None
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.loss = float("nan")
@@ -110,7 +110,18 @@ class StepCapture:
 
     @property
     def captured(self) -> bool:
-        return self.state is not None
+        return self._state is not None
+
+    @property
+    def state(self) -> StepState:
+        """What the step started from.
+
+        Raises:
+            RuntimeError: If the step has not started yet.
+        """
+        if self._state is None:
+            raise RuntimeError("lightning_ckpt_determinism: the check step's `training_step` has not run yet.")
+        return self._state
 
     def remove(self) -> None:
         """Put the module's own ``training_step`` back (idempotent)."""
@@ -127,7 +138,7 @@ class StepCapture:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.remove()
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
-        self.state = StepState(self.pl_module, LIGHTNING_INTERNALS)
+        self._state = StepState(self.pl_module, LIGHTNING_INTERNALS)
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         output = self.pl_module.training_step(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output

@@ -46,31 +46,35 @@ _NAMED_REGIONS = 3
 
 
 class RecomputationMonitor(Callback):
-    r"""Every ``every_n_steps`` optimizer steps, rerun the training step without checkpointing and log the divergence.
+    r"""Every ``every_n_steps`` optimizer steps, check the live training step against a pass without checkpointing.
 
-    The check runs at the start of the step's first batch, in train mode, under the Trainer's precision context
-    and on the step's device, with every random stream forked and restored, so training continues exactly as
-    without the monitor (weights, optimizer state, buffers and logged metrics are bit-identical). It logs
-    ``{log_prefix}/grad_divergence`` (relative L2 of the gradient difference; ``0.0`` when recomputation is
-    exact) and ``{log_prefix}/max_abs_diff`` at the global step through the Trainer's loggers. Under DDP each
-    rank checks its own batch without any gradient all-reduce; the logged values are the maximum over ranks and
-    every rank takes the same decision.
+    On a check step the real step runs as always, checkpointed; its ``training_step`` is wrapped for that call only,
+    to capture what it starts from (every random stream, buffers, torchmetrics states, a copy of the batch and
+    arguments, the modules' plain Python attributes). After its backward, in ``on_after_backward``, the live
+    gradients are set aside, the captured state is put back, and one reference pass with checkpointing off runs
+    through the strategy's own wrapper (DDP's all-reduce, FSDP's reduce-scatter, FSDP2's hooks), its loss treated as
+    Lightning treats the live one (divided by ``accumulate_grad_batches``, scaled by the GradScaler). The gradients
+    are compared on what each rank holds (shards of sharded ones) with the sums all-reduced; then the live gradients
+    and the state after the step are put back, so training continues exactly as without the monitor (weights,
+    optimizer state, buffers and logged metrics are bit-identical). It logs ``{log_prefix}/grad_divergence``
+    (relative L2 of the gradient difference; ``0.0`` when recomputation is exact) and ``{log_prefix}/max_abs_diff``
+    at the global step through the Trainer's loggers; every rank holds the same values and takes the same decision.
+    A check that compares nothing (no gradient anywhere) is an error finding, never ``0.0``; a check whose live
+    gradients are not finite (a step the GradScaler skips) is recorded as skipped.
 
-    With attribution the check also compares, op by op, what each checkpointed region recomputes with what its
-    forward produced: a region that differs (or whose buffers recomputation changed) counts as a divergence even
-    when the gradients agree, up to five diverging regions (worst first) are logged as
-    ``{log_prefix}/regions/{name}/max_abs_diff`` (this rank's values), with
+    With attribution the monitor also compares, op by op, what each checkpointed region recomputes with what its
+    forward produced, in a two-pass rerun from the captured state on every rank: a region that differs (or whose
+    buffers recomputation changed) counts as a divergence even when the gradients agree, up to five diverging
+    regions (worst over ranks) are logged as ``{log_prefix}/regions/{name}/max_abs_diff``, with
     ``{log_prefix}/regions/{name}/buffer_mutations`` (how many buffers recomputation changed) for a region whose
-    buffers changed, and the warning names the region, the first differing op, the cause, the buffers or the error,
-    and what to change. With ``calibrate_noise`` the noise floor is logged as
+    buffers changed, and the warning names the region, the first differing op, the cause, the buffers, what to
+    change and the ranks that found it. With ``calibrate_noise`` the noise floor is logged as
     ``{log_prefix}/noise_floor``.
 
-    A check costs about two forward and backward passes of the step (1.7 steps measured, see the README's
-    Performance section); ``calibrate_noise`` adds a reference pass. Attribution observes every op of the regions
-    from Python (about three more steps measured) and, during the check step only, holds a copy of the regions'
-    op outputs from forward until their recomputation: about the activation memory of the step without
-    checkpointing, which the check's reference pass needs anyway. By default it runs only when the cheap check
-    diverged, on the same batch from the same state, so clean checks stay cheap.
+    A check costs one reference forward and backward without recomputation, under one training step (see the
+    README's Performance section), and holds the activations of that pass (``reference_regions`` bounds them) and one
+    extra set of gradients during the check step. Attribution observes every op of the regions from Python (several
+    steps) and, by default, runs only when the check diverged.
 
     Args:
         every_n_steps: Check every this many optimizer steps; the first training step of a fit is always checked
@@ -81,15 +85,22 @@ class RecomputationMonitor(Callback):
             (:class:`RecomputationDivergenceError` on every rank alike) or ``"ignore"`` (metric only).
         loss_fn: ``loss_fn(pl_module, batch, batch_idx) -> loss``; by default the LightningModule's own
             ``training_step`` (its loss tensor or ``["loss"]`` of its dict) with every ``self.log`` during the
-            check suppressed. Required with manual optimization.
+            check suppressed. Required with manual optimization, where it is the reference of the first
+            ``manual_backward``; under automatic optimization it makes the check the slower two-pass
+            :func:`~lightning_ckpt_determinism.check_recomputation` with that loss.
         log_prefix: Prefix of the logged metric names.
         history_size: How many recent results the callback keeps (and saves in checkpoints).
         attribution: When to attribute differences to regions, ops and causes (see above for the cost):
             ``"on_divergence"`` reruns a check that diverged with attribution (decided on all ranks alike);
-            ``"always"`` attributes every check, which also catches buffer mutations that change no gradient;
+            ``"always"`` runs the two-pass check with attribution on every check, which also catches buffer
+            mutations that change no gradient;
             ``"never"`` keeps to gradients, and the warning names parameters only.
         calibrate_noise: Run the reference pass twice per check and count only divergences above the measured
             noise floor, for non-deterministic kernels (GPU atomics) that differ from run to run by themselves.
+        reference_regions: ``None`` runs every checkpointed region plainly in the reference pass. ``k`` runs only
+            ``k`` of them plainly per check (the others stay checkpointed), rotating so that every region is
+            covered every ``ceil(n / k)`` checks: less extra memory on the check step. A region whose recomputation
+            differs shows at the checks that run it plainly. A compiled model runs every region plainly.
 
     Raises:
         CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
@@ -288,7 +299,7 @@ class RecomputationMonitor(Callback):
                 self.loss_fn,
                 capture.batch_idx,
             ),
-            capture.state,  # type: ignore[arg-type]
+            capture.state,
             parameters=holders,
             all_reduce=partial(_all_reduce, strategy),
             tolerance=self.tolerance,
@@ -360,7 +371,7 @@ class RecomputationMonitor(Callback):
         after_step = StepState(pl_module, LIGHTNING_INTERNALS)
         stash = GradientStash(holders, clone=_writes_into_bucket_views(strategy))
         try:
-            capture.state.restore()  # type: ignore[union-attr]
+            capture.state.restore()
             with strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
                 return check_recomputation(
                     pl_module,

@@ -30,7 +30,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
 )
 from lightning_ckpt_determinism._grads import local_tensor
-from tests.helpers import DIM, ShardedStackModule, StackModule, trainer_kwargs
+from tests.helpers import DIM, ManualModule, ShardedStackModule, StackModule, manual_loss, trainer_kwargs
 
 
 class RankOneCounterBlock(torch.nn.Module):
@@ -80,11 +80,11 @@ def _run(
     checkpointing: dict[str, Any] | None,
     setup: dict[str, Any],
     replace_block: Callable[[], torch.nn.Module] | None = None,
+    module_class: type[StackModule] | None = None,
 ) -> None:
     pl.seed_everything(0, verbose=False)
     np.random.seed(0)
-    module_class = StackModule if kind == "ddp" else ShardedStackModule
-    module = module_class(block=block)
+    module = (module_class or (StackModule if kind == "ddp" else ShardedStackModule))(block=block)
     if replace_block is not None:
         module.model.blocks[1] = replace_block()
     config = None if checkpointing is None else CheckpointingConfig(**checkpointing)
@@ -160,6 +160,19 @@ def main(kind: str, out_dir: Path) -> None:
         run(kind, out_dir, f"{setup_name}_checkpointed", "DropoutBlock", None, checkpointing, setup())
         run(kind, out_dir, f"{setup_name}_plain", "DropoutBlock", None, None, setup())
     if kind == "ddp":
+        # Manual optimization: the reference of the first `manual_backward` goes through DDP's all-reduce too.
+        monitor = every_step(loss_fn=manual_loss)
+        run(
+            kind,
+            out_dir,
+            "manual_monitored",
+            "DropoutBlock",
+            monitor,
+            {"classes": ["DropoutBlock"]},
+            {},
+            module_class=ManualModule,
+        )
+        run(kind, out_dir, "manual_plain", "DropoutBlock", None, None, {}, module_class=ManualModule)
         checkpointing = {"classes": ["PlainBlock", "RankOneCounterBlock"]}
         for mode in ("warn", "raise"):
             monitor = RecomputationMonitor(every_n_steps=2, on_divergence=mode)  # type: ignore[arg-type]

@@ -415,3 +415,25 @@ class ShardedStackModule(StackModule):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+
+
+class ManualModule(StackModule):
+    """Manual optimization: ``training_step`` zeroes the gradients, calls ``manual_backward`` and steps."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        return loss
+
+
+def manual_loss(module: pl.LightningModule, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    """The loss :class:`ManualModule` backpropagates, as the monitor's ``loss_fn``."""
+    x, y = batch
+    return F.mse_loss(module(x), y)

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    FSDPCheckpointingStrategy,
     LightningCkptDeterminismWarning,
     RecomputationDivergenceError,
     RecomputationMonitor,
@@ -24,11 +25,13 @@ from tests.helpers import (
     BatchOnlyModule,
     CollectingModule,
     GradientPenaltyModule,
+    ManualModule,
     MaskingModule,
     NumpyNoiseBlock,
     ReentrantHeadModule,
     StackModule,
     WarmupModule,
+    manual_loss,
     trainer_kwargs,
 )
 
@@ -208,26 +211,18 @@ def test_custom_loss_fn_replaces_training_step(tmp_path):
     assert monitor.last_report.reference_loss > 0
 
 
-class ManualModule(StackModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-        return loss
-
-
 def test_manual_optimization_needs_a_loss_fn(tmp_path):
     with pytest.raises(ValueError, match="`RecomputationMonitor` needs `loss_fn` with manual optimization"):
         fit(tmp_path, module=ManualModule(), monitor=RecomputationMonitor())
-    monitor = RecomputationMonitor(every_n_steps=2, loss_fn=lambda m, b, i: F.mse_loss(m(b[0]), b[1]))
-    fit(tmp_path, module=ManualModule(), monitor=monitor)
-    assert [entry["step"] for entry in monitor.history] == [0, 2]
+    monitor = RecomputationMonitor(every_n_steps=2, loss_fn=manual_loss)
+    _, monitored = fit(tmp_path, module=ManualModule(), monitor=monitor)
+    assert [(entry["step"], entry["grad_divergence"]) for entry in monitor.history] == [(0, 0.0), (2, 0.0)]
+    _, plain = fit(tmp_path / "plain", module=ManualModule())
+    for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key
+    broken = RecomputationMonitor(every_n_steps=2, loss_fn=manual_loss, on_divergence="ignore")
+    fit(tmp_path / "broken", module=ManualModule(), monitor=broken, config={"preserve_rng_state": False})
+    assert all(entry["grad_divergence"] > 0.0 for entry in broken.history)
 
 
 def test_state_is_saved_in_and_restored_from_lightning_checkpoints(tmp_path):
@@ -401,3 +396,21 @@ def test_reference_regions_rotate_and_find_a_defect_in_one_block_within_a_cycle(
     # check that runs it plainly finds it.
     assert [entry["diverged"] for entry in monitor.history] == [False, False, True, False]
     assert monitor.history[2]["grad_divergence"] > 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a CUDA device")
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defect(tmp_path, use_orig_params):
+    for name, config in (("clean", {}), ("defect", {"preserve_rng_state": False})):
+        monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+        strategy = FSDPCheckpointingStrategy(
+            checkpointing=CheckpointingConfig(classes=["DropoutBlock"], **config), use_orig_params=use_orig_params
+        )
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(
+            **trainer_kwargs(tmp_path / name, accelerator="cuda", devices=1, callbacks=[monitor], strategy=strategy)
+        )
+        trainer.fit(StackModule())
+        divergences = [entry["grad_divergence"] for entry in monitor.history]
+        assert len(divergences) == 4
+        assert all(value == 0.0 for value in divergences) if name == "clean" else all(v > 0.0 for v in divergences)

@@ -93,6 +93,16 @@ def test_training_is_bit_identical_with_the_monitor_and_without_checkpointing(ru
             assert_equal_states(monitored, state(out_dir, f"{setup}_plain", rank))
 
 
+def test_ddp_manual_optimization_is_checked_through_the_all_reduce_and_trains_bit_identically(runs):
+    kind, out_dir = runs
+    if kind != "ddp":
+        pytest.skip("manual optimization is a DDP scenario")
+    for rank in (0, 1):
+        history = result(out_dir, "manual_monitored", rank)["history"]
+        assert [(entry["step"], entry["grad_divergence"]) for entry in history] == [(step, 0.0) for step in range(4)]
+        assert_equal_states(state(out_dir, "manual_monitored", rank), state(out_dir, "manual_plain", rank))
+
+
 def test_ddp_a_defect_on_rank_one_only_is_named_with_its_region_cause_and_rank(runs):
     kind, out_dir = runs
     if kind != "ddp":

@@ -214,3 +214,55 @@ def test_cuda_dropout_is_replayed_and_the_cuda_stream_continues_as_if_no_check_r
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     unpreserved = checked_stack(DropoutBlock, preserve_rng_state=False).cuda()
     assert check_recomputation(unpreserved, lambda: F.mse_loss(unpreserved(x), y)).diverged
+
+
+def test_a_check_with_no_gradient_to_compare_is_an_error_finding_not_zero():
+    layer = nn.Linear(2, 2)
+    inputs = torch.ones(2, requires_grad=True)
+    # The loss needs grad through its input only: no parameter of the module gets a gradient in either pass.
+    for gradients in ("autograd", "backward"):
+        report = check_recomputation(layer, lambda: (inputs * 2).sum(), gradients=gradients)  # type: ignore[arg-type]
+        assert report.error is not None
+        assert report.error.startswith("the check could not compare gradients: no parameter received a gradient")
+        assert (report.diverged, report.grad_divergence) == (True, math.inf)
+
+
+@pytest.mark.parametrize("block", [DropoutBlock, BatchNormBlock])
+def test_backward_gradients_equal_autograd_ones_and_leave_grad_as_it_was(block):
+    model = checked_stack(block)
+    held = {name: torch.full_like(param, 7.0) for name, param in model.named_parameters()}
+    for name, param in model.named_parameters():
+        param.grad = held[name]
+    by_autograd = check_recomputation(model, mse_closure(model), attribution=True)
+    by_backward = check_recomputation(model, mse_closure(model), attribution=True, gradients="backward")
+    assert by_backward == by_autograd
+    assert by_backward.grad_divergence == 0.0
+    assert all(param.grad is held[name] for name, param in model.named_parameters())
+    assert all(torch.equal(param.grad, torch.full_like(param, 7.0)) for param in model.parameters())
+    broken = checked_stack(block, preserve_rng_state=False, protect_buffers=False)
+    report = check_recomputation(broken, mse_closure(broken), gradients="backward")
+    assert report.diverged == (block is DropoutBlock)
+
+
+def test_gradients_argument_is_validated():
+    model = checked_stack(PlainBlock)
+    with pytest.raises(ValueError, match="`gradients` can be autograd, backward, got 'grad'"):
+        check_recomputation(model, mse_closure(model), gradients="grad")  # type: ignore[arg-type]
+
+
+def test_python_state_is_the_same_in_both_passes_and_restored_after():
+    model = checked_stack(PlainBlock)
+    model.steps = 3
+    model.seen = [1]
+    seen = model.seen
+
+    def closure() -> torch.Tensor:
+        model.steps += 1
+        model.seen.append(model.steps)
+        model.created = True
+        return mse_closure(model)()
+
+    report = check_recomputation(model, closure)
+    assert report.grad_divergence == 0.0
+    assert (model.steps, model.seen, "created" in vars(model)) == (3, [1], False)
+    assert model.seen is seen

@@ -13,7 +13,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_ckpt_determinism import (
@@ -22,6 +21,7 @@ from lightning_ckpt_determinism import (
     DDPCheckpointingStrategy,
     FSDPCheckpointingStrategy,
     LightningCkptDeterminismWarning,
+    ModelParallelCheckpointingStrategy,
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
     checkpointed_modules,
@@ -270,10 +270,6 @@ def test_ddp_strategy_trains_checkpointed_on_two_processes_and_equals_unchecked_
     # Different batches on each rank, yet the averaged gradients leave both with the same weights.
     assert ranks[0]["checkpointed"]["loss"] != ranks[1]["checkpointed"]["loss"]
     assert ranks[0]["checkpointed"]["final"] == ranks[1]["checkpointed"]["final"]
-
-
-class ModelParallelCheckpointingStrategy(ActivationCheckpointingMixin, ModelParallelStrategy):
-    """A strategy whose setup never calls `_setup_model`: `configure_model` does the wrapping."""
 
 
 class ConfiguredStackModule(StackModule):
