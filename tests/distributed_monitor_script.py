@@ -47,11 +47,11 @@ class RankOneCounterBlock(torch.nn.Module):
         return x + torch.tanh(self.linear(x) * scale)
 
 
-def _strategy(kind: str, checkpointing: CheckpointingConfig | None) -> Any:
+def _strategy(kind: str, checkpointing: CheckpointingConfig | None, **ddp_options: Any) -> Any:
     if kind == "ddp":
         if checkpointing is None:
-            return DDPStrategy(process_group_backend="gloo")
-        return DDPCheckpointingStrategy(checkpointing=checkpointing, process_group_backend="gloo")
+            return DDPStrategy(process_group_backend="gloo", **ddp_options)
+        return DDPCheckpointingStrategy(checkpointing=checkpointing, process_group_backend="gloo", **ddp_options)
     sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
     if checkpointing is None:
         return ModelParallelStrategy(**sizes)
@@ -81,6 +81,7 @@ def _run(
     setup: dict[str, Any],
     replace_block: Callable[[], torch.nn.Module] | None = None,
     module_class: type[StackModule] | None = None,
+    ddp_options: dict[str, Any] | None = None,
 ) -> None:
     pl.seed_everything(0, verbose=False)
     np.random.seed(0)
@@ -98,7 +99,7 @@ def _run(
         log_every_n_steps=1,
         **setup,
     )
-    trainer = pl.Trainer(**{**kwargs, "strategy": _strategy(kind, config)})
+    trainer = pl.Trainer(**{**kwargs, "strategy": _strategy(kind, config, **(ddp_options or {}))})
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LightningCkptDeterminismWarning)
@@ -160,6 +161,21 @@ def main(kind: str, out_dir: Path) -> None:
         run(kind, out_dir, f"{setup_name}_checkpointed", "DropoutBlock", None, checkpointing, setup())
         run(kind, out_dir, f"{setup_name}_plain", "DropoutBlock", None, None, setup())
     if kind == "ddp":
+        # DDP writes every gradient into its buckets: the live gradients are set aside as copies.
+        bucket_views = {"gradient_as_bucket_view": True}
+        checkpointing = {"classes": ["DropoutBlock"]}
+        setup = {"accumulate_grad_batches": 2}
+        run(
+            kind,
+            out_dir,
+            "bucket_view_monitored",
+            "DropoutBlock",
+            every_step(),
+            checkpointing,
+            setup,
+            ddp_options=bucket_views,
+        )
+        run(kind, out_dir, "bucket_view_plain", "DropoutBlock", None, None, setup, ddp_options=bucket_views)
         # Manual optimization: the reference of the first `manual_backward` goes through DDP's all-reduce too.
         monitor = every_step(loss_fn=manual_loss)
         run(

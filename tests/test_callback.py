@@ -414,3 +414,21 @@ def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defec
         divergences = [entry["grad_divergence"] for entry in monitor.history]
         assert len(divergences) == 4
         assert all(value == 0.0 for value in divergences) if name == "clean" else all(v > 0.0 for v in divergences)
+
+
+class LBFGSModule(StackModule):
+    """Trained with LBFGS, whose step calls the training closure several times."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_an_optimizer_that_calls_its_closure_again_is_checked_once_per_step(tmp_path):
+    modules = []
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1))):
+        _, module = fit(tmp_path / name, module=LBFGSModule(), monitor=monitor, max_steps=2)
+        modules.append(module)
+        if monitor is not None:
+            assert [(entry["step"], entry["grad_divergence"]) for entry in monitor.history] == [(0, 0.0), (1, 0.0)]
+    for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key

@@ -27,10 +27,26 @@ def _launch(kind: str, out_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    kind = request.param
-    return kind, _launch(kind, tmp_path_factory.mktemp(kind))
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each strategy's launch, run once for the module by whichever test needs it first."""
+
+    class Launches(dict):
+        def __missing__(self, kind: str) -> Path:
+            self[kind] = _launch(kind, tmp_path_factory.mktemp(kind))
+            return self[kind]
+
+    return Launches()
+
+
+@pytest.fixture(params=KINDS)
+def runs(request: pytest.FixtureRequest, launched: dict[str, Path]) -> tuple[str, Path]:
+    return request.param, launched[request.param]
+
+
+@pytest.fixture
+def ddp(launched: dict[str, Path]) -> Path:
+    return launched["ddp"]
 
 
 def result(out_dir: Path, name: str, rank: int) -> dict[str, Any]:
@@ -93,20 +109,24 @@ def test_training_is_bit_identical_with_the_monitor_and_without_checkpointing(ru
             assert_equal_states(monitored, state(out_dir, f"{setup}_plain", rank))
 
 
-def test_ddp_manual_optimization_is_checked_through_the_all_reduce_and_trains_bit_identically(runs):
-    kind, out_dir = runs
-    if kind != "ddp":
-        pytest.skip("manual optimization is a DDP scenario")
+def test_ddp_gradient_bucket_views_are_checked_and_train_bit_identically(ddp):
+    out_dir = ddp
+    for rank in (0, 1):
+        history = result(out_dir, "bucket_view_monitored", rank)["history"]
+        assert [(entry["step"], entry["grad_divergence"]) for entry in history] == [(step, 0.0) for step in range(4)]
+        assert_equal_states(state(out_dir, "bucket_view_monitored", rank), state(out_dir, "bucket_view_plain", rank))
+
+
+def test_ddp_manual_optimization_is_checked_through_the_all_reduce_and_trains_bit_identically(ddp):
+    out_dir = ddp
     for rank in (0, 1):
         history = result(out_dir, "manual_monitored", rank)["history"]
         assert [(entry["step"], entry["grad_divergence"]) for entry in history] == [(step, 0.0) for step in range(4)]
         assert_equal_states(state(out_dir, "manual_monitored", rank), state(out_dir, "manual_plain", rank))
 
 
-def test_ddp_a_defect_on_rank_one_only_is_named_with_its_region_cause_and_rank(runs):
-    kind, out_dir = runs
-    if kind != "ddp":
-        pytest.skip("the rank-dependent defect is a DDP scenario")
+def test_ddp_a_defect_on_rank_one_only_is_named_with_its_region_cause_and_rank(ddp):
+    out_dir = ddp
     rank0, rank1 = result(out_dir, "rank_one_warn", 0), result(out_dir, "rank_one_warn", 1)
     assert rank0["history"] == rank1["history"]
     assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True), (2, True)]
@@ -123,10 +143,8 @@ def test_ddp_a_defect_on_rank_one_only_is_named_with_its_region_cause_and_rank(r
     )
 
 
-def test_ddp_raise_mode_stops_every_rank_alike_with_the_finding(runs):
-    kind, out_dir = runs
-    if kind != "ddp":
-        pytest.skip("the rank-dependent defect is a DDP scenario")
+def test_ddp_raise_mode_stops_every_rank_alike_with_the_finding(ddp):
+    out_dir = ddp
     for rank in (0, 1):
         outcome = result(out_dir, "rank_one_raise", rank)
         assert outcome["global_step"] == 0
