@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    CheckpointingConfigError,
     FSDPCheckpointingStrategy,
     LightningCkptDeterminismWarning,
     RecomputationDivergenceError,
@@ -65,6 +66,8 @@ def test_arguments_are_validated():
         RecomputationMonitor(history_size=0)
     with pytest.raises(ValueError, match="`loss_fn` must be callable, got int"):
         RecomputationMonitor(loss_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointingConfigError, match="`reference_regions` must be None or an integer >= 1, got 0"):
+        RecomputationMonitor(reference_regions=0)
 
 
 def test_checks_first_step_then_every_n_optimizer_steps(tmp_path):

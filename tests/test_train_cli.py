@@ -67,6 +67,13 @@ MISTAKES = {
         "",
         "`trainer.callbacks.log_prefix`: Not of type NotEmptyStr:  does not match regular expression",
     ),
+    "reference_regions": (
+        "monitor",
+        "reference_regions",
+        0,
+        # An optional value: jsonargparse puts the value last.
+        "`trainer.callbacks.reference_regions`: Not of type PositiveInt: does not conform to restriction v>0, got 0",
+    ),
     "checkpointing_null": (
         "strategy",
         "checkpointing",
