@@ -24,9 +24,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import fx, nn
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._dynamo.utils import counters
-from torch._prims.rng_prims import run_with_rng_state
 from torch.nn import functional as F
 
+from examples.compiled import redraw_recomputed_random_ops
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     LightningCkptDeterminismWarning,
@@ -103,15 +103,6 @@ class BackwardGraphs:
 
     def count(self, op: Any) -> int:
         return sum(node.target is op for graph in self.graphs for node in graph.graph.nodes)
-
-
-def redraw_recomputed_random_ops(graph: fx.GraphModule) -> None:
-    """The fault: a random op recomputed in backward draws fresh numbers instead of replaying the forward's state,
-    as the partitioner's recomputation does under a memory budget below 1 (pytorch#190717)."""
-    for node in graph.graph.nodes:
-        if node.target is run_with_rng_state:
-            node.target, node.args = node.args[1], node.args[2:]
-    graph.recompile()
 
 
 def test_a_compiled_model_checkpoints_in_one_graph_with_the_same_gradients(
@@ -400,4 +391,6 @@ def test_the_audit_of_a_compiled_model_says_its_regions_were_compared_eagerly(
     out = capsys.readouterr().out
     assert out.splitlines()[1].split()[:3] == ["model.blocks.0", "ok", "-"]
     assert "compiled: both passes ran compiled; the regions were compared with eager semantics" in out
+    assert "note: 2 compiled backward graphs scanned for random ops" in out
+    assert "is not scanned" not in out
     assert out.splitlines()[-1] == "result: none of the 3 checkpointed regions diverged"
