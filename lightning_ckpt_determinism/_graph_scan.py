@@ -310,7 +310,8 @@ def _compile_scanned(
         options = {**compiler_fn.kwargs, **kwargs}
         options["bw_compiler"] = scanned(options.get("bw_compiler") or options["fw_compiler"])
         return AotAutograd(**options)(graph, inputs)
-    raise AssertionError(f"no scanning compile for backend {backend!r}")  # _scannable() said yes
+    # Unreachable: `_scannable` admitted only the backends above.
+    raise AssertionError(f"lightning_ckpt_determinism: no scanning compile for backend {backend!r}")
 
 
 def _aot_parts(backend: Any) -> tuple[Any, dict[str, Any]]:
