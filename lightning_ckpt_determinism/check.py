@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_ckpt_determinism._compile import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism._grads import GradientStash, local_tensor
+from lightning_ckpt_determinism._graph_scan import scanned
 from lightning_ckpt_determinism._state import StepState
 from lightning_ckpt_determinism.attribution import CAUSE_HINTS, RegionReport, _Attribution, _elementwise_difference
 from lightning_ckpt_determinism.wrapping import _region_name, checkpointed_modules
@@ -62,8 +63,9 @@ class RecomputationReport:
             step rerun eagerly (eager semantics): a region's ``diverged`` counts only when the compiled gradients
             diverged too, since compile replays RNG and updates buffers by itself.
         cause: ``"compiler_recompute"`` when the compiled step diverged and the same step run eagerly did not (found
-            with ``attribution``): the compiler's recomputation differs, in a region no eager comparison can name;
-            ``None`` otherwise.
+            with ``attribution``): the compiler's recomputation differs, where no eager comparison can see it. The
+            regions whose compiled backward graphs redraw a random op instead of replaying the forward's draw get
+            this cause in ``regions`` too; ``None`` otherwise.
         hint: :data:`~lightning_ckpt_determinism.attribution.CAUSE_HINTS` of ``cause``; ``None`` when it is.
 
     Example::
@@ -174,7 +176,10 @@ def check_recomputation(
     call, so that it has none of the compiler's own recomputation, and the check catches the compiler's
     recomputation bugs (pytorch#190717). Attribution then reruns the step eagerly under
     ``torch.compiler.set_stance("force_eager")``; a compiled divergence that the eager step does not show gets
-    ``cause`` ``"compiler_recompute"``.
+    ``cause`` ``"compiler_recompute"``, and one more checkpointed pass, compiled again through a scan of its backward
+    graphs (a recompile, once per compiled part), names the regions whose recomputation draws a random op afresh
+    instead of replaying its forward's draw: those regions get the cause, with a hint naming the op. Inductor and
+    the ``aot_autograd`` backends (``aot_eager`` ...) are scanned; with another backend no region is named.
 
     An exception raised by the checkpointed pass (torch's ``CheckpointError`` when a recomputed shape differs,
     for example) is reported as a divergence; one raised by the reference pass is re-raised, since it is not
@@ -266,28 +271,35 @@ def check_recomputation(
                 restore_between_passes()
                 with eager_semantics() if compiled else contextlib.nullcontext():
                     explained = _host_rng_explains(module, take, observer.host_rng_suspects())
+            finding = error if error is not None else _uncomparable(names, reference, recomputed)
+            if finding is not None or recomputed is None:
+                divergence, max_diffs = math.inf, [math.inf]
+                per_parameter: dict[str, float] = {}
+            else:
+                divergence, max_diffs = gradient_divergence(reference, recomputed)
+                per_parameter = dict(zip(names, max_diffs, strict=True))
+            diverged = finding is not None or divergence > max(tolerance, noise_floor)
+            region_reports, buffer_mutations = (
+                observer.reports(gradients_diverged=diverged, host_rng_explained=explained) if observer else ([], [])
+            )
+            cause = None
+            if compiled:
+                for region in region_reports:
+                    # Eager findings: compile replays RNG and updates buffers itself, so they count where the
+                    # compiled step diverged as well.
+                    region.diverged = region.diverged and diverged
+                if (
+                    observer is not None
+                    and diverged
+                    and not eager_diverged
+                    and not any(r.diverged for r in region_reports)
+                ):
+                    cause = "compiler_recompute"
+                    restore_between_passes()
+                    _name_redrawing_regions(module, take, region_reports)
     finally:
         if stash is not None:
             stash.put_back()
-    finding = error if error is not None else _uncomparable(names, reference, recomputed)
-    if finding is not None or recomputed is None:
-        divergence, max_diffs = math.inf, [math.inf]
-        per_parameter: dict[str, float] = {}
-    else:
-        divergence, max_diffs = gradient_divergence(reference, recomputed)
-        per_parameter = dict(zip(names, max_diffs, strict=True))
-    diverged = finding is not None or divergence > max(tolerance, noise_floor)
-    region_reports, buffer_mutations = (
-        observer.reports(gradients_diverged=diverged, host_rng_explained=explained) if observer else ([], [])
-    )
-    cause = None
-    if compiled:
-        for region in region_reports:
-            # Eager findings: compile replays RNG and updates buffers itself, so they count where the compiled step
-            # diverged as well.
-            region.diverged = region.diverged and diverged
-        if observer is not None and diverged and not eager_diverged and not any(r.diverged for r in region_reports):
-            cause = "compiler_recompute"
     worst = sorted(((n, d) for n, d in per_parameter.items() if d > 0.0), key=lambda item: -item[1])
     return RecomputationReport(
         grad_divergence=divergence,
@@ -325,6 +337,21 @@ def _checkpointed_pass(
     if error is not None:
         return math.nan, None, error
     return loss, grads, None
+
+
+def _name_redrawing_regions(
+    module: nn.Module, take: Callable[..., tuple[float, list[torch.Tensor | None]]], regions: list[RegionReport]
+) -> None:
+    """Mark the regions whose compiled backward graphs redraw a random op: the checkpointed pass once more, compiled
+    through the graph scan (a recompile, once per compiled part; none where the audit installed the scan)."""
+    with scanned(module) as scan:
+        _checkpointed_pass(take, None)
+    redraws = scan.regions(checkpointed_modules(module))
+    for region in regions:
+        if region.name in redraws:
+            found = "; ".join(redraw.describe() for redraw in redraws[region.name])
+            region.diverged, region.cause = True, "compiler_recompute"
+            region.hint = f"{CAUSE_HINTS['compiler_recompute']} In its compiled backward graph, {found}."
 
 
 def _host_rng_explains(

@@ -33,6 +33,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 from tqdm import tqdm
 
+from lightning_ckpt_determinism._compile import is_compiled
+from lightning_ckpt_determinism._graph_scan import GraphScan, scanned
 from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation
 from lightning_ckpt_determinism.config import resolve_class_path
@@ -177,7 +179,13 @@ def _audit(args: argparse.Namespace) -> int:
     model.train()
     reports: list[RecomputationReport] = []
     seen = 0
-    with tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False) as progress:
+    # A compiled model compiles through the graph scan from its first pass: the check's scan of a compiler_recompute
+    # divergence then reads the graphs the check compiled, and compiles nothing more.
+    scan_graphs = scanned(model) if is_compiled(model) else contextlib.nullcontext()
+    with (
+        scan_graphs as scan,
+        tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False) as progress,
+    ):
         for batch_idx, batch in enumerate(loader):
             seen += 1
             report = _check_batch(model, strategy, model.transfer_batch_to_device(batch, device, 0), batch_idx, args)
@@ -190,6 +198,8 @@ def _audit(args: argparse.Namespace) -> int:
         raise _UsageError(f"the training data of {args.config} gave no batch whose `training_step` returned a loss")
     if len(reports) < args.batches:
         notes.append(_shortfall_note(len(reports), seen, args.batches))
+    if scan is not None:
+        notes.extend(_scan_notes(scan))
     summaries = _summarize(reports)
     print(_table(summaries))
     print(_footer(reports, summaries, notes, args))
@@ -397,6 +407,20 @@ def _table(summaries: list[_RegionSummary]) -> str:
     )
 
 
+def _scan_notes(scan: GraphScan) -> list[str]:
+    """Say what the scan of the compiled backward graphs covered."""
+    notes = [
+        f"note: {scan.scanned_graphs} compiled backward graph{'s' if scan.scanned_graphs != 1 else ''} scanned for"
+        " random ops that recomputation draws afresh instead of replaying"
+    ]
+    notes.extend(
+        f"note: {part} is not scanned (inductor and aot_autograd backends are): a compiler_recompute divergence there"
+        " names no region"
+        for part in scan.unscanned
+    )
+    return notes
+
+
 def _shortfall_note(checked: int, seen: int, asked: int) -> str:
     """Say that the training data ran out before ``--batches`` were checked."""
     skipped = seen - checked
@@ -424,9 +448,11 @@ def _footer(
     errors = list(dict.fromkeys(report.error.splitlines()[0] for report in reports if report.error))
     lines.extend(f"error: {error}" for error in errors)
     if any(report.compiled for report in reports):
+        scanned_regions = any(summary.cause == "compiler_recompute" for summary in summaries)
         lines.append(
             "compiled: both passes ran compiled; the regions were compared with eager semantics (the same step run"
             " under torch.compiler.set_stance('force_eager'))"
+            + ("; compiler_recompute regions were found in the compiled backward graphs" if scanned_regions else "")
         )
     diverged = [summary.name for summary in summaries if summary.verdict == "diverged"]
     if diverged:

@@ -28,6 +28,7 @@ BROKEN_REGION = {
     "python_state": "blocks.3",
     "nondeterministic_kernel": "blocks.0",
     "recompute_error": "blocks.2",
+    "compiler_recompute": "blocks.1",
 }
 HEADER = ["region", "verdict", "cause", "max diff", "first divergent op", "hint"]
 
@@ -86,8 +87,7 @@ def test_the_console_script_is_the_cli_main():
     assert script.load() is main
 
 
-# compiler_recompute names no region, and needs a compiler bug: tests/test_compile.py covers it.
-@pytest.mark.parametrize("cause", sorted(set(CAUSE_HINTS) - {"compiler_recompute"}))
+@pytest.mark.parametrize("cause", sorted(CAUSE_HINTS))
 def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys):
     path = CONFIGS / f"broken_{cause}.yaml"
     lines = path.read_text().splitlines()
@@ -104,6 +104,29 @@ def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys
     assert row["hint"].startswith(CAUSE_HINTS[cause] if cause != "recompute_error" else "An input the region received")
     assert all(other["cause"] == "-" for name, other in rows.items() if name not in diverged)
     assert out.splitlines()[-1] == f"result: 1 of 4 checkpointed regions diverged: {BROKEN_REGION[cause]}"
+
+
+def test_the_audit_of_a_compiled_config_scans_its_backward_graphs_and_writes_the_region_to_json(capsys, tmp_path):
+    report = tmp_path / "compiled.json"
+    code, out, err = audit(capsys, "--config", str(CONFIGS / "broken_compiler_recompute.yaml"), "--json", str(report))
+    assert code == 1, err
+    rows = table(out)
+    assert rows["blocks.1"]["hint"] == (
+        f"{CAUSE_HINTS['compiler_recompute']} In its compiled backward graph, `aten.native_dropout.default` draws in"
+        " the backward."
+    )
+    # The reference and the checkpointed step compiled through the scan; its rerun compiled nothing more.
+    assert "note: 2 compiled backward graphs scanned for random ops that recomputation draws afresh" in out
+    assert "; compiler_recompute regions were found in the compiled backward graphs" in out
+    written = json.loads(report.read_text())
+    assert [(region["name"], region["verdict"], region["cause"]) for region in written["regions"]] == [
+        ("blocks.0", "ok", None),
+        ("blocks.1", "diverged", "compiler_recompute"),
+        ("blocks.2", "ok", None),
+        ("blocks.3", "ok", None),
+    ]
+    assert written["checks"][0]["cause"] == "compiler_recompute"
+    assert written["checks"][0]["regions"][1]["cause"] == "compiler_recompute"
 
 
 def test_a_clean_config_exits_0_and_its_json_replaces_the_old_report(capsys, tmp_path):

@@ -8,6 +8,7 @@ import csv
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -23,9 +24,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import fx, nn
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._dynamo.utils import counters
-from torch._prims.rng_prims import run_with_rng_state
 from torch.nn import functional as F
 
+from examples.compiled import redraw_recomputed_random_ops
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     LightningCkptDeterminismWarning,
@@ -38,6 +39,8 @@ from lightning_ckpt_determinism import (
     wrapping,
 )
 from lightning_ckpt_determinism._compile import is_compiled, reference_pass
+from lightning_ckpt_determinism._graph_scan import scanned
+from lightning_ckpt_determinism.attribution import CAUSE_HINTS
 from lightning_ckpt_determinism.cli import main
 from lightning_ckpt_determinism.wrapping import select_modules
 from tests.helpers import (
@@ -100,15 +103,6 @@ class BackwardGraphs:
 
     def count(self, op: Any) -> int:
         return sum(node.target is op for graph in self.graphs for node in graph.graph.nodes)
-
-
-def redraw_recomputed_random_ops(graph: fx.GraphModule) -> None:
-    """The fault: a random op recomputed in backward draws fresh numbers instead of replaying the forward's state,
-    as the partitioner's recomputation does under a memory budget below 1 (pytorch#190717)."""
-    for node in graph.graph.nodes:
-        if node.target is run_with_rng_state:
-            node.target, node.args = node.args[1], node.args[2:]
-    graph.recompile()
 
 
 def test_a_compiled_model_checkpoints_in_one_graph_with_the_same_gradients(
@@ -253,20 +247,33 @@ def test_check_on_a_clean_compiled_model_is_exact_and_attributes_eagerly() -> No
     assert all(region.ops_compared > 0 for region in report.regions)
 
 
-def test_check_catches_a_compiler_that_redraws_a_recomputed_random_op() -> None:
+def test_check_catches_a_compiler_that_redraws_a_recomputed_random_op_and_names_its_regions() -> None:
     faulty = BackwardGraphs(rewrite=redraw_recomputed_random_ops)
-    model = make_stack(DropoutBlock)
-    apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"]))
+    torch.manual_seed(0)
+    model = Stack([DropoutBlock(), PlainBlock(), DropoutBlock()])
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock", "PlainBlock"]))
     compiled = torch.compile(model, backend=faulty.backend)
     report = mse_check(compiled)
     assert report.diverged
     assert report.grad_divergence > 0.01
     assert report.cause is None  # decided by the eager rerun, which only attribution runs
+    assert report.regions == []
     attributed = mse_check(compiled, attribution=True)
     assert attributed.diverged
     assert attributed.cause == "compiler_recompute"
     assert "activation_memory_budget` below 1" in (attributed.hint or "")
-    assert [region.diverged for region in attributed.regions] == [False, False, False]
+    # The scan found the redrawn dropout in the backward graph; the plain block recomputes nothing random.
+    assert [(region.name, region.diverged, region.cause) for region in attributed.regions] == [
+        ("blocks.0", True, "compiler_recompute"),
+        ("blocks.1", False, None),
+        ("blocks.2", True, "compiler_recompute"),
+    ]
+    assert attributed.regions[0].hint == (
+        f"{CAUSE_HINTS['compiler_recompute']} In its compiled backward graph, `aten.native_dropout.default` draws in"
+        " the backward."
+    )
+    # The configured compiled code is back in place: the check's own passes did not change it.
+    assert mse_check(compiled).grad_divergence == report.grad_divergence
 
 
 def test_the_memory_budget_bug_of_the_partitioner_is_caught() -> None:
@@ -282,10 +289,23 @@ def test_the_memory_budget_bug_of_the_partitioner_is_caught() -> None:
     assert report.diverged
     assert report.grad_divergence > 0.01
     assert report.cause == "compiler_recompute"
+    # The backward graph runs inductor_seeds itself: each block's recomputed dropout gets a new seed.
+    redrawn = "`prims.inductor_random.default` takes a seed from `prims.inductor_seeds.default` run in the backward"
+    assert [(region.name, region.cause) for region in report.regions] == [
+        ("blocks.0", "compiler_recompute"),
+        ("blocks.1", "compiler_recompute"),
+    ]
+    assert all((region.hint or "").endswith(f"In its compiled backward graph, {redrawn}.") for region in report.regions)
     torch._dynamo.reset()
-    clean = mse_check(compiled, attribution=True)
+    # A new compile of the same model: a scan keeps what it found in every graph compiled through it.
+    compiled = torch.compile(model)
+    with scanned(compiled) as scan:
+        clean = mse_check(compiled, attribution=True)
     assert clean.grad_divergence == 0.0
     assert not clean.diverged and clean.cause is None
+    # Under budget 1.0 the backward replays the forward's seed: scanned, and nothing redrawn.
+    assert scan.scanned_graphs >= 1
+    assert scan.redraws == []
 
 
 class CompiledStackModule(StackModule):
@@ -345,6 +365,10 @@ def test_the_monitor_warns_of_the_compilers_recomputation(tmp_path: Path) -> Non
     (message,) = [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]
     assert message.startswith("lightning_ckpt_determinism: recomputation diverged at step 0")
     assert "activation_memory_budget` below 1" in message
+    # The graph scan of the attributed rerun names the regions, with the op their backward graph redraws.
+    named = re.findall(r"Region `([\w.]+)` diverged, cause compiler_recompute: ", message)
+    assert named == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert message.count("In its compiled backward graph, `aten.native_dropout.default` draws in the backward.") == 3
 
 
 def test_the_audit_of_a_compiled_model_says_its_regions_were_compared_eagerly(
@@ -367,4 +391,6 @@ def test_the_audit_of_a_compiled_model_says_its_regions_were_compared_eagerly(
     out = capsys.readouterr().out
     assert out.splitlines()[1].split()[:3] == ["model.blocks.0", "ok", "-"]
     assert "compiled: both passes ran compiled; the regions were compared with eager semantics" in out
+    assert "note: 2 compiled backward graphs scanned for random ops" in out
+    assert "is not scanned" not in out
     assert out.splitlines()[-1] == "result: none of the 3 checkpointed regions diverged"
