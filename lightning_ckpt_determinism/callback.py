@@ -324,9 +324,7 @@ class RecomputationMonitor(Callback):
             # Decided alike on every rank: the comparison's figures are reduced over ranks.
             attributed = self._two_pass(trainer, pl_module, capture, attribution=True)
             report.regions, report.buffer_mutations = attributed.regions, attributed.buffer_mutations
-            report.cause, report.hint = attributed.cause, attributed.hint
-            if report.error is None and attributed.error is not None:
-                report.error = attributed.error
+            report.cause, report.hint, report.error = attributed.cause, attributed.hint, attributed.error
         return report
 
     def _reference_regions(
