@@ -115,11 +115,11 @@ Example::
 """
 
 _ROUTING_HINT = (
-    " Routing flipped too: the data-dependent op {op} recomputed other outputs than its forward; set"
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's; set"
     " `keep_data_dependent: true` in the `CheckpointingConfig` to keep such outputs from the forward."
 )
 _ROUTING_TOO_LARGE_HINT = (
-    " Routing flipped too: the data-dependent op {op} recomputed other outputs than its forward, and"
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's, and"
     " `keep_data_dependent` recomputes it because its floating outputs are larger than the region's largest input;"
     " make them smaller (route on fewer values) or compute them outside the checkpointed module."
 )

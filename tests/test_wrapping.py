@@ -1,9 +1,7 @@
 """Tests for `lightning_ckpt_determinism.wrapping`: selection, in-place wrapping, and what recomputation reproduces."""
 
 import copy
-import gc
 import pickle
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +13,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError
 
 from examples.gpt import GPT, Block
@@ -37,6 +34,7 @@ from tests.helpers import (
     DictOutputBlock,
     DropoutBlock,
     KeywordBlock,
+    LiveStorages,
     NumpyNoiseBlock,
     PlainBlock,
     RoutingBlock,
@@ -140,27 +138,6 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _LiveStorages(TorchDispatchMode):
-    """Keeps a weak reference to the storage of every tensor an op creates, to sum those still alive later.
-
-    Unlike a saved-tensors hook this also sees what selective checkpointing keeps in its own cache.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._storages: list[weakref.ref[torch.UntypedStorage]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self._storages += [weakref.ref(t.untyped_storage()) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
-    def live_bytes(self) -> int:
-        gc.collect()
-        live = [ref() for ref in self._storages]
-        return sum({id(storage): storage.nbytes() for storage in live if storage is not None}.values())
-
-
 @dataclass
 class _GPTStep:
     live_bytes: int
@@ -173,7 +150,7 @@ def _gpt_step(config: CheckpointingConfig | None) -> _GPTStep:
     if config is not None:
         apply_activation_checkpointing(model, config)
     torch.manual_seed(3)
-    with _LiveStorages() as storages:
+    with LiveStorages() as storages:
         logits = model(_tokens())
     live_bytes = storages.live_bytes()
     with _OpCounter() as ops:
