@@ -31,6 +31,12 @@ versions the observer recorded at the forward with the inputs' versions when the
 recomputation reproduced every compared value but changed one of its buffers (compared at the end of the pass with
 their values after the region's last forward) gets ``buffer_mutation``, with the names of those buffers.
 
+Data-dependent ops (``topk``, ``nonzero``, ``bincount``, ``.item()`` ..., the rule of
+:mod:`~lightning_ckpt_determinism._data_dependent`) are listed per region with whether ``keep_data_dependent`` kept
+their outputs. When one of them recomputed other outputs than its forward's (routing flipped), the cause stays that
+of the first op that differed (a drifting router is ``nondeterministic_kernel``, a metadata error ``shape_change``)
+and the hint adds what keeps the routing.
+
 A region recomputed more than once in a pass (a gradient penalty, a backward with ``retain_graph=True``) is compared
 op by op at its first recomputation; the later ones replay the same state, are counted in
 ``RegionReport.recomputations`` and are not compared, so they are never reported as a difference by themselves.
@@ -51,6 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointError, _StopRecomputationError
 
+from lightning_ckpt_determinism._data_dependent import KeptOutputs, is_data_dependent
 from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, restore_host_rng
 from lightning_ckpt_determinism.wrapping import _buffer_slots, _observing, checkpointed_modules
 
@@ -107,6 +114,16 @@ Example::
     ['buffer_mutation', 'host_rng']
 """
 
+_ROUTING_HINT = (
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's; set"
+    " `keep_data_dependent: true` in the `CheckpointingConfig` to keep such outputs from the forward."
+)
+_ROUTING_TOO_LARGE_HINT = (
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's, and"
+    " `keep_data_dependent` recomputes it because its floating outputs are larger than the region's largest input;"
+    " make them smaller (route on fewer values) or compute them outside the checkpointed module."
+)
+
 _INPUT_MODIFIED_HINT = (
     "An input the region received was modified in place after the forward saved it for recomputation, by an"
     " in-place op in the region (such as `nn.ReLU(inplace=True)` on its input) or by code after it: torch found its"
@@ -145,6 +162,9 @@ class RegionReport:
         recomputations: How many times the region was recomputed in the pass, over all its calls. More
             recomputations than calls come from a gradient penalty or ``retain_graph=True``; only the first
             recomputation of each call is compared.
+        data_dependent_ops: The data-dependent ops the region's forward ran (aten name), each with whether
+            ``keep_data_dependent`` (or ``save_ops``) kept its outputs from the forward at every call; ``False``
+            when they were recomputed (the option is off, or their floating outputs exceed the size rule).
 
     Example::
 
@@ -163,6 +183,7 @@ class RegionReport:
     buffer_mutations: list[str] = field(default_factory=list)
     error: str | None = None
     recomputations: int = 0
+    data_dependent_ops: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -190,6 +211,7 @@ class _Op:
     inputs: list[Any]
     outputs: list[Any]
     metadata: list[Any]
+    data_dependent: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,6 +242,8 @@ class _Call:
     recomputations: int = 0
     error: BaseException | None = None
     input_modified: bool = False
+    kept: KeptOutputs | None = None
+    routing_changed: str | None = None
 
     def record(self, func: torch._ops.OpOverload, inputs: list[Any], args: Any, kwargs: Any, out: Any) -> None:
         outputs = _flatten(out)
@@ -236,6 +260,7 @@ class _Call:
                     for value, view in zip(outputs, views, strict=True)
                 ],
                 metadata=[_metadata(value) for value in outputs],
+                data_dependent=is_data_dependent(func, args),
             )
         )
 
@@ -266,6 +291,8 @@ class _Call:
         recorded.outputs, recorded.inputs = [], []
         if kind is None:
             return
+        if recorded.data_dependent and self.routing_changed is None:
+            self.routing_changed = str(func)
         self._diverge(index, str(func), kind, random=_is_random(func), same_inputs=same_inputs, diff=diff)
 
     def release(self) -> None:
@@ -355,11 +382,11 @@ class _Attribution:
         self._mutated: dict[str, list[str]] = {}
 
     def contexts(
-        self, region: str, module: nn.Module, inputs: tuple[Any, ...]
+        self, region: str, module: nn.Module, inputs: tuple[Any, ...], kept: KeptOutputs
     ) -> tuple[
         Callable[[], contextlib.AbstractContextManager[Any]], Callable[[], contextlib.AbstractContextManager[Any]]
     ]:
-        call = _Call(region=self._name_of.get(id(module), region), module=module)
+        call = _Call(region=self._name_of.get(id(module), region), module=module, kept=kept)
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext
         call.input_versions = [
@@ -417,12 +444,14 @@ class _Attribution:
                 max_abs_diff=max((call.max_abs_diff for call in calls), default=0.0),
                 buffer_mutations=list(self._mutated.get(name, [])),
                 recomputations=sum(call.recomputations for call in calls),
+                data_dependent_ops=_data_dependent_ops(calls),
             )
             for call in calls:
                 cause = _cause(call, host_rng_explained=name in host_rng_explained)
                 if cause is not None:
                     report.cause = cause
                     report.hint = _INPUT_MODIFIED_HINT if call.input_modified else CAUSE_HINTS[cause]
+                    report.hint += _routing_hint(call)
                     if call.error is not None:
                         report.error = _first_line(call.error)
                     if call.divergence is not None:
@@ -477,6 +506,24 @@ class _Attribution:
             call.release()
             if live is not None:
                 restore_host_rng(live)
+
+
+def _data_dependent_ops(calls: list[_Call]) -> dict[str, bool]:
+    """Each data-dependent op the calls' forwards ran, with whether every call kept its outputs."""
+    ops: dict[str, bool] = {}
+    for call in calls:
+        for op, kept in call.kept.seen if call.kept is not None else []:
+            ops[op] = ops.get(op, True) and kept
+    return ops
+
+
+def _routing_hint(call: _Call) -> str:
+    """What keeps the routing, when a data-dependent op recomputed other outputs than its forward's."""
+    if call.routing_changed is None:
+        return ""
+    if call.kept is not None and call.kept.keep:
+        return _ROUTING_TOO_LARGE_HINT.format(op=call.routing_changed)
+    return _ROUTING_HINT.format(op=call.routing_changed)
 
 
 def _evidence_cause(divergence: _Divergence) -> str | None:

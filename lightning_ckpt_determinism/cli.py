@@ -21,7 +21,7 @@ import sys
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,7 +65,8 @@ class _RegionSummary:
     """One region over every checked batch.
 
     ``verdict`` is ``"diverged"``, ``"noise"`` (it differed, within the noise floor), ``"unchecked"`` (no op of it
-    was recomputed: it did not run, or the pass failed before its recomputation) or ``"ok"``.
+    was recomputed: it did not run, or the pass failed before its recomputation) or ``"ok"``. ``data_dependent_ops``
+    maps each data-dependent op its forward ran to whether its outputs were kept from the forward in every batch.
     """
 
     name: str
@@ -76,6 +77,7 @@ class _RegionSummary:
     hint: str | None
     batches_diverged: int = 0
     ops_compared: int = 0
+    data_dependent_ops: dict[str, bool] = field(default_factory=dict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,6 +375,8 @@ def _summarize(reports: list[RecomputationReport]) -> list[_RegionSummary]:
             elif region.cause is not None and summary.verdict == "ok":
                 summary.verdict = "noise"
             summary.ops_compared += region.ops_compared
+            for op, kept in region.data_dependent_ops.items():
+                summary.data_dependent_ops[op] = summary.data_dependent_ops.get(op, True) and kept
     for summary in summaries.values():
         if summary.verdict == "ok" and summary.ops_compared == 0:
             summary.verdict = "unchecked"
@@ -442,6 +446,7 @@ def _footer(
         + (f", noise floor {noise:.3g})" if args.calibrate_noise else ")"),
         *notes,
     ]
+    lines.extend(_data_dependent_line(summary) for summary in summaries if summary.data_dependent_ops)
     buffers = list(dict.fromkeys(name for report in reports for name in report.buffer_mutations))
     if buffers:
         lines.append(f"buffers changed by recomputation: {', '.join(buffers)}")
@@ -472,6 +477,11 @@ def _footer(
         within = f" ({noise} differ within the noise floor)" if noise else ""
         lines.append(f"result: none of the {len(summaries)} checkpointed regions diverged{within}")
     return "\n".join(lines)
+
+
+def _data_dependent_line(summary: _RegionSummary) -> str:
+    ops = ", ".join(f"{op} ({'kept' if kept else 'recomputed'})" for op, kept in summary.data_dependent_ops.items())
+    return f"data-dependent ops in {summary.name}: {ops}"
 
 
 def _write_json(

@@ -42,6 +42,15 @@ class CheckpointingConfig:
             which the check reports as ``python_state``; BatchNorm in training mode does not read its statistics.
         determinism_check: Passed to ``torch.utils.checkpoint`` (``"default"`` compares shapes, dtypes and devices
             of recomputed tensors; ``"none"`` skips it).
+        keep_data_dependent: Keep the outputs of ops that decide shapes or routing (``topk``, ``sort``,
+            ``nonzero``, ``bincount``, ``.item()`` ...: torch's ``dynamic_output_shape`` and
+            ``data_dependent_output`` tags plus a fixed list) from the forward and serve them to recomputation, so
+            that router logits that come out a few ulps different in recomputation cannot flip a top-k choice and
+            change which tokens go to which expert. Integer and boolean outputs are always kept; floating ones
+            (``topk``'s values) when they hold at most as many elements as the region's largest input, else the op
+            is recomputed and the audit lists it as not kept. Installed only in regions where such an op runs in
+            their first checkpointed forward (which is already guarded); others pay nothing. ``False`` recomputes
+            them, to let the check show how sensitive the routing is.
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string, ``every_n < 1``, a
@@ -63,6 +72,7 @@ class CheckpointingConfig:
     preserve_host_rng: bool = False
     protect_buffers: bool = True
     determinism_check: Literal["default", "none"] = "default"
+    keep_data_dependent: bool = True
 
     def __post_init__(self) -> None:
         for name in ("classes", "names", "save_ops"):

@@ -128,8 +128,17 @@ class ActivationCheckpointingMixin:
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
             f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"
-            f" save_ops={self.checkpointing.save_ops or 'none'}."
+            f" save_ops={self.checkpointing.save_ops or 'none'}; {_data_dependent_summary(self.checkpointing)}."
         )
+
+
+def _data_dependent_summary(config: CheckpointingConfig) -> str:
+    if not config.keep_data_dependent:
+        return "keep_data_dependent=off (routing ops are recomputed)"
+    return (
+        "keep_data_dependent=on (outputs of topk, sort, argmax, nonzero, bincount, item ... kept from the forward in"
+        " the regions that run them; floating ones up to the size of the region's largest input)"
+    )
 
 
 def _summary(modules: dict[str, nn.Module]) -> str:

@@ -1,19 +1,22 @@
 """Select submodules and run them under non-reentrant activation checkpointing, in place.
 
 Wrapping sets an instance-level ``forward`` on each selected module, so the module object, its parameters, its
-buffers and every ``state_dict`` key stay exactly as they were. Recomputation composes up to four contexts:
-host-RNG replay, buffer protection, the selective-op policy and, only while a check runs, the check's observer.
-Each recompute context can be entered any number of times (a gradient penalty or ``retain_graph=True`` recomputes a
-region once per backward), and each entry replays the same state. A region that needs only the selective-op policy
-gets torch's own pair of dispatch modes.
+buffers and every ``state_dict`` key stay exactly as they were. Recomputation composes up to five contexts:
+host-RNG replay, buffer protection, the selective-op policy, the guard that keeps data-dependent outputs (routing)
+from the forward and, only while a check runs, the check's observer. Each recompute context can be entered any
+number of times (a gradient penalty or ``retain_graph=True`` recomputes a region once per backward), and each entry
+replays the same state. A region that needs only the selective-op policy gets torch's own pair of dispatch modes.
+The guard (:mod:`~lightning_ckpt_determinism._data_dependent`) is on at a region's first checkpointed forward and
+stays on only where that forward ran a data-dependent op: a region without routing pays nothing.
 
 Under ``torch.compile`` a checkpointed region is traced into the compiled graph (torch's ``tag_activation_checkpoint``
 higher-order op), and its recomputation happens inside the compiled backward, where the compiler replays torch's RNG
 (NumPy and ``random`` calls are traced onto it) and updates buffers once by itself. The traced path reads only
 state dynamo can guard on (an attribute of :data:`_SWITCH`, never a ContextVar), never passes ``noop_context_fn``
-(dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops`` or eager-only options:
-:func:`_region_contexts`, which gives the compiler torch's selective-checkpointing pair and gives an eager call (a
-region dynamo could not trace, which torch's checkpoint then runs eagerly) every eager context.
+(dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops``, eager-only options or
+``keep_data_dependent``: :func:`_region_contexts`, which gives the compiler torch's selective-checkpointing pair (its
+policy marks the kept data-dependent outputs ``MUST_SAVE``) and gives an eager call (a region dynamo could not
+trace, which torch's checkpoint then runs eagerly) every eager context.
 """
 
 import contextlib
@@ -30,6 +33,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_ckpt_determinism._data_dependent import CompiledPolicy, KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path, resolve_ops
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, restore_host_rng
@@ -49,13 +53,14 @@ _ContextFactory = Callable[[], AbstractContextManager[Any]]
 class _RegionObserver(Protocol):
     """What the check engine plugs into each checkpointed region while a check runs.
 
-    ``contexts`` is called at each checkpointed call with the tensors torch saves as the region's inputs, and returns
+    ``contexts`` is called at each checkpointed call with the tensors torch saves as the region's inputs and the
+    call's log of data-dependent ops (filled during the forward: which ran, and whether each was kept), and returns
     two factories: one context for the forward, and one for each recomputation (there can be several, e.g. under a
     gradient penalty).
     """
 
     def contexts(
-        self, region: str, module: nn.Module, inputs: tuple[Any, ...]
+        self, region: str, module: nn.Module, inputs: tuple[Any, ...], kept: KeptOutputs
     ) -> tuple[_ContextFactory, _ContextFactory]: ...
 
 
@@ -138,6 +143,11 @@ class _CheckpointedForward:
         self._save_ops = frozenset(resolve_ops(config.save_ops))
         # An instance attribute rather than a context variable: `torch.compile` can guard on it.
         self.plain_depth = 0
+        # Whether a data-dependent op ran in the region's first checkpointed forward (None: none has finished yet).
+        # Eager calls guard the region while it is None or True, so that the first forward is already guarded.
+        self.data_dependent: bool | None = None
+        # The eager call whose forward runs now, which takes the size rule's limit from the region's inputs.
+        self._forward_kept: KeptOutputs | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
@@ -162,6 +172,12 @@ class _CheckpointedForward:
         num_positional = len(args)
 
         def run(*flat: Any) -> Any:
+            if torch.compiler.is_compiling():
+                if self.config.keep_data_dependent:
+                    flat = mark_region_inputs(flat)
+            elif self._forward_kept is not None:
+                self._forward_kept.note_inputs(flat)
+                self._forward_kept = None
             return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
 
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
@@ -194,19 +210,19 @@ class _CheckpointedForward:
         A partial of a function and this object, which dynamo takes as a constant (a bound method, such as the
         ``save_ops`` policy, it cannot). What it returns is decided when called: see :func:`_region_contexts`.
         """
-        if self.config.preserve_host_rng or self._protects_buffers() or self._save_ops:
+        options = (self.config.preserve_host_rng, self._protects_buffers(), self._save_ops)
+        if self.config.keep_data_dependent or any(options):
+            # The policy runs only while the compiler traces the region: it costs nothing per step, so every region
+            # gets it, and it finds the data-dependent ops itself.
             return partial(_region_contexts, self)
         return None
-
-    def _compiled_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return self._save_ops_policy(ctx, op, *args, **kwargs) if self._save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     def _context_fn(
         self, inputs: tuple[Any, ...]
     ) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None:
         observer = _SWITCH.observer
         protect_buffers = self._protects_buffers()
-        if self.config.preserve_host_rng or protect_buffers or observer is not None:
+        if self.config.preserve_host_rng or protect_buffers or observer is not None or self._guarded():
             return partial(self._make_contexts, observer, protect_buffers, inputs)
         if self._save_ops:
             # The pair of dispatch modes alone, as torch builds it: the form `torch.compile` accepts.
@@ -215,6 +231,18 @@ class _CheckpointedForward:
 
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self._save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _guarded(self) -> bool:
+        """Whether an eager call keeps data-dependent outputs: until the first forward showed the region has none."""
+        return self.config.keep_data_dependent and self.data_dependent is not False
+
+    def _found_data_dependent(self, found: bool) -> None:
+        if self.data_dependent is None:
+            self.data_dependent = found
+
+    def _enter_forward(self, kept: KeptOutputs) -> AbstractContextManager[Any]:
+        self._forward_kept = kept
+        return kept.forward()
 
     def _make_contexts(
         self, observer: _RegionObserver | None, protect_buffers: bool, inputs: tuple[Any, ...]
@@ -231,10 +259,18 @@ class _CheckpointedForward:
             sac_forward, sac_recompute = create_selective_checkpoint_contexts(self._save_ops_policy)
             forward.append(partial(_same_context, sac_forward))
             recompute.append(partial(_same_context, sac_recompute))
+        guarded = self._guarded()
+        kept = KeptOutputs(keep=guarded, save_ops=self._save_ops, on_forward=self._found_data_dependent)
+        if guarded or observer is not None:
+            # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the
+            # guard it only logs, for the observer, which data-dependent ops run.
+            forward.append(partial(self._enter_forward, kept))
+            if guarded:
+                recompute.append(kept.recompute)
         if observer is not None:
-            # Last, so its dispatch mode sits on top of the selective-checkpointing one and sees every op,
-            # including those whose outputs selective checkpointing serves from its cache.
-            observe_forward, observe_recompute = observer.contexts(self.region, self.module, inputs)
+            # Last, so its dispatch mode sits on top of the selective-checkpointing one and of the guard and sees
+            # every op, including those whose outputs they serve from their caches.
+            observe_forward, observe_recompute = observer.contexts(self.region, self.module, inputs, kept)
             forward.append(observe_forward)
             recompute.append(observe_recompute)
         return _Reenterable(forward), _Reenterable(recompute)
@@ -271,7 +307,9 @@ def _region_contexts(forward: _CheckpointedForward) -> tuple[AbstractContextMana
             " graph, replaying torch's RNG (NumPy and `random` calls are traced onto it) and updating buffers once by"
             " itself. Regions that graph-break run eagerly and keep every option."
         )
-    return create_selective_checkpoint_contexts(forward._compiled_policy)
+    return create_selective_checkpoint_contexts(
+        CompiledPolicy(save_ops=forward._save_ops, keep=forward.config.keep_data_dependent)
+    )
 
 
 class _Reenterable:

@@ -1,13 +1,18 @@
 """Tiny seeded models shared by the tests, each with one way recomputation can differ from the forward."""
 
+import gc
 import random
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.broken import BrokenModule, unordered_row_sum
@@ -437,3 +442,24 @@ def manual_loss(module: pl.LightningModule, batch: tuple[torch.Tensor, torch.Ten
     """The loss :class:`ManualModule` backpropagates, as the monitor's ``loss_fn``."""
     x, y = batch
     return F.mse_loss(module(x), y)
+
+
+class LiveStorages(TorchDispatchMode):
+    """Keeps a weak reference to the storage of every tensor an op creates, to sum those still alive later.
+
+    Unlike a saved-tensors hook this also sees what selective checkpointing keeps in its own cache.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._storages += [weakref.ref(t.untyped_storage()) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def live_bytes(self) -> int:
+        gc.collect()
+        live = [ref() for ref in self._storages]
+        return sum({id(storage): storage.nbytes() for storage in live if storage is not None}.values())

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import compiled, memory, monitor
+from benchmarks import compiled, memory, moe, monitor
 from benchmarks.common import ModelSize
 from benchmarks.run import main
 
@@ -200,3 +200,11 @@ def test_compiled_step_time_runs_every_variant(tmp_path: Path, capsys: pytest.Ca
     assert all(_sane_summary(stats) for stats in [*result["variants"].values(), *result["ratios"].values()])
     assert result["goal"]["value"] == result["ratios"]["compiled, package/compiled, hand-written"]["median"]
     assert f"Goal: package/hand-written {result['goal']['value']:.3f} (<= 1.03)" in printed
+
+
+def test_the_moe_benchmark_holds_the_routing_outputs_more_with_the_guard_and_no_more() -> None:
+    result = moe.run(moe.SIZES["tiny"])
+    held = result["held_bytes"]
+    assert held[moe.NONE] > held[moe.KEPT] > held[moe.RECOMPUTED]
+    assert held[moe.KEPT] - held[moe.RECOMPUTED] == result["routing_bytes"]
+    assert all(_sane_summary(stats) for stats in result["variants"].values())

@@ -11,6 +11,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from examples import train
 from examples.gpt import Block, GPTModule
+from examples.moe import MoEBlock, MoEModule
 from lightning_ckpt_determinism import ActivationCheckpointingMixin, CheckpointingConfig, checkpointed_modules
 from lightning_ckpt_determinism.config import resolve_class_path
 from lightning_ckpt_determinism.wrapping import select_modules
@@ -64,10 +65,13 @@ def test_train_config_loads_with_lightning_cli_into_a_checkpointing_strategy(
     assert isinstance(strategy, ActivationCheckpointingMixin)
     assert isinstance(strategy.checkpointing, CheckpointingConfig)
     assert strategy.checkpointing == _checkpointing_of(path)
-    assert isinstance(cli.model, GPTModule)
+    model_class = resolve_class_path(yaml.safe_load(path.read_text())["model"]["class_path"])
+    assert type(cli.model) is model_class
+    assert model_class in (GPTModule, MoEModule)
     selected = select_modules(cli.model, strategy.checkpointing)
     assert selected
-    assert all(isinstance(module, Block) for module in selected.values())
+    block = MoEBlock if model_class is MoEModule else Block
+    assert all(isinstance(module, block) for module in selected.values())
 
 
 @pytest.mark.parametrize("path", GPT_CONFIGS, ids=_ids(GPT_CONFIGS))

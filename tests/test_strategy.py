@@ -86,7 +86,9 @@ def test_single_device_strategy_trains_checkpointed_and_equals_an_unchecked_run(
     ]
     assert applied == [
         "lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to 3 modules (3 x DropoutBlock);"
-        " every_n=1, save_ops=none."
+        " every_n=1, save_ops=none; keep_data_dependent=on (outputs of topk, sort, argmax, nonzero, bincount, item"
+        " ... kept from the forward in the regions that run them; floating ones up to the size of the region's"
+        " largest input)."
     ]
 
 
