@@ -3,12 +3,14 @@
 A :class:`StepState` holds every random stream (torch CPU, the accelerator devices in use, Python, NumPy), the values
 of a module's buffers, the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain
 Python state of the module and its submodules: attributes holding numbers, strings, ``None`` or containers (lists,
-dicts, sets, tuples; copied shallowly and restored in place, so references held elsewhere see the restored contents).
+dicts, sets, deques, tuples; each container reached through them, such as the lists of a dict of lists, is copied
+shallowly and restored in place, so references held elsewhere see the restored contents).
 It never touches ``nn.Module`` internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``:
 anything ``nn.Module.__init__`` sets), tensors, modules or other objects, so the state FSDP keeps in and around a
 module (sharded and unsharded parameters swapped inside ``_parameters``) is left alone.
 """
 
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,7 +24,7 @@ __all__ = ["StepState"]
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
-_CONTAINERS = (list, dict, set, tuple)
+_CONTAINERS = (list, dict, set, tuple, deque)
 
 
 class StepState:
@@ -125,7 +127,7 @@ class _PythonState:
             if isinstance(sub, Metric):
                 continue
             captured = {
-                name: (value, _shallow_copy(value))
+                name: (value, _contents(value))
                 for name, value in vars(sub).items()
                 if name not in skip and _is_plain(value)
             }
@@ -139,8 +141,9 @@ class _PythonState:
             for name in [name for name, value in attributes.items() if name not in captured and name not in self._skip]:
                 if _is_plain(attributes[name]):
                     del attributes[name]
-            for name, (original, copy) in captured.items():
-                _refill(original, copy)
+            for name, (original, contents) in captured.items():
+                for container, copy in contents:
+                    _refill(container, copy)
                 attributes[name] = original
 
 
@@ -148,12 +151,24 @@ def _is_plain(value: object) -> bool:
     return isinstance(value, _SCALARS) or (isinstance(value, _CONTAINERS) and not isinstance(value, nn.Module))
 
 
-def _shallow_copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return dict(value)
-    if isinstance(value, (list, set)):
-        return list(value)
-    return value
+def _contents(value: Any) -> list[tuple[Any, Any]]:
+    """Each container reachable from ``value`` through containers (``value`` included), with a shallow copy of it.
+
+    A step that appends to a list inside a dict (``self.outputs["train"].append(...)``) changes the inner list,
+    not the dict: restoring the outer container alone would leave the inner one changed.
+    """
+    found: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, _CONTAINERS) or isinstance(item, nn.Module) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        items = list(item.values()) if isinstance(item, dict) else list(item)
+        found.append((item, dict(item) if isinstance(item, dict) else items))
+        pending.extend(items)
+    return found
 
 
 def _refill(original: Any, copy: Any) -> None:
@@ -163,6 +178,9 @@ def _refill(original: Any, copy: Any) -> None:
         original.update(copy)
     elif isinstance(original, list):
         original[:] = copy
+    elif isinstance(original, deque):
+        original.clear()
+        original.extend(copy)
     elif isinstance(original, set):
         original.clear()
         original.update(copy)

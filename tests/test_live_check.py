@@ -1,6 +1,7 @@
 """Tests for the live-step engine (`lightning_ckpt_determinism.live_check`) and the state it captures and restores."""
 
 import math
+from collections import defaultdict, deque
 
 import numpy as np
 import pytest
@@ -176,6 +177,24 @@ def test_step_state_restores_plain_attributes_in_place_and_leaves_module_interna
     assert model.outputs is outputs and model.table is table
     assert model.blocks[0].training
     assert int(model.blocks[0].norm.num_batches_tracked) == 0
+
+
+def test_step_state_restores_containers_nested_in_plain_attributes_and_deques():
+    model = make_stack(DropoutBlock, n=1)
+    model.outputs = defaultdict(list, {"train": [1]})
+    model.pairs = ([0], {"seen": {1}})
+    model.recent = deque([1], maxlen=3)
+    inner, recent = model.outputs["train"], model.recent
+    state = StepState(model)
+    model.outputs["train"].append(2)
+    model.outputs["val"].append(3)
+    model.pairs[0].append(1)
+    model.pairs[1]["seen"].add(2)
+    model.recent.append(2)
+    state.restore()
+    assert dict(model.outputs) == {"train": [1]} and model.outputs["train"] is inner
+    assert model.pairs == ([0], {"seen": {1}})
+    assert list(model.recent) == [1] and model.recent is recent and recent.maxlen == 3
 
 
 def test_gradient_stash_with_copies_survives_a_backward_writing_into_the_same_storage():
