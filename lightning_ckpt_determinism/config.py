@@ -53,8 +53,9 @@ class CheckpointingConfig:
             them, to let the check show how sensitive the routing is.
 
     Raises:
-        CheckpointingConfigError: If nothing can be selected, a list field is given a string, ``every_n < 1``, a
-            class path or op cannot be found, or ``determinism_check`` is not one torch knows.
+        CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but
+            strings, a switch is not a bool, ``every_n < 1``, a class path or op cannot be found, or
+            ``determinism_check`` is not one torch knows.
 
     Example::
 
@@ -80,6 +81,16 @@ class CheckpointingConfig:
             if isinstance(value, str):
                 # `list("Block")` would silently select classes named "B", "l", ...
                 raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
+            wrong = [entry for entry in value if not isinstance(entry, str)]
+            if wrong:
+                # A class or an op object would fail later, far from the config, with a TypeError or AttributeError.
+                raise CheckpointingConfigError(
+                    f"`{name}` must be a list of strings, got the entry {wrong[0]!r} ({type(wrong[0]).__name__});"
+                    " write classes as names or dotted paths and ops as 'aten.mm'."
+                )
+        for name in ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointingConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         self.classes = list(self.classes)
         self.names = list(self.names)
         self.save_ops = list(self.save_ops)

@@ -259,3 +259,26 @@ def test_a_model_wrapped_with_a_config_of_restricted_types_saves_and_loads() -> 
     loaded = torch.load(buffer, weights_only=False)
     assert list(select_modules(loaded, CheckpointingConfig(classes=["DropoutBlock"], every_n=2))) == ["blocks.1"]
     assert loaded.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"classes": [torch.nn.Linear]},
+            r"`classes` must be a list of strings, got the entry <class '.*Linear'> \(type\)",
+        ),
+        ({"classes": ["Linear"], "names": [3]}, r"`names` must be a list of strings, got the entry 3 \(int\)"),
+        ({"classes": ["Linear"], "save_ops": [torch.ops.aten.mm.default]}, r"`save_ops` must be a list of strings"),
+        (
+            {"classes": ["Linear"], "keep_data_dependent": "no"},
+            r"`keep_data_dependent` must be True or False, got 'no'",
+        ),
+        ({"classes": ["Linear"], "protect_buffers": 0}, r"`protect_buffers` must be True or False, got 0"),
+    ],
+)
+def test_entries_that_are_not_strings_and_switches_that_are_not_bools_raise_the_config_error(
+    kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(CheckpointingConfigError, match=message):
+        CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
