@@ -97,6 +97,7 @@ class StepCapture:
         self.pl_module = pl_module
         self.batch_idx = batch_idx
         self._state: StepState | None = None
+        self._versions: list[tuple[str, torch.Tensor, int]] = []
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.loss = float("nan")
@@ -131,6 +132,13 @@ class StepCapture:
             else:
                 self.pl_module.training_step = self._own  # type: ignore[method-assign]
 
+    def changed_parameters(self) -> list[str]:
+        """The parameters changed in place since the step started (a momentum teacher updated in ``training_step``).
+
+        A check cannot rerun such a step from where it started: it never copies parameters.
+        """
+        return [name for name, param, version in self._versions if param._version != version]
+
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh copies of the captured arguments (a step may change its batch in place)."""
         return _copy_tensors(self.args), _copy_tensors(self.kwargs)
@@ -139,6 +147,7 @@ class StepCapture:
         self.remove()
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
         self._state = StepState(self.pl_module, LIGHTNING_INTERNALS)
+        self._versions = [(name, param, param._version) for name, param in self.pl_module.named_parameters()]
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         output = self.pl_module.training_step(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output

@@ -6,8 +6,11 @@ Python state of the module and its submodules: attributes holding numbers, strin
 dicts, sets, deques, tuples; each container reached through them, such as the lists of a dict of lists, is copied
 shallowly and restored in place, so references held elsewhere see the restored contents).
 It never touches ``nn.Module`` internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``:
-anything ``nn.Module.__init__`` sets), tensors, modules or other objects, so the state FSDP keeps in and around a
-module (sharded and unsharded parameters swapped inside ``_parameters``) is left alone.
+anything ``nn.Module.__init__`` sets), tensors, modules or other objects, nor FSDP's bookkeeping: FSDP1's wrapper
+modules are skipped whole, and the attributes FSDP2's ``fully_shard`` sets on a module (its composable-API state,
+``_fsdp_*`` flags) are left alone, as are the sharded and unsharded parameters FSDP swaps inside ``_parameters``.
+Metrics are found inside the module tree and in the plain containers of its attributes (``self.metrics = {"mse":
+MeanSquaredError()}``).
 """
 
 from collections import deque
@@ -23,6 +26,8 @@ from lightning_ckpt_determinism.wrapping import _buffer_slots
 __all__ = ["StepState"]
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+# What `torch.distributed.fsdp.fully_shard` sets on a module: its registry of composable-API states and flags.
+_FSDP_ATTRIBUTE_PREFIXES = ("__composable_api_state_key", "_fsdp_", "_is_fsdp_")
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _CONTAINERS = (list, dict, set, tuple, deque)
 
@@ -87,15 +92,12 @@ class _BufferSnapshot:
 
 
 class _MetricSnapshot:
-    """States of the torchmetrics metrics inside a module, so a loss closure that updates them changes nothing."""
+    """States of the torchmetrics metrics of a module, so a loss closure that updates them changes nothing."""
 
     def __init__(self, module: nn.Module) -> None:
-        from torchmetrics import Metric
-
         self._entries = [
             (metric, {name: _copy_state(getattr(metric, name)) for name in metric._defaults}, dict(metric.__dict__))
-            for metric in module.modules()
-            if isinstance(metric, Metric)
+            for metric in _metrics(module)
         ]
 
     def restore(self) -> None:
@@ -115,6 +117,19 @@ def _copy_state(value: object) -> object:
     return value
 
 
+def _metrics(module: nn.Module) -> list[Any]:
+    """The torchmetrics metrics of a module: its submodules, and those held in plain containers of its attributes."""
+    from torchmetrics import Metric
+
+    found = {id(sub): sub for sub in module.modules() if isinstance(sub, Metric)}
+    for sub in module.modules():
+        for value in vars(sub).values():
+            for container, _ in _contents(value):
+                items = container.values() if isinstance(container, dict) else container
+                found.update((id(item), item) for item in items if isinstance(item, Metric))
+    return list(found.values())
+
+
 class _PythonState:
     """The plain attributes of a module and its submodules (metrics excepted: :class:`_MetricSnapshot` has them)."""
 
@@ -124,12 +139,12 @@ class _PythonState:
         skip = _MODULE_INTERNALS | exclude
         self._entries: list[tuple[nn.Module, dict[str, tuple[Any, Any]]]] = []
         for sub in module.modules():
-            if isinstance(sub, Metric):
+            if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
                 continue
             captured = {
                 name: (value, _contents(value))
                 for name, value in vars(sub).items()
-                if name not in skip and _is_plain(value)
+                if name not in skip and not name.startswith(_FSDP_ATTRIBUTE_PREFIXES) and _is_plain(value)
             }
             self._entries.append((sub, captured))
         self._skip = skip
@@ -138,13 +153,27 @@ class _PythonState:
         for sub, captured in self._entries:
             attributes = vars(sub)
             # Plain attributes the step created did not exist at capture: they go, as they were not there.
-            for name in [name for name, value in attributes.items() if name not in captured and name not in self._skip]:
+            created = [
+                name
+                for name, value in attributes.items()
+                if name not in captured and name not in self._skip and not name.startswith(_FSDP_ATTRIBUTE_PREFIXES)
+            ]
+            for name in created:
                 if _is_plain(attributes[name]):
                     del attributes[name]
             for name, (original, contents) in captured.items():
                 for container, copy in contents:
                     _refill(container, copy)
                 attributes[name] = original
+
+
+def _is_fsdp1_wrapper(module: nn.Module) -> bool:
+    """An FSDP1 ``FullyShardedDataParallel`` unit: all its own attributes are FSDP's; the module it wraps is a child."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)
 
 
 def _is_plain(value: object) -> bool:

@@ -20,6 +20,7 @@ from lightning_ckpt_determinism._compile import is_compiled
 from lightning_ckpt_determinism._grads import GradientStash
 from lightning_ckpt_determinism._lightning_step import (
     LIGHTNING_INTERNALS,
+    SkippedStep,
     StepCapture,
     live_reference,
     logging_suppressed,
@@ -240,8 +241,20 @@ class RecomputationMonitor(Callback):
             return
         self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
         step = trainer.global_step
-        report = self._check(trainer, pl_module, capture)
         self.last_checked_step = step
+        changed = capture.changed_parameters()
+        if trainer.strategy.reduce_boolean_decision(bool(changed), all=False):
+            self._checked_this_fit = True
+            self.history.append({"step": step, "skipped": "parameters changed in place in training_step"})
+            self._warn_once(
+                "changed_parameters",
+                f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
+                f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), so"
+                " the check cannot rerun the step from where it started. Change them outside `training_step` (a"
+                " momentum teacher in `on_train_batch_end`, for example) to have the step checked.",
+            )
+            return
+        report = self._check(trainer, pl_module, capture)
         if report is None:
             self.history.append({"step": step, "skipped": "non-finite gradients (the GradScaler skips this step)"})
             return
@@ -283,13 +296,51 @@ class RecomputationMonitor(Callback):
     def _check(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", capture: StepCapture
     ) -> RecomputationReport | None:
-        strategy = trainer.strategy
         if self.attribution == "always" or (self.loss_fn is not None and pl_module.automatic_optimization):
             return self._two_pass(trainer, pl_module, capture, attribution=self.attribution == "always")
         regions = list(checkpointed_modules(pl_module).items())
         plain = self._reference_regions(pl_module, regions)
         holders = _gradient_holders(trainer, pl_module)
-        report = check_live_step(
+        try:
+            report = self._live_check(trainer, pl_module, capture, plain, holders)
+        except SkippedStep:
+            return RecomputationReport(
+                grad_divergence=math.inf,
+                max_abs_diff=math.inf,
+                diverged=True,
+                tolerance=self.tolerance,
+                error=(
+                    "the check could not compare gradients: the reference pass's `training_step` returned None where"
+                    " the live step returned a loss (it decides to skip from state the check does not restore)"
+                ),
+            )
+        if report is None:
+            return None
+        report.checked_regions = [name for name, _ in (regions if plain is None else plain)]
+        report.compiled = is_compiled(pl_module)
+        if self.reference_regions is not None:
+            rank_zero_info(
+                f"lightning_ckpt_determinism: step {trainer.global_step} checked with regions"
+                f" {report.checked_regions} run plainly in the reference pass."
+            )
+        if report.diverged and report.error is None and self.attribution == "on_divergence":
+            # Decided alike on every rank: the comparison's figures are reduced over ranks.
+            attributed = self._two_pass(trainer, pl_module, capture, attribution=True)
+            report.regions, report.buffer_mutations = attributed.regions, attributed.buffer_mutations
+            report.cause, report.hint, report.error = attributed.cause, attributed.hint, attributed.error
+        return report
+
+    def _live_check(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        capture: StepCapture,
+        plain: list[tuple[str, nn.Module]] | None,
+        holders: list[tuple[str, torch.Tensor]],
+    ) -> RecomputationReport | None:
+        """:func:`check_live_step` of the step ``capture`` saw, its reference run through the strategy."""
+        strategy = trainer.strategy
+        return check_live_step(
             pl_module,
             live_reference(
                 trainer,
@@ -311,21 +362,6 @@ class RecomputationMonitor(Callback):
             exclude_attributes=LIGHTNING_INTERNALS,
             device=strategy.root_device,
         )
-        if report is None:
-            return None
-        report.checked_regions = [name for name, _ in (regions if plain is None else plain)]
-        report.compiled = is_compiled(pl_module)
-        if self.reference_regions is not None:
-            rank_zero_info(
-                f"lightning_ckpt_determinism: step {trainer.global_step} checked with regions"
-                f" {report.checked_regions} run plainly in the reference pass."
-            )
-        if report.diverged and report.error is None and self.attribution == "on_divergence":
-            # Decided alike on every rank: the comparison's figures are reduced over ranks.
-            attributed = self._two_pass(trainer, pl_module, capture, attribution=True)
-            report.regions, report.buffer_mutations = attributed.regions, attributed.buffer_mutations
-            report.cause, report.hint, report.error = attributed.cause, attributed.hint, attributed.error
-        return report
 
     def _reference_regions(
         self, pl_module: "pl.LightningModule", regions: list[tuple[str, nn.Module]]
@@ -336,13 +372,11 @@ class RecomputationMonitor(Callback):
             return None
         if is_compiled(pl_module):
             # Each subset would be another set of guards, one recompile each, past dynamo's limit on a deep model.
-            if "compiled_reference_regions" not in self._warned:
-                self._warned.add("compiled_reference_regions")
-                rank_zero_warn(
-                    "`RecomputationMonitor(reference_regions=...)` runs every region plainly in the reference pass of"
-                    " a compiled model: a rotating subset would compile a graph per subset.",
-                    category=LightningCkptDeterminismWarning,
-                )
+            self._warn_once(
+                "compiled_reference_regions",
+                "`RecomputationMonitor(reference_regions=...)` runs every region plainly in the reference pass of a"
+                " compiled model: a rotating subset would compile a graph per subset.",
+            )
             return None
         start = self._checks * count % len(regions)
         return [regions[(start + offset) % len(regions)] for offset in range(count)]
@@ -378,6 +412,7 @@ class RecomputationMonitor(Callback):
                     attribution=attribution,
                     calibrate_noise=self.calibrate_noise,
                     gradients="backward",
+                    agree=partial(strategy.reduce_boolean_decision, all=False),
                 )
         finally:
             stash.put_back()
@@ -429,10 +464,12 @@ class RecomputationMonitor(Callback):
         message = _divergence_message(step, divergence, max_abs_diff, report, findings, self.attribution)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
-        # One warning per kind of finding; the metric carries every check's numbers.
         causes = sorted({region.cause or "" for finding in findings for region in finding.regions})
         errors = sorted({finding.error.split(":", 1)[0] for finding in findings if finding.error})
-        key = f"causes:{causes}" if causes else f"errors:{errors}" if errors else "gradients"
+        self._warn_once(f"causes:{causes}" if causes else f"errors:{errors}" if errors else "gradients", message)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """Warn on rank zero the first time a kind of finding shows; the metrics carry every check's numbers."""
         if key not in self._warned:
             self._warned.add(key)
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)

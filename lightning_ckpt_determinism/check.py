@@ -161,6 +161,7 @@ def check_recomputation(
     attribution: bool = False,
     calibrate_noise: bool = False,
     gradients: Literal["autograd", "backward"] = "autograd",
+    agree: Callable[[bool], bool] | None = None,
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
@@ -211,6 +212,10 @@ def check_recomputation(
             the check and put back after; needed where ``autograd.grad`` cannot work, such as FSDP2's sharded
             (DTensor) parameters, which get their gradients from FSDP's reduce-scatter, or reentrant checkpointing
             elsewhere in the model. A sharded gradient is compared as this rank's shard.
+        agree: For a check run on every rank at once: reduces a decision this rank took (``True`` on any rank makes
+            it ``True`` on all) so that every rank runs the same passes, since a forward may hold collectives (FSDP's
+            all-gathers, SyncBatchNorm). Attribution decides two extra passes from what it found: the host-RNG
+            confirmation and, on a compiled model, the graph scan. ``None`` on one process.
 
     Returns:
         The :class:`RecomputationReport`.
@@ -243,6 +248,7 @@ def check_recomputation(
     compiled = is_compiled(module)
     observer = _Attribution(module) if attribution else None
     take = partial(_gradients, closure, params, use_backward=gradients == "backward")
+    agreed = agree if agree is not None else bool
     stash = GradientStash(params) if gradients == "backward" else None
     try:
         with _restored_state(module) as restore_between_passes:
@@ -267,10 +273,12 @@ def check_recomputation(
                     eager_divergence = gradient_divergence(eager_reference, eager_recomputed)[0]  # type: ignore[arg-type]
                     eager_diverged = eager_divergence > max(tolerance, noise_floor)
             explained: frozenset[str] = frozenset()
-            if observer is not None and observer.host_rng_suspects():
+            suspects = observer.host_rng_suspects() if observer is not None else frozenset()
+            if agreed(bool(suspects)):
+                # Where this rank has no suspect the pass replays nothing: it runs for the others' collectives.
                 restore_between_passes()
                 with eager_semantics() if compiled else contextlib.nullcontext():
-                    explained = _host_rng_explains(module, take, observer.host_rng_suspects())
+                    explained = _host_rng_explains(module, take, suspects)
             finding = error if error is not None else _uncomparable(names, reference, recomputed)
             if finding is not None or recomputed is None:
                 divergence, max_diffs = math.inf, [math.inf]
@@ -288,15 +296,18 @@ def check_recomputation(
                     # Eager findings: compile replays RNG and updates buffers itself, so they count where the
                     # compiled step diverged as well.
                     region.diverged = region.diverged and diverged
-                if (
-                    observer is not None
-                    and diverged
-                    and not eager_diverged
-                    and not any(r.diverged for r in region_reports)
-                ):
-                    cause = "compiler_recompute"
-                    restore_between_passes()
-                    _name_redrawing_regions(module, take, region_reports)
+            compiler_only = (
+                compiled
+                and observer is not None
+                and diverged
+                and not eager_diverged
+                and not any(r.diverged for r in region_reports)
+            )
+            if compiler_only:
+                cause = "compiler_recompute"
+            if compiled and agreed(compiler_only):
+                restore_between_passes()
+                _name_redrawing_regions(module, take, region_reports if compiler_only else [])
     finally:
         if stash is not None:
             stash.put_back()

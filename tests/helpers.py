@@ -4,11 +4,12 @@ import gc
 import random
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -463,3 +464,40 @@ class LiveStorages(TorchDispatchMode):
         gc.collect()
         live = [ref() for ref in self._storages]
         return sum({id(storage): storage.nbytes() for storage in live if storage is not None}.values())
+
+
+class MomentumTeacherModule(StackModule):
+    """Updates a momentum teacher (a frozen copy of the model) in place at the start of ``training_step``."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.teacher = make_stack(globals()[block], 3, seed=1).requires_grad_(False)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        with torch.no_grad():
+            for teacher, student in zip(self.teacher.parameters(), self.model.parameters(), strict=True):
+                teacher.mul_(0.9).add_(student, alpha=0.1)
+        return super().training_step(batch, batch_idx) + 0.0 * self.teacher(batch[0]).sum()
+
+
+class PlainMetricsModule(StackModule):
+    """Keeps a torchmetrics metric in a plain dict attribute (not a submodule) and updates it in ``training_step``."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.metrics = {"mse": torchmetrics.MeanSquaredError()}
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.metrics["mse"].update(self.model(x).detach(), y)
+        return super().training_step(batch, batch_idx)
+
+
+class SkipsOnItsSecondCallModule(StackModule):
+    """Returns no loss from the second ``training_step`` call on, counted in a module-level list no check restores."""
+
+    calls: ClassVar[list[int]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        type(self).calls.append(batch_idx)
+        return None if len(type(self).calls) > 1 else super().training_step(batch, batch_idx)

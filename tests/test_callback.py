@@ -28,8 +28,11 @@ from tests.helpers import (
     GradientPenaltyModule,
     ManualModule,
     MaskingModule,
+    MomentumTeacherModule,
     NumpyNoiseBlock,
+    PlainMetricsModule,
     ReentrantHeadModule,
+    SkipsOnItsSecondCallModule,
     StackModule,
     WarmupModule,
     manual_loss,
@@ -435,3 +438,39 @@ def test_an_optimizer_that_calls_its_closure_again_is_checked_once_per_step(tmp_
             assert [(entry["step"], entry["grad_divergence"]) for entry in monitor.history] == [(0, 0.0), (1, 0.0)]
     for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
+
+
+def test_a_step_that_changes_parameters_in_place_is_skipped_with_a_warning_and_trains_unchanged(tmp_path):
+    modules = []
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1))):
+        if monitor is None:
+            _, module = fit(tmp_path / name, module=MomentumTeacherModule(), monitor=monitor)
+        else:
+            with pytest.warns(
+                LightningCkptDeterminismWarning, match=r"changed parameters in place \(teacher.inp.weight"
+            ):
+                _, module = fit(tmp_path / name, module=MomentumTeacherModule(), monitor=monitor)
+            assert [entry.get("skipped") for entry in monitor.history] == [
+                "parameters changed in place in training_step"
+            ] * 4
+        modules.append(module)
+    for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key
+
+
+def test_a_metric_held_in_a_plain_dict_is_updated_once_per_step(tmp_path):
+    totals = []
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1))):
+        _, module = fit(tmp_path / name, module=PlainMetricsModule(), monitor=monitor)
+        totals.append(int(module.metrics["mse"].total))
+    assert totals[0] == totals[1] == 4 * 8
+
+
+def test_a_reference_that_returns_no_loss_is_an_error_finding(tmp_path):
+    SkipsOnItsSecondCallModule.calls = []
+    monitor = RecomputationMonitor(every_n_steps=100, on_divergence="ignore")
+    fit(tmp_path, module=SkipsOnItsSecondCallModule(), monitor=monitor, max_steps=1)
+    assert monitor.last_report is not None
+    assert monitor.last_report.error is not None
+    assert "the reference pass's `training_step` returned None" in monitor.last_report.error
+    assert monitor.history[0]["diverged"] and monitor.history[0]["grad_divergence"] == math.inf

@@ -266,3 +266,21 @@ def test_python_state_is_the_same_in_both_passes_and_restored_after():
     assert report.grad_divergence == 0.0
     assert (model.steps, model.seen, "created" in vars(model)) == (3, [1], False)
     assert model.seen is seen
+
+
+def test_extra_passes_of_attribution_follow_the_agreed_decision():
+    # On one rank a clean model needs no host-RNG confirmation; agreeing with a rank that does runs it here too, so
+    # that every rank runs as many forwards (and their collectives).
+    model = checked_stack(PlainBlock)
+    passes = []
+
+    def closure() -> torch.Tensor:
+        passes.append(1)
+        return mse_closure(model)()
+
+    check_recomputation(model, closure, attribution=True, agree=lambda decision: decision)
+    alone = len(passes)
+    passes.clear()
+    report = check_recomputation(model, closure, attribution=True, agree=lambda decision: True)
+    assert (alone, len(passes)) == (2, 3)
+    assert report.grad_divergence == 0.0 and not report.diverged
