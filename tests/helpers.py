@@ -3,6 +3,7 @@
 import gc
 import random
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -501,3 +502,33 @@ class SkipsOnItsSecondCallModule(StackModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         type(self).calls.append(batch_idx)
         return None if len(type(self).calls) > 1 else super().training_step(batch, batch_idx)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops run while it is active, by op name (``"aten.addmm"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def gradients_of(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, twice: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Gradients of an MSE step on ``(x, y)``. ``twice`` recomputes every checkpointed region twice: by a gradient
+    penalty on the input (``"gradient_penalty"``, as WGAN-GP and R1) or by a second backward through the retained
+    graph (``"retain_graph"``)."""
+    x = x.clone().requires_grad_(twice == "gradient_penalty")
+    out = model(x)
+    loss = F.mse_loss(out, y)
+    if twice == "gradient_penalty":
+        (input_grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = loss + input_grad.square().sum()
+    loss.backward(retain_graph=twice == "retain_graph")
+    if twice == "retain_graph":
+        loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}

@@ -34,7 +34,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism._compile import reference_pass
 from lightning_ckpt_determinism._data_dependent import is_data_dependent
 from lightning_ckpt_determinism.cli import main
-from tests.helpers import LiveStorages
+from tests.helpers import LiveStorages, OpCounter, gradients_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -60,19 +60,8 @@ def tokens(count: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gradients(model: nn.Module, twice: str | None = None) -> dict[str, torch.Tensor]:
-    """Gradients of an MSE step; ``twice`` recomputes every region twice: by a gradient penalty on the input or by a
-    second backward through the retained graph."""
-    x, y = tokens()
-    x.requires_grad_(twice == "gradient_penalty")
-    out = model(x)
-    loss = F.mse_loss(out, y)
-    if twice == "gradient_penalty":
-        (input_grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-        loss = loss + input_grad.square().sum()
-    loss.backward(retain_graph=twice == "retain_graph")
-    if twice == "retain_graph":
-        loss.backward()
-    return {name: param.grad.clone() for name, param in model.named_parameters()}
+    """Gradients of an MSE step on :func:`tokens` (see :func:`gradients_of` for ``twice``)."""
+    return gradients_of(model, *tokens(), twice)
 
 
 def unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
@@ -223,20 +212,10 @@ def test_a_guarded_region_recomputed_twice_keeps_its_routing(twice: str) -> None
     assert drifting < 1e-5
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_ops(model: nn.Module) -> Counter[str]:
     x, y = tokens()
     loss = F.mse_loss(model(x), y)
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         loss.backward()
     return ops.counts
 
@@ -256,7 +235,7 @@ def test_the_guard_is_absent_without_checkpointing() -> None:
     wrappers = [module.forward for module in checkpointed_modules(model).values()]
     x, y = tokens()
     for plainly in (checkpointing_disabled, reference_pass):
-        with plainly(), _OpCounter() as ops:
+        with plainly(), OpCounter() as ops:
             F.mse_loss(model(x), y).backward()
         # The regions ran their plain forward: nothing recomputed, nothing kept, nothing decided.
         assert ops.counts["aten.topk"] == 2

@@ -36,6 +36,7 @@ from tests.helpers import (
     KeywordBlock,
     LiveStorages,
     NumpyNoiseBlock,
+    OpCounter,
     PlainBlock,
     RoutingBlock,
     ScaledLinear,
@@ -43,6 +44,7 @@ from tests.helpers import (
     StackModule,
     TupleOutputBlock,
     batch,
+    gradients_of,
     make_stack,
     step_gradients,
 )
@@ -126,18 +128,6 @@ def test_checkpointing_blocks_reduces_bytes_saved_and_every_second_block_saves_h
 # Selective checkpointing: `save_ops`.
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the ops run while it is active, by op name (``"aten.addmm"``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @dataclass
 class _GPTStep:
     live_bytes: int
@@ -153,7 +143,7 @@ def _gpt_step(config: CheckpointingConfig | None) -> _GPTStep:
     with LiveStorages() as storages:
         logits = model(_tokens())
     live_bytes = storages.live_bytes()
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         logits.square().mean().backward()
     gradients = {name: param.grad for name, param in model.named_parameters()}
     return _GPTStep(live_bytes, ops.counts, gradients)
@@ -161,7 +151,7 @@ def _gpt_step(config: CheckpointingConfig | None) -> _GPTStep:
 
 def test_example_block_runs_its_matmuls_as_addmm_and_bmm_on_cpu() -> None:
     block = _gpt(layers=1).blocks[0]
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         block(torch.randn(2, 16, 32))
     linears = sum(isinstance(sub, nn.Linear) for sub in block.modules())
     assert linears == 4
@@ -576,30 +566,14 @@ def test_config_matching_the_gpt_blocks_by_class_and_by_path() -> None:
 # Recomputation that runs more than once: a gradient penalty, or a second backward through a retained graph.
 
 
-def _penalised_gradients(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
-    """Gradients of an MSE loss plus a gradient penalty on the input (WGAN-GP, R1): every region recomputes twice."""
-    x, y = batch()
-    x.requires_grad_(True)
+def _twice(model: nn.Module, twice: str, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Gradients of a step that recomputes every region twice (see :func:`gradients_of`), torch and NumPy seeded."""
     torch.manual_seed(seed)
     np.random.seed(seed)
-    out = model(x)
-    (input_grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    (F.mse_loss(out, y) + input_grad.square().sum()).backward()
-    return {name: param.grad.clone() for name, param in model.named_parameters()}
+    return gradients_of(model, *batch(), twice)
 
 
-def _retained_graph_gradients(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
-    """Gradients accumulated by two backward passes through one retained graph: every region recomputes twice."""
-    x, y = batch()
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    loss = F.mse_loss(model(x), y)
-    loss.backward(retain_graph=True)
-    loss.backward()
-    return {name: param.grad.clone() for name, param in model.named_parameters()}
-
-
-TWICE = {"gradient_penalty": _penalised_gradients, "retain_graph": _retained_graph_gradients}
+TWICE = ["gradient_penalty", "retain_graph"]
 REENTERED = {
     "batchnorm_protected_buffers": (BatchNormBlock, {}),
     "numpy_noise_host_rng": (NumpyNoiseBlock, {"preserve_host_rng": True}),
@@ -607,15 +581,15 @@ REENTERED = {
 }
 
 
-@pytest.mark.parametrize("twice", sorted(TWICE))
+@pytest.mark.parametrize("twice", TWICE)
 @pytest.mark.parametrize("case", sorted(REENTERED))
 def test_a_region_recomputed_twice_gives_the_gradients_and_buffers_of_no_checkpointing(case: str, twice: str) -> None:
     block, options = REENTERED[case]
     reference = make_stack(block)
     model = _checkpointed(make_stack(block), CheckpointingConfig(classes=[block.__name__], **options))
     live_numpy = np.random.get_state()
-    expected = TWICE[twice](reference)
-    got = TWICE[twice](model)
+    expected = _twice(reference, twice)
+    got = _twice(model, twice)
     assert _unequal(expected, got) == []
     # Each recomputation put the live streams back: NumPy continues as without checkpointing.
     np.random.set_state(live_numpy)
@@ -644,7 +618,7 @@ def test_every_recomputation_of_a_region_replays_the_same_host_rng_and_buffers()
     model = Stack([_StateRecordingBlock()])
     # The recorded count is an `.item()`, whose forward value `keep_data_dependent` would serve to recomputation.
     _checkpointed(model, CheckpointingConfig(names=["blocks.0"], preserve_host_rng=True, keep_data_dependent=False))
-    _penalised_gradients(model)
+    _twice(model, "gradient_penalty")
     forward, *recomputations = model.blocks[0].seen
     # Recomputed under `autograd.grad(..., create_graph=True)`, then again by the backward through the penalty.
     assert len(recomputations) == 2
@@ -660,7 +634,7 @@ def test_save_ops_refuses_a_second_recomputation_with_torchs_message(block: type
     # BatchNormBlock also protects buffers, so its selective-checkpointing modes run inside the package's composition.
     model = _checkpointed(make_stack(block), CheckpointingConfig(classes=[block.__name__], save_ops=SAVE_MATMULS))
     with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
-        _retained_graph_gradients(model)
+        _twice(model, "retain_graph")
 
 
 def test_a_region_without_extra_contexts_takes_torchs_default_context_fn(
