@@ -190,7 +190,9 @@ class _ServeRecompute(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         entries = self._outputs.get(func)
-        if entries is not None:
+        # Counted as the forward counted them: only the data-dependent calls (a boolean mask is one, an integer
+        # index into the same `index.Tensor` is not and must not take a kept mask's place).
+        if entries is not None and is_data_dependent(func, args):
             position = self._served.get(func, 0)
             self._served[func] = position + 1
             # Past the forward's calls the region runs other code than it did; torch's metadata check then says so.

@@ -28,6 +28,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     apply_activation_checkpointing,
     check_recomputation,
+    checkpoint_module,
     checkpointed_modules,
     checkpointing_disabled,
 )
@@ -171,6 +172,35 @@ def test_floating_outputs_larger_than_the_region_input_are_recomputed_and_listed
     report = mse_check(model, attribution=True)
     assert report.grad_divergence == 0.0
     assert report.regions[0].data_dependent_ops == {"aten.sort.default": False, "aten.topk.default": True}
+
+
+class _GatherAndMaskBlock(nn.Module):
+    """Gathers rows by integer indices and selects rows by a boolean mask: both calls are ``aten.index.Tensor``,
+    and only the mask's is data-dependent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.linear(x))
+        return hidden[rows].square().sum() + (3 * hidden[mask]).sum()
+
+
+@pytest.mark.parametrize("masked_rows", [3, 2], ids=["same-shape", "other-shape"])
+def test_an_integer_index_is_not_served_a_kept_boolean_masks_rows(masked_rows: int) -> None:
+    x, _ = tokens(8)
+    rows = torch.tensor([0, 1, 2])
+    mask = torch.arange(8) >= 8 - masked_rows
+    grads = []
+    for keep in (None, True):
+        torch.manual_seed(0)
+        block = _GatherAndMaskBlock()
+        if keep is not None:
+            checkpoint_module(block, "block", CheckpointingConfig(names=["block"], keep_data_dependent=keep))
+        block(x, rows, mask).backward()
+        grads.append(block.linear.weight.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 # The drifting router: ties broken one way in the forward, the other way in recomputation.
