@@ -10,8 +10,10 @@ shape of its indices, and keeping it would keep activation-sized data.
 
 Which outputs are kept (the size rule): integer and boolean outputs (indices, counts, masks) and Python scalars
 always; floating outputs (``topk``'s values, ``masked_select`` of activations) only when an op's floating outputs
-hold at most as many elements as the region's largest tensor input, so that each kept op costs at most what
-checkpointing already saves for the region. A larger op is recomputed, and the audit lists it as not kept.
+hold at most as many elements as the region's largest tensor input, so that the floating values kept cost at most
+what checkpointing already saves for the region. A larger op is recomputed, and the audit lists it as not kept.
+Integer outputs are kept whatever their size: routing indices are tokens x k, but an integer op over a hidden layer
+keeps activation-sized data.
 
 Eagerly, :class:`KeptOutputs` caches the kept outputs of one checkpointed call and serves copies of them to every
 recomputation of that call (a gradient penalty or ``retain_graph=True`` recomputes it more than once; torch's
@@ -117,6 +119,8 @@ class KeptOutputs:
 
     Args:
         keep: Keep outputs by the size rule (``keep_data_dependent``); ``False`` only logs what runs, for the check.
+        dropped: ``keep_data_dependent`` is on but the region's guard is not: its first checkpointed forward ran no
+            data-dependent op. Only the check's hint reads it.
         save_ops: The config's ``save_ops``: torch's selective checkpointing keeps these, so they are logged as
             kept and not cached twice.
         on_forward: Called with whether a data-dependent op ran, once the forward has run without an error.
@@ -132,9 +136,15 @@ class KeptOutputs:
     """
 
     def __init__(
-        self, *, keep: bool, save_ops: frozenset[Any], on_forward: Callable[[bool], None] | None = None
+        self,
+        *,
+        keep: bool,
+        save_ops: frozenset[Any],
+        on_forward: Callable[[bool], None] | None = None,
+        dropped: bool = False,
     ) -> None:
         self.keep = keep
+        self.dropped = dropped
         self.seen: list[tuple[str, bool]] = []
         self._save_ops = save_ops
         self._on_forward = on_forward

@@ -124,6 +124,12 @@ _ROUTING_TOO_LARGE_HINT = (
     " make them smaller (route on fewer values) or compute them outside the checkpointed module."
 )
 
+_ROUTING_DROPPED_HINT = (
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's."
+    " `keep_data_dependent` is on, but this region's first checkpointed forward ran no data-dependent op, so its"
+    " guard was not installed; this check saw it route and installed it for the following steps. A region that"
+    " routes only after a warm-up should route from its first step to be guarded from the start."
+)
 _INPUT_MODIFIED_HINT = (
     "An input the region received was modified in place after the forward saved it for recomputation, by an"
     " in-place op in the region (such as `nn.ReLU(inplace=True)` on its input) or by code after it: torch found its"
@@ -523,6 +529,8 @@ def _routing_hint(call: _Call) -> str:
         return ""
     if call.kept is not None and call.kept.keep:
         return _ROUTING_TOO_LARGE_HINT.format(op=call.routing_changed)
+    if call.kept is not None and call.kept.dropped:
+        return _ROUTING_DROPPED_HINT.format(op=call.routing_changed)
     return _ROUTING_HINT.format(op=call.routing_changed)
 
 

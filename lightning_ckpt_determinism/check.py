@@ -62,11 +62,14 @@ class RecomputationReport:
         compiled: Whether the module is compiled. Both passes then ran compiled, and ``regions`` come from the same
             step rerun eagerly (eager semantics): a region's ``diverged`` counts only when the compiled gradients
             diverged too, since compile replays RNG and updates buffers by itself.
-        cause: ``"compiler_recompute"`` when the compiled step diverged and the same step run eagerly did not (found
-            with ``attribution``): the compiler's recomputation differs, where no eager comparison can see it. The
-            regions whose compiled backward graphs redraw a random op instead of replaying the forward's draw get
-            this cause in ``regions`` too; ``None`` otherwise.
-        hint: :data:`~lightning_ckpt_determinism.attribution.CAUSE_HINTS` of ``cause``; ``None`` when it is.
+        cause: When the compiled step diverged and the same step run eagerly did not (found with ``attribution``):
+            ``"compiler_recompute"`` when the divergence repeats from the same state (the compiler's recomputation
+            differs, where no eager comparison can see it; the regions whose compiled backward graphs redraw a random
+            op instead of replaying the forward's draw get this cause in ``regions`` too), or
+            ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. ``None``
+            otherwise.
+        hint: :data:`~lightning_ckpt_determinism.attribution.CAUSE_HINTS` of ``cause`` (with a note on compiled
+            kernels for ``"nondeterministic_kernel"``); ``None`` when ``cause`` is.
 
     Example::
 
@@ -303,11 +306,19 @@ def check_recomputation(
                 and not eager_diverged
                 and not any(r.diverged for r in region_reports)
             )
-            if compiler_only:
-                cause = "compiler_recompute"
             if compiled and agreed(compiler_only):
+                # A compiler's recomputation bug repeats from the same state; compiled kernels that differ from run
+                # to run (inductor's accumulations) do not: both passes once more tell the two apart.
                 restore_between_passes()
-                _name_redrawing_regions(module, take, region_reports if compiler_only else [])
+                _, again_reference = take(disable_checkpointing=True)
+                restore_between_passes()
+                _, again_recomputed, _ = _checkpointed_pass(take, None)
+                repeats = _same_gradients(reference, again_reference) and _same_gradients(recomputed, again_recomputed)
+                if compiler_only:
+                    cause = "compiler_recompute" if repeats else "nondeterministic_kernel"
+                if agreed(compiler_only and repeats):
+                    restore_between_passes()
+                    _name_redrawing_regions(module, take, region_reports if cause == "compiler_recompute" else [])
     finally:
         if stash is not None:
             stash.put_back()
@@ -328,7 +339,9 @@ def check_recomputation(
         buffer_mutations=buffer_mutations,
         compiled=compiled,
         cause=cause,
-        hint=None if cause is None else CAUSE_HINTS[cause],
+        hint=None
+        if cause is None
+        else CAUSE_HINTS[cause] + _COMPILED_NOISE_NOTE * (cause == "nondeterministic_kernel"),
     )
 
 
@@ -372,6 +385,17 @@ def _host_rng_explains(
     replaying = _Attribution(module, replay_host_rng=suspects)
     _checkpointed_pass(take, replaying)
     return suspects - replaying.diverging_regions()
+
+
+_COMPILED_NOISE_NOTE = (
+    " The compiled step differs from itself run to run (its kernels, such as inductor's accumulations, are not"
+    " bitwise reproducible), while the same step run eagerly is exact: check compiled models with a `tolerance`, or"
+    " with `calibrate_noise=True`."
+)
+
+
+def _same_gradients(first: list[torch.Tensor | None] | None, second: list[torch.Tensor | None] | None) -> bool:
+    return first is not None and second is not None and gradient_divergence(first, second)[0] == 0.0
 
 
 class _UncomparableGradients(Exception):

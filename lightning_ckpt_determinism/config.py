@@ -49,8 +49,8 @@ class CheckpointingConfig:
             change which tokens go to which expert. Integer and boolean outputs are always kept; floating ones
             (``topk``'s values) when they hold at most as many elements as the region's largest input, else the op
             is recomputed and the audit lists it as not kept. Installed only in regions where such an op runs in
-            their first checkpointed forward (which is already guarded); others pay nothing. ``False`` recomputes
-            them, to let the check show how sensitive the routing is.
+            their first checkpointed forward (which is already guarded), or later in a forward a check observes;
+            others pay nothing. ``False`` recomputes them, to let the check show how sensitive the routing is.
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but

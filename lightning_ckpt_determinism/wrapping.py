@@ -237,7 +237,8 @@ class _CheckpointedForward:
         return self.config.keep_data_dependent and self.data_dependent is not False
 
     def _found_data_dependent(self, found: bool) -> None:
-        if self.data_dependent is None:
+        # A later forward that shows routing (one observed by a check) turns a dropped guard back on.
+        if found or self.data_dependent is None:
             self.data_dependent = found
 
     def _enter_forward(self, kept: KeptOutputs) -> AbstractContextManager[Any]:
@@ -260,7 +261,12 @@ class _CheckpointedForward:
             forward.append(partial(_same_context, sac_forward))
             recompute.append(partial(_same_context, sac_recompute))
         guarded = self._guarded()
-        kept = KeptOutputs(keep=guarded, save_ops=self._save_ops, on_forward=self._found_data_dependent)
+        kept = KeptOutputs(
+            keep=guarded,
+            save_ops=self._save_ops,
+            on_forward=self._found_data_dependent,
+            dropped=self.config.keep_data_dependent and not guarded,
+        )
         if guarded or observer is not None:
             # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the
             # guard it only logs, for the observer, which data-dependent ops run.

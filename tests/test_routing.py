@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from examples import train
-from examples.moe import MoEBlock, MoEModule
+from examples.moe import DriftingRouterMoEBlock, MoEBlock, MoEModule
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     RecomputationMonitor,
@@ -399,3 +399,35 @@ def test_recomputation_reads_the_forwards_item() -> None:
     gradients(model)
     # The counter was 1 when the region was recomputed; `.item()` is served the forward's 0.
     assert seen == [0, 0]
+
+
+class WarmupRouterBlock(DriftingRouterMoEBlock):
+    """A drifting router that is dense for its first step (every expert, weighted by the router), top-k after."""
+
+    dense = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.dense:
+            return super().forward(x)
+        tokens = self.norm(x)
+        weights = self.router_logits(tokens).softmax(-1)
+        return x + sum(weights[:, index, None] * expert(tokens) for index, expert in enumerate(self.experts))
+
+
+def test_a_region_that_routes_only_after_its_first_step_is_guarded_once_a_check_sees_it_route() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(WarmupRouterBlock(DIM), WarmupRouterBlock(DIM), nn.Linear(DIM, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["WarmupRouterBlock"]))
+    x, y = tokens()
+    F.mse_loss(model(x), y).backward()  # the dense first step: no data-dependent op, so no guard
+    for block in model[:2]:
+        block.dense = False
+    assert [block.forward.data_dependent for block in model[:2]] == [False, False]
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    assert report.diverged
+    hints = [region.hint or "" for region in report.regions]
+    assert any("`keep_data_dependent` is on, but this region's first checkpointed forward" in hint for hint in hints)
+    # The check saw the regions route: their guard is on from now on, and the drifting router keeps its routing.
+    assert [block.forward.data_dependent for block in model[:2]] == [True, True]
+    guarded = check_recomputation(model, lambda: F.mse_loss(model(x), y))
+    assert guarded.error is None and guarded.grad_divergence < 1e-5
