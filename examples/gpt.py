@@ -67,6 +67,23 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def shard_blocks_then_model(module: pl.LightningModule) -> None:
+    """``fully_shard`` each of ``module.model.blocks``, then ``module.model``, over the data-parallel dimension of the
+    module's device mesh, as FSDP2 wants it; nothing under strategies that give no device mesh.
+
+    Args:
+        module: A LightningModule whose ``model`` has ``blocks``, in its ``configure_model``.
+    """
+    if module.device_mesh is None:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = module.device_mesh["data_parallel"]
+    for block in module.model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module.model, mesh=mesh)
+
+
 class GPTModule(pl.LightningModule):
     """Next-token prediction with :class:`GPT`.
 
@@ -95,16 +112,8 @@ class GPTModule(pl.LightningModule):
         self.model = GPT(vocab_size, seq_len, dim, heads, layers, dropout)
 
     def configure_model(self) -> None:
-        """Shard each block and then the whole model with FSDP2 when the strategy gives a device mesh
-        (``ModelParallelStrategy``); under other strategies the model stays as it is."""
-        if self.device_mesh is None:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        """Shard the model with FSDP2 when the strategy gives a device mesh (``ModelParallelStrategy``)."""
+        shard_blocks_then_model(self)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.model(batch[:, :-1])

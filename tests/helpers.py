@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.broken import BrokenModule, unordered_row_sum
+from examples.gpt import shard_blocks_then_model
 from lightning_ckpt_determinism import checkpointed_modules
 
 DIM = 8
@@ -414,14 +415,7 @@ class ShardedStackModule(StackModule):
     """A :class:`StackModule` that shards each block and then its model with FSDP2 under ``ModelParallelStrategy``."""
 
     def configure_model(self) -> None:
-        if self.device_mesh is None:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        shard_blocks_then_model(self)
 
 
 class ManualModule(StackModule):
