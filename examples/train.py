@@ -19,6 +19,7 @@ from itertools import takewhile
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from lightning_ckpt_determinism import CheckpointingConfigError
@@ -135,4 +136,9 @@ def main(args: ArgsType = None, run: bool = True) -> CheckpointingCLI:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # gloo's threads still running at interpreter exit now and then abort a finished multi-process run.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_ckpt_determinism import CheckpointingConfig, DDPCheckpointingStrategy, RecomputationMonitor
-from tests.helpers import StackModule, trainer_kwargs
+from tests.helpers import StackModule, close_process_group, trainer_kwargs
 
 
 class CompiledStackModule(StackModule):
@@ -44,4 +44,7 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    try:
+        main(Path(sys.argv[1]))
+    finally:
+        close_process_group()

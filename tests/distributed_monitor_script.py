@@ -30,7 +30,15 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
 )
 from lightning_ckpt_determinism._grads import local_tensor
-from tests.helpers import DIM, ManualModule, ShardedStackModule, StackModule, manual_loss, trainer_kwargs
+from tests.helpers import (
+    DIM,
+    ManualModule,
+    ShardedStackModule,
+    StackModule,
+    close_process_group,
+    manual_loss,
+    trainer_kwargs,
+)
 
 
 class RankOneCounterBlock(torch.nn.Module):
@@ -196,4 +204,7 @@ def main(kind: str, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    try:
+        main(sys.argv[1], Path(sys.argv[2]))
+    finally:
+        close_process_group()

@@ -526,3 +526,11 @@ def gradients_of(
     if twice == "retain_graph":
         loss.backward()
     return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def close_process_group() -> None:
+    """Destroy the default process group before a multi-process test script exits: gloo's threads still running at
+    interpreter exit now and then abort the process ("terminate called without an active exception") with a
+    non-zero status after its work is done."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
