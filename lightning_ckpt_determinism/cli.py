@@ -35,7 +35,12 @@ from tqdm import tqdm
 
 from lightning_ckpt_determinism._compile import is_compiled
 from lightning_ckpt_determinism._graph_scan import GraphScan, scanned
-from lightning_ckpt_determinism._lightning_step import SkippedStep, logging_suppressed, training_step_loss
+from lightning_ckpt_determinism._lightning_step import (
+    SkippedStep,
+    logging_suppressed,
+    training_step_arguments,
+    training_step_loss,
+)
 from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation
 from lightning_ckpt_determinism.config import resolve_class_path
 from lightning_ckpt_determinism.strategy import ActivationCheckpointingMixin
@@ -346,7 +351,7 @@ def _check_batch(
     model: pl.LightningModule, strategy: Any, batch: Any, batch_idx: int, args: argparse.Namespace
 ) -> RecomputationReport | None:
     def closure() -> torch.Tensor:
-        return training_step_loss(model, batch, batch_idx)
+        return training_step_loss(model, *training_step_arguments(model, batch, batch_idx))
 
     try:
         with strategy.precision_plugin.train_step_context(), logging_suppressed(model):

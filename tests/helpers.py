@@ -353,6 +353,13 @@ class OddStepsSkippedModule(BrokenModule):
         return None if batch_idx % 2 else super().training_step(batch, batch_idx)
 
 
+class BatchOnlyBrokenModule(BrokenModule):
+    """A :class:`~examples.broken.BrokenModule` whose ``training_step`` takes no ``batch_idx``, as Lightning allows."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().training_step(batch, 0)
+
+
 class MaskingModule(StackModule):
     """Masks part of its batch in place in ``training_step``, as masked-language-model code does."""
 

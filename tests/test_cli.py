@@ -488,3 +488,15 @@ def test_more_batches_than_the_data_has_says_how_many_were_checked(model, checke
     written = json.loads(report.read_text())
     assert (written["batches_asked"], written["batches"], len(written["checks"])) == (5, checked, checked)
     assert written["notes"] == [note]
+
+
+def test_a_training_step_without_batch_idx_is_audited_as_lightning_calls_it(capsys, tmp_path):
+    path = tmp_path / "batch_only.yaml"
+    path.write_text(
+        f"trainer:\n  accelerator: cpu\n  strategy:\n{CHECKPOINTING.format(classes='Block')}\nmodel:\n"
+        "  class_path: tests.helpers.BatchOnlyBrokenModule\n  init_args:\n    defect: python_state\n"
+        "    defective_block: 3\ndata:\n  class_path: examples.broken.SyntheticRegression\n"
+    )
+    code, out, err = audit(capsys, "--config", str(path))
+    assert code == 1, err
+    assert out.splitlines()[-1] == "result: 1 of 4 checkpointed regions diverged: blocks.3"
