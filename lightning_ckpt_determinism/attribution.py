@@ -43,6 +43,7 @@ op by op at its first recomputation; the later ones replay the same state, are c
 """
 
 import contextlib
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,10 +59,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import CheckpointError, _StopRecomputationError
 
 from lightning_ckpt_determinism._data_dependent import KeptOutputs, is_data_dependent
+from lightning_ckpt_determinism._grads import local_tensor
 from lightning_ckpt_determinism.rng import HostRNGState, capture_host_rng, restore_host_rng
 from lightning_ckpt_determinism.wrapping import _buffer_slots, _observing, checkpointed_modules
 
 __all__ = ["CAUSE_HINTS", "RegionReport"]
+
+_log = logging.getLogger(__name__)
 
 CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
     {
@@ -137,6 +141,9 @@ _INPUT_MODIFIED_HINT = (
     " modify a copy (`x = x.clone()` first)."
 )
 
+# Collectives and their waits: their outputs are filled by another process (asynchronously, until `wait`), and their
+# arguments hold process groups. Never recorded nor compared: a collective's result is compared where it is consumed.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 _BITS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _Kind = Literal["values", "shape", "structure"]
@@ -250,6 +257,58 @@ class _Call:
     input_modified: bool = False
     kept: KeptOutputs | None = None
     routing_changed: str | None = None
+    abandoned: str | None = None
+    uncomparable: set[str] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def contained(self, stage: str) -> Iterator[None]:
+        """Keep a failure of the observer's own bookkeeping out of the pass it observes.
+
+        The observer runs inside the region's forward and, in backward, inside its recomputation: an exception of
+        its own would abort this rank's backward while the other ranks wait for it in their next collective. The
+        call is no longer observed instead (nothing more of it is compared), and the failure is logged.
+        """
+        try:
+            yield
+        except Exception as err:
+            self.abandoned = f"{type(err).__name__}: {err}"
+            self.release()
+            _log.warning(
+                "lightning_ckpt_determinism: attribution stopped observing region `%s` while %s its op %d (%s); the"
+                " region's ops from there on are not compared.",
+                self.region,
+                stage,
+                self.cursor,
+                self.abandoned,
+            )
+
+    def signature(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        """The op's arguments as they are compared: tensors by fingerprint (of this rank's shard of a DTensor)."""
+        return [_fingerprint(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in _flatten([args, kwargs])]
+
+    def same_inputs(self, recorded: list[Any], seen: list[Any]) -> bool:
+        """Whether an op got the inputs it had in the forward; an argument that cannot be compared counts as equal
+        (its type is noted)."""
+        if len(recorded) != len(seen):
+            return False
+        for expected, actual in zip(recorded, seen, strict=True):
+            if isinstance(expected, _Fingerprint):
+                if not expected.same_as(actual):
+                    return False
+            elif (
+                isinstance(actual, _Fingerprint)
+                or type(expected) is not type(actual)
+                or not self._equal_arguments(expected, actual)
+            ):
+                return False
+        return True
+
+    def _equal_arguments(self, expected: Any, actual: Any) -> bool:
+        try:
+            return bool(expected == actual)
+        except Exception:  # an opaque object (a process group, a script object) without a usable `==`
+            self.uncomparable.add(type(expected).__qualname__)
+            return True
 
     def record(self, func: torch._ops.OpOverload, inputs: list[Any], args: Any, kwargs: Any, out: Any) -> None:
         outputs = _flatten(out)
@@ -293,7 +352,7 @@ class _Call:
                     diff = max(diff, _max_abs_difference(expected, actual))
             if diff > 0.0:
                 kind = "values"
-        same_inputs = kind is not None and inputs is not None and _same_inputs(recorded.inputs, inputs)
+        same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
         recorded.outputs, recorded.inputs = [], []
         if kind is None:
             return
@@ -310,7 +369,8 @@ class _Call:
     def snapshot_buffers(self) -> None:
         with torch.no_grad():
             self.buffers_after_forward = [
-                (name, owner, key, buffer.clone()) for name, (owner, key, buffer) in _buffer_slots(self.module).items()
+                (name, owner, key, local_tensor(buffer).clone())
+                for name, (owner, key, buffer) in _buffer_slots(self.module).items()
             ]
 
     def inputs_modified(self) -> bool:
@@ -345,14 +405,17 @@ class _ForwardRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten.detach.default:
+        call = self.call
+        if not _observed(func) or call.abandoned is not None:
             return func(*args, **kwargs)
+        inputs: list[Any] = []
         # The recording's own ops must reach no mode below (selective checkpointing would cache them).
-        with _disable_current_modes():
-            inputs = _signature(args, kwargs)
+        with _disable_current_modes(), call.contained("recording"):
+            inputs = call.signature(args, kwargs)
         out = func(*args, **kwargs)
-        with _disable_current_modes():
-            self.call.record(func, inputs, args, kwargs, out)
+        if call.abandoned is None:
+            with _disable_current_modes(), call.contained("recording"):
+                call.record(func, inputs, args, kwargs, out)
         return out
 
 
@@ -363,16 +426,26 @@ class _RecomputeComparer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten.detach.default:
+        call = self.call
+        if not _observed(func) or call.abandoned is not None:
             return func(*args, **kwargs)
         inputs = None
-        if self.call.divergence is None:
-            with _disable_current_modes():
-                inputs = _signature(args, kwargs)
+        if call.divergence is None:
+            with _disable_current_modes(), call.contained("comparing"):
+                inputs = call.signature(args, kwargs)
         out = func(*args, **kwargs)
-        with _disable_current_modes():
-            self.call.compare(func, inputs, out)
+        if call.abandoned is None:
+            with _disable_current_modes(), call.contained("comparing"):
+                call.compare(func, inputs, out)
         return out
+
+
+def _observed(func: Any) -> bool:
+    """Whether the observer records and compares ``func``: not ``aten.detach`` (recomputation detaches its inputs,
+    the forward does not), and no collective (see :data:`_COLLECTIVE_NAMESPACES`)."""
+    if func is torch.ops.aten.detach.default:
+        return False
+    return getattr(func, "namespace", None) not in _COLLECTIVE_NAMESPACES
 
 
 class _Attribution:
@@ -421,6 +494,13 @@ class _Attribution:
                 self._mutated.setdefault(call.region, []).extend(
                     f"{call.region}.{name}" for name in call.mutated_buffers()
                 )
+        uncomparable = sorted({name for call in self.calls for name in call.uncomparable})
+        if uncomparable:
+            _log.info(
+                "lightning_ckpt_determinism: attribution compared arguments of types %s as equal: they have no usable"
+                " `==`.",
+                uncomparable,
+            )
         for call in self.calls:
             call.release()
             call.buffers_after_forward = []
@@ -579,11 +659,8 @@ def _flatten(value: Any) -> list[Any]:
     return [value]
 
 
-def _signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-    return [_fingerprint(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in _flatten([args, kwargs])]
-
-
 def _fingerprint(tensor: torch.Tensor) -> _Fingerprint:
+    tensor = local_tensor(tensor)
     shape, dtype = tuple(tensor.shape), tensor.dtype
     if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
         return _Fingerprint(shape, dtype, None)
@@ -608,27 +685,16 @@ def _positions(sums: torch.Tensor) -> torch.Tensor:
     return torch.arange(1, sums.numel() + 1, device=sums.device, dtype=torch.int64)
 
 
-def _same_inputs(recorded: list[Any], seen: list[Any]) -> bool:
-    if len(recorded) != len(seen):
-        return False
-    for expected, actual in zip(recorded, seen, strict=True):
-        if isinstance(expected, _Fingerprint):
-            if not expected.same_as(actual):
-                return False
-        elif isinstance(actual, _Fingerprint) or type(expected) is not type(actual) or expected != actual:
-            return False
-    return True
-
-
 def _metadata(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
+        value = local_tensor(value)
         return (tuple(value.shape), value.dtype)
     return type(value).__name__
 
 
 def _recorded(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return local_tensor(value).detach().clone()
     # Python scalars (``aten._local_scalar_dense``, behind ``.item()``) are compared as they are.
     return value if isinstance(value, (bool, int, float, complex)) else None
 
@@ -674,6 +740,7 @@ def _max_abs_difference(expected: Any, actual: Any) -> float:
         return float(abs(expected - actual))
     if not isinstance(actual, torch.Tensor):
         return math.inf
+    expected, actual = local_tensor(expected), local_tensor(actual)
     if torch.equal(expected, actual):
         return 0.0
     diff = _elementwise_difference(_comparable(expected), _comparable(actual))
@@ -681,6 +748,7 @@ def _max_abs_difference(expected: Any, actual: Any) -> float:
 
 
 def _same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
+    expected, actual = local_tensor(expected), local_tensor(actual)
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         return False
     return _max_abs_difference(expected, actual) == 0.0

@@ -1,10 +1,15 @@
 """Tiny seeded models shared by the tests, each with one way recomputation can differ from the forward."""
 
 import gc
+import os
 import random
+import socket
+import subprocess
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -22,6 +27,7 @@ from examples.gpt import shard_blocks_then_model
 from lightning_ckpt_determinism import checkpointed_modules
 
 DIM = 8
+REPO = Path(__file__).resolve().parents[1]
 
 
 class DropoutBlock(nn.Module):
@@ -110,6 +116,84 @@ class PlainBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.linear(x))
+
+
+class NoiseOption(nn.Module):
+    """A block that can be made defective: ``noise = True`` adds NumPy noise to what it returns."""
+
+    noise = False
+
+    def noisy(self, out: torch.Tensor) -> torch.Tensor:
+        if not self.noise:
+            return out
+        return out * (1 + torch.from_numpy(np.random.standard_normal(out.shape).astype(np.float32)))
+
+
+class SyncNormBlock(NoiseOption):
+    """Normalises with the batch statistics of every rank, all-reduced in forward (a hand-written SyncBatchNorm):
+    a collective inside the region, recomputed in backward."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        hidden = self.linear(x)
+        size = torch.distributed.get_world_size()
+        mean = all_reduce(hidden.mean(dim=0)) / size
+        var = all_reduce((hidden - mean).square().mean(dim=0)) / size
+        return x + self.noisy(torch.tanh((hidden - mean) / (var + 1e-5).sqrt()))
+
+
+class FunctionalSyncNormBlock(SyncNormBlock):
+    """:class:`SyncNormBlock` with torch's functional collectives, whose results are waited for where they are used."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as functional
+
+        group = torch.distributed.group.WORLD
+        hidden = self.linear(x)
+        size = torch.distributed.get_world_size()
+        mean = functional.all_reduce(hidden.mean(dim=0), "sum", group) / size
+        var = functional.all_reduce((hidden - mean).square().mean(dim=0), "sum", group) / size
+        return x + self.noisy(torch.tanh((hidden - mean) / (var + 1e-5).sqrt()))
+
+
+class AllToAllBlock(NoiseOption):
+    """Exchanges rows between ranks with an all-to-all, as expert parallelism sends tokens to their experts."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        exchanged = all_to_all_single(torch.empty_like(x), self.linear(x))
+        return x + self.noisy(torch.tanh(exchanged))
+
+
+class MLPBlock(NoiseOption):
+    """An up and a down projection, as tensor parallelism shards them (``up`` by columns, ``down`` by rows)."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.noisy(torch.tanh(self.up(x))))
+
+
+def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
+    """Shard every :class:`MLPBlock` of ``model`` over ``mesh`` with tensor parallelism (``parallelize_module``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.modules():
+        if isinstance(block, MLPBlock):
+            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
 class Stack(nn.Module):
@@ -425,6 +509,16 @@ class ShardedStackModule(StackModule):
         shard_blocks_then_model(self)
 
 
+class TensorParallelStackModule(StackModule):
+    """A :class:`StackModule` of :class:`MLPBlock` sharded with tensor parallelism under ``ModelParallelStrategy``."""
+
+    def __init__(self, block: str = "MLPBlock", n: int = 3, lr: float = 0.1, momentum: float = 0.9) -> None:
+        super().__init__(block=block, n=n, lr=lr, momentum=momentum)
+
+    def configure_model(self) -> None:
+        parallelize_blocks(self.model, self.device_mesh["tensor_parallel"])
+
+
 class ManualModule(StackModule):
     """Manual optimization: ``training_step`` zeroes the gradients, calls ``manual_backward`` and steps."""
 
@@ -533,6 +627,46 @@ def gradients_of(
     if twice == "retain_graph":
         loss.backward()
     return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def launch_ranks(script: Path, *args: str, timeout: float, world_size: int = 2) -> None:
+    """Run ``script`` as ``world_size`` ranks on this machine (gloo over 127.0.0.1), each started here with the
+    variables ``torch.distributed`` and Lightning read, so that Lightning starts no process of its own.
+
+    Raises:
+        AssertionError: If a rank fails or runs past ``timeout`` seconds, with the end of every rank's stderr.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env["WORLD_SIZE"] = str(world_size)
+    ranks = []
+    for rank in range(world_size):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                cwd=REPO,
+                env=rank_env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outcomes = []
+    for rank, process in enumerate(ranks):
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            _, stderr = process.communicate()
+            outcomes.append(f"rank {rank} ran past {timeout} s:\n{stderr[-4000:]}")
+            continue
+        if process.returncode != 0:
+            outcomes.append(f"rank {rank} exited with {process.returncode}:\n{stderr[-4000:]}")
+    assert not outcomes, "\n\n".join(outcomes)
 
 
 def close_process_group() -> None:

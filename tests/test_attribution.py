@@ -1,7 +1,10 @@
 import csv
+import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -10,6 +13,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ckpt_determinism import (
     CAUSE_HINTS,
@@ -20,16 +24,19 @@ from lightning_ckpt_determinism import (
     RegionReport,
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
+    attribution,
     check_recomputation,
 )
-from lightning_ckpt_determinism.attribution import _Attribution
+from lightning_ckpt_determinism.attribution import _Attribution, _Call
 from lightning_ckpt_determinism.wrapping import _SWITCH
 from tests.helpers import (
+    AllToAllBlock,
     BatchNormBlock,
     CounterScaleBlock,
     DropoutBlock,
     FailingRecomputeBlock,
     FlagBlock,
+    FunctionalSyncNormBlock,
     InPlaceReluBlock,
     NumpyNoiseBlock,
     PlainBlock,
@@ -37,6 +44,7 @@ from tests.helpers import (
     RoutingBlock,
     RowSumBlock,
     StackModule,
+    SyncNormBlock,
     batch,
     stack_with,
     trainer_kwargs,
@@ -439,3 +447,78 @@ def test_an_input_modified_in_place_after_the_forward_is_a_recompute_error_of_it
     assert region.error == report.error.splitlines()[0]
     assert region.hint is not None and region.hint.startswith("An input the region received was modified in place")
     assert [other.cause for other in report.regions if other is not region] == [None, None]
+
+
+@pytest.fixture
+def one_process_group(tmp_path) -> Iterator[None]:
+    """A gloo process group of this process alone, destroyed after the test: collectives run, and return at once."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the collective ops (and their waits) that run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func.namespace in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("block", [SyncNormBlock, FunctionalSyncNormBlock, AllToAllBlock])
+def test_collectives_in_a_region_are_neither_recorded_nor_compared(one_process_group, monkeypatch, block) -> None:
+    observed: list[str] = []
+    for method in ("record", "compare"):
+        real = getattr(_Call, method)
+
+        def spy(self: _Call, func: Any, *args: Any, real: Callable[..., None] = real) -> None:
+            observed.append(func.namespace)
+            real(self, func, *args)
+
+        monkeypatch.setattr(_Call, method, spy)
+    with Collectives() as seen:
+        _, report = attributed(block)
+    assert seen.count > 0  # the blocks' collectives ran, in the forwards and in the recomputations
+    assert set(observed) == {"aten"}
+    assert (report.grad_divergence, report.error) == (0.0, None)
+    assert [(region.name, region.cause) for region in report.regions] == [(name, None) for name in REGIONS]
+    assert all(region.ops_compared > 0 for region in report.regions)
+
+
+class OpaqueArgument:
+    """An argument whose ``==`` raises, as a process group's does."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparison for this object")
+
+    __hash__ = object.__hash__
+
+
+def test_an_argument_that_cannot_be_compared_counts_as_equal_and_is_noted(caplog) -> None:
+    call = _Call(region="blocks.1", module=nn.Identity())
+    opaque = OpaqueArgument()
+    assert call.same_inputs([opaque, 2], [opaque, 2])
+    assert not call.same_inputs([opaque, 2], [opaque, 3])
+    assert call.uncomparable == {"OpaqueArgument"}
+
+
+def test_a_failure_of_the_observer_stops_observing_the_region_instead_of_the_backward(monkeypatch, caplog) -> None:
+    def failing_fingerprint(tensor: torch.Tensor) -> Any:
+        raise RuntimeError("the observer's own bug")
+
+    monkeypatch.setattr(attribution, "_fingerprint", failing_fingerprint)
+    with caplog.at_level(logging.WARNING, logger="lightning_ckpt_determinism.attribution"):
+        _, report = attributed(NumpyNoiseBlock)
+    # The gradients are still compared: the pass ran to its end.
+    assert report.error is None and report.grad_divergence > 0.0
+    assert all(region.ops_compared == 0 for region in report.regions)
+    stopped = [record.getMessage() for record in caplog.records if "stopped observing" in record.getMessage()]
+    assert len(stopped) == 3 and "RuntimeError: the observer's own bug" in stopped[0]

@@ -1,0 +1,151 @@
+"""Collectives inside checkpointed regions, and tensor parallelism, on two CPU processes (gloo).
+
+Run by ``tests/test_distributed_regions.py``, which starts both ranks itself (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) so that Lightning creates no process of its own. Usage:
+``python tests/distributed_regions_script.py OUT_DIR``. The process group times out after a minute, far below gloo's
+default, so that a hang fails the test instead of stalling it. Each rank writes ``OUT_DIR/rank{N}.json``: for each
+scenario, what the check or the monitor found.
+"""
+
+import json
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn import functional as F
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    DDPCheckpointingStrategy,
+    LightningCkptDeterminismWarning,
+    ModelParallelCheckpointingStrategy,
+    RecomputationMonitor,
+    RecomputationReport,
+    apply_activation_checkpointing,
+    check_recomputation,
+)
+from tests.helpers import (
+    DIM,
+    ShardedStackModule,
+    StackModule,
+    TensorParallelStackModule,
+    close_process_group,
+    make_stack,
+    parallelize_blocks,
+    trainer_kwargs,
+)
+
+COLLECTIVE_BLOCKS = ("SyncNormBlock", "AllToAllBlock")
+
+
+def _agree(decision: bool) -> bool:
+    flag = torch.tensor(float(decision))
+    dist.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def _found(report: RecomputationReport) -> dict[str, Any]:
+    return {
+        "grad_divergence": report.grad_divergence,
+        "error": report.error,
+        "regions": [[region.name, region.cause, region.ops_compared] for region in report.regions],
+    }
+
+
+def _stack(block: str, defect: bool) -> nn.Module:
+    import tests.helpers as helpers
+
+    model = make_stack(getattr(helpers, block))
+    model.blocks[1].noise = defect
+    return model
+
+
+def plain_check(model: nn.Module, block: str) -> dict[str, Any]:
+    """``check_recomputation`` with attribution, without Lightning, on every rank at once."""
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[block]))
+    rank = dist.get_rank()
+    x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(rank))
+    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(10 + rank))
+    np.random.seed(0)
+    report = check_recomputation(
+        model, lambda: F.mse_loss(model(x), y), attribution=True, gradients="backward", agree=_agree
+    )
+    return _found(report)
+
+
+def fit(module: pl.LightningModule, strategy: Any, monitor: RecomputationMonitor, out_dir: Path) -> dict[str, Any]:
+    """A two-step fit with the monitor checking every step."""
+    np.random.seed(0)
+    kwargs = trainer_kwargs(out_dir, max_steps=2, devices=2, callbacks=[monitor])
+    trainer = pl.Trainer(**{**kwargs, "strategy": strategy})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(module)
+    report = monitor.last_report
+    return {
+        "history": [[entry["step"], entry["grad_divergence"], entry["diverged"]] for entry in monitor.history],
+        "regions": [[region.name, region.cause] for region in (report.regions if report else [])],
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
+    }
+
+
+def _monitor(defect: bool) -> RecomputationMonitor:
+    # A clean model is attributed at every check; a defect by the default, on divergence.
+    if defect:
+        return RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+    return RecomputationMonitor(every_n_steps=1, attribution="always")
+
+
+def _with_defect(module: StackModule, defect: bool) -> StackModule:
+    module.model.blocks[1].noise = defect
+    return module
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results: dict[str, Any] = {}
+    for block in COLLECTIVE_BLOCKS:
+        checkpointing = CheckpointingConfig(classes=[block])
+        for defect in (False, True):
+            name = f"{block}_{'numpy_noise' if defect else 'clean'}"
+            results[f"check_{name}"] = plain_check(_stack(block, defect), block)
+            pl.seed_everything(0, verbose=False)
+            ddp = DDPCheckpointingStrategy(checkpointing=checkpointing, process_group_backend="gloo")
+            results[f"ddp_{name}"] = fit(_with_defect(StackModule(block), defect), ddp, _monitor(defect), out_dir)
+            pl.seed_everything(0, verbose=False)
+            fsdp2 = ModelParallelCheckpointingStrategy(
+                checkpointing=checkpointing, data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+            )
+            module = _with_defect(ShardedStackModule(block), defect)
+            results[f"fsdp2_{name}"] = fit(module, fsdp2, _monitor(defect), out_dir)
+    mesh = init_device_mesh("cpu", (2,))
+    for defect in (False, True):
+        name = "numpy_noise" if defect else "clean"
+        model = _stack("MLPBlock", defect)
+        parallelize_blocks(model, mesh)
+        results[f"tp_check_{name}"] = plain_check(model, "MLPBlock")
+        pl.seed_everything(0, verbose=False)
+        tp = ModelParallelCheckpointingStrategy(
+            checkpointing=CheckpointingConfig(classes=["MLPBlock"]),
+            data_parallel_size=1,
+            tensor_parallel_size=2,
+            process_group_backend="gloo",
+        )
+        module = _with_defect(TensorParallelStackModule(), defect)
+        results[f"tp_fit_{name}"] = fit(module, tp, _monitor(defect), out_dir)
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    try:
+        main(Path(sys.argv[1]))
+    finally:
+        close_process_group()
