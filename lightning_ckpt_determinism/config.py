@@ -1,7 +1,7 @@
 """The typed checkpointing configuration, filled from Python or LightningCLI YAML."""
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Literal
 
 import torch
@@ -13,12 +13,13 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError
 __all__ = ["CheckpointingConfig"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointingConfig:
     """Which submodules to checkpoint and how.
 
     A module is selected when it matches ``classes`` or ``names``. Only the outermost of nested matches is
-    checkpointed, then ``every_n`` thins the selection in module order.
+    checkpointed, then ``every_n`` thins the selection in module order. The config is frozen (build a changed one with
+    ``dataclasses.replace``): regions read it at every call, so a change after wrapping would apply half-way.
 
     Args:
         classes: Module classes to checkpoint, by bare class name (``"Block"``, matched against the class and its
@@ -91,9 +92,8 @@ class CheckpointingConfig:
         for name in ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent"):
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointingConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
-        self.classes = list(self.classes)
-        self.names = list(self.names)
-        self.save_ops = list(self.save_ops)
+        for name in ("classes", "names", "save_ops"):
+            object.__setattr__(self, name, list(getattr(self, name)))
         if not self.classes and not self.names:
             raise CheckpointingConfigError(
                 "`CheckpointingConfig` selects nothing: set `classes` (e.g. ['Block']) or `names`"
@@ -102,7 +102,7 @@ class CheckpointingConfig:
         if not isinstance(self.every_n, int) or isinstance(self.every_n, bool) or self.every_n < 1:
             raise CheckpointingConfigError(f"`every_n` must be an integer >= 1, got {self.every_n!r}.")
         # LightningCLI hands jsonargparse's `PositiveInt`; a plain int saves to YAML and pickles anywhere.
-        self.every_n = int(self.every_n)
+        object.__setattr__(self, "every_n", int(self.every_n))
         allowed_checks = sorted(_allowed_determinism_checks_to_fns)
         if self.determinism_check not in allowed_checks:
             raise CheckpointingConfigError(
@@ -112,6 +112,10 @@ class CheckpointingConfig:
             if "." in path:
                 resolve_class_path(path)
         resolve_ops(self.save_ops)
+
+    def __hash__(self) -> int:
+        # By value, as `==` compares: equal configs checkpoint alike (and share their compiled graphs' notes).
+        return hash(tuple(tuple(value) if isinstance(value, list) else value for value in astuple(self)))
 
 
 def resolve_class_path(path: str) -> type:

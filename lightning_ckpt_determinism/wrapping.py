@@ -21,7 +21,9 @@ trace, which torch's checkpoint then runs eagerly) every eager context.
 
 import contextlib
 import fnmatch
+import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from functools import partial
@@ -132,13 +134,19 @@ def _observing(observer: _RegionObserver) -> Iterator[None]:
         _SWITCH.observer = previous
 
 
+# One object per distinct config while regions hold it, so that identical blocks share compiled code whether they
+# were given one config object or equal ones.
+_shared_configs: "weakref.WeakValueDictionary[CheckpointingConfig, CheckpointingConfig]" = weakref.WeakValueDictionary()
+
+
 class _CheckpointedForward:
     """The instance-level ``forward`` of a checkpointed module."""
 
     def __init__(self, module: nn.Module, region: str, config: CheckpointingConfig) -> None:
         self.module = module
         self.region = region
-        self.config = config
+        # Equal configs become one object: compiled graphs guard on its identity (see `_compiled_context_fn`).
+        self.config = _shared_configs.setdefault(config, config)
         self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         self._save_ops = frozenset(resolve_ops(config.save_ops))
         # An instance attribute rather than a context variable: `torch.compile` can guard on it.
@@ -158,6 +166,7 @@ class _CheckpointedForward:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.config = _shared_configs.setdefault(self.config, self.config)
         self._save_ops = frozenset(resolve_ops(self.config.save_ops))
 
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,22 +179,34 @@ class _CheckpointedForward:
             return self.plain_forward(*args, **kwargs)
         keys = tuple(kwargs)
         num_positional = len(args)
+        # Dynamo reads `is_compiling()` as a constant. A traced call whose region dynamo cannot trace (it
+        # graph-breaks inside) has torch run the region eagerly, with the traced call's `context_fn`, which holds
+        # nothing of this region: `run` then enters the region's eager contexts itself.
+        traced = torch.compiler.is_compiling()
+        graph_broken: tuple[_Reenterable, _Reenterable] | None = None
 
         def run(*flat: Any) -> Any:
+            nonlocal graph_broken
             if torch.compiler.is_compiling():
                 if self.config.keep_data_dependent:
                     flat = mark_region_inputs(flat)
-            elif self._forward_kept is not None:
-                self._forward_kept.note_inputs(flat)
-                self._forward_kept = None
-            return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
+                return self._forward_from(flat, num_positional, keys)
+            if not traced:
+                return self._forward_from(flat, num_positional, keys)
+            # The first call is the forward, each later one a recomputation.
+            if graph_broken is None:
+                graph_broken = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
+                context = graph_broken[0]
+            else:
+                context = graph_broken[1]
+            with context:
+                return self._forward_from(flat, num_positional, keys)
 
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values())
         options: dict[str, Any] = {}
-        # Dynamo reads `is_compiling()` as a constant: a traced call never reaches the eager choice, which reads
-        # the observer.
-        context_fn = self._compiled_context_fn() if torch.compiler.is_compiling() else self._context_fn(inputs)
+        # A traced call never reaches the eager choice, which reads the observer.
+        context_fn = self._compiled_context_fn() if traced else self._context_fn(inputs)
         if context_fn is not None:
             # Only when there is one: torch's default is taken by leaving the argument out.
             options["context_fn"] = context_fn
@@ -198,6 +219,14 @@ class _CheckpointedForward:
             **options,
         )
 
+    def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
+        """The plain forward of the region's flattened inputs; an eager forward first gives the data-dependent
+        guard its size limit."""
+        if self._forward_kept is not None and not torch.compiler.is_compiling():
+            self._forward_kept.note_inputs(flat)
+            self._forward_kept = None
+        return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
+
     def _protects_buffers(self) -> bool:
         # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
         return self.config.protect_buffers and next(self.module.buffers(), None) is not None
@@ -205,16 +234,17 @@ class _CheckpointedForward:
     def _compiled_context_fn(
         self,
     ) -> Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]] | None:
-        """The ``context_fn`` of a call dynamo traces; it reads only what dynamo can guard on.
+        """The ``context_fn`` of a call dynamo traces, or ``None`` when the region needs none.
 
-        A partial of a function and this object, which dynamo takes as a constant (a bound method, such as the
-        ``save_ops`` policy, it cannot). What it returns is decided when called: see :func:`_region_contexts`.
+        Dynamo guards on every argument of the partial by identity, so it binds only what identical regions share
+        (their config, and whether they hold buffers): blocks compiled one by one share one compiled graph, as with
+        hand-written checkpointing. What it returns is decided when called: see :func:`_region_contexts`.
         """
-        options = (self.config.preserve_host_rng, self._protects_buffers(), self._save_ops)
-        if self.config.keep_data_dependent or any(options):
+        protect_buffers = self._protects_buffers()
+        if self.config.keep_data_dependent or self.config.preserve_host_rng or protect_buffers or self._save_ops:
             # The policy runs only while the compiler traces the region: it costs nothing per step, so every region
             # gets it, and it finds the data-dependent ops itself.
-            return partial(_region_contexts, self)
+            return partial(_region_contexts, self.config, protect_buffers)
         return None
 
     def _context_fn(
@@ -282,40 +312,49 @@ class _CheckpointedForward:
         return _Reenterable(forward), _Reenterable(recompute)
 
 
-_noted_compiled_options: set[tuple[str, ...]] = set()
+# Which skipped options each config has been noted for: one info line per config, however many regions compile.
+_noted_compiled_options: "weakref.WeakKeyDictionary[CheckpointingConfig, set[tuple[str, ...]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @torch._dynamo.disable  # type: ignore[untyped-decorator]
-def _region_contexts(forward: _CheckpointedForward) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+def _region_contexts(
+    config: CheckpointingConfig, protect_buffers: bool
+) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """The contexts of a region checkpointed under ``torch.compile`` that needs any, decided when torch calls for them.
 
     The compiler calls this while it compiles the region (``torch.compiler.is_compiling()`` holds then): it gets
     torch's selective-checkpointing pair, the only form it accepts, and the eager-only options are skipped with one
     info line. A region dynamo could not trace is checkpointed eagerly by torch, which calls this at the forward:
-    it gets every eager context, as an uncompiled region does. Kept out of dynamo so that the choice is made by the
-    call, not frozen into a graph.
+    it gets no context here, since the region's own ``run`` enters every eager context itself (this function knows
+    nothing of the region). Kept out of dynamo so that the choice is made by the call, not frozen into a graph.
     """
     if not torch.compiler.is_compiling():
-        return forward._make_contexts(_SWITCH.observer, forward._protects_buffers(), ())
+        return contextlib.nullcontext(), contextlib.nullcontext()
     skipped = tuple(
         option
-        for option, applies in (
-            ("preserve_host_rng", forward.config.preserve_host_rng),
-            ("protect_buffers", forward._protects_buffers()),
-        )
+        for option, applies in (("preserve_host_rng", config.preserve_host_rng), ("protect_buffers", protect_buffers))
         if applies
     )
-    if skipped and skipped not in _noted_compiled_options:
-        _noted_compiled_options.add(skipped)
+    noted = _noted_compiled_options.setdefault(config, set())
+    if skipped and skipped not in noted:
+        noted.add(skipped)
         rank_zero_info(
             f"lightning_ckpt_determinism: {', '.join(f'`{option}`' for option in skipped)} not applied to compiled"
-            f" checkpointed regions (first: `{forward.region}`): torch.compile recomputes them inside its backward"
-            " graph, replaying torch's RNG (NumPy and `random` calls are traced onto it) and updating buffers once by"
+            f" checkpointed regions ({_selection(config)}): torch.compile recomputes them inside its backward graph,"
+            " replaying torch's RNG (NumPy and `random` calls are traced onto it) and updating buffers once by"
             " itself. Regions that graph-break run eagerly and keep every option."
         )
     return create_selective_checkpoint_contexts(
-        CompiledPolicy(save_ops=forward._save_ops, keep=forward.config.keep_data_dependent)
+        CompiledPolicy(save_ops=frozenset(resolve_ops(config.save_ops)), keep=config.keep_data_dependent)
     )
+
+
+def _selection(config: CheckpointingConfig) -> str:
+    """What a config selects, as a note names it: ``classes ['Block']``, ``names ['model.blocks.*']``."""
+    parts = [f"{field} {getattr(config, field)}" for field in ("classes", "names") if getattr(config, field)]
+    return " and ".join(parts)
 
 
 class _Reenterable:
@@ -518,6 +557,39 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
     return list(selected)
 
 
+class _RecompileLimitFilter(logging.Filter):
+    """Warns when dynamo reports that a checkpointed region hit its recompile limit: its later calls run eagerly.
+
+    Dynamo says so only through its ``torch._dynamo.convert_frame`` logger, never through ``warnings``; this filter
+    lets every record through and holds no state (Python's warning registry shows the warning once).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        ours = "hit config." in message and (__file__ in message or _CheckpointedForward.__name__ in message)
+        if ours and _rank_zero():
+            warnings.warn(
+                "lightning_ckpt_determinism: torch.compile hit its recompile limit on a checkpointed region, so its"
+                " later calls run eagerly, uncompiled (dynamo's report follows in its log). Identical regions share"
+                " one compiled graph when they are checkpointed with equal `CheckpointingConfig`s and called alike;"
+                " otherwise raise `torch._dynamo.config.recompile_limit`.",
+                LightningCkptDeterminismWarning,
+                stacklevel=2,
+            )
+        return True
+
+
+def _rank_zero() -> bool:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_rank() == 0
+
+
+def _watch_recompile_limit() -> None:
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(existing, _RecompileLimitFilter) for existing in logger.filters):
+        logger.addFilter(_RecompileLimitFilter())
+
+
 def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfig) -> None:
     """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is.
 
@@ -538,6 +610,7 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
     """
     if not _is_wrapped(module):
         module.forward = _CheckpointedForward(module, region, config)  # type: ignore[method-assign]
+        _watch_recompile_limit()
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:

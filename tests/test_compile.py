@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
     check_recomputation,
+    checkpoint_module,
     checkpointed_modules,
     checkpointing_disabled,
     wrapping,
@@ -61,11 +63,10 @@ DDP_SCRIPT = REPO / "tests" / "ddp_compile_script.py"
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test compiles from scratch, counts its own graphs and sees its own info lines."""
+def fresh_dynamo() -> Iterator[None]:
+    """Each test compiles from scratch and counts its own graphs."""
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(wrapping, "_noted_compiled_options", set())
     yield
     torch._dynamo.reset()
 
@@ -129,7 +130,7 @@ def test_a_compiled_model_checkpoints_in_one_graph_with_the_same_gradients(
     noted = [record.getMessage() for record in caplog.records if "not applied to compiled" in record.getMessage()]
     assert len(noted) == 1
     assert noted[0].startswith("lightning_ckpt_determinism: `protect_buffers` not applied")
-    assert "(first: `blocks.2`)" in noted[0]
+    assert "(classes ['BatchNormBlock'])" in noted[0]
 
 
 def test_inductor_gradients_match_within_float_noise() -> None:
@@ -156,6 +157,91 @@ def test_per_block_compile_gives_eager_checkpointing_gradients(compile_first: bo
     assert all(torch.equal(grads[name], expected[name]) for name in expected)
     assert counters["stats"]["unique_graphs"] >= 1
     assert not counters["graph_break"]
+
+
+class CountingBackend:
+    """``aot_eager``, counting the graphs it compiles and the calls of the compiled code."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        self.graphs += 1
+        compiled = aot_eager(graph, inputs)
+
+        def counted(*args: Any) -> Any:
+            self.calls += 1
+            return compiled(*args)
+
+        return counted
+
+
+def hand_checkpointed(block: nn.Module) -> None:
+    """Checkpoint ``block`` by hand, as torchtitan's blocks are: ``checkpoint`` around its own forward."""
+    forward = block.forward
+    block.forward = lambda x: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def per_block_compiled_steps(n: int, hand: bool, reference: bool) -> CountingBackend:
+    """Compile each of ``n`` dropout blocks on its own, checkpointed by the package (default config) or by hand, and
+    run a training step (and the monitor's reference variant, checkpointing off, when ``reference``)."""
+    model = make_stack(DropoutBlock, n)
+    if hand:
+        for block in model.blocks:
+            hand_checkpointed(block)
+    else:
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"]))
+    backend = CountingBackend()
+    for block in model.blocks:
+        block.compile(backend=backend)
+    x, _ = batch()
+    model(x).sum().backward()
+    if reference:
+        with checkpointing_disabled():
+            model(x).sum().backward()
+    return backend
+
+
+@pytest.mark.parametrize("n", [12, 48])
+def test_blocks_compiled_one_by_one_share_their_graphs_as_hand_written_checkpointing_does(n: int) -> None:
+    hand = per_block_compiled_steps(n, hand=True, reference=False)
+    torch._dynamo.reset()
+    ours = per_block_compiled_steps(n, hand=False, reference=False)
+    assert ours.graphs == hand.graphs == 1
+    assert ours.calls == hand.calls == n  # every block ran compiled
+    torch._dynamo.reset()
+    with_reference = per_block_compiled_steps(n, hand=False, reference=True)
+    # The reference variant is one more graph, shared by every block, and runs compiled too.
+    assert with_reference.graphs == hand.graphs + 1
+    assert with_reference.calls == 2 * n
+
+
+def test_blocks_given_equal_configs_share_their_graphs_too() -> None:
+    model = make_stack(DropoutBlock, 12)
+    for index, block in enumerate(model.blocks):
+        checkpoint_module(block, f"blocks.{index}", CheckpointingConfig(classes=["DropoutBlock"]))
+    backend = CountingBackend()
+    for block in model.blocks:
+        block.compile(backend=backend)
+    model(batch()[0]).sum().backward()
+    assert (backend.graphs, backend.calls) == (1, 12)
+
+
+def test_a_checkpointed_region_past_the_recompile_limit_is_warned() -> None:
+    model = make_stack(DropoutBlock, 4)
+    for index, block in enumerate(model.blocks):
+        # Configs that differ: each block is its own graph.
+        config = CheckpointingConfig(classes=["DropoutBlock"], save_ops=["aten.addmm"] if index % 2 else [])
+        checkpoint_module(block, f"blocks.{index}", replace(config, preserve_host_rng=index > 1))
+    backend = CountingBackend()
+    for block in model.blocks:
+        block.compile(backend=backend)
+    limit = torch._dynamo.config.patch(recompile_limit=2)
+    with limit, pytest.warns(LightningCkptDeterminismWarning, match="hit its recompile limit on a checkpointed region"):
+        model(batch()[0]).sum().backward()
+    assert backend.graphs == 2
+    assert backend.calls == 2  # the last two blocks ran eagerly
 
 
 class GraphBreakingBatchNormBlock(BatchNormBlock):
