@@ -48,6 +48,7 @@ def test_tiny_run_writes_every_section(tiny: tuple[dict[str, Any], str]) -> None
         "check_cost",
         "check_memory",
         "lightning",
+        "check_cost_ddp",
         "goals",
         "notes",
         "machine",
@@ -131,6 +132,18 @@ def test_check_cost_memory_and_lightning_throughput_are_reported(tiny: tuple[dic
     assert run["max_grad_divergence"] == 0.0
 
 
+def test_the_ddp_check_cost_is_measured_on_two_processes(tiny: tuple[dict[str, Any], str]) -> None:
+    result, printed = tiny
+    ddp = result["check_cost_ddp"]
+    assert ddp["world_size"] == 2
+    for name in ("step", "checked step", "checked step, reference without all-reduce", "state capture"):
+        assert _sane_summary(ddp[name]) and ddp[name]["n"] == 3, name
+    assert all(math.isfinite(ddp[key]["median"]) for key in ("check/step", "check without all-reduce/step"))
+    assert _sane_summary(ddp["capture/step"])
+    assert ddp["max_grad_divergence"] == 0.0
+    assert "DDP check cost, in steps" in printed
+
+
 def test_checked_step_peak_memory_grows_with_the_plain_regions() -> None:
     size = ModelSize(layers=4, dim=32, heads=2, seq_len=16, batch_size=4, vocab_size=32)
     peaks = monitor.run_check_memory(size, torch.device("cpu"))["peak_bytes"]
@@ -140,7 +153,8 @@ def test_checked_step_peak_memory_grows_with_the_plain_regions() -> None:
 
 def test_goals_and_table(tiny: tuple[dict[str, Any], str]) -> None:
     result, printed = tiny
-    assert [goal["goal"] for goal in result["goals"]] == ["<= 1.03", "<= 1.03", "<= 0.75", ">= 0.985"]
+    assert [goal["goal"] for goal in result["goals"]] == ["<= 1.03", "<= 1.03", "<= 0.75", "<= 0.8", ">= 0.985"]
+    assert result["goals"][3]["name"] == "check cost under DDP in steps"
     assert result["goals"][-1]["name"] == "throughput monitor/without"
     always = result["lightning"]["ratios"]["monitor attribution='always'"]["in_run"]["median"]
     assert f"throughput monitor attribution='always'/without: {always:.3f} (no goal)" in printed
