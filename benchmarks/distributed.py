@@ -36,9 +36,9 @@ from benchmarks.common import (
     train_step,
 )
 from lightning_ckpt_determinism import CheckpointingConfig
-from lightning_ckpt_determinism._compile import reference_pass
-from lightning_ckpt_determinism._state import StepState
-from lightning_ckpt_determinism.live_check import check_live_step
+from lightning_ckpt_determinism.verify.compiled import reference_pass
+from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.state import StepState
 
 STEP = "step"
 CHECKED = "checked step"

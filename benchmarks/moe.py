@@ -32,7 +32,7 @@ from benchmarks.common import interleaved_times, paired_ratios, summary
 from benchmarks.memory import _LiveStorages
 from examples.moe import MoEModule
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
-from lightning_ckpt_determinism._data_dependent import is_data_dependent
+from lightning_ckpt_determinism.checkpointing.routing import is_data_dependent
 
 NONE = "none"
 RECOMPUTED = "checkpointed, keep_data_dependent: false"

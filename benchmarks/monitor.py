@@ -48,9 +48,9 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     checkpointed_modules,
 )
-from lightning_ckpt_determinism._compile import reference_pass
-from lightning_ckpt_determinism._state import StepState
-from lightning_ckpt_determinism.live_check import check_live_step
+from lightning_ckpt_determinism.verify.compiled import reference_pass
+from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.state import StepState
 
 _BATCHES_PER_EPOCH = 64
 
@@ -288,7 +288,7 @@ def run_lightning(
                     _median_rate(durations, every_n_steps, monitored=True) * _plain_step(durations, every_n_steps)
                 )
                 checks.append(len(monitor.history))
-                divergences += [entry["grad_divergence"] for entry in monitor.history]
+                divergences += [entry.grad_divergence for entry in monitor.history]
     ratios = {}
     for name, kwargs in monitors.items():
         if kwargs is None:

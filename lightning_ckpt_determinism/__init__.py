@@ -1,30 +1,53 @@
-"""Activation checkpointing for PyTorch Lightning that proves recomputation reproduces the forward pass."""
+"""Activation checkpointing for PyTorch Lightning that proves recomputation reproduces the forward pass.
 
-from lightning_ckpt_determinism.attribution import CAUSE_HINTS, RegionReport
-from lightning_ckpt_determinism.callback import RecomputationMonitor
-from lightning_ckpt_determinism.check import RecomputationReport, check_recomputation, gradient_divergence
-from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import (
-    CheckpointingConfigError,
-    LightningCkptDeterminismWarning,
-    RecomputationDivergenceError,
-)
-from lightning_ckpt_determinism.strategy import (
-    ActivationCheckpointingMixin,
-    DDPCheckpointingStrategy,
-    FSDPCheckpointingStrategy,
-    ModelParallelCheckpointingStrategy,
-    SingleDeviceCheckpointingStrategy,
-)
-from lightning_ckpt_determinism.wrapping import (
+The configuration, the checkpointing layer and the checks import without Lightning; the strategies and the monitor
+(:mod:`lightning_ckpt_determinism.lightning`) are imported the first time one of them is used.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_ckpt_determinism.checkpointing import (
     apply_activation_checkpointing,
     checkpoint_module,
     checkpointed_modules,
     checkpointing_disabled,
     remove_activation_checkpointing,
 )
+from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+)
+from lightning_ckpt_determinism.verify import (
+    CAUSE_HINTS,
+    RecomputationReport,
+    RegionReport,
+    check_recomputation,
+    gradient_divergence,
+)
+
+if TYPE_CHECKING:
+    from lightning_ckpt_determinism.lightning import (
+        ActivationCheckpointingMixin,
+        DDPCheckpointingStrategy,
+        FSDPCheckpointingStrategy,
+        ModelParallelCheckpointingStrategy,
+        RecomputationMonitor,
+        SingleDeviceCheckpointingStrategy,
+    )
 
 __version__ = "0.1.0"
+
+_LIGHTNING_LAYER = {
+    "ActivationCheckpointingMixin": "lightning_ckpt_determinism.lightning.strategies",
+    "DDPCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
+    "FSDPCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
+    "ModelParallelCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
+    "RecomputationMonitor": "lightning_ckpt_determinism.lightning.monitor",
+    "SingleDeviceCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
+}
 
 __all__ = [
     "CAUSE_HINTS",
@@ -49,3 +72,17 @@ __all__ = [
     "gradient_divergence",
     "remove_activation_checkpointing",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The Lightning layer's public names, imported on first use (PEP 562)."""
+    module = _LIGHTNING_LAYER.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LIGHTNING_LAYER})

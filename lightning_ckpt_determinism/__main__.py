@@ -1,7 +1,7 @@
-"""``python -m lightning_ckpt_determinism audit --config CONFIG.yaml``: see :mod:`lightning_ckpt_determinism.cli`."""
+"""``python -m lightning_ckpt_determinism audit --config CONFIG.yaml``: see :mod:`lightning_ckpt_determinism.audit`."""
 
 import sys
 
-from lightning_ckpt_determinism.cli import main
+from lightning_ckpt_determinism.audit import main
 
 sys.exit(main())

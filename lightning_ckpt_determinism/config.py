@@ -1,16 +1,107 @@
-"""The typed checkpointing configuration, filled from Python or LightningCLI YAML."""
+"""The typed checkpointing configuration, filled from Python or LightningCLI YAML, and the checks of every argument.
+
+The restricted types LightningCLI checks while it parses a config (``PositiveInt`` ...) are jsonargparse's; mypy
+sees them as the plain types. Values of them are subclasses of ``int``, ``float`` and ``str``, which the package turns
+back into the plain types on construction so that they pickle, save to YAML and compare as users expect. The
+``check_*`` helpers validate one argument each, with the package's message shape; the monitor uses them too.
+"""
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils.checkpoint import _allowed_determinism_checks_to_fns
 
-from lightning_ckpt_determinism._types import PositiveInt
+from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket, determinism_checks
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 
-__all__ = ["CheckpointingConfig"]
+if TYPE_CHECKING:
+    NonNegativeFloat = float
+    NotEmptyStr = str
+    PositiveInt = int
+else:
+    from jsonargparse.typing import NonNegativeFloat, NotEmptyStr, PositiveInt
+
+__all__ = [
+    "CheckpointingConfig",
+    "NonNegativeFloat",
+    "NotEmptyStr",
+    "PositiveInt",
+    "check_bool",
+    "check_choice",
+    "check_non_negative_float",
+    "check_positive_int",
+    "resolve_class_path",
+    "resolve_ops",
+]
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool.
+
+    Raises:
+        CheckpointingConfigError: Otherwise, naming ``name``.
+
+    Example::
+
+        >>> check_bool("calibrate_noise", True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise CheckpointingConfigError(f"`{name}` must be True or False, got {value!r}.")
+    return value
+
+
+def check_positive_int(name: str, value: object, *, optional: bool = False) -> Any:
+    """``value`` as a plain ``int`` if it is an integer >= 1 (or ``None`` when ``optional``); bools are refused.
+
+    Raises:
+        CheckpointingConfigError: Otherwise, naming ``name``.
+
+    Example::
+
+        >>> check_positive_int("every_n", 2)
+        2
+    """
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "None or an integer >= 1" if optional else "an integer >= 1"
+        raise CheckpointingConfigError(f"`{name}` must be {allowed}, got {value!r}.")
+    return int(value)
+
+
+def check_non_negative_float(name: str, value: object) -> float:
+    """``value`` as a plain ``float`` if it is a number >= 0.
+
+    Raises:
+        CheckpointingConfigError: Otherwise (NaN included), naming ``name``.
+
+    Example::
+
+        >>> check_non_negative_float("tolerance", 0)
+        0.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+        raise CheckpointingConfigError(f"`{name}` must be a non-negative float, got {value!r}.")
+    return float(value)
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``.
+
+    Raises:
+        CheckpointingConfigError: Otherwise, naming ``name`` and the choices.
+
+    Example::
+
+        >>> check_choice("on_divergence", "warn", ("warn", "raise", "ignore"))
+        'warn'
+    """
+    if value not in choices:
+        raise CheckpointingConfigError(f"`{name}` can be {', '.join(choices)}, got {value!r}.")
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -90,8 +181,7 @@ class CheckpointingConfig:
                     " write classes as names or dotted paths and ops as 'aten.mm'."
                 )
         for name in ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent"):
-            if not isinstance(getattr(self, name), bool):
-                raise CheckpointingConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+            check_bool(name, getattr(self, name))
         for name in ("classes", "names", "save_ops"):
             object.__setattr__(self, name, list(getattr(self, name)))
         if not self.classes and not self.names:
@@ -99,11 +189,9 @@ class CheckpointingConfig:
                 "`CheckpointingConfig` selects nothing: set `classes` (e.g. ['Block']) or `names`"
                 " (e.g. ['model.blocks.*'])."
             )
-        if not isinstance(self.every_n, int) or isinstance(self.every_n, bool) or self.every_n < 1:
-            raise CheckpointingConfigError(f"`every_n` must be an integer >= 1, got {self.every_n!r}.")
         # LightningCLI hands jsonargparse's `PositiveInt`; a plain int saves to YAML and pickles anywhere.
-        object.__setattr__(self, "every_n", int(self.every_n))
-        allowed_checks = sorted(_allowed_determinism_checks_to_fns)
+        object.__setattr__(self, "every_n", check_positive_int("every_n", self.every_n))
+        allowed_checks = sorted(determinism_checks())
         if self.determinism_check not in allowed_checks:
             raise CheckpointingConfigError(
                 f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."
@@ -148,7 +236,7 @@ def resolve_class_path(path: str) -> type:
     return found
 
 
-def resolve_ops(names: list[str]) -> list[torch._ops.OpOverload]:
+def resolve_ops(names: list[str]) -> list[OpOverload]:
     """Turn op names into the op overloads that selective checkpointing matches.
 
     Args:
@@ -165,7 +253,7 @@ def resolve_ops(names: list[str]) -> list[torch._ops.OpOverload]:
         >>> resolve_ops(["aten.mm.default"])
         [<OpOverload(op='aten.mm', overload='default')>]
     """
-    resolved: list[torch._ops.OpOverload] = []
+    resolved: list[OpOverload] = []
     for name in names:
         for op in _resolve_op(name):
             if op not in resolved:
@@ -173,7 +261,7 @@ def resolve_ops(names: list[str]) -> list[torch._ops.OpOverload]:
     return resolved
 
 
-def _resolve_op(name: str) -> list[torch._ops.OpOverload]:
+def _resolve_op(name: str) -> list[OpOverload]:
     parts = name.split(".")
     if len(parts) not in (2, 3) or not all(parts):
         raise CheckpointingConfigError(
@@ -188,7 +276,7 @@ def _resolve_op(name: str) -> list[torch._ops.OpOverload]:
             f"`save_ops` entry {name!r} is not an op torch knows. Check the spelling against `torch.ops.{namespace}`"
             " (e.g. 'aten.mm', 'aten.addmm', 'aten._scaled_dot_product_flash_attention')."
         ) from err
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not isinstance(packet, OpOverloadPacket):
         raise CheckpointingConfigError(f"`save_ops` entry {name!r} is not an op, got {type(packet).__name__}.")
     if len(parts) == 2:
         return [getattr(packet, overload) for overload in packet.overloads()]

@@ -1,6 +1,11 @@
 """The package's own exception and warning types."""
 
-__all__ = ["CheckpointingConfigError", "LightningCkptDeterminismWarning", "RecomputationDivergenceError"]
+__all__ = [
+    "CheckpointingConfigError",
+    "CheckpointingTypeError",
+    "LightningCkptDeterminismWarning",
+    "RecomputationDivergenceError",
+]
 
 
 class CheckpointingConfigError(ValueError):
@@ -21,8 +26,14 @@ class CheckpointingConfigError(ValueError):
     """
 
 
-class _CheckpointingTypeError(CheckpointingConfigError, TypeError):
-    """A configuration value of the wrong type; still a ``TypeError``, which these checks raised before."""
+class CheckpointingTypeError(CheckpointingConfigError, TypeError):
+    """A configuration value of the wrong type; still a ``TypeError``, which these checks raised before.
+
+    Example::
+
+        >>> issubclass(CheckpointingTypeError, TypeError)
+        True
+    """
 
 
 class LightningCkptDeterminismWarning(UserWarning):

@@ -7,6 +7,7 @@ again; each rank writes ``OUT_DIR/rank{N}.json``.
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -36,7 +37,7 @@ def main(out_dir: Path) -> None:
     result = {
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
-        "history": list(monitor.history),
+        "history": [asdict(record) for record in monitor.history],
         "compiled": monitor.last_report is not None and monitor.last_report.compiled,
         "checksum": float(sum(p.double().sum() for p in module.parameters())),
     }

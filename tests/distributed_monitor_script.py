@@ -10,6 +10,7 @@ import json
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from lightning_ckpt_determinism import (
     RecomputationDivergenceError,
     RecomputationMonitor,
 )
-from lightning_ckpt_determinism._grads import local_tensor
+from lightning_ckpt_determinism.verify.gradients import local_tensor
 from tests.helpers import (
     DIM,
     ManualModule,
@@ -118,7 +119,7 @@ def _run(
     rank = trainer.global_rank
     result = {
         "global_step": trainer.global_step,
-        "history": list(monitor.history) if monitor is not None else [],
+        "history": [asdict(record) for record in monitor.history] if monitor is not None else [],
         "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
         "error": error,
         "sharded": any(local_tensor(param) is not param for param in module.parameters()),

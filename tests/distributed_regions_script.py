@@ -91,7 +91,7 @@ def fit(module: pl.LightningModule, strategy: Any, monitor: RecomputationMonitor
         trainer.fit(module)
     report = monitor.last_report
     return {
-        "history": [[entry["step"], entry["grad_divergence"], entry["diverged"]] for entry in monitor.history],
+        "history": [[record.step, record.grad_divergence, record.diverged] for record in monitor.history],
         "regions": [[region.name, region.cause] for region in (report.regions if report else [])],
         "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
     }

@@ -24,11 +24,11 @@ from lightning_ckpt_determinism import (
     RegionReport,
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
-    attribution,
     check_recomputation,
 )
-from lightning_ckpt_determinism.attribution import _Attribution, _Call
-from lightning_ckpt_determinism.wrapping import _SWITCH
+from lightning_ckpt_determinism.checkpointing.wrapper import _SWITCH
+from lightning_ckpt_determinism.verify.attribution import Attribution, observer
+from lightning_ckpt_determinism.verify.attribution.observer import CallRecord
 from tests.helpers import (
     AllToAllBlock,
     BatchNormBlock,
@@ -294,7 +294,7 @@ def test_buffers_are_restored_after_attribution_found_a_mutation():
 def test_forward_copies_are_held_only_until_their_region_is_recomputed():
     model = stack_with(DropoutBlock)
     apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
-    observer = _Attribution(model)
+    observer = Attribution(model)
     x, y = batch()
     with observer.observing():
         loss = F.mse_loss(model(x), y)
@@ -359,7 +359,7 @@ def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
         "Changed: model.blocks.0.norm.running_mean, model.blocks.0.norm.running_var,"
         " model.blocks.0.norm.num_batches_tracked." in message
     )
-    assert [entry["diverged"] for entry in monitor.history] == [True, True]
+    assert [entry.diverged for entry in monitor.history] == [True, True]
     assert monitor.last_report is not None
     assert monitor.last_report.grad_divergence == 0.0
     assert "model.blocks.0.norm.running_mean" in monitor.last_report.buffer_mutations
@@ -387,7 +387,7 @@ def test_monitor_by_default_attributes_only_checks_that_diverged(tmp_path):
 def test_monitor_without_attribution_checks_gradients_only(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=1, attribution="never", on_divergence="ignore")
     rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
-    assert [entry["diverged"] for entry in monitor.history] == [False, False]
+    assert [entry.diverged for entry in monitor.history] == [False, False]
     assert monitor.last_report is not None
     assert monitor.last_report.regions == []
     assert not any(key.startswith("recompute/regions/") for row in rows for key in row)
@@ -477,13 +477,13 @@ class Collectives(TorchDispatchMode):
 def test_collectives_in_a_region_are_neither_recorded_nor_compared(one_process_group, monkeypatch, block) -> None:
     observed: list[str] = []
     for method in ("record", "compare"):
-        real = getattr(_Call, method)
+        real = getattr(CallRecord, method)
 
-        def spy(self: _Call, func: Any, *args: Any, real: Callable[..., None] = real) -> None:
+        def spy(self: CallRecord, func: Any, *args: Any, real: Callable[..., None] = real) -> None:
             observed.append(func.namespace)
             real(self, func, *args)
 
-        monkeypatch.setattr(_Call, method, spy)
+        monkeypatch.setattr(CallRecord, method, spy)
     with Collectives() as seen:
         _, report = attributed(block)
     assert seen.count > 0  # the blocks' collectives ran, in the forwards and in the recomputations
@@ -503,7 +503,7 @@ class OpaqueArgument:
 
 
 def test_an_argument_that_cannot_be_compared_counts_as_equal_and_is_noted(caplog) -> None:
-    call = _Call(region="blocks.1", module=nn.Identity())
+    call = CallRecord(region="blocks.1", module=nn.Identity())
     opaque = OpaqueArgument()
     assert call.same_inputs([opaque, 2], [opaque, 2])
     assert not call.same_inputs([opaque, 2], [opaque, 3])
@@ -514,8 +514,8 @@ def test_a_failure_of_the_observer_stops_observing_the_region_instead_of_the_bac
     def failing_fingerprint(tensor: torch.Tensor) -> Any:
         raise RuntimeError("the observer's own bug")
 
-    monkeypatch.setattr(attribution, "_fingerprint", failing_fingerprint)
-    with caplog.at_level(logging.WARNING, logger="lightning_ckpt_determinism.attribution"):
+    monkeypatch.setattr(observer, "fingerprint", failing_fingerprint)
+    with caplog.at_level(logging.WARNING, logger="lightning_ckpt_determinism.verify.attribution.observer"):
         _, report = attributed(NumpyNoiseBlock)
     # The gradients are still compared: the pass ran to its end.
     assert report.error is None and report.grad_divergence > 0.0

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from examples.compiled import redraw_recomputed_random_ops
 from lightning_ckpt_determinism import (
+    CAUSE_HINTS,
     CheckpointingConfig,
     LightningCkptDeterminismWarning,
     RecomputationMonitor,
@@ -39,13 +40,12 @@ from lightning_ckpt_determinism import (
     checkpoint_module,
     checkpointed_modules,
     checkpointing_disabled,
-    wrapping,
 )
-from lightning_ckpt_determinism._compile import is_compiled, reference_pass
-from lightning_ckpt_determinism._graph_scan import scanned
-from lightning_ckpt_determinism.attribution import CAUSE_HINTS
-from lightning_ckpt_determinism.cli import main
-from lightning_ckpt_determinism.wrapping import select_modules
+from lightning_ckpt_determinism.audit import main
+from lightning_ckpt_determinism.checkpointing import select_modules
+from lightning_ckpt_determinism.checkpointing.wrapper import _SWITCH
+from lightning_ckpt_determinism.verify.compiled import is_compiled, reference_pass
+from lightning_ckpt_determinism.verify.compiled.graph_scan import scanned
 from tests.helpers import (
     BatchNormBlock,
     DropoutBlock,
@@ -113,13 +113,8 @@ def test_a_compiled_model_checkpoints_in_one_graph_with_the_same_gradients(
     plain_grads, plain_state = compiled_step(mixed_stack(checkpointed=False), "aot_eager")
     counters.clear()
     recorded = BackwardGraphs()
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-            grads, state = compiled_step(mixed_stack(checkpointed=True), recorded.backend, fullgraph=True)
-    finally:
-        logger.removeHandler(caplog.handler)
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+        grads, state = compiled_step(mixed_stack(checkpointed=True), recorded.backend, fullgraph=True)
     assert all(torch.equal(grads[name], plain_grads[name]) for name in plain_grads)
     # BatchNorm's running statistics were updated once, as without checkpointing.
     assert all(torch.equal(state[name], plain_state[name]) for name in plain_state)
@@ -282,7 +277,7 @@ def test_switching_checkpointing_off_compiles_one_more_graph_at_any_depth() -> N
             compiled(x).sum().backward()
     compiled(x).sum().backward()
     assert counters["stats"]["unique_graphs"] == 2
-    assert wrapping._SWITCH.disabled is False and wrapping._SWITCH.depth == 0
+    assert _SWITCH.disabled is False and _SWITCH.depth == 0
 
 
 def test_names_without_orig_mod_select_the_blocks_of_a_compiled_model() -> None:
@@ -307,9 +302,9 @@ def test_the_reference_pass_forces_the_memory_budget_to_one() -> None:
     with torch._functorch.config.patch(activation_memory_budget=0.5):
         with reference_pass():
             assert torch._functorch.config.activation_memory_budget == 1.0
-            assert wrapping._SWITCH.disabled
+            assert _SWITCH.disabled
         assert torch._functorch.config.activation_memory_budget == 0.5
-    assert not wrapping._SWITCH.disabled
+    assert not _SWITCH.disabled
 
 
 def mse_check(model: nn.Module, **options: Any) -> Any:

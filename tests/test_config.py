@@ -26,8 +26,8 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
 )
+from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.config import resolve_class_path, resolve_ops
-from lightning_ckpt_determinism.wrapping import select_modules
 from tests.helpers import StackModule, make_stack, trainer_kwargs
 
 

@@ -13,8 +13,8 @@ from examples import train
 from examples.gpt import Block, GPTModule
 from examples.moe import MoEBlock, MoEModule
 from lightning_ckpt_determinism import ActivationCheckpointingMixin, CheckpointingConfig, checkpointed_modules
+from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.config import resolve_class_path
-from lightning_ckpt_determinism.wrapping import select_modules
 from tests.helpers import CheckpointedModulesRecorder
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from examples.compiled import redrawing_aot_eager
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, checkpointed_modules
-from lightning_ckpt_determinism._graph_scan import scanned
+from lightning_ckpt_determinism.verify.compiled.graph_scan import scanned
 from tests.helpers import DropoutBlock, PlainBlock, Stack, step_gradients
 
 DROPOUT_REDRAWN = "`aten.native_dropout.default` draws in the backward"

@@ -1,4 +1,4 @@
-"""Tests for `lightning_ckpt_determinism.rng` and the RNG replay of checkpointed regions."""
+"""Tests for `lightning_ckpt_determinism.checkpointing.rng` and the RNG replay of checkpointed regions."""
 
 import random
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
-from lightning_ckpt_determinism.rng import capture_host_rng, capture_rng, restore_host_rng, restore_rng
+from lightning_ckpt_determinism.checkpointing.rng import capture_host_rng, capture_rng, restore_host_rng, restore_rng
 from tests.helpers import DropoutBlock, NumpyNoiseBlock, PythonRandomBlock, make_stack, step_gradients
 
 

@@ -32,9 +32,9 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     checkpointing_disabled,
 )
-from lightning_ckpt_determinism._compile import reference_pass
-from lightning_ckpt_determinism._data_dependent import is_data_dependent
-from lightning_ckpt_determinism.cli import main
+from lightning_ckpt_determinism.audit import main
+from lightning_ckpt_determinism.checkpointing.routing import is_data_dependent
+from lightning_ckpt_determinism.verify.compiled import reference_pass
 from tests.helpers import LiveStorages, OpCounter, gradients_of
 
 REPO = Path(__file__).resolve().parents[1]

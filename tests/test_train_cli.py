@@ -180,8 +180,8 @@ def test_values_parsed_into_restricted_types_train_save_and_load_as_plain_ones(t
     assert type(checkpointing.every_n) is int
     (monitor,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RecomputationMonitor)]
     assert (type(monitor.every_n_steps), type(monitor.tolerance), type(monitor.log_prefix)) == (int, float, str)
-    assert [entry["step"] for entry in monitor.history] == [0, 1]
-    assert [entry["grad_divergence"] for entry in monitor.history] == [0.0, 0.0]
+    assert [entry.step for entry in monitor.history] == [0, 1]
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0, 0.0]
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["trainer"]["strategy"]["init_args"]["checkpointing"]["every_n"] == 1
     assert saved["trainer"]["callbacks"][0]["init_args"]["every_n_steps"] == 1

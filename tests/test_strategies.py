@@ -1,4 +1,5 @@
-"""Tests for `lightning_ckpt_determinism.strategy`: checkpointing applied by Lightning strategies during a fit."""
+"""Tests for `lightning_ckpt_determinism.lightning.strategies`: checkpointing applied by Lightning strategies in a
+fit."""
 
 import json
 import logging
@@ -52,13 +53,17 @@ def _fit(tmp_path: Path, module: StackModule, strategy: object = "auto", **overr
 
 @pytest.fixture
 def lightning_info(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """``caplog`` receiving Lightning's info lines, which do not reach the root logger when it had no handler."""
+    """``caplog`` receiving Lightning's info lines, which do not reach the root logger when Lightning was imported
+    while the root logger had no handler (it then stops their propagation)."""
     logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(caplog.handler)
+    attached = not logger.propagate
+    if attached:
+        logger.addHandler(caplog.handler)
     try:
         yield caplog
     finally:
-        logger.removeHandler(caplog.handler)
+        if attached:
+            logger.removeHandler(caplog.handler)
 
 
 # Single device.

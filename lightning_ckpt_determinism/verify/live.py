@@ -13,6 +13,7 @@ is the same on every rank. A fast path compares every gradient with ``torch.equa
 only when something differs are the float64 norms computed.
 """
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -20,15 +21,15 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._grads import GradientStash, counted_here, local_tensor
-from lightning_ckpt_determinism._state import StepState
-from lightning_ckpt_determinism.check import (
-    _NOISE_MARGIN,
-    _WORST_PARAMETERS,
-    RecomputationReport,
-    _pair_difference,
-    _relative,
+from lightning_ckpt_determinism.verify.compare import (
+    NOISE_MARGIN,
+    pair_difference,
+    relative_divergence,
+    worst_parameters,
 )
+from lightning_ckpt_determinism.verify.gradients import GradientStash, counted_here, local_tensor
+from lightning_ckpt_determinism.verify.reports import RecomputationReport, missing_reference_gradients, no_gradients
+from lightning_ckpt_determinism.verify.state import StepState
 
 __all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
 
@@ -115,32 +116,15 @@ def compare_gradients(
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
     if missing_anywhere > 0:
-        where = f"{missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "parameters of another rank"
-        return GradientComparison(
-            float("inf"),
-            float("inf"),
-            {},
-            error=(
-                f"the check could not compare gradients: the reference pass gave no gradient for {where} where the"
-                " live step did"
-            ),
-        )
+        return GradientComparison(math.inf, math.inf, {}, error=missing_reference_gradients(missing, "the live step"))
     if elements_anywhere == 0:
-        return GradientComparison(
-            float("inf"),
-            float("inf"),
-            {},
-            error=(
-                "the check could not compare gradients: no parameter received a gradient in the live step or the"
-                " reference pass"
-            ),
-        )
+        return GradientComparison(math.inf, math.inf, {}, error=no_gradients("in the live step or the reference pass"))
     if unequal_anywhere == 0:
         return GradientComparison(0.0, 0.0, zeros)
     sums = [0.0, 0.0]
     maxima = []
     for position, (live_grad, ref_grad, counts) in enumerate(zip(live, reference, counted, strict=True)):
-        diff_sq, ref_sq, max_diff = _pair_difference(position, ref_grad, live_grad)
+        diff_sq, ref_sq, max_diff = pair_difference(position, ref_grad, live_grad)
         if counts:
             sums[0] += diff_sq
             sums[1] += ref_sq
@@ -148,7 +132,9 @@ def compare_gradients(
     total = all_reduce(torch.tensor(sums, dtype=torch.float64, device=device), "sum").tolist()
     per_parameter = all_reduce(torch.tensor(maxima, dtype=torch.float64, device=device), "max").tolist()
     return GradientComparison(
-        _relative(total[0], total[1]), max(per_parameter, default=0.0), dict(zip(names, per_parameter, strict=True))
+        relative_divergence(total[0], total[1]),
+        max(per_parameter, default=0.0),
+        dict(zip(names, per_parameter, strict=True)),
     )
 
 
@@ -227,7 +213,7 @@ def check_live_step(
         if calibrate_noise:
             _, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
             noise = compare_gradients(names, second, first, all_reduce=all_reduce, counted=counted, device=device)
-            noise_floor = _NOISE_MARGIN * noise.grad_divergence
+            noise_floor = NOISE_MARGIN * noise.grad_divergence
         comparison = compare_gradients(
             names,
             live,
@@ -242,14 +228,13 @@ def check_live_step(
         after_step.restore()
     if comparison.skipped:
         return None
-    worst = sorted(((n, d) for n, d in comparison.per_parameter.items() if d > 0.0), key=lambda item: -item[1])
     return RecomputationReport(
         grad_divergence=comparison.grad_divergence,
         max_abs_diff=comparison.max_abs_diff,
         diverged=comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor),
         tolerance=tolerance,
         per_parameter=comparison.per_parameter,
-        worst_parameters=worst[:_WORST_PARAMETERS],
+        worst_parameters=worst_parameters(comparison.per_parameter),
         error=comparison.error,
         reference_loss=reference_loss,
         checkpointed_loss=live_loss,

@@ -2,6 +2,7 @@ import csv
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -76,15 +77,15 @@ def test_arguments_are_validated():
 def test_checks_first_step_then_every_n_optimizer_steps(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=3)
     fit(tmp_path, monitor=monitor, max_steps=7)
-    assert [entry["step"] for entry in monitor.history] == [0, 3, 6]
-    assert all(entry["grad_divergence"] == 0.0 and not entry["diverged"] for entry in monitor.history)
+    assert [entry.step for entry in monitor.history] == [0, 3, 6]
+    assert all(entry.grad_divergence == 0.0 and not entry.diverged for entry in monitor.history)
     assert monitor.last_checked_step == 6
 
 
 def test_gradient_accumulation_checks_once_per_optimizer_step(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=2)
     fit(tmp_path, monitor=monitor, max_steps=4, accumulate_grad_batches=2)
-    assert [entry["step"] for entry in monitor.history] == [0, 2]
+    assert [entry.step for entry in monitor.history] == [0, 2]
 
 
 def test_divergence_warns_naming_the_worst_parameters_once(tmp_path):
@@ -95,7 +96,7 @@ def test_divergence_warns_naming_the_worst_parameters_once(tmp_path):
     assert len(messages) == 1
     assert "The worst parameters: model." in messages[0]
     assert len(monitor.history) == 4
-    assert all(entry["diverged"] and entry["grad_divergence"] > 0 for entry in monitor.history)
+    assert all(entry.diverged and entry.grad_divergence > 0 for entry in monitor.history)
 
 
 def test_divergence_raises_in_raise_mode(tmp_path):
@@ -109,7 +110,7 @@ def test_ignore_mode_only_records_the_metric(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", LightningCkptDeterminismWarning)
         fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
-    assert [entry["diverged"] for entry in monitor.history] == [True, True]
+    assert [entry.diverged for entry in monitor.history] == [True, True]
 
 
 def test_metric_is_written_to_tensorboard(tmp_path):
@@ -173,8 +174,8 @@ def test_training_is_bit_identical_with_the_monitor(tmp_path, setup, block):
         runs[name] = (trainer, module)
     (plain_trainer, plain), (monitored_trainer, monitored) = runs["plain"], runs["monitored"]
     history = monitored_trainer.callbacks[0].history  # type: ignore[attr-defined]
-    assert [entry["grad_divergence"] for entry in history if "skipped" not in entry] == [0.0] * len(
-        [entry for entry in history if "skipped" not in entry]
+    assert [entry.grad_divergence for entry in history if entry.skipped is None] == [0.0] * len(
+        [entry for entry in history if entry.skipped is None]
     )
     assert len(history) == 5
     assert list(plain.state_dict()) == list(monitored.state_dict())
@@ -222,30 +223,30 @@ def test_manual_optimization_needs_a_loss_fn(tmp_path):
         fit(tmp_path, module=ManualModule(), monitor=RecomputationMonitor())
     monitor = RecomputationMonitor(every_n_steps=2, loss_fn=manual_loss)
     _, monitored = fit(tmp_path, module=ManualModule(), monitor=monitor)
-    assert [(entry["step"], entry["grad_divergence"]) for entry in monitor.history] == [(0, 0.0), (2, 0.0)]
+    assert [(entry.step, entry.grad_divergence) for entry in monitor.history] == [(0, 0.0), (2, 0.0)]
     _, plain = fit(tmp_path / "plain", module=ManualModule())
     for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
     broken = RecomputationMonitor(every_n_steps=2, loss_fn=manual_loss, on_divergence="ignore")
     fit(tmp_path / "broken", module=ManualModule(), monitor=broken, config={"preserve_rng_state": False})
-    assert all(entry["grad_divergence"] > 0.0 for entry in broken.history)
+    assert all(entry.grad_divergence > 0.0 for entry in broken.history)
 
 
 def test_state_is_saved_in_and_restored_from_lightning_checkpoints(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=1, history_size=2)
     trainer, _ = fit(tmp_path, monitor=monitor)
-    assert [entry["step"] for entry in monitor.history] == [2, 3]
+    assert [entry.step for entry in monitor.history] == [2, 3]
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=False)["callbacks"][monitor.state_key]
-    assert saved == {"last_checked_step": 3, "history": list(monitor.history), "checks": 4}
+    assert saved == {"last_checked_step": 3, "history": [asdict(entry) for entry in monitor.history], "checks": 4}
 
     resumed = RecomputationMonitor(every_n_steps=1, history_size=2)
     pl.seed_everything(0, verbose=False)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
     trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=6, callbacks=[resumed], strategy=strategy))
     trainer.fit(StackModule(), ckpt_path=path)
-    assert [entry["step"] for entry in resumed.history] == [4, 5]
+    assert [entry.step for entry in resumed.history] == [4, 5]
     assert resumed.last_checked_step == 5
 
 
@@ -286,7 +287,7 @@ def test_a_skipped_training_step_is_not_checked(tmp_path):
     # Batch 0 skips (no backward, so no check); batch 1 is checked. The reference pass's call to `training_step`
     # appended to the list too, and the check put the list back as the live step left it.
     assert module.batches_seen == [0, 1]
-    assert [entry["step"] for entry in monitor.history] == [1]
+    assert [entry.step for entry in monitor.history] == [1]
     assert monitor.last_report is not None and monitor.last_report.grad_divergence == 0.0
 
 
@@ -295,7 +296,7 @@ def test_a_gradient_penalty_trains_with_the_monitor_and_logs_zero(tmp_path, bloc
     monitor = RecomputationMonitor(every_n_steps=1, attribution="always")
     logger = CSVLogger(tmp_path)
     _, module = fit(tmp_path, module=GradientPenaltyModule(block=block), monitor=monitor, block=block, logger=logger)
-    assert [entry["grad_divergence"] for entry in monitor.history] == [0.0] * 4
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0] * 4
     assert monitor.last_report is not None
     assert [region.recomputations for region in monitor.last_report.regions] == [2] * 3
     with open(Path(logger.log_dir) / "metrics.csv") as file:
@@ -325,7 +326,7 @@ def test_training_of_a_defective_model_is_unchanged_by_the_monitor(tmp_path, blo
         _, module = fit(tmp_path / name, monitor=monitor, block=block, config=config)
         modules.append(module)
         if monitor is not None:
-            assert all(entry["diverged"] and entry["grad_divergence"] > 0 for entry in monitor.history)
+            assert all(entry.diverged and entry.grad_divergence > 0 for entry in monitor.history)
     for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
 
@@ -347,7 +348,7 @@ def test_training_code_patterns_train_bit_identically_and_log_zero(tmp_path, pat
         _, module = fit(tmp_path / name, module=PATTERNS[pattern](), monitor=monitor)
         modules.append(module)
         if monitor is not None:
-            assert [entry["grad_divergence"] for entry in monitor.history] == [0.0] * 4
+            assert [entry.grad_divergence for entry in monitor.history] == [0.0] * 4
     plain, monitored = modules
     for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
@@ -396,12 +397,12 @@ def test_reference_regions_rotate_and_find_a_defect_in_one_block_within_a_cycle(
     module.model.blocks[2] = NumpyNoiseBlock()
     monitor = RecomputationMonitor(every_n_steps=1, reference_regions=1, on_divergence="ignore", attribution="never")
     fit(tmp_path, module=module, monitor=monitor, block="PlainBlock", max_steps=4, config={"names": ["model.blocks.2"]})
-    checked = [entry["checked_regions"] for entry in monitor.history]
+    checked = [entry.checked_regions for entry in monitor.history]
     assert checked == [["model.blocks.0"], ["model.blocks.1"], ["model.blocks.2"], ["model.blocks.3"]]
     # While the noise block stays checkpointed in the reference, it carries the same error as the live step; the
     # check that runs it plainly finds it.
-    assert [entry["diverged"] for entry in monitor.history] == [False, False, True, False]
-    assert monitor.history[2]["grad_divergence"] > 0.0
+    assert [entry.diverged for entry in monitor.history] == [False, False, True, False]
+    assert monitor.history[2].grad_divergence > 0.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a CUDA device")
@@ -417,7 +418,7 @@ def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defec
             **trainer_kwargs(tmp_path / name, accelerator="cuda", devices=1, callbacks=[monitor], strategy=strategy)
         )
         trainer.fit(StackModule())
-        divergences = [entry["grad_divergence"] for entry in monitor.history]
+        divergences = [entry.grad_divergence for entry in monitor.history]
         assert len(divergences) == 4
         assert all(value == 0.0 for value in divergences) if name == "clean" else all(v > 0.0 for v in divergences)
 
@@ -435,7 +436,7 @@ def test_an_optimizer_that_calls_its_closure_again_is_checked_once_per_step(tmp_
         _, module = fit(tmp_path / name, module=LBFGSModule(), monitor=monitor, max_steps=2)
         modules.append(module)
         if monitor is not None:
-            assert [(entry["step"], entry["grad_divergence"]) for entry in monitor.history] == [(0, 0.0), (1, 0.0)]
+            assert [(entry.step, entry.grad_divergence) for entry in monitor.history] == [(0, 0.0), (1, 0.0)]
     for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
 
@@ -450,9 +451,7 @@ def test_a_step_that_changes_parameters_in_place_is_skipped_with_a_warning_and_t
                 LightningCkptDeterminismWarning, match=r"changed parameters in place \(teacher.inp.weight"
             ):
                 _, module = fit(tmp_path / name, module=MomentumTeacherModule(), monitor=monitor)
-            assert [entry.get("skipped") for entry in monitor.history] == [
-                "parameters changed in place in training_step"
-            ] * 4
+            assert [entry.skipped for entry in monitor.history] == ["parameters changed in place in training_step"] * 4
         modules.append(module)
     for (key, expected), actual in zip(modules[0].state_dict().items(), modules[1].state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
@@ -473,4 +472,4 @@ def test_a_reference_that_returns_no_loss_is_an_error_finding(tmp_path):
     assert monitor.last_report is not None
     assert monitor.last_report.error is not None
     assert "the reference pass's `training_step` returned None" in monitor.last_report.error
-    assert monitor.history[0]["diverged"] and monitor.history[0]["grad_divergence"] == math.inf
+    assert monitor.history[0].diverged and monitor.history[0].grad_divergence == math.inf

@@ -1,6 +1,5 @@
 """Gradients as a check reads them: set aside and put back, and read as this rank's shard of them."""
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,11 +8,8 @@ import torch
 __all__ = ["GradientStash", "counted_here", "local_tensor"]
 
 _DTensor: Any = None
-try:
+if torch.distributed.is_available():  # a build without torch.distributed has no DTensor
     from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch < 2.5, or a build without torch.distributed
-    with contextlib.suppress(ImportError):
-        from torch.distributed._tensor import DTensor as _DTensor
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

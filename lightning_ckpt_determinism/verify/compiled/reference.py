@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
-from lightning_ckpt_determinism.wrapping import _run_plainly, checkpointing_disabled
+from lightning_ckpt_determinism._torch_compat import functorch_config, is_compiled_module
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointing_disabled, run_plainly
 
 __all__ = ["eager_semantics", "is_compiled", "reference_pass"]
 
@@ -46,10 +46,7 @@ def is_compiled(module: nn.Module) -> bool:
         >>> is_compiled(model)
         True
     """
-    return any(
-        isinstance(sub, OptimizedModule) or getattr(sub, "_compiled_call_impl", None) is not None
-        for sub in module.modules()
-    )
+    return any(is_compiled_module(sub) for sub in module.modules())
 
 
 @contextlib.contextmanager
@@ -72,8 +69,8 @@ def reference_pass(plain: Iterable[nn.Module] | None = None) -> Iterator[None]:
         ...     torch._functorch.config.activation_memory_budget
         1.0
     """
-    checkpointing_off = checkpointing_disabled() if plain is None else _run_plainly(plain)
-    with checkpointing_off, torch._functorch.config.patch(activation_memory_budget=1.0):
+    checkpointing_off = checkpointing_disabled() if plain is None else run_plainly(plain)
+    with checkpointing_off, functorch_config.patch(activation_memory_budget=1.0):
         yield
 
 

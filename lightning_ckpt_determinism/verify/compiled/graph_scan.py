@@ -37,20 +37,33 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._dynamo.backends.common import AotAutograd
-from torch._dynamo.backends.debugging import aot_eager
-from torch._dynamo.eval_frame import OptimizeContext, OptimizedModule, innermost_backend
+
+from lightning_ckpt_determinism._torch_compat import (
+    OpOverload,
+    OptimizeContext,
+    OptimizedModule,
+    aot_backends,
+    compiled_call,
+    functorch_config,
+    graphsafe_run_with_rng_state,
+    inductor_compilers,
+    innermost_backend,
+    is_compiled_module,
+    run_and_save_rng_state,
+    run_with_rng_state,
+    set_compiled_call,
+)
 
 __all__ = ["GraphScan", "RandomRedraw", "find_redraws", "scanned"]
 
 _Compiler = Callable[..., Any]
 
-_RUN_AND_SAVE = torch._prims.rng_prims.run_and_save_rng_state
+AotAutograd, aot_eager, boxed_nop = aot_backends()
+_RUN_AND_SAVE = run_and_save_rng_state
 # Ops that draw from a seed or a state they are given, and where that argument is.
-_SEEDED_BY = {
-    torch._prims.rng_prims.run_with_rng_state: lambda node: node.args[0],
-    torch._prims.rng_prims.graphsafe_run_with_rng_state: lambda node: node.kwargs.get("rng_state"),
-}
+_SEEDED_BY: dict[Any, Callable[[fx.Node], Any]] = {run_with_rng_state: lambda node: node.args[0]}
+if graphsafe_run_with_rng_state is not None:
+    _SEEDED_BY[graphsafe_run_with_rng_state] = lambda node: node.kwargs.get("rng_state")
 _PATH_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[['\"]([^'\"]+)['\"]\]")
 
 
@@ -118,11 +131,11 @@ def find_redraws(graph: fx.GraphModule, root: nn.Module | None = None) -> list[R
 
 
 def _target_name(target: Any) -> str:
-    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    return str(target) if isinstance(target, OpOverload) else getattr(target, "__name__", str(target))
 
 
 def _is_seeded(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return isinstance(target, OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _fresh_draw(node: fx.Node) -> bool:
@@ -272,7 +285,7 @@ class _ScanningBackend:
 
     def __call__(self, graph: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         # A graph served from AOTAutograd's cache would skip the compilers this backend hooks into.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        with functorch_config.patch(enable_autograd_cache=False):
             return _compile_scanned(self._backend, graph, example_inputs, self._scanned)
 
     def _scanned(self, compiler: _Compiler) -> _Compiler:
@@ -291,7 +304,7 @@ def _compile_scanned(
     backend: Any, graph: fx.GraphModule, inputs: Sequence[Any], scanned: Callable[[_Compiler], _Compiler]
 ) -> Any:
     """Compile ``graph`` as ``backend`` would, with its backward compiler wrapped by ``scanned``."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    compile_fx, compile_fx_inner = inductor_compilers()
 
     if getattr(backend, "compiler_name", None) == "inductor":
         inner = scanned(compile_fx_inner)
@@ -304,7 +317,7 @@ def _compile_scanned(
         return compile_fx(graph, list(inputs), inner_compile=inner_compile, config_patches=backend.config)
     compiler_fn, kwargs = _aot_parts(backend)
     if compiler_fn is aot_eager:
-        bw_compiler = kwargs.pop("bw_compiler", None) or torch._dynamo.backends.debugging.boxed_nop
+        bw_compiler = kwargs.pop("bw_compiler", None) or boxed_nop
         return aot_eager(graph, list(inputs), bw_compiler=scanned(bw_compiler), **kwargs)
     if isinstance(compiler_fn, AotAutograd):
         options = {**compiler_fn.kwargs, **kwargs}
@@ -371,7 +384,7 @@ def scanned(module: nn.Module) -> Iterator[GraphScan]:
     restores: list[Callable[[], None]] = []
     try:
         for sub in module.modules():
-            if isinstance(sub, OptimizedModule) or getattr(sub, "_compiled_call_impl", None) is not None:
+            if is_compiled_module(sub):
                 restores.append(_install(sub, scan))
         yield scan
     finally:
@@ -394,14 +407,14 @@ def _install(sub: nn.Module, scan: GraphScan) -> Callable[[], None]:
             wrapper._initialize()
 
         return restore
-    call: Any = sub._compiled_call_impl
+    call: Any = compiled_call(sub)
     recompiled = _scanning_recompile(call, call, sub, sub._call_impl, scan)
     if recompiled is None:
         return lambda: None
-    sub._compiled_call_impl = recompiled
+    set_compiled_call(sub, recompiled)
 
     def restore_call() -> None:
-        sub._compiled_call_impl = call
+        set_compiled_call(sub, call)
 
     return restore_call
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism.rng import capture_rng, restore_rng
-from lightning_ckpt_determinism.wrapping import _buffer_slots
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
 
 __all__ = ["StepState"]
 
@@ -80,7 +80,7 @@ class _BufferSnapshot:
     def __init__(self, module: nn.Module) -> None:
         with torch.no_grad():
             self._entries = [
-                (owner, key, buffer, buffer.clone()) for owner, key, buffer in _buffer_slots(module).values()
+                (owner, key, buffer, buffer.clone()) for owner, key, buffer in buffer_slots(module).values()
             ]
 
     def restore(self) -> None:

@@ -27,10 +27,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
+
+from lightning_ckpt_determinism._torch_compat import (
+    OpOverload,
+    TorchDispatchMode,
+    statically_known_true,
+    tree_leaves,
+    tree_map,
+)
 
 __all__ = ["CompiledPolicy", "KeptOutputs", "is_data_dependent", "mark_region_inputs"]
 
@@ -50,7 +55,6 @@ _UNTAGGED_PACKETS = frozenset(
 )
 _UNTAGGED_OVERLOADS = frozenset({_aten.max.dim, _aten.min.dim})
 _MASK_DTYPES = (torch.bool, torch.uint8)
-_decided: dict[Any, bool] = {}
 _RECOMPUTED = object()
 
 
@@ -68,18 +72,17 @@ def is_data_dependent(func: Any, args: tuple[Any, ...]) -> bool:
         >>> is_data_dependent(torch.ops.aten.index.Tensor, (torch.ones(3), [torch.tensor([0, 2])]))
         False
     """
-    decided = _decided.get(func)
-    if decided is None:
-        decided = _decided[func] = _by_rule(func)
-    if decided and func is _aten.index.Tensor:
+    if not _by_rule(func):
+        return False
+    if func is _aten.index.Tensor:
         return len(args) > 1 and any(
             isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES for index in args[1] or ()
         )
-    return decided
+    return True
 
 
 def _by_rule(func: Any) -> bool:
-    if not isinstance(func, torch._ops.OpOverload):
+    if not isinstance(func, OpOverload):
         return False
     if func in _UNTAGGED_OVERLOADS or func.overloadpacket in _UNTAGGED_PACKETS:
         return True

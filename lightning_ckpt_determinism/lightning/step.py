@@ -1,7 +1,7 @@
 """Run a LightningModule's training step for a check: capture the live step's start, rerun it, without logging."""
 
 import contextlib
-import inspect
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -11,13 +11,13 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-from lightning_ckpt_determinism._compile import reference_pass
-from lightning_ckpt_determinism._state import StepState
+from lightning_ckpt_determinism.verify.compiled import reference_pass
+from lightning_ckpt_determinism.verify.state import StepState
 
 __all__ = [
-    "LIGHTNING_INTERNALS",
     "SkippedStep",
     "StepCapture",
+    "lightning_internals",
     "live_reference",
     "logging_suppressed",
     "loss_of",
@@ -25,8 +25,16 @@ __all__ = [
     "training_step_loss",
 ]
 
-LIGHTNING_INTERNALS = frozenset(vars(pl.LightningModule()))
-"""What ``LightningModule.__init__`` sets: Lightning's bookkeeping, which a check never captures nor restores."""
+
+def lightning_internals() -> frozenset[str]:
+    """What ``LightningModule.__init__`` sets: Lightning's bookkeeping, which a check never captures nor restores.
+
+    Example::
+
+        >>> "_trainer" in lightning_internals()
+        True
+    """
+    return frozenset(vars(pl.LightningModule()))
 
 
 class SkippedStep(Exception):
@@ -82,32 +90,29 @@ def _copy_tensors(value: Any) -> Any:
 
 
 class StepCapture:
-    """Captures what the live training step starts from, at the entry of its first ``training_step`` call.
+    """What the live training step starts from, captured at the entry of its first ``training_step`` call.
 
-    Installed as an instance-level ``training_step`` for one step: on its first call it records a
-    :class:`StepState` and copies of the arguments, removes itself and calls the real ``training_step``. Later calls
-    in the step (an optimizer such as LBFGS calls its closure again) run the real one directly.
+    :meth:`installed` puts a wrapper in place of the module's ``training_step`` for one step: on its first call it
+    records a :class:`StepState` and copies of the arguments, puts the module's own ``training_step`` back and calls
+    it. Later calls in the step (an optimizer such as LBFGS calls its closure again) run the real one directly. The
+    wrapper's ``__wrapped__`` is the real method, whose signature Lightning reads to decide whether to pass
+    ``batch_idx``.
 
     Args:
         pl_module: The LightningModule.
         batch_idx: The index of the step's batch.
+        exclude_attributes: Attributes the state never captures (Lightning's own bookkeeping).
     """
 
-    def __init__(self, pl_module: "pl.LightningModule", batch_idx: int) -> None:
+    def __init__(self, pl_module: "pl.LightningModule", batch_idx: int, exclude_attributes: frozenset[str]) -> None:
         self.pl_module = pl_module
         self.batch_idx = batch_idx
+        self._exclude = exclude_attributes
         self._state: StepState | None = None
         self._versions: list[tuple[str, torch.Tensor, int]] = []
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.loss = float("nan")
-        self._own = pl_module.__dict__.get("training_step")
-        # Lightning reads the signature to decide whether to pass `batch_idx`: it must see the real one, with the
-        # leading `self` it strips.
-        real = inspect.signature(pl_module.training_step)
-        bound_self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        self.__signature__ = real.replace(parameters=[bound_self, *real.parameters.values()])
-        pl_module.training_step = self  # type: ignore[method-assign]
 
     @property
     def captured(self) -> bool:
@@ -124,13 +129,23 @@ class StepCapture:
             raise RuntimeError("lightning_ckpt_determinism: the check step's `training_step` has not run yet.")
         return self._state
 
-    def remove(self) -> None:
-        """Put the module's own ``training_step`` back (idempotent)."""
-        if self.pl_module.__dict__.get("training_step") is self:
-            if self._own is None:
-                del self.pl_module.training_step
-            else:
-                self.pl_module.training_step = self._own  # type: ignore[method-assign]
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StepCapture"]:
+        """Capture at the next ``training_step`` call inside this block; the module's own method is back after it."""
+        module = self.pl_module
+        own = module.__dict__.get("training_step")
+        real = module.training_step
+
+        @functools.wraps(real)
+        def capturing(*args: Any, **kwargs: Any) -> Any:
+            _put_back(module, own, capturing)
+            return self._run(real, args, kwargs)
+
+        module.training_step = capturing  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            _put_back(module, own, capturing)
 
     def changed_parameters(self) -> list[str]:
         """The parameters changed in place since the step started (a momentum teacher updated in ``training_step``).
@@ -143,17 +158,25 @@ class StepCapture:
         """Fresh copies of the captured arguments (a step may change its batch in place)."""
         return _copy_tensors(self.args), _copy_tensors(self.kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.remove()
+    def _run(self, real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
-        self._state = StepState(self.pl_module, LIGHTNING_INTERNALS)
+        self._state = StepState(self.pl_module, self._exclude)
         self._versions = [(name, param, param._version) for name, param in self.pl_module.named_parameters()]
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
-        output = self.pl_module.training_step(*args, **kwargs)
+        output = real(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.loss = float(loss.detach())
         return output
+
+
+def _put_back(module: "pl.LightningModule", own: Any, installed: Callable[..., Any]) -> None:
+    """Put the module's own ``training_step`` back, if ``installed`` is still in its place (idempotent)."""
+    if module.__dict__.get("training_step") is installed:
+        if own is None:
+            del module.training_step
+        else:
+            module.training_step = own  # type: ignore[method-assign]
 
 
 def live_reference(

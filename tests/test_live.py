@@ -1,4 +1,4 @@
-"""Tests for the live-step engine (`lightning_ckpt_determinism.live_check`) and the state it captures and restores."""
+"""Tests for the live-step engine (`lightning_ckpt_determinism.verify.live`) and the state it captures and restores."""
 
 import math
 from collections import defaultdict, deque
@@ -10,9 +10,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, checkpointing_disabled
-from lightning_ckpt_determinism._grads import GradientStash
-from lightning_ckpt_determinism._state import StepState
-from lightning_ckpt_determinism.live_check import check_live_step, compare_gradients
+from lightning_ckpt_determinism.verify.gradients import GradientStash
+from lightning_ckpt_determinism.verify.live import check_live_step, compare_gradients
+from lightning_ckpt_determinism.verify.state import StepState
 from tests.helpers import BatchNormBlock, DropoutBlock, NumpyNoiseBlock, batch, make_stack
 
 NAMES = ["a", "b"]

@@ -1,4 +1,5 @@
-"""Tests for `lightning_ckpt_determinism.wrapping`: selection, in-place wrapping, and what recomputation reproduces."""
+"""Tests for `lightning_ckpt_determinism.checkpointing`: selection, in-place wrapping, and what recomputation
+reproduces."""
 
 import copy
 import pickle
@@ -25,8 +26,8 @@ from lightning_ckpt_determinism import (
     checkpointing_disabled,
     remove_activation_checkpointing,
 )
-from lightning_ckpt_determinism import wrapping as wrapping_module
-from lightning_ckpt_determinism.wrapping import select_modules
+from lightning_ckpt_determinism.checkpointing import select_modules
+from lightning_ckpt_determinism.checkpointing import wrapper as wrapping_module
 from tests.helpers import (
     DIM,
     BatchNormBlock,

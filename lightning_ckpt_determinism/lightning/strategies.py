@@ -9,18 +9,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import (
-    CheckpointingConfigError,
-    LightningCkptDeterminismWarning,
-    _CheckpointingTypeError,
-)
-from lightning_ckpt_determinism.wrapping import (
+from lightning_ckpt_determinism.checkpointing import (
     checkpoint_module,
     checkpointed_modules,
     remove_activation_checkpointing,
     select_modules,
 )
+from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    CheckpointingTypeError,
+    LightningCkptDeterminismWarning,
+)
+from lightning_ckpt_determinism.lightning.notes import show_notes
 
 __all__ = [
     "ActivationCheckpointingMixin",
@@ -67,7 +68,7 @@ class ActivationCheckpointingMixin:
 
     def __init__(self, *args: Any, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         if not isinstance(checkpointing, CheckpointingConfig):
-            raise _CheckpointingTypeError(
+            raise CheckpointingTypeError(
                 f"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}. Build one with"
                 " `CheckpointingConfig(classes=[...])` or give a mapping such as `checkpointing: {classes: [Block]}`"
                 " in YAML."
@@ -79,23 +80,24 @@ class ActivationCheckpointingMixin:
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self._model_set_up = False
+        show_notes()
         super().setup(trainer)  # type: ignore[misc]
         if not self._model_set_up and trainer.state.fn == TrainerFn.FITTING:
             # Some strategies never call `_setup_model` (ModelParallelStrategy; FSDP with `configure_sharded_model`):
             # the user's `configure_model` has wrapped the model already, so it is final once their setup returns.
-            self._checkpoint(self._select_for_checkpointing())
+            self.apply_checkpointing(self.select_for_checkpointing(self.lightning_module))  # type: ignore[attr-defined]
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         self._model_set_up = True
-        selected = self._select_for_checkpointing()
+        selected = self.select_for_checkpointing(self.lightning_module)  # type: ignore[attr-defined]
         if self._checkpoint_after_wrapping:
             # The wrapper (FSDP) must own the modules before their forward is checkpointed; they were selected
             # above, while their names were still those of the LightningModule.
             model = super()._setup_model(model)  # type: ignore[misc]
-            self._checkpoint(selected)
+            self.apply_checkpointing(selected)
             return model
         # Before the wrapper (DDP) registers its hooks on the model.
-        self._checkpoint(selected)
+        self.apply_checkpointing(selected)
         return super()._setup_model(model)  # type: ignore[misc]
 
     def teardown(self) -> None:
@@ -104,22 +106,36 @@ class ActivationCheckpointingMixin:
         self._applied_checkpointing = {}
         super().teardown()  # type: ignore[misc]
 
-    def _select_for_checkpointing(self) -> dict[str, nn.Module]:
-        lightning_module = self.lightning_module  # type: ignore[attr-defined]
+    def select_for_checkpointing(self, module: nn.Module) -> dict[str, nn.Module]:
+        """The submodules of ``module`` this strategy's config selects, by name; none when checkpointing is applied
+        already (by this strategy, or to the model by hand, which is warned).
+
+        Args:
+            module: The LightningModule, as the strategy sets it up.
+
+        Raises:
+            CheckpointingConfigError: If the config matches no module.
+        """
         if self._applied_checkpointing:
             return {}
-        already = checkpointed_modules(lightning_module)
+        already = checkpointed_modules(module)
         if already:
             rank_zero_warn(
-                f"lightning_ckpt_determinism: {len(already)} modules of {type(lightning_module).__name__} are already"
+                f"lightning_ckpt_determinism: {len(already)} modules of {type(module).__name__} are already"
                 f" checkpointed ({_summary(already)}); `{type(self).__name__}` leaves them as they are and applies"
                 " nothing. Remove `apply_activation_checkpointing` from the model to let the strategy apply it.",
                 category=LightningCkptDeterminismWarning,
             )
             return {}
-        return select_modules(lightning_module, self.checkpointing)
+        return select_modules(module, self.checkpointing)
 
-    def _checkpoint(self, selected: dict[str, nn.Module]) -> None:
+    def apply_checkpointing(self, selected: dict[str, nn.Module]) -> None:
+        """Checkpoint the modules :meth:`select_for_checkpointing` chose, with one info line saying what was done;
+        :meth:`teardown` removes it again.
+
+        Args:
+            selected: The modules by name.
+        """
         if not selected:
             return
         for name, module in selected.items():

@@ -12,8 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_ckpt_determinism import CAUSE_HINTS, cli
-from lightning_ckpt_determinism.cli import main
+from lightning_ckpt_determinism import CAUSE_HINTS
+from lightning_ckpt_determinism.audit import files, loading, main, running
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -296,7 +296,7 @@ def fail_if_the_audit_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     def build(args: object) -> None:
         pytest.fail("the audit started although `--json` cannot be written")
 
-    monkeypatch.setattr(cli, "_build", build)
+    monkeypatch.setattr(running, "build", build)
 
 
 @pytest.mark.parametrize(
@@ -356,7 +356,7 @@ def test_a_full_disk_at_the_final_write_exits_2_after_the_verdict_and_leaves_no_
     def full_disk(*args: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cli.os, failing, full_disk)
+    monkeypatch.setattr(files.os, failing, full_disk)
     code, out, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"), "--json", str(report))
     assert code == 2
     assert table(out)["blocks.3"]["verdict"] == "diverged"
@@ -399,9 +399,9 @@ def test_a_config_that_is_no_yaml_is_named_with_line_and_column_in_one_line(text
 
 def test_a_yaml_error_without_a_position_still_names_the_file_in_one_line(capsys, tmp_path, monkeypatch):
     def fail(text: str) -> None:
-        raise cli.yaml.YAMLError("no position\n  known")
+        raise loading.yaml.YAMLError("no position\n  known")
 
-    monkeypatch.setattr(cli.yaml, "safe_load", fail)
+    monkeypatch.setattr(loading.yaml, "safe_load", fail)
     code, _, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"))
     assert code == 2
     assert err == (

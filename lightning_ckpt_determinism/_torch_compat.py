@@ -1,0 +1,115 @@
+"""Every private torch API the package uses, in one place, each with the torch versions it is known in.
+
+A torch upgrade touches this file only. The versions are those of the API's first release; the package is tested on
+the versions its README names. Nothing here imports Lightning.
+"""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+# The module `torch.compile` returns, and the dynamo context a compiled module or call carries (>= 2.0;
+# `innermost_backend` >= 2.2).
+from torch._dynamo.eval_frame import OptimizeContext, OptimizedModule, innermost_backend
+
+# Symbolic sizes: whether a comparison holds for every value of a traced size (>= 2.1).
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+# Dispatch modes: the base class, and the switch that lets a mode's own bookkeeping run below every mode (>= 2.0).
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+# Pytree helpers over nested outputs (>= 2.0).
+from torch.utils._pytree import tree_leaves, tree_map
+
+# Non-reentrant checkpoint internals: the early stop it raises inside recomputation once every saved tensor is back,
+# and its registry of `determinism_check` names (both >= 2.1).
+from torch.utils.checkpoint import _allowed_determinism_checks_to_fns, _StopRecomputationError
+
+__all__ = [
+    "OpOverload",
+    "OpOverloadPacket",
+    "OptimizeContext",
+    "OptimizedModule",
+    "StopRecomputationError",
+    "TorchDispatchMode",
+    "aot_backends",
+    "compiled_call",
+    "determinism_checks",
+    "disable_current_modes",
+    "fsdp1_flat_parameters",
+    "functorch_config",
+    "graphsafe_run_with_rng_state",
+    "inductor_compilers",
+    "innermost_backend",
+    "is_compiled_module",
+    "run_and_save_rng_state",
+    "run_with_rng_state",
+    "set_compiled_call",
+    "statically_known_true",
+    "tree_leaves",
+    "tree_map",
+]
+
+# Op overloads and their packets, as dispatch modes and selective-checkpointing policies receive them (>= 2.0).
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+StopRecomputationError = _StopRecomputationError
+disable_current_modes = _disable_current_modes
+
+# The functorch config the partitioner reads: `activation_memory_budget` (>= 2.4), `enable_autograd_cache` (>= 2.5).
+functorch_config: Any = torch._functorch.config
+
+# RNG functionalization: the forward saves the generator state a random op drew from, its recomputation replays it
+# (>= 2.1); the graph-safe form CUDA graphs use (>= 2.6).
+run_and_save_rng_state: Any = torch._prims.rng_prims.run_and_save_rng_state
+run_with_rng_state: Any = torch._prims.rng_prims.run_with_rng_state
+graphsafe_run_with_rng_state: Any = getattr(torch._prims.rng_prims, "graphsafe_run_with_rng_state", None)
+
+
+def determinism_checks() -> dict[str, Callable[..., Any]]:
+    """torch's registry of ``determinism_check`` names for non-reentrant checkpointing (>= 2.1)."""
+    return _allowed_determinism_checks_to_fns
+
+
+def aot_backends() -> tuple[Any, Callable[..., Any], Callable[..., Any]]:
+    """The ``aot_autograd`` backends the graph scan recompiles through: ``AotAutograd``, ``aot_eager`` and its
+    backward compiler ``boxed_nop`` (>= 2.0), imported only when needed (they import inductor)."""
+    from torch._dynamo.backends.common import AotAutograd
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    return AotAutograd, aot_eager, boxed_nop
+
+
+def inductor_compilers() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Inductor's ``compile_fx`` and its per-graph ``compile_fx_inner`` (>= 2.0), imported only when needed."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx, compile_fx_inner
+
+
+def compiled_call(module: nn.Module) -> Any:
+    """The compiled ``_call_impl`` that ``Module.compile()`` installs (>= 2.2), or ``None``."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: nn.Module, call: Any) -> None:
+    """Replace the compiled ``_call_impl`` of a module compiled with ``Module.compile()``."""
+    module._compiled_call_impl = call
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper or was compiled in place with ``Module.compile()``."""
+    return isinstance(module, OptimizedModule) or compiled_call(module) is not None
+
+
+def fsdp1_flat_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The flat parameters of every FSDP1 unit of ``model`` (``FullyShardedDataParallel``'s ``_handle``, >= 2.0)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        if flat is not None:
+            yield flat

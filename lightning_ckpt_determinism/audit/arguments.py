@@ -1,0 +1,75 @@
+"""The audit's command line: its arguments, their types, and the exit codes."""
+
+import argparse
+import math
+from pathlib import Path
+
+__all__ = ["EXIT_DIVERGED", "EXIT_OK", "EXIT_USAGE", "PROGRAM", "UsageError", "parser"]
+
+EXIT_OK = 0
+EXIT_DIVERGED = 1
+EXIT_USAGE = 2
+PROGRAM = "lightning-ckpt-determinism"
+
+
+class UsageError(Exception):
+    """A problem with the command line or the configuration: reported in one line, exit code 2."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``lightning-ckpt-determinism`` parser, with its ``audit`` command.
+
+    Example::
+
+        >>> parser().parse_args(["audit", "--config", "run.yaml"]).batches
+        1
+    """
+    parser = argparse.ArgumentParser(prog=PROGRAM, description="Check that activation recomputation is exact.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    audit = commands.add_parser(
+        "audit",
+        help="check a LightningCLI training config before a long run",
+        description=(
+            "Build the model, data and checkpointing strategy from a LightningCLI YAML, check that every checkpointed"
+            " region recomputes exactly what its forward produced, and say what to change where it does not."
+            " Exit 0 when all regions agree, 1 when any diverges, 2 on a usage or configuration error."
+        ),
+    )
+    audit.add_argument("--config", required=True, type=Path, help="the LightningCLI YAML used for training")
+    audit.add_argument("--batches", type=_positive_int, default=1, help="training batches to check (default 1)")
+    audit.add_argument("--json", type=Path, help="also write the full report as JSON to this file")
+    audit.add_argument(
+        "--tolerance", type=_non_negative_float, default=0.0, help="largest gradient divergence counted as equal"
+    )
+    audit.add_argument(
+        "--calibrate-noise",
+        action="store_true",
+        help="run the reference pass twice and tolerate differences within the noise floor (GPU atomics)",
+    )
+    audit.add_argument(
+        "--model", metavar="CLASS_PATH", help="the LightningModule class, when the YAML's `model` names no class_path"
+    )
+    audit.add_argument(
+        "--data", metavar="CLASS_PATH", help="the LightningDataModule class, when the YAML's `data` names no class_path"
+    )
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value

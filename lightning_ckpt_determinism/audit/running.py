@@ -1,0 +1,192 @@
+"""The ``audit`` command: check a training configuration's recomputation before a long run.
+
+``python -m lightning_ckpt_determinism audit --config CONFIG.yaml`` (or the ``lightning-ckpt-determinism`` console
+script) builds the model, the data and the checkpointing strategy from the LightningCLI YAML used for training,
+converts the model to the Trainer's precision and checkpoints it as the strategy does, and runs
+:func:`~lightning_ckpt_determinism.check_recomputation` with attribution on the first batches, on one process, on the
+strategy's device (a multi-process strategy is audited on one process with its checkpointing config, and the output
+says so; one that cannot train on this machine, such as FSDP without CUDA, is refused). It prints one row per
+checkpointed region and exits 0 when every region reproduces its forward (and the gradients agree), 1 when any
+diverges, 2 on a usage or configuration error.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+from tqdm import tqdm
+
+from lightning_ckpt_determinism.audit.arguments import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, PROGRAM, UsageError, parser
+from lightning_ckpt_determinism.audit.files import finite, json_target, replace_atomically
+from lightning_ckpt_determinism.audit.loading import build, one_process_notes, quiet_lightning, train_dataloader
+from lightning_ckpt_determinism.audit.rendering import (
+    RegionSummary,
+    diverged,
+    document,
+    footer,
+    scan_notes,
+    shortfall_note,
+    summarize,
+    table,
+)
+from lightning_ckpt_determinism.lightning.step import (
+    SkippedStep,
+    logging_suppressed,
+    training_step_arguments,
+    training_step_loss,
+)
+from lightning_ckpt_determinism.verify.compiled import is_compiled
+from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan, scanned
+from lightning_ckpt_determinism.verify.reports import RecomputationReport
+from lightning_ckpt_determinism.verify.two_pass import check_recomputation
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code.
+
+    Args:
+        argv: The arguments after the program name; ``sys.argv[1:]`` when ``None``.
+
+    Returns:
+        ``0`` when every checkpointed region reproduces its forward and the gradients agree, ``1`` when any
+        diverges, ``2`` on a usage or configuration error (printed as one line on stderr), found before any batch
+        runs, or when the ``--json`` report cannot be written in the end (after the verdict is printed).
+
+    Example::
+
+        >>> code = main(["audit", "--config", "examples/configs/broken_python_state.yaml"])  # doctest: +ELLIPSIS
+        region    verdict   cause         max diff  first divergent op      hint
+        ...
+        result: 1 of 4 checkpointed regions diverged: blocks.3
+        >>> code
+        1
+    """
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse printed the usage and the error, or the help
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        with _importable_from(os.getcwd()):
+            return _audit(args)
+    except UsageError as err:
+        print(f"{PROGRAM} audit: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+@contextlib.contextmanager
+def _importable_from(directory: str) -> Iterator[None]:
+    """Import from ``directory`` inside this block, as under ``python -m``: the YAML's class paths
+    (``examples.gpt.GPTModule``) import from the directory the console script runs in."""
+    added = directory not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(directory)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    # Before the audit, which may run for minutes: a report that cannot be written is a usage error.
+    target = json_target(args.json, args.config) if args.json is not None else None
+    with quiet_lightning():
+        cli = build(args)
+    strategy = cli.trainer.strategy
+    notes = one_process_notes(strategy)
+    loader = train_dataloader(cli)
+    with quiet_lightning():
+        model = _set_up(cli.model, strategy)
+    reports, seen, scan = _check_batches(model, strategy, loader, args)
+    if not reports:
+        raise UsageError(f"the training data of {args.config} gave no batch whose `training_step` returned a loss")
+    if len(reports) < args.batches:
+        notes.append(shortfall_note(len(reports), seen, args.batches))
+    if scan is not None:
+        notes.extend(scan_notes(scan))
+    summaries = summarize(reports)
+    print(table(summaries))
+    print(footer(reports, summaries, notes, args))
+    if target is not None:
+        _write_json(args, target, str(strategy.root_device), reports, summaries, notes)
+    return EXIT_DIVERGED if diverged(reports) else EXIT_OK
+
+
+def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
+    """The model as the strategy's setup leaves it on one process: precision first, then checkpointing."""
+    model = cast(pl.LightningModule, strategy.precision_plugin.convert_module(model)).to(strategy.root_device)
+    try:
+        strategy.apply_checkpointing(strategy.select_for_checkpointing(model))
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    model.train()
+    return model
+
+
+def _check_batches(
+    model: pl.LightningModule, strategy: Any, loader: Any, args: argparse.Namespace
+) -> tuple[list[RecomputationReport], int, GraphScan | None]:
+    """The reports of the first ``--batches`` batches that give a loss, how many batches it took, and the scan."""
+    device = strategy.root_device
+    reports: list[RecomputationReport] = []
+    seen = 0
+    # A compiled model compiles through the graph scan from its first pass: the check's scan of a compiler_recompute
+    # divergence then reads the graphs the check compiled, and compiles nothing more.
+    scan_graphs = scanned(model) if is_compiled(model) else contextlib.nullcontext()
+    with (
+        scan_graphs as scan,
+        tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False) as progress,
+    ):
+        for batch_idx, batch in enumerate(loader):
+            seen += 1
+            report = _check_batch(model, strategy, model.transfer_batch_to_device(batch, device, 0), batch_idx, args)
+            if report is not None:
+                reports.append(report)
+                progress.update()
+            if len(reports) == args.batches:
+                break
+    return reports, seen, scan
+
+
+def _check_batch(
+    model: pl.LightningModule, strategy: Any, batch: Any, batch_idx: int, args: argparse.Namespace
+) -> RecomputationReport | None:
+    def closure() -> torch.Tensor:
+        return training_step_loss(model, *training_step_arguments(model, batch, batch_idx))
+
+    try:
+        with strategy.precision_plugin.train_step_context(), logging_suppressed(model):
+            return check_recomputation(
+                model, closure, tolerance=args.tolerance, attribution=True, calibrate_noise=args.calibrate_noise
+            )
+    except SkippedStep:
+        return None
+    except Exception as err:  # the reference pass failed: a problem of the model or config, not of recomputation
+        raise UsageError(f"the training step fails without checkpointing: {type(err).__name__}: {err}") from err
+
+
+def _write_json(
+    args: argparse.Namespace,
+    target: Path,
+    device: str,
+    reports: list[RecomputationReport],
+    summaries: list[RegionSummary],
+    notes: list[str],
+) -> None:
+    text = json.dumps(finite(document(args, device, reports, summaries, notes)), indent=2) + "\n"
+    try:
+        replace_atomically(target, text)
+    except OSError as err:
+        raise UsageError(
+            f"`--json` {str(args.json)!r} cannot be written: {err.strerror or err}; the verdict above stands, but no"
+            " report was written (an existing file is unchanged)"
+        ) from err

@@ -1,0 +1,130 @@
+"""Which submodules a config selects (classes, name globs, ``every_n``), the diagnostics of a miss, and applying it."""
+
+import fnmatch
+import warnings
+
+from torch import nn
+
+from lightning_ckpt_determinism.checkpointing.modules import named_modules
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, is_checkpointed
+from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
+
+__all__ = ["apply_activation_checkpointing", "select_modules"]
+
+
+def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, nn.Module]:
+    """The submodules of ``module`` that ``config`` selects, by name, in module order, without wrapping anything.
+
+    Modules already checkpointed count as selected, so selecting is idempotent; a match nested in (or holding)
+    a checkpointed module is skipped rather than checkpointed twice. Names leave out the ``_orig_mod`` of
+    ``torch.compile`` wrappers (``names: ["model.blocks.*"]`` selects the blocks of a compiled ``model``), and a
+    wrapper itself is never selected: the module it compiles is, so its checkpoint is traced into the compiled graph.
+
+    Args:
+        module: The root module; names are relative to it.
+        config: What to select.
+
+    Raises:
+        CheckpointingConfigError: If nothing matches (the message lists the module classes and a sample of module
+            names), or if ``every_n`` exceeds the number of matched modules.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
+        >>> list(select_modules(model, CheckpointingConfig(classes=["Linear"], every_n=2)))
+        ['1', '3']
+    """
+    bare_names = {path for path in config.classes if "." not in path}
+    classes = tuple(resolve_class_path(path) for path in config.classes if "." in path)
+    wrapped_names = [name for name, sub in named_modules(module) if is_checkpointed(sub)]
+
+    def matches(name: str, sub: nn.Module) -> bool:
+        if is_checkpointed(sub):
+            return True
+        if any(wrapped.startswith(name + ".") for wrapped in wrapped_names):
+            return False
+        if isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
+            return True
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
+
+    matched: list[tuple[str, nn.Module]] = []
+    for name, sub in named_modules(module):
+        if not name or any(name.startswith(outer + ".") for outer, _ in matched):
+            continue
+        if matches(name, sub):
+            matched.append((name, sub))
+    if not matched:
+        raise CheckpointingConfigError(_nothing_matched_message(module, config))
+    _warn_unused_entries(module, config, bare_names, classes)
+    if len(matched) < config.every_n:
+        # Otherwise nothing would be checkpointed and training would run silently without it.
+        raise CheckpointingConfigError(
+            f"`every_n`={config.every_n} selects none of the {len(matched)} matched modules of"
+            f" {type(module).__name__} ({[name for name, _ in matched]}). Use an `every_n` of at most {len(matched)}."
+        )
+    return {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
+
+
+def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfig) -> list[str]:
+    """Checkpoint the submodules of ``module`` that ``config`` selects, in place, always non-reentrant.
+
+    Nothing is replaced: parameter names, buffer names and ``state_dict`` keys do not change, so checkpoints load
+    with ``strict=True`` with or without checkpointing. Forward keyword arguments and any outputs (tuples, dicts,
+    non-tensors) pass through. Applying the same config twice wraps nothing twice. Under ``torch.no_grad()`` and
+    inside :func:`~lightning_ckpt_determinism.checkpointing_disabled` a wrapped module runs its plain forward.
+
+    Args:
+        module: The root module; ``config.names`` are relative to it.
+        config: What to checkpoint and how.
+
+    Returns:
+        The names of the checkpointed modules, in module order.
+
+    Raises:
+        CheckpointingConfigError: If ``config`` matches no module or ``every_n`` skips every match (nothing is
+            wrapped then).
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+        >>> apply_activation_checkpointing(model, CheckpointingConfig(classes=["torch.nn.Linear"]))
+        ['0', '2']
+        >>> list(model.state_dict())
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+    """
+    selected = select_modules(module, config)
+    for name, sub in selected.items():
+        checkpoint_module(sub, name, config)
+    return list(selected)
+
+
+def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> str:
+    class_names = sorted({type(sub).__name__ for _, sub in named_modules(module)})
+    module_names = [name for name, _ in named_modules(module) if name]
+    sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
+    return (
+        f"`CheckpointingConfig` matches no module of {type(module).__name__}: classes={config.classes},"
+        f" names={config.names}. The model's module classes are {class_names}; its module names include"
+        f" {sample}. Names are relative to the module the config is applied to (the LightningModule under a"
+        " strategy)."
+    )
+
+
+def _warn_unused_entries(
+    module: nn.Module, config: CheckpointingConfig, bare_names: set[str], classes: tuple[type, ...]
+) -> None:
+    named = [(name, sub) for name, sub in named_modules(module) if name]
+    seen_class_names = {base.__name__ for _, sub in named for base in type(sub).__mro__}
+    unused = [name for name in sorted(bare_names) if name not in seen_class_names]
+    unused += [cls.__qualname__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]
+    unused += [pattern for pattern in config.names if not any(fnmatch.fnmatchcase(n, pattern) for n, _ in named)]
+    if unused:
+        warnings.warn(
+            f"lightning_ckpt_determinism: `CheckpointingConfig` entries {unused} match no module of"
+            f" {type(module).__name__}; check their spelling.",
+            LightningCkptDeterminismWarning,
+            stacklevel=3,
+        )

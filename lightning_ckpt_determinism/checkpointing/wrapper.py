@@ -1,0 +1,421 @@
+"""The region wrapper: a module's forward run under non-reentrant activation checkpointing, in place.
+
+Wrapping sets an instance-level ``forward`` on each selected module, so the module object, its parameters, its
+buffers and every ``state_dict`` key stay exactly as they were. Recomputation composes up to five contexts:
+host-RNG replay, buffer protection, the selective-op policy, the guard that keeps data-dependent outputs (routing)
+from the forward and, while one is registered with :func:`observing`, an observer's. Each recompute context can be
+entered any number of times (a gradient penalty or ``retain_graph=True`` recomputes a region once per backward), and
+each entry replays the same state. A region that needs only the selective-op policy gets torch's own pair of
+dispatch modes. The guard (:mod:`~lightning_ckpt_determinism.checkpointing.routing`) is on at a region's first
+checkpointed forward and stays on only where that forward ran a data-dependent op: a region without routing pays
+nothing.
+
+The traced path (under ``torch.compile``) reads only state dynamo can guard on (an attribute of :data:`_SWITCH`,
+never a ContextVar), never passes ``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a
+region has ``save_ops``, eager-only options or ``keep_data_dependent``: see
+:mod:`~lightning_ckpt_determinism.checkpointing.compiled`.
+"""
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter, region_contexts
+from lightning_ckpt_determinism.checkpointing.contexts import (
+    ContextFactory,
+    HostRNGReplay,
+    Reenterable,
+    protected_buffers,
+    same_context,
+)
+from lightning_ckpt_determinism.checkpointing.modules import named_modules
+from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
+from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
+
+__all__ = [
+    "CheckpointedForward",
+    "RegionCall",
+    "RegionObserver",
+    "checkpoint_module",
+    "checkpointed_modules",
+    "checkpointing_disabled",
+    "is_checkpointed",
+    "observing",
+    "remove_activation_checkpointing",
+    "run_plainly",
+]
+
+_ContextPair = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class RegionCall:
+    """One eager call of a checkpointed region, as an observer sees it.
+
+    Attributes:
+        region: The region's name.
+        module: The checkpointed module.
+        inputs: The tensors and values torch saves as the region's inputs.
+        data_dependent: The call's log of data-dependent ops, filled during the forward (which ran, and whether
+            each was kept).
+    """
+
+    region: str
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    data_dependent: KeptOutputs
+
+
+class RegionObserver(Protocol):
+    """What :func:`observing` plugs into every checkpointed region that runs eagerly.
+
+    ``contexts`` is called at each checkpointed call and returns two factories: one context for the forward, and one
+    for each recomputation (there can be several, e.g. under a gradient penalty). Their dispatch modes sit above
+    every other context of the region and see every op.
+    """
+
+    def contexts(self, call: RegionCall) -> tuple[ContextFactory, ContextFactory]: ...
+
+
+class _Switch:
+    """What a check changes in every checkpointed region: read by each checkpointed call.
+
+    A plain object rather than ContextVars, because dynamo cannot trace a ContextVar read (it breaks the graph, and
+    then fails on the checkpoint call). The traced path reads only ``disabled``, a bool dynamo guards on: switching
+    checkpointing off compiles one more graph, once, whatever the nesting depth. ``observer`` is read only by eager
+    calls, so compiled graphs never guard on it. The state is per process, not per thread; it changes only inside
+    :func:`checkpointing_disabled` and :func:`observing`.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.disabled = False
+        self.observer: RegionObserver | None = None
+
+
+_SWITCH = _Switch()
+
+# One object per distinct config while regions hold it, so that identical blocks share compiled code whether they
+# were given one config object or equal ones (compiled graphs guard on the config's identity).
+_shared_configs: "weakref.WeakValueDictionary[CheckpointingConfig, CheckpointingConfig]" = weakref.WeakValueDictionary()
+
+
+@contextlib.contextmanager
+def checkpointing_disabled() -> Iterator[None]:
+    """Run every checkpointed module with its plain forward (nothing is recomputed) inside this block.
+
+    The recomputation check uses it for its reference pass. It nests and is restored whatever is raised. A
+    compiled model compiles one more graph the first time it runs inside this block, and reuses both afterwards.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> apply_activation_checkpointing(model, CheckpointingConfig(classes=["Linear"]))
+        ['0']
+        >>> with checkpointing_disabled():
+        ...     loss = model(torch.ones(1, 2)).sum()
+    """
+    _SWITCH.depth += 1
+    _SWITCH.disabled = True
+    try:
+        yield
+    finally:
+        _SWITCH.depth -= 1
+        _SWITCH.disabled = _SWITCH.depth > 0
+
+
+@contextlib.contextmanager
+def run_plainly(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run the given checkpointed modules with their plain forward inside this block; the others stay checkpointed.
+
+    Args:
+        modules: Checkpointed modules; others are ignored.
+    """
+    wrappers = [module.__dict__["forward"] for module in modules if is_checkpointed(module)]
+    for wrapper in wrappers:
+        wrapper.plain_depth += 1
+    try:
+        yield
+    finally:
+        for wrapper in wrappers:
+            wrapper.plain_depth -= 1
+
+
+@contextlib.contextmanager
+def observing(observer: RegionObserver) -> Iterator[None]:
+    """Plug ``observer`` into every checkpointed region that runs eagerly inside this block (one at a time).
+
+    Args:
+        observer: Gives each call's forward and recompute contexts.
+    """
+    previous = _SWITCH.observer
+    _SWITCH.observer = observer
+    try:
+        yield
+    finally:
+        _SWITCH.observer = previous
+
+
+class CheckpointedForward:
+    """The instance-level ``forward`` of a checkpointed module.
+
+    Args:
+        module: The module.
+        region: Its name in reports.
+        config: How to checkpoint it.
+    """
+
+    def __init__(self, module: nn.Module, region: str, config: CheckpointingConfig) -> None:
+        self.module = module
+        self.region = region
+        self.config = _shared_configs.setdefault(config, config)
+        self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
+        self._save_ops = frozenset(resolve_ops(config.save_ops))
+        # An instance attribute rather than a context variable: `torch.compile` can guard on it.
+        self.plain_depth = 0
+        # Whether a data-dependent op ran in the region's first checkpointed forward (None: none has finished yet).
+        # Eager calls guard the region while it is None or True, so that the first forward is already guarded.
+        self.data_dependent: bool | None = None
+        # The eager call whose forward runs now, which takes the size rule's limit from the region's inputs.
+        self._forward_kept: KeptOutputs | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
+        # could not be pickled or `torch.save`d; they are resolved again from the config on load.
+        state = self.__dict__.copy()
+        del state["_save_ops"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.config = _shared_configs.setdefault(self.config, self.config)
+        self._save_ops = frozenset(resolve_ops(self.config.save_ops))
+
+    def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward, not checkpointed."""
+        if self.previous_forward is not None:
+            return self.previous_forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
+            return self.plain_forward(*args, **kwargs)
+        keys = tuple(kwargs)
+        num_positional = len(args)
+        # Dynamo reads `is_compiling()` as a constant. A traced call whose region dynamo cannot trace (it
+        # graph-breaks inside) has torch run the region eagerly, with the traced call's `context_fn`, which holds
+        # nothing of this region: `run` then enters the region's eager contexts itself.
+        traced = torch.compiler.is_compiling()
+        graph_broken: tuple[Reenterable, Reenterable] | None = None
+
+        def run(*flat: Any) -> Any:
+            nonlocal graph_broken
+            if torch.compiler.is_compiling():
+                if self.config.keep_data_dependent:
+                    flat = mark_region_inputs(flat)
+                return self._forward_from(flat, num_positional, keys)
+            if not traced:
+                return self._forward_from(flat, num_positional, keys)
+            # The first call is the forward, each later one a recomputation.
+            if graph_broken is None:
+                graph_broken = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
+                context = graph_broken[0]
+            else:
+                context = graph_broken[1]
+            with context:
+                return self._forward_from(flat, num_positional, keys)
+
+        # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
+        inputs = (*args, *kwargs.values())
+        options: dict[str, Any] = {}
+        # A traced call never reaches the eager choice, which reads the observer.
+        context_fn = self._compiled_context_fn() if traced else self._context_fn(inputs)
+        if context_fn is not None:
+            # Only when there is one: torch's default is taken by leaving the argument out.
+            options["context_fn"] = context_fn
+        return checkpoint(
+            run,
+            *inputs,
+            use_reentrant=False,
+            preserve_rng_state=self.config.preserve_rng_state,
+            determinism_check=self.config.determinism_check,
+            **options,
+        )
+
+    def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
+        """The plain forward of the region's flattened inputs; an eager forward first gives the data-dependent
+        guard its size limit."""
+        if self._forward_kept is not None and not torch.compiler.is_compiling():
+            self._forward_kept.note_inputs(flat)
+            self._forward_kept = None
+        return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
+
+    def _protects_buffers(self) -> bool:
+        # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
+        return self.config.protect_buffers and next(self.module.buffers(), None) is not None
+
+    def _compiled_context_fn(self) -> Callable[[], _ContextPair] | None:
+        """The ``context_fn`` of a call dynamo traces (see :func:`region_contexts`), or ``None`` when it needs none."""
+        protect_buffers = self._protects_buffers()
+        if self.config.keep_data_dependent or self.config.preserve_host_rng or protect_buffers or self._save_ops:
+            # The policy runs only while the compiler traces the region: it costs nothing per step, so every region
+            # gets it, and it finds the data-dependent ops itself.
+            return partial(region_contexts, self.config, protect_buffers)
+        return None
+
+    def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
+        observer = _SWITCH.observer
+        protect_buffers = self._protects_buffers()
+        if self.config.preserve_host_rng or protect_buffers or observer is not None or self._guarded():
+            return partial(self._make_contexts, observer, protect_buffers, inputs)
+        if self._save_ops:
+            # The pair of dispatch modes alone, as torch builds it: the form `torch.compile` accepts.
+            return partial(create_selective_checkpoint_contexts, self._save_ops_policy)
+        return None
+
+    def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in self._save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _guarded(self) -> bool:
+        """Whether an eager call keeps data-dependent outputs: until the first forward showed the region has none."""
+        return self.config.keep_data_dependent and self.data_dependent is not False
+
+    def _found_data_dependent(self, found: bool) -> None:
+        # A later forward that shows routing (one observed by a check) turns a dropped guard back on.
+        if found or self.data_dependent is None:
+            self.data_dependent = found
+
+    def _enter_forward(self, kept: KeptOutputs) -> AbstractContextManager[Any]:
+        self._forward_kept = kept
+        return kept.forward()
+
+    def _make_contexts(
+        self, observer: RegionObserver | None, protect_buffers: bool, inputs: tuple[Any, ...]
+    ) -> tuple[Reenterable, Reenterable]:
+        forward: list[ContextFactory] = []
+        recompute: list[ContextFactory] = []
+        if self.config.preserve_host_rng:
+            replay = HostRNGReplay()
+            forward.append(replay.capture)
+            recompute.append(replay.replay)
+        if protect_buffers:
+            recompute.append(partial(protected_buffers, self.module))
+        if self._save_ops:
+            sac_forward, sac_recompute = create_selective_checkpoint_contexts(self._save_ops_policy)
+            forward.append(partial(same_context, sac_forward))
+            recompute.append(partial(same_context, sac_recompute))
+        guarded = self._guarded()
+        kept = KeptOutputs(
+            keep=guarded,
+            save_ops=self._save_ops,
+            on_forward=self._found_data_dependent,
+            dropped=self.config.keep_data_dependent and not guarded,
+        )
+        if guarded or observer is not None:
+            # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the
+            # guard it only logs, for the observer, which data-dependent ops run.
+            forward.append(partial(self._enter_forward, kept))
+            if guarded:
+                recompute.append(kept.recompute)
+        if observer is not None:
+            # Last, so its dispatch mode sits on top of the selective-checkpointing one and of the guard and sees
+            # every op, including those whose outputs they serve from their caches.
+            observe_forward, observe_recompute = observer.contexts(RegionCall(self.region, self.module, inputs, kept))
+            forward.append(observe_forward)
+            recompute.append(observe_recompute)
+        return Reenterable(forward), Reenterable(recompute)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` itself is checkpointed by this package.
+
+    Example::
+
+        >>> is_checkpointed(torch.nn.Linear(2, 2))
+        False
+    """
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """The checkpointed submodules of ``module`` by name (``module`` itself included, under ``""``).
+
+    Names leave out the ``_orig_mod`` of ``torch.compile`` wrappers, as configs write them.
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> list(checkpointed_modules(model))
+        ['1']
+    """
+    return {name: sub for name, sub in named_modules(module) if is_checkpointed(sub)}
+
+
+def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfig) -> None:
+    """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is.
+
+    ``config``'s selection fields are ignored; its other fields say how to checkpoint.
+
+    Args:
+        module: The module to checkpoint.
+        region: The name reports use for it, usually its name in the model.
+        config: How to checkpoint it.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Linear"]))
+        >>> list(checkpointed_modules(layer))
+        ['']
+    """
+    if not is_checkpointed(module):
+        module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
+        RecompileLimitFilter(__file__, CheckpointedForward.__name__).install()
+
+
+def remove_activation_checkpointing(module: nn.Module) -> list[str]:
+    """Undo :func:`~lightning_ckpt_determinism.apply_activation_checkpointing` on ``module`` and its submodules.
+
+    Args:
+        module: The root module.
+
+    Returns:
+        The names of the modules that were checkpointed.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Linear"]))
+        >>> remove_activation_checkpointing(model)
+        ['0']
+        >>> checkpointed_modules(model)
+        {}
+    """
+    removed = []
+    for name, sub in named_modules(module):
+        wrapper = sub.__dict__.get("forward")
+        if isinstance(wrapper, CheckpointedForward):
+            if wrapper.previous_forward is None:
+                del sub.forward
+            else:
+                sub.forward = wrapper.previous_forward  # type: ignore[method-assign]
+            removed.append(name)
+    return removed

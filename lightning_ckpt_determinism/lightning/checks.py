@@ -1,0 +1,189 @@
+"""The step adapter: run a check of the live Lightning step with the engine its settings call for.
+
+By default the live-step engine (:func:`~lightning_ckpt_determinism.verify.live.check_live_step`) compares the
+live, checkpointed gradients with one reference pass through the strategy's own wrapper; a divergence is then rerun
+with attribution by the two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) from the step's
+captured state, whose regions and cause join the live report. ``attribution="always"`` and a ``loss_fn`` under
+automatic optimization run the two-pass engine directly.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.lightning.parallel import (
+    agree,
+    all_reduce,
+    gradient_holders,
+    writes_into_bucket_views,
+)
+from lightning_ckpt_determinism.lightning.step import (
+    SkippedStep,
+    StepCapture,
+    live_reference,
+    logging_suppressed,
+    training_step_loss,
+)
+from lightning_ckpt_determinism.verify.compiled import is_compiled
+from lightning_ckpt_determinism.verify.gradients import GradientStash
+from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.reports import RecomputationReport
+from lightning_ckpt_determinism.verify.state import StepState
+from lightning_ckpt_determinism.verify.two_pass import check_recomputation
+
+__all__ = ["CheckSettings", "check_step"]
+
+LossFn = Callable[[pl.LightningModule, Any, int], torch.Tensor]
+
+_SKIPPED_REFERENCE = (
+    "the check could not compare gradients: the reference pass's `training_step` returned None where the live step"
+    " returned a loss (it decides to skip from state the check does not restore)"
+)
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """How the monitor checks a step (its arguments that decide a check)."""
+
+    tolerance: float
+    attribution: Literal["on_divergence", "always", "never"]
+    calibrate_noise: bool
+    loss_fn: LossFn | None
+    internals: frozenset[str]
+
+
+def check_step(
+    trainer: "pl.Trainer",
+    pl_module: "pl.LightningModule",
+    capture: StepCapture,
+    settings: CheckSettings,
+    plain: list[tuple[str, nn.Module]] | None,
+    gradients_before: list[torch.Tensor | None] | None,
+) -> RecomputationReport | None:
+    """Check the step ``capture`` saw, right after its backward, on every rank at once.
+
+    Args:
+        trainer: The Trainer.
+        pl_module: The LightningModule.
+        capture: What the step started from.
+        settings: How to check.
+        plain: The regions the reference runs plainly (``None``: all of them).
+        gradients_before: What the gradient holders held before the live backward.
+
+    Returns:
+        The report (every rank's figures reduced), or ``None`` when the live gradients are not finite and a
+        GradScaler skips the step.
+    """
+    if settings.attribution == "always" or (settings.loss_fn is not None and pl_module.automatic_optimization):
+        return _two_pass(trainer, pl_module, capture, settings, attribution=settings.attribution == "always")
+    regions = list(plain) if plain is not None else None
+    try:
+        report = _live(trainer, pl_module, capture, settings, regions, gradients_before)
+    except SkippedStep:
+        return RecomputationReport(
+            grad_divergence=math.inf,
+            max_abs_diff=math.inf,
+            diverged=True,
+            tolerance=settings.tolerance,
+            error=_SKIPPED_REFERENCE,
+        )
+    if report is None:
+        return None
+    checked = [name for name, _ in (regions if regions is not None else checkpointed_modules(pl_module).items())]
+    report = replace(report, checked_regions=checked, compiled=is_compiled(pl_module))
+    if report.diverged and report.error is None and settings.attribution == "on_divergence":
+        # Decided alike on every rank: the comparison's figures are reduced over ranks.
+        attributed = _two_pass(trainer, pl_module, capture, settings, attribution=True)
+        report = replace(
+            report,
+            regions=attributed.regions,
+            buffer_mutations=attributed.buffer_mutations,
+            cause=attributed.cause,
+            hint=attributed.hint,
+            error=attributed.error,
+        )
+    return report
+
+
+def _live(
+    trainer: "pl.Trainer",
+    pl_module: "pl.LightningModule",
+    capture: StepCapture,
+    settings: CheckSettings,
+    plain: list[tuple[str, nn.Module]] | None,
+    gradients_before: list[torch.Tensor | None] | None,
+) -> RecomputationReport | None:
+    """:func:`check_live_step` of the step ``capture`` saw, its reference run through the strategy."""
+    strategy = trainer.strategy
+    reference = live_reference(
+        trainer,
+        pl_module,
+        capture,
+        None if plain is None else [module for _, module in plain],
+        settings.loss_fn,
+        capture.batch_idx,
+    )
+    return check_live_step(
+        pl_module,
+        reference,
+        capture.state,
+        parameters=gradient_holders(trainer, pl_module),
+        all_reduce=all_reduce(strategy),
+        tolerance=settings.tolerance,
+        clone_gradients=writes_into_bucket_views(strategy),
+        gradients_before=gradients_before,
+        calibrate_noise=settings.calibrate_noise,
+        skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
+        live_loss=capture.loss,
+        exclude_attributes=settings.internals,
+        device=strategy.root_device,
+    )
+
+
+def _two_pass(
+    trainer: "pl.Trainer",
+    pl_module: "pl.LightningModule",
+    capture: StepCapture,
+    settings: CheckSettings,
+    *,
+    attribution: bool,
+) -> RecomputationReport:
+    """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
+
+    It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
+    gradients with ``backward()``, which works with FSDP2's sharded parameters and with reentrant checkpointing
+    elsewhere in the model.
+    """
+    strategy = trainer.strategy
+    loss_fn = settings.loss_fn
+
+    def closure() -> torch.Tensor:
+        args, kwargs = capture.arguments()
+        if loss_fn is not None:
+            return loss_fn(pl_module, args[0], capture.batch_idx)
+        return training_step_loss(pl_module, *args, **kwargs)
+
+    holders = [param for _, param in gradient_holders(trainer, pl_module)]
+    after_step = StepState(pl_module, settings.internals)
+    stash = GradientStash(holders, clone=writes_into_bucket_views(strategy))
+    try:
+        capture.state.restore()
+        with strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
+            return check_recomputation(
+                pl_module,
+                closure,
+                tolerance=settings.tolerance,
+                attribution=attribution,
+                calibrate_noise=settings.calibrate_noise,
+                gradients="backward",
+                agree=lambda decision: agree(strategy, decision),
+            )
+    finally:
+        stash.put_back()
+        after_step.restore()

@@ -1,0 +1,188 @@
+"""What the monitor makes of a check on every rank: the figures reduced over ranks, the regions each rank found,
+the metrics it logs, the history entry it keeps and the warning it gives."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
+
+__all__ = [
+    "CheckRecord",
+    "Findings",
+    "RankFindings",
+    "divergence_message",
+    "metrics",
+    "reduce_findings",
+    "warning_key",
+]
+
+_LOGGED_REGIONS = 5
+_NAMED_REGIONS = 3
+_GENERIC_CAUSES = (
+    "Something in a checkpointed module differs between forward and recomputation: dropout with"
+    " `preserve_rng_state=False`, NumPy or `random` without `preserve_host_rng=True`, buffers without"
+    " `protect_buffers=True`, Python state read in forward, or a non-deterministic kernel."
+)
+
+
+@dataclass(frozen=True)
+class CheckRecord:
+    """One entry of ``RecomputationMonitor.history``.
+
+    Attributes:
+        step: The global step checked.
+        grad_divergence: The largest divergence over ranks (``nan`` when skipped).
+        max_abs_diff: The largest gradient difference over ranks.
+        diverged: Whether any rank diverged.
+        skipped: Why the step was not checked, or ``None`` when it was.
+        checked_regions: With ``reference_regions``, the regions the reference ran plainly; ``None`` otherwise.
+
+    Example::
+
+        >>> CheckRecord(step=0, grad_divergence=0.0, max_abs_diff=0.0, diverged=False).skipped is None
+        True
+    """
+
+    step: int
+    grad_divergence: float = math.nan
+    max_abs_diff: float = math.nan
+    diverged: bool = False
+    skipped: str | None = None
+    checked_regions: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class RankFindings:
+    """What one rank found, sent to every rank when a check diverged."""
+
+    rank: int
+    error: str | None
+    worst_parameters: list[tuple[str, float]]
+    regions: list[RegionReport]
+    attributed: bool
+    hint: str | None
+
+    @classmethod
+    def of(cls, rank: int, report: RecomputationReport) -> "RankFindings":
+        regions = _diverging_regions(report)
+        return cls(rank, report.error, report.worst_parameters, regions, bool(report.regions), report.hint)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """A check's figures over every rank, and each rank's findings when any diverged."""
+
+    grad_divergence: float
+    max_abs_diff: float
+    noise_floor: float
+    diverged: bool
+    ranks: list[RankFindings] = field(default_factory=list)
+
+
+def reduce_findings(report: RecomputationReport, device: torch.device, reduce: Any, gather: Any, rank: int) -> Findings:
+    """The figures of this rank's ``report`` reduced over ranks (one collective), and, on a divergence anywhere,
+    every rank's findings (one more, decided alike on every rank).
+
+    Args:
+        report: This rank's report.
+        device: Where the reduced tensor lives.
+        reduce: ``tensor, op -> reduced over ranks``.
+        gather: ``value -> every rank's value``.
+        rank: This rank.
+    """
+    diverged_here = report.diverged or bool(_diverging_regions(report))
+    local = torch.tensor(
+        [report.grad_divergence, report.max_abs_diff, float(diverged_here), report.noise_floor],
+        dtype=torch.float64 if device.type != "mps" else torch.float32,
+        device=device,
+    )
+    divergence, max_abs_diff, diverged, noise_floor = reduce(local, "max").tolist()
+    ranks = gather(RankFindings.of(rank, report)) if diverged > 0.0 else []
+    return Findings(divergence, max_abs_diff, noise_floor, diverged > 0.0, ranks)
+
+
+def metrics(findings: Findings, prefix: str, *, calibrate_noise: bool) -> dict[str, float]:
+    """The metrics of one check: divergence, largest difference, the noise floor if measured, and up to five
+    diverging regions (worst over ranks) with their largest difference and buffers changed."""
+    logged = {f"{prefix}/grad_divergence": findings.grad_divergence, f"{prefix}/max_abs_diff": findings.max_abs_diff}
+    if calibrate_noise:
+        logged[f"{prefix}/noise_floor"] = findings.noise_floor
+    for region in _worst_over_ranks(findings.ranks)[:_LOGGED_REGIONS]:
+        logged[f"{prefix}/regions/{region.name}/max_abs_diff"] = region.max_abs_diff
+        if region.buffer_mutations:
+            logged[f"{prefix}/regions/{region.name}/buffer_mutations"] = float(len(region.buffer_mutations))
+    return logged
+
+
+def warning_key(findings: Findings) -> str:
+    """What kind of finding this is, so that one kind warns once."""
+    causes = sorted({region.cause or "" for finding in findings.ranks for region in finding.regions})
+    errors = sorted({finding.error.split(":", 1)[0] for finding in findings.ranks if finding.error})
+    return f"causes:{causes}" if causes else f"errors:{errors}" if errors else "gradients"
+
+
+def divergence_message(step: int, findings: Findings, report: RecomputationReport, attribution: str) -> str:
+    """The warning (or error) for a check that diverged: the figures, the first error, the worst parameters, up to
+    three regions with their op, cause, hint and ranks, or what to look for."""
+    shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
+    several = len(findings.ranks) > 1
+    parts = [
+        f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
+        f" {report.tolerance:g}), max_abs_diff={findings.max_abs_diff:.3g}."
+    ]
+    errors = [finding for finding in findings.ranks if finding.error]
+    for finding in errors[:1]:
+        where = f" on rank {finding.rank}" if several else ""
+        parts.append(f"Recomputation failed{where}: {(finding.error or '').rstrip('.')}.")
+    if report.worst_parameters and not errors:
+        worst = ", ".join(f"{name} ({diff:.3g})" for name, diff in report.worst_parameters)
+        parts.append(f"The worst parameters: {worst}.")
+    sentences: dict[str, list[int]] = {}
+    for finding in findings.ranks:
+        for region in finding.regions[:_NAMED_REGIONS]:
+            sentences.setdefault(_region_sentence(region), []).append(finding.rank)
+    for sentence, on in list(sentences.items())[:_NAMED_REGIONS]:
+        suffix = f" (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" if several else ""
+        parts.append(f"{sentence.rstrip('.')}{suffix}.")
+    if sentences or errors:
+        return " ".join(parts)
+    hints = list(dict.fromkeys(finding.hint for finding in findings.ranks if finding.hint))
+    if hints:
+        return " ".join([*parts, *hints])
+    if any(finding.attributed for finding in findings.ranks):
+        parts.append(
+            "Every checkpointed region recomputed exactly what its forward produced when rerun with attribution: the"
+            " difference changes from pass to pass, as Python state a module updates in forward (a counter) does."
+        )
+    elif attribution == "never":
+        parts.append("Set `attribution` to be told which region and op.")
+    return " ".join([*parts, _GENERIC_CAUSES])
+
+
+def _diverging_regions(report: RecomputationReport) -> list[RegionReport]:
+    """The diverged regions of ``report``, worst first."""
+    return sorted((region for region in report.regions if region.diverged), key=lambda r: -r.max_abs_diff)
+
+
+def _worst_over_ranks(findings: list[RankFindings]) -> list[RegionReport]:
+    """Each diverging region once, with its largest difference over ranks, worst first."""
+    worst: dict[str, RegionReport] = {}
+    for finding in findings:
+        for region in finding.regions:
+            if region.name not in worst or region.max_abs_diff > worst[region.name].max_abs_diff:
+                worst[region.name] = region
+    return sorted(worst.values(), key=lambda region: -region.max_abs_diff)
+
+
+def _region_sentence(region: RegionReport) -> str:
+    if region.first_divergent_op is None:
+        where = ""
+    else:
+        op, index = region.first_divergent_op
+        where = f" at `{op}` (op {index} of the region)"
+    # A region the graph scan named differs only compiled: its eager values, which `max_abs_diff` measures, agree.
+    diff = "" if region.cause == "compiler_recompute" else f", max abs diff {region.max_abs_diff:.3g}"
+    return f"Region `{region.name}` diverged{where}{diff}, cause {region.cause}: {region.hint}"

@@ -1,0 +1,333 @@
+"""A Lightning callback that periodically checks that recomputation reproduces the forward pass."""
+
+import contextlib
+from collections import deque
+from dataclasses import asdict
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_ckpt_determinism.checkpointing import checkpointed_modules
+from lightning_ckpt_determinism.config import (
+    NonNegativeFloat,
+    NotEmptyStr,
+    PositiveInt,
+    check_bool,
+    check_choice,
+    check_non_negative_float,
+    check_positive_int,
+)
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+)
+from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, check_step
+from lightning_ckpt_determinism.lightning.findings import (
+    CheckRecord,
+    divergence_message,
+    metrics,
+    reduce_findings,
+    warning_key,
+)
+from lightning_ckpt_determinism.lightning.notes import show_notes
+from lightning_ckpt_determinism.lightning.parallel import (
+    SUPPORTED_STRATEGIES,
+    agree,
+    all_reduce,
+    gather,
+    gradient_holders,
+)
+from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
+from lightning_ckpt_determinism.verify.compiled import is_compiled
+from lightning_ckpt_determinism.verify.reports import RecomputationReport
+
+__all__ = ["RecomputationMonitor"]
+
+
+class RecomputationMonitor(Callback):
+    r"""Every ``every_n_steps`` optimizer steps, check the live training step against a pass without checkpointing.
+
+    On a check step the real step runs as always, checkpointed; its ``training_step`` is wrapped for that call only,
+    to capture what it starts from (every random stream, buffers, torchmetrics states, a copy of the batch and
+    arguments, the modules' plain Python attributes). After its backward, in ``on_after_backward``, the live
+    gradients are set aside, the captured state is put back, and one reference pass with checkpointing off runs
+    through the strategy's own wrapper (DDP's all-reduce, FSDP's reduce-scatter, FSDP2's hooks), its loss treated as
+    Lightning treats the live one (divided by ``accumulate_grad_batches``, scaled by the GradScaler). The gradients
+    are compared on what each rank holds (shards of sharded ones) with the sums all-reduced; then the live gradients
+    and the state after the step are put back, so training continues exactly as without the monitor (weights,
+    optimizer state, buffers and logged metrics are bit-identical). It logs ``{log_prefix}/grad_divergence``
+    (relative L2 of the gradient difference; ``0.0`` when recomputation is exact) and ``{log_prefix}/max_abs_diff``
+    at the global step through the Trainer's loggers; every rank holds the same values and takes the same decision.
+    A check that compares nothing (no gradient anywhere) is an error finding, never ``0.0``; a check whose live
+    gradients are not finite (a step the GradScaler skips) is recorded as skipped.
+
+    With attribution the monitor also compares, op by op, what each checkpointed region recomputes with what its
+    forward produced, in a two-pass rerun from the captured state on every rank: a region that differs (or whose
+    buffers recomputation changed) counts as a divergence even when the gradients agree, up to five diverging
+    regions (worst over ranks) are logged as ``{log_prefix}/regions/{name}/max_abs_diff``, with
+    ``{log_prefix}/regions/{name}/buffer_mutations`` (how many buffers recomputation changed) for a region whose
+    buffers changed, and the warning names the region, the first differing op, the cause, the buffers, what to
+    change and the ranks that found it. With ``calibrate_noise`` the noise floor is logged as
+    ``{log_prefix}/noise_floor``.
+
+    A check costs one reference forward and backward without recomputation, under one training step (see the
+    README's Performance section), and holds the activations of that pass (``reference_regions`` bounds them) and one
+    extra set of gradients during the check step. Attribution observes every op of the regions from Python (several
+    steps) and, by default, runs only when the check diverged.
+
+    Args:
+        every_n_steps: Check every this many optimizer steps; the first training step of a fit is always checked
+            so a broken setup shows at once.
+        tolerance: Largest ``grad_divergence`` that still counts as equal. ``0.0`` demands bit-identical
+            gradients, which the CPU and deterministic kernels give.
+        on_divergence: ``"warn"`` (rank zero, naming the worst parameters), ``"raise"``
+            (:class:`RecomputationDivergenceError` on every rank alike) or ``"ignore"`` (metric only).
+        loss_fn: ``loss_fn(pl_module, batch, batch_idx) -> loss``; by default the LightningModule's own
+            ``training_step`` (its loss tensor or ``["loss"]`` of its dict) with every ``self.log`` during the
+            check suppressed. Required with manual optimization, where it is the reference of the first
+            ``manual_backward``; under automatic optimization it makes the check the slower two-pass
+            :func:`~lightning_ckpt_determinism.check_recomputation` with that loss.
+        log_prefix: Prefix of the logged metric names.
+        history_size: How many recent results the callback keeps (and saves in checkpoints).
+        attribution: When to attribute differences to regions, ops and causes (see above for the cost):
+            ``"on_divergence"`` reruns a check that diverged with attribution (decided on all ranks alike);
+            ``"always"`` runs the two-pass check with attribution on every check, which also catches buffer
+            mutations that change no gradient;
+            ``"never"`` keeps to gradients, and the warning names parameters only.
+        calibrate_noise: Run the reference pass twice per check and count only divergences above the measured
+            noise floor, for non-deterministic kernels (GPU atomics) that differ from run to run by themselves.
+        reference_regions: ``None`` runs every checkpointed region plainly in the reference pass. ``k`` runs only
+            ``k`` of them plainly per check (the others stay checkpointed), rotating so that every region is
+            covered every ``ceil(n / k)`` checks: less extra memory on the check step. A region whose recomputation
+            differs shows at the checks that run it plainly. A compiled model runs every region plainly.
+
+    Raises:
+        CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
+            optimization and no ``loss_fn`` is given.
+        RecomputationDivergenceError: During training, with ``on_divergence="raise"``, when a check diverges.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, SingleDeviceCheckpointingStrategy
+        >>> trainer = Trainer(
+        ...     strategy=SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"])),
+        ...     callbacks=[RecomputationMonitor(every_n_steps=100)],
+        ... )
+    """
+
+    def __init__(
+        self,
+        every_n_steps: PositiveInt = 100,
+        tolerance: NonNegativeFloat = 0.0,
+        on_divergence: Literal["warn", "raise", "ignore"] = "warn",
+        loss_fn: LossFn | None = None,
+        log_prefix: NotEmptyStr = "recompute",
+        history_size: PositiveInt = 32,
+        attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
+        calibrate_noise: bool = False,
+        reference_regions: PositiveInt | None = None,
+    ) -> None:
+        super().__init__()
+        # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
+        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
+        self.tolerance = check_non_negative_float("tolerance", tolerance)
+        self.on_divergence = check_choice("on_divergence", on_divergence, ("warn", "raise", "ignore"))
+        if loss_fn is not None and not callable(loss_fn):
+            raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+        self.loss_fn = loss_fn
+        if not log_prefix:
+            raise CheckpointingConfigError("`log_prefix` must be a non-empty string, got ''.")
+        self.log_prefix = str(log_prefix)
+        self.attribution = check_choice("attribution", attribution, ("on_divergence", "always", "never"))
+        self.calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
+        self.reference_regions: int | None = check_positive_int("reference_regions", reference_regions, optional=True)
+        self.last_checked_step = -1
+        self.history: deque[CheckRecord] = deque(maxlen=check_positive_int("history_size", history_size))
+        self.last_report: RecomputationReport | None = None
+        self._enabled = False
+        self._checked_this_fit = False
+        self._warned: set[str] = set()
+        self._capture: StepCapture | None = None
+        self._armed = contextlib.ExitStack()
+        self._gradients_before: list[torch.Tensor | None] | None = None
+        self._checks = 0
+        self._internals: frozenset[str] = frozenset()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, log_prefix=self.log_prefix)
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._checked_this_fit = False
+        self._disarm()
+        show_notes()
+        self._internals = lightning_internals()
+        if not pl_module.automatic_optimization and self.loss_fn is None:
+            raise CheckpointingConfigError(
+                "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
+                " `training_step`, which would step the optimizers. Pass"
+                " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
+            )
+        self._enabled = False
+        if not isinstance(trainer.strategy, SUPPORTED_STRATEGIES):
+            rank_zero_warn(
+                f"`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and"
+                f" their subclasses), not under {type(trainer.strategy).__name__}, so no check will run.",
+                category=LightningCkptDeterminismWarning,
+            )
+        elif not checkpointed_modules(pl_module):
+            rank_zero_warn(
+                f"`RecomputationMonitor` found no checkpointed module in {type(pl_module).__name__}, so no check will"
+                " run. Use a checkpointing strategy (e.g. `SingleDeviceCheckpointingStrategy(checkpointing=...)`) or"
+                " `apply_activation_checkpointing`.",
+                category=LightningCkptDeterminismWarning,
+            )
+        else:
+            self._enabled = True
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        self._disarm()
+        step = trainer.global_step
+        if not self._enabled or step == self.last_checked_step:
+            return
+        if self._checked_this_fit and step % self.every_n_steps:
+            return
+        # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
+        self._capture = self._armed.enter_context(StepCapture(pl_module, batch_idx, self._internals).installed())
+        self._gradients_before = None
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        if self._capture is None or not self._capture.captured:
+            return
+        held = [grad for _, grad in gradient_holders(trainer, pl_module)]
+        if any(param.grad is not None for param in held):
+            # Gradients the step accumulates onto (a later micro-batch, or accumulation by hand): the reference
+            # starts from them too.
+            self._gradients_before = [None if p.grad is None else p.grad.detach().clone() for p in held]
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        capture = self._capture
+        if capture is None or not capture.captured:
+            return
+        self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
+        step = self.last_checked_step = trainer.global_step
+        changed = capture.changed_parameters()
+        if agree(trainer.strategy, bool(changed)):
+            self._checked_this_fit = True
+            self.history.append(CheckRecord(step, skipped="parameters changed in place in training_step"))
+            self._warn_once(
+                "changed_parameters",
+                f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
+                f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), so"
+                " the check cannot rerun the step from where it started. Change them outside `training_step` (a"
+                " momentum teacher in `on_train_batch_end`, for example) to have the step checked.",
+            )
+            return
+        plain = self._reference_regions(pl_module)
+        report = check_step(trainer, pl_module, capture, self._settings(), plain, self._gradients_before)
+        if report is None:
+            self.history.append(CheckRecord(step, skipped="non-finite gradients (the GradScaler skips this step)"))
+            return
+        if self.reference_regions is not None:
+            rank_zero_info(
+                f"lightning_ckpt_determinism: step {step} checked with regions {report.checked_regions} run plainly in"
+                " the reference pass."
+            )
+        self._checked_this_fit = True
+        self._checks += 1
+        self.last_report = report
+        self._record(trainer, step, report)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._disarm()
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._disarm()
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._disarm()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        history = [asdict(record) for record in self.history]
+        return {"last_checked_step": self.last_checked_step, "history": history, "checks": self._checks}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_checked_step = state_dict["last_checked_step"]
+        self.history.clear()
+        self.history.extend(CheckRecord(**record) for record in state_dict["history"])
+        self._checks = state_dict.get("checks", 0)
+
+    def _settings(self) -> CheckSettings:
+        attribution: Any = self.attribution
+        return CheckSettings(self.tolerance, attribution, self.calibrate_noise, self.loss_fn, self._internals)
+
+    def _disarm(self) -> None:
+        self._armed.close()
+        self._capture = None
+
+    def _reference_regions(self, pl_module: "pl.LightningModule") -> list[tuple[str, nn.Module]] | None:
+        """The regions the reference runs plainly at this check (``None``: all), rotating with ``reference_regions``."""
+        regions = list(checkpointed_modules(pl_module).items())
+        count = self.reference_regions
+        if count is None or count >= len(regions):
+            return None
+        if is_compiled(pl_module):
+            # Each subset would be another set of guards, one recompile each, past dynamo's limit on a deep model.
+            self._warn_once(
+                "compiled_reference_regions",
+                "`RecomputationMonitor(reference_regions=...)` runs every region plainly in the reference pass of a"
+                " compiled model: a rotating subset would compile a graph per subset.",
+            )
+            return None
+        start = self._checks * count % len(regions)
+        return [regions[(start + offset) % len(regions)] for offset in range(count)]
+
+    def _record(self, trainer: "pl.Trainer", step: int, report: RecomputationReport) -> None:
+        strategy = trainer.strategy
+        findings = reduce_findings(
+            report,
+            strategy.root_device,
+            all_reduce(strategy),
+            lambda value: gather(strategy, value),
+            trainer.global_rank,
+        )
+        logged = metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise)
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=step)
+        plain = list(report.checked_regions) if self.reference_regions is not None else None
+        self.history.append(
+            CheckRecord(step, findings.grad_divergence, findings.max_abs_diff, findings.diverged, checked_regions=plain)
+        )
+        if not findings.diverged or self.on_divergence == "ignore":
+            return
+        message = divergence_message(step, findings, report, self.attribution)
+        if self.on_divergence == "raise":
+            raise RecomputationDivergenceError(message)
+        self._warn_once(warning_key(findings), message)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """Warn on rank zero the first time a kind of finding shows; the metrics carry every check's numbers."""
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message, category=LightningCkptDeterminismWarning)

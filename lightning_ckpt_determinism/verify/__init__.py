@@ -1,0 +1,22 @@
+"""The checks: comparing gradients, the two-pass and live-step engines, attribution, and the state they restore.
+
+This layer imports no Lightning: it runs on plain PyTorch (and the checkpointing layer below it).
+"""
+
+from lightning_ckpt_determinism.verify.compare import gradient_divergence
+from lightning_ckpt_determinism.verify.live import GradientComparison, check_live_step, compare_gradients
+from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS, RecomputationReport, RegionReport
+from lightning_ckpt_determinism.verify.state import StepState
+from lightning_ckpt_determinism.verify.two_pass import check_recomputation
+
+__all__ = [
+    "CAUSE_HINTS",
+    "GradientComparison",
+    "RecomputationReport",
+    "RegionReport",
+    "StepState",
+    "check_live_step",
+    "check_recomputation",
+    "compare_gradients",
+    "gradient_divergence",
+]

@@ -1,0 +1,475 @@
+"""Attribution's observer: what each checkpointed region recomputes, compared op by op with what its forward produced.
+
+While a check's checkpointed pass runs, every checkpointed region is observed through the wrapper's observer hook
+(:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing`): in the original forward a dispatch mode
+records each aten op with a copy of its outputs and a fingerprint of its inputs; during recomputation, inside
+backward, a second dispatch mode compares each recomputed op with the recorded one as soon as it runs, then lets the
+copy go. Recomputation stops early (once every saved tensor is back) and detaches its inputs, so the two op sequences
+are aligned on what both ran: ``aten.detach`` is left out of both, and comparison stops where recomputation stopped.
+Views and ops that return uninitialised memory (``empty_like`` ...) are compared by shape only, ops that update the
+region's own buffers are left to the buffer check, and collectives are never recorded nor compared (their outputs
+are filled by other processes; a collective's result is compared where it is consumed). DTensors are compared as
+this rank's local shards. The observer's own failures never reach the pass it observes.
+
+torch checks the version counters of a region's saved inputs before it enters the region's recompute context, so an
+input modified in place after the forward is found by comparing the versions recorded at the forward with the
+inputs' versions when the pass failed. A region's buffers are compared at the end of the pass with their values after
+the region's last forward. A region recomputed more than once in a pass (a gradient penalty, ``retain_graph=True``)
+is compared at its first recomputation; the later ones replay the same state, are counted, and are not compared.
+How the evidence becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.causes`.
+"""
+
+import contextlib
+import logging
+import math
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointError
+
+from lightning_ckpt_determinism._torch_compat import (
+    OpOverload,
+    StopRecomputationError,
+    TorchDispatchMode,
+    disable_current_modes,
+)
+from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
+from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
+from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
+from lightning_ckpt_determinism.verify.attribution.causes import (
+    Divergence,
+    DivergenceKind,
+    evidence_cause,
+    region_reports,
+)
+from lightning_ckpt_determinism.verify.compare import Fingerprint, fingerprint, max_abs_difference, same_values
+from lightning_ckpt_determinism.verify.gradients import local_tensor
+from lightning_ckpt_determinism.verify.reports import RegionReport
+
+__all__ = ["COLLECTIVE_NAMESPACES", "Attribution", "CallRecord"]
+
+_log = logging.getLogger(__name__)
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+"""The op namespaces of collectives and their waits, never recorded nor compared."""
+_UNINITIALISED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+@dataclass
+class _Op:
+    """One op of a region's forward: its input fingerprints, and its outputs (copies of tensors, Python scalars as
+    they are, ``None`` where not compared by value) with their metadata."""
+
+    func: OpOverload
+    inputs: list[Any]
+    outputs: list[Any]
+    metadata: list[Any]
+    data_dependent: bool = False
+
+
+@dataclass
+class CallRecord:
+    """One call of a checkpointed region: its recorded forward and how its recomputation compared.
+
+    Attributes:
+        region: The region's name.
+        module: The checkpointed module.
+    """
+
+    region: str
+    module: nn.Module
+    ops: list[_Op] = field(default_factory=list)
+    buffer_ids: frozenset[int] = frozenset()
+    host_rng_before: HostRNGState | None = None
+    host_rng_read: bool = False
+    buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    input_versions: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
+    cursor: int = 0
+    compared: int = 0
+    max_abs_diff: float = 0.0
+    divergence: Divergence | None = None
+    recomputations: int = 0
+    error: BaseException | None = None
+    input_modified: bool = False
+    kept: KeptOutputs | None = None
+    routing_changed: str | None = None
+    abandoned: str | None = None
+    uncomparable: set[str] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def contained(self, stage: str) -> Iterator[None]:
+        """Keep a failure of the observer's own bookkeeping out of the pass it observes.
+
+        The observer runs inside the region's forward and, in backward, inside its recomputation: an exception of
+        its own would abort this rank's backward while the other ranks wait for it in their next collective. The
+        call is no longer observed instead (nothing more of it is compared), and the failure is logged.
+        """
+        try:
+            yield
+        except Exception as err:
+            self.abandoned = f"{type(err).__name__}: {err}"
+            self.release()
+            _log.warning(
+                "lightning_ckpt_determinism: attribution stopped observing region `%s` while %s its op %d (%s); the"
+                " region's ops from there on are not compared.",
+                self.region,
+                stage,
+                self.cursor,
+                self.abandoned,
+            )
+
+    def signature(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        """The op's arguments as they are compared: tensors by fingerprint (of this rank's shard of a DTensor)."""
+        return [fingerprint(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in _flatten([args, kwargs])]
+
+    def same_inputs(self, recorded: list[Any], seen: list[Any]) -> bool:
+        """Whether an op got the inputs it had in the forward; an argument that cannot be compared counts as equal
+        (its type is noted)."""
+        if len(recorded) != len(seen):
+            return False
+        for expected, actual in zip(recorded, seen, strict=True):
+            if isinstance(expected, Fingerprint):
+                if not expected.same_as(actual):
+                    return False
+            elif (
+                isinstance(actual, Fingerprint)
+                or type(expected) is not type(actual)
+                or not self._equal_arguments(expected, actual)
+            ):
+                return False
+        return True
+
+    def _equal_arguments(self, expected: Any, actual: Any) -> bool:
+        try:
+            return bool(expected == actual)
+        except Exception:  # an opaque object (a process group, a script object) without a usable `==`
+            self.uncomparable.add(type(expected).__qualname__)
+            return True
+
+    def record(self, func: OpOverload, inputs: list[Any], args: Any, kwargs: Any, out: Any) -> None:
+        outputs = _flatten(out)
+        compare_values = func.overloadpacket.__name__ not in _UNINITIALISED and not self._writes_buffer(
+            func, args, kwargs
+        )
+        views = _returns_views(func, len(outputs))
+        self.ops.append(
+            _Op(
+                func=func,
+                inputs=inputs,
+                outputs=[
+                    _recorded(value) if compare_values and not view else None
+                    for value, view in zip(outputs, views, strict=True)
+                ],
+                metadata=[_metadata(value) for value in outputs],
+                data_dependent=is_data_dependent(func, args),
+            )
+        )
+
+    def compare(self, func: OpOverload, inputs: list[Any] | None, out: Any) -> None:
+        index = self.cursor
+        self.cursor += 1
+        if self.divergence is not None and self.divergence.kind == "structure":
+            return
+        if index >= len(self.ops) or self.ops[index].func != func:
+            name = str(self.ops[index].func) if index < len(self.ops) else str(func)
+            self._diverge(index, name, "structure", random=False, same_inputs=False, diff=math.inf)
+            self.release()
+            return
+        recorded = self.ops[index]
+        self.compared += 1
+        outputs = _flatten(out)
+        kind: DivergenceKind | None = None
+        diff = 0.0
+        if [_metadata(value) for value in outputs] != recorded.metadata:
+            kind, diff = "shape", math.inf
+        else:
+            for expected, actual in zip(recorded.outputs, outputs, strict=True):
+                if expected is not None:
+                    diff = max(diff, max_abs_difference(expected, actual))
+            if diff > 0.0:
+                kind = "values"
+        same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
+        recorded.outputs, recorded.inputs = [], []
+        if kind is None:
+            return
+        if recorded.data_dependent and self.routing_changed is None:
+            self.routing_changed = str(func)
+        self._diverge(index, str(func), kind, random=_is_random(func), same_inputs=same_inputs, diff=diff)
+
+    def release(self) -> None:
+        """Drop the recorded copies: they are needed only until this call's recomputation compared them."""
+        for op in self.ops:
+            op.outputs = []
+            op.inputs = []
+
+    def snapshot_buffers(self) -> None:
+        with torch.no_grad():
+            self.buffers_after_forward = [
+                (name, owner, key, local_tensor(buffer).clone())
+                for name, (owner, key, buffer) in buffer_slots(self.module).items()
+            ]
+
+    def inputs_modified(self) -> bool:
+        """Whether an input saved at the forward has been modified in place since (its version counter moved)."""
+        for ref, version in self.input_versions:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                return True
+        return False
+
+    def mutated_buffers(self) -> list[str]:
+        mutated = []
+        for name, owner, key, value in self.buffers_after_forward:
+            current = owner._buffers.get(key)
+            if current is None or not same_values(value, current):
+                mutated.append(name)
+        return mutated
+
+    def _diverge(
+        self, index: int, op: str, kind: DivergenceKind, *, random: bool, same_inputs: bool, diff: float
+    ) -> None:
+        self.max_abs_diff = max(self.max_abs_diff, diff)
+        if self.divergence is None:
+            self.divergence = Divergence(index, op, kind, random, same_inputs)
+
+    def _writes_buffer(self, func: OpOverload, args: Any, kwargs: Any) -> bool:
+        return any(id(tensor) in self.buffer_ids for tensor in _written_tensors(func, args, kwargs))
+
+
+class _ForwardRecorder(TorchDispatchMode):
+    def __init__(self, call: CallRecord) -> None:
+        super().__init__()
+        self.call = call
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        call = self.call
+        if not _observed(func) or call.abandoned is not None:
+            return func(*args, **kwargs)
+        inputs: list[Any] = []
+        # The recording's own ops must reach no mode below (selective checkpointing would cache them).
+        with disable_current_modes(), call.contained("recording"):
+            inputs = call.signature(args, kwargs)
+        out = func(*args, **kwargs)
+        if call.abandoned is None:
+            with disable_current_modes(), call.contained("recording"):
+                call.record(func, inputs, args, kwargs, out)
+        return out
+
+
+class _RecomputeComparer(TorchDispatchMode):
+    def __init__(self, call: CallRecord) -> None:
+        super().__init__()
+        self.call = call
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        call = self.call
+        if not _observed(func) or call.abandoned is not None:
+            return func(*args, **kwargs)
+        inputs = None
+        if call.divergence is None:
+            with disable_current_modes(), call.contained("comparing"):
+                inputs = call.signature(args, kwargs)
+        out = func(*args, **kwargs)
+        if call.abandoned is None:
+            with disable_current_modes(), call.contained("comparing"):
+                call.compare(func, inputs, out)
+        return out
+
+
+def _observed(func: Any) -> bool:
+    """Whether the observer records and compares ``func``: not ``aten.detach`` (recomputation detaches its inputs,
+    the forward does not), and no collective (see :data:`COLLECTIVE_NAMESPACES`)."""
+    if func is torch.ops.aten.detach.default:
+        return False
+    return getattr(func, "namespace", None) not in COLLECTIVE_NAMESPACES
+
+
+class Attribution:
+    """Observes every checkpointed region of one pass, through the wrapper's observer hook.
+
+    Args:
+        module: The model whose checkpointed regions are observed.
+        replay_host_rng: Observe only these regions, replaying their host RNG at recomputation (the host-RNG
+            confirmation pass); ``None`` observes every region.
+    """
+
+    def __init__(self, module: nn.Module, replay_host_rng: frozenset[str] | None = None) -> None:
+        self.names = list(checkpointed_modules(module))
+        self._name_of = {id(sub): name for name, sub in checkpointed_modules(module).items()}
+        self._replay_host_rng = replay_host_rng
+        self.calls: list[CallRecord] = []
+        self._last_recomputed: CallRecord | None = None
+        self._mutated: dict[str, list[str]] = {}
+
+    def contexts(self, region_call: RegionCall) -> tuple[ContextFactory, ContextFactory]:
+        """The forward and recompute contexts of one call of a region (see :class:`RegionObserver`)."""
+        module = region_call.module
+        call = CallRecord(
+            region=self._name_of.get(id(module), region_call.region), module=module, kept=region_call.data_dependent
+        )
+        if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
+            return contextlib.nullcontext, contextlib.nullcontext
+        call.input_versions = [
+            (weakref.ref(value), value._version) for value in region_call.inputs if isinstance(value, torch.Tensor)
+        ]
+        return partial(self._forward, call), partial(self._recompute, call)
+
+    def observing(self) -> contextlib.AbstractContextManager[None]:
+        """Observe every checkpointed region that runs inside this block."""
+        return observing(self)
+
+    def finish(self, error: BaseException | None) -> None:
+        """Close the pass: blame ``error`` on the region it came from; drop every recorded copy."""
+        if error is not None and not any(call.error for call in self.calls):
+            # torch raises these from its unpack hook, outside the region's recompute context: its CheckpointError
+            # right after the region's recomputation, its version-counter error before recomputing a region whose
+            # saved input was modified in place.
+            modified = [call for call in self.calls if call.inputs_modified()]
+            for call in modified:
+                call.error, call.input_modified = error, True
+            if not modified and isinstance(error, CheckpointError) and self._last_recomputed is not None:
+                self._last_recomputed.error = error
+        # Compared before the engine puts the buffers back: their values after each module's last forward call.
+        last: dict[int, CallRecord] = {id(call.module): call for call in self.calls}
+        for call in last.values():
+            if call.recomputations:
+                self._mutated.setdefault(call.region, []).extend(
+                    f"{call.region}.{name}" for name in call.mutated_buffers()
+                )
+        uncomparable = sorted({name for call in self.calls for name in call.uncomparable})
+        if uncomparable:
+            _log.info(
+                "lightning_ckpt_determinism: attribution compared arguments of types %s as equal: they have no usable"
+                " `==`.",
+                uncomparable,
+            )
+        for call in self.calls:
+            call.release()
+            call.buffers_after_forward = []
+            call.input_versions = []
+
+    def host_rng_suspects(self) -> frozenset[str]:
+        """Regions whose difference is not yet explained and that read host RNG in their forward."""
+        return frozenset(
+            call.region
+            for call in self.calls
+            if call.host_rng_read and call.divergence is not None and evidence_cause(call.divergence) is None
+        )
+
+    def diverging_regions(self) -> frozenset[str]:
+        return frozenset(call.region for call in self.calls if call.divergence is not None or call.error)
+
+    def reports(
+        self, *, gradients_diverged: bool, host_rng_explained: frozenset[str]
+    ) -> tuple[list[RegionReport], list[str]]:
+        """One :class:`RegionReport` per checkpointed region, in module order, and the mutated buffers' names."""
+        reports = region_reports(
+            self.names,
+            self.calls,
+            self._mutated,
+            gradients_diverged=gradients_diverged,
+            host_rng_explained=host_rng_explained,
+        )
+        return reports, [buffer for name in self.names for buffer in self._mutated.get(name, [])]
+
+    @contextlib.contextmanager
+    def _forward(self, call: CallRecord) -> Iterator[None]:
+        self.calls.append(call)
+        call.buffer_ids = frozenset(id(buffer) for buffer in call.module.buffers())
+        before = call.host_rng_before = capture_host_rng()
+        try:
+            with _ForwardRecorder(call):
+                yield
+        except BaseException as err:
+            call.error = err
+            raise
+        finally:
+            call.host_rng_read = not _same_host_rng(before, capture_host_rng())
+            call.snapshot_buffers()
+
+    @contextlib.contextmanager
+    def _recompute(self, call: CallRecord) -> Iterator[None]:
+        """Entered at each recomputation of ``call``: the first is compared with the forward, later ones only run."""
+        self._last_recomputed = call
+        live = None
+        if self._replay_host_rng is not None and call.host_rng_before is not None:
+            live = capture_host_rng()
+            restore_host_rng(call.host_rng_before)
+        # The recorded copies were released after the first comparison, and a later recomputation replays the same
+        # state: it runs unobserved.
+        comparing = _RecomputeComparer(call) if not call.recomputations else contextlib.nullcontext()
+        try:
+            with comparing:
+                yield
+        except StopRecomputationError:
+            raise
+        except BaseException as err:
+            call.error = err
+            raise
+        finally:
+            call.recomputations += 1
+            call.release()
+            if live is not None:
+                restore_host_rng(live)
+
+
+def _is_random(func: OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _flatten(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _flatten(item)]
+    return [value]
+
+
+def _metadata(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = local_tensor(value)
+        return (tuple(value.shape), value.dtype)
+    return type(value).__name__
+
+
+def _recorded(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return local_tensor(value).detach().clone()
+    # Python scalars (``aten._local_scalar_dense``, behind ``.item()``) are compared as they are.
+    return value if isinstance(value, (bool, int, float, complex)) else None
+
+
+def _returns_views(func: OpOverload, count: int) -> list[bool]:
+    returns = func._schema.returns
+    flags = [ret.alias_info is not None and not ret.alias_info.is_write for ret in returns]
+    if len(flags) == count:
+        return flags
+    # One list return (``split``, ``unbind``) flattens into several tensors.
+    return [any(flags)] * count
+
+
+def _written_tensors(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    written: list[torch.Tensor] = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written.extend(leaf for leaf in _flatten(value) if isinstance(leaf, torch.Tensor))
+    return written
+
+
+def _same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
+    numpy_same = before.numpy[0] == after.numpy[0] and all(
+        np.array_equal(a, b) for a, b in zip(before.numpy[1:], after.numpy[1:], strict=True)
+    )
+    return bool(before.python == after.python and numpy_same)

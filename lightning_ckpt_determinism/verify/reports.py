@@ -1,0 +1,263 @@
+"""What a check reports: :class:`RecomputationReport`, one :class:`RegionReport` per region, and the causes.
+
+:data:`CAUSE_HINTS` is the one source of each cause's text; reports, warnings, the audit and the docs take it from
+here. Reports are frozen: a check builds each once.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = [
+    "CAUSE_HINTS",
+    "COMPILED_NOISE_NOTE",
+    "INPUT_MODIFIED_HINT",
+    "ROUTING_DROPPED_HINT",
+    "ROUTING_HINT",
+    "ROUTING_TOO_LARGE_HINT",
+    "RecomputationReport",
+    "RegionReport",
+    "describe_error",
+    "first_line",
+    "missing_reference_gradients",
+    "no_gradients",
+]
+
+CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
+    {
+        "rng_not_preserved": (
+            "A random op draws other numbers in recomputation: set `preserve_rng_state=True` in the"
+            " `CheckpointingConfig`, and draw from torch's default generators (a generator of your own is not"
+            " replayed)."
+        ),
+        "host_rng": (
+            "The forward reads Python's `random` or NumPy's global RNG: set `preserve_host_rng=True` in the"
+            " `CheckpointingConfig`, or draw from torch's RNG instead."
+        ),
+        "buffer_mutation": (
+            "Recomputation updates the region's buffers a second time (BatchNorm statistics, counters): set"
+            " `protect_buffers=True` in the `CheckpointingConfig`."
+        ),
+        "shape_change": (
+            "A shape in the region depends on something that changed between forward and recomputation: make it a"
+            " function of the region's inputs only, or leave this module out of checkpointing."
+        ),
+        "python_state": (
+            "The forward reads state that changed before recomputation (a Python counter or flag, or a buffer the"
+            " forward itself updates, such as a step count): compute it outside the checkpointed module and pass it"
+            " in, or change it only outside forward."
+        ),
+        "nondeterministic_kernel": (
+            "A kernel returned other values for the same inputs: call `torch.use_deterministic_algorithms(True)`,"
+            " or check with `calibrate_noise=True` so that differences within the noise floor are tolerated."
+        ),
+        "recompute_error": (
+            "Recomputing the region raised an error its forward did not (see `error`): make the region's code"
+            " depend only on its inputs, or leave this module out of checkpointing."
+        ),
+        "compiler_recompute": (
+            "The compiled step diverges and the same step run eagerly does not: the compiler's own recomputation"
+            " differs from its forward. Known triggers: `torch._functorch.config.activation_memory_budget` below 1"
+            " (random ops redrawn, pytorch#190717), inductor's `fallback_random` with `reorder_for_peak_memory`"
+            " (dropout masks reordered), and reductions compiled differently for the recomputation. Fixes: set the"
+            " budget to 1.0, mark the random ops `CheckpointPolicy.MUST_SAVE` in a selective-checkpointing policy,"
+            " or, against the budget's redraws, `torch._inductor.config.fallback_random = True` without"
+            " `reorder_for_peak_memory`."
+        ),
+    }
+)
+"""The catalogue of causes: each ``RegionReport.cause`` key and the hint reports give for it.
+
+Example::
+
+    >>> sorted(CAUSE_HINTS)[:2]
+    ['buffer_mutation', 'host_rng']
+"""
+
+ROUTING_HINT = (
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's; set"
+    " `keep_data_dependent: true` in the `CheckpointingConfig` to keep such outputs from the forward."
+)
+ROUTING_TOO_LARGE_HINT = (
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's, and"
+    " `keep_data_dependent` recomputes it because its floating outputs are larger than the region's largest input;"
+    " make them smaller (route on fewer values) or compute them outside the checkpointed module."
+)
+ROUTING_DROPPED_HINT = (
+    " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's."
+    " `keep_data_dependent` is on, but this region's first checkpointed forward ran no data-dependent op, so its"
+    " guard was not installed; this check saw it route and installed it for the following steps. A region that"
+    " routes only after a warm-up should route from its first step to be guarded from the start."
+)
+INPUT_MODIFIED_HINT = (
+    "An input the region received was modified in place after the forward saved it for recomputation, by an"
+    " in-place op in the region (such as `nn.ReLU(inplace=True)` on its input) or by code after it: torch found its"
+    " version counter changed when it came to recompute the region. Use the out-of-place op (`inplace=False`), or"
+    " modify a copy (`x = x.clone()` first)."
+)
+
+COMPILED_NOISE_NOTE = (
+    " The compiled step differs from itself run to run (its kernels, such as inductor's accumulations, are not"
+    " bitwise reproducible), while the same step run eagerly is exact: check compiled models with a `tolerance`, or"
+    " with `calibrate_noise=True`."
+)
+
+
+def no_gradients(where: str = "in either pass") -> str:
+    """The finding of a check with no gradient to compare.
+
+    Example::
+
+        >>> no_gradients()
+        'the check could not compare gradients: no parameter received a gradient in either pass'
+    """
+    return f"the check could not compare gradients: no parameter received a gradient {where}"
+
+
+def missing_reference_gradients(names: list[str], live: str) -> str:
+    """The finding of a check whose reference gave no gradient for ``names`` where ``live`` did.
+
+    Example::
+
+        >>> missing_reference_gradients(["w"], "the live step").endswith("for ['w'] where the live step did")
+        True
+    """
+    shown = f"{names[:3]}{' ...' if len(names) > 3 else ''}" if names else "parameters of another rank"
+    return f"the check could not compare gradients: the reference pass gave no gradient for {shown} where {live} did"
+
+
+def first_line(error: BaseException) -> str:
+    """``"Type: first line of the message"``.
+
+    Example::
+
+        >>> first_line(ValueError("bad\\nvalue"))
+        'ValueError: bad'
+    """
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def describe_error(error: Exception) -> str:
+    """``"Type: message"`` of an error a pass raised.
+
+    Example::
+
+        >>> describe_error(RuntimeError("shape changed"))
+        'RuntimeError: shape changed'
+    """
+    return f"{type(error).__name__}: {error}"
+
+
+@dataclass(frozen=True)
+class RegionReport:
+    """What one checkpointed region's recomputation did, compared with its original forward.
+
+    Attributes:
+        name: The region's module name, relative to the module the check ran on.
+        ops_compared: How many recomputed ops were matched with the forward's and compared (values, or shapes for
+            views and uninitialised memory), over every call of the region in the step.
+        max_abs_diff: Largest absolute difference of any recomputed tensor from the forward's (``inf`` when a
+            shape or the sequence of ops changed).
+        first_divergent_op: The first op that differed, as ``(aten name, position among the region's ops from
+            0)``; ``None`` when none did.
+        diverged: Whether the difference counts against the verdict: always when ``cause`` is set, except that a
+            ``"nondeterministic_kernel"`` only counts when the gradients diverge beyond the tolerance and the
+            noise floor.
+        cause: A key of :data:`CAUSE_HINTS` when recomputation did not reproduce the forward; ``None`` when it
+            reproduced every compared value and buffer exactly.
+        hint: What to change, for people: :data:`CAUSE_HINTS` of ``cause`` followed by what was found (the
+            buffers changed), or, for an input modified in place after the forward, a hint of its own; ``None``
+            when ``cause`` is.
+        buffer_mutations: The names of the buffers of the region that recomputation changed.
+        error: With ``cause`` ``"recompute_error"`` (or an error that decided another cause), the first line of the
+            exception raised while the region was recomputed, as ``"Type: message"``; ``None`` otherwise.
+        recomputations: How many times the region was recomputed in the pass, over all its calls. More
+            recomputations than calls come from a gradient penalty or ``retain_graph=True``; only the first
+            recomputation of each call is compared.
+        data_dependent_ops: The data-dependent ops the region's forward ran (aten name), each with whether
+            ``keep_data_dependent`` (or ``save_ops``) kept its outputs from the forward at every call; ``False``
+            when they were recomputed (the option is off, or their floating outputs exceed the size rule).
+
+    Example::
+
+        >>> region = RegionReport(name="model.blocks.1", ops_compared=7)
+        >>> region.diverged, region.cause
+        (False, None)
+    """
+
+    name: str
+    ops_compared: int = 0
+    max_abs_diff: float = 0.0
+    first_divergent_op: tuple[str, int] | None = None
+    diverged: bool = False
+    cause: str | None = None
+    hint: str | None = None
+    buffer_mutations: list[str] = field(default_factory=list)
+    error: str | None = None
+    recomputations: int = 0
+    data_dependent_ops: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RecomputationReport:
+    """What one recomputation check found.
+
+    Attributes:
+        grad_divergence: Relative L2 divergence of the gradients: the norm of the difference over all parameters
+            divided by the norm of the reference gradients; ``0.0`` when identical, ``inf`` when the
+            checkpointed pass failed or produced a non-finite value the reference did not.
+        max_abs_diff: Largest absolute difference of any gradient element.
+        diverged: Whether ``grad_divergence`` exceeds both the tolerance and the noise floor, or the checkpointed
+            pass raised. Buffer mutations, which change no gradient, show in ``regions`` and ``buffer_mutations``.
+        tolerance: The tolerance the verdict used.
+        per_parameter: Largest absolute gradient difference for each parameter, by parameter name.
+        worst_parameters: The parameters with the largest differences, worst first (at most five, only those
+            that differ).
+        error: The exception raised during the checkpointed pass (e.g. torch's ``CheckpointError`` when a
+            recomputed tensor's shape differs), as ``"Type: message"``; ``None`` when it ran.
+        checked_regions: Names of the checkpointed modules the check exercised.
+        reference_loss: The loss of the reference pass.
+        checkpointed_loss: The loss of the checkpointed pass (``nan`` when it raised before computing one).
+        noise_floor: With ``calibrate_noise``, twice the ``grad_divergence`` between two reference passes: what
+            non-deterministic kernels alone produce, with a margin; ``0.0`` otherwise.
+        regions: With ``attribution``, one :class:`RegionReport` per checkpointed region in module order: where
+            recomputation differed from the forward, at which op, and why; empty otherwise.
+        buffer_mutations: With ``attribution``, the names of the buffers recomputation changed (relative to the
+            checked module), whether or not that changed a gradient.
+        compiled: Whether the module is compiled. Both passes then ran compiled, and ``regions`` come from the same
+            step rerun eagerly (eager semantics): a region's ``diverged`` counts only when the compiled gradients
+            diverged too, since compile replays RNG and updates buffers by itself.
+        cause: When the compiled step diverged and the same step run eagerly did not (found with ``attribution``):
+            ``"compiler_recompute"`` when the divergence repeats from the same state (the compiler's recomputation
+            differs, where no eager comparison can see it; the regions whose compiled backward graphs redraw a random
+            op instead of replaying the forward's draw get this cause in ``regions`` too), or
+            ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. ``None``
+            otherwise.
+        hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled
+            kernels for ``"nondeterministic_kernel"``); ``None`` when ``cause`` is.
+
+    Example::
+
+        >>> report = RecomputationReport(grad_divergence=0.0, max_abs_diff=0.0, diverged=False, tolerance=0.0)
+        >>> report.diverged
+        False
+    """
+
+    grad_divergence: float
+    max_abs_diff: float
+    diverged: bool
+    tolerance: float
+    per_parameter: dict[str, float] = field(default_factory=dict)
+    worst_parameters: list[tuple[str, float]] = field(default_factory=list)
+    error: str | None = None
+    checked_regions: list[str] = field(default_factory=list)
+    reference_loss: float = math.nan
+    checkpointed_loss: float = math.nan
+    noise_floor: float = 0.0
+    regions: list[RegionReport] = field(default_factory=list)
+    buffer_mutations: list[str] = field(default_factory=list)
+    compiled: bool = False
+    cause: str | None = None
+    hint: str | None = None

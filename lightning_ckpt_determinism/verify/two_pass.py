@@ -1,0 +1,379 @@
+"""Check that recomputation reproduces the forward: one step's gradients with and without checkpointing.
+
+The engine knows nothing of Lightning. From one captured state it runs a reference pass with checkpointing switched
+off (twice to measure the noise floor) and a checkpointed pass, compares the gradients, optionally attributes
+differences to regions and ops (:mod:`~lightning_ckpt_determinism.verify.attribution`), and puts back every random
+stream, buffer, grad mode and training flag it found, whatever is raised. On a compiled model both passes run
+compiled, the reference with the compiler's own recomputation off too
+(:mod:`~lightning_ckpt_determinism.verify.compiled`). :class:`_Passes` runs the named passes, each from the captured
+state; :func:`_verdict` turns their gradients into figures; :func:`check_recomputation` decides which passes run.
+"""
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism.checkpointing.modules import region_name
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
+from lightning_ckpt_determinism.verify.attribution import Attribution
+from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
+from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
+from lightning_ckpt_determinism.verify.gradients import GradientStash, local_tensor
+from lightning_ckpt_determinism.verify.reports import (
+    CAUSE_HINTS,
+    COMPILED_NOISE_NOTE,
+    RecomputationReport,
+    RegionReport,
+    describe_error,
+    missing_reference_gradients,
+    no_gradients,
+)
+from lightning_ckpt_determinism.verify.state import StepState
+
+__all__ = ["check_recomputation"]
+
+_Gradients = list[torch.Tensor | None]
+
+
+def check_recomputation(
+    module: nn.Module,
+    closure: Callable[[], torch.Tensor],
+    *,
+    tolerance: float = 0.0,
+    attribution: bool = False,
+    calibrate_noise: bool = False,
+    gradients: Literal["autograd", "backward"] = "autograd",
+    agree: Callable[[bool], bool] | None = None,
+) -> RecomputationReport:
+    """Run one step twice, without and with checkpointing, and compare the gradients.
+
+    From one state S the reference pass runs ``closure`` under :func:`checkpointing_disabled` and takes gradients;
+    S is restored; the checkpointed pass runs the same way, recomputing inside its backward. S is every random
+    stream (torch's CPU and accelerator RNG, Python's ``random``, NumPy), the buffers, torchmetrics states, training
+    flags, grad mode and the modules' plain Python attributes (counters, flags, lists: see
+    :class:`~lightning_ckpt_determinism.verify.state.StepState`). Afterwards all of it is back at S: training
+    continues as if no check had run.
+
+    When ``module`` or a submodule is compiled (``torch.compile`` or ``Module.compile()``), both passes run
+    compiled; the reference pass runs with ``torch._functorch.config.activation_memory_budget`` at 1.0 at every
+    call, so that it has none of the compiler's own recomputation, and the check catches the compiler's
+    recomputation bugs (pytorch#190717). Attribution then reruns the step eagerly under
+    ``torch.compiler.set_stance("force_eager")``; a compiled divergence that the eager step does not show gets
+    ``cause`` ``"compiler_recompute"``, and one more checkpointed pass, compiled again through a scan of its backward
+    graphs (a recompile, once per compiled part), names the regions whose recomputation draws a random op afresh
+    instead of replaying its forward's draw: those regions get the cause, with a hint naming the op. Inductor and
+    the ``aot_autograd`` backends (``aot_eager`` ...) are scanned; with another backend no region is named.
+
+    An exception raised by the checkpointed pass (torch's ``CheckpointError`` when a recomputed shape differs,
+    for example) is reported as a divergence; one raised by the reference pass is re-raised, since it is not
+    about recomputation. A check that finds nothing to compare (no gradient reached any parameter, or the
+    reference pass gave none where the checkpointed pass did) does not pass: its ``error`` says why, with
+    ``diverged`` set and ``grad_divergence`` infinite.
+
+    The check holds one extra set of gradients while it runs, and costs two forward and backward passes.
+    ``calibrate_noise`` adds a third (a second reference pass). ``attribution`` observes every op of the
+    checkpointed regions in the checkpointed pass: it holds a copy of each op's outputs from the region's forward
+    until the region is recomputed in backward (about the regions' activations once more, which is what the
+    reference pass holds anyway) plus small fingerprints of op inputs, and the Python-level observation makes that
+    pass several times slower. When a region differs in a way only host RNG could explain, one more checkpointed
+    pass replays host RNG for it to confirm. Nothing of this outlives the call. How causes are decided is
+    described in :mod:`lightning_ckpt_determinism.verify.attribution.causes`.
+
+    Args:
+        module: The model; its parameters that require grad are compared.
+        closure: Computes and returns a scalar loss from ``module``.
+        tolerance: Largest ``grad_divergence`` (relative L2) that still counts as equal.
+        attribution: Compare, op by op, every tensor each checkpointed region recomputes with the one its forward
+            produced, and fill ``regions`` and ``buffer_mutations`` with where and why they differ.
+        calibrate_noise: Run the reference pass twice and take twice their divergence as the noise floor: the
+            verdict then asks for a divergence above both ``tolerance`` and the noise floor, so that
+            non-deterministic kernels (GPU atomics) are not reported as recomputation bugs. Python state that a
+            module changes in forward also makes the two reference passes differ, and so raises the floor.
+        gradients: How gradients are taken. ``"autograd"``: ``torch.autograd.grad``, so ``.grad`` is never
+            touched. ``"backward"``: ``loss.backward()``, with the ``.grad`` the parameters held set aside during
+            the check and put back after; needed where ``autograd.grad`` cannot work, such as FSDP2's sharded
+            (DTensor) parameters, which get their gradients from FSDP's reduce-scatter, or reentrant checkpointing
+            elsewhere in the model. A sharded gradient is compared as this rank's shard.
+        agree: For a check run on every rank at once: reduces a decision this rank took (``True`` on any rank makes
+            it ``True`` on all) so that every rank runs the same passes, since a forward may hold collectives (FSDP's
+            all-gathers, SyncBatchNorm). Attribution decides two extra passes from what it found: the host-RNG
+            confirmation and, on a compiled model, the graph scan. ``None`` on one process.
+
+    Returns:
+        The :class:`RecomputationReport`.
+
+    Raises:
+        CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``).
+        ValueError: If ``module`` has no parameter that requires grad.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 1))
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["0", "1"]))
+        >>> report = check_recomputation(model, lambda: model(torch.ones(2, 4)).sum(), attribution=True)
+        >>> report.grad_divergence
+        0.0
+        >>> [(region.name, region.diverged) for region in report.regions]
+        [('0', False), ('1', False)]
+    """
+    tolerance = check_non_negative_float("tolerance", tolerance)
+    check_choice("gradients", gradients, ("autograd", "backward"))
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"`module` ({type(module).__name__}) has no parameter that requires grad to compare.")
+    names = [region_name(name) for name, _ in named]
+    passes = _Passes(module, closure, [p for _, p in named], use_backward=gradients == "backward", agree=agree)
+    with passes:
+        report = _compare(passes, names, tolerance, attribution=attribution, calibrate_noise=calibrate_noise)
+    return replace(report, checked_regions=list(checkpointed_modules(module)), compiled=passes.compiled)
+
+
+def _compare(
+    passes: "_Passes", names: list[str], tolerance: float, *, attribution: bool, calibrate_noise: bool
+) -> RecomputationReport:
+    """The passes a check runs, in order, and the report they give."""
+    reference_loss, reference = passes.reference()
+    noise_floor = NOISE_MARGIN * gradient_divergence(reference, passes.reference()[1])[0] if calibrate_noise else 0.0
+    observer = Attribution(passes.module) if attribution else None
+    # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
+    checkpointed = passes.checkpointed(None if passes.compiled else observer)
+    eager_diverged = (
+        passes.compiled and observer is not None and passes.diverges_eagerly(observer, tolerance, noise_floor)
+    )
+    explained = passes.host_rng_explained(observer.host_rng_suspects() if observer is not None else frozenset())
+    verdict = _verdict(names, reference, checkpointed, tolerance, noise_floor)
+    regions, buffers = (
+        ([], [])
+        if observer is None
+        else observer.reports(gradients_diverged=verdict.diverged, host_rng_explained=explained)
+    )
+    cause = None
+    if passes.compiled:
+        # Eager findings: compile replays RNG and updates buffers itself, so they count where the compiled step
+        # diverged as well.
+        regions = [replace(region, diverged=region.diverged and verdict.diverged) for region in regions]
+        compiler_only = observer is not None and verdict.diverged and not eager_diverged
+        compiler_only = compiler_only and not any(region.diverged for region in regions)
+        cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
+    return RecomputationReport(
+        grad_divergence=verdict.divergence,
+        max_abs_diff=max(verdict.max_diffs, default=0.0),
+        diverged=verdict.diverged,
+        tolerance=tolerance,
+        per_parameter=verdict.per_parameter,
+        worst_parameters=worst_parameters(verdict.per_parameter),
+        error=verdict.error,
+        reference_loss=reference_loss,
+        checkpointed_loss=checkpointed.loss,
+        noise_floor=noise_floor,
+        regions=regions,
+        buffer_mutations=buffers,
+        cause=cause,
+        hint=None if cause is None else CAUSE_HINTS[cause] + COMPILED_NOISE_NOTE * (cause == "nondeterministic_kernel"),
+    )
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one checkpointed pass gave: its loss and gradients, or the error it raised (``nan`` and ``None``)."""
+
+    loss: float
+    gradients: _Gradients | None
+    error: Exception | None
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    divergence: float
+    max_diffs: list[float]
+    per_parameter: dict[str, float]
+    error: str | None
+    diverged: bool
+
+
+def _verdict(
+    names: list[str], reference: _Gradients, checkpointed: _Outcome, tolerance: float, noise_floor: float
+) -> _Verdict:
+    """The figures of a check from its gradients: an error or an uncomparable pair is a finding, never ``0.0``."""
+    finding = describe_error(checkpointed.error) if checkpointed.error is not None else None
+    if checkpointed.gradients is not None:
+        finding = _uncomparable(names, reference, checkpointed.gradients)
+    if finding is not None or checkpointed.gradients is None:
+        return _Verdict(math.inf, [math.inf], {}, finding, diverged=True)
+    divergence, max_diffs = gradient_divergence(reference, checkpointed.gradients)
+    per_parameter = dict(zip(names, max_diffs, strict=True))
+    return _Verdict(divergence, max_diffs, per_parameter, None, divergence > max(tolerance, noise_floor))
+
+
+def _uncomparable(names: list[str], reference: _Gradients, recomputed: _Gradients) -> str | None:
+    if all(grad is None for grad in (*reference, *recomputed)):
+        return no_gradients() + "; make the loss depend on the module's parameters"
+    missing = [
+        name for name, ref, other in zip(names, reference, recomputed, strict=True) if ref is None and other is not None
+    ]
+    return missing_reference_gradients(missing, "the checkpointed pass") if missing else None
+
+
+class _Passes:
+    """The passes of one check, each run from the state captured when the block is entered.
+
+    Entering captures the state (and sets the parameters' ``.grad`` aside when gradients are taken with
+    ``backward()``); leaving puts both back, whatever is raised. Decisions that start or skip a pass are reduced
+    over ranks with ``agree`` first, so every rank runs the same passes and their collectives.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        closure: Callable[[], torch.Tensor],
+        params: list[nn.Parameter],
+        *,
+        use_backward: bool,
+        agree: Callable[[bool], bool] | None,
+    ) -> None:
+        self.module = module
+        self.compiled = is_compiled(module)
+        self._take = partial(_gradients, closure, params, use_backward=use_backward)
+        self._params = params
+        self._use_backward = use_backward
+        self._agreed = agree if agree is not None else bool
+        self._state: StepState | None = None
+        self._stash: GradientStash | None = None
+        self._ran = False
+
+    def __enter__(self) -> "_Passes":
+        self._stash = GradientStash(self._params) if self._use_backward else None
+        self._state = StepState(self.module)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self._state is not None:
+                self._state.restore()
+        finally:
+            if self._stash is not None:
+                self._stash.put_back()
+
+    def reference(self) -> tuple[float, _Gradients]:
+        """A reference pass: checkpointing off, the compiler's own recomputation off too."""
+        self._restore()
+        return self._take(disable_checkpointing=True)
+
+    def checkpointed(self, observer: Attribution | None = None) -> _Outcome:
+        """A checkpointed pass, observed when ``observer`` is given; an error it raises is its outcome."""
+        self._restore()
+        observing = observer.observing() if observer is not None else contextlib.nullcontext()
+        error: Exception | None = None
+        try:
+            with observing:
+                loss, grads = self._take(disable_checkpointing=False)
+        except Exception as err:  # any failure of recomputation is the finding, not a crash
+            error = err
+        if observer is not None:
+            observer.finish(error)
+        return _Outcome(math.nan, None, error) if error is not None else _Outcome(loss, grads, None)
+
+    def diverges_eagerly(self, observer: Attribution, tolerance: float, noise_floor: float) -> bool:
+        """The same step, both passes, rerun eagerly with ``observer``: whether it diverges too."""
+        with eager_semantics():
+            _, reference = self.reference()
+            outcome = self.checkpointed(observer)
+        if outcome.error is not None or outcome.gradients is None:
+            return True
+        return gradient_divergence(reference, outcome.gradients)[0] > max(tolerance, noise_floor)
+
+    def host_rng_explained(self, suspects: frozenset[str]) -> frozenset[str]:
+        """The suspects whose recomputation matches its forward once their host RNG is replayed: one more pass,
+        run on every rank when any has a suspect (a rank without one replays nothing, for the others' collectives)."""
+        if not self._agreed(bool(suspects)):
+            return frozenset()
+        replaying = Attribution(self.module, replay_host_rng=suspects)
+        with eager_semantics() if self.compiled else contextlib.nullcontext():
+            self.checkpointed(replaying)
+        return suspects - replaying.diverging_regions()
+
+    def compiled_cause(
+        self, compiler_only: bool, reference: _Gradients, recomputed: _Gradients | None, regions: list[RegionReport]
+    ) -> tuple[str | None, list[RegionReport]]:
+        """A compiled divergence the eager step does not show: the compiler's recomputation when it repeats from the
+        same state, kernels that differ run to run when it does not; the regions the graph scan names then."""
+        if not self._agreed(compiler_only):
+            return None, regions
+        # A compiler's recomputation bug repeats from the same state; compiled kernels that differ from run to run
+        # (inductor's accumulations) do not: both passes once more tell the two apart.
+        _, again_reference = self.reference()
+        again = self.checkpointed()
+        repeats = _same(reference, again_reference) and _same(recomputed, again.gradients)
+        cause = ("compiler_recompute" if repeats else "nondeterministic_kernel") if compiler_only else None
+        if self._agreed(compiler_only and repeats):
+            # Where this rank's divergence is not the compiler's, the pass runs for the others' collectives only.
+            regions = self._name_redrawing_regions(regions, mark=cause == "compiler_recompute")
+        return cause, regions
+
+    def _name_redrawing_regions(self, regions: list[RegionReport], *, mark: bool) -> list[RegionReport]:
+        """``regions``, those whose compiled backward graphs redraw a random op marked when ``mark``: the checkpointed
+        pass once more, compiled through the graph scan (a recompile, once per compiled part; none where the audit
+        installed the scan)."""
+        from lightning_ckpt_determinism.verify.compiled.graph_scan import scanned
+
+        with scanned(self.module) as scan:
+            self.checkpointed()
+        redraws = scan.regions(checkpointed_modules(self.module)) if mark else {}
+        named = []
+        for region in regions:
+            if region.name in redraws:
+                found = "; ".join(redraw.describe() for redraw in redraws[region.name])
+                hint = f"{CAUSE_HINTS['compiler_recompute']} In its compiled backward graph, {found}."
+                region = replace(region, diverged=True, cause="compiler_recompute", hint=hint)
+            named.append(region)
+        return named
+
+    def _restore(self) -> None:
+        # The first pass starts from the state as it was captured; each later one from that state put back.
+        if self._ran and self._state is not None:
+            self._state.restore()
+        self._ran = True
+
+
+def _same(first: _Gradients | None, second: _Gradients | None) -> bool:
+    return first is not None and second is not None and gradient_divergence(first, second)[0] == 0.0
+
+
+def _gradients(
+    closure: Callable[[], torch.Tensor],
+    params: list[nn.Parameter],
+    *,
+    disable_checkpointing: bool,
+    use_backward: bool,
+) -> tuple[float, _Gradients]:
+    context = reference_pass() if disable_checkpointing else contextlib.nullcontext()
+    with context, torch.enable_grad():
+        loss = closure()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "lightning_ckpt_determinism: the check's closure must return a scalar loss tensor, got"
+                f" {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}."
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "lightning_ckpt_determinism: the check's loss does not require grad; compute it from the module's"
+                " parameters with grad enabled."
+            )
+        if not use_backward:
+            return float(loss.detach()), list(torch.autograd.grad(loss, params, allow_unused=True))
+        try:
+            loss.backward()
+            grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
+        finally:
+            for param in params:
+                param.grad = None
+    return float(loss.detach()), grads
