@@ -163,24 +163,6 @@ def test_resolvers_raise_the_config_error() -> None:
         resolve_ops(["mm"])
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"every_n_steps": 0}, r"`every_n_steps` must be an integer >= 1, got 0\."),
-        ({"tolerance": -1}, r"`tolerance` must be a non-negative float, got -1\."),
-        ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
-        ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
-        ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
-        ({"history_size": 0}, r"`history_size` must be an integer >= 1, got 0\."),
-        ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
-        ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),
-    ],
-)
-def test_monitor_checks_raise_the_config_error(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
-        RecomputationMonitor(**kwargs)  # type: ignore[arg-type]
-
-
 def test_monitor_without_loss_fn_under_manual_optimization_raises_the_config_error(tmp_path: object) -> None:
     module = StackModule()
     module.automatic_optimization = False

@@ -57,21 +57,24 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
     return trainer, module
 
 
-def test_arguments_are_validated():
-    with pytest.raises(ValueError, match="`every_n_steps` must be an integer >= 1, got 0"):
-        RecomputationMonitor(every_n_steps=0)
-    with pytest.raises(ValueError, match=r"`tolerance` must be a non-negative float, got -0\.1"):
-        RecomputationMonitor(tolerance=-0.1)
-    with pytest.raises(ValueError, match="`on_divergence` can be warn, raise, ignore, got 'stop'"):
-        RecomputationMonitor(on_divergence="stop")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`log_prefix` must be a non-empty string"):
-        RecomputationMonitor(log_prefix="")
-    with pytest.raises(ValueError, match="`history_size` must be an integer >= 1, got 0"):
-        RecomputationMonitor(history_size=0)
-    with pytest.raises(ValueError, match="`loss_fn` must be callable, got int"):
-        RecomputationMonitor(loss_fn=3)  # type: ignore[arg-type]
-    with pytest.raises(CheckpointingConfigError, match="`reference_regions` must be None or an integer >= 1, got 0"):
-        RecomputationMonitor(reference_regions=0)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, r"`every_n_steps` must be an integer >= 1, got 0\."),
+        ({"tolerance": -1}, r"`tolerance` must be a non-negative float, got -1\."),
+        ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
+        ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
+        ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
+        ({"history_size": 0}, r"`history_size` must be an integer >= 1, got 0\."),
+        ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
+        ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),
+        ({"every_n_steps": True}, r"`every_n_steps` must be an integer >= 1, got True\."),
+        ({"reference_regions": 0}, r"`reference_regions` must be None or an integer >= 1, got 0\."),
+    ],
+)
+def test_each_argument_is_checked_with_the_config_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
+        RecomputationMonitor(**kwargs)  # type: ignore[arg-type]
 
 
 def test_checks_first_step_then_every_n_optimizer_steps(tmp_path):

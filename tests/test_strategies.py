@@ -17,7 +17,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_ckpt_determinism import (
-    ActivationCheckpointingMixin,
     CheckpointingConfig,
     DDPCheckpointingStrategy,
     FSDPCheckpointingStrategy,
@@ -206,24 +205,6 @@ def test_lightning_checkpoint_saved_without_checkpointing_loads_strictly_into_a_
 def test_strategy_needs_a_checkpointing_config(strategy: type) -> None:
     with pytest.raises(TypeError, match=r"`checkpointing` must be a `CheckpointingConfig`, got dict\. Build one with"):
         strategy(checkpointing={"classes": ["Block"]})
-
-
-@pytest.mark.parametrize(
-    "strategy", [SingleDeviceCheckpointingStrategy, DDPCheckpointingStrategy, FSDPCheckpointingStrategy]
-)
-def test_strategy_keeps_its_config(strategy: type) -> None:
-    config = CheckpointingConfig(classes=["Block"], every_n=2)
-    built = strategy(checkpointing=config)
-    assert isinstance(built, ActivationCheckpointingMixin)
-    assert built.checkpointing is config
-
-
-def test_fsdp_strategy_constructs_on_cpu_and_checkpoints_after_wrapping() -> None:
-    strategy = FSDPCheckpointingStrategy(checkpointing=CONFIG, sharding_strategy="NO_SHARD")
-    assert strategy.checkpointing is CONFIG
-    assert strategy._checkpoint_after_wrapping is True
-    assert strategy._activation_checkpointing_kwargs == {}
-    assert DDPCheckpointingStrategy._checkpoint_after_wrapping is False
 
 
 @pytest.mark.parametrize(

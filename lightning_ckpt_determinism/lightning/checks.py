@@ -37,7 +37,7 @@ from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.state import StepState
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
 
-__all__ = ["CheckSettings", "check_step"]
+__all__ = ["CheckSettings", "LossFn", "StepCheck"]
 
 LossFn = Callable[[pl.LightningModule, Any, int], torch.Tensor]
 
@@ -58,132 +58,126 @@ class CheckSettings:
     internals: frozenset[str]
 
 
-def check_step(
-    trainer: "pl.Trainer",
-    pl_module: "pl.LightningModule",
-    capture: StepCapture,
-    settings: CheckSettings,
-    plain: list[tuple[str, nn.Module]] | None,
-    gradients_before: list[torch.Tensor | None] | None,
-) -> RecomputationReport | None:
-    """Check the step ``capture`` saw, right after its backward, on every rank at once.
+class StepCheck:
+    """The check of one live step, run right after its backward on every rank at once.
 
     Args:
         trainer: The Trainer.
         pl_module: The LightningModule.
         capture: What the step started from.
         settings: How to check.
-        plain: The regions the reference runs plainly (``None``: all of them).
-        gradients_before: What the gradient holders held before the live backward.
+    """
 
-    Returns:
-        The report (every rank's figures reduced), or ``None`` when the live gradients are not finite and a
+    def __init__(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", capture: StepCapture, settings: CheckSettings
+    ) -> None:
+        self.trainer = trainer
+        self.pl_module = pl_module
+        self.capture = capture
+        self.settings = settings
+
+    def run(
+        self, plain: list[tuple[str, nn.Module]] | None, gradients_before: list[torch.Tensor | None] | None
+    ) -> RecomputationReport | None:
+        """The report (every rank's figures reduced), or ``None`` when the live gradients are not finite and a
         GradScaler skips the step.
-    """
-    if settings.attribution == "always" or (settings.loss_fn is not None and pl_module.automatic_optimization):
-        return _two_pass(trainer, pl_module, capture, settings, attribution=settings.attribution == "always")
-    regions = list(plain) if plain is not None else None
-    try:
-        report = _live(trainer, pl_module, capture, settings, regions, gradients_before)
-    except SkippedStep:
-        return RecomputationReport(
-            grad_divergence=math.inf,
-            max_abs_diff=math.inf,
-            diverged=True,
-            tolerance=settings.tolerance,
-            error=_SKIPPED_REFERENCE,
-        )
-    if report is None:
-        return None
-    checked = [name for name, _ in (regions if regions is not None else checkpointed_modules(pl_module).items())]
-    report = replace(report, checked_regions=checked, compiled=is_compiled(pl_module))
-    if report.diverged and report.error is None and settings.attribution == "on_divergence":
-        # Decided alike on every rank: the comparison's figures are reduced over ranks.
-        attributed = _two_pass(trainer, pl_module, capture, settings, attribution=True)
-        report = replace(
-            report,
-            regions=attributed.regions,
-            buffer_mutations=attributed.buffer_mutations,
-            cause=attributed.cause,
-            hint=attributed.hint,
-            error=attributed.error,
-        )
-    return report
 
-
-def _live(
-    trainer: "pl.Trainer",
-    pl_module: "pl.LightningModule",
-    capture: StepCapture,
-    settings: CheckSettings,
-    plain: list[tuple[str, nn.Module]] | None,
-    gradients_before: list[torch.Tensor | None] | None,
-) -> RecomputationReport | None:
-    """:func:`check_live_step` of the step ``capture`` saw, its reference run through the strategy."""
-    strategy = trainer.strategy
-    reference = live_reference(
-        trainer,
-        pl_module,
-        capture,
-        None if plain is None else [module for _, module in plain],
-        settings.loss_fn,
-        capture.batch_idx,
-    )
-    return check_live_step(
-        pl_module,
-        reference,
-        capture.state,
-        parameters=gradient_holders(trainer, pl_module),
-        all_reduce=all_reduce(strategy),
-        tolerance=settings.tolerance,
-        clone_gradients=writes_into_bucket_views(strategy),
-        gradients_before=gradients_before,
-        calibrate_noise=settings.calibrate_noise,
-        skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
-        live_loss=capture.loss,
-        exclude_attributes=settings.internals,
-        device=strategy.root_device,
-    )
-
-
-def _two_pass(
-    trainer: "pl.Trainer",
-    pl_module: "pl.LightningModule",
-    capture: StepCapture,
-    settings: CheckSettings,
-    *,
-    attribution: bool,
-) -> RecomputationReport:
-    """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
-
-    It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
-    gradients with ``backward()``, which works with FSDP2's sharded parameters and with reentrant checkpointing
-    elsewhere in the model.
-    """
-    strategy = trainer.strategy
-    loss_fn = settings.loss_fn
-
-    def closure() -> torch.Tensor:
-        args, kwargs = capture.arguments()
-        if loss_fn is not None:
-            return loss_fn(pl_module, args[0], capture.batch_idx)
-        return training_step_loss(pl_module, *args, **kwargs)
-
-    holders = [param for _, param in gradient_holders(trainer, pl_module)]
-    after_step = StepState(pl_module, settings.internals)
-    stash = GradientStash(holders, clone=writes_into_bucket_views(strategy))
-    try:
-        capture.state.restore()
-        with strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
-            return check_recomputation(
-                pl_module,
-                closure,
+        Args:
+            plain: The regions the reference runs plainly (``None``: all of them).
+            gradients_before: What the gradient holders held before the live backward.
+        """
+        settings = self.settings
+        if settings.attribution == "always" or (settings.loss_fn is not None and self.pl_module.automatic_optimization):
+            return self._two_pass(attribution=settings.attribution == "always")
+        try:
+            report = self._live(plain, gradients_before)
+        except SkippedStep:
+            return RecomputationReport(
+                grad_divergence=math.inf,
+                max_abs_diff=math.inf,
+                diverged=True,
                 tolerance=settings.tolerance,
-                attribution=attribution,
-                calibrate_noise=settings.calibrate_noise,
-                gradients="backward",
-                agree=lambda decision: agree(strategy, decision),
+                error=_SKIPPED_REFERENCE,
             )
-    finally:
-        stash.put_back()
-        after_step.restore()
+        if report is None:
+            return None
+        checked = [name for name, _ in (plain if plain is not None else checkpointed_modules(self.pl_module).items())]
+        report = replace(report, checked_regions=checked, compiled=is_compiled(self.pl_module))
+        if report.diverged and report.error is None and settings.attribution == "on_divergence":
+            # Decided alike on every rank: the comparison's figures are reduced over ranks.
+            attributed = self._two_pass(attribution=True)
+            report = replace(
+                report,
+                regions=attributed.regions,
+                buffer_mutations=attributed.buffer_mutations,
+                cause=attributed.cause,
+                hint=attributed.hint,
+                error=attributed.error,
+            )
+        return report
+
+    def _live(
+        self, plain: list[tuple[str, nn.Module]] | None, gradients_before: list[torch.Tensor | None] | None
+    ) -> RecomputationReport | None:
+        """:func:`check_live_step` of the step, its reference run through the strategy."""
+        trainer, pl_module, capture, settings = self.trainer, self.pl_module, self.capture, self.settings
+        strategy = trainer.strategy
+        reference = live_reference(
+            trainer,
+            pl_module,
+            capture,
+            None if plain is None else [module for _, module in plain],
+            settings.loss_fn,
+            capture.batch_idx,
+        )
+        return check_live_step(
+            pl_module,
+            reference,
+            capture.state,
+            parameters=gradient_holders(trainer, pl_module),
+            all_reduce=all_reduce(strategy),
+            tolerance=settings.tolerance,
+            clone_gradients=writes_into_bucket_views(strategy),
+            gradients_before=gradients_before,
+            calibrate_noise=settings.calibrate_noise,
+            skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
+            live_loss=capture.loss,
+            exclude_attributes=settings.internals,
+            device=strategy.root_device,
+        )
+
+    def _two_pass(self, *, attribution: bool) -> RecomputationReport:
+        """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
+
+        It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
+        gradients with ``backward()``, which works with FSDP2's sharded parameters and with reentrant checkpointing
+        elsewhere in the model.
+        """
+        pl_module, capture, settings = self.pl_module, self.capture, self.settings
+        strategy = self.trainer.strategy
+        loss_fn = settings.loss_fn
+
+        def closure() -> torch.Tensor:
+            args, kwargs = capture.arguments()
+            if loss_fn is not None:
+                return loss_fn(pl_module, args[0], capture.batch_idx)
+            return training_step_loss(pl_module, *args, **kwargs)
+
+        holders = [param for _, param in gradient_holders(self.trainer, pl_module)]
+        after_step = StepState(pl_module, settings.internals)
+        stash = GradientStash(holders, clone=writes_into_bucket_views(strategy))
+        try:
+            capture.state.restore()
+            with strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
+                return check_recomputation(
+                    pl_module,
+                    closure,
+                    tolerance=settings.tolerance,
+                    attribution=attribution,
+                    calibrate_noise=settings.calibrate_noise,
+                    gradients="backward",
+                    agree=lambda decision: agree(strategy, decision),
+                )
+        finally:
+            stash.put_back()
+            after_step.restore()

@@ -27,7 +27,7 @@ from lightning_ckpt_determinism.errors import (
     LightningCkptDeterminismWarning,
     RecomputationDivergenceError,
 )
-from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, check_step
+from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
 from lightning_ckpt_determinism.lightning.findings import (
     CheckRecord,
     divergence_message,
@@ -238,7 +238,7 @@ class RecomputationMonitor(Callback):
             )
             return
         plain = self._reference_regions(pl_module)
-        report = check_step(trainer, pl_module, capture, self._settings(), plain, self._gradients_before)
+        report = StepCheck(trainer, pl_module, capture, self._settings()).run(plain, self._gradients_before)
         if report is None:
             self.history.append(CheckRecord(step, skipped="non-finite gradients (the GradScaler skips this step)"))
             return

@@ -244,45 +244,33 @@ class CallRecord:
         return any(id(tensor) in self.buffer_ids for tensor in _written_tensors(func, args, kwargs))
 
 
-class _ForwardRecorder(TorchDispatchMode):
-    def __init__(self, call: CallRecord) -> None:
+class _CallMode(TorchDispatchMode):
+    """The dispatch mode of one call: it records every op of the forward, or compares every op of the
+    recomputation with the recorded one (reading inputs only until a first difference is found)."""
+
+    def __init__(self, call: CallRecord, *, comparing: bool) -> None:
         super().__init__()
         self.call = call
+        self.comparing = comparing
+        self.stage = "comparing" if comparing else "recording"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         call = self.call
         if not _observed(func) or call.abandoned is not None:
             return func(*args, **kwargs)
-        inputs: list[Any] = []
-        # The recording's own ops must reach no mode below (selective checkpointing would cache them).
-        with disable_current_modes(), call.contained("recording"):
-            inputs = call.signature(args, kwargs)
-        out = func(*args, **kwargs)
-        if call.abandoned is None:
-            with disable_current_modes(), call.contained("recording"):
-                call.record(func, inputs, args, kwargs, out)
-        return out
-
-
-class _RecomputeComparer(TorchDispatchMode):
-    def __init__(self, call: CallRecord) -> None:
-        super().__init__()
-        self.call = call
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        call = self.call
-        if not _observed(func) or call.abandoned is not None:
-            return func(*args, **kwargs)
-        inputs = None
-        if call.divergence is None:
-            with disable_current_modes(), call.contained("comparing"):
+        inputs: list[Any] | None = None
+        if not self.comparing or call.divergence is None:
+            # The observer's own ops must reach no mode below (selective checkpointing would cache them).
+            with disable_current_modes(), call.contained(self.stage):
                 inputs = call.signature(args, kwargs)
         out = func(*args, **kwargs)
         if call.abandoned is None:
-            with disable_current_modes(), call.contained("comparing"):
-                call.compare(func, inputs, out)
+            with disable_current_modes(), call.contained(self.stage):
+                if self.comparing:
+                    call.compare(func, inputs, out)
+                else:
+                    call.record(func, inputs or [], args, kwargs, out)
         return out
 
 
@@ -388,7 +376,7 @@ class Attribution:
         call.buffer_ids = frozenset(id(buffer) for buffer in call.module.buffers())
         before = call.host_rng_before = capture_host_rng()
         try:
-            with _ForwardRecorder(call):
+            with _CallMode(call, comparing=False):
                 yield
         except BaseException as err:
             call.error = err
@@ -407,7 +395,7 @@ class Attribution:
             restore_host_rng(call.host_rng_before)
         # The recorded copies were released after the first comparison, and a later recomputation replays the same
         # state: it runs unobserved.
-        comparing = _RecomputeComparer(call) if not call.recomputations else contextlib.nullcontext()
+        comparing = _CallMode(call, comparing=True) if not call.recomputations else contextlib.nullcontext()
         try:
             with comparing:
                 yield
