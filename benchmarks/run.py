@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import lightning
 import torch
 
-from benchmarks import distributed, memory, monitor, step_time
+from benchmarks import distributed, memory, monitor, sentinel, step_time
 from benchmarks.common import ModelSize
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -38,6 +38,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GOAL_PACKAGE_OVER_HAND = 1.03
 GOAL_CHECK_OVER_STEP = 0.75
 GOAL_DDP_CHECK_OVER_STEP = 0.8
+GOAL_SENTINEL_OVER_OFF = 1.03
+GOAL_SENTINEL_PEAK = 1.01
 GOAL_MONITOR_THROUGHPUT = 0.985
 
 _LABEL = 46  # width of the label column of the table
@@ -51,16 +53,36 @@ class _Repeats:
     lightning_rounds: int
     monitor_every: int
     lightning_periods: int
+    sentinel_rounds: int
+    sentinel_steps: int
 
 
 _PRESETS: dict[str, tuple[ModelSize, _Repeats]] = {
     "default": (
         ModelSize(layers=4, dim=128, heads=4, seq_len=64, batch_size=8, vocab_size=256),
-        _Repeats(rounds=40, warmup=3, check_rounds=20, lightning_rounds=2, monitor_every=50, lightning_periods=3),
+        _Repeats(
+            rounds=40,
+            warmup=3,
+            check_rounds=20,
+            lightning_rounds=2,
+            monitor_every=50,
+            lightning_periods=3,
+            sentinel_rounds=7,
+            sentinel_steps=30,
+        ),
     ),
     "tiny": (
         ModelSize(layers=2, dim=16, heads=2, seq_len=8, batch_size=2, vocab_size=16),
-        _Repeats(rounds=3, warmup=1, check_rounds=3, lightning_rounds=1, monitor_every=2, lightning_periods=2),
+        _Repeats(
+            rounds=3,
+            warmup=1,
+            check_rounds=3,
+            lightning_rounds=1,
+            monitor_every=2,
+            lightning_periods=2,
+            sentinel_rounds=1,
+            sentinel_steps=3,
+        ),
     ),
 }
 
@@ -101,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats.lightning_periods,
             result["check_cost"],
         ),
+        "sentinel": lambda: sentinel.run(size, device, repeats.sentinel_rounds, repeats.sentinel_steps),
     }
     if device.type == "cpu":
         # Two processes over gloo on this machine; a GPU machine would need one device per process.
@@ -144,6 +167,8 @@ def _parser() -> argparse.ArgumentParser:
         ("lightning-rounds", "Round-robin rounds of Lightning runs with and without the monitor"),
         ("monitor-every", "The monitor's every_n_steps"),
         ("lightning-periods", "Measured monitor periods per Lightning run"),
+        ("sentinel-rounds", "Round-robin rounds of whole fits with the sentinel sampled, exact and off"),
+        ("sentinel-steps", "Training steps per sentinel fit"),
     ):
         timing.add_argument(f"--{name}", type=int, help=f"{what}; {_preset_help(name)}.")
     return parser
@@ -232,6 +257,11 @@ def _goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     if "check_cost_ddp" in result:
         ddp = result["check_cost_ddp"]["check/step"]["median"]
         goals.append(("check cost under DDP in steps", ddp, "<=", GOAL_DDP_CHECK_OVER_STEP))
+    watched = result["sentinel"]
+    goals.append(
+        ("sentinel sampled/off fit time", watched["ratios"]["sampled/off"]["median"], "<=", GOAL_SENTINEL_OVER_OFF)
+    )
+    goals.append(("sentinel peak memory/without", watched["peak/step"]["sampled"], "<=", GOAL_SENTINEL_PEAK))
     # Judged on the monitor as users get it, with its defaults; the `always` variant is reported, not judged.
     throughput = result["lightning"]["ratios"][monitor.MONITOR]["in_run"]["median"]
     goals.append((f"throughput {monitor.MONITOR}/without", throughput, ">=", GOAL_MONITOR_THROUGHPUT))
@@ -297,6 +327,10 @@ def _notes(result: dict[str, Any]) -> list[str]:
         " pass goes through the wrapper, so its gradients are all-reduced like the live ones they are compared with."
         " 'reference without all-reduce' leaves that all-reduce out (no_sync): not a valid check, the measure of its"
         " share of the cost. 'state capture' is the StepState a check takes at the step's start.",
+        "Sentinel: whole Trainer.fit times with RecomputationMonitor(sentinel=...) checking the first step only, the"
+        " modes round-robin; ratios are medians of per-round ratios. The breakdown's 'hooks only' replaces every digest"
+        " by a constant: the extractor calls and bookkeeping without the digest kernels. The section 3 Lightning"
+        " runs keep the sentinel off, to measure the periodic check alone.",
     ]
     return notes
 
@@ -320,6 +354,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines += _step_time_lines(result)
     lines += _memory_lines(result)
     lines += _monitor_lines(result)
+    lines += _sentinel_lines(result)
     lines += ["", "Goals:"]
     for goal in result["goals"]:
         verdict = "met" if goal["met"] else "MISSED"
@@ -340,6 +375,30 @@ def _information_lines(result: dict[str, Any]) -> list[str]:
     for name, ratio in result["lightning"]["ratios"].items():
         if name != monitor.MONITOR:
             lines.append(f"  throughput {name}/without: {ratio['in_run']['median']:.3f} (no goal)")
+    exact = result["sentinel"]["ratios"]["exact/off"]["median"]
+    lines.append(f"  sentinel exact/off fit time: {exact:.3f} (no goal)")
+    return lines
+
+
+def _sentinel_lines(result: dict[str, Any]) -> list[str]:
+    found = result["sentinel"]
+    parts = found["breakdown"]
+    lines = [
+        "",
+        f"4. Sentinel, {result['repeats']['sentinel_rounds']} round-robin rounds of whole fits of"
+        f" {found['steps_per_fit']} steps ({found['threads']} threads), the periodic check on the first step only",
+        _header(""),
+    ]
+    lines += [_stat_line(f"fit, sentinel {mode}, s", stats, _number) for mode, stats in found["fit_s"].items()]
+    lines += [_stat_line(f"fit {name}", stats, _number) for name, stats in found["ratios"].items()]
+    lines.append(
+        "  peak memory of a step over without: "
+        + ", ".join(f"{mode} {ratio:.3f}" for mode, ratio in found["peak/step"].items())
+    )
+    lines.append(f"  breakdown, one training step without Lightning ({parts['digests_per_step']:.0f} digests a step):")
+    lines += [_stat_line(f"step, {name}", parts[name], _ms) for name in ("step", "sampled", "exact", "hooks only")]
+    lines += [_stat_line(f"{name}/step", parts[f"{name}/step"], _number) for name in ("sampled", "exact", "hooks only")]
+    lines.append(f"  mismatches seen: {found['mismatches']}")
     return lines
 
 

@@ -23,9 +23,13 @@ from lightning_ckpt_determinism.errors import (
 from lightning_ckpt_determinism.verify import (
     CAUSE_HINTS,
     RecomputationReport,
+    RecomputationSentinel,
     RegionReport,
+    SentinelRegion,
+    SentinelReport,
     check_recomputation,
     gradient_divergence,
+    recomputation_sentinel,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +65,10 @@ __all__ = [
     "RecomputationDivergenceError",
     "RecomputationMonitor",
     "RecomputationReport",
+    "RecomputationSentinel",
     "RegionReport",
+    "SentinelRegion",
+    "SentinelReport",
     "SingleDeviceCheckpointingStrategy",
     "__version__",
     "apply_activation_checkpointing",
@@ -70,6 +77,7 @@ __all__ = [
     "checkpointed_modules",
     "checkpointing_disabled",
     "gradient_divergence",
+    "recomputation_sentinel",
     "remove_activation_checkpointing",
 ]
 

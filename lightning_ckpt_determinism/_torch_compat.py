@@ -36,6 +36,7 @@ __all__ = [
     "TorchDispatchMode",
     "aot_backends",
     "compiled_call",
+    "current_graph_task_id",
     "determinism_checks",
     "disable_current_modes",
     "fsdp1_flat_parameters",
@@ -67,6 +68,11 @@ functorch_config: Any = torch._functorch.config
 run_and_save_rng_state: Any = torch._prims.rng_prims.run_and_save_rng_state
 run_with_rng_state: Any = torch._prims.rng_prims.run_with_rng_state
 graphsafe_run_with_rng_state: Any = getattr(torch._prims.rng_prims, "graphsafe_run_with_rng_state", None)
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward (graph task) running now, ``-1`` outside any (``torch._C``, >= 2.1)."""
+    return int(torch._C._current_graph_task_id())
 
 
 def determinism_checks() -> dict[str, Callable[..., Any]]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket, determinism_checks
+from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 
 if TYPE_CHECKING:
@@ -53,22 +53,26 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_positive_int(name: str, value: object, *, optional: bool = False) -> Any:
-    """``value`` as a plain ``int`` if it is an integer >= 1 (or ``None`` when ``optional``); bools are refused.
+def check_positive_int(name: str, value: object, *, optional: bool = False, choices: Sequence[str] = ()) -> Any:
+    """``value`` as a plain ``int`` if it is an integer >= 1, or ``value`` itself if it is ``None`` (when
+    ``optional``) or one of ``choices``; bools are refused.
 
     Raises:
-        CheckpointingConfigError: Otherwise, naming ``name``.
+        CheckpointingConfigError: Otherwise, naming ``name`` and what it may be.
 
     Example::
 
         >>> check_positive_int("every_n", 2)
         2
+        >>> check_positive_int("reference_regions", "auto", optional=True, choices=("auto",))
+        'auto'
     """
-    if optional and value is None:
-        return None
+    if (optional and value is None) or (isinstance(value, str) and value in choices):
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = "None or an integer >= 1" if optional else "an integer >= 1"
-        raise CheckpointingConfigError(f"`{name}` must be {allowed}, got {value!r}.")
+        allowed = ["None"] * optional + [repr(choice) for choice in choices] + ["an integer >= 1"]
+        said = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+        raise CheckpointingConfigError(f"`{name}` must be {said}, got {value!r}.")
     return int(value)
 
 
@@ -132,8 +136,10 @@ class CheckpointingConfig:
             region's buffers while it is recomputed (nothing for regions without buffers). Recomputation reads the
             buffers as they are then: a buffer the forward both updates and reads (a step count) is seen updated,
             which the check reports as ``python_state``; BatchNorm in training mode does not read its statistics.
-        determinism_check: Passed to ``torch.utils.checkpoint`` (``"default"`` compares shapes, dtypes and devices
-            of recomputed tensors; ``"none"`` skips it).
+        determinism_check: torch's check of recomputed tensors (``"default"`` compares their shapes, dtypes and
+            devices and raises torch's ``CheckpointError`` on a difference; ``"none"`` skips it). The monitor's
+            sentinel compares values in both cases; with ``"none"`` a difference of metadata is counted as a mismatch
+            rather than raised.
         keep_data_dependent: Keep the outputs of ops that decide shapes or routing (``topk``, ``sort``,
             ``nonzero``, ``bincount``, ``.item()`` ...: torch's ``dynamic_output_shape`` and
             ``data_dependent_output`` tags plus a fixed list) from the forward and serve them to recomputation, so
@@ -191,7 +197,7 @@ class CheckpointingConfig:
             )
         # LightningCLI hands jsonargparse's `PositiveInt`; a plain int saves to YAML and pickles anywhere.
         object.__setattr__(self, "every_n", check_positive_int("every_n", self.every_n))
-        allowed_checks = sorted(determinism_checks())
+        allowed_checks = ["default", "none"]
         if self.determinism_check not in allowed_checks:
             raise CheckpointingConfigError(
                 f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."

@@ -200,8 +200,11 @@ def main(kind: str, out_dir: Path) -> None:
         run(kind, out_dir, "manual_plain", "DropoutBlock", None, None, {}, module_class=ManualModule)
         checkpointing = {"classes": ["PlainBlock", "RankOneCounterBlock"]}
         for mode in ("warn", "raise"):
-            monitor = RecomputationMonitor(every_n_steps=2, on_divergence=mode)  # type: ignore[arg-type]
+            monitor = RecomputationMonitor(every_n_steps=2, on_divergence=mode, sentinel="off")  # type: ignore[arg-type]
             run(kind, out_dir, f"rank_one_{mode}", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+        # The sentinel on every step, the defect on rank 1 only: seen at step 0 and named with its rank on rank 0.
+        monitor = RecomputationMonitor(every_n_steps=50)
+        run(kind, out_dir, "sentinel_rank_one", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,60 @@ def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
             parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
+class RecomputeOnlyBlock(nn.Module):
+    """Exact in its forward; its recomputation (every second call) changes ``tanh``'s input, which ``tanh`` saves.
+
+    Args:
+        change: ``"rows"`` moves rows to other places (the same values), ``"element"`` changes one element by 1.0.
+    """
+
+    def __init__(self, dim: int = 32, change: str = "rows") -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, dim)
+        self.out = nn.Linear(dim, DIM)
+        self.change = change
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        hidden = self.linear(x)
+        if self.calls % 2 == 0:
+            if self.change == "rows":
+                hidden = hidden.roll(1, dims=0)
+            else:
+                bump = torch.zeros_like(hidden)
+                bump[0, 5] = 1.0
+                hidden = hidden + bump
+        return x + self.out(torch.tanh(hidden))
+
+
+class KeywordTupleBlock(nn.Module):
+    """Takes a keyword tensor and returns ``(out, {"aux": ..., "tag": ...})``."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> tuple[torch.Tensor, dict[str, object]]:
+        hidden = torch.tanh(self.linear(x)) * scale
+        return x + hidden, {"aux": hidden.square().mean(), "tag": "keyword"}
+
+
+class ArmedBlock(PlainBlock):
+    """Exact, except in the recomputation of one step's forward (``armed``, counted from 0), which scales ``tanh``'s
+    input: a defect that shows at one step only. It counts its calls (a forward, then its recomputation)."""
+
+    def __init__(self, dim: int = DIM, armed: int = 5) -> None:
+        super().__init__(dim)
+        self.armed = armed
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        scale = 1.5 if self.calls == 2 * self.armed + 2 else 1.0
+        return x + torch.tanh(self.linear(x) * scale)
+
+
 class Stack(nn.Module):
     """An input projection, the given blocks in order, and an output head."""
 

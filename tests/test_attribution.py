@@ -332,7 +332,7 @@ def fit_monitored(tmp_path, monitor, block="DropoutBlock", **config):
 
 
 def test_monitor_logs_diverging_regions_and_warns_with_region_op_and_hint(tmp_path):
-    monitor = RecomputationMonitor(every_n_steps=1)
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel="off")
     with pytest.warns(LightningCkptDeterminismWarning, match=r"Region `model\.blocks\.\d` diverged at") as record:
         rows = fit_monitored(tmp_path, monitor, preserve_rng_state=False)
     (message,) = [str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning)]

@@ -49,6 +49,7 @@ def test_tiny_run_writes_every_section(tiny: tuple[dict[str, Any], str]) -> None
         "check_memory",
         "lightning",
         "check_cost_ddp",
+        "sentinel",
         "goals",
         "notes",
         "machine",
@@ -112,7 +113,8 @@ def test_check_cost_memory_and_lightning_throughput_are_reported(tiny: tuple[dic
     assert all(_finite_positive(value) for value in peaks["peak_bytes"].values())
     assert peaks["peak/step"]["step"] == 1.0
     assert run["monitor_defaults"]["attribution"] == "on_divergence"
-    assert run["monitor_defaults"]["reference_regions"] is None
+    assert run["monitor_defaults"]["reference_regions"] == "auto"
+    assert run["monitor_defaults"]["sentinel"] == "sampled"
     assert list(run["runs"]) == ["without monitor", "monitor", "monitor attribution='always'"]
     for runs in run["runs"].values():
         assert _sane_summary(runs["median"]) and _sane_summary(runs["wall"])
@@ -130,6 +132,21 @@ def test_check_cost_memory_and_lightning_throughput_are_reported(tiny: tuple[dic
     assert (run["every_n_steps"], run["warmup_steps"], run["measured_steps"]) == (2, 2, 4)
     assert run["checks_per_run"] == 3  # steps 0, 2 and 4
     assert run["max_grad_divergence"] == 0.0
+
+
+def test_the_sentinel_is_measured_in_whole_fits_with_its_breakdown(tiny: tuple[dict[str, Any], str]) -> None:
+    result, printed = tiny
+    found = result["sentinel"]
+    assert list(found["fit_s"]) == ["off", "sampled", "exact"]
+    assert all(_sane_summary(stats) and stats["n"] == 1 for stats in found["fit_s"].values())
+    assert list(found["ratios"]) == ["sampled/off", "exact/off"]
+    assert all(math.isfinite(stats["median"]) for stats in found["ratios"].values())
+    assert set(found["peak/step"]) == {"sampled", "exact"} and all(v > 0 for v in found["peak/step"].values())
+    breakdown = found["breakdown"]
+    assert all(_sane_summary(breakdown[name]) for name in ("step", "sampled", "exact", "hooks only"))
+    assert breakdown["digests_per_step"] > 0
+    assert found["mismatches"] == 0 and found["threads"] == 2
+    assert "4. Sentinel" in printed
 
 
 def test_the_ddp_check_cost_is_measured_on_two_processes(tiny: tuple[dict[str, Any], str]) -> None:
@@ -153,7 +170,15 @@ def test_checked_step_peak_memory_grows_with_the_plain_regions() -> None:
 
 def test_goals_and_table(tiny: tuple[dict[str, Any], str]) -> None:
     result, printed = tiny
-    assert [goal["goal"] for goal in result["goals"]] == ["<= 1.03", "<= 1.03", "<= 0.75", "<= 0.8", ">= 0.985"]
+    assert [goal["goal"] for goal in result["goals"]] == [
+        "<= 1.03",
+        "<= 1.03",
+        "<= 0.75",
+        "<= 0.8",
+        "<= 1.03",
+        "<= 1.01",
+        ">= 0.985",
+    ]
     assert result["goals"][3]["name"] == "check cost under DDP in steps"
     assert result["goals"][-1]["name"] == "throughput monitor/without"
     always = result["lightning"]["ratios"]["monitor attribution='always'"]["in_run"]["median"]

@@ -416,6 +416,25 @@ def test_a_lightning_module_compiling_its_model_trains_with_the_monitor_at_zero(
     assert logged == [0.0, 0.0]
 
 
+def test_a_model_compiled_in_configure_model_trains_bit_identically_with_the_sentinel(tmp_path: Path) -> None:
+    weights = {}
+    for sentinel in ("sampled", "off"):
+        torch._dynamo.reset()
+        pl.seed_everything(0, verbose=False)
+        module = CompiledStackModule()
+        monitor = RecomputationMonitor(every_n_steps=50, sentinel=sentinel)  # type: ignore[arg-type]
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+        trainer = pl.Trainer(**trainer_kwargs(tmp_path / sentinel, strategy=strategy, callbacks=[monitor]))
+        trainer.fit(module)
+        weights[sentinel] = {name: value.clone() for name, value in module.state_dict().items()}
+        if sentinel == "sampled":
+            report = monitor.sentinel_report
+            assert report is not None
+            assert report.compiled == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+            assert report.compared == 0  # the compiler recomputes them, out of the sentinel's sight
+    assert all(torch.equal(weights["sampled"][name], value) for name, value in weights["off"].items())
+
+
 def test_compile_with_ddp_trains_with_the_monitor_at_zero(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=240)

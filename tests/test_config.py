@@ -15,7 +15,6 @@ import torch
 import yaml
 from jsonargparse.typing import NonNegativeFloat, NotEmptyStr, PositiveInt
 from torch import nn
-from torch.utils.checkpoint import _allowed_determinism_checks_to_fns
 
 import lightning_ckpt_determinism
 from lightning_ckpt_determinism import (
@@ -27,6 +26,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
 )
 from lightning_ckpt_determinism.checkpointing import select_modules
+from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
 from lightning_ckpt_determinism.config import resolve_class_path, resolve_ops
 from tests.helpers import StackModule, make_stack, trainer_kwargs
 
@@ -204,7 +204,7 @@ def test_fsdp_strategy_with_fsdps_own_checkpointing_raises_the_config_error() ->
 def test_signatures_carry_the_types_lightning_cli_checks_while_parsing() -> None:
     fields = {field.name: field.type for field in dataclasses.fields(CheckpointingConfig)}
     assert fields["every_n"] is PositiveInt
-    assert typing.get_args(fields["determinism_check"]) == tuple(sorted(_allowed_determinism_checks_to_fns))
+    assert typing.get_args(fields["determinism_check"]) == tuple(DETERMINISM_CHECKS)
     monitor = inspect.signature(RecomputationMonitor).parameters
     assert monitor["every_n_steps"].annotation is PositiveInt
     assert monitor["tolerance"].annotation is NonNegativeFloat

@@ -69,7 +69,8 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
         ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),
         ({"every_n_steps": True}, r"`every_n_steps` must be an integer >= 1, got True\."),
-        ({"reference_regions": 0}, r"`reference_regions` must be None or an integer >= 1, got 0\."),
+        ({"reference_regions": 0}, r"`reference_regions` must be None, 'auto' or an integer >= 1, got 0\."),
+        ({"sentinel": "always"}, r"`sentinel` can be sampled, exact, off, got 'always'\."),
     ],
 )
 def test_each_argument_is_checked_with_the_config_error(kwargs: dict[str, object], message: str) -> None:
@@ -92,7 +93,7 @@ def test_gradient_accumulation_checks_once_per_optimizer_step(tmp_path):
 
 
 def test_divergence_warns_naming_the_worst_parameters_once(tmp_path):
-    monitor = RecomputationMonitor(every_n_steps=1)
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel="off")
     with pytest.warns(LightningCkptDeterminismWarning, match=r"recomputation diverged at step 0: grad_div") as rec:
         fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
     messages = [str(w.message) for w in rec if issubclass(w.category, LightningCkptDeterminismWarning)]

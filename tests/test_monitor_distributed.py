@@ -172,3 +172,19 @@ def test_fsdp2_example_config_trains_with_the_monitor(tmp_path):
         (0, 0.0),
         (10, 0.0),
     ]
+
+
+def test_ddp_the_sentinel_sees_a_defect_on_rank_one_only_at_every_step_and_warns_on_rank_zero(ddp):
+    out_dir = ddp
+    rank0, rank1 = result(out_dir, "sentinel_rank_one", 0), result(out_dir, "sentinel_rank_one", 1)
+    # tanh's output differs on rank 1, once a step; summed over ranks and logged at every step on rank 0.
+    assert logged(out_dir, "sentinel_rank_one", "recompute/sentinel/mismatches") == [1.0] * 4
+    assert logged(out_dir, "sentinel_rank_one", "recompute/sentinel/regions/model.blocks.1/mismatches") == [1.0] * 4
+    sentinel = [message for message in rank0["warnings"] if "the sentinel saw" in message]
+    assert len(sentinel) == 1
+    assert sentinel[0].startswith("lightning_ckpt_determinism: the sentinel saw region `model.blocks.1` recompute")
+    assert "at step 0 (rank 1): 1 saved tensor differed, the first saved tensor" in sentinel[0]
+    assert rank1["warnings"] == []
+    # The periodic check at step 0, and the full check the sentinel's warning asked for at step 1.
+    assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True), (1, True)]
+    assert rank0["history"] == rank1["history"]

@@ -28,6 +28,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapping_module
+from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
 from tests.helpers import (
     DIM,
     BatchNormBlock,
@@ -52,6 +53,8 @@ from tests.helpers import (
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 SAVE_MATMULS = ["aten.mm", "aten.addmm", "aten.bmm"]
+
+DEFAULT_CHECK, NONE_CHECK = DETERMINISM_CHECKS["default"], DETERMINISM_CHECKS["none"]
 
 
 def _unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
@@ -488,7 +491,14 @@ def test_torch_checkpoint_is_called_non_reentrant_with_the_configured_settings(
     model(batch()[0])
     assert len(checkpoint_calls) == 1
     settings = {key: value for key, value in checkpoint_calls[0].items() if key != "context_fn"}
-    assert settings == {"use_reentrant": False, "preserve_rng_state": False, "determinism_check": "none"}
+    assert settings == {"use_reentrant": False, "preserve_rng_state": False, "determinism_check": NONE_CHECK}
+
+
+def test_the_package_determinism_checks_behave_as_torchs_while_nothing_observes() -> None:
+    checks = torch.utils.checkpoint._allowed_determinism_checks_to_fns
+    tensor = torch.ones(2, 3, dtype=torch.float64)
+    assert checks[DEFAULT_CHECK](tensor) == checks["default"](tensor)
+    assert checks[NONE_CHECK](tensor) is None
 
 
 def test_default_determinism_check_catches_a_shape_change_on_recomputation() -> None:

@@ -10,10 +10,11 @@ dispatch modes. The guard (:mod:`~lightning_ckpt_determinism.checkpointing.routi
 checkpointed forward and stays on only where that forward ran a data-dependent op: a region without routing pays
 nothing.
 
-The traced path (under ``torch.compile``) reads only state dynamo can guard on (an attribute of :data:`_SWITCH`,
-never a ContextVar), never passes ``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a
-region has ``save_ops``, eager-only options or ``keep_data_dependent``: see
-:mod:`~lightning_ckpt_determinism.checkpointing.compiled`.
+The traced path (under ``torch.compile``) reads only state dynamo can guard on (an attribute of the process-wide
+switch, :mod:`~lightning_ckpt_determinism.checkpointing.switch`, never a ContextVar), never passes
+``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops``, eager-only
+options or ``keep_data_dependent``: see :mod:`~lightning_ckpt_determinism.checkpointing.compiled`. Every region
+passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_determinism.checkpointing.saved`).
 """
 
 import contextlib
@@ -38,6 +39,8 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
 )
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
+from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
+from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
 
 __all__ = [
@@ -84,24 +87,6 @@ class RegionObserver(Protocol):
 
     def contexts(self, call: RegionCall) -> tuple[ContextFactory, ContextFactory]: ...
 
-
-class _Switch:
-    """What a check changes in every checkpointed region: read by each checkpointed call.
-
-    A plain object rather than ContextVars, because dynamo cannot trace a ContextVar read (it breaks the graph, and
-    then fails on the checkpoint call). The traced path reads only ``disabled``, a bool dynamo guards on: switching
-    checkpointing off compiles one more graph, once, whatever the nesting depth. ``observer`` is read only by eager
-    calls, so compiled graphs never guard on it. The state is per process, not per thread; it changes only inside
-    :func:`checkpointing_disabled` and :func:`observing`.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.disabled = False
-        self.observer: RegionObserver | None = None
-
-
-_SWITCH = _Switch()
 
 # One object per distinct config while regions hold it, so that identical blocks share compiled code whether they
 # were given one config object or equal ones (compiled graphs guard on the config's identity).
@@ -217,22 +202,25 @@ class CheckpointedForward:
         # nothing of this region: `run` then enters the region's eager contexts itself.
         traced = torch.compiler.is_compiling()
         graph_broken: tuple[Reenterable, Reenterable] | None = None
+        calls = 0
 
         def run(*flat: Any) -> Any:
-            nonlocal graph_broken
+            nonlocal graph_broken, calls
             if torch.compiler.is_compiling():
                 if self.config.keep_data_dependent:
                     flat = mark_region_inputs(flat)
                 return self._forward_from(flat, num_positional, keys)
-            if not traced:
-                return self._forward_from(flat, num_positional, keys)
             # The first call is the forward, each later one a recomputation.
-            if graph_broken is None:
-                graph_broken = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
-                context = graph_broken[0]
-            else:
-                context = graph_broken[1]
-            with context:
+            forward = calls == 0
+            calls += 1
+            region: AbstractContextManager[Any] = contextlib.nullcontext()
+            if traced:
+                if graph_broken is None:
+                    graph_broken = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
+                region = graph_broken[0] if forward else graph_broken[1]
+            saved = _SWITCH.saved_observer if forward else None
+            watched = saved.region_forward(self.region, self.module) if saved is not None else contextlib.nullcontext()
+            with region, watched:
                 return self._forward_from(flat, num_positional, keys)
 
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
@@ -248,7 +236,7 @@ class CheckpointedForward:
             *inputs,
             use_reentrant=False,
             preserve_rng_state=self.config.preserve_rng_state,
-            determinism_check=self.config.determinism_check,
+            determinism_check=DETERMINISM_CHECKS[self.config.determinism_check],
             **options,
         )
 

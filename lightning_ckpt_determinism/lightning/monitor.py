@@ -43,9 +43,12 @@ from lightning_ckpt_determinism.lightning.parallel import (
     gather,
     gradient_holders,
 )
+from lightning_ckpt_determinism.lightning.reference import free_memory, plain_regions, regions_that_fit
 from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
+from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
+from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
 __all__ = ["RecomputationMonitor"]
 
@@ -105,7 +108,17 @@ class RecomputationMonitor(Callback):
         reference_regions: ``None`` runs every checkpointed region plainly in the reference pass. ``k`` runs only
             ``k`` of them plainly per check (the others stay checkpointed), rotating so that every region is
             covered every ``ceil(n / k)`` checks: less extra memory on the check step. A region whose recomputation
-            differs shows at the checks that run it plainly. A compiled model runs every region plainly.
+            differs shows at the checks that run it plainly. ``"auto"`` runs, on CUDA, as many as fit the device's
+            free memory with a margin (each region's activations as the sentinel measured them), and every region
+            elsewhere. A compiled model runs every region plainly.
+        sentinel: On every training step, compare each tensor the checkpointed regions save for backward, after
+            its recomputation, with the forward's, through digests on the device (see
+            :func:`~lightning_ckpt_determinism.recomputation_sentinel`): ``"sampled"`` reads a rotating window of
+            each row (every element within 16 steps), ``"exact"`` every element, ``"off"`` nothing. It logs
+            ``{log_prefix}/sentinel/mismatches`` and ``{log_prefix}/sentinel/regions/{name}/mismatches`` at Lightning's
+            logging steps, counting everything since the last logged step; a mismatch warns (once per region and
+            ``every_n_steps``) or raises as ``on_divergence`` says, and the next step is checked in full, with
+            attribution.
 
     Raises:
         CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
@@ -132,7 +145,8 @@ class RecomputationMonitor(Callback):
         history_size: PositiveInt = 32,
         attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
         calibrate_noise: bool = False,
-        reference_regions: PositiveInt | None = None,
+        reference_regions: PositiveInt | Literal["auto"] | None = "auto",
+        sentinel: Literal["sampled", "exact", "off"] = "sampled",
     ) -> None:
         super().__init__()
         # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
@@ -147,7 +161,10 @@ class RecomputationMonitor(Callback):
         self.log_prefix = str(log_prefix)
         self.attribution = check_choice("attribution", attribution, ("on_divergence", "always", "never"))
         self.calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
-        self.reference_regions: int | None = check_positive_int("reference_regions", reference_regions, optional=True)
+        self.reference_regions: int | str | None = check_positive_int(
+            "reference_regions", reference_regions, optional=True, choices=("auto",)
+        )
+        self.sentinel = check_choice("sentinel", sentinel, ("sampled", "exact", "off"))
         self.last_checked_step = -1
         self.history: deque[CheckRecord] = deque(maxlen=check_positive_int("history_size", history_size))
         self.last_report: RecomputationReport | None = None
@@ -159,6 +176,9 @@ class RecomputationMonitor(Callback):
         self._gradients_before: list[torch.Tensor | None] | None = None
         self._checks = 0
         self._internals: frozenset[str] = frozenset()
+        self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
+        self._sentinel_warned: dict[str, int] = {}
+        self._check_next = False
 
     @property
     @override
@@ -193,6 +213,8 @@ class RecomputationMonitor(Callback):
             )
         else:
             self._enabled = True
+            if self.sentinel != "off":
+                self._watch.start(pl_module)
 
     @override
     def on_train_batch_start(
@@ -200,9 +222,10 @@ class RecomputationMonitor(Callback):
     ) -> None:
         self._disarm()
         step = trainer.global_step
-        if not self._enabled or step == self.last_checked_step:
+        self._watch.step_started(step)
+        if not self._enabled or (step == self.last_checked_step and not self._check_next):
             return
-        if self._checked_this_fit and step % self.every_n_steps:
+        if self._checked_this_fit and step % self.every_n_steps and not self._check_next:
             return
         # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
         self._capture = self._armed.enter_context(StepCapture(pl_module, batch_idx, self._internals).installed())
@@ -237,12 +260,16 @@ class RecomputationMonitor(Callback):
                 " momentum teacher in `on_train_batch_end`, for example) to have the step checked.",
             )
             return
-        plain = self._reference_regions(pl_module)
-        report = StepCheck(trainer, pl_module, capture, self._settings()).run(plain, self._gradients_before)
+        plain = self._reference_regions(trainer, pl_module)
+        # A step after the sentinel saw a mismatch is checked with attribution, so the cause is named.
+        settings = self._settings("always" if self._check_next else self.attribution)
+        self._check_next = False
+        with self._watch.paused():
+            report = StepCheck(trainer, pl_module, capture, settings).run(plain, self._gradients_before)
         if report is None:
             self.history.append(CheckRecord(step, skipped="non-finite gradients (the GradScaler skips this step)"))
             return
-        if self.reference_regions is not None:
+        if plain is not None:
             rank_zero_info(
                 f"lightning_ckpt_determinism: step {step} checked with regions {report.checked_regions} run plainly in"
                 " the reference pass."
@@ -250,21 +277,41 @@ class RecomputationMonitor(Callback):
         self._checked_this_fit = True
         self._checks += 1
         self.last_report = report
-        self._record(trainer, step, report)
+        self._record(trainer, step, report, subset=plain is not None)
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
+        findings = self._watch.step_ended(trainer)
+        self._log(trainer, self._watch.metrics_due(trainer))
+        if not findings or self.on_divergence == "ignore":
+            return
+        several = trainer.world_size > 1
+        if self.on_divergence == "raise":
+            raise RecomputationDivergenceError(" ".join(finding.message(several) for finding in findings))
+        messages = self._watch.news(findings, self.every_n_steps, several_ranks=several)
+        for message in messages:
+            rank_zero_warn(message, category=LightningCkptDeterminismWarning)
+        # Each warning comes with a full check of the next step, so the cause is named if the defect recurs.
+        self._check_next = bool(messages)
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._disarm()
+        self._watch.stop()
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
+        self._log(trainer, self._watch.metrics_due(trainer, last=True))
+        self._watch.stop()
+
+    @property
+    def sentinel_report(self) -> SentinelReport | None:
+        """What the sentinel compared during the last fit (cumulative), or ``None`` without one."""
+        return self._watch.report
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -278,19 +325,28 @@ class RecomputationMonitor(Callback):
         self.history.extend(CheckRecord(**record) for record in state_dict["history"])
         self._checks = state_dict.get("checks", 0)
 
-    def _settings(self) -> CheckSettings:
-        attribution: Any = self.attribution
+    def _settings(self, attribution: Any) -> CheckSettings:
         return CheckSettings(self.tolerance, attribution, self.calibrate_noise, self.loss_fn, self._internals)
+
+    def _log(self, trainer: "pl.Trainer", logged: dict[str, float] | None) -> None:
+        if logged:
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=self._watch.step)
 
     def _disarm(self) -> None:
         self._armed.close()
         self._capture = None
 
-    def _reference_regions(self, pl_module: "pl.LightningModule") -> list[tuple[str, nn.Module]] | None:
+    def _reference_regions(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule"
+    ) -> list[tuple[str, nn.Module]] | None:
         """The regions the reference runs plainly at this check (``None``: all), rotating with ``reference_regions``."""
         regions = list(checkpointed_modules(pl_module).items())
         count = self.reference_regions
-        if count is None or count >= len(regions):
+        if count == "auto":
+            free, saved = free_memory(trainer.strategy.root_device), self._watch.saved_bytes
+            count = None if free is None or not saved else regions_that_fit(list(saved.values()), free)
+        if count is None or int(count) >= len(regions):
             return None
         if is_compiled(pl_module):
             # Each subset would be another set of guards, one recompile each, past dynamo's limit on a deep model.
@@ -300,10 +356,9 @@ class RecomputationMonitor(Callback):
                 " compiled model: a rotating subset would compile a graph per subset.",
             )
             return None
-        start = self._checks * count % len(regions)
-        return [regions[(start + offset) % len(regions)] for offset in range(count)]
+        return plain_regions(regions, int(count), self._checks)
 
-    def _record(self, trainer: "pl.Trainer", step: int, report: RecomputationReport) -> None:
+    def _record(self, trainer: "pl.Trainer", step: int, report: RecomputationReport, *, subset: bool) -> None:
         strategy = trainer.strategy
         findings = reduce_findings(
             report,
@@ -315,7 +370,7 @@ class RecomputationMonitor(Callback):
         logged = metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise)
         for logger in trainer.loggers:
             logger.log_metrics(logged, step=step)
-        plain = list(report.checked_regions) if self.reference_regions is not None else None
+        plain = list(report.checked_regions) if subset else None
         self.history.append(
             CheckRecord(step, findings.grad_divergence, findings.max_abs_diff, findings.diverged, checked_regions=plain)
         )

@@ -1,0 +1,158 @@
+"""The monitor's sentinel in Lightning fits: every step's recomputed saved tensors compared with the forward's."""
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    recomputation_sentinel,
+)
+from lightning_ckpt_determinism.lightning import monitor as monitor_module
+from lightning_ckpt_determinism.lightning.reference import plain_regions, regions_that_fit
+from tests.helpers import ArmedBlock, StackModule, trainer_kwargs
+
+METRIC = "recompute/sentinel/mismatches"
+
+
+def fit(tmp_path: Path, monitor: RecomputationMonitor | None, module: StackModule, steps: int = 12) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(
+        tmp_path,
+        max_steps=steps,
+        strategy=strategy,
+        callbacks=[] if monitor is None else [monitor],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+    )
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(module)
+    return trainer
+
+
+def logged(tmp_path: Path, key: str) -> list[tuple[int, float]]:
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        return [(int(row["step"]), float(row[key])) for row in csv.DictReader(file) if row.get(key)]
+
+
+def armed_module(step: int = 5) -> StackModule:
+    module = StackModule(block="PlainBlock", n=3)
+    torch.manual_seed(1)
+    module.model.blocks[1] = ArmedBlock(armed=step)
+    return module
+
+
+@pytest.mark.parametrize("sentinel", ["sampled", "exact"])
+def test_a_clean_fit_logs_zero_mismatches_at_every_step(tmp_path: Path, sentinel: str) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, sentinel=sentinel)  # type: ignore[arg-type]
+    fit(tmp_path, monitor, StackModule(block="DropoutBlock"))
+    assert logged(tmp_path, METRIC) == [(step, 0.0) for step in range(12)]
+    report = monitor.sentinel_report
+    assert report is not None and report.mismatches == 0
+    assert all(region.compared >= 12 for region in report.regions.values())
+
+
+def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_misses(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50)
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 5: 1"):
+        fit(tmp_path, monitor, armed_module(step=5))
+    assert logged(tmp_path, METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(12)]
+    assert logged(tmp_path, "recompute/sentinel/regions/model.blocks.1/mismatches") == [(5, 1.0)]
+    # The periodic check ran at step 0 and, asked by the sentinel, at step 6: the defect did not recur there.
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (6, False)]
+    report = monitor.sentinel_report
+    assert report is not None and report.regions["model.blocks.1"].mismatches == 1
+    assert (
+        report.regions["model.blocks.1"].first_mismatch
+        == "saved tensor 2 (grad_fn TanhBackward0, (8, 8) torch.float32)"
+    )
+
+
+def test_raise_mode_stops_the_fit_at_the_step_of_the_mismatch(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, on_divergence="raise")
+    with pytest.raises(RecomputationDivergenceError, match=r"region `model.blocks.1` .* at step 5"):
+        fit(tmp_path, monitor, armed_module(step=5))
+    # Logged up to the step of the mismatch, which is logged before the error stops the fit.
+    assert logged(tmp_path, METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(6)]
+
+
+def _weights(tmp_path: Path, sentinel: str | None) -> dict[str, Any]:
+    monitor = None if sentinel is None else RecomputationMonitor(every_n_steps=4, sentinel=sentinel)  # type: ignore[arg-type]
+    module = StackModule(block="DropoutBlock")
+    fit(tmp_path, monitor, module, steps=6)
+    return {name: value.clone() for name, value in module.state_dict().items()}
+
+
+def test_training_is_bit_identical_with_the_sentinel_on_and_off(tmp_path: Path) -> None:
+    off = _weights(tmp_path / "off", "off")
+    for name, weights in (
+        ("sampled", _weights(tmp_path / "s", "sampled")),
+        ("exact", _weights(tmp_path / "e", "exact")),
+    ):
+        assert all(torch.equal(weights[key], off[key]) for key in off), name
+    assert all(torch.equal(value, off[key]) for key, value in _weights(tmp_path / "none", None).items())
+
+
+def test_auto_reference_regions_fit_the_free_memory_and_rotate() -> None:
+    saved = [4 << 20, 6 << 20, 4 << 20, 6 << 20]  # bytes each region holds when run plainly
+    assert regions_that_fit(saved, free_bytes=16 << 20) == 2  # 12 MiB usable: the two largest take 12
+    assert regions_that_fit(saved, free_bytes=100 << 20) == 4
+    assert regions_that_fit(saved, free_bytes=1 << 20) == 1  # at least one region is checked
+    assert plain_regions(["a", "b", "c", "d"], 2, checks=0) == ["a", "b"]
+    assert plain_regions(["a", "b", "c", "d"], 2, checks=1) == ["c", "d"]
+    assert plain_regions(["a", "b", "c", "d"], 4, checks=3) is None
+
+
+def test_auto_reference_regions_run_every_region_plainly_off_cuda(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=2)
+    fit(tmp_path, monitor, StackModule(block="DropoutBlock"), steps=4)
+    assert monitor.reference_regions == "auto"
+    assert [entry.checked_regions for entry in monitor.history] == [None, None]
+    assert monitor.last_report is not None
+    assert monitor.last_report.checked_regions == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+
+
+def test_auto_reference_regions_take_as_many_regions_as_the_free_memory_holds(tmp_path: Path, monkeypatch) -> None:
+    module = StackModule(block="DropoutBlock")
+    probe = StackModule(block="DropoutBlock").model
+    apply_activation_checkpointing(probe, CheckpointingConfig(names=["blocks.*"]))
+    with recomputation_sentinel(probe) as sentinel:
+        probe(torch.randn(8, 8)).sum().backward()  # one batch of the module's data
+    per_block = max(sentinel.saved_bytes.values())
+    # As on CUDA: room for two blocks' activations, with the margin.
+    monkeypatch.setattr(monitor_module, "free_memory", lambda device: int(2 * per_block / 0.75) + 1)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    fit(tmp_path, monitor, module, steps=3)
+    assert [entry.checked_regions for entry in monitor.history] == [
+        ["model.blocks.0", "model.blocks.1"],
+        ["model.blocks.2", "model.blocks.0"],
+        ["model.blocks.1", "model.blocks.2"],
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_reference_regions_read_the_cuda_free_memory(tmp_path: Path) -> None:
+    module = StackModule(block="DropoutBlock")
+    monitor = RecomputationMonitor(every_n_steps=1)
+    strategy = SingleDeviceCheckpointingStrategy(
+        checkpointing=CheckpointingConfig(names=["model.blocks.*"]), device="cuda"
+    )
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=2, strategy=strategy, callbacks=[monitor], accelerator="cuda")
+    )
+    trainer.fit(module)
+    free = torch.cuda.mem_get_info()[0]
+    saved = list(monitor._watch.saved_bytes.values())
+    assert regions_that_fit(saved, free) == 3  # a GPU holds a tiny model's activations many times over
+    assert [entry.checked_regions for entry in monitor.history] == [None, None]

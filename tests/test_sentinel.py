@@ -1,0 +1,205 @@
+"""The sentinel (`lightning_ckpt_determinism.verify.sentinel`): each region's recomputed saved tensors compared with
+the forward's through digests, without Lightning."""
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch.nn import functional as F
+
+from examples.moe import MoEModule
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    SentinelRegion,
+    apply_activation_checkpointing,
+    recomputation_sentinel,
+)
+from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE
+from tests.helpers import (
+    BatchNormBlock,
+    CounterScaleBlock,
+    DropoutBlock,
+    KeywordTupleBlock,
+    NumpyNoiseBlock,
+    PlainBlock,
+    PythonRandomBlock,
+    RecomputeOnlyBlock,
+    Stack,
+    batch,
+    make_stack,
+    stack_with,
+    step_gradients,
+)
+
+REGIONS = ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def checkpointed(model: nn.Module, **config: Any) -> nn.Module:
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"], **config))
+    return model
+
+
+def watched_steps(model: nn.Module, steps: int = 3, exact: bool = False, loss: Callable[[], Any] | None = None) -> Any:
+    """The sentinel's report over ``steps`` forward and backward passes of ``model``."""
+    with recomputation_sentinel(model, exact=exact) as sentinel:
+        for step in range(steps):
+            if loss is None:
+                step_gradients(model, seed=step)
+            else:
+                loss().backward()
+            sentinel.next_step()
+    return sentinel.report()
+
+
+CLEAN = {
+    "dropout": (DropoutBlock, {}),
+    "batchnorm": (BatchNormBlock, {}),
+    "save_ops": (DropoutBlock, {"save_ops": ["aten.addmm"]}),
+}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+@pytest.mark.parametrize("name", list(CLEAN))
+def test_a_clean_model_compares_every_region_and_finds_nothing(name: str, exact: bool) -> None:
+    block, config = CLEAN[name]
+    report = watched_steps(checkpointed(make_stack(block), **config), exact=exact)
+    assert list(report.regions) == REGIONS
+    assert report.mismatches == 0
+    assert all(region.compared > 0 and region.first_mismatch is None for region in report.regions.values())
+    assert report.compared == sum(region.compared for region in report.regions.values())
+
+
+class KeywordModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([KeywordTupleBlock(), KeywordTupleBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x, extra = block(x, scale=torch.full_like(x, 0.5))
+            x = x + extra["aux"]
+        return x
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+def test_a_block_with_keyword_inputs_and_a_tuple_and_dict_output_is_compared_clean(exact: bool) -> None:
+    model = checkpointed(KeywordModel())
+    x, _ = batch()
+    report = watched_steps(model, exact=exact, loss=lambda: model(x).square().mean())
+    assert report.mismatches == 0 and all(region.compared > 0 for region in report.regions.values())
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+def test_a_top_k_mixture_of_experts_with_its_routing_kept_is_compared_clean(exact: bool) -> None:
+    torch.manual_seed(0)
+    module = MoEModule(blocks=2, dim=8)
+    apply_activation_checkpointing(module, CheckpointingConfig(classes=["MoEBlock"], keep_data_dependent=True))
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    report = watched_steps(module, exact=exact, loss=lambda: module(x).square().mean())
+    assert report.mismatches == 0 and all(region.compared > 0 for region in report.regions.values())
+
+
+DEFECTS = {
+    "rng_not_preserved": (DropoutBlock, {"preserve_rng_state": False}),
+    "numpy_noise": (NumpyNoiseBlock, {}),
+    "python_random": (PythonRandomBlock, {}),
+    "counter": (CounterScaleBlock, {}),
+}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+@pytest.mark.parametrize("name", list(DEFECTS))
+def test_a_defect_shows_in_its_region_only(name: str, exact: bool) -> None:
+    block, config = DEFECTS[name]
+    report = watched_steps(checkpointed(stack_with(block), **config), exact=exact)
+    assert [region.mismatches > 0 for region in report.regions.values()] == [False, True, False]
+    first = report.regions["blocks.1"].first_mismatch
+    assert first is not None and first.startswith("saved tensor ") and "torch.float32" in first
+    assert report.mismatches == report.regions["blocks.1"].mismatches
+
+
+def test_rows_moved_to_other_places_in_recomputation_are_caught_by_the_default_digest() -> None:
+    report = watched_steps(checkpointed(stack_with(lambda: RecomputeOnlyBlock(change="rows"))), steps=1)
+    # tanh's output, saved by tanh and by the linear layer after it; the region's input and weights are exact.
+    assert [region.mismatches for region in report.regions.values()] == [0, 2, 0]
+    assert report.regions["blocks.1"].compared == 3
+    assert report.regions["blocks.1"].first_mismatch == "saved tensor 2 (grad_fn TanhBackward0, (16, 32) torch.float32)"
+
+
+def test_one_changed_element_is_caught_exactly_and_by_the_sample_once_its_offset_reads_it() -> None:
+    model = checkpointed(stack_with(lambda: RecomputeOnlyBlock(change="element")))
+    assert watched_steps(model, steps=1, exact=True).regions["blocks.1"].mismatches == 2
+    # The sample reads the window `offset` of each row, two of its 32 columns: the changed column 5 at offset 2.
+    with recomputation_sentinel(model) as sentinel:
+        found = []
+        for _ in range(SAMPLE_STRIDE):
+            step_gradients(model)
+            found.append(sentinel.settle()["blocks.1"].mismatches)
+            sentinel.next_step()
+    assert found == [0] * 2 + [2] + [0] * (SAMPLE_STRIDE - 3)
+
+
+def test_every_region_is_reported_even_with_nothing_compared_and_the_report_lasts_after_the_block() -> None:
+    model = checkpointed(make_stack(PlainBlock))
+    with recomputation_sentinel(model) as sentinel:
+        pass
+    assert sentinel.report().regions == dict.fromkeys(REGIONS, SentinelRegion())
+    step_gradients(model)  # outside the block: nothing digested
+    assert sentinel.report().compared == 0
+
+
+def _state_after_a_step(watch: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, Any, Any]:
+    model = checkpointed(make_stack(DropoutBlock))
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    with recomputation_sentinel(model) if watch else torch.enable_grad():
+        grads = step_gradients(model)
+    return grads, torch.get_rng_state(), np.random.get_state()[1], random.getstate()
+
+
+def test_the_sentinel_changes_no_gradient_and_no_random_stream() -> None:
+    watched, plain = _state_after_a_step(watch=True), _state_after_a_step(watch=False)
+    assert watched[0].keys() == plain[0].keys()
+    assert all(torch.equal(watched[0][name], plain[0][name]) for name in plain[0])
+    assert torch.equal(watched[1], plain[1])
+    assert np.array_equal(watched[2], plain[2]) and watched[3] == plain[3]
+
+
+def test_parameters_and_buffers_saved_by_reference_are_left_out() -> None:
+    model = checkpointed(make_stack(BatchNormBlock))
+    with recomputation_sentinel(model, exact=True) as sentinel:
+        step_gradients(model)
+        saved = sentinel.saved_bytes
+    activations = sum(value for value in saved.values())
+    # A BatchNorm block on a (16, 8) batch saves activations of a few (16, 8) tensors and (8,) statistics; its
+    # weights (8 x 8 and 8) and running statistics are saved by reference and not counted.
+    assert 0 < activations < 3 * 12 * 16 * 8 * 4
+    assert sentinel.report().mismatches == 0
+
+
+class GraphBreakingPlainBlock(PlainBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def test_compiled_regions_are_not_compared_and_those_that_graph_break_are() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = checkpointed(Stack([PlainBlock(), GraphBreakingPlainBlock(), PlainBlock()]))
+    compiled = torch.compile(model, backend="aot_eager")
+    with recomputation_sentinel(compiled) as sentinel:
+        x, y = batch()
+        F.mse_loss(compiled(x), y).backward()
+    report = sentinel.report()
+    torch._dynamo.reset()
+    assert report.compiled == REGIONS
+    assert [region.compared > 0 for region in report.regions.values()] == [False, True, False]
+    assert report.mismatches == 0
