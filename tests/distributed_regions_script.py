@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import functional as F
@@ -82,9 +83,9 @@ def plain_check(model: nn.Module, block: str) -> dict[str, Any]:
 
 
 def fit(module: pl.LightningModule, strategy: Any, monitor: RecomputationMonitor, out_dir: Path) -> dict[str, Any]:
-    """A two-step fit with the monitor checking every step."""
+    """A two-step fit with the monitor checking every step, logged to CSV (the monitor warns without a logger)."""
     np.random.seed(0)
-    kwargs = trainer_kwargs(out_dir, max_steps=2, devices=2, callbacks=[monitor])
+    kwargs = trainer_kwargs(out_dir, max_steps=2, devices=2, callbacks=[monitor], logger=CSVLogger(out_dir))
     trainer = pl.Trainer(**{**kwargs, "strategy": strategy})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LightningCkptDeterminismWarning)

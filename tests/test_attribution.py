@@ -335,7 +335,9 @@ def test_monitor_logs_diverging_regions_and_warns_with_region_op_and_hint(tmp_pa
     monitor = RecomputationMonitor(every_n_steps=1, sentinel="off")
     with pytest.warns(LightningCkptDeterminismWarning, match=r"Region `model\.blocks\.\d` diverged at") as record:
         rows = fit_monitored(tmp_path, monitor, preserve_rng_state=False)
-    (message,) = [str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning)]
+    # Checked at every step, the finding recurs at every check, and warns again each time (`every_n_steps` is 1).
+    message, again = [str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning)]
+    assert "recomputation diverged at step 0" in message and "recomputation diverged at step 1" in again
     assert "at `aten.bernoulli_.float` (op 4 of the region)" in message
     assert f"cause rng_not_preserved: {CAUSE_HINTS['rng_not_preserved']}" in message
     checked = [row for row in rows if "recompute/grad_divergence" in row]
@@ -350,10 +352,10 @@ def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True, attribution="always")
     with pytest.warns(
         LightningCkptDeterminismWarning,
-        match=r"max_abs_diff=0. Region `model.blocks",
+        match=r"changed buffers at step \d: 9 buffers .*; the gradients are exact. Region `model.blocks.0` updated",
     ) as record:
         rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
-    (message,) = [str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning)]
+    message = next(str(w.message) for w in record if issubclass(w.category, LightningCkptDeterminismWarning))
     # The warning names the buffers of each region it names.
     assert (
         "Changed: model.blocks.0.norm.running_mean, model.blocks.0.norm.running_var,"
@@ -374,22 +376,33 @@ def test_monitor_by_default_attributes_only_checks_that_diverged(tmp_path):
     fit_monitored(tmp_path / "clean", clean, block="BatchNormBlock")
     assert clean.last_report is not None
     assert clean.last_report.regions == []
-    unprotected = RecomputationMonitor(every_n_steps=1)
+    unprotected = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
     fit_monitored(tmp_path / "unprotected", unprotected, block="BatchNormBlock", protect_buffers=False)
     assert unprotected.last_report is not None
-    assert unprotected.last_report.regions == []  # gradients agree, so no rerun: `always` catches this one
+    # The gradients agree, the buffers do not: the check diverges, and the rerun names each region's buffers.
+    assert unprotected.last_report.cause == "buffer_mutation"
+    assert [region.cause for region in unprotected.last_report.regions] == ["buffer_mutation"] * 3
     diverging = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
     fit_monitored(tmp_path / "diverging", diverging, preserve_rng_state=False)
     assert diverging.last_report is not None
     assert [region.cause for region in diverging.last_report.regions] == ["rng_not_preserved"] * 3
 
 
-def test_monitor_without_attribution_checks_gradients_only(tmp_path):
+def test_monitor_without_attribution_sees_buffers_but_names_no_region(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=1, attribution="never", on_divergence="ignore")
     rows = fit_monitored(tmp_path, monitor, block="BatchNormBlock", protect_buffers=False)
-    assert [entry.diverged for entry in monitor.history] == [False, False]
+    assert [entry.diverged for entry in monitor.history] == [True, True]
     assert monitor.last_report is not None
     assert monitor.last_report.regions == []
+    assert monitor.last_report.grad_divergence == 0.0
+    assert monitor.last_report.buffer_mutations[:3] == [
+        "model.blocks.0.norm.running_mean",
+        "model.blocks.0.norm.running_var",
+        "model.blocks.0.norm.num_batches_tracked",
+    ]
+    assert [float(row["recompute/buffer_mutations"]) for row in rows if "recompute/buffer_mutations" in row] == [
+        9.0
+    ] * 2
     assert not any(key.startswith("recompute/regions/") for row in rows for key in row)
 
 

@@ -92,7 +92,10 @@ def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys
     path = CONFIGS / f"broken_{cause}.yaml"
     lines = path.read_text().splitlines()
     assert lines[0] == f"# python -m lightning_ckpt_determinism audit --config examples/configs/broken_{cause}.yaml"
-    assert lines[1].startswith("# Broken ")
+    assert lines[1].startswith(
+        f"# Train it: python -m examples.train fit --config examples/configs/broken_{cause}.yaml"
+    )
+    assert lines[2].startswith("# Broken ")
     code, out, err = audit(capsys, "--config", str(path))
     assert code == 1, err
     rows = table(out)

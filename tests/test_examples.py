@@ -12,7 +12,13 @@ from lightning.pytorch.cli import LightningCLI
 from examples import train
 from examples.gpt import Block, GPTModule
 from examples.moe import MoEBlock, MoEModule
-from lightning_ckpt_determinism import ActivationCheckpointingMixin, CheckpointingConfig, checkpointed_modules
+from lightning_ckpt_determinism import (
+    ActivationCheckpointingMixin,
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    checkpointed_modules,
+)
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.config import resolve_class_path
 from tests.helpers import CheckpointedModulesRecorder
@@ -22,6 +28,8 @@ CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 TRAIN_COMMAND = "# python -m examples.train fit --config "
 TRAIN_CONFIGS = [path for path in CONFIGS if path.read_text().startswith(TRAIN_COMMAND)]
 GPT_CONFIGS = [path for path in TRAIN_CONFIGS if path.name.startswith("gpt_")]
+BROKEN_CONFIGS = [path for path in CONFIGS if path.name.startswith("broken_")]
+SHOWN_AT_ONCE = "(the monitor shows the defect at once)"
 
 
 def _ids(paths: list[Path]) -> list[str]:
@@ -101,3 +109,29 @@ def test_gpt_config_trains_with_checkpointing_applied(
     assert checkpointed_modules(cli.model) == {}
     assert math.isfinite(cli.trainer.callback_metrics["train/loss"].item())
     assert all(torch.isfinite(param).all() for param in cli.model.parameters())
+
+
+@pytest.mark.parametrize("path", BROKEN_CONFIGS, ids=_ids(BROKEN_CONFIGS))
+def test_broken_config_trains_to_a_visible_defect(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train_line = path.read_text().splitlines()[1]
+    assert train_line.startswith(f"# Train it: python -m examples.train fit --config examples/configs/{path.name} (")
+    argv = [
+        "fit",
+        "--config",
+        str(path),
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+    ]
+    if SHOWN_AT_ONCE not in train_line:
+        assert train_line.endswith("(its first backward fails: audit it)")
+        with pytest.raises(RuntimeError):
+            _run_train_main(monkeypatch, argv, run=True)
+        return
+    with pytest.warns(LightningCkptDeterminismWarning, match="^lightning_ckpt_determinism: "):
+        cli = _run_train_main(monkeypatch, argv, run=True)
+    (monitor,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RecomputationMonitor)]
+    assert cli.trainer.global_step <= 30
+    assert monitor.history[0].step == 0
+    assert monitor.history[0].diverged
+    metric = "recompute/buffer_mutations" if "buffer_mutation" in path.name else "recompute/grad_divergence"
+    assert cli.trainer.callback_metrics[metric].item() > 0

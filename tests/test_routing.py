@@ -305,7 +305,7 @@ def test_the_broken_routing_config_flips_and_its_audit_says_what_keeps_it(
     path = CONFIGS / "broken_routing.yaml"
     lines = path.read_text().splitlines()
     assert lines[0] == "# python -m lightning_ckpt_determinism audit --config examples/configs/broken_routing.yaml"
-    assert lines[1].startswith("# Broken ")
+    assert lines[2].startswith("# Broken ")
     report = tmp_path / "routing.json"
     assert main(["audit", "--config", str(path), "--json", str(report)]) == 1
     out = capsys.readouterr().out

@@ -109,9 +109,9 @@ class StepCheck:
             report = replace(
                 report,
                 regions=attributed.regions,
-                buffer_mutations=attributed.buffer_mutations,
-                cause=attributed.cause,
-                hint=attributed.hint,
+                buffer_mutations=attributed.buffer_mutations or report.buffer_mutations,
+                cause=attributed.cause or report.cause,
+                hint=attributed.hint or report.hint,
                 error=attributed.error,
             )
         return report

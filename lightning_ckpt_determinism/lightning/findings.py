@@ -8,10 +8,12 @@ from typing import Any
 import torch
 
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
+from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
 __all__ = [
     "CheckRecord",
     "Findings",
+    "FitSummary",
     "RankFindings",
     "divergence_message",
     "metrics",
@@ -64,11 +66,20 @@ class RankFindings:
     regions: list[RegionReport]
     attributed: bool
     hint: str | None
+    buffer_mutations: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, rank: int, report: RecomputationReport) -> "RankFindings":
         regions = _diverging_regions(report)
-        return cls(rank, report.error, report.worst_parameters, regions, bool(report.regions), report.hint)
+        return cls(
+            rank,
+            report.error,
+            report.worst_parameters,
+            regions,
+            bool(report.regions),
+            report.hint,
+            report.buffer_mutations,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,8 @@ class Findings:
     noise_floor: float
     diverged: bool
     ranks: list[RankFindings] = field(default_factory=list)
+    buffers_changed: int = 0
+    gradients_diverged: bool = False
 
 
 def reduce_findings(report: RecomputationReport, device: torch.device, reduce: Any, gather: Any, rank: int) -> Findings:
@@ -94,20 +107,26 @@ def reduce_findings(report: RecomputationReport, device: torch.device, reduce: A
         rank: This rank.
     """
     diverged_here = report.diverged or bool(_diverging_regions(report))
+    gradients_here = report.error is not None or report.grad_divergence > max(report.tolerance, report.noise_floor)
+    figures = [report.grad_divergence, report.max_abs_diff, float(diverged_here), report.noise_floor]
     local = torch.tensor(
-        [report.grad_divergence, report.max_abs_diff, float(diverged_here), report.noise_floor],
+        [*figures, float(len(report.buffer_mutations)), float(gradients_here)],
         dtype=torch.float64 if device.type != "mps" else torch.float32,
         device=device,
     )
-    divergence, max_abs_diff, diverged, noise_floor = reduce(local, "max").tolist()
+    divergence, max_abs_diff, diverged, noise_floor, buffers, gradients = reduce(local, "max").tolist()
     ranks = gather(RankFindings.of(rank, report)) if diverged > 0.0 else []
-    return Findings(divergence, max_abs_diff, noise_floor, diverged > 0.0, ranks)
+    return Findings(divergence, max_abs_diff, noise_floor, diverged > 0.0, ranks, int(buffers), gradients > 0.0)
 
 
 def metrics(findings: Findings, prefix: str, *, calibrate_noise: bool) -> dict[str, float]:
     """The metrics of one check: divergence, largest difference, the noise floor if measured, and up to five
     diverging regions (worst over ranks) with their largest difference and buffers changed."""
-    logged = {f"{prefix}/grad_divergence": findings.grad_divergence, f"{prefix}/max_abs_diff": findings.max_abs_diff}
+    logged = {
+        f"{prefix}/grad_divergence": findings.grad_divergence,
+        f"{prefix}/max_abs_diff": findings.max_abs_diff,
+        f"{prefix}/buffer_mutations": float(findings.buffers_changed),
+    }
     if calibrate_noise:
         logged[f"{prefix}/noise_floor"] = findings.noise_floor
     for region in _worst_over_ranks(findings.ranks)[:_LOGGED_REGIONS]:
@@ -127,12 +146,8 @@ def warning_key(findings: Findings) -> str:
 def divergence_message(step: int, findings: Findings, report: RecomputationReport, attribution: str) -> str:
     """The warning (or error) for a check that diverged: the figures, the first error, the worst parameters, up to
     three regions with their op, cause, hint and ranks, or what to look for."""
-    shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
     several = len(findings.ranks) > 1
-    parts = [
-        f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
-        f" {report.tolerance:g}), max_abs_diff={findings.max_abs_diff:.3g}."
-    ]
+    parts = [_headline(step, findings, report.tolerance)]
     errors = [finding for finding in findings.ranks if finding.error]
     for finding in errors[:1]:
         where = f" on rank {finding.rank}" if several else ""
@@ -162,6 +177,23 @@ def divergence_message(step: int, findings: Findings, report: RecomputationRepor
     return " ".join([*parts, _GENERIC_CAUSES])
 
 
+def _headline(step: int, findings: Findings, tolerance: float) -> str:
+    """What diverged: the gradients (with their figures), or, where they are exact, the buffers (named)."""
+    if findings.gradients_diverged or not findings.buffers_changed:
+        shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
+        return (
+            f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
+            f" {tolerance:g}), max_abs_diff={findings.max_abs_diff:.3g}."
+        )
+    named = list(dict.fromkeys(name for finding in findings.ranks for name in finding.buffer_mutations))
+    count = findings.buffers_changed
+    return (
+        f"lightning_ckpt_determinism: recomputation changed buffers at step {step}: {count}"
+        f" buffer{'s' if count != 1 else ''} ended the step otherwise than in the same step without checkpointing"
+        f" ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are exact."
+    )
+
+
 def _diverging_regions(report: RecomputationReport) -> list[RegionReport]:
     """The diverged regions of ``report``, worst first."""
     return sorted((region for region in report.regions if region.diverged), key=lambda r: -r.max_abs_diff)
@@ -183,6 +215,62 @@ def _region_sentence(region: RegionReport) -> str:
     else:
         op, index = region.first_divergent_op
         where = f" at `{op}` (op {index} of the region)"
+    if region.cause == "buffer_mutation":
+        return f"Region `{region.name}` updated its buffers a second time in recomputation: {region.hint}"
     # A region the graph scan named differs only compiled: its eager values, which `max_abs_diff` measures, agree.
     diff = "" if region.cause == "compiler_recompute" else f", max abs diff {region.max_abs_diff:.3g}"
     return f"Region `{region.name}` diverged{where}{diff}, cause {region.cause}: {region.hint}"
+
+
+@dataclass
+class FitSummary:
+    """What the monitor found over one fit, for the paragraph it prints at the fit's end."""
+
+    checks: int = 0
+    diverged: int = 0
+    skipped: int = 0
+    worst: float = 0.0
+    worst_step: int | None = None
+    causes: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def add(self, step: int, findings: Findings) -> None:
+        """Count one check."""
+        self.checks += 1
+        self.diverged += findings.diverged
+        if self.worst_step is None or findings.grad_divergence > self.worst:
+            self.worst, self.worst_step = findings.grad_divergence, step
+        for finding in findings.ranks:
+            for region in finding.regions:
+                if region.cause is not None:
+                    self.causes.setdefault(region.cause, {}).setdefault(region.name, region.hint or "")
+
+    def text(self, every_n_steps: int, sentinel: SentinelReport | None) -> str:
+        """One paragraph: the checks, how many diverged, the worst figure and its step, each cause with its regions
+        and hint, and what the sentinel compared."""
+        skipped = f", {self.skipped} skipped" if self.skipped else ""
+        parts = [
+            f"lightning_ckpt_determinism: RecomputationMonitor ran {self.checks} check{'s' if self.checks != 1 else ''}"
+            f" this fit (every {every_n_steps} steps{skipped})"
+        ]
+        if not self.diverged:
+            parts[0] += ": none diverged."
+        elif self.worst > 0:
+            shown = "inf" if math.isinf(self.worst) else f"{self.worst:.3g}"
+            parts[0] += f": {self.diverged} diverged, the worst grad_divergence {shown} at step {self.worst_step}."
+        else:
+            parts[0] += f": {self.diverged} found a defect, with exact gradients."
+        for cause, regions in self.causes.items():
+            hint = next(iter(regions.values()))
+            parts.append(f"Cause {cause} in {', '.join(regions)}: {hint}")
+        if sentinel is not None:
+            differed = {name: region.mismatches for name, region in sentinel.regions.items() if region.mismatches}
+            found = ", ".join(f"{name}: {count}" for name, count in differed.items())
+            parts.append(
+                f"The sentinel compared {sentinel.compared} recomputed saved tensors with the forward's:"
+                + (f" {sentinel.mismatches} differed ({found})." if sentinel.mismatches else " none differed.")
+            )
+            if sentinel.compiled:
+                parts.append(
+                    f"It does not see the {len(sentinel.compiled)} compiled regions, which the compiler recomputes."
+                )
+        return " ".join(parts)

@@ -30,6 +30,7 @@ from lightning_ckpt_determinism.errors import (
 from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
 from lightning_ckpt_determinism.lightning.findings import (
     CheckRecord,
+    FitSummary,
     divergence_message,
     metrics,
     reduce_findings,
@@ -147,6 +148,7 @@ class RecomputationMonitor(Callback):
         calibrate_noise: bool = False,
         reference_regions: PositiveInt | Literal["auto"] | None = "auto",
         sentinel: Literal["sampled", "exact", "off"] = "sampled",
+        prog_bar: bool = False,
     ) -> None:
         super().__init__()
         # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
@@ -165,19 +167,21 @@ class RecomputationMonitor(Callback):
             "reference_regions", reference_regions, optional=True, choices=("auto",)
         )
         self.sentinel = check_choice("sentinel", sentinel, ("sampled", "exact", "off"))
+        self.prog_bar = check_bool("prog_bar", prog_bar)
         self.last_checked_step = -1
         self.history: deque[CheckRecord] = deque(maxlen=check_positive_int("history_size", history_size))
         self.last_report: RecomputationReport | None = None
         self._enabled = False
         self._checked_this_fit = False
-        self._warned: set[str] = set()
+        # The check count at which each kind of finding last warned.
+        self._warned: dict[str, int] = {}
+        self._summary = FitSummary()
         self._capture: StepCapture | None = None
         self._armed = contextlib.ExitStack()
         self._gradients_before: list[torch.Tensor | None] | None = None
         self._checks = 0
         self._internals: frozenset[str] = frozenset()
         self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
-        self._sentinel_warned: dict[str, int] = {}
         self._check_next = False
 
     @property
@@ -191,6 +195,7 @@ class RecomputationMonitor(Callback):
         self._disarm()
         show_notes()
         self._internals = lightning_internals()
+        self._summary, self._warned = FitSummary(), {}
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
@@ -215,6 +220,13 @@ class RecomputationMonitor(Callback):
             self._enabled = True
             if self.sentinel != "off":
                 self._watch.start(pl_module)
+            if not trainer.loggers:
+                rank_zero_warn(
+                    "`RecomputationMonitor` runs under a Trainer without a logger: its metrics go only to its"
+                    " `history` and to `trainer.callback_metrics`. Give the Trainer a logger (TensorBoard, CSV ...) to"
+                    " watch them.",
+                    category=LightningCkptDeterminismWarning,
+                )
 
     @override
     def on_train_batch_start(
@@ -252,6 +264,7 @@ class RecomputationMonitor(Callback):
         if agree(trainer.strategy, bool(changed)):
             self._checked_this_fit = True
             self.history.append(CheckRecord(step, skipped="parameters changed in place in training_step"))
+            self._summary.skipped += 1
             self._warn_once(
                 "changed_parameters",
                 f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
@@ -268,6 +281,7 @@ class RecomputationMonitor(Callback):
             report = StepCheck(trainer, pl_module, capture, settings).run(plain, self._gradients_before)
         if report is None:
             self.history.append(CheckRecord(step, skipped="non-finite gradients (the GradScaler skips this step)"))
+            self._summary.skipped += 1
             return
         if plain is not None:
             rank_zero_info(
@@ -277,7 +291,7 @@ class RecomputationMonitor(Callback):
         self._checked_this_fit = True
         self._checks += 1
         self.last_report = report
-        self._record(trainer, step, report, subset=plain is not None)
+        self._record(trainer, pl_module, step, report, plain is not None)
 
     @override
     def on_train_batch_end(
@@ -285,7 +299,7 @@ class RecomputationMonitor(Callback):
     ) -> None:
         self._disarm()
         findings = self._watch.step_ended(trainer)
-        self._log(trainer, self._watch.metrics_due(trainer))
+        self._publish(trainer, pl_module, self._watch.metrics_due(trainer), self._watch.step)
         if not findings or self.on_divergence == "ignore":
             return
         several = trainer.world_size > 1
@@ -305,8 +319,12 @@ class RecomputationMonitor(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
-        self._log(trainer, self._watch.metrics_due(trainer, last=True))
+        # Lightning takes no `self.log` here: what is left goes to the loggers only.
+        for logger in trainer.loggers:
+            logger.log_metrics(self._watch.metrics_due(trainer, last=True) or {}, step=self._watch.step)
         self._watch.stop()
+        if self._enabled:
+            rank_zero_info(self._summary.text(self.every_n_steps, self._watch.report))
 
     @property
     def sentinel_report(self) -> SentinelReport | None:
@@ -327,11 +345,6 @@ class RecomputationMonitor(Callback):
 
     def _settings(self, attribution: Any) -> CheckSettings:
         return CheckSettings(self.tolerance, attribution, self.calibrate_noise, self.loss_fn, self._internals)
-
-    def _log(self, trainer: "pl.Trainer", logged: dict[str, float] | None) -> None:
-        if logged:
-            for logger in trainer.loggers:
-                logger.log_metrics(logged, step=self._watch.step)
 
     def _disarm(self) -> None:
         self._armed.close()
@@ -358,7 +371,14 @@ class RecomputationMonitor(Callback):
             return None
         return plain_regions(regions, int(count), self._checks)
 
-    def _record(self, trainer: "pl.Trainer", step: int, report: RecomputationReport, *, subset: bool) -> None:
+    def _record(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        step: int,
+        report: RecomputationReport,
+        subset: bool,
+    ) -> None:
         strategy = trainer.strategy
         findings = reduce_findings(
             report,
@@ -367,9 +387,10 @@ class RecomputationMonitor(Callback):
             lambda value: gather(strategy, value),
             trainer.global_rank,
         )
-        logged = metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise)
-        for logger in trainer.loggers:
-            logger.log_metrics(logged, step=step)
+        self._summary.add(step, findings)
+        self._publish(
+            trainer, pl_module, metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise), step
+        )
         plain = list(report.checked_regions) if subset else None
         self.history.append(
             CheckRecord(step, findings.grad_divergence, findings.max_abs_diff, findings.diverged, checked_regions=plain)
@@ -381,8 +402,24 @@ class RecomputationMonitor(Callback):
             raise RecomputationDivergenceError(message)
         self._warn_once(warning_key(findings), message)
 
+    def _publish(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", logged: dict[str, float] | None, step: int
+    ) -> None:
+        """Write ``logged`` to the loggers at ``step``, and put it in ``trainer.callback_metrics`` (for
+        ``ModelCheckpoint``, ``EarlyStopping`` and the progress bar) through ``self.log(..., logger=False)``."""
+        if not logged:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=step)
+        shown = f"{self.log_prefix}/grad_divergence"
+        for name, value in logged.items():
+            prog_bar = self.prog_bar and name == shown
+            pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
+
     def _warn_once(self, key: str, message: str) -> None:
-        """Warn on rank zero the first time a kind of finding shows; the metrics carry every check's numbers."""
-        if key not in self._warned:
-            self._warned.add(key)
+        """Warn on rank zero when a kind of finding first shows, and again when it recurs ``every_n_steps`` checks
+        later; the metrics carry every check's numbers."""
+        last = self._warned.get(key)
+        if last is None or self._checks - last >= self.every_n_steps:
+            self._warned[key] = self._checks
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)

@@ -28,7 +28,12 @@ from lightning_ckpt_determinism.verify.compare import (
     worst_parameters,
 )
 from lightning_ckpt_determinism.verify.gradients import GradientStash, counted_here, local_tensor
-from lightning_ckpt_determinism.verify.reports import RecomputationReport, missing_reference_gradients, no_gradients
+from lightning_ckpt_determinism.verify.reports import (
+    RecomputationReport,
+    buffer_hint,
+    missing_reference_gradients,
+    no_gradients,
+)
 from lightning_ckpt_determinism.verify.state import StepState
 
 __all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
@@ -53,6 +58,7 @@ class GradientComparison:
             live step did); ``None`` when they were.
         skipped: The live gradients were not finite on some rank and ``skip_non_finite`` was asked: nothing was
             compared (a GradScaler skips such steps).
+        buffers_changed: The most buffers any rank said changed (``buffers_changed`` of :func:`compare_gradients`).
     """
 
     grad_divergence: float
@@ -60,6 +66,7 @@ class GradientComparison:
     per_parameter: dict[str, float]
     error: str | None = None
     skipped: bool = False
+    buffers_changed: int = 0
 
 
 def compare_gradients(
@@ -71,6 +78,7 @@ def compare_gradients(
     counted: list[bool] | None = None,
     skip_non_finite: bool = False,
     device: torch.device | str = "cpu",
+    buffers_changed: int = 0,
 ) -> GradientComparison:
     """Compare two sets of gradients held by this rank, with every sum and maximum reduced over ranks.
 
@@ -85,6 +93,8 @@ def compare_gradients(
             one rank only); all count when ``None``.
         skip_non_finite: Report ``skipped`` when a live gradient holds inf or NaN on any rank.
         device: Where the reduced tensors live (the device the collective backend needs).
+        buffers_changed: How many of this rank's buffers differ between the live step and the reference, reduced
+            (the most over ranks) in the same collective.
 
     Returns:
         The :class:`GradientComparison`.
@@ -110,17 +120,24 @@ def compare_gradients(
             elements += (live_grad if live_grad is not None else ref_grad).numel()  # type: ignore[union-attr]
         if skip_non_finite and live_grad is not None and not bool(torch.isfinite(live_grad).all()):
             non_finite = True
-    flags = torch.tensor([unequal, len(missing), elements, float(non_finite)], dtype=torch.float64, device=device)
-    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere = all_reduce(flags, "sum").tolist()
+    flags = [unequal, len(missing), elements, float(non_finite), float(buffers_changed > 0)]
+    reduced = all_reduce(torch.tensor(flags, dtype=torch.float64, device=device), "sum").tolist()
+    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, buffers_anywhere = reduced
+    # The count itself is needed only where some rank saw one: never read on a clean check.
+    changed = buffers_changed
+    if buffers_anywhere > 0:
+        changed = int(all_reduce(torch.tensor([float(buffers_changed)], device=device), "max").item())
     zeros = dict.fromkeys(names, 0.0)
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
     if missing_anywhere > 0:
-        return GradientComparison(math.inf, math.inf, {}, error=missing_reference_gradients(missing, "the live step"))
+        error = missing_reference_gradients(missing, "the live step")
+        return GradientComparison(math.inf, math.inf, {}, error=error, buffers_changed=changed)
     if elements_anywhere == 0:
-        return GradientComparison(math.inf, math.inf, {}, error=no_gradients("in the live step or the reference pass"))
+        error = no_gradients("in the live step or the reference pass")
+        return GradientComparison(math.inf, math.inf, {}, error=error, buffers_changed=changed)
     if unequal_anywhere == 0:
-        return GradientComparison(0.0, 0.0, zeros)
+        return GradientComparison(0.0, 0.0, zeros, buffers_changed=changed)
     sums = [0.0, 0.0]
     maxima = []
     for position, (live_grad, ref_grad, counts) in enumerate(zip(live, reference, counted, strict=True)):
@@ -135,6 +152,7 @@ def compare_gradients(
         relative_divergence(total[0], total[1]),
         max(per_parameter, default=0.0),
         dict(zip(names, per_parameter, strict=True)),
+        buffers_changed=changed,
     )
 
 
@@ -161,6 +179,9 @@ def check_live_step(
     before the live backward, for accumulation the user does by hand), runs ``reference`` (which must run the forward
     with checkpointing off and the backward, accumulating into ``.grad`` as the live step did: through the same DDP
     or FSDP hooks), compares, and puts the live gradients and the state after the step back, whatever is raised.
+    It also compares each buffer after the reference with the same buffer after the live step (one ``torch.equal``
+    each): a difference is a divergence of cause ``"buffer_mutation"``, with the buffers' names in
+    ``buffer_mutations``, even where the gradients agree.
 
     Args:
         module: The model: the state after the step is captured from it.
@@ -209,6 +230,9 @@ def check_live_step(
         live = [None if grad is None else local_tensor(grad) for grad in stash.gradients]
         counted = [counted_here(param) for param in params]
         reference_loss, first = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
+        # The buffers after the reference (every region plain) against those after the live step: a recomputation
+        # that updates them a second time (BatchNorm without `protect_buffers`) changes no gradient but shows here.
+        changed = after_step.differing_buffers()
         noise_floor = 0.0
         if calibrate_noise:
             _, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
@@ -222,16 +246,19 @@ def check_live_step(
             counted=counted,
             skip_non_finite=skip_non_finite,
             device=device,
+            buffers_changed=len(changed),
         )
     finally:
         stash.put_back()
         after_step.restore()
     if comparison.skipped:
         return None
+    gradients_diverged = comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor)
+    buffers = comparison.buffers_changed > 0
     return RecomputationReport(
         grad_divergence=comparison.grad_divergence,
         max_abs_diff=comparison.max_abs_diff,
-        diverged=comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor),
+        diverged=gradients_diverged or buffers,
         tolerance=tolerance,
         per_parameter=comparison.per_parameter,
         worst_parameters=worst_parameters(comparison.per_parameter),
@@ -239,6 +266,9 @@ def check_live_step(
         reference_loss=reference_loss,
         checkpointed_loss=live_loss,
         noise_floor=noise_floor,
+        buffer_mutations=changed,
+        cause="buffer_mutation" if buffers and not gradients_diverged else None,
+        hint=buffer_hint(changed or ["buffers of another rank"]) if buffers and not gradients_diverged else None,
     )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "ROUTING_TOO_LARGE_HINT",
     "RecomputationReport",
     "RegionReport",
+    "buffer_hint",
     "describe_error",
     "first_line",
     "missing_reference_gradients",
@@ -102,6 +103,17 @@ COMPILED_NOISE_NOTE = (
     " bitwise reproducible), while the same step run eagerly is exact: check compiled models with a `tolerance`, or"
     " with `calibrate_noise=True`."
 )
+
+
+def buffer_hint(buffers: list[str]) -> str:
+    """The hint of a ``buffer_mutation``: the cause's and the buffers that changed.
+
+    Example::
+
+        >>> buffer_hint(["norm.running_mean"]).endswith("Changed: norm.running_mean.")
+        True
+    """
+    return f"{CAUSE_HINTS['buffer_mutation']} Changed: {', '.join(buffers)}."
 
 
 def no_gradients(where: str = "in either pass") -> str:
@@ -233,10 +245,11 @@ class RecomputationReport:
             ``"compiler_recompute"`` when the divergence repeats from the same state (the compiler's recomputation
             differs, where no eager comparison can see it; the regions whose compiled backward graphs redraw a random
             op instead of replaying the forward's draw get this cause in ``regions`` too), or
-            ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. ``None``
-            otherwise.
-        hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled
-            kernels for ``"nondeterministic_kernel"``); ``None`` when ``cause`` is.
+            ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. From the live
+            step's check: ``"buffer_mutation"`` when the gradients agree but buffers differ from the reference's
+            (``buffer_mutations`` names them). ``None`` otherwise.
+        hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled kernels for ``"nondeterministic_kernel"``,
+            the buffers changed for ``"buffer_mutation"``); ``None`` when ``cause`` is.
 
     Example::
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
+from lightning_ckpt_determinism.verify.compare import same_values
 
 __all__ = ["StepState"]
 
@@ -63,6 +64,19 @@ class StepState:
         self._training = {sub: sub.training for sub in module.modules()}
         self._grad_enabled = torch.is_grad_enabled()
 
+    def differing_buffers(self) -> list[str]:
+        """The names of the buffers whose values now differ from the captured ones (one comparison each).
+
+        Example::
+
+            >>> model = torch.nn.BatchNorm1d(2)
+            >>> state = StepState(model)
+            >>> _ = model(torch.randn(4, 2))
+            >>> state.differing_buffers()
+            ['running_mean', 'running_var', 'num_batches_tracked']
+        """
+        return self._buffers.differing()
+
     def restore(self) -> None:
         """Put everything captured back; can be called any number of times."""
         restore_rng(self._rng)
@@ -80,14 +94,23 @@ class _BufferSnapshot:
     def __init__(self, module: nn.Module) -> None:
         with torch.no_grad():
             self._entries = [
-                (owner, key, buffer, buffer.clone()) for owner, key, buffer in buffer_slots(module).values()
+                (name, owner, key, buffer, buffer.clone())
+                for name, (owner, key, buffer) in buffer_slots(module).items()
             ]
+
+    def differing(self) -> list[str]:
+        differing = []
+        for name, owner, key, _, value in self._entries:
+            current = owner._buffers.get(key)
+            if current is None or not same_values(value, current):
+                differing.append(name)
+        return differing
 
     def restore(self) -> None:
         with torch.no_grad():
             # Always copied: kernels such as batch_norm update running statistics without bumping `_version`.
-            for owner, name, buffer, value in self._entries:
-                owner._buffers[name] = buffer
+            for _, owner, key, buffer, value in self._entries:
+                owner._buffers[key] = buffer
                 buffer.copy_(value)
 
 

@@ -35,6 +35,7 @@ from lightning_ckpt_determinism.verify.reports import (
     ROUTING_HINT,
     ROUTING_TOO_LARGE_HINT,
     RegionReport,
+    buffer_hint,
     first_line,
 )
 
@@ -130,7 +131,7 @@ def _region_report(
                 max_abs_diff = math.inf
             break
     if cause is None and buffers:
-        cause, hint = "buffer_mutation", f"{CAUSE_HINTS['buffer_mutation']} Changed: {', '.join(buffers)}."
+        cause, hint = "buffer_mutation", buffer_hint(buffers)
     return RegionReport(
         name=name,
         ops_compared=sum(call.compared for call in calls),

@@ -1,0 +1,122 @@
+"""What a user sees of the monitor: the summary at the fit's end, the metrics in `callback_metrics` and the progress
+bar, `EarlyStopping` on them, a warning without a logger, and buffer mutations found at the default settings."""
+
+import csv
+import logging
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+)
+from tests.helpers import StackModule, trainer_kwargs
+
+
+def fit(tmp_path: Path, monitor: RecomputationMonitor, *callbacks: pl.Callback, block: str = "DropoutBlock", **options):
+    config = options.pop("config", {})
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[block], **config))
+    kwargs = {"max_steps": 4, "logger": CSVLogger(tmp_path), "log_every_n_steps": 1, **options}
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor, *callbacks], **kwargs))
+    trainer.fit(StackModule(block=block))
+    return trainer
+
+
+@pytest.fixture
+def lightning_info(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Lightning's info lines, which reach ``caplog`` directly or only through its own logger."""
+    logger = logging.getLogger("lightning.pytorch")
+    if not logger.propagate:
+        logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def summaries(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if "RecomputationMonitor ran" in record.getMessage()]
+
+
+def test_a_clean_fit_ends_with_a_summary_of_what_was_checked(tmp_path: Path, lightning_info) -> None:
+    fit(tmp_path, RecomputationMonitor(every_n_steps=2))
+    (summary,) = summaries(lightning_info)
+    assert summary.startswith(
+        "lightning_ckpt_determinism: RecomputationMonitor ran 2 checks this fit (every 2 steps): none diverged."
+    )
+    assert " The sentinel compared " in summary and summary.endswith(
+        " recomputed saved tensors with the forward's: none differed."
+    )
+
+
+def test_a_diverging_fit_ends_with_the_worst_figure_its_step_and_each_cause(tmp_path: Path, lightning_info) -> None:
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+    fit(tmp_path, monitor, config={"preserve_rng_state": False})
+    (summary,) = summaries(lightning_info)
+    worst = max(monitor.history, key=lambda entry: entry.grad_divergence)
+    assert f"4 diverged, the worst grad_divergence {worst.grad_divergence:.3g} at step {worst.step}." in summary
+    assert "Cause rng_not_preserved in model.blocks.0, model.blocks.1, model.blocks.2: A random op draws" in summary
+    assert "recomputed saved tensors with the forward's: " in summary and " differed (model.blocks.0: " in summary
+
+
+def test_the_metrics_reach_callback_metrics_as_tensors_and_the_progress_bar_when_asked(tmp_path: Path) -> None:
+    plain = fit(tmp_path / "plain", RecomputationMonitor(every_n_steps=1))
+    shown = fit(tmp_path / "shown", RecomputationMonitor(every_n_steps=1, prog_bar=True))
+    for trainer in (plain, shown):
+        metrics = trainer.callback_metrics
+        assert isinstance(metrics["recompute/grad_divergence"], torch.Tensor)
+        assert float(metrics["recompute/grad_divergence"]) == 0.0
+        assert float(metrics["recompute/sentinel/mismatches"]) == 0.0
+    assert "recompute/grad_divergence" not in plain.progress_bar_metrics
+    assert shown.progress_bar_metrics["recompute/grad_divergence"] == 0.0
+    # Written to the logger once per check, not twice.
+    with open(tmp_path / "plain" / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        logged = [row["step"] for row in csv.DictReader(file) if row["recompute/grad_divergence"]]
+    assert logged == ["0", "1", "2", "3"]
+
+
+def test_early_stopping_monitors_the_divergence_at_every_epoch_end(tmp_path: Path) -> None:
+    # Strict: the metric must be there at every train-epoch end, though only the first step of the fit is checked.
+    clean = fit(
+        tmp_path / "clean",
+        RecomputationMonitor(every_n_steps=100),
+        EarlyStopping(
+            "recompute/grad_divergence", divergence_threshold=0.0, strict=True, check_on_train_epoch_end=True
+        ),
+        max_steps=24,
+    )
+    assert clean.global_step == 24 and not clean.should_stop
+    broken = fit(
+        tmp_path / "broken",
+        RecomputationMonitor(every_n_steps=100, on_divergence="ignore"),
+        EarlyStopping(
+            "recompute/grad_divergence", divergence_threshold=0.0, strict=True, check_on_train_epoch_end=True
+        ),
+        max_steps=24,
+        config={"preserve_rng_state": False},
+    )
+    assert broken.should_stop and broken.global_step == 8  # stopped at the end of the first epoch
+
+
+def test_a_trainer_without_a_logger_is_warned(tmp_path: Path) -> None:
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"without a logger: its metrics go only to its `history`"):
+        fit(tmp_path, RecomputationMonitor(every_n_steps=2), logger=False)
+
+
+def test_buffers_updated_twice_are_caught_at_the_default_settings(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor()
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"recomputation changed buffers at step 0: 9 buffers"):
+        fit(tmp_path, monitor, block="BatchNormBlock", config={"protect_buffers": False})
+    report = monitor.last_report
+    assert report is not None and report.grad_divergence == 0.0 and report.cause == "buffer_mutation"
+    assert [region.cause for region in report.regions] == ["buffer_mutation"] * 3
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row["recompute/buffer_mutations"]]
+    assert [(row["step"], float(row["recompute/buffer_mutations"])) for row in rows] == [("0", 9.0)]
