@@ -1,17 +1,20 @@
 """Every private torch API the package uses, in one place, each with the torch versions it is known in.
 
-A torch upgrade touches this file only. The versions are those of the API's first release; the package is tested on
-the versions its README names. Nothing here imports Lightning.
+A torch upgrade touches this file only. The versions are those of the API's first release, read from each release's
+sources; the newest of them (``SelectiveCheckpointContext.op_output``, 2.12, read by the compiled routing policy)
+sets the package's floor. The package is tested on the versions its README names. Nothing here imports Lightning.
 """
 
+import inspect
 from collections.abc import Callable, Iterator
+from types import CodeType
 from typing import Any
 
 import torch
 from torch import nn
 
 # The module `torch.compile` returns, and the dynamo context a compiled module or call carries (>= 2.0;
-# `innermost_backend` >= 2.2).
+# `innermost_backend` >= 2.11, the context's `fullgraph` >= 2.9).
 from torch._dynamo.eval_frame import OptimizeContext, OptimizedModule, innermost_backend
 
 # Symbolic sizes: whether a comparison holds for every value of a traced size (>= 2.1).
@@ -35,6 +38,7 @@ __all__ = [
     "StopRecomputationError",
     "TorchDispatchMode",
     "aot_backends",
+    "checkpoint_codes",
     "compiled_call",
     "current_graph_task_id",
     "determinism_checks",
@@ -64,10 +68,10 @@ disable_current_modes = _disable_current_modes
 functorch_config: Any = torch._functorch.config
 
 # RNG functionalization: the forward saves the generator state a random op drew from, its recomputation replays it
-# (>= 2.1); the graph-safe form CUDA graphs use (>= 2.6).
+# (>= 2.1); the graph-safe form CUDA graphs use (>= 2.7).
 run_and_save_rng_state: Any = torch._prims.rng_prims.run_and_save_rng_state
 run_with_rng_state: Any = torch._prims.rng_prims.run_with_rng_state
-graphsafe_run_with_rng_state: Any = getattr(torch._prims.rng_prims, "graphsafe_run_with_rng_state", None)
+graphsafe_run_with_rng_state: Any = torch._prims.rng_prims.graphsafe_run_with_rng_state
 
 
 def current_graph_task_id() -> int:
@@ -78,6 +82,21 @@ def current_graph_task_id() -> int:
 def determinism_checks() -> dict[str, Callable[..., Any]]:
     """torch's registry of ``determinism_check`` names for non-reentrant checkpointing (>= 2.1)."""
     return _allowed_determinism_checks_to_fns
+
+
+def checkpoint_codes() -> frozenset[CodeType]:
+    """The code of torch's checkpoint entry points: ``checkpoint`` itself (under its dynamo wrapper), the
+    non-reentrant generator (which the composable ``checkpoint(module)`` enters directly) and the reentrant
+    ``CheckpointFunction.forward`` (>= 2.1). A frame running one of them is inside a checkpoint call."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    return frozenset(
+        {
+            inspect.unwrap(torch_checkpoint.checkpoint).__code__,
+            torch_checkpoint._checkpoint_without_reentrant_generator.__code__,
+            torch_checkpoint.CheckpointFunction.forward.__code__,
+        }
+    )
 
 
 def aot_backends() -> tuple[Any, Callable[..., Any], Callable[..., Any]]:

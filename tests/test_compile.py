@@ -459,7 +459,8 @@ def test_the_monitor_warns_of_the_compilers_recomputation(tmp_path: Path) -> Non
     pl.seed_everything(0, verbose=False)
     monitor = RecomputationMonitor(every_n_steps=100)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
-    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=1, strategy=strategy, callbacks=[monitor]))
+    kwargs = trainer_kwargs(tmp_path, max_steps=1, strategy=strategy, callbacks=[monitor], logger=CSVLogger(tmp_path))
+    trainer = pl.Trainer(**kwargs)
     with pytest.warns(LightningCkptDeterminismWarning, match="the same step run eagerly does not") as caught:
         trainer.fit(FaultyCompiledStackModule())
     assert monitor.last_report is not None and monitor.last_report.cause == "compiler_recompute"

@@ -217,11 +217,12 @@ def test_cuda_dropout_is_replayed_and_the_cuda_stream_continues_as_if_no_check_r
 
 
 def test_a_check_with_no_gradient_to_compare_is_an_error_finding_not_zero():
-    layer = nn.Linear(2, 2)
+    model = nn.Sequential(nn.Linear(2, 2))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
     inputs = torch.ones(2, requires_grad=True)
     # The loss needs grad through its input only: no parameter of the module gets a gradient in either pass.
     for gradients in ("autograd", "backward"):
-        report = check_recomputation(layer, lambda: (inputs * 2).sum(), gradients=gradients)  # type: ignore[arg-type]
+        report = check_recomputation(model, lambda: (inputs * 2).sum(), gradients=gradients)  # type: ignore[arg-type]
         assert report.error is not None
         assert report.error.startswith("the check could not compare gradients: no parameter received a gradient")
         assert (report.diverged, report.grad_divergence) == (True, math.inf)

@@ -125,7 +125,7 @@ def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
     """The model as the strategy's setup leaves it on one process: precision first, then checkpointing."""
     model = cast(pl.LightningModule, strategy.precision_plugin.convert_module(model)).to(strategy.root_device)
     try:
-        strategy.apply_checkpointing(strategy.select_for_checkpointing(model))
+        strategy.apply_checkpointing(strategy.select_for_checkpointing(model), model)
     except ValueError as err:
         raise UsageError(str(err)) from err
     model.train()

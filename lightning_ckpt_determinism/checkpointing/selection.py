@@ -5,6 +5,7 @@ import warnings
 
 from torch import nn
 
+from lightning_ckpt_determinism.checkpointing.kv_cache import switch_off_kv_caches
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, is_checkpointed
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path
@@ -75,6 +76,13 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
     non-tensors) pass through. Applying the same config twice wraps nothing twice. Under ``torch.no_grad()`` and
     inside :func:`~lightning_ckpt_determinism.checkpointing_disabled` a wrapped module runs its plain forward.
 
+    A region inside a Hugging Face transformers model runs without its key-value cache while training: the model's
+    ``config.use_cache`` is set to ``False`` (one info line) until
+    :func:`~lightning_ckpt_determinism.remove_activation_checkpointing` removes the last such region, and a cache
+    passed to a region in training is dropped (see :mod:`~lightning_ckpt_determinism.checkpointing.kv_cache`).
+    A region with another activation checkpointing inside or around it (transformers'
+    ``gradient_checkpointing_enable()``, torch's ``CheckpointWrapper``) is warned at its first forward.
+
     Args:
         module: The root module; ``config.names`` are relative to it.
         config: What to checkpoint and how.
@@ -98,6 +106,7 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
     selected = select_modules(module, config)
     for name, sub in selected.items():
         checkpoint_module(sub, name, config)
+    switch_off_kv_caches(module, selected.values())
     return list(selected)
 
 

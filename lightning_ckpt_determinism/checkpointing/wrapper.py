@@ -18,6 +18,7 @@ passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_deter
 """
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -37,7 +38,14 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     protected_buffers,
     same_context,
 )
+from lightning_ckpt_determinism.checkpointing.kv_cache import CacheSwitch, without_cache
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
+from lightning_ckpt_determinism.checkpointing.nesting import (
+    NestedCheckpoint,
+    checkpoint_around,
+    checkpoints_inside,
+    warn_nested,
+)
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
@@ -173,6 +181,10 @@ class CheckpointedForward:
         self.data_dependent: bool | None = None
         # The eager call whose forward runs now, which takes the size rule's limit from the region's inputs.
         self._forward_kept: KeptOutputs | None = None
+        # The transformers caches turned off while this region exists (see `kv_cache`).
+        self.cache_switches: list[CacheSwitch] = []
+        # Whether the first eager forward has looked for another checkpointing around and inside (see `nesting`).
+        self._probed = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
@@ -193,6 +205,9 @@ class CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs and self.module.training and torch.is_grad_enabled():
+            # Also with checkpointing off, so that a check's reference pass runs the same forward.
+            kwargs = without_cache(type(self.module).__name__, kwargs)
         if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
         keys = tuple(kwargs)
@@ -203,6 +218,12 @@ class CheckpointedForward:
         traced = torch.compiler.is_compiling()
         graph_broken: tuple[Reenterable, Reenterable] | None = None
         calls = 0
+        probe = not traced and not self._probed
+        if probe:
+            self._probed = True
+            around = checkpoint_around(sys._getframe(), _REGION_CALL)
+            if around is not None:
+                warn_nested(type(self.module).__name__, around, inside=False)
 
         def run(*flat: Any) -> Any:
             nonlocal graph_broken, calls
@@ -220,8 +241,14 @@ class CheckpointedForward:
                 region = graph_broken[0] if forward else graph_broken[1]
             saved = _SWITCH.saved_observer if forward else None
             watched = saved.region_forward(self.region, self.module) if saved is not None else contextlib.nullcontext()
-            with region, watched:
-                return self._forward_from(flat, num_positional, keys)
+            nested: AbstractContextManager[list[NestedCheckpoint]] = (
+                checkpoints_inside(_REGION_CALL) if forward and probe else contextlib.nullcontext([])
+            )
+            with region, watched, nested as inside:
+                out = self._forward_from(flat, num_positional, keys)
+            if inside:
+                warn_nested(type(self.module).__name__, inside[0], inside=True)
+            return out
 
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values())
@@ -324,6 +351,9 @@ class CheckpointedForward:
         return Reenterable(forward), Reenterable(recompute)
 
 
+_REGION_CALL = CheckpointedForward.__call__.__code__
+
+
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module`` itself is checkpointed by this package.
 
@@ -401,6 +431,9 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
     for name, sub in named_modules(module):
         wrapper = sub.__dict__.get("forward")
         if isinstance(wrapper, CheckpointedForward):
+            for switch in wrapper.cache_switches:
+                switch.release()
+            wrapper.cache_switches = []
             if wrapper.previous_forward is None:
                 del sub.forward
             else:

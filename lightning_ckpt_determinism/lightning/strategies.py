@@ -15,6 +15,7 @@ from lightning_ckpt_determinism.checkpointing import (
     remove_activation_checkpointing,
     select_modules,
 )
+from lightning_ckpt_determinism.checkpointing.kv_cache import switch_off_kv_caches
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import (
     CheckpointingConfigError,
@@ -129,18 +130,21 @@ class ActivationCheckpointingMixin:
             return {}
         return select_modules(module, self.checkpointing)
 
-    def apply_checkpointing(self, selected: dict[str, nn.Module]) -> None:
+    def apply_checkpointing(self, selected: dict[str, nn.Module], root: nn.Module | None = None) -> None:
         """Checkpoint the modules :meth:`select_for_checkpointing` chose, with one info line saying what was done;
-        :meth:`teardown` removes it again.
+        :meth:`teardown` removes it again. A transformers model around them runs without its key-value cache
+        meanwhile (see :func:`~lightning_ckpt_determinism.apply_activation_checkpointing`).
 
         Args:
             selected: The modules by name.
+            root: The module they were selected in; ``None`` for the strategy's LightningModule.
         """
         if not selected:
             return
         for name, module in selected.items():
             checkpoint_module(module, name, self.checkpointing)
             self._applied_checkpointing[name] = module
+        switch_off_kv_caches(root if root is not None else self.lightning_module, selected.values())  # type: ignore[attr-defined]
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
             f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"

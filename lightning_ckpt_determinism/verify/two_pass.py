@@ -22,6 +22,7 @@ from torch import nn
 from lightning_ckpt_determinism.checkpointing.modules import region_name
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
+from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
@@ -110,7 +111,8 @@ def check_recomputation(
         The :class:`RecomputationReport`.
 
     Raises:
-        CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``).
+        CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``), or if
+            ``module`` has no region checkpointed by this package (its answer would say nothing).
         ValueError: If ``module`` has no parameter that requires grad.
 
     Example::
@@ -130,11 +132,31 @@ def check_recomputation(
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"`module` ({type(module).__name__}) has no parameter that requires grad to compare.")
+    regions = list(checkpointed_modules(module))
+    if not regions:
+        raise CheckpointingConfigError(_no_region_message(module))
     names = [region_name(name) for name, _ in named]
     passes = _Passes(module, closure, [p for _, p in named], use_backward=gradients == "backward", agree=agree)
     with passes:
         report = _compare(passes, names, tolerance, attribution=attribution, calibrate_noise=calibrate_noise)
-    return replace(report, checked_regions=list(checkpointed_modules(module)), compiled=passes.compiled)
+    return replace(report, checked_regions=regions, compiled=passes.compiled)
+
+
+def _no_region_message(module: nn.Module) -> str:
+    others = sorted(
+        {
+            f"transformers' gradient checkpointing (on `{type(sub).__name__}`)"
+            for sub in module.modules()
+            if getattr(sub, "gradient_checkpointing", False) is True
+        }
+    )
+    elsewhere = f" It has {', '.join(others)}, which this check cannot see into." if others else ""
+    return (
+        f"`check_recomputation` found no region of this package in {type(module).__name__}: nothing it compares is"
+        f" recomputed, so it would report a meaningless 0.{elsewhere} Apply checkpointing first with"
+        " `apply_activation_checkpointing(module, CheckpointingConfig(classes=[...]))`, or train with one of the"
+        " package's strategies."
+    )
 
 
 def _compare(

@@ -61,9 +61,10 @@ _Compiler = Callable[..., Any]
 AotAutograd, aot_eager, boxed_nop = aot_backends()
 _RUN_AND_SAVE = run_and_save_rng_state
 # Ops that draw from a seed or a state they are given, and where that argument is.
-_SEEDED_BY: dict[Any, Callable[[fx.Node], Any]] = {run_with_rng_state: lambda node: node.args[0]}
-if graphsafe_run_with_rng_state is not None:
-    _SEEDED_BY[graphsafe_run_with_rng_state] = lambda node: node.kwargs.get("rng_state")
+_SEEDED_BY: dict[Any, Callable[[fx.Node], Any]] = {
+    run_with_rng_state: lambda node: node.args[0],
+    graphsafe_run_with_rng_state: lambda node: node.kwargs.get("rng_state"),
+}
 _PATH_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[['\"]([^'\"]+)['\"]\]")
 
 

@@ -1,0 +1,158 @@
+"""Key-value caches (Hugging Face transformers) kept out of checkpointed regions while training.
+
+A transformers attention layer appends the step's keys and values to its cache in forward. Recomputation runs the
+forward again and appends them a second time: eager attention then fails in backward on mismatched sizes, and sdpa
+attention silently attends over the doubled cache. transformers' own gradient checkpointing avoids it by turning the
+cache off in training; so does this package:
+
+- applying checkpointing to a region inside a transformers ``PreTrainedModel`` whose ``config.use_cache`` is true
+  sets it to ``False``, with one info line, until the last such region of that model is removed again;
+- a region called while training with grad enabled gets ``use_cache=False`` and no cache object (``cache``,
+  ``past_key_values``, ``past_key_value``, ``layer_past``), as transformers' ``GradientCheckpointingLayer`` does,
+  with one warning.
+
+transformers is never imported: its models are recognised by the name and module of a base class.
+"""
+
+import logging
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+
+__all__ = ["CACHE_ARGUMENTS", "CacheSwitch", "is_transformers_model", "switch_off_kv_caches", "without_cache"]
+
+_log = logging.getLogger(__name__)
+
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""The names transformers' layers give their cache argument (``cache`` in 5.x, the others in 4.x)."""
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` with a ``config``, found without importing it.
+
+    Example::
+
+        >>> is_transformers_model(nn.Linear(2, 2))
+        False
+    """
+    transformers_base = any(
+        base.__name__ == "PreTrainedModel" and base.__module__.startswith("transformers.")
+        for base in type(module).__mro__
+    )
+    return transformers_base and hasattr(module, "config")
+
+
+class CacheSwitch:
+    """The ``use_cache`` of one transformers config, off while the checkpointed regions that hold it remain.
+
+    Args:
+        model: The class name of the (outermost) model that owns the config, for messages.
+        config: The model's config; its ``use_cache`` is set to ``False`` now.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> config = SimpleNamespace(use_cache=True)
+        >>> switch = CacheSwitch("model", config)
+        >>> switch.hold(); config.use_cache
+        False
+        >>> switch.release(); config.use_cache
+        True
+    """
+
+    def __init__(self, model: str, config: Any) -> None:
+        self.model = model
+        self.config = config
+        self.holders = 0
+        config.use_cache = False
+
+    def hold(self) -> None:
+        """Count one more region inside the model."""
+        self.holders += 1
+
+    def release(self) -> None:
+        """Count one region less; the last one turns the cache back on."""
+        self.holders -= 1
+        if self.holders == 0:
+            self.config.use_cache = True
+
+
+def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[CacheSwitch]:
+    """Turn off ``config.use_cache`` of each transformers model of ``root`` that holds one of ``regions``.
+
+    Each region's wrapper holds the switches of the models around it and releases them when it is removed. Models
+    that share a config (``LlamaForCausalLM`` and its ``LlamaModel``) share one switch. Regions are matched by
+    identity, so names changed by a wrapper (FSDP) do not matter.
+
+    Args:
+        root: A module that contains the regions.
+        regions: The checkpointed regions (already wrapped).
+
+    Returns:
+        The switches made (the caches just turned off), after one info line for them.
+
+    Example::
+
+        >>> switch_off_kv_caches(nn.Sequential(nn.Linear(2, 2)), [])
+        []
+    """
+    models = [sub for sub in root.modules() if is_transformers_model(sub)]
+    contents = [(model, {id(sub) for sub in model.modules()}) for model in models]
+    switches: dict[int, CacheSwitch] = {}
+    for region in regions:
+        wrapper = region.__dict__["forward"]
+        for model, inside in contents:
+            config = model.config
+            if id(region) not in inside:
+                continue
+            switch = switches.get(id(config))
+            if switch is None:
+                if getattr(config, "use_cache", False) is not True:
+                    continue
+                switch = switches[id(config)] = CacheSwitch(type(model).__name__, config)
+            if switch not in wrapper.cache_switches:
+                switch.hold()
+                wrapper.cache_switches.append(switch)
+    if switches:
+        names = ", ".join(f"`{switch.model}`" for switch in switches.values())
+        _log.info(
+            "lightning_ckpt_determinism: set `config.use_cache = False` on %s while its layers are checkpointed:"
+            " recomputation would fill the key-value cache a second time. Removing checkpointing restores it.",
+            names,
+        )
+    return list(switches.values())
+
+
+def _asks_for_cache(value: Any) -> bool:
+    # By identity: `==` on a tensor argument would compare elements.
+    return value is not None and value is not False
+
+
+def without_cache(region_class: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without a key-value cache: ``use_cache`` false and each cache argument ``None`` (warned once).
+
+    Args:
+        region_class: The region's class name, for the warning.
+        kwargs: The keyword arguments of a region call while training with grad enabled.
+
+    Example::
+
+        >>> without_cache("Block", {"x": 1})
+        {'x': 1}
+    """
+    dropped = [name for name in ("use_cache", *CACHE_ARGUMENTS) if _asks_for_cache(kwargs.get(name))]
+    if not dropped:
+        return kwargs
+    warnings.warn(
+        f"lightning_ckpt_determinism: checkpointed `{region_class}` regions were called with"
+        f" {', '.join(f'`{name}`' for name in dropped)} while training; they run without a key-value cache (as"
+        " transformers' own gradient checkpointing does), since recomputation would fill it a second time. Pass"
+        " `use_cache=False` in training to silence this.",
+        LightningCkptDeterminismWarning,
+        stacklevel=2,
+    )
+    return {**kwargs, **{name: False if name == "use_cache" else None for name in dropped}}

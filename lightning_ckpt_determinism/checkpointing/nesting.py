@@ -1,0 +1,138 @@
+"""Another activation checkpointing inside or around a region, found at the region's first forward and warned once.
+
+Nested checkpointing is not wrong, but it recomputes the inner part once more in backward for no memory saved, and
+this package's checks cannot see into a checkpoint of someone else's. The usual cause is stacking two libraries:
+transformers' ``gradient_checkpointing_enable()``, torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
+``torch.distributed.algorithms._checkpoint``), torch's composable ``checkpoint(module)``, or a
+``torch.utils.checkpoint.checkpoint`` call in the forward.
+
+The probe runs once per region, in its first eager forward with grad enabled: it looks for a checkpoint call among
+the frames above the region's call (a checkpoint around it), and a profile function (``sys.setprofile``, only while
+that forward runs and only if no profiler is set) catches a checkpoint entered inside it.
+"""
+
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import CodeType, FrameType
+from typing import Any
+
+from lightning_ckpt_determinism._torch_compat import checkpoint_codes
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+
+__all__ = ["NestedCheckpoint", "checkpoint_around", "checkpoints_inside", "warn_nested"]
+
+# Frames of these files are torch's checkpoint machinery or its dynamo wrappers, never the caller.
+_MACHINERY = tuple(
+    os.path.join("torch", *parts)
+    for parts in (("utils", "checkpoint.py"), ("_dynamo", "eval_frame.py"), ("_compile.py",))
+)
+
+
+class NestedCheckpoint:
+    """The other checkpointing, as told by the frame that called into it.
+
+    Args:
+        frame: The first frame outside torch's checkpoint machinery that led to the checkpoint call.
+        region_code: The code of the package's region call, to tell a region of its own.
+    """
+
+    def __init__(self, frame: FrameType | None, region_code: CodeType) -> None:
+        self.what, self.fix = _describe(frame, region_code)
+
+
+def _describe(frame: FrameType | None, region_code: CodeType) -> tuple[str, str]:
+    if frame is None:
+        return "a checkpoint call", "remove it, or leave this module out of the `CheckpointingConfig`"
+    code = frame.f_code
+    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})"
+    if code is region_code:
+        return (
+            f"another region of this package, `{frame.f_locals['self'].region}`",
+            "select either the outer or the inner modules in one `CheckpointingConfig`, not both",
+        )
+    if os.path.join("transformers", "") in code.co_filename:
+        return (
+            "transformers' gradient checkpointing (`gradient_checkpointing_enable()`)",
+            "do not call `gradient_checkpointing_enable()` (or call `gradient_checkpointing_disable()`): this"
+            " package's regions replace it",
+        )
+    if code.co_filename.endswith(os.path.join("_checkpoint", "checkpoint_wrapper.py")):
+        return (
+            "torch's `CheckpointWrapper`",
+            "drop `checkpoint_wrapper` / torch's `apply_activation_checkpointing` and keep this package's",
+        )
+    if code.co_filename.endswith(os.path.join("_composable", "checkpoint_activation.py")):
+        return "torch's composable `checkpoint(module)`", "drop that `checkpoint(module)` call and keep this package's"
+    return (
+        f"a checkpoint call in {where}",
+        "remove that call, or leave this module out of the `CheckpointingConfig`",
+    )
+
+
+def _caller(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` outwards that is not torch's checkpoint machinery."""
+    while frame is not None and frame.f_code.co_filename.endswith(_MACHINERY):
+        frame = frame.f_back
+    return frame
+
+
+def checkpoint_around(region_call: FrameType, region_code: CodeType) -> NestedCheckpoint | None:
+    """The checkpoint call among the frames above ``region_call``, if there is one.
+
+    Args:
+        region_call: The frame of the region's own call.
+        region_code: The code of the package's region call.
+    """
+    codes = checkpoint_codes()
+    frame = region_call.f_back
+    while frame is not None:
+        if frame.f_code in codes:
+            return NestedCheckpoint(_caller(frame), region_code)
+        frame = frame.f_back
+    return None
+
+
+@contextmanager
+def checkpoints_inside(region_code: CodeType) -> Iterator[list[NestedCheckpoint]]:
+    """Collect the checkpoint calls entered inside this block (in this thread); nothing if a profiler is set.
+
+    Args:
+        region_code: The code of the package's region call.
+    """
+    found: list[NestedCheckpoint] = []
+    if sys.getprofile() is not None:
+        yield found
+        return
+    codes = checkpoint_codes()
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and not found and frame.f_code in codes:
+            found.append(NestedCheckpoint(_caller(frame.f_back), region_code))
+
+    sys.setprofile(profile)
+    try:
+        yield found
+    finally:
+        sys.setprofile(None)
+
+
+def warn_nested(region_class: str, nested: NestedCheckpoint, *, inside: bool) -> None:
+    """Warn once that regions of ``region_class`` have ``nested`` inside (or around) them.
+
+    Args:
+        region_class: The region's class name (the warning leaves out the region's name, so that the warnings
+            registry shows it once for all regions of the class).
+        nested: The other checkpointing.
+        inside: Whether it runs inside the region (else around it).
+    """
+    warnings.warn(
+        f"lightning_ckpt_determinism: checkpointed `{region_class}` regions have another activation checkpointing"
+        f" {'inside' if inside else 'around'} them: {nested.what}. Nested checkpointing recomputes the inner part"
+        " once more in backward for no memory saved, and this package's checks cannot see into the other one:"
+        f" {nested.fix}.",
+        LightningCkptDeterminismWarning,
+        stacklevel=2,
+    )

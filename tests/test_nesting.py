@@ -1,0 +1,139 @@
+"""Another activation checkpointing inside or around a region is found at the region's first forward and warned."""
+
+import sys
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    apply_activation_checkpointing,
+    checkpoint_module,
+)
+from tests.helpers import DIM, PlainBlock
+
+PREFIX = "lightning_ckpt_determinism: checkpointed `{}` regions have another activation checkpointing {} them: "
+
+
+class InlineCheckpointBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(self.linear, x, use_reentrant=False)
+
+
+class WrappedLinearBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = checkpoint_wrapper(nn.Linear(DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class ComposableBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        composable_checkpoint(self.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+def train_step(model: nn.Module, steps: int = 1) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, DIM, requires_grad=True)).sum().backward()
+
+
+def warned(model: nn.Module, steps: int = 1) -> list[str]:
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        train_step(model, steps)
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    ("block", "what", "fix"),
+    [
+        (
+            InlineCheckpointBlock,
+            "a checkpoint call in InlineCheckpointBlock.forward (",
+            "remove that call, or leave this module out of the `CheckpointingConfig`.",
+        ),
+        (
+            WrappedLinearBlock,
+            "torch's `CheckpointWrapper`.",
+            "drop `checkpoint_wrapper` / torch's `apply_activation_checkpointing` and keep this package's.",
+        ),
+        (
+            ComposableBlock,
+            "torch's composable `checkpoint(module)`.",
+            "drop that `checkpoint(module)` call and keep this package's.",
+        ),
+    ],
+)
+def test_a_checkpoint_inside_a_region_is_warned_once_with_what_to_drop(block: type, what: str, fix: str) -> None:
+    model = nn.Sequential(block())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    (message,) = warned(model, steps=2)
+    assert message.startswith(PREFIX.format(block.__name__, "inside") + what), message
+    assert message.endswith(fix), message
+
+
+def test_a_checkpoint_around_a_region_is_warned() -> None:
+    model = nn.Sequential(PlainBlock(), PlainBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        x = torch.randn(4, DIM, requires_grad=True)
+        checkpoint(model, x, use_reentrant=False).sum().backward()
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        PREFIX.format("PlainBlock", "around") + "a checkpoint call in test_a_checkpoint_around_a_region_is_warned ("
+    ), message
+
+
+def test_a_region_inside_another_region_names_it() -> None:
+    model = nn.Sequential(nn.Sequential(PlainBlock()))
+    config = CheckpointingConfig(names=["0"])
+    checkpoint_module(model[0], "0", config)
+    checkpoint_module(model[0][0], "0.0", config)
+    messages = warned(model)
+    assert sorted(messages) == sorted(
+        [
+            PREFIX.format("Sequential", "inside")
+            + "another region of this package, `0.0`. Nested checkpointing recomputes the inner part once more in"
+            " backward for no memory saved, and this package's checks cannot see into the other one: select either"
+            " the outer or the inner modules in one `CheckpointingConfig`, not both.",
+            PREFIX.format("PlainBlock", "around")
+            + "another region of this package, `0`. Nested checkpointing recomputes the inner part once more in"
+            " backward for no memory saved, and this package's checks cannot see into the other one: select either"
+            " the outer or the inner modules in one `CheckpointingConfig`, not both.",
+        ]
+    )
+
+
+def test_a_profiler_of_the_application_is_left_in_place() -> None:
+    calls: list[str] = []
+
+    def profiler(frame: FrameType, event: str, arg: Any) -> None:
+        calls.append(event)
+
+    model = nn.Sequential(InlineCheckpointBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    sys.setprofile(profiler)
+    try:
+        train_step(model)
+        assert sys.getprofile() is profiler
+    finally:
+        sys.setprofile(None)
+    # The probe stands aside while a profiler runs: the nested checkpoint is not seen then.
+    assert calls

@@ -1,0 +1,213 @@
+"""Hugging Face transformers models (tiny GPT-2 and Llama built from configs, no downloads) under the package's
+checkpointing: the key-value cache kept out of recomputation, exact gradients, clean attribution and a clean fit."""
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+    checkpointed_modules,
+    remove_activation_checkpointing,
+)
+from lightning_ckpt_determinism.checkpointing.kv_cache import is_transformers_model
+from tests.helpers import trainer_kwargs
+
+VOCAB = 64
+CACHE_LINE = "lightning_ckpt_determinism: set `config.use_cache = False` on `{}` while its layers are checkpointed"
+
+
+def tiny_gpt2(attention: str) -> PreTrainedModel:
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    config._attn_implementation = attention
+    return GPT2LMHeadModel(config)
+
+
+def tiny_llama(attention: str) -> PreTrainedModel:
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    config._attn_implementation = attention
+    return LlamaForCausalLM(config)
+
+
+MODELS: dict[str, tuple[Callable[[str], PreTrainedModel], str]] = {
+    "gpt2": (tiny_gpt2, "GPT2Block"),
+    "llama": (tiny_llama, "LlamaDecoderLayer"),
+}
+CASES = [(name, attention) for name in MODELS for attention in ("eager", "sdpa")]
+
+
+def build(name: str, attention: str) -> tuple[PreTrainedModel, str]:
+    torch.manual_seed(0)
+    make, layer = MODELS[name]
+    model = make(attention)
+    model.train()
+    return model, layer
+
+
+def token_ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor, **kwargs: object) -> Callable[[], torch.Tensor]:
+    return lambda: model(input_ids=ids, labels=ids, **kwargs).loss
+
+
+def gradients(model: nn.Module, closure: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradients of ``closure``'s loss, with the same dropout masks at every call (GPT-2 drops out)."""
+    torch.manual_seed(5)
+    params = dict(model.named_parameters())
+    return dict(zip(params, torch.autograd.grad(closure(), list(params.values())), strict=True))
+
+
+@pytest.mark.parametrize(("name", "attention"), CASES)
+def test_checkpointed_layers_give_the_gradients_of_no_checkpointing_with_the_cache_turned_off_and_restored(
+    name: str, attention: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, layer = build(name, attention)
+    assert model.config.use_cache is True
+    ids = token_ids()
+    plain = gradients(model, lm_loss(model, ids))
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+        regions = apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    assert len(regions) == 2
+    (line,) = [record.getMessage() for record in caplog.records if "use_cache" in record.getMessage()]
+    assert line.startswith(CACHE_LINE.format(type(model).__name__))
+    assert model.config.use_cache is False
+    checkpointed = gradients(model, lm_loss(model, ids))
+    assert plain.keys() == checkpointed.keys()
+    assert all(torch.equal(plain[key], checkpointed[key]) for key in plain)
+    assert sorted(remove_activation_checkpointing(model)) == sorted(regions)
+    assert model.config.use_cache is True
+
+
+@pytest.mark.parametrize(("name", "attention"), CASES)
+def test_attribution_of_a_clean_model_finds_nothing(name: str, attention: str) -> None:
+    model, layer = build(name, attention)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    report = check_recomputation(model, lm_loss(model, token_ids()), attribution=True)
+    assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
+    assert len(report.regions) == 2
+    assert all(region.ops_compared > 0 for region in report.regions)
+    assert [(region.diverged, region.cause, region.first_divergent_op) for region in report.regions] == [
+        (False, None, None)
+    ] * 2
+
+
+def test_a_cache_passed_in_training_is_dropped_with_a_warning_and_the_gradients_stay_exact() -> None:
+    model, layer = build("llama", "eager")
+    ids = token_ids()
+    plain = gradients(model, lm_loss(model, ids))
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    with pytest.warns(LightningCkptDeterminismWarning, match="regions were called with `use_cache`, `cache` while"):
+        checkpointed = gradients(model, lm_loss(model, ids, use_cache=True))
+    assert all(torch.equal(plain[key], checkpointed[key]) for key in plain)
+    # Without grad nothing is recomputed: the cache works as it does without checkpointing.
+    with torch.no_grad():
+        assert model(input_ids=ids, use_cache=True).past_key_values.get_seq_length() == ids.shape[1]
+
+
+def test_a_model_whose_cache_is_off_is_left_as_it_is(caplog: pytest.LogCaptureFixture) -> None:
+    model, layer = build("gpt2", "sdpa")
+    model.config.use_cache = False
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    assert not [record for record in caplog.records if "use_cache" in record.getMessage()]
+    remove_activation_checkpointing(model)
+    assert model.config.use_cache is False
+
+
+def test_transformers_models_are_recognised_by_their_base_class() -> None:
+    model, _ = build("gpt2", "eager")
+    assert is_transformers_model(model) and is_transformers_model(model.transformer)
+    assert not is_transformers_model(model.transformer.h[0])
+
+
+def test_transformers_gradient_checkpointing_under_a_region_is_warned_with_what_to_turn_off() -> None:
+    model, layer = build("llama", "sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        for _ in range(2):
+            lm_loss(model, token_ids())().backward()
+    messages = [str(w.message) for w in caught]
+    # Once per region, at its first forward, in words that name no region: Python's default filter shows it once.
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert messages[0].startswith(
+        "lightning_ckpt_determinism: checkpointed `LlamaDecoderLayer` regions have another activation checkpointing"
+        " inside them: transformers' gradient checkpointing (`gradient_checkpointing_enable()`). Nested"
+    )
+    assert "call `gradient_checkpointing_disable()`" in messages[0]
+
+
+def test_a_check_of_a_model_with_only_transformers_checkpointing_is_an_error() -> None:
+    model, _ = build("gpt2", "eager")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(CheckpointingConfigError, match="found no region of this package in GPT2LMHeadModel") as err:
+        check_recomputation(model, lm_loss(model, token_ids()))
+    assert "It has transformers' gradient checkpointing (on `GPT2Block`)" in str(err.value)
+    assert "`apply_activation_checkpointing(module, CheckpointingConfig(classes=[...]))`" in str(err.value)
+
+
+class CausalLM(pl.LightningModule):
+    """A transformers model trained on fixed random tokens."""
+
+    def __init__(self, name: str, attention: str) -> None:
+        super().__init__()
+        self.model, _ = build(name, attention)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(3)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("name", "attention"), [("gpt2", "eager"), ("llama", "sdpa")])
+def test_a_lightning_fit_logs_no_divergence_and_leaves_the_cache_as_it_was(
+    name: str, attention: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    module = CausalLM(name, attention)
+    layer = MODELS[name][1]
+    monitor = RecomputationMonitor(every_n_steps=1, attribution="always")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[layer]))
+    kwargs = trainer_kwargs(tmp_path, max_steps=3, strategy=strategy, callbacks=[monitor], logger=CSVLogger(tmp_path))
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+        pl.Trainer(**kwargs).fit(module)
+    assert [(record.step, record.grad_divergence, record.diverged) for record in monitor.history] == [
+        (step, 0.0, False) for step in range(3)
+    ]
+    assert monitor.last_report is not None
+    assert [region.cause for region in monitor.last_report.regions] == [None, None]
+    assert any(
+        record.getMessage().startswith(CACHE_LINE.format(type(module.model).__name__)) for record in caplog.records
+    )
+    assert module.model.config.use_cache is True
+    assert checkpointed_modules(module) == {}
