@@ -35,6 +35,7 @@ from lightning_ckpt_determinism.verify import (
 if TYPE_CHECKING:
     from lightning_ckpt_determinism.lightning import (
         ActivationCheckpointingMixin,
+        CheckpointingCLI,
         DDPCheckpointingStrategy,
         FSDPCheckpointingStrategy,
         ModelParallelCheckpointingStrategy,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 
 _LIGHTNING_LAYER = {
     "ActivationCheckpointingMixin": "lightning_ckpt_determinism.lightning.strategies",
+    "CheckpointingCLI": "lightning_ckpt_determinism.lightning.cli",
     "DDPCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
     "FSDPCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
     "ModelParallelCheckpointingStrategy": "lightning_ckpt_determinism.lightning.strategies",
@@ -56,6 +58,7 @@ _LIGHTNING_LAYER = {
 __all__ = [
     "CAUSE_HINTS",
     "ActivationCheckpointingMixin",
+    "CheckpointingCLI",
     "CheckpointingConfig",
     "CheckpointingConfigError",
     "DDPCheckpointingStrategy",

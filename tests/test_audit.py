@@ -226,7 +226,7 @@ CHECKPOINTING = (
         ("missing", r"error: `--config` 'missing\.yaml' is not a file"),
         ("no_class_path", r"error: `model` in .*classless\.yaml names no class: give it `class_path"),
         ("plain_strategy", r"is SingleDeviceStrategy, which applies no activation checkpointing"),
-        ("unknown_model", r"cannot be loaded: .*examples\.broken\.Nope"),
+        ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         ("selects_nothing", r"error: `CheckpointingConfig` matches no module of BrokenModule"),
         ("bad_json_path", r"error: `--json` '.*no_dir/out\.json' cannot be written"),
         ("zero_batches", r"argument --batches: must be an integer >= 1, got '0'"),

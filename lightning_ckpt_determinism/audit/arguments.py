@@ -21,8 +21,9 @@ def parser() -> argparse.ArgumentParser:
 
     Example::
 
-        >>> parser().parse_args(["audit", "--config", "run.yaml"]).batches
-        1
+        >>> args, overrides = parser().parse_known_args(["audit", "--config", "run.yaml", "--trainer.max_steps=3"])
+        >>> args.config, args.batches, overrides
+        ([PosixPath('run.yaml')], 1, ['--trainer.max_steps=3'])
     """
     parser = argparse.ArgumentParser(prog=PROGRAM, description="Check that activation recomputation is exact.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,10 +33,20 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Build the model, data and checkpointing strategy from a LightningCLI YAML, check that every checkpointed"
             " region recomputes exactly what its forward produced, and say what to change where it does not."
+            " The YAML is parsed as LightningCLI's `fit` parses it, so the config.yaml a run saved works, and"
+            " LightningCLI's dotted overrides (--trainer.precision=bf16-true, --model.init_args.lr=0.1) may follow."
             " Exit 0 when all regions agree, 1 when any diverges, 2 on a usage or configuration error."
         ),
+        allow_abbrev=False,
     )
-    audit.add_argument("--config", required=True, type=Path, help="the LightningCLI YAML used for training")
+    audit.add_argument(
+        "--config",
+        required=True,
+        type=Path,
+        action="append",
+        help="the LightningCLI YAML used for training (such as a run's saved config.yaml); give it more than once to"
+        " merge several, later ones winning, as LightningCLI does",
+    )
     audit.add_argument("--batches", type=_positive_int, default=1, help="training batches to check (default 1)")
     audit.add_argument("--json", type=Path, help="also write the full report as JSON to this file")
     audit.add_argument(

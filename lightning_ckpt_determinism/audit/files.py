@@ -20,14 +20,14 @@ _SPECIAL_FILES = (
 )
 
 
-def json_target(path: Path, config: Path) -> Path:
+def json_target(path: Path, configs: list[Path]) -> Path:
     """The file ``--json`` names (through symbolic links), once it is known that the report can replace it.
 
     An existing path must be a regular file the user may write; the directory must take a new file, as the report
     is written beside the target first and then moved onto it. Nothing of the user's is removed.
     """
     target = Path(os.path.realpath(path))
-    if target == Path(os.path.realpath(config)):
+    if any(target == Path(os.path.realpath(config)) for config in configs):
         raise UsageError(f"`--json` {str(path)!r} is the `--config` file; give another path for the report")
     if target.exists():
         mode = target.stat().st_mode

@@ -1,4 +1,5 @@
-"""Loading what the audit checks from a LightningCLI config: the model, the data and the checkpointing strategy."""
+"""Loading what the audit checks from LightningCLI configs: the model, the data and the checkpointing strategy, parsed
+by LightningCLI's own ``fit`` subcommand."""
 
 import argparse
 import contextlib
@@ -15,44 +16,61 @@ from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strateg
 
 from lightning_ckpt_determinism.audit.arguments import UsageError
 from lightning_ckpt_determinism.config import resolve_class_path
+from lightning_ckpt_determinism.lightning.cli import configuration_error, yaml_error
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
-__all__ = ["build", "one_process_notes", "quiet_lightning", "train_dataloader"]
+__all__ = ["build", "configs_text", "fit_notes", "one_process_notes", "quiet_lightning", "train_dataloader"]
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 
 
-def build(args: argparse.Namespace) -> LightningCLI:
-    if not args.config.is_file():
-        raise UsageError(f"`--config` {str(args.config)!r} is not a file")
-    _require_class_paths(args)
+class _ParsedFit(LightningCLI):
+    """LightningCLI's own ``fit`` subcommand, parsed and instantiated as for training, without training: its
+    ``fit`` (which LightningCLI calls in place of ``Trainer.fit`` when the CLI defines one) keeps the arguments."""
+
+    fit_arguments: dict[str, Any]
+
+    def fit(self, model: Any, datamodule: Any = None, **arguments: Any) -> None:
+        self.fit_arguments = arguments
+
+
+def build(args: argparse.Namespace) -> _ParsedFit:
+    """The CLI built from ``args.config`` (one or several files) and ``args.overrides`` as ``fit`` builds it.
+
+    Raises:
+        UsageError: For a file that cannot be read or parsed, a config LightningCLI rejects (one line, as
+            :class:`~lightning_ckpt_determinism.CheckpointingCLI` reports it), or a strategy without checkpointing.
+    """
+    sections = [_read_config(path) for path in args.config]
+    _require_class_paths(args, sections)
+    where = configs_text(args.config)
     try:
         model_class = resolve_class_path(args.model) if args.model else None
         data_class = resolve_class_path(args.data) if args.data else None
         with warnings.catch_warnings():
             # The audit's own command line is not LightningCLI's; `args` is all it should read.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            cli = LightningCLI(
+            cli = _ParsedFit(
                 model_class,
                 data_class,
                 subclass_mode_model=model_class is None,
                 subclass_mode_data=data_class is None,
-                args=["--config", str(args.config)],
-                run=False,
+                args=["fit", *(f"--config={path}" for path in args.config), *args.overrides],
                 save_config_callback=None,
                 seed_everything_default=0,
                 parser_kwargs={"exit_on_error": False},
             )
     except Exception as err:
-        raise UsageError(f"{args.config} cannot be loaded: {' '.join(str(err).split())}") from err
+        message = configuration_error(err) or " ".join(str(err).split())
+        raise UsageError(f"{where} cannot be loaded: {message}") from err
     strategy = cli.trainer.strategy
     if not isinstance(strategy, ActivationCheckpointingMixin):
         raise UsageError(
-            f"`trainer.strategy` in {args.config} is {type(strategy).__name__}, which applies no activation"
+            f"`trainer.strategy` in {where} is {type(strategy).__name__}, which applies no activation"
             " checkpointing; use one of this package's strategies (e.g."
             " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy) with `checkpointing`"
         )
-    _require_runnable_here(strategy, args.config)
+    _require_runnable_here(strategy, where)
     if not cli.model.automatic_optimization:
         raise UsageError(
             f"{type(cli.model).__name__} uses manual optimization: its `training_step` steps the optimizers, so the"
@@ -62,7 +80,32 @@ def build(args: argparse.Namespace) -> LightningCLI:
     return cli
 
 
-def _require_runnable_here(strategy: Strategy, config: Path) -> None:
+def configs_text(configs: list[Path]) -> str:
+    """The config files as messages name them.
+
+    Example::
+
+        >>> configs_text([Path("a.yaml"), Path("b.yaml")])
+        'a.yaml + b.yaml'
+    """
+    return " + ".join(str(path) for path in configs)
+
+
+def fit_notes(arguments: dict[str, Any]) -> list[str]:
+    """What the audit leaves out of ``fit``'s own arguments: the checkpoint to resume from.
+
+    Example::
+
+        >>> fit_notes({"ckpt_path": "last.ckpt"})
+        ['note: `ckpt_path` last.ckpt is not loaded: the audit checks the model as the config builds it']
+    """
+    path = arguments.get("ckpt_path")
+    if not path:
+        return []
+    return [f"note: `ckpt_path` {path} is not loaded: the audit checks the model as the config builds it"]
+
+
+def _require_runnable_here(strategy: Strategy, config: str) -> None:
     """Refuse a strategy that cannot train on this machine, which the audit's single unwrapped process would hide.
 
     Lightning's accelerator connector demands a CUDA accelerator of FSDP, but only of ``FSDPStrategy`` itself and
@@ -98,45 +141,41 @@ def one_process_notes(strategy: Strategy) -> list[str]:
     ]
 
 
-def _require_class_paths(args: argparse.Namespace) -> None:
-    """A YAML written for ``LightningCLI(MyModule, MyData)`` does not name its classes: the audit must be told."""
+def _read_config(path: Path) -> dict[str, Any]:
+    """The mapping in one ``--config`` file, or a one-line usage error about the file."""
+    if not path.is_file():
+        raise UsageError(f"`--config` {str(path)!r} is not a file")
     try:
-        text = args.config.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
-        raise UsageError(f"`--config` {str(args.config)!r} cannot be read: {err.strerror or err}") from err
+        raise UsageError(f"`--config` {str(path)!r} cannot be read: {err.strerror or err}") from err
     except UnicodeDecodeError as err:
         raise UsageError(
-            f"`--config` {str(args.config)!r} is no UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8"
+            f"`--config` {str(path)!r} is no UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8"
         ) from err
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise UsageError(_yaml_error(args.config, text, err)) from err
+        raise UsageError(yaml_error(path, text, err)) from err
     if not isinstance(config, dict):
-        raise UsageError(f"{args.config} holds no LightningCLI config (a mapping with `model`, `trainer` ...)")
+        raise UsageError(f"{path} holds no LightningCLI config (a mapping with `model`, `trainer` ...)")
+    return config
+
+
+def _require_class_paths(args: argparse.Namespace, configs: list[dict[str, Any]]) -> None:
+    """A YAML written for ``LightningCLI(MyModule, MyData)`` does not name its classes: the audit must be told."""
+    where = configs_text(args.config)
     for key, option, example in (("model", args.model, "Module"), ("data", args.data, "DataModule")):
-        section = config.get(key)
-        if option is None and isinstance(section, dict) and "class_path" not in section:
+        named = any(override.startswith(f"--{key}") for override in args.overrides)
+        sections = [config[key] for config in configs if isinstance(config.get(key), dict)]
+        if option is None and not named and sections and not any("class_path" in section for section in sections):
             raise UsageError(
-                f"`{key}` in {args.config} names no class: give it `class_path: package.{example}` with its"
+                f"`{key}` in {where} names no class: give it `class_path: package.{example}` with its"
                 f" settings under `init_args`, or pass `--{key} package.{example}`"
             )
-    if args.model is None and "model" not in config:
-        raise UsageError(f"{args.config} has no `model`: add one with a `class_path`, or pass `--model`")
-
-
-def _yaml_error(path: Path, text: str, err: yaml.YAMLError) -> str:
-    """One line for a YAML syntax error: ``file:line:column`` (1-based) and yaml's problem."""
-    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
-        line, column = err.problem_mark.line, err.problem_mark.column
-        problem = " ".join(part for part in (err.problem, err.context) if part)
-    elif isinstance(err, yaml.reader.ReaderError):
-        line = text.count("\n", 0, err.position)
-        column = err.position - (text.rfind("\n", 0, err.position) + 1)
-        problem = f"unacceptable character #x{err.character:04x}: {err.reason}"
-    else:
-        return f"{path} is no valid YAML: {' '.join(str(err).split())}; correct the file"
-    return f"{path}:{line + 1}:{column + 1}: invalid YAML: {problem}; correct the file there"
+    named_model = any(override.startswith("--model") for override in args.overrides)
+    if args.model is None and not named_model and not any("model" in config for config in configs):
+        raise UsageError(f"{where} has no `model`: add one with a `class_path`, or pass `--model`")
 
 
 def train_dataloader(cli: LightningCLI) -> Any:

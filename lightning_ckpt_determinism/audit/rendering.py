@@ -165,7 +165,8 @@ def document(
 ) -> dict[str, Any]:
     """The JSON report: the run's settings, the verdict, the notes, each region's summary and every check."""
     return {
-        "config": str(args.config),
+        "config": str(args.config[0]),
+        "configs": [str(config) for config in args.config],
         "device": device,
         "batches": len(reports),
         "batches_asked": args.batches,

@@ -25,7 +25,14 @@ from tqdm import tqdm
 
 from lightning_ckpt_determinism.audit.arguments import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, PROGRAM, UsageError, parser
 from lightning_ckpt_determinism.audit.files import finite, json_target, replace_atomically
-from lightning_ckpt_determinism.audit.loading import build, one_process_notes, quiet_lightning, train_dataloader
+from lightning_ckpt_determinism.audit.loading import (
+    build,
+    configs_text,
+    fit_notes,
+    one_process_notes,
+    quiet_lightning,
+    train_dataloader,
+)
 from lightning_ckpt_determinism.audit.rendering import (
     RegionSummary,
     diverged,
@@ -71,9 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         1
     """
     try:
-        args = parser().parse_args(argv)
+        args, overrides = parser().parse_known_args(argv)
     except SystemExit as exit_:  # argparse printed the usage and the error, or the help
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    args.overrides = overrides
     try:
         with _importable_from(os.getcwd()):
             return _audit(args)
@@ -102,13 +110,15 @@ def _audit(args: argparse.Namespace) -> int:
     with quiet_lightning():
         cli = build(args)
     strategy = cli.trainer.strategy
-    notes = one_process_notes(strategy)
+    notes = one_process_notes(strategy) + fit_notes(cli.fit_arguments)
     loader = train_dataloader(cli)
     with quiet_lightning():
         model = _set_up(cli.model, strategy)
     reports, seen, scan = _check_batches(model, strategy, loader, args)
     if not reports:
-        raise UsageError(f"the training data of {args.config} gave no batch whose `training_step` returned a loss")
+        raise UsageError(
+            f"the training data of {configs_text(args.config)} gave no batch whose `training_step` returned a loss"
+        )
     if len(reports) < args.batches:
         notes.append(shortfall_note(len(reports), seen, args.batches))
     if scan is not None:

@@ -1,5 +1,6 @@
-"""Everything that imports Lightning: the checkpointing strategies and the monitor, with what they need."""
+"""Everything that imports Lightning: the checkpointing strategies, the monitor and the CLI, with what they need."""
 
+from lightning_ckpt_determinism.lightning.cli import CheckpointingCLI
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 from lightning_ckpt_determinism.lightning.strategies import (
     ActivationCheckpointingMixin,
@@ -11,6 +12,7 @@ from lightning_ckpt_determinism.lightning.strategies import (
 
 __all__ = [
     "ActivationCheckpointingMixin",
+    "CheckpointingCLI",
     "DDPCheckpointingStrategy",
     "FSDPCheckpointingStrategy",
     "ModelParallelCheckpointingStrategy",

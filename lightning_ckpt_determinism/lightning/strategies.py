@@ -68,6 +68,12 @@ class ActivationCheckpointingMixin:
     _checkpoint_after_wrapping: ClassVar[bool] = False
 
     def __init__(self, *args: Any, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
+        if checkpointing is None:
+            raise CheckpointingTypeError(
+                f"`checkpointing` is missing: `{type(self).__name__}` needs one. Build it with"
+                " `CheckpointingConfig(classes=[...])`, or in YAML give the strategy"
+                " `init_args: {checkpointing: {classes: [Block]}}`."
+            )
         if not isinstance(checkpointing, CheckpointingConfig):
             raise CheckpointingTypeError(
                 f"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}. Build one with"

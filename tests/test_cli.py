@@ -1,4 +1,4 @@
-"""Tests for the example's `CheckpointingCLI`: each configuration mistake ends in one short message and exit code 2."""
+"""Tests for `CheckpointingCLI`: each configuration mistake ends in one short message and exit code 2."""
 
 import os
 import subprocess
@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from examples import train
-from lightning_ckpt_determinism import RecomputationMonitor
+from examples.gpt import GPTModule
+from lightning_ckpt_determinism import CheckpointingCLI, RecomputationMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
@@ -78,8 +79,9 @@ MISTAKES = {
         "strategy",
         "checkpointing",
         None,
-        "`checkpointing` must be a `CheckpointingConfig`, got NoneType. Build one with"
-        " `CheckpointingConfig(classes=[...])` or give a mapping such as `checkpointing: {classes: [Block]}` in YAML.",
+        "`checkpointing` is missing: `SingleDeviceCheckpointingStrategy` needs one. Build it with"
+        " `CheckpointingConfig(classes=[...])`, or in YAML give the strategy"
+        " `init_args: {checkpointing: {classes: [Block]}}`.",
     ),
     "checkpointing_list": (
         "strategy",
@@ -213,3 +215,65 @@ def test_the_command_line_prints_one_line_without_traceback_and_exits_2(mistake:
     (line,) = _error_lines(result.stderr)
     assert line.startswith(f"error: {message}"), line
     assert result.stdout == ""
+
+
+def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """The one error line of the package's `CheckpointingCLI`, used as a plain script would use it."""
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(subclass_mode_model=True, subclass_mode_data=True, args=argv)
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    (line,) = _error_lines(stderr)
+    return line
+
+
+def _edited(tmp_path: Path, edit: Any) -> Path:
+    config = yaml.safe_load(BASE_CONFIG.read_text())
+    edit(config)
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.usefixtures("in_process")
+def test_an_unknown_class_path_names_the_missing_attribute(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _edited(tmp_path, lambda config: config["model"].update(class_path="examples.gpt.GPTModul"))
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line == "error: `model`: module 'examples.gpt' has no attribute 'GPTModul'"
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_misspelt_strategy_class_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def misspell(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"]["class_path"] = "lightning_ckpt_determinism.SingleDeviceCheckpointingStrateg"
+
+    line = _cli_error(capsys, _argv(_edited(tmp_path, misspell), tmp_path))
+    assert line == (
+        "error: `trainer.strategy`: module 'lightning_ckpt_determinism' has no attribute"
+        " 'SingleDeviceCheckpointingStrateg'"
+    )
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_strategy_without_checkpointing_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"]["strategy"].pop("init_args"))
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line == "error: " + MISTAKES["checkpointing_null"][3]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_yaml_syntax_error_keeps_its_file_line_and_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "broken.yaml"
+    config.write_text("trainer:\n  max_steps: 3\n   devices: [1\n")
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line == (f"error: {config}:3:11: invalid YAML: mapping values are not allowed here; correct the file there")
+    override = _cli_error(capsys, ["fit", f"--config={config}"])
+    assert override == line
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_correct_config_builds_through_the_package_cli(tmp_path: Path) -> None:
+    cli = CheckpointingCLI(
+        subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(BASE_CONFIG)], run=False
+    )
+    assert type(cli.model) is GPTModule
