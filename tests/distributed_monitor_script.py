@@ -56,6 +56,21 @@ class RankOneCounterBlock(torch.nn.Module):
         return x + torch.tanh(self.linear(x) * scale)
 
 
+class RankOneBufferBlock(torch.nn.Module):
+    """Counts its calls in a buffer on rank 1 only: recomputation counts once more there, unless buffers are
+    protected; the output does not depend on it, so the gradients stay exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1:
+            self.count += 1
+        return x + torch.tanh(self.linear(x))
+
+
 def _strategy(kind: str, checkpointing: CheckpointingConfig | None, **ddp_options: Any) -> Any:
     if kind == "ddp":
         if checkpointing is None:
@@ -160,6 +175,10 @@ def main(kind: str, out_dir: Path) -> None:
     dropout_without_rng = {"classes": ["DropoutBlock"], "preserve_rng_state": False}
     run(kind, out_dir, "rng_not_preserved", "DropoutBlock", every_step(**ignore), dropout_without_rng, {})
     run(kind, out_dir, "numpy_noise", "NumpyNoiseBlock", every_step(**ignore), {"classes": ["NumpyNoiseBlock"]}, {})
+    # A buffer updated again by recomputation on rank 1 only: the decision is reduced, so both ranks record it.
+    unprotected = {"classes": ["PlainBlock", "RankOneBufferBlock"], "protect_buffers": False}
+    monitor = RecomputationMonitor(every_n_steps=2, sentinel="off")
+    run(kind, out_dir, "buffer_rank_one", "PlainBlock", monitor, unprotected, {}, RankOneBufferBlock)
     # Bit-identical training: checked every step, checkpointed without the monitor, and neither.
     setups = {"accumulate_2_clipping": lambda: {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}
     if kind == "ddp":

@@ -183,7 +183,9 @@ def test_goals_and_table(tiny: tuple[dict[str, Any], str]) -> None:
     assert result["goals"][-1]["name"] == "throughput monitor/without"
     always = result["lightning"]["ratios"]["monitor attribution='always'"]["in_run"]["median"]
     assert f"throughput monitor attribution='always'/without: {always:.3f} (no goal)" in printed
-    assert all(isinstance(goal["met"], bool) and _finite_positive(goal["value"]) for goal in result["goals"])
+    # A timing figure may take any sign on a loaded machine (a check cost is a difference of times): only its shape
+    # is asserted here, never its value.
+    assert all(isinstance(goal["met"], bool) and math.isfinite(goal["value"]) for goal in result["goals"])
     for heading in ("1. Step time", "2. Activation memory", "3. Recomputation check", "Goals:", "Notes:"):
         assert heading in printed
     assert result["machine"]["cpu"] in printed

@@ -181,8 +181,19 @@ def test_selections_that_wrap_nothing_raise_the_config_error() -> None:
         apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"], every_n=4))
 
 
-@pytest.mark.parametrize("checkpointing", [None, ["Block"], {"classes": ["Block"]}])
-def test_strategy_without_a_config_raises_the_config_error_naming_the_mapping(checkpointing: object) -> None:
+def test_strategy_without_a_config_raises_the_config_error_saying_how_to_give_one() -> None:
+    for error in (CheckpointingConfigError, TypeError):
+        with pytest.raises(
+            error,
+            match=r"^`checkpointing` is missing: `SingleDeviceCheckpointingStrategy` needs one\. Build it with"
+            r" `CheckpointingConfig\(classes=\[\.\.\.\]\)`, or in YAML give the strategy"
+            r" `init_args: \{checkpointing: \{classes: \[Block\]\}\}`\.$",
+        ):
+            SingleDeviceCheckpointingStrategy(checkpointing=None)
+
+
+@pytest.mark.parametrize("checkpointing", [["Block"], {"classes": ["Block"]}])
+def test_strategy_with_another_type_of_config_raises_the_config_error_naming_the_mapping(checkpointing: object) -> None:
     with pytest.raises(
         CheckpointingConfigError, match=r"give a mapping such as `checkpointing: \{classes: \[Block\]\}`"
     ):
