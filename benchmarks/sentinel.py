@@ -5,10 +5,15 @@ the first step only (``every_n_steps`` past the fit), so the runs differ by the 
 the order rotated every round, with two torch threads, and each ratio is the median of per-round ratios of whole
 ``Trainer.fit`` times. The breakdown times single training steps without Lightning: with the sentinel, and with its
 digests replaced by a constant (what the hooks and bookkeeping cost without the digest kernels).
+
+``python -m benchmarks.sentinel`` runs the breakdown alone for wider models (``--dims 128,256,512``, the sequence
+half the width): the sentinel's cost is a few kernels per saved tensor, so its share falls as the blocks grow.
 """
 
+import argparse
 import contextlib
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,3 +154,59 @@ def _threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[dict[str, float]]:
+    """The step-level breakdown (medians) for each of ``sizes``.
+
+    Args:
+        sizes: The model shapes.
+        device: Where to train.
+        rounds: Interleaved rounds of each variant.
+
+    Returns:
+        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``sampled/step``, ``exact/step`` and
+        ``hooks only/step`` ratios.
+    """
+    rows = []
+    with _threads(THREADS):
+        for size in sizes:
+            found = _breakdown(size, device, rounds=rounds, warmup=2)
+            rows.append(
+                {
+                    "dim": size.dim,
+                    "seq_len": size.seq_len,
+                    "step_ms": found["step"]["median"] * 1e3,
+                    **{name: found[name]["median"] for name in ("sampled/step", "exact/step", "hooks only/step")},
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the sentinel's step-level cost for models of several widths.
+
+    Example::
+
+        python -m benchmarks.sentinel --dims 128,256,512 --rounds 9
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sentinel", description=main.__doc__)
+    parser.add_argument("--dims", default="128,256,512", help="model widths, comma-separated (sequence = width / 2)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds of each variant")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    sizes = [
+        ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
+        for dim in (int(text) for text in args.dims.split(","))
+    ]
+    print("dim  seq  step ms  sampled/step  exact/step  hooks only/step")
+    for row in scaling(sizes, torch.device(args.device), args.rounds):
+        print(
+            f"{row['dim']:<4} {row['seq_len']:<4} {row['step_ms']:7.1f}  {row['sampled/step']:12.3f}"
+            f"  {row['exact/step']:10.3f}  {row['hooks only/step']:15.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
