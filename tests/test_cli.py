@@ -255,6 +255,13 @@ def test_a_misspelt_strategy_class_gets_its_own_line(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_misspelt_strategy_name_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"].update(strategy="dpp"))
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line.startswith("error: You selected an invalid strategy name: `strategy='dpp'`. It must be either a string")
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_strategy_without_checkpointing_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _edited(tmp_path, lambda config: config["trainer"]["strategy"].pop("init_args"))
     line = _cli_error(capsys, _argv(config, tmp_path))

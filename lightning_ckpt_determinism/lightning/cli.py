@@ -9,7 +9,8 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 - a YAML syntax error in a ``--config`` file, with its place: ``error: run.yaml:3:4: invalid YAML: ...``;
 - a constructor's message that starts with the argument in backticks (every :class:`CheckpointingConfigError`
   does: an op torch does not know, a strategy without ``checkpointing``) and a ``CheckpointingConfigError`` raised
-  when the strategy sets the model up (a selection that matches no module).
+  when the strategy sets the model up (a selection that matches no module);
+- Lightning's own message for a strategy name it does not know (``strategy: dpp``).
 
 Any other error keeps its traceback.
 """
@@ -24,7 +25,6 @@ from typing import Any
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_ckpt_determinism.config import resolve_class_path
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 
 __all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
@@ -153,24 +153,9 @@ def configuration_error(err: Exception) -> str | None:
     if package_message:
         return package_message[1]
     if "invalid strategy name" in str(err):
-        return _strategy_error(str(err))
+        # Lightning's own message for a strategy name it does not know (`strategy: dpp`), on one line.
+        return " ".join(str(err).split())
     return _parse_error(str(err)) if isinstance(err, ArgumentError) else None
-
-
-def _strategy_error(text: str) -> str:
-    """Lightning's "invalid strategy name", raised for a strategy mapping jsonargparse could not build."""
-    class_path = re.search(r"class_path['\"]?[:=] ?['\"]([\w.]+)['\"]", text)
-    if class_path is None:
-        return " ".join(text.split())
-    try:
-        resolve_class_path(class_path[1])
-    except CheckpointingConfigError as error:
-        reason = str(error.__cause__ or error)
-        return f"`trainer.strategy`: class_path {class_path[1]!r} cannot be imported ({reason})"
-    return (
-        f"`trainer.strategy`: {class_path[1]} could not be built from its `init_args`; this package's strategies"
-        " need `checkpointing`, e.g. `init_args: {checkpointing: {classes: [Block]}}`"
-    )
 
 
 def _parse_error(text: str) -> str:
