@@ -2,6 +2,7 @@
 
 import fnmatch
 import warnings
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -11,7 +12,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, 
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
-__all__ = ["apply_activation_checkpointing", "select_modules"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_selected", "select_modules"]
 
 
 def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, nn.Module]:
@@ -104,10 +105,30 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
         ['0.weight', '0.bias', '2.weight', '2.bias']
     """
     selected = select_modules(module, config)
+    checkpoint_selected(module, selected, config)
+    return list(selected)
+
+
+def checkpoint_selected(root: nn.Module, selected: Mapping[str, nn.Module], config: CheckpointingConfig) -> None:
+    """Checkpoint each module of ``selected`` under its name, then turn off the transformers caches around them.
+
+    Args:
+        root: The module they were selected in, where transformers models are looked for.
+        selected: The modules by region name, as :func:`select_modules` gives them.
+        config: How to checkpoint them.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> config = CheckpointingConfig(classes=["Linear"])
+        >>> checkpoint_selected(model, select_modules(model, config), config)
+        >>> is_checkpointed(model[0])
+        True
+    """
     for name, sub in selected.items():
         checkpoint_module(sub, name, config)
-    switch_off_kv_caches(module, selected.values())
-    return list(selected)
+    switch_off_kv_caches(root, selected.values())
 
 
 def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> str:

@@ -10,12 +10,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ckpt_determinism.checkpointing import (
-    checkpoint_module,
     checkpointed_modules,
     remove_activation_checkpointing,
     select_modules,
 )
-from lightning_ckpt_determinism.checkpointing.kv_cache import switch_off_kv_caches
+from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import (
     CheckpointingConfigError,
@@ -147,10 +146,8 @@ class ActivationCheckpointingMixin:
         """
         if not selected:
             return
-        for name, module in selected.items():
-            checkpoint_module(module, name, self.checkpointing)
-            self._applied_checkpointing[name] = module
-        switch_off_kv_caches(root if root is not None else self.lightning_module, selected.values())  # type: ignore[attr-defined]
+        checkpoint_selected(root if root is not None else self.lightning_module, selected, self.checkpointing)  # type: ignore[attr-defined]
+        self._applied_checkpointing.update(selected)
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
             f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"
