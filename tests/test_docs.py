@@ -3,6 +3,7 @@ pages equal what the code and the measurements give, and the quick start is what
 
 import contextlib
 import io
+import json
 import logging
 import re
 import subprocess
@@ -176,8 +177,6 @@ def test_the_causes_page_is_generated_from_cause_hints() -> None:
 
 
 def test_the_performance_tables_are_made_from_the_benchmark_json() -> None:
-    import json
-
     text = (REPO / "docs" / "performance.md").read_text()
     assert text == generate.performance_page(text, json.loads((REPO / "docs" / "benchmark-cpu.json").read_text()))
 
