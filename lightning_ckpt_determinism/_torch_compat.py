@@ -49,6 +49,7 @@ __all__ = [
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
+    "no_python_dispatch",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
@@ -66,6 +67,10 @@ disable_current_modes = _disable_current_modes
 
 # The functorch config the partitioner reads: `activation_memory_budget` (>= 2.4), `enable_autograd_cache` (>= 2.5).
 functorch_config: Any = torch._functorch.config
+
+# A block in which ops skip every Python dispatch mode and tensor subclass (>= 1.13): the sentinel's own reads, which
+# a selective-checkpointing mode must not cache as the model's ops.
+no_python_dispatch: Callable[[], Any] = torch._C._DisableTorchDispatch
 
 # RNG functionalization: the forward saves the generator state a random op drew from, its recomputation replays it
 # (>= 2.1); the graph-safe form CUDA graphs use (>= 2.7).

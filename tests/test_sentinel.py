@@ -203,3 +203,67 @@ def test_compiled_regions_are_not_compared_and_those_that_graph_break_are() -> N
     assert report.compiled == REGIONS
     assert [region.compared > 0 for region in report.regions.values()] == [False, True, False]
     assert report.mismatches == 0
+
+
+class SummingBlock(PlainBlock):
+    """A block whose forward sums rows, an op a selective-checkpointing policy may save."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        return torch.tanh(h * h.sum(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+def test_the_sentinels_own_ops_never_enter_the_regions_selective_checkpointing_cache(exact: bool) -> None:
+    # With `aten.sum` saved by the policy, a digest's row sums taken at the forward would be served to the
+    # recomputation's own sums, were the cache's dispatch mode to see them.
+    def gradients(watch: bool) -> tuple[dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = checkpointed(make_stack(SummingBlock), save_ops=["aten.sum"])
+        if not watch:
+            return step_gradients(model), 0
+        with recomputation_sentinel(model, exact=exact) as sentinel:
+            grads = step_gradients(model)
+        assert sentinel.report().mismatches == 0
+        return grads, sentinel.report().compared
+
+    (watched, compared), (plain, _) = gradients(watch=True), gradients(watch=False)
+    assert compared > 0
+    assert watched.keys() == plain.keys() and all(torch.equal(watched[name], plain[name]) for name in plain)
+
+
+class TwoHeadedBlock(nn.Module):
+    """Returns two outputs; the second, computed last, is left unused by the caller, so the holders of what it saved
+    are freed before backward and torch's comparison skips them."""
+
+    def __init__(self, noisy: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.noisy = noisy
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        used = torch.tanh(self.linear(x) * (float(np.random.rand()) if self.noisy else 1.0))
+        return used, torch.sigmoid(used * 2)
+
+
+class UsingFirstHead(nn.Module):
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.block = TwoHeadedBlock(noisy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        used, _ = self.block(x)
+        return used
+
+
+@pytest.mark.parametrize("noisy", [False, True], ids=["clean", "noisy"])
+def test_a_recomputation_whose_last_saved_tensor_was_freed_is_still_compared(noisy: bool) -> None:
+    model = UsingFirstHead(noisy)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["block"]))
+    with recomputation_sentinel(model, exact=True) as sentinel:
+        x, y = batch()
+        F.mse_loss(model(x).sum(-1, keepdim=True), y).backward()
+        report = sentinel.report()
+    # The input and tanh's output are compared; the sigmoid's output, saved last, was never recomputed in time.
+    assert report.regions["block"].compared == 2
+    assert report.regions["block"].mismatches == (1 if noisy else 0)

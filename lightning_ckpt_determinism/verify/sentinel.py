@@ -2,27 +2,29 @@
 forward's, through digests, on every step.
 
 Inside :func:`recomputation_sentinel` the sentinel is torch's ``determinism_check`` extractor for every eagerly
-checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.saved`). At the region's forward, torch hands it
-each tensor it saves; the sentinel keeps a :func:`~lightning_ckpt_determinism.verify.digest.digest` of it on its
-device, with its position, metadata and the op that produced it. At the region's first unpack in backward, once the
-region is recomputed, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares the
-metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check="default"``)
-and digests the recomputed tensor for a comparison on the device, read back later (:meth:`report`, or
-:meth:`RecomputationSentinel.settle` once per training step). Nothing is read back to the host inside forward or
-backward.
+checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.saved`). At the region's forward, torch hands
+it each tensor it saves; the sentinel digests the tensor on its device at once (a reduction and a dot product, while
+the tensor is fresh, in :mod:`~lightning_ckpt_determinism.verify.digest`) and keeps its position, metadata and the
+op that produced it. At the region's first unpack in backward, once the region is recomputed, torch compares each
+kept value with the recomputed tensor (``!=``): the sentinel compares the metadata at once (a difference raises
+torch's ``CheckpointError`` as before, under ``determinism_check="default"``) and digests the recomputed tensor. The
+comparison stays on the device, read back later (:meth:`report`, or :meth:`RecomputationSentinel.settle` once per
+training step, after one comparison for the whole step). Nothing is read back to the host inside forward or
+backward, and the sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a
+mode of the user's never takes them for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
 recognised by their storage and left out; a buffer a recomputation updates a second time is attribution's to find.
 What it cannot see: torch's early stop ends a recomputation once every saved tensor is back, so ops after a region's
 last saved tensor are never recomputed; compiled regions are recomputed by the compiler, which calls no extractor
-(they count as not compared; regions that graph-break run eagerly and are compared); with sampled digests, a change
-of single elements shows only at the steps whose offset reads them.
+(they count as not compared; regions that graph-break run eagerly and are compared); tensor subclasses other than
+DTensor (whose shard it reads), which it leaves out; with sampled digests, a change of single elements shows only
+at the steps whose offset reads them.
 """
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import current_graph_task_id, is_compiled_module
+from lightning_ckpt_determinism._torch_compat import current_graph_task_id, is_compiled_module, no_python_dispatch
 from lightning_ckpt_determinism.checkpointing.saved import observing_saved_tensors
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
-from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, RowWeights, digest
+from lightning_ckpt_determinism.verify.digest import DigestPlans
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = ["RecomputationSentinel", "SentinelRegion", "SentinelReport", "recomputation_sentinel"]
@@ -87,17 +89,16 @@ class SentinelReport:
 
 
 class _Recomputed:
-    """What the extractor gives for a recomputed tensor: the tensor, weakly (torch holds it while it compares)."""
+    """What the extractor gives for a recomputed tensor: the tensor, for the comparison torch runs at once."""
 
     __slots__ = ("tensor",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = weakref.ref(tensor)
+        self.tensor = tensor
 
     def __ne__(self, other: object) -> bool:
-        # Reached when the forward ran outside the sentinel (torch kept its own metadata): metadata only.
-        tensor = self.tensor()
-        return tensor is None or _metadata(tensor) != other
+        # Reached when the forward ran outside the sentinel: torch kept its own metadata, or nothing ("none").
+        return other is not None and _metadata(self.tensor) != other
 
     def __eq__(self, other: object) -> bool:
         return not self.__ne__(other)
@@ -105,44 +106,32 @@ class _Recomputed:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        tensor = self.tensor()
-        return repr(_metadata(tensor)) if tensor is not None else "<freed>"
+        return repr(_metadata(self.tensor))
 
 
 class _Saved:
-    """What torch keeps of one saved tensor at the forward, and compares with ``!=`` after the recomputation."""
+    """What torch keeps of one saved tensor at the forward, and compares with ``!=`` after the recomputation.
 
-    __slots__ = ("call", "device", "digest", "dtype", "position", "producer", "shape", "strict")
+    ``slot`` is its place among the call's digests: ``None`` for a parameter, a buffer or a tensor without bits.
+    """
 
-    def __init__(self, call: "_Call", position: int, tensor: torch.Tensor, *, strict: bool) -> None:
-        local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+    __slots__ = ("call", "device", "dtype", "position", "producer", "shape", "slot", "strict")
+
+    def __init__(self, call: "_Call", position: int, *, strict: bool) -> None:
         self.call = call
         self.position = position
-        self.shape, self.dtype, self.device = local.shape, local.dtype, local.device
         self.strict = strict
-        self.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
-        state = _is_state(tensor, local, call.buffers)
-        self.digest = None if state else digest(local, call.offset, call.weights)
-        if not state:
-            call.saved_bytes += local.numel() * local.element_size()
+        self.slot: int | None = None
+        self.shape: torch.Size | None = None
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.producer = ""
 
     def __ne__(self, other: object) -> bool:
-        if not isinstance(other, _Recomputed):
-            return {"shape": self.shape, "dtype": self.dtype, "device": self.device} != other
-        recomputed = other.tensor()
-        if recomputed is None:
-            return False
-        local = local_tensor(recomputed)
-        if (local.shape, local.dtype, local.device) != (self.shape, self.dtype, self.device):
-            if self.strict:
-                return True  # torch raises its CheckpointError, naming the metadata
-            recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"
-            self.call.metadata_mismatches.append(f"{self.describe()} was recomputed as {recomputed_as}")
-            return False
-        value = digest(local, self.call.offset, self.call.weights) if self.digest is not None else None
-        if value is not None:
-            self.call.pairs.append((self, value))
-        return False
+        if isinstance(other, _Recomputed):
+            return self.call.recomputed(self, other.tensor)
+        # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
+        return self.strict and self.metadata() != other
 
     def __eq__(self, other: object) -> bool:
         return not self.__ne__(other)
@@ -150,39 +139,93 @@ class _Saved:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return repr({"shape": self.shape, "dtype": self.dtype, "device": self.device})
+        return repr(self.metadata())
+
+    def metadata(self) -> dict[str, Any]:
+        return {"shape": self.shape, "dtype": self.dtype, "device": self.device}
 
     def describe(self) -> str:
-        return f"saved tensor {self.position} ({self.producer}, {tuple(self.shape)} {self.dtype})"
+        shape = tuple(self.shape) if self.shape is not None else None
+        return f"saved tensor {self.position} ({self.producer}, {shape} {self.dtype})"
 
 
 class _Call:
-    """One forward of one region: its saved tensors' digests and, after the recomputation, the pairs to compare."""
+    """One forward of one region: its saved tensors' digests and, after each recomputation, the digests to compare.
 
-    def __init__(self, region: str, buffers: frozenset[int | None], offset: int | None, weights: RowWeights) -> None:
+    Each saved tensor is digested as torch hands it over, while it is fresh; the forward's digests are stacked into
+    one vector when the region's forward ends, the recomputation's at the comparison of the last of them.
+    """
+
+    def __init__(self, sentinel: "RecomputationSentinel", region: str, buffers: frozenset[int | None]) -> None:
+        self.sentinel = sentinel
         self.region = region
         self.buffers = buffers
-        self.offset = offset
-        self.weights = weights
+        self.offset = None if sentinel.exact else sentinel.offset
         self.task = current_graph_task_id()
-        self.saved = 0
+        self.saved: list[_Saved] = []
         self.saved_bytes = 0
-        self.pairs: list[tuple[_Saved, torch.Tensor]] = []
+        self.forward: torch.Tensor | None = None
+        self.comparisons: list[tuple[list[int], torch.Tensor]] = []
         self.metadata_mismatches: list[str] = []
+        self._digests: list[torch.Tensor] = []
+        self._recomputed: list[tuple[int, torch.Tensor]] = []
 
     def save(self, tensor: torch.Tensor, strict: bool) -> _Saved:
-        self.saved += 1
-        return _Saved(self, self.saved - 1, tensor, strict=strict)
+        """Keep ``tensor``'s metadata and words (read while it is fresh); its digest comes at the forward's end."""
+        saved = _Saved(self, len(self.saved), strict=strict)
+        self.saved.append(saved)
+        local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+        saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
+        saved.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
+        if type(local) is torch.Tensor and not _is_state(tensor, local, self.buffers):
+            with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
+                matrix = self.sentinel.plans.read(local, self.offset)
+                if matrix is not None:
+                    saved.slot = len(self._digests)
+                    self._digests.append(self.sentinel.plans.digest(matrix))
+                    self.saved_bytes += local.numel() * local.element_size()
+        return saved
 
-    def differs(self) -> torch.Tensor:
-        """Whether any compared digest differs, on the device: one comparison for the whole call."""
-        forward = torch.stack([saved.digest for saved, _ in self.pairs])  # type: ignore[misc]
-        recomputed = torch.stack([value for _, value in self.pairs])
-        return (forward != recomputed).any()
+    def forward_done(self, *, digest: bool) -> None:
+        """The region's forward ended: digest its activations at once (or drop them, when it raised)."""
+        if digest and self._digests:
+            self.forward = torch.stack(self._digests)
+        self._digests = []
 
-    def mismatching(self) -> list[_Saved]:
-        """The saved tensors whose digests differ, in order (reads back one flag per tensor)."""
-        return [saved for saved, value in self.pairs if not torch.equal(saved.digest, value)]  # type: ignore[arg-type]
+    def recomputed(self, saved: _Saved, tensor: torch.Tensor) -> bool:
+        """torch compares ``saved`` with its recomputation: metadata now, the digest with the call's last one."""
+        self.sentinel.comparing(self)
+        local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+        if (local.shape, local.dtype, local.device) != (saved.shape, saved.dtype, saved.device):
+            if saved.strict:
+                return True  # torch raises its CheckpointError, naming the metadata
+            recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"
+            self.metadata_mismatches.append(f"{saved.describe()} was recomputed as {recomputed_as}")
+        elif saved.slot is not None:
+            with no_python_dispatch():
+                matrix = self.sentinel.plans.read(local, self.offset)
+                if matrix is not None:
+                    self._recomputed.append((saved.slot, self.sentinel.plans.digest(matrix)))
+        if saved.position == len(self.saved) - 1:
+            self.recomputation_done()
+        return False
+
+    def recomputation_done(self) -> None:
+        """Digest what this recomputation gave, together (also reached later when the last holder was freed)."""
+        if self._recomputed:
+            slots = [slot for slot, _ in self._recomputed]
+            self.comparisons.append((slots, torch.stack([found for _, found in self._recomputed])))
+        self._recomputed = []
+        self.sentinel.compared(self)
+
+    def pairs(self) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """Each recomputation's slots, with the forward's digests there and the recomputed ones."""
+        forward = self.forward
+        if forward is None:  # nothing digested, so no slots
+            return
+        for slots, recomputed in self.comparisons:
+            every = len(slots) == len(forward) and slots == list(range(len(slots)))
+            yield slots, forward if every else forward[torch.tensor(slots, device=forward.device)], recomputed
 
 
 def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:
@@ -225,9 +268,11 @@ class RecomputationSentinel:
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._step = 0
-        self._weights = RowWeights()
+        self.plans = DigestPlans()
         self._open: list[_Call] = []
         self._calls: list[_Call] = []
+        self._recomputing: _Call | None = None
+        self._flags: tuple[list[tuple[_Call, list[int]]], torch.Tensor | None] | None = None
         self._paused = 0
 
     @property
@@ -246,6 +291,11 @@ class RecomputationSentinel:
         what the region holds when it runs without checkpointing."""
         return dict(self._saved_bytes)
 
+    @property
+    def offset(self) -> int:
+        """The window sampled digests read this step (see :meth:`next_step`)."""
+        return self._step
+
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
         """Entered around each forward of an eagerly checkpointed region (the saved-tensor observer hook)."""
@@ -253,24 +303,43 @@ class RecomputationSentinel:
         if self._paused or name not in self._totals:
             yield
             return
-        call = _Call(name, self._buffers[name], None if self.exact else self._step % SAMPLE_STRIDE, self._weights)
+        call = _Call(self, name, self._buffers[name])
         self._open.append(call)
+        finished = False
         try:
             yield
+            finished = True
         finally:
             self._open.pop()
-            self._saved_bytes.setdefault(name, call.saved_bytes)
             if call.saved:
-                self._calls.append(call)
+                call.forward_done(digest=finished)
+                if finished:
+                    self._saved_bytes.setdefault(name, call.saved_bytes)
+                    self._calls.append(call)
 
     def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any:
-        """torch's ``determinism_check`` extractor: a kept digest at a region's forward, the recomputed tensor at the
-        comparison after its recomputation."""
+        """torch's ``determinism_check`` extractor: a kept value at a region's forward (digested when the forward
+        ends), the recomputed tensor at the comparison after its recomputation."""
         if self._paused:
             return _metadata(tensor) if strict else None
-        if self._open and self._open[-1].task == current_graph_task_id():
+        task = current_graph_task_id()
+        if self._open and self._open[-1].task == task:
             return self._open[-1].save(tensor, strict)
+        if task == -1:  # a forward the sentinel does not watch: what torch would keep
+            return _metadata(tensor) if strict else None
         return _Recomputed(tensor)
+
+    def comparing(self, call: _Call) -> None:
+        """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested."""
+        if self._recomputing is not None and self._recomputing is not call:
+            self._recomputing.recomputation_done()
+        self._recomputing = call
+
+    def compared(self, call: _Call) -> None:
+        """``call``'s recomputation is digested."""
+        if self._recomputing is call:
+            self._recomputing = None
+        self._flags = None
 
     def next_step(self) -> None:
         """Move the sampled digests' offset on, so that every element is read within ``SAMPLE_STRIDE`` steps."""
@@ -286,20 +355,42 @@ class RecomputationSentinel:
             self._paused -= 1
 
     def pending_mismatches(self, device: torch.device | str) -> torch.Tensor:
-        """How many calls of each region differ among those compared since the last :meth:`settle`, as an integer
-        tensor on ``device`` in region order; computed on the device, not read back.
+        """How many saved tensors of each region differ among those compared since the last :meth:`settle`, as an
+        integer tensor on ``device`` in region order; computed on the device, not read back.
 
         Args:
             device: Where the counts go (the device the collective backend needs).
         """
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        counts = dict.fromkeys(self._names, zero)
+        layout, flags = self._mismatch_flags()
+        counts = torch.zeros(len(self._names), dtype=torch.int64, device=device)
+        if flags is not None:
+            index = {name: position for position, name in enumerate(self._names)}
+            regions = [index[call.region] for call, slots in layout for _ in slots]
+            owners = torch.tensor(regions, dtype=torch.int64, device=flags.device)
+            found = torch.zeros(len(self._names), dtype=torch.int64, device=flags.device).index_add_(0, owners, flags)
+            counts = found.to(device)
+        metadata = [0] * len(self._names)
         for call in self._calls:
-            found = counts[call.region] + len(call.metadata_mismatches)
-            if call.pairs:
-                found = found + call.differs().to(device)
-            counts[call.region] = found
-        return torch.stack([counts[name] for name in self._names])
+            metadata[self._names.index(call.region)] += len(call.metadata_mismatches)
+        if any(metadata):
+            counts = counts + torch.tensor(metadata, dtype=torch.int64, device=device)
+        return counts
+
+    def _mismatch_flags(self) -> tuple[list[tuple[_Call, list[int]]], torch.Tensor | None]:
+        """Every comparison since the last settle, in order, and whether each differed (an int64 vector, on the
+        device; ``None`` when nothing was compared): one comparison for all of them."""
+        if self._recomputing is not None:
+            self._recomputing.recomputation_done()
+        if self._flags is None:
+            layout, forward, recomputed = [], [], []
+            for call in self._calls:
+                for slots, before, after in call.pairs():
+                    layout.append((call, slots))
+                    forward.append(before)
+                    recomputed.append(after)
+            flags = (torch.cat(forward) != torch.cat(recomputed)).to(torch.int64) if forward else None
+            self._flags = (layout, flags)
+        return self._flags
 
     def settle(self, *, clean: bool = False) -> dict[str, SentinelRegion]:
         """Add what was compared since the last settle to the report, and return it by region.
@@ -308,17 +399,28 @@ class RecomputationSentinel:
             clean: The caller knows that nothing differed (every rank's :meth:`pending_mismatches` was zero): no
                 comparison is read back.
         """
+        layout, flags = self._mismatch_flags()
+        differed = [] if clean or flags is None else flags.tolist()
+        found: dict[int, list[str]] = {}
+        compared: dict[int, int] = {}
+        at = 0
+        for call, slots in layout:
+            compared[id(call)] = compared.get(id(call), 0) + len(slots)
+            by_slot = {saved.slot: saved for saved in call.saved if saved.slot is not None}
+            for slot, flag in zip(slots, differed[at : at + len(slots)], strict=False):
+                if flag:
+                    found.setdefault(id(call), []).append(by_slot[slot].describe())
+            at += len(slots)
         period = {name: SentinelRegion() for name in self._names}
         for call in self._calls:
-            found = [] if clean else [saved.describe() for saved in call.mismatching()]
-            found = call.metadata_mismatches + found
+            mismatches = call.metadata_mismatches + found.get(id(call), [])
             region = period[call.region]
             period[call.region] = SentinelRegion(
-                compared=region.compared + len(call.pairs) + len(call.metadata_mismatches),
-                mismatches=region.mismatches + len(found),
-                first_mismatch=region.first_mismatch or (found[0] if found else None),
+                compared=region.compared + compared.get(id(call), 0) + len(call.metadata_mismatches),
+                mismatches=region.mismatches + len(mismatches),
+                first_mismatch=region.first_mismatch or (mismatches[0] if mismatches else None),
             )
-        self._calls = []
+        self._calls, self._flags = [], None
         for name, region in period.items():
             total = self._totals[name]
             self._totals[name] = SentinelRegion(

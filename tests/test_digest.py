@@ -1,0 +1,116 @@
+"""The sentinel's digests (`lightning_ckpt_determinism.verify.digest`): the documented integer formula, exact on
+every bit pattern, whatever path reads the tensor."""
+
+import pytest
+import torch
+
+from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestPlans, digest, digests, words
+
+
+def formula(tensor: torch.Tensor, offset: int | None = None) -> int:
+    """The digest as the module documents it, in Python integers, wrapped to 64 bits at the end."""
+    matrix = words(tensor, offset)
+    assert matrix is not None
+    total = 0
+    for row, values in enumerate(matrix.tolist()):
+        total += ((0x9E3779B97F4A7C15 * (row + 1)) % 2**64 | 1) * sum(values)
+    total %= 2**64
+    return total - 2**64 if total >= 2**63 else total
+
+
+def bit_patterns(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random bits of every kind (NaNs, infinities, -0.0, subnormals among them) in a tensor of ``dtype``."""
+    generator = torch.Generator().manual_seed(0)
+    size = torch.empty(0, dtype=dtype).element_size()
+    signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    info = torch.iinfo(signed)
+    raw = torch.randint(info.min, info.max, shape, dtype=signed, generator=generator)
+    return raw.view(dtype) if dtype != torch.bool else raw.view(torch.uint8).bool()
+
+
+TENSORS = {
+    "float32 activations": lambda: bit_patterns((4, 8, 40), torch.float32),
+    "a (batch, seq, 1) statistic": lambda: bit_patterns((4, 8, 1), torch.float32),
+    "bfloat16, four to a word": lambda: bit_patterns((6, 36), torch.bfloat16),
+    "bfloat16, two to a word": lambda: bit_patterns((6, 34), torch.bfloat16),
+    "float32 of odd width": lambda: bit_patterns((3, 4, 17), torch.float32),
+    "a misaligned float32 view": lambda: bit_patterns((5, 41), torch.float32).view(-1)[1:201].view(5, 40),
+    "float16 of odd width, one to a word": lambda: bit_patterns((5, 7), torch.float16),
+    "a boolean mask": lambda: torch.rand(8, 24, generator=torch.Generator().manual_seed(1)) > 0.5,
+    "int64 indices": lambda: bit_patterns((3, 20), torch.int64),
+    "float64": lambda: bit_patterns((3, 18), torch.float64),
+    "complex64": lambda: bit_patterns((4, 10), torch.complex64),
+    "a 0-dimensional tensor": lambda: torch.tensor(-3.5),
+    "an empty tensor": lambda: torch.zeros(0, 5),
+    "a transposed view": lambda: bit_patterns((40, 24), torch.float32).t(),
+    "a sliced view": lambda: bit_patterns((10, 48), torch.float32)[2:, 5:],
+}
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+@pytest.mark.parametrize("offset", [None, 0, 3, SAMPLE_STRIDE + 5], ids=["exact", "window 0", "window 3", "wrapped"])
+def test_digests_are_the_documented_integer_formula_on_any_bits(name: str, offset: int | None) -> None:
+    tensor = TENSORS[name]()
+    found = digests([tensor, tensor.clone()], offset)
+    assert found.dtype == torch.int64
+    assert found.tolist() == [formula(tensor, offset)] * 2
+
+
+def test_the_planned_views_of_contiguous_tensors_read_what_the_general_path_reads() -> None:
+    plans = DigestPlans()
+    tensor = bit_patterns((6, 80), torch.float32)
+    strided = tensor.t().contiguous().t()  # equal values, other strides: read through a copy
+    assert not strided.is_contiguous()
+    for offset in (None, 1, 7):
+        planned, general = plans.read(tensor, offset), words(strided, offset)
+        assert planned is not None and general is not None
+        assert torch.equal(planned, general)
+        assert planned.dtype == general.dtype == torch.int64
+    assert torch.equal(digests([tensor], 2, plans), digests([strided], 2, plans))
+
+
+@pytest.mark.parametrize("bit", [0, 1, 22, 23, 30, 31], ids=lambda bit: f"bit {bit}")
+@pytest.mark.parametrize("column", [2, 3], ids=["low half of a word", "high half of a word"])
+def test_flipping_any_single_bit_in_any_row_changes_the_digest(bit: int, column: int) -> None:
+    tensor = bit_patterns((8, 32), torch.float32)
+    before = digest(tensor)
+    for row in range(8):
+        changed = tensor.clone()
+        changed.view(torch.int32)[row, column] ^= torch.tensor(1 << bit if bit < 31 else -(2**31), dtype=torch.int32)
+        assert not torch.equal(digest(changed), before), f"row {row}"  # type: ignore[arg-type]
+
+
+def test_rows_moved_a_tensor_negated_or_rescaled_change_the_digest_and_words_reordered_in_a_row_do_not() -> None:
+    rows = torch.linspace(-1, 1, 128).reshape(4, 32)  # as many negative values as positive
+    words_reordered = rows.view(torch.int64).flip(1).view(torch.float32)  # pairs of float32 moved within rows
+    found = digests([rows, rows.flip(0), rows.roll(1, 0), -rows, rows * 0.5, words_reordered]).tolist()
+    assert len(set(found[:5])) == 5
+    assert found[5] == found[0]  # the documented blind spot
+
+
+def test_every_column_is_read_within_sample_stride_steps_and_short_rows_are_read_whole() -> None:
+    columns = torch.arange(80, dtype=torch.float32).repeat(3, 1)  # 40 words of two float32 a row
+    seen = set()
+    for offset in range(SAMPLE_STRIDE):
+        window = words(columns, offset)
+        assert window is not None and window.shape[0] == 3 and 0 < window.shape[1] <= 3
+        seen.update(int(value) for value in window[0].contiguous().view(torch.float32).tolist())
+    assert seen == set(range(80))
+    short = torch.zeros(4, 2, 8)  # rows of 8 elements, two joined into rows of 16 (8 words): no window
+    assert words(short, offset=5).shape == (4, 8)  # type: ignore[union-attr]
+
+
+def test_tensors_without_readable_bits_have_no_digest() -> None:
+    assert words(torch.zeros(4, 4).to_sparse()) is None
+    assert digest(torch.empty(4, 4, device="meta")) is None
+    with pytest.raises(ValueError, match="no bits to read"):
+        digests([torch.zeros(2, 2).to_sparse()])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_digests_are_those_of_the_cpu() -> None:
+    tensors = [TENSORS[name]() for name in ("float32 activations", "bfloat16, four to a word", "a boolean mask")]
+    for offset in (None, 3):
+        on_cuda = digests([tensor.cuda() for tensor in tensors], offset)
+        assert on_cuda.device.type == "cuda"
+        assert on_cuda.cpu().tolist() == digests(tensors, offset).tolist()
