@@ -36,7 +36,7 @@ from benchmarks.common import (
 )
 from benchmarks.monitor import _fit, _step_peak_bytes
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, recomputation_sentinel
-from lightning_ckpt_determinism.verify import sentinel as sentinel_module
+from lightning_ckpt_determinism.verify import digest as digest_module
 
 MODES = ("off", "sampled", "exact")
 THREADS = 2
@@ -136,14 +136,22 @@ def _peaks(size: ModelSize, device: torch.device) -> dict[str, float]:
 
 @contextmanager
 def _constant_digests(device: torch.device) -> Iterator[None]:
-    """The sentinel with every digest one constant tensor: its hooks and bookkeeping without the digest kernels."""
-    constant = torch.zeros(1, dtype=torch.int32, device=device)
-    real = sentinel_module.digest
-    sentinel_module.digest = lambda tensor, offset=None, weights=None: constant  # type: ignore[assignment]
+    """The sentinel with constant digests: its hooks and bookkeeping without the digests' views and kernels."""
+    constant = torch.zeros((), dtype=torch.int64, device=device)
+
+    def constant_read(self: Any, tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+        return constant
+
+    def constant_digest(self: Any, matrix: torch.Tensor) -> torch.Tensor:
+        return constant
+
+    plans = digest_module.DigestPlans
+    real = plans.read, plans.digest
+    plans.read, plans.digest = constant_read, constant_digest  # type: ignore[method-assign]
     try:
         yield
     finally:
-        sentinel_module.digest = real
+        plans.read, plans.digest = real  # type: ignore[method-assign]
 
 
 @contextmanager
