@@ -171,7 +171,7 @@ class _Call:
         self._recomputed: list[tuple[int, torch.Tensor]] = []
 
     def save(self, tensor: torch.Tensor, strict: bool) -> _Saved:
-        """Keep ``tensor``'s metadata and words (read while it is fresh); its digest comes at the forward's end."""
+        """Keep ``tensor``'s metadata and its digest, taken while the tensor is fresh."""
         saved = _Saved(self, len(self.saved), strict=strict)
         self.saved.append(saved)
         local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
@@ -187,13 +187,14 @@ class _Call:
         return saved
 
     def forward_done(self, *, digest: bool) -> None:
-        """The region's forward ended: digest its activations at once (or drop them, when it raised)."""
+        """The region's forward ended: stack its digests into one vector (or drop them, when it raised)."""
         if digest and self._digests:
             self.forward = torch.stack(self._digests)
         self._digests = []
 
     def recomputed(self, saved: _Saved, tensor: torch.Tensor) -> bool:
-        """torch compares ``saved`` with its recomputation: metadata now, the digest with the call's last one."""
+        """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
+        digests (stacked at the call's last tensor) at the step's end."""
         self.sentinel.comparing(self)
         local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
         if (local.shape, local.dtype, local.device) != (saved.shape, saved.dtype, saved.device):
@@ -211,7 +212,7 @@ class _Call:
         return False
 
     def recomputation_done(self) -> None:
-        """Digest what this recomputation gave, together (also reached later when the last holder was freed)."""
+        """Stack this recomputation's digests (also reached later, when the last tensor's holder was freed)."""
         if self._recomputed:
             slots = [slot for slot, _ in self._recomputed]
             self.comparisons.append((slots, torch.stack([found for _, found in self._recomputed])))
