@@ -69,7 +69,8 @@ disable_current_modes = _disable_current_modes
 functorch_config: Any = torch._functorch.config
 
 # A block in which ops skip every Python dispatch mode and tensor subclass (>= 1.13): the sentinel's own reads, which
-# a selective-checkpointing mode must not cache as the model's ops.
+# a selective-checkpointing mode must not cache as the model's ops. A C++ guard, entered for every saved tensor where
+# `disable_current_modes` would pop and push the mode stack in Python.
 no_python_dispatch: Callable[[], Any] = torch._C._DisableTorchDispatch
 
 # RNG functionalization: the forward saves the generator state a random op drew from, its recomputation replays it

@@ -78,9 +78,9 @@ def words(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | Non
         matrix = data.view(rows, columns)
     except RuntimeError:  # not a view of a matrix (a permuted tensor): its words in order, in a copy
         matrix = data.reshape(rows, columns)
-    if offset is not None and columns >= SAMPLE_STRIDE and columns == data.shape[-1]:
-        width = -(-columns // SAMPLE_STRIDE)
-        start = offset % -(-columns // width) * width
+    windows = _windows(columns, data.shape[-1])
+    if offset is not None and windows:
+        start, width = windows[offset % len(windows)]
         matrix = matrix[:, start : start + width]
     return matrix
 
@@ -155,9 +155,8 @@ def digest(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | No
         >>> digest(torch.zeros(1)) == digest(-torch.zeros(1))  # 0.0 and -0.0 differ in their sign bit
         tensor(False)
     """
-    if words(tensor, offset) is None:
-        return None
-    return digests([tensor], offset)[0]
+    matrix = words(tensor, offset)
+    return None if matrix is None else DigestPlans().digest(matrix)
 
 
 class DigestPlans:
@@ -240,11 +239,7 @@ class _View:
             return None
         columns = _row_elements(tensor.shape) * size // word
         rows = tensor.numel() * size // word // columns if columns else 0
-        windows = []
-        if columns >= SAMPLE_STRIDE and columns == tensor.shape[-1] * size // word:
-            width = -(-columns // SAMPLE_STRIDE)
-            windows = [(start, min(width, columns - start)) for start in range(0, columns, width)]
-        return _View(_WORD[word], word // size, rows, columns, windows)
+        return _View(_WORD[word], word // size, rows, columns, _windows(columns, tensor.shape[-1] * size // word))
 
     def read(self, tensor: torch.Tensor, offset: int | None) -> torch.Tensor:
         data = tensor.view(self.word)
@@ -281,6 +276,16 @@ def _as_words(data: torch.Tensor, size: int) -> torch.Tensor:
         return elements.view(_WORD[word])
     except RuntimeError:  # not contiguous in its last dimension, or not aligned to a word: packed from a copy
         return elements.clone(memory_format=torch.contiguous_format).view(_WORD[word])
+
+
+def _windows(columns: int, last: int) -> list[tuple[int, int]]:
+    """The windows (start, width) a sampled digest takes in turn from rows of ``columns`` words whose last dimension
+    has ``last`` words: ``ceil(columns / SAMPLE_STRIDE)`` wide, none (the rows read whole) for rows shorter than
+    SAMPLE_STRIDE words or joined from several dimensions."""
+    if columns < SAMPLE_STRIDE or columns != last:
+        return []
+    width = -(-columns // SAMPLE_STRIDE)
+    return [(start, min(width, columns - start)) for start in range(0, columns, width)]
 
 
 def _row_elements(shape: torch.Size) -> int:

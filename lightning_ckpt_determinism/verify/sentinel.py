@@ -178,13 +178,19 @@ class _Call:
         saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
         saved.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
         if type(local) is torch.Tensor and not _is_state(tensor, local, self.buffers):
-            with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
-                matrix = self.sentinel.plans.read(local, self.offset)
-                if matrix is not None:
-                    saved.slot = len(self._digests)
-                    self._digests.append(self.sentinel.plans.digest(matrix))
-                    self.saved_bytes += local.numel() * local.element_size()
+            found = self._digest(local)
+            if found is not None:
+                saved.slot = len(self._digests)
+                self._digests.append(found)
+                self.saved_bytes += local.numel() * local.element_size()
         return saved
+
+    def _digest(self, local: torch.Tensor) -> torch.Tensor | None:
+        """``local``'s digest at this call's offset, or ``None`` for a tensor without bits to read."""
+        plans = self.sentinel.plans
+        with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
+            matrix = plans.read(local, self.offset)
+            return None if matrix is None else plans.digest(matrix)
 
     def forward_done(self, *, digest: bool) -> None:
         """The region's forward ended: stack its digests into one vector (or drop them, when it raised)."""
@@ -202,11 +208,8 @@ class _Call:
                 return True  # torch raises its CheckpointError, naming the metadata
             recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"
             self.metadata_mismatches.append(f"{saved.describe()} was recomputed as {recomputed_as}")
-        elif saved.slot is not None:
-            with no_python_dispatch():
-                matrix = self.sentinel.plans.read(local, self.offset)
-                if matrix is not None:
-                    self._recomputed.append((saved.slot, self.sentinel.plans.digest(matrix)))
+        elif saved.slot is not None and (found := self._digest(local)) is not None:
+            self._recomputed.append((saved.slot, found))
         if saved.position == len(self.saved) - 1:
             self.recomputation_done()
         return False
@@ -262,6 +265,7 @@ class RecomputationSentinel:
         self.exact = exact
         regions = checkpointed_modules(module)
         self._names = list(regions)
+        self._index = {name: position for position, name in enumerate(self._names)}
         self._name_of = {id(sub): name for name, sub in regions.items()}
         self._compiled = _compiled_regions(module)
         # Buffers keep their storage (BatchNorm updates its statistics in place): known once.
@@ -365,14 +369,13 @@ class RecomputationSentinel:
         layout, flags = self._mismatch_flags()
         counts = torch.zeros(len(self._names), dtype=torch.int64, device=device)
         if flags is not None:
-            index = {name: position for position, name in enumerate(self._names)}
-            regions = [index[call.region] for call, slots in layout for _ in slots]
+            regions = [self._index[call.region] for call, slots in layout for _ in slots]
             owners = torch.tensor(regions, dtype=torch.int64, device=flags.device)
             found = torch.zeros(len(self._names), dtype=torch.int64, device=flags.device).index_add_(0, owners, flags)
             counts = found.to(device)
         metadata = [0] * len(self._names)
         for call in self._calls:
-            metadata[self._names.index(call.region)] += len(call.metadata_mismatches)
+            metadata[self._index[call.region]] += len(call.metadata_mismatches)
         if any(metadata):
             counts = counts + torch.tensor(metadata, dtype=torch.int64, device=device)
         return counts
