@@ -1,5 +1,7 @@
 """The sentinel's digests (`lightning_ckpt_determinism.verify.digest`): the documented integer formula, exact on
-every bit pattern, whatever path reads the tensor."""
+every bit pattern, whatever the tensor's layout."""
+
+import itertools
 
 import pytest
 import torch
@@ -11,9 +13,12 @@ def formula(tensor: torch.Tensor, offset: int | None = None) -> int:
     """The digest as the module documents it, in Python integers, wrapped to 64 bits at the end."""
     matrix = words(tensor, offset)
     assert matrix is not None
+    table = matrix.tolist()
     total = 0
-    for row, values in enumerate(matrix.tolist()):
+    for row, values in enumerate(table):
         total += ((0x9E3779B97F4A7C15 * (row + 1)) % 2**64 | 1) * sum(values)
+    for column, values in enumerate(zip(*table, strict=True)):
+        total += ((0xC2B2AE3D27D4EB4F * (column + 1)) % 2**64 & ~1) * sum(values)
     total %= 2**64
     return total - 2**64 if total >= 2**63 else total
 
@@ -56,17 +61,52 @@ def test_digests_are_the_documented_integer_formula_on_any_bits(name: str, offse
     assert found.tolist() == [formula(tensor, offset)] * 2
 
 
-def test_the_planned_views_of_contiguous_tensors_read_what_the_general_path_reads() -> None:
+def layouts(values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``values`` laid out in memory every way a saved tensor can be: each holds the same values."""
+    found = {"contiguous": values}
+    for shift in (1, 2, 3):  # storage offsets that split 64-bit words
+        padded = torch.zeros(values.numel() + shift, dtype=values.dtype)
+        padded[shift:] = values.reshape(-1)
+        found[f"storage offset {shift}"] = padded[shift:].view(values.shape)
+    if values.dim() >= 2:
+        found["transposed back"] = values.transpose(-1, -2).contiguous().transpose(-1, -2)
+        wider = torch.zeros(*values.shape[:-1], values.shape[-1] + 2, dtype=values.dtype)
+        wider[..., 1:-1] = values
+        found["a slice of wider rows"] = wider[..., 1:-1]
+    ones = [index for index, size in enumerate(values.shape) if size == 1]
+    if ones:  # a contiguous tensor with an odd stride on a dimension of size one (attention pooling's bmm saves one)
+        strides = list(values.stride())
+        strides[ones[0]] = 1 if strides[ones[0]] != 1 else 3
+        found["an odd stride on a size-1 dimension"] = values.as_strided(values.shape, strides)
+    return found
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+
+
+SHAPES = [(4, 6, 1), (3, 1, 8), (1, 64), (5, 7), (2, 3, 40), (), (0, 8), (3, 0), (6, 17)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_layout_of_a_tensor_reads_as_its_contiguous_copy(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    values = bit_patterns(shape, dtype) if shape else bit_patterns((1,), dtype).reshape(())
     plans = DigestPlans()
-    tensor = bit_patterns((6, 80), torch.float32)
-    strided = tensor.t().contiguous().t()  # equal values, other strides: read through a copy
-    assert not strided.is_contiguous()
-    for offset in (None, 1, 7):
-        planned, general = plans.read(tensor, offset), words(strided, offset)
-        assert planned is not None and general is not None
-        assert torch.equal(planned, general)
-        assert planned.dtype == general.dtype == torch.int64
-    assert torch.equal(digests([tensor], 2, plans), digests([strided], 2, plans))
+    for name, tensor in layouts(values).items():
+        copy = tensor.clone(memory_format=torch.contiguous_format)
+        assert torch.equal(bits(copy), bits(values)), name
+        for offset in (None, 0, 5):
+            assert torch.equal(digests([tensor], offset, plans), digests([copy], offset)), (name, offset)
+            assert digests([tensor], offset).tolist() == [formula(copy, offset)], (name, offset)
+
+
+def test_a_fit_saved_attention_pooling_tensor_is_read_without_error() -> None:
+    weights = torch.softmax(torch.randn(3, 6, 1), dim=1)
+    saved = weights.transpose(1, 2)  # (3, 1, 6) contiguous, stride 1 on its dimension of size one
+    assert saved.is_contiguous() and saved.stride()[1] == 1
+    assert torch.equal(digests([saved]), digests([saved.contiguous().clone()]))
 
 
 @pytest.mark.parametrize("bit", [0, 1, 22, 23, 30, 31], ids=lambda bit: f"bit {bit}")
@@ -80,12 +120,21 @@ def test_flipping_any_single_bit_in_any_row_changes_the_digest(bit: int, column:
         assert not torch.equal(digest(changed), before), f"row {row}"  # type: ignore[arg-type]
 
 
-def test_rows_moved_a_tensor_negated_or_rescaled_change_the_digest_and_words_reordered_in_a_row_do_not() -> None:
+def test_rows_moved_words_moved_within_a_row_a_tensor_negated_or_rescaled_change_the_digest() -> None:
     rows = torch.linspace(-1, 1, 128).reshape(4, 32)  # as many negative values as positive
     words_reordered = rows.view(torch.int64).flip(1).view(torch.float32)  # pairs of float32 moved within rows
-    found = digests([rows, rows.flip(0), rows.roll(1, 0), -rows, rows * 0.5, words_reordered]).tolist()
-    assert len(set(found[:5])) == 5
-    assert found[5] == found[0]  # the documented blind spot
+    rolled = rows.roll(2, 1)  # the features rolled by one whole 64-bit word
+    found = digests([rows, rows.flip(0), rows.roll(1, 0), -rows, rows * 0.5, words_reordered, rolled]).tolist()
+    assert len(set(found)) == 7
+
+
+@pytest.mark.parametrize("first, second", list(itertools.combinations(range(8), 2)))
+def test_any_two_words_of_a_row_swapped_change_the_digest(first: int, second: int) -> None:
+    tensor = bit_patterns((3, 16), torch.float32)  # 8 words a row
+    swapped = tensor.clone()
+    pairs = swapped.view(torch.int64)
+    pairs[1, [first, second]] = pairs[1, [second, first]]
+    assert not torch.equal(digest(tensor), digest(swapped))  # type: ignore[arg-type]
 
 
 def test_every_column_is_read_within_sample_stride_steps_and_short_rows_are_read_whole() -> None:
@@ -103,6 +152,7 @@ def test_every_column_is_read_within_sample_stride_steps_and_short_rows_are_read
 def test_tensors_without_readable_bits_have_no_digest() -> None:
     assert words(torch.zeros(4, 4).to_sparse()) is None
     assert digest(torch.empty(4, 4, device="meta")) is None
+    assert digest(torch.zeros(0, 3)).item() == 0  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="no bits to read"):
         digests([torch.zeros(2, 2).to_sparse()])
 

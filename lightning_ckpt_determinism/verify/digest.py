@@ -1,29 +1,31 @@
-"""Digests of saved tensors: exact integer sums of their bit patterns, weighted by position, one integer per tensor,
-on its device, in one reduction and one dot product per tensor.
+"""Digests of saved tensors: exact integer sums of their bit patterns, weighted by row and by column, one integer per
+tensor, on its device, in two reductions per tensor.
 
 A tensor's bits are read as integer words, as wide as its last dimension allows: 64-bit words where that dimension
 spans a multiple of 8 bytes (``float32`` pairs, ``bfloat16`` quadruples, ``float64``), else 32-bit words (an odd
 number of ``float32``), else one ``int32`` per element (sign-extended); complex dtypes as their real pairs. The words
-form a matrix of ``R`` rows, a row being the trailing dimensions of at least :data:`ROW_ELEMENTS` elements (the last
-dimension of an activation, several for a ``(batch, seq, 1)`` statistic). The digest is
+form a matrix of ``R`` rows and ``C`` columns, a row being the trailing dimensions of at least :data:`ROW_ELEMENTS`
+elements (the last dimension of an activation, several for a ``(batch, seq, 1)`` statistic). The digest is
 
-    sum over r of a[r] * (sum over c of word[r, c])
+    sum over r of a[r] * (sum over c of word[r, c])  +  sum over c of b[c] * (sum over r of word[r, c])
 
-in 64-bit integers, wrapping around, with odd row weights ``a`` that a multiplicative hash draws from the row's
-position (:func:`row_weights`): one reduction (:func:`row_sums`) and one dot product (:meth:`DigestPlans.weigh`) per
-tensor, so that nothing larger than one tensor's row sums is ever held. Integer sums are exact and independent of
-the order of summation, so the same bits give the same digest whatever the thread count or kernel; NaN, ``-0.0`` and
-every other bit pattern are told apart. Any change of a single word changes the digest (its weight is odd, so
-invertible modulo the wrap), values moved to other rows change it, and so does a tensor negated or rescaled. What a
-digest misses: a reordering within a row, and changes within a row that cancel in its sum (two words changed by
-opposite amounts; a row negated with as many words turning up as down).
+in 64-bit integers, wrapping around: row sums weighted by odd row weights ``a`` (:func:`row_weights`) and column sums
+weighted by even column weights ``b`` (:func:`column_weights`), both drawn from the position by multiplicative
+hashes. Integer sums are exact and independent of the order of summation, so the same bits give the same digest
+whatever the thread count, kernel or device; NaN, ``-0.0`` and every other bit pattern are told apart. Nothing larger
+than one tensor's row and column sums is ever held: no full-size temporary on any device. Every single changed word
+changes the digest (``a[r] + b[c]`` is odd, so invertible modulo the wrap), and so do values moved to other rows,
+words moved within a row (the column sums change), a tensor negated or rescaled. What a digest misses: changes that
+cancel in every row sum and every column sum at once (four words of a rectangle changed by ``+d, -d, -d, +d``), and a
+swap of two words that differ in their top bit only.
 
-Sampled digests read one window of about ``1 / SAMPLE_STRIDE`` of the last dimension of every row, the window
-moving with an offset the caller rotates from step to step, so that every word is read within ``SAMPLE_STRIDE``
-steps; tensors whose last dimension is shorter than ``SAMPLE_STRIDE`` words are read whole. A change that touches a
-whole row (a redrawn mask, noise, a scale, a flipped route) shows at once, a change of single words only when the
-window comes to them. Tensors that are not views of a matrix of their words (permuted or misaligned ones) are copied
-into one first.
+Every tensor is read through one path (:class:`DigestPlans`): a plan worked out once per shape, strides and dtype
+views the tensor's memory as its word matrix; a tensor that is not laid out as that matrix (permuted, sliced,
+misaligned for wider words) is first copied into one. Sampled digests read one window of about ``1 / SAMPLE_STRIDE``
+of the last dimension of every row, the window moving with an offset the caller rotates from step to step, so that
+every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter than ``SAMPLE_STRIDE``
+words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a flipped route) shows at
+once, a change of single words (or words moved within a window) when the window comes to them.
 """
 
 from collections.abc import Sequence
@@ -32,7 +34,18 @@ import torch
 
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
-__all__ = ["ROW_ELEMENTS", "SAMPLE_STRIDE", "DigestPlans", "digest", "digests", "row_sums", "row_weights", "words"]
+__all__ = [
+    "ROW_ELEMENTS",
+    "SAMPLE_STRIDE",
+    "DigestPlans",
+    "column_weights",
+    "digest",
+    "digests",
+    "readable",
+    "row_sums",
+    "row_weights",
+    "words",
+]
 
 ROW_ELEMENTS = 16
 """The fewest elements a row of a digest spans (trailing dimensions are joined until they reach it)."""
@@ -41,10 +54,29 @@ SAMPLE_STRIDE = 16
 """A sampled digest reads a window of about one word in this many of each row's last dimension."""
 
 
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (this rank's shard of a DTensor) has values a digest can read as bits: strided, not
+    quantized nor meta, elements of 1, 2, 4 or 8 bytes (complex ones as their real pairs).
+
+    Args:
+        tensor: The tensor.
+
+    Example::
+
+        >>> readable(torch.zeros(2, 3)), readable(torch.zeros(2, 2).to_sparse())
+        (True, False)
+    """
+    data = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+    if data.layout != torch.strided or data.is_quantized or data.is_meta:
+        return False
+    size = data.element_size() // 2 if data.is_complex() else data.element_size()
+    return size in _WORD
+
+
 def words(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
     """The ``(rows, columns)`` integer matrix a digest of ``tensor`` (this rank's shard of a DTensor) reads: all of
     its words, or the window ``offset`` of each row; ``None`` for a tensor whose values cannot be read as bits
-    (sparse, quantized, meta, sub-byte dtypes).
+    (:func:`readable`).
 
     Args:
         tensor: The tensor.
@@ -60,33 +92,11 @@ def words(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | Non
         >>> words(torch.zeros(4, 7)).shape, words(torch.zeros(4, 7)).dtype  # rows joined to 28 elements
         (torch.Size([1, 28]), torch.int32)
     """
-    data = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
-    if data.layout != torch.strided or data.is_quantized or data.is_meta:
-        return None
-    if data.is_complex():
-        data = torch.view_as_real(data)
-    size = data.element_size()
-    if size not in _WORD:
-        return None
-    if data.dim() == 0:
-        data = data.reshape(1)
-    per_word = _word_size(data.shape[-1], size) // size or 1
-    columns = _row_elements(data.shape) // per_word
-    data = _as_words(data, size)
-    rows = data.numel() // columns if columns else 0
-    try:
-        matrix = data.view(rows, columns)
-    except RuntimeError:  # not a view of a matrix (a permuted tensor): its words in order, in a copy
-        matrix = data.reshape(rows, columns)
-    windows = _windows(columns, data.shape[-1])
-    if offset is not None and windows:
-        start, width = windows[offset % len(windows)]
-        matrix = matrix[:, start : start + width]
-    return matrix
+    return DigestPlans().read(tensor, offset)
 
 
 def row_sums(matrix: torch.Tensor) -> torch.Tensor:
-    """Each row's sum of a word matrix, in 64-bit integers: the one reduction a digest makes of each tensor.
+    """Each row's sum of a word matrix, in 64-bit integers.
 
     Args:
         matrix: Words, from :func:`words` or :meth:`DigestPlans.read`.
@@ -115,36 +125,52 @@ def row_weights(count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return (torch.arange(1, count + 1, dtype=torch.int64, device=device) * _ROW_HASH) | 1
 
 
+def column_weights(count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The weights of ``count`` columns: ``(0xC2B2AE3D27D4EB4F * (c + 1)) mod 2^64`` with its low bit cleared (so
+    that a row weight plus a column weight is odd), as signed 64-bit integers.
+
+    Args:
+        count: Columns.
+        device: Where the weights go.
+
+    Example::
+
+        >>> column_weights(2)
+        tensor([-4417276706812531890, -8834553413625063778])
+    """
+    return (torch.arange(1, count + 1, dtype=torch.int64, device=device) * _COLUMN_HASH) & ~1
+
+
 def digests(
     tensors: Sequence[torch.Tensor], offset: int | None = None, plans: "DigestPlans | None" = None
 ) -> torch.Tensor:
     """The digests of ``tensors`` (all on one device), as one ``int64`` vector on that device, in their order.
 
     Args:
-        tensors: The tensors; each must have :func:`words` (callers leave out those that do not).
+        tensors: The tensors; each must be :func:`readable` (callers leave out those that are not).
         offset: ``None`` reads every word; an integer reads the window ``offset`` of each row.
-        plans: Where the views and weights come from (a :class:`DigestPlans` kept by the caller, so that they are
+        plans: Where the plans and weights come from (a :class:`DigestPlans` kept by the caller, so that they are
             worked out once per shape); a fresh one when ``None``.
 
     Example::
 
         >>> rows = torch.arange(64.0).reshape(4, 16) - 20
-        >>> found = digests([rows, rows.flip(0), -rows, 2 * rows]).tolist()
-        >>> len(set(found))  # other rows, other signs, another scale: four digests
-        4
+        >>> found = digests([rows, rows.flip(0), rows.flip(1), -rows, 2 * rows]).tolist()
+        >>> len(set(found))  # rows moved, words moved within rows, other signs, another scale: five digests
+        5
     """
     plans = plans or DigestPlans()
     matrices = [plans.read(tensor, offset) for tensor in tensors]
     if any(matrix is None for matrix in matrices):
-        raise ValueError("digests: a tensor has no bits to read (check `words(tensor)` first)")
+        raise ValueError("digests: a tensor has no bits to read (check `readable(tensor)` first)")
     if not matrices:
         return torch.zeros(0, dtype=torch.int64)
     return torch.stack([plans.digest(matrix) for matrix in matrices])  # type: ignore[arg-type]
 
 
 def digest(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
-    """The digest of one tensor, as a 0-dimensional ``int64`` tensor on its device, or ``None`` without
-    :func:`words`.
+    """The digest of one tensor, as a 0-dimensional ``int64`` tensor on its device, or ``None`` when it is not
+    :func:`readable`.
 
     Args:
         tensor: The tensor.
@@ -155,58 +181,42 @@ def digest(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | No
         >>> digest(torch.zeros(1)) == digest(-torch.zeros(1))  # 0.0 and -0.0 differ in their sign bit
         tensor(False)
     """
-    matrix = words(tensor, offset)
-    return None if matrix is None else DigestPlans().digest(matrix)
+    plans = DigestPlans()
+    matrix = plans.read(tensor, offset)
+    return None if matrix is None else plans.digest(matrix)
 
 
 class DigestPlans:
-    """How tensors are read and their row sums weighted, worked out once per shape: the views that read a
-    contiguous tensor's words, and the row weights of each count of rows.
+    """How tensors are read and their sums weighted, worked out once per shape, strides and dtype: the views that
+    read a tensor's words as a matrix, and the weights of each count of rows and columns.
 
     Example::
 
         >>> plans = DigestPlans()
         >>> plans.read(torch.zeros(3, 32)).shape
         torch.Size([3, 16])
-        >>> plans.weigh(torch.tensor([0, 1])) == row_weights(2)[1]
-        tensor(True)
+        >>> plans.read(torch.zeros(32, 24).t()).shape  # permuted: read from a copy laid out as its words
+        torch.Size([24, 16])
     """
 
     def __init__(self) -> None:
-        self._views: dict[tuple[torch.Size, torch.dtype], _View | None] = {}
-        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
+        self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def read(self, tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
-        """``tensor``'s word matrix (all of it, or the window ``offset`` of each row), or ``None`` for a tensor whose
-        values cannot be read as bits: what :func:`words` gives, through two views for a contiguous tensor.
+        """``tensor``'s word matrix (all of it, or the window ``offset`` of each row), or ``None`` when it is not
+        :func:`readable`.
 
         Args:
-            tensor: The tensor (a plain tensor: this rank's shard of a DTensor).
+            tensor: The tensor (this rank's shard of a DTensor is read).
             offset: ``None`` reads every word; an integer reads the window ``offset`` of each row.
         """
-        if tensor.is_contiguous():
-            key = (tensor.shape, tensor.dtype)
-            view = self._views.get(key, _UNPLANNED)
-            if view is _UNPLANNED:
-                view = self._views[key] = _View.of(tensor)
-            if view is not None and tensor.storage_offset() % view.per_word == 0:
-                return view.read(tensor, offset)
-        return words(tensor, offset)
-
-    def weigh(self, sums: torch.Tensor) -> torch.Tensor:
-        """The digest of a tensor from its :func:`row_sums`: their dot product with :func:`row_weights`, a
-        0-dimensional ``int64`` tensor on their device.
-
-        Args:
-            sums: The tensor's row sums.
-        """
-        key = (len(sums), sums.device)
-        weights = self._weights.get(key)
-        if weights is None:
-            weights = self._weights[key] = row_weights(len(sums), sums.device)
-        if sums.device.type == "cpu":
-            return torch.dot(sums, weights)
-        return (sums * weights).sum()  # integer dot products are CPU-only
+        data = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+        key = (data.shape, data.stride(), data.dtype)
+        plan = self._plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self._plans[key] = _Plan.of(data)
+        return None if plan is None else plan.read(data, offset)
 
     def digest(self, matrix: torch.Tensor) -> torch.Tensor:
         """The digest of a word matrix (from :meth:`read`), a 0-dimensional ``int64`` tensor on its device.
@@ -214,45 +224,90 @@ class DigestPlans:
         Args:
             matrix: The words.
         """
-        return self.weigh(row_sums(matrix))
+        rows, columns = matrix.shape
+        sums = torch.cat([matrix.sum(1, dtype=torch.int64), matrix.sum(0, dtype=torch.int64)])
+        key = (rows, columns, sums.device)
+        weights = self._weights.get(key)
+        if weights is None:
+            weights = torch.cat([row_weights(rows, sums.device), column_weights(columns, sums.device)])
+            self._weights[key] = weights
+        if sums.device.type == "cpu":
+            return torch.dot(sums, weights)
+        return (sums * weights).sum()  # integer dot products are CPU-only
 
 
-class _View:
-    """The views that read one shape of contiguous tensor whose elements pack whole into words: its words, then
-    their matrix or a window of it."""
+class _Plan:
+    """How one shape, strides and dtype of tensor is read as its word matrix.
 
-    __slots__ = ("columns", "per_word", "rows", "windows", "word")
+    A tensor laid out as its words (contiguous, its storage offset a whole number of words) is viewed: as words
+    directly when its strides are the standard ones, else flattened first (a contiguous tensor may carry any stride
+    on a dimension of size 1, which a dtype view refuses). Any other is copied into a contiguous tensor first. A
+    tensor without elements reads as an empty matrix.
+    """
 
-    def __init__(self, word: torch.dtype, per_word: int, rows: int, columns: int, windows: list[tuple[int, int]]):
-        self.word, self.per_word, self.rows, self.columns, self.windows = word, per_word, rows, columns, windows
+    __slots__ = ("columns", "copy", "element", "empty", "flatten", "per_word", "rows", "widen", "windows", "word")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        shape, size = tensor.shape, tensor.element_size()
+        word = _word_size(shape[-1] if shape else 1, size)
+        self.element, self.word = _WORD[size], _WORD[max(word, size)]
+        self.per_word = word // size or 1
+        self.widen = word < 4
+        self.empty = tensor.numel() == 0
+        self.copy = not tensor.is_contiguous()
+        self.flatten = not self.copy and (tensor.dim() == 0 or tensor.stride() != _standard_strides(shape))
+        self.columns = _row_elements(shape) // self.per_word
+        self.rows = tensor.numel() // self.per_word // self.columns if self.columns else 0
+        last = (shape[-1] if shape else 1) // self.per_word
+        self.windows = _windows(self.columns, last)
 
     @staticmethod
-    def of(tensor: torch.Tensor) -> "_View | None":
-        """The views for ``tensor``'s shape, or ``None`` where :func:`words` must read it."""
-        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.is_quantized:
+    def of(tensor: torch.Tensor) -> "_Plan | None":
+        """The plan for ``tensor``'s shape, strides and dtype, or ``None`` when it is not :func:`readable`."""
+        if not readable(tensor):
             return None
-        size = tensor.element_size()
-        if tensor.is_meta or tensor.is_complex() or size not in _WORD or tensor.dim() == 0:
-            return None
-        word = _word_size(tensor.shape[-1], size)
-        if word < 4:
-            return None
-        columns = _row_elements(tensor.shape) * size // word
-        rows = tensor.numel() * size // word // columns if columns else 0
-        return _View(_WORD[word], word // size, rows, columns, _windows(columns, tensor.shape[-1] * size // word))
+        if tensor.is_complex():
+            return _ComplexPlan(tensor)
+        return _Plan(tensor)
 
     def read(self, tensor: torch.Tensor, offset: int | None) -> torch.Tensor:
-        data = tensor.view(self.word)
+        if self.empty:
+            return torch.zeros(0, 0, dtype=torch.int64, device=tensor.device)
+        data = tensor
+        if self.copy or data.storage_offset() % self.per_word:
+            data = data.clone(memory_format=torch.contiguous_format)
+        elif self.flatten:
+            data = data.view(-1)
+        if data.dtype != self.element:
+            data = data.view(self.element)
+        if self.per_word > 1:
+            data = data.view(self.word)
+        elif self.widen:
+            data = data.to(torch.int32)
         if offset is None or not self.windows:
             return data.view(self.rows, self.columns)
         start, width = self.windows[offset % len(self.windows)]
         return data.as_strided((self.rows, width), (self.columns, 1), data.storage_offset() + start)
 
 
-_UNPLANNED = _View(torch.int32, 1, 0, 0, [])
+class _ComplexPlan(_Plan):
+    """A complex tensor is read as its real pairs (``view_as_real``), planned as such."""
 
-# 0x9E3779B97F4A7C15 (2^64 over the golden ratio) as a signed 64-bit integer.
+    __slots__ = ("real",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.real = _Plan(torch.view_as_real(tensor))
+
+    def read(self, tensor: torch.Tensor, offset: int | None) -> torch.Tensor:
+        return self.real.read(torch.view_as_real(tensor), offset)
+
+
+_UNPLANNED = object.__new__(_Plan)
+
+# 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
+# 64-bit integers.
 _ROW_HASH = 0x9E3779B97F4A7C15 - 2**64
+_COLUMN_HASH = 0xC2B2AE3D27D4EB4F - 2**64
 
 # By byte size: the integer type of an element or a word.
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -266,16 +321,13 @@ def _word_size(last: int, size: int) -> int:
     return size
 
 
-def _as_words(data: torch.Tensor, size: int) -> torch.Tensor:
-    """``data``'s elements as words of :func:`_word_size` bytes, sign-extended to ``int32`` when narrower."""
-    word = _word_size(data.shape[-1], size)
-    elements = data.view(_WORD[size])
-    if word == size:
-        return elements if size >= 4 else elements.to(torch.int32)
-    try:
-        return elements.view(_WORD[word])
-    except RuntimeError:  # not contiguous in its last dimension, or not aligned to a word: packed from a copy
-        return elements.clone(memory_format=torch.contiguous_format).view(_WORD[word])
+def _standard_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _windows(columns: int, last: int) -> list[tuple[int, int]]:
