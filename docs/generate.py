@@ -29,8 +29,14 @@ WHEN = {
     "buffer_mutation": "recomputation updated the region's buffers a second time; the hint names the buffers, and the"
     " gradients may well be exact.",
     "shape_change": "a recomputed tensor has another shape or dtype than its forward's (torch's metadata error).",
-    "python_state": "state read in forward (a Python counter or flag, a buffer the forward updates, a cache) decided"
-    " other values or ops, or torch found another number of saved tensors.",
+    "python_state": "Python state read in forward that recomputation does not replay (a list or dict, another"
+    " object's field, a global, a cache) decided other values or ops, or torch found another number of saved tensors.",
+    "parameter_write": "recomputation wrote a parameter in place (`embedding_renorm_` of an `nn.Embedding` with"
+    " `max_norm`); the sentinel counts it at every step (a version counter that moved across the recomputation), and"
+    " attribution names the parameter.",
+    "attribute_mutation": "a plain Python attribute of a module inside a region (a list, a dict) ended the"
+    " checkpointed step otherwise than the step without checkpointing: recomputation repeated a forward's side"
+    " effect. The hint names the attributes; `exclude_attributes` leaves out those that legitimately differ.",
     "nondeterministic_kernel": "an op returned other values for exactly the inputs it had in the forward.",
     "recompute_error": "recomputing the region raised; `RegionReport.error` holds the error's first line.",
     "compiler_recompute": "on a compiled model, in `RecomputationReport.cause`: the compiled step diverges and the same"

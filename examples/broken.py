@@ -29,6 +29,8 @@ Defect = Literal[
     "python_state",
     "nondeterministic_kernel",
     "recompute_error",
+    "parameter_write",
+    "attribute_mutation",
 ]
 
 _accumulation_orders = itertools.count()
@@ -111,30 +113,33 @@ class BatchNormBlock(Block):
 
 
 class RoutingBlock(Block):
-    """Updates as many rows as a capacity that grows with every call, so recomputation routes more rows."""
+    """Updates as many rows as a capacity that grows with every call, counted in a list of the calls' batch sizes,
+    so recomputation routes more rows (the package replays scalar attributes, not lists)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__(dim)
-        self.calls = 0
+        self.seen: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        capacity = 1 + self.calls % (x.shape[0] - 1)
+        self.seen.append(x.shape[0])
+        capacity = 1 + len(self.seen) % (x.shape[0] - 1)
         out = x.clone()
         out[:capacity] = x[:capacity] + torch.tanh(self.linear(x[:capacity]))
         return out
 
 
-class CounterBlock(Block):
-    """Scales its pre-activation by a call counter it increments in forward, so recomputation sees another scale."""
+class HistoryBlock(Block):
+    """Keeps the batch size of every input it sees in a list and scales its pre-activation by the list's length:
+    recomputation appends once more and sees another scale. The package replays a region's scalar attributes (a
+    counter ``self.calls += 1`` is exact), not what a forward appends to a list."""
 
     def __init__(self, dim: int) -> None:
         super().__init__(dim)
-        self.calls = 0
+        self.history: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * self.calls))
+        self.history.append(x.shape[0])
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * len(self.history)))
 
 
 class UnorderedSumBlock(Block):
@@ -156,14 +161,42 @@ class InPlaceReluBlock(Block):
         return x + torch.tanh(self.linear(self.act(x)))
 
 
+class RenormBlock(Block):
+    """Scales its activation by an embedding row with ``max_norm``: ``nn.Embedding`` renormalises its weight in place
+    at every lookup, so recomputation writes the parameter a second time."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.scale = nn.Embedding(1, dim, max_norm=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        return x + torch.tanh(self.linear(x)) * self.scale(rows)
+
+
+class LoggingBlock(Block):
+    """Logs its batch size to a list in forward and never reads it: the gradients are exact, but recomputation logs
+    every batch twice."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.batch_sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batch_sizes.append(x.shape[0])
+        return super().forward(x)
+
+
 DEFECTIVE_BLOCKS: dict[str, type[Block]] = {
     "rng_not_preserved": DropoutBlock,
     "host_rng": NumpyNoiseBlock,
     "buffer_mutation": BatchNormBlock,
     "shape_change": RoutingBlock,
-    "python_state": CounterBlock,
+    "python_state": HistoryBlock,
     "nondeterministic_kernel": UnorderedSumBlock,
     "recompute_error": InPlaceReluBlock,
+    "parameter_write": RenormBlock,
+    "attribute_mutation": LoggingBlock,
 }
 
 

@@ -43,16 +43,19 @@ from tests.helpers import (
 
 
 class RankOneCounterBlock(torch.nn.Module):
-    """Exact on rank 0; on rank 1 reads a call counter in forward, so its recomputation differs there only."""
+    """Exact on rank 0; on rank 1 reads a count of calls it keeps in a list (which recomputation does not replay), so
+    its recomputation differs there only."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(DIM, DIM)
-        self.calls = 0
+        self.calls: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        scale = float(self.calls) if dist.get_rank() == 1 else 1.0
+        if dist.get_rank() != 1:
+            return x + torch.tanh(self.linear(x))
+        self.calls.append(1)
+        scale = float(len(self.calls))
         return x + torch.tanh(self.linear(x) * scale)
 
 

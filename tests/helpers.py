@@ -79,29 +79,31 @@ class PythonRandomBlock(nn.Module):
 
 
 class CounterBlock(nn.Module):
-    """Reads a Python counter it increments on every call: recomputation sees another value."""
+    """Reads a count of its calls it keeps in a list, which recomputation does not replay (it replays scalar
+    attributes only): recomputation sees another value."""
 
     def __init__(self, dim: int = DIM) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim)
-        self.calls = 0
+        self.calls: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x + torch.tanh(self.linear(x)) * self.calls
+        self.calls.append(1)
+        return x + torch.tanh(self.linear(x)) * len(self.calls)
 
 
 class RoutingBlock(nn.Module):
-    """Routes a number of rows that depends on a call counter: a saved shape changes on recomputation."""
+    """Routes a number of rows that depends on a count of calls kept in a list (not replayed): a saved shape changes
+    on recomputation."""
 
     def __init__(self, dim: int = DIM) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim)
-        self.calls = 0
+        self.calls: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        routed = 1 + self.calls % (x.shape[0] - 1)
+        self.calls.append(1)
+        routed = 1 + len(self.calls) % (x.shape[0] - 1)
         out = x.clone()
         out[:routed] = x[:routed] + torch.tanh(self.linear(x[:routed]))
         return out
@@ -208,12 +210,12 @@ class RecomputeOnlyBlock(nn.Module):
         self.linear = nn.Linear(DIM, dim)
         self.out = nn.Linear(dim, DIM)
         self.change = change
-        self.calls = 0
+        self.calls: list[int] = []  # a list: recomputation replays scalar attributes only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.calls.append(1)
         hidden = self.linear(x)
-        if self.calls % 2 == 0:
+        if len(self.calls) % 2 == 0:
             if self.change == "rows":
                 hidden = hidden.roll(1, dims=0)
             else:
@@ -237,17 +239,33 @@ class KeywordTupleBlock(nn.Module):
 
 class ArmedBlock(PlainBlock):
     """Exact, except in the recomputation of one step's forward (``armed``, counted from 0), which scales ``tanh``'s
-    input: a defect that shows at one step only. It counts its calls (a forward, then its recomputation)."""
+    input: a defect that shows at one step only. It counts its calls (a forward, then its recomputation) in a list,
+    which recomputation does not replay."""
 
     def __init__(self, dim: int = DIM, armed: int = 5) -> None:
         super().__init__(dim)
         self.armed = armed
-        self.calls = 0
+        self.calls: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        scale = 1.5 if self.calls == 2 * self.armed + 2 else 1.0
+        self.calls.append(1)
+        scale = 1.5 if len(self.calls) == 2 * self.armed + 2 else 1.0
         return x + torch.tanh(self.linear(x) * scale)
+
+
+class AttentionPoolBlock(nn.Module):
+    """Pools its features as a sequence of scalars with attention weights: ``bmm`` saves the (B, 1, T) transpose of
+    the (B, T, 1) weights, contiguous with stride 1 on its dimension of size one."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.score = nn.Linear(1, 1)
+        self.proj = nn.Linear(1, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sequence = x.unsqueeze(-1)
+        weights = torch.softmax(self.score(sequence), dim=1)
+        return x + torch.bmm(weights.transpose(1, 2), self.proj(sequence)).squeeze(1)
 
 
 class Stack(nn.Module):
@@ -394,16 +412,17 @@ def step_gradients(model: nn.Module, seed: int = 7) -> dict[str, torch.Tensor]:
 
 
 class CounterScaleBlock(nn.Module):
-    """Scales its pre-activation by a call counter it increments in forward: recomputation sees another scale."""
+    """Scales its pre-activation by a count of calls it keeps in a list (not replayed): recomputation sees another
+    scale."""
 
     def __init__(self, dim: int = DIM) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim)
-        self.calls = 0
+        self.calls: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * self.calls))
+        self.calls.append(1)
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * len(self.calls)))
 
 
 class RowSumBlock(nn.Module):
@@ -420,17 +439,17 @@ class RowSumBlock(nn.Module):
 
 
 class FailingRecomputeBlock(PlainBlock):
-    """Raises on every second call: checkpointed, its forward runs and its recomputation fails (a check puts the
-    counter back between its passes, so each pass is a first call)."""
+    """Raises on every second call, counted in a list (not replayed): checkpointed, its forward runs and its
+    recomputation fails (a check puts the list back between its passes, so each pass is a first call)."""
 
     def __init__(self, dim: int = DIM) -> None:
         super().__init__(dim)
-        self.calls = 0
+        self.calls: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls % 2 == 0:
-            raise RuntimeError(f"call {self.calls} of FailingRecomputeBlock")
+        self.calls.append(1)
+        if len(self.calls) % 2 == 0:
+            raise RuntimeError(f"call {len(self.calls)} of FailingRecomputeBlock")
         return super().forward(x)
 
 
@@ -441,17 +460,18 @@ def stack_with(block: Callable[[], nn.Module], position: int = 1, n: int = 3, se
 
 
 class FlagBlock(nn.Module):
-    """Flips a flag on every call and takes ``tanh`` or ``sigmoid`` by it: recomputation runs another op."""
+    """Flips a flag it keeps in a dict on every call and takes ``tanh`` or ``sigmoid`` by it: recomputation, which
+    replays scalar attributes but not what a dict holds, runs another op."""
 
     def __init__(self, dim: int = DIM) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, dim)
-        self.flag = False
+        self.state = {"flag": False}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.flag = not self.flag
+        self.state["flag"] = not self.state["flag"]
         hidden = self.linear(x)
-        return x + (torch.tanh(hidden) if self.flag else torch.sigmoid(hidden))
+        return x + (torch.tanh(hidden) if self.state["flag"] else torch.sigmoid(hidden))
 
 
 class InPlaceReluBlock(nn.Module):

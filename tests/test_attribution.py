@@ -135,13 +135,19 @@ def test_the_same_model_without_the_defect_reports_nothing(cause):
 
 
 def test_ops_are_aligned_on_what_both_passes_ran():
-    # Dropout on the CPU: t, addmm, relu, empty_like (never compared as values), bernoulli_, div_; recomputation
-    # stops after div_ (the last tensor backward needs), so mul and add are not compared.
-    _, report = attributed(DropoutBlock, preserve_rng_state=False)
+    # Dropout on the CPU: t, addmm, relu, empty_like (never compared as values), bernoulli_, div_, mul, add. A
+    # region's first call recomputes to its end (torch's early stop off while the region's profile is learned): all
+    # eight are compared.
+    model, report = attributed(DropoutBlock, preserve_rng_state=False)
     region = only_finding(report)
     assert region.first_divergent_op == ("aten.bernoulli_.float", 4)
-    assert region.ops_compared == 6
+    assert region.ops_compared == 8
     assert region.max_abs_diff == 2.0  # a kept element scaled by 1 / (1 - p) against a dropped one
+    assert [r.ops_compared for r in report.regions] == [4, 8, 4]
+    # Later calls stop after div_ (the last tensor backward needs), so mul and add are not compared.
+    x, y = batch()
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    assert only_finding(report).ops_compared == 6
     assert [r.ops_compared for r in report.regions] == [3, 6, 3]
 
 
@@ -163,9 +169,10 @@ def test_shape_change_names_the_region_torch_failed_in():
         ("aten.slice.Tensor", 1),
         math.inf,
     )
-    # Backward stopped at the failure: the block before it was never recomputed.
+    # Backward stopped at the failure: the block before it was never recomputed. The block after it, at its first
+    # call, was recomputed to its end: t, addmm, tanh, add.
     assert report.regions[0].ops_compared == 0
-    assert report.regions[2].ops_compared == 3
+    assert report.regions[2].ops_compared == 4
 
 
 def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
@@ -180,7 +187,7 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
     region = only_finding(report)
     assert region == RegionReport(
         name="blocks.1",
-        ops_compared=6,
+        ops_compared=7,  # the region's first call is recomputed to its end
         max_abs_diff=0.0,
         first_divergent_op=None,
         diverged=True,
@@ -255,7 +262,9 @@ def test_a_module_called_twice_is_one_region_with_every_call_compared():
     x, y = batch()
     report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
     (region,) = report.regions
-    assert (region.name, region.ops_compared, region.cause) == ("1", 12, "rng_not_preserved")
+    # The first call is recomputed to its end (8 ops), the second, once the region's profile is known, up to its last
+    # saved tensor (6 ops).
+    assert (region.name, region.ops_compared, region.cause) == ("1", 14, "rng_not_preserved")
 
 
 def test_attribution_leaves_every_stream_and_the_next_step_as_without_it():
@@ -309,7 +318,10 @@ def test_forward_copies_are_held_only_until_their_region_is_recomputed():
 
 
 def test_the_catalogue_has_a_hint_per_cause():
-    assert set(CAUSE_HINTS) == {*CATALOGUE, "buffer_mutation", "recompute_error", "compiler_recompute"}
+    # The others have tests of their own: buffer_mutation, attribute_mutation and recompute_error here,
+    # parameter_write in tests/test_verdicts.py, compiler_recompute in tests/test_compile.py.
+    others = {"buffer_mutation", "attribute_mutation", "recompute_error", "compiler_recompute", "parameter_write"}
+    assert set(CAUSE_HINTS) == {*CATALOGUE, *others}
     assert all(hint.endswith(".") for hint in CAUSE_HINTS.values())
     fixes = {
         "rng_not_preserved": "`preserve_rng_state=True`",
@@ -349,7 +361,8 @@ def test_monitor_logs_diverging_regions_and_warns_with_region_op_and_hint(tmp_pa
 
 
 def test_monitor_reports_buffer_mutations_that_change_no_gradient(tmp_path):
-    monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True, attribution="always")
+    # The check alone: the sentinel reports the same buffers as a mismatch (tests/test_sentinel.py).
+    monitor = RecomputationMonitor(every_n_steps=1, calibrate_noise=True, attribution="always", sentinel="off")
     with pytest.warns(
         LightningCkptDeterminismWarning,
         match=r"changed buffers at step \d: 9 buffers .*; the gradients are exact. Region `model.blocks.0` updated",
@@ -535,3 +548,51 @@ def test_a_failure_of_the_observer_stops_observing_the_region_instead_of_the_bac
     assert all(region.ops_compared == 0 for region in report.regions)
     stopped = [record.getMessage() for record in caplog.records if "stopped observing" in record.getMessage()]
     assert len(stopped) == 3 and "RuntimeError: the observer's own bug" in stopped[0]
+
+
+class HistoryBlock(PlainBlock):
+    """Appends its batch size to a list in forward and never reads it: exact gradients, a side effect repeated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.history.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_a_side_effect_recomputation_repeats_is_an_attribute_mutation_with_exact_gradients():
+    model, report = attributed(HistoryBlock)
+    assert report.grad_divergence == 0.0 and not report.diverged
+    assert report.attribute_mutations == ["blocks.1.history"]
+    region = only_finding(report)
+    assert (region.name, region.cause, region.diverged) == ("blocks.1", "attribute_mutation", True)
+    assert region.hint == f"{CAUSE_HINTS['attribute_mutation']} Changed: blocks.1.history."
+    assert region.attribute_mutations == ["blocks.1.history"]
+    # The check put the list back as it found it.
+    assert model.blocks[1].history == []
+    # Named as an attribute to leave alone, it is not compared.
+    x, y = batch()
+    excluded = check_recomputation(
+        model, lambda: F.mse_loss(model(x), y), attribution=True, exclude_attributes=["history"]
+    )
+    assert_clean(excluded)
+
+
+class CounterOnlyBlock(PlainBlock):
+    """Scales by a call counter it increments in forward: recomputation sees the forward's count (it is replayed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.1 * self.calls))
+
+
+def test_a_counter_the_forward_increments_is_replayed_and_compares_clean():
+    _, report = attributed(CounterOnlyBlock)
+    assert_clean(report)
+    assert report.attribute_mutations == []

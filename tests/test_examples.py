@@ -132,6 +132,15 @@ def test_broken_config_trains_to_a_visible_defect(path: Path, tmp_path: Path, mo
     (monitor,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, RecomputationMonitor)]
     assert cli.trainer.global_step <= 30
     assert monitor.history[0].step == 0
+    if "parameter_write" in path.name:
+        # The step writes a parameter in place (the forward's renormalisation), which the check cannot rerun from
+        # where it started: it skips the step, and the sentinel counts the recomputation's write at every step.
+        assert monitor.history[0].skipped == "parameters changed in place in training_step"
+        assert cli.trainer.callback_metrics["recompute/sentinel/mismatches"].item() > 0
+        return
     assert monitor.history[0].diverged
-    metric = "recompute/buffer_mutations" if "buffer_mutation" in path.name else "recompute/grad_divergence"
+    metric = next(
+        (f"recompute/{kind}s" for kind in ("buffer_mutation", "attribute_mutation") if kind in path.name),
+        "recompute/grad_divergence",
+    )
     assert cli.trainer.callback_metrics[metric].item() > 0

@@ -124,6 +124,20 @@ def test_a_defect_shows_in_its_region_only(name: str, exact: bool) -> None:
     assert report.mismatches == report.regions["blocks.1"].mismatches
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+def test_buffers_recomputation_updates_again_are_mismatches_with_their_cause_unless_protected(exact: bool) -> None:
+    report = watched_steps(checkpointed(stack_with(BatchNormBlock), protect_buffers=False), exact=exact)
+    region = report.regions["blocks.1"]
+    # Three buffers a step (two statistics and the count), every step, in the region that holds them.
+    assert [other.mismatches for other in report.regions.values()] == [0, 9, 0]
+    assert (region.first_mismatch, region.cause) == (
+        "buffer `blocks.1.norm.running_mean` changed by recomputation",
+        "buffer_mutation",
+    )
+    protected = watched_steps(checkpointed(stack_with(BatchNormBlock)), exact=exact)
+    assert protected.mismatches == 0
+
+
 def test_rows_moved_to_other_places_in_recomputation_are_caught_by_the_default_digest() -> None:
     report = watched_steps(checkpointed(stack_with(lambda: RecomputeOnlyBlock(change="rows"))), steps=1)
     # tanh's output, saved by tanh and by the linear layer after it; the region's input and weights are exact.

@@ -1,23 +1,27 @@
-"""Recompute contexts that can be entered any number of times: host-RNG replay and buffer protection.
+"""Recompute contexts that can be entered any number of times: host-RNG replay and the replay of a forward's state.
 
 torch enters a region's recompute context each time the region is recomputed: twice under a gradient penalty
 (``autograd.grad(..., create_graph=True)`` and then a backward through it) or with ``retain_graph=True``. A
 :class:`Reenterable` enters fresh contexts from factories at each entry, so every recomputation starts from the same
-state: the same host RNG, the same buffer values.
+state: the same host RNG, the same buffer values, attributes and generator states.
 """
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.modules import generator_slots, scalar_attributes
+from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
 
-__all__ = ["ContextFactory", "HostRNGReplay", "Reenterable", "protected_buffers", "same_context"]
+__all__ = ["BufferSlot", "ContextFactory", "ForwardState", "HostRNGReplay", "Reenterable", "same_context"]
+
+BufferSlot = tuple[str, nn.Module, str]
+"""A buffer of a region: its name relative to the region, the module that holds it and its key there."""
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
 """Makes a fresh context each time it is called."""
@@ -95,27 +99,117 @@ class HostRNGReplay:
             restore_host_rng(live)
 
 
-@contextlib.contextmanager
-def protected_buffers(module: nn.Module) -> Iterator[None]:
-    """Let recomputation update copies of the region's buffers, never the buffers themselves.
+class ForwardState:
+    """What one forward of a region saw, put back for each of its recomputations and then returned to its live value:
+    the values of the region's buffers (with ``protect_buffers``), the plain Python attributes its forwards change,
+    and the states of the ``torch.Generator`` objects its modules hold (with ``preserve_rng_state``).
+
+    Recomputation gets the buffer objects themselves, holding the values the forward started from (swapped in place
+    without a version bump, and swapped back afterwards, so that what it writes to them is undone). Which buffers and
+    attributes a forward changes comes from the region's profile: before it exists (the region's first forward)
+    every buffer and plain attribute is captured; afterwards only those the profile lists are, and every other buffer
+    is checked at the forward's end by identity and version counter, so that one first changed later (or replaced by
+    assignment) is reported to ``changed`` and captured from the next forward on.
 
     Args:
         module: The region.
+        profile: What the region's first forward showed; ``None`` while this is that forward.
+        buffers: The region's buffers, when they are replayed (``protect_buffers``); empty otherwise.
+        generators: Replay the generators the region's modules hold.
+        changed: Called with the name of each buffer this forward changed that ``profile`` does not list.
 
     Example::
 
         >>> norm = torch.nn.BatchNorm1d(2)
-        >>> with protected_buffers(norm):
+        >>> state = ForwardState(norm, None, [("running_mean", norm, "running_mean")], generators=False)
+        >>> with state.capture():
+        ...     _ = norm(torch.randn(4, 2))  # the forward updates the statistics once
+        >>> updated = norm.running_mean.clone()
+        >>> with state.replay():
+        ...     bool(norm.running_mean.eq(0).all())  # recomputation sees the values the forward started from
         ...     _ = norm(torch.randn(4, 2))
-        >>> int(norm.num_batches_tracked)
-        0
+        True
+        >>> torch.equal(norm.running_mean, updated)  # and what it wrote is undone
+        True
     """
-    originals = list(buffer_slots(module).values())
-    try:
+
+    def __init__(
+        self,
+        module: nn.Module,
+        profile: RegionProfile | None,
+        buffers: Sequence[BufferSlot],
+        *,
+        generators: bool,
+        changed: Callable[[str], None] = lambda name: None,
+    ) -> None:
+        self._module = module
+        self._profile = profile
+        self._slots = buffers
+        self._replays_generators = generators
+        self._changed = changed
+        self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._watched: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
+        self._attributes: dict[tuple[nn.Module, str], Any] = {}
+        self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """The forward context: capture what the forward starts from; afterwards, note buffers changed unexpectedly."""
+        profile = self._profile
         with torch.no_grad():
-            for owner, name, buffer in originals:
-                owner._buffers[name] = buffer.clone()
+            for name, owner, key in self._slots:
+                buffer = owner._buffers.get(key)
+                if buffer is None:
+                    continue
+                if profile is None or name in profile.buffers:
+                    self._buffers.append((owner, key, buffer, buffer.detach().clone()))
+                else:
+                    self._watched.append((name, owner, key, buffer, buffer._version))
+        if profile is None:
+            self._attributes = scalar_attributes(self._module)
+        else:
+            self._attributes = {(owner, name): vars(owner).get(name, _MISSING) for owner, name in profile.attributes}
+        if self._replays_generators:
+            held = generator_slots(self._module) if profile is None else profile.generators
+            self._generators = [(generator, generator.get_state()) for _, generator in held]
         yield
-    finally:
-        for owner, name, buffer in originals:
-            owner._buffers[name] = buffer
+        for name, owner, key, buffer, version in self._watched:
+            if owner._buffers.get(key) is not buffer or buffer._version != version:
+                self._changed(name)
+        self._watched = []
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """The recompute context: the forward's state in, the live state back afterwards, whatever is raised."""
+        swapped = []
+        with torch.no_grad():
+            for owner, key, buffer, value in self._buffers:
+                swapped.append((owner, key, owner._buffers.get(key), buffer, buffer.detach().clone()))
+                buffer.data.copy_(value)
+                owner._buffers[key] = buffer
+        live_attributes = {slot: vars(slot[0]).get(slot[1], _MISSING) for slot in self._attributes}
+        _set_attributes(self._attributes)
+        live_generators = [(generator, generator.get_state()) for generator, _ in self._generators]
+        for generator, state in self._generators:
+            generator.set_state(state)
+        try:
+            yield
+        finally:
+            for generator, state in live_generators:
+                generator.set_state(state)
+            _set_attributes(live_attributes)
+            with torch.no_grad():
+                for owner, key, live, buffer, value in reversed(swapped):
+                    buffer.data.copy_(value)
+                    owner._buffers[key] = live
+
+
+_MISSING = object()
+
+
+def _set_attributes(values: dict[tuple[nn.Module, str], Any]) -> None:
+    for (owner, name), value in values.items():
+        if value is _MISSING:
+            vars(owner).pop(name, None)
+        else:
+            vars(owner)[name] = value

@@ -1,13 +1,53 @@
-"""How the package names and walks a model's modules: region names as configs write them, and buffers by name."""
+"""How the package names and walks a model's modules: region names as configs write them, their buffers, plain
+Python attributes and random generators by name."""
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import OptimizedModule
 
-__all__ = ["buffer_slots", "named_modules", "region_name"]
+__all__ = [
+    "MODULE_INTERNALS",
+    "SCALARS",
+    "buffer_slots",
+    "generator_slots",
+    "is_framework_attribute",
+    "local_tensor",
+    "named_modules",
+    "region_name",
+    "scalar_attributes",
+]
+
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""What ``nn.Module.__init__`` sets (``_parameters``, hook dicts, ``training`` ...): never a module's own state."""
+
+SCALARS = (bool, int, float, complex, str, bytes, type(None))
+"""The types of the plain Python attributes recomputation replays: immutable values a forward may rebind."""
+
+_DTensor: Any = None
+if torch.distributed.is_available():  # a build without torch.distributed has no DTensor
+    from torch.distributed.tensor import DTensor as _DTensor
+
+# What `torch.distributed.fsdp.fully_shard` sets on a module: its registry of composable-API states and flags.
+_FRAMEWORK_PREFIXES = ("__composable_api_state_key", "_fsdp_", "_is_fsdp_")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallelism), or the tensor itself.
+
+    Comparing shards keeps every comparison local: in torch 2.13 ``torch.equal`` on DTensors runs a collective.
+
+    Example::
+
+        >>> local_tensor(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        return tensor.to_local()
+    return tensor
 
 
 def region_name(name: str) -> str:
@@ -59,3 +99,57 @@ def buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Ten
             if buffer is not None:
                 slots[f"{prefix}.{key}" if prefix else key] = (owner, key, buffer)
     return slots
+
+
+def is_framework_attribute(name: str) -> bool:
+    """Whether an attribute name is a framework's bookkeeping on a module (``nn.Module``'s own, FSDP2's).
+
+    Example::
+
+        >>> is_framework_attribute("training"), is_framework_attribute("calls")
+        (True, False)
+    """
+    return name in MODULE_INTERNALS or name.startswith(_FRAMEWORK_PREFIXES)
+
+
+def scalar_attributes(module: nn.Module) -> dict[tuple[nn.Module, str], Any]:
+    """The plain Python attributes of ``module`` and its submodules holding a :data:`SCALARS` value, by owner and
+    name (framework bookkeeping left out).
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.calls = 0
+        >>> [(name, value) for (_, name), value in scalar_attributes(layer).items()]
+        [('in_features', 2), ('out_features', 2), ('calls', 0)]
+    """
+    return {
+        (owner, name): value
+        for owner in module.modules()
+        for name, value in vars(owner).items()
+        if isinstance(value, SCALARS) and not is_framework_attribute(name)
+    }
+
+
+def generator_slots(module: nn.Module) -> list[tuple[str, torch.Generator]]:
+    """The ``torch.Generator`` objects ``module`` and its submodules hold as attributes, by dotted name.
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.noise = torch.Generator().manual_seed(0)
+        >>> [name for name, _ in generator_slots(layer)]
+        ['noise']
+    """
+    return [
+        (f"{prefix}.{name}" if prefix else name, value)
+        for prefix, owner in module.named_modules()
+        for name, value in vars(owner).items()
+        if isinstance(value, torch.Generator)
+    ]

@@ -11,11 +11,15 @@ The package registers two names there, which every checkpointed region passes in
 nothing), and while one is (:func:`observing_saved_tensors`) the observer gives what is kept at the forward and what
 is compared at the recomputation. The traced path under ``torch.compile`` passes the same constant name, so dynamo
 guards on nothing more; the compiler recomputes compiled regions itself and calls no extractor.
+
+The extractor also hands each tensor a region's forward saves to that region call's probe, while one learns what the
+region saves (:mod:`~lightning_ckpt_determinism.checkpointing.profile`): :class:`Probing` says which call that is.
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar, Token
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +28,15 @@ from torch import nn
 from lightning_ckpt_determinism._torch_compat import determinism_checks
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 
-__all__ = ["DETERMINISM_CHECKS", "SavedTensorObserver", "observing_saved_tensors", "saved_tensor_observer"]
+__all__ = [
+    "DETERMINISM_CHECKS",
+    "Probing",
+    "SavedTensorObserver",
+    "SavedTensorProbe",
+    "observing_saved_tensors",
+    "probing_now",
+    "saved_tensor_observer",
+]
 
 
 class SavedTensorObserver(Protocol):
@@ -33,14 +45,81 @@ class SavedTensorObserver(Protocol):
     ``region_forward`` is entered around each region call's forward; ``extract`` is the extractor torch calls, with
     ``strict`` telling whether the region's ``determinism_check`` is ``"default"`` (a difference of metadata must
     raise torch's error) or ``"none"``.
+
+    ``region_recompute`` is entered around each recomputation of an eagerly checkpointed region, inside its recompute
+    contexts, with the buffers whose live values that recomputation could change (those no recompute context puts
+    back).
     """
 
     def region_forward(self, region: str, module: nn.Module) -> AbstractContextManager[None]: ...
 
+    def region_recompute(
+        self, region: str, module: nn.Module, exposed_buffers: Sequence[tuple[str, torch.Tensor]]
+    ) -> AbstractContextManager[None]: ...
+
     def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any: ...
 
 
+class SavedTensorProbe(Protocol):
+    """What learns from the tensors one region call's forward saves: :meth:`packed` gets each, in order."""
+
+    def packed(self, tensor: torch.Tensor) -> None: ...
+
+
+# The region call whose forward runs now, when a probe learns from it: torch calls the extractor with the tensor alone,
+# so the wrapper says which call it is. Context-local, and read only by eager calls (dynamo never traces it).
+_PROBE: ContextVar[SavedTensorProbe | None] = ContextVar("lightning_ckpt_determinism_probe", default=None)
+
+
+class Probing:
+    """Hand the tensors saved inside this block to ``probe`` (``None``: to no probe, as inside a region call that is
+    not probed within one that is).
+
+    Args:
+        probe: The probe of the region call whose forward runs inside the block.
+
+    Example::
+
+        >>> class Count:
+        ...     saved = 0
+        ...     def packed(self, tensor):
+        ...         self.saved += 1
+        >>> count = Count()
+        >>> with Probing(count):
+        ...     _ = _default(torch.ones(1))
+        >>> count.saved
+        1
+    """
+
+    __slots__ = ("_probe", "_token")
+
+    def __init__(self, probe: SavedTensorProbe | None) -> None:
+        self._probe = probe
+        self._token: Token[SavedTensorProbe | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _PROBE.set(self._probe)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _PROBE.reset(self._token)
+
+
+def probing_now() -> bool:
+    """Whether a probe learns from the region call whose forward runs now.
+
+    Example::
+
+        >>> probing_now()
+        False
+    """
+    return _PROBE.get() is not None
+
+
 def _default(tensor: torch.Tensor) -> Any:
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.packed(tensor)
     observer = _SWITCH.saved_observer
     if observer is None:
         return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device}
@@ -48,6 +127,9 @@ def _default(tensor: torch.Tensor) -> Any:
 
 
 def _none(tensor: torch.Tensor) -> Any:
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.packed(tensor)
     observer = _SWITCH.saved_observer
     return None if observer is None else observer.extract(tensor, strict=False)
 

@@ -18,11 +18,12 @@ passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_deter
 """
 
 import contextlib
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -32,22 +33,24 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter, region_contexts
 from lightning_ckpt_determinism.checkpointing.contexts import (
+    BufferSlot,
     ContextFactory,
+    ForwardState,
     HostRNGReplay,
     Reenterable,
-    protected_buffers,
     same_context,
 )
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheSwitch, without_cache
-from lightning_ckpt_determinism.checkpointing.modules import named_modules
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import (
     NestedCheckpoint,
     checkpoint_around,
     checkpoints_inside,
     warn_nested,
 )
+from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
-from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
+from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS, Probing, probing_now
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
 
@@ -63,6 +66,8 @@ __all__ = [
     "remove_activation_checkpointing",
     "run_plainly",
 ]
+
+_log = logging.getLogger(__name__)
 
 _ContextPair = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
 
@@ -185,12 +190,20 @@ class CheckpointedForward:
         self.cache_switches: list[CacheSwitch] = []
         # Whether the first eager forward has looked for another checkpointing around and inside (see `nesting`).
         self._probed = False
+        # What the region's first eager checkpointed forward showed (see `profile`); None until it has run.
+        self.profile: RegionProfile | None = None
+        # The region's buffers, worked out once: a compiled call guards on what it reads here.
+        self._buffer_slots: list[BufferSlot] = [
+            (name, owner, key) for name, (owner, key, _) in buffer_slots(module).items()
+        ]
 
     def __getstate__(self) -> dict[str, Any]:
         # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
         # could not be pickled or `torch.save`d; they are resolved again from the config on load.
         state = self.__dict__.copy()
         del state["_save_ops"]
+        # Learned again after loading: it holds generators and module references of this process.
+        state["profile"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -224,6 +237,7 @@ class CheckpointedForward:
             around = checkpoint_around(sys._getframe(), _REGION_CALL)
             if around is not None:
                 warn_nested(type(self.module).__name__, around, inside=False)
+        learning = not traced and self.profile is None
 
         def run(*flat: Any) -> Any:
             nonlocal graph_broken, calls
@@ -239,13 +253,18 @@ class CheckpointedForward:
                 if graph_broken is None:
                     graph_broken = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
                 region = graph_broken[0] if forward else graph_broken[1]
-            saved = _SWITCH.saved_observer if forward else None
-            watched = saved.region_forward(self.region, self.module) if saved is not None else contextlib.nullcontext()
+            watched = self._watched(forward)
             nested: AbstractContextManager[list[NestedCheckpoint]] = (
                 checkpoints_inside(_REGION_CALL) if forward and probe else contextlib.nullcontext([])
             )
+            first = FirstForwardProbe(self.module) if forward and learning else None
+            probing = Probing(first) if first is not None or probing_now() else contextlib.nullcontext()
             with region, watched, nested as inside:
-                out = self._forward_from(flat, num_positional, keys)
+                with probing, first if first is not None else contextlib.nullcontext():
+                    out = self._forward_from(flat, num_positional, keys)
+                if first is not None and first.profile is not None and self.profile is None:
+                    # Before the sentinel's forward ends, which reads it.
+                    self.profile = first.profile
             if inside:
                 warn_nested(type(self.module).__name__, inside[0], inside=True)
             return out
@@ -258,6 +277,10 @@ class CheckpointedForward:
         if context_fn is not None:
             # Only when there is one: torch's default is taken by leaving the argument out.
             options["context_fn"] = context_fn
+        if learning or (not traced and self.profile is not None and self.profile.filled_late):
+            # The first call, and regions holding a saved tensor filled after it was saved, recompute to the end,
+            # so that the op filling it runs again (a global `set_checkpoint_early_stop(True)` overrides this).
+            options["early_stop"] = False
         return checkpoint(
             run,
             *inputs,
@@ -266,6 +289,15 @@ class CheckpointedForward:
             determinism_check=DETERMINISM_CHECKS[self.config.determinism_check],
             **options,
         )
+
+    def _watched(self, forward: bool) -> AbstractContextManager[Any]:
+        """The saved-tensor observer's context around this call's forward or one of its recomputations."""
+        saved = _SWITCH.saved_observer
+        if saved is None:
+            return contextlib.nullcontext()
+        if forward:
+            return saved.region_forward(self.region, self.module)  # type: ignore[no-any-return]
+        return saved.region_recompute(self.region, self.module, self._exposed_buffers())  # type: ignore[no-any-return]
 
     def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
         """The plain forward of the region's flattened inputs; an eager forward first gives the data-dependent
@@ -277,11 +309,46 @@ class CheckpointedForward:
 
     def _protects_buffers(self) -> bool:
         # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
-        return self.config.protect_buffers and next(self.module.buffers(), None) is not None
+        return self.config.protect_buffers and bool(self._slots())
+
+    def _slots(self) -> list[BufferSlot]:
+        return self._buffer_slots
+
+    def _exposed_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers whose live values a recomputation could change: every one without ``protect_buffers``, else
+        those no forward was seen to change (which recomputation gets as they are)."""
+        replayed = self.profile.buffers if self.profile is not None and self.config.protect_buffers else None
+        if self.config.protect_buffers and replayed is None:
+            return []
+        exposed = []
+        for name, owner, key in self._slots():
+            buffer = owner._buffers.get(key)
+            if buffer is not None and (replayed is None or name not in replayed):
+                exposed.append((name, buffer))
+        return exposed
+
+    def _replays_state(self, protect_buffers: bool) -> bool:
+        """Whether a forward's state must be captured for recomputation (see :class:`ForwardState`)."""
+        profile = self.profile
+        if profile is None or protect_buffers or profile.attributes:
+            return True
+        return self.config.preserve_rng_state and bool(profile.generators)
+
+    def _buffer_changed(self, name: str) -> None:
+        if self.profile is not None and name not in self.profile.buffers:
+            _log.info(
+                "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward for the first time after"
+                " its first call; its recomputation replays it from the next forward on.",
+                self.region,
+                name,
+            )
+            self.profile = replace(self.profile, buffers=self.profile.buffers | {name})
 
     def _compiled_context_fn(self) -> Callable[[], _ContextPair] | None:
         """The ``context_fn`` of a call dynamo traces (see :func:`region_contexts`), or ``None`` when it needs none."""
-        protect_buffers = self._protects_buffers()
+        # Read from the module, not from the slots the wrapper keeps: dynamo then guards on the module's structure,
+        # so regions of other classes compile apart (one that graph-breaks never lends its partial graph to others).
+        protect_buffers = self.config.protect_buffers and next(self.module.buffers(), None) is not None
         if self.config.keep_data_dependent or self.config.preserve_host_rng or protect_buffers or self._save_ops:
             # The policy runs only while the compiler traces the region: it costs nothing per step, so every region
             # gets it, and it finds the data-dependent ops itself.
@@ -291,7 +358,12 @@ class CheckpointedForward:
     def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
         observer = _SWITCH.observer
         protect_buffers = self._protects_buffers()
-        if self.config.preserve_host_rng or protect_buffers or observer is not None or self._guarded():
+        if (
+            self.config.preserve_host_rng
+            or observer is not None
+            or self._guarded()
+            or self._replays_state(protect_buffers)
+        ):
             return partial(self._make_contexts, observer, protect_buffers, inputs)
         if self._save_ops:
             # The pair of dispatch modes alone, as torch builds it: the form `torch.compile` accepts.
@@ -323,8 +395,16 @@ class CheckpointedForward:
             replay = HostRNGReplay()
             forward.append(replay.capture)
             recompute.append(replay.replay)
-        if protect_buffers:
-            recompute.append(partial(protected_buffers, self.module))
+        if self._replays_state(protect_buffers):
+            state = ForwardState(
+                self.module,
+                self.profile,
+                self._slots() if protect_buffers else (),
+                generators=self.config.preserve_rng_state,
+                changed=self._buffer_changed,
+            )
+            forward.append(state.capture)
+            recompute.append(state.replay)
         if self._save_ops:
             sac_forward, sac_recompute = create_selective_checkpoint_contexts(self._save_ops_policy)
             forward.append(partial(same_context, sac_forward))

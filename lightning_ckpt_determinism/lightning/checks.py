@@ -56,6 +56,7 @@ class CheckSettings:
     calibrate_noise: bool
     loss_fn: LossFn | None
     internals: frozenset[str]
+    ignore_attributes: frozenset[str] = frozenset()
 
 
 class StepCheck:
@@ -143,6 +144,7 @@ class StepCheck:
             skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
             live_loss=capture.loss,
             exclude_attributes=settings.internals,
+            ignore_attributes=settings.ignore_attributes,
             device=strategy.root_device,
         )
 
@@ -177,6 +179,7 @@ class StepCheck:
                     calibrate_noise=settings.calibrate_noise,
                     gradients="backward",
                     agree=lambda decision: agree(strategy, decision),
+                    exclude_attributes=settings.ignore_attributes,
                 )
         finally:
             stash.put_back()

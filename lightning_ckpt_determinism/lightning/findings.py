@@ -67,6 +67,7 @@ class RankFindings:
     attributed: bool
     hint: str | None
     buffer_mutations: list[str] = field(default_factory=list)
+    attribute_mutations: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, rank: int, report: RecomputationReport) -> "RankFindings":
@@ -79,6 +80,7 @@ class RankFindings:
             bool(report.regions),
             report.hint,
             report.buffer_mutations,
+            report.attribute_mutations,
         )
 
 
@@ -93,6 +95,7 @@ class Findings:
     ranks: list[RankFindings] = field(default_factory=list)
     buffers_changed: int = 0
     gradients_diverged: bool = False
+    attributes_changed: int = 0
 
 
 def reduce_findings(report: RecomputationReport, device: torch.device, reduce: Any, gather: Any, rank: int) -> Findings:
@@ -109,14 +112,17 @@ def reduce_findings(report: RecomputationReport, device: torch.device, reduce: A
     diverged_here = report.diverged or bool(_diverging_regions(report))
     gradients_here = report.error is not None or report.grad_divergence > max(report.tolerance, report.noise_floor)
     figures = [report.grad_divergence, report.max_abs_diff, float(diverged_here), report.noise_floor]
+    states = [float(len(report.buffer_mutations)), float(len(report.attribute_mutations))]
     local = torch.tensor(
-        [*figures, float(len(report.buffer_mutations)), float(gradients_here)],
+        [*figures, *states, float(gradients_here)],
         dtype=torch.float64 if device.type != "mps" else torch.float32,
         device=device,
     )
-    divergence, max_abs_diff, diverged, noise_floor, buffers, gradients = reduce(local, "max").tolist()
+    divergence, max_abs_diff, diverged, noise_floor, buffers, attributes, gradients = reduce(local, "max").tolist()
     ranks = gather(RankFindings.of(rank, report)) if diverged > 0.0 else []
-    return Findings(divergence, max_abs_diff, noise_floor, diverged > 0.0, ranks, int(buffers), gradients > 0.0)
+    return Findings(
+        divergence, max_abs_diff, noise_floor, diverged > 0.0, ranks, int(buffers), gradients > 0.0, int(attributes)
+    )
 
 
 def metrics(findings: Findings, prefix: str, *, calibrate_noise: bool) -> dict[str, float]:
@@ -126,6 +132,7 @@ def metrics(findings: Findings, prefix: str, *, calibrate_noise: bool) -> dict[s
         f"{prefix}/grad_divergence": findings.grad_divergence,
         f"{prefix}/max_abs_diff": findings.max_abs_diff,
         f"{prefix}/buffer_mutations": float(findings.buffers_changed),
+        f"{prefix}/attribute_mutations": float(findings.attributes_changed),
     }
     if calibrate_noise:
         logged[f"{prefix}/noise_floor"] = findings.noise_floor
@@ -178,7 +185,16 @@ def divergence_message(step: int, findings: Findings, report: RecomputationRepor
 
 
 def _headline(step: int, findings: Findings, tolerance: float) -> str:
-    """What diverged: the gradients (with their figures), or, where they are exact, the buffers (named)."""
+    """What diverged: the gradients (with their figures), or, where they are exact, the buffers or the attributes
+    (named)."""
+    if not findings.gradients_diverged and not findings.buffers_changed and findings.attributes_changed:
+        named = list(dict.fromkeys(name for finding in findings.ranks for name in finding.attribute_mutations))
+        count = findings.attributes_changed
+        return (
+            f"lightning_ckpt_determinism: recomputation changed Python attributes at step {step}: {count}"
+            f" attribute{'s' if count != 1 else ''} ended the step otherwise than in the same step without"
+            f" checkpointing ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are exact."
+        )
     if findings.gradients_diverged or not findings.buffers_changed:
         shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
         return (
@@ -217,6 +233,10 @@ def _region_sentence(region: RegionReport) -> str:
         where = f" at `{op}` (op {index} of the region)"
     if region.cause == "buffer_mutation":
         return f"Region `{region.name}` updated its buffers a second time in recomputation: {region.hint}"
+    if region.cause == "attribute_mutation":
+        return f"Region `{region.name}` changed Python attributes a second time in recomputation: {region.hint}"
+    if region.cause == "parameter_write":
+        return f"Region `{region.name}` wrote a parameter in place in recomputation: {region.hint}"
     # A region the graph scan named differs only compiled: its eager values, which `max_abs_diff` measures, agree.
     diff = "" if region.cause == "compiler_recompute" else f", max abs diff {region.max_abs_diff:.3g}"
     return f"Region `{region.name}` diverged{where}{diff}, cause {region.cause}: {region.hint}"

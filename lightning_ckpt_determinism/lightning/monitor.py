@@ -120,6 +120,9 @@ class RecomputationMonitor(Callback):
             logging steps, counting everything since the last logged step; a mismatch warns (once per region and
             ``every_n_steps``) or raises as ``on_divergence`` says, and the next step is checked in full, with
             attribution.
+        exclude_attributes: Attribute names the check never compares (on any module inside a checkpointed
+            region): values that legitimately differ between the live step and the reference pass, such as a
+            timestamp or a stored ``loss.item()``. They are still put back after each check.
 
     Raises:
         CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
@@ -149,6 +152,7 @@ class RecomputationMonitor(Callback):
         reference_regions: PositiveInt | Literal["auto"] | None = "auto",
         sentinel: Literal["sampled", "exact", "off"] = "sampled",
         prog_bar: bool = False,
+        exclude_attributes: list[str] | None = None,
     ) -> None:
         super().__init__()
         # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
@@ -168,6 +172,7 @@ class RecomputationMonitor(Callback):
         )
         self.sentinel = check_choice("sentinel", sentinel, ("sampled", "exact", "off"))
         self.prog_bar = check_bool("prog_bar", prog_bar)
+        self.exclude_attributes = _attribute_names(exclude_attributes)
         self.last_checked_step = -1
         self.history: deque[CheckRecord] = deque(maxlen=check_positive_int("history_size", history_size))
         self.last_report: RecomputationReport | None = None
@@ -344,7 +349,14 @@ class RecomputationMonitor(Callback):
         self._checks = state_dict.get("checks", 0)
 
     def _settings(self, attribution: Any) -> CheckSettings:
-        return CheckSettings(self.tolerance, attribution, self.calibrate_noise, self.loss_fn, self._internals)
+        return CheckSettings(
+            self.tolerance,
+            attribution,
+            self.calibrate_noise,
+            self.loss_fn,
+            self._internals,
+            frozenset(self.exclude_attributes),
+        )
 
     def _disarm(self) -> None:
         self._armed.close()
@@ -423,3 +435,13 @@ class RecomputationMonitor(Callback):
         if last is None or self._checks - last >= self.every_n_steps:
             self._warned[key] = self._checks
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
+
+
+def _attribute_names(names: list[str] | None) -> list[str]:
+    if names is None:
+        return []
+    if isinstance(names, str) or not all(isinstance(name, str) and name for name in names):
+        raise CheckpointingConfigError(
+            f"`exclude_attributes` must be a list of attribute names (non-empty strings), got {names!r}."
+        )
+    return list(names)

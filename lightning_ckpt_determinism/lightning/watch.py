@@ -1,20 +1,32 @@
 """The monitor's sentinel over one fit: every training step's recomputed saved tensors compared with the forward's.
 
 The sentinel (:func:`~lightning_ckpt_determinism.recomputation_sentinel`) is entered when the fit starts and left
-when it ends. At each training batch's end the monitor reads the batch's counts once: the number of mismatching
-region calls, computed on the device, reduced over ranks (one small all-reduce), read back to the host; only when
+when it ends. At each training batch's end the monitor reads the batch's counts once: the number of mismatches per
+region, computed on the device, reduced over ranks (one small all-reduce), read back to the host; only when
 something differed does every rank read its details, and every rank's are gathered. The counts are logged at
-Lightning's logging steps (``log_every_n_steps``), each logged value counting everything since the last logged step.
-The monitor's own check passes are not watched: they rerun the step, they do not train.
+Lightning's logging steps (``log_every_n_steps``), each logged value counting everything since the last logged step:
+``{prefix}/sentinel/compared`` always, ``{prefix}/sentinel/mismatches`` only when something was compared (a period
+that compared nothing has no mismatch count to show, and the monitor says once why). The monitor's own check passes
+are not watched: they rerun the step, they do not train. A failure of the sentinel's own bookkeeping stops the
+sentinel on every rank alike, with one warning, and never the fit.
 """
 
 import contextlib
 from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
-from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel, SentinelReport, recomputation_sentinel
+from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS
+from lightning_ckpt_determinism.verify.sentinel import (
+    RecomputationSentinel,
+    SentinelRegion,
+    SentinelReport,
+    recomputation_sentinel,
+)
 
 __all__ = ["SentinelFinding", "SentinelWatch"]
 
@@ -26,9 +38,11 @@ class SentinelFinding:
     Attributes:
         step: The global step at the step's start.
         region: The region's name.
-        mismatches: Saved tensors that differed, summed over ranks.
-        first_mismatch: The first that differed, as the first rank that found one describes it.
+        mismatches: Mismatches (saved tensors that differed, parameters or buffers recomputation changed), summed
+            over ranks.
+        first_mismatch: The first, as the first rank that found one describes it.
         ranks: The ranks where it differed.
+        cause: The first mismatch's cause when the sentinel knows it (a parameter written, a buffer changed).
     """
 
     step: int
@@ -36,15 +50,19 @@ class SentinelFinding:
     mismatches: int
     first_mismatch: str
     ranks: list[int] = field(default_factory=list)
+    cause: str | None = None
 
     def message(self, several_ranks: bool) -> str:
         ranks = f" (rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))})"
         where = ranks if several_ranks else ""
+        count = f"{self.mismatches} mismatch{'es' if self.mismatches != 1 else ''}"
+        if self.cause is not None and self.cause in CAUSE_HINTS:
+            then = f" Cause {self.cause}: {CAUSE_HINTS[self.cause]}"
+        else:
+            then = " The next step is checked in full, with attribution, to name the cause."
         return (
             f"lightning_ckpt_determinism: the sentinel saw region `{self.region}` recompute other values than its"
-            f" forward at step {self.step}{where}: {self.mismatches} saved tensor{'s' if self.mismatches != 1 else ''}"
-            f" differed, the first {self.first_mismatch}. The next step is checked in full, with attribution, to name"
-            " the cause."
+            f" forward at step {self.step}{where}: {count}, the first {self.first_mismatch}.{then}"
         )
 
 
@@ -62,8 +80,13 @@ class SentinelWatch:
         self.sentinel: RecomputationSentinel | None = None
         self._entered = contextlib.ExitStack()
         self._unlogged: dict[str, int] = {}
+        self._unlogged_compared = 0
+        self._unlogged_steps = 0
         self._warned: dict[str, int] = {}
         self._logged_step = -1
+        self._said_nothing_compared = False
+        # False once the sentinel stopped after a failure of its own (its report stays readable).
+        self._active = False
         self.step = 0
 
     def start(self, pl_module: "pl.LightningModule") -> None:
@@ -71,7 +94,9 @@ class SentinelWatch:
         self.stop()
         self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, exact=self.exact))
         self._unlogged = dict.fromkeys(self.sentinel.regions, 0)
-        self._warned, self._logged_step = {}, -1
+        self._unlogged_compared = self._unlogged_steps = 0
+        self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
+        self._active = True
 
     def stop(self) -> None:
         """Leave the sentinel (its report stays readable)."""
@@ -98,25 +123,73 @@ class SentinelWatch:
             self.sentinel.next_step()
 
     def step_ended(self, trainer: "pl.Trainer") -> list[SentinelFinding]:
-        """Count what the batch compared (one host read), on every rank alike; the regions that differed."""
+        """Count what the batch compared (one host read), on every rank alike; the regions that differed.
+
+        Every rank calls the same collectives whatever happens: a failure of the sentinel's own bookkeeping on any
+        rank is reduced with the counts, and then every rank stops its sentinel.
+        """
         sentinel = self.sentinel
-        if sentinel is None:
+        if sentinel is None or not self._active:
             return []
         strategy = trainer.strategy
-        counts = all_reduce(strategy)(sentinel.pending_mismatches(strategy.root_device), "sum").tolist()
-        if not any(counts):
+        device = strategy.root_device
+        failed = None
+        try:
+            pending = sentinel.pending_mismatches(device)
+            compared = sentinel.pending_compared()
+        except Exception as err:
+            failed, compared = err, 0
+            pending = torch.zeros(len(sentinel.regions), dtype=torch.int64, device=device)
+        flag = torch.tensor([int(failed is not None)], dtype=torch.int64, device=device)
+        counts = all_reduce(strategy)(torch.cat([pending, flag]), "sum").tolist()
+        if counts[-1]:
+            self._fail(failed)
+            return []
+        self._unlogged_compared += compared
+        self._unlogged_steps += 1
+        if not any(counts[:-1]):
             sentinel.settle(clean=True)
             return []
-        found = gather(strategy, (trainer.global_rank, sentinel.settle()))
+        try:
+            period: dict[str, SentinelRegion] | None = sentinel.settle()
+        except Exception as err:
+            failed, period = err, None
+        found = gather(strategy, (trainer.global_rank, period))
+        if any(regions is None for _, regions in found):
+            self._fail(failed)
+            return []
+        return self._findings(found)
+
+    def _findings(self, found: list[tuple[int, dict[str, SentinelRegion]]]) -> list[SentinelFinding]:
         findings = []
-        for name in sentinel.regions:
+        for name in self.sentinel.regions if self.sentinel is not None else []:
             here = [(rank, regions[name]) for rank, regions in found if regions[name].mismatches]
             if here:
                 total = sum(region.mismatches for _, region in here)
                 self._unlogged[name] = self._unlogged.get(name, 0) + total
-                first = here[0][1].first_mismatch or "(unnamed)"
-                findings.append(SentinelFinding(self.step, name, total, first, [rank for rank, _ in here]))
+                first = here[0][1]
+                findings.append(
+                    SentinelFinding(
+                        self.step,
+                        name,
+                        total,
+                        first.first_mismatch or "(unnamed)",
+                        [rank for rank, _ in here],
+                        first.cause,
+                    )
+                )
         return findings
+
+    def _fail(self, error: Exception | None) -> None:
+        """Stop the sentinel after a failure of its own (here or on another rank), saying so once."""
+        reason = f"{type(error).__name__}: {error}" if error is not None else "on another rank"
+        rank_zero_warn(
+            f"lightning_ckpt_determinism: the sentinel stopped after a failure of its own ({reason}); training goes"
+            " on, and the periodic check still runs. Please report it.",
+            category=LightningCkptDeterminismWarning,
+        )
+        self.stop()
+        self._active = False
 
     def news(self, findings: list[SentinelFinding], every_n_steps: int, *, several_ranks: bool) -> list[str]:
         """The warnings due for ``findings``: a region warns again only ``every_n_steps`` after its last warning."""
@@ -132,18 +205,48 @@ class SentinelWatch:
         """The metrics to log now, or ``None``: at the batch that completes a step Lightning logs at
         (``log_every_n_steps``), under that step, and at the fit's end (``last``) for what is still unlogged.
 
-        ``{prefix}/sentinel/mismatches`` counts every mismatching saved tensor since the last logged step, summed
-        over ranks; ``{prefix}/sentinel/regions/<name>/mismatches`` is given for each region that had any.
+        ``{prefix}/sentinel/compared`` counts the saved tensors compared since the last logged step;
+        ``{prefix}/sentinel/mismatches`` every mismatch since then, summed over ranks, given only when something was
+        compared or differed; ``{prefix}/sentinel/regions/<name>/mismatches`` for each region that had any.
         """
         every = getattr(trainer, "log_every_n_steps", 50)
         due = trainer.global_step > self.step and every > 0 and (self.step + 1) % every == 0
         due = due and self._logged_step != self.step
-        if self.sentinel is None or not (due or (last and any(self._unlogged.values()))):
+        pending = self._unlogged_steps > 0
+        if self.sentinel is None or not self._active or not (due or (last and pending)):
             return None
         self._logged_step = self.step
-        logged = {f"{self.prefix}/sentinel/mismatches": float(sum(self._unlogged.values()))}
+        mismatches = sum(self._unlogged.values())
+        logged = {f"{self.prefix}/sentinel/compared": float(self._unlogged_compared)}
+        if self._unlogged_compared or mismatches:
+            logged[f"{self.prefix}/sentinel/mismatches"] = float(mismatches)
+        else:
+            self._nothing_compared()
         for name, count in self._unlogged.items():
             if count:
                 logged[f"{self.prefix}/sentinel/regions/{name}/mismatches"] = float(count)
         self._unlogged = dict.fromkeys(self._unlogged, 0)
+        self._unlogged_compared = self._unlogged_steps = 0
         return logged
+
+    def _nothing_compared(self) -> None:
+        """Say once per fit why a logged period compared nothing."""
+        if self._said_nothing_compared or self.sentinel is None:
+            return
+        self._said_nothing_compared = True
+        report = self.sentinel.report()
+        if report.compiled and len(report.compiled) == len(report.regions):
+            why = "every checkpointed region is compiled, and the compiler recomputes it out of the sentinel's sight"
+        elif report.not_compared:
+            why = (
+                f"the {report.not_compared} saved tensors it met were left out (opaque workspaces, tensors without"
+                " bits to read, or tensors it failed to read)"
+            )
+        else:
+            why = "no checkpointed region ran eagerly with gradients in the steps since the last logged one"
+        rank_zero_warn(
+            f"lightning_ckpt_determinism: the sentinel compared nothing in the steps logged at step {self.step}:"
+            f" {why}. `{self.prefix}/sentinel/compared` is 0 and no `{self.prefix}/sentinel/mismatches` is logged"
+            " for them; the periodic check still compares gradients.",
+            category=LightningCkptDeterminismWarning,
+        )

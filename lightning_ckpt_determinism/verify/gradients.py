@@ -5,26 +5,13 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt_determinism.checkpointing.modules import local_tensor
+
 __all__ = ["GradientStash", "counted_here", "local_tensor"]
 
 _DTensor: Any = None
 if torch.distributed.is_available():  # a build without torch.distributed has no DTensor
     from torch.distributed.tensor import DTensor as _DTensor
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2, tensor parallelism), or the tensor itself.
-
-    Comparing shards keeps every comparison local: in torch 2.13 ``torch.equal`` on DTensors runs a collective.
-
-    Example::
-
-        >>> local_tensor(torch.ones(2)).shape
-        torch.Size([2])
-    """
-    if _DTensor is not None and isinstance(tensor, _DTensor):
-        return tensor.to_local()
-    return tensor
 
 
 def counted_here(tensor: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Check a live training step: its own checkpointed gradients against one reference pass with checkpointing off.
 
-The engine knows nothing of Lightning. The caller captures a :class:`~lightning_ckpt_determinism._state.StepState`
+The engine knows nothing of Lightning. The caller captures a :class:`~lightning_ckpt_determinism.verify.state.StepState`
 when the step starts (every random stream, buffers, metrics, plain Python attributes), lets the real step run
 checkpointed, and after that step's backward calls :func:`check_live_step` with a closure that runs the reference
 pass (forward and backward, with checkpointing off, the gradients landing in ``.grad``). The check sets the live
@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.verify.compare import (
     NOISE_MARGIN,
     pair_difference,
@@ -30,13 +31,14 @@ from lightning_ckpt_determinism.verify.compare import (
 from lightning_ckpt_determinism.verify.gradients import GradientStash, counted_here, local_tensor
 from lightning_ckpt_determinism.verify.reports import (
     RecomputationReport,
+    attribute_hint,
     buffer_hint,
     missing_reference_gradients,
     no_gradients,
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
+__all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients", "region_modules"]
 
 AllReduce = Callable[[torch.Tensor, Literal["sum", "max"]], torch.Tensor]
 """``all_reduce(tensor, op)``: the tensor reduced over every rank with ``op``; the identity on one process."""
@@ -59,6 +61,7 @@ class GradientComparison:
         skipped: The live gradients were not finite on some rank and ``skip_non_finite`` was asked: nothing was
             compared (a GradScaler skips such steps).
         buffers_changed: The most buffers any rank said changed (``buffers_changed`` of :func:`compare_gradients`).
+        attributes_changed: The most attributes any rank said changed (``attributes_changed``).
     """
 
     grad_divergence: float
@@ -67,6 +70,7 @@ class GradientComparison:
     error: str | None = None
     skipped: bool = False
     buffers_changed: int = 0
+    attributes_changed: int = 0
 
 
 def compare_gradients(
@@ -79,6 +83,7 @@ def compare_gradients(
     skip_non_finite: bool = False,
     device: torch.device | str = "cpu",
     buffers_changed: int = 0,
+    attributes_changed: int = 0,
 ) -> GradientComparison:
     """Compare two sets of gradients held by this rank, with every sum and maximum reduced over ranks.
 
@@ -95,6 +100,7 @@ def compare_gradients(
         device: Where the reduced tensors live (the device the collective backend needs).
         buffers_changed: How many of this rank's buffers differ between the live step and the reference, reduced
             (the most over ranks) in the same collective.
+        attributes_changed: How many of this rank's plain attributes differ likewise, reduced alike.
 
     Returns:
         The :class:`GradientComparison`.
@@ -120,24 +126,29 @@ def compare_gradients(
             elements += (live_grad if live_grad is not None else ref_grad).numel()  # type: ignore[union-attr]
         if skip_non_finite and live_grad is not None and not bool(torch.isfinite(live_grad).all()):
             non_finite = True
-    flags = [unequal, len(missing), elements, float(non_finite), float(buffers_changed > 0)]
+    states = float(buffers_changed > 0 or attributes_changed > 0)
+    flags = [unequal, len(missing), elements, float(non_finite), states]
     reduced = all_reduce(torch.tensor(flags, dtype=torch.float64, device=device), "sum").tolist()
-    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, buffers_anywhere = reduced
-    # The count itself is needed only where some rank saw one: never read on a clean check.
-    changed = buffers_changed
-    if buffers_anywhere > 0:
-        changed = int(all_reduce(torch.tensor([float(buffers_changed)], device=device), "max").item())
+    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, states_anywhere = reduced
+    # The counts themselves are needed only where some rank saw one: never read on a clean check.
+    buffers, attributes = buffers_changed, attributes_changed
+    if states_anywhere > 0:
+        most = all_reduce(torch.tensor([float(buffers), float(attributes)], device=device), "max").tolist()
+        buffers, attributes = int(most[0]), int(most[1])
     zeros = dict.fromkeys(names, 0.0)
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
+    error = None
     if missing_anywhere > 0:
         error = missing_reference_gradients(missing, "the live step")
-        return GradientComparison(math.inf, math.inf, {}, error=error, buffers_changed=changed)
-    if elements_anywhere == 0:
+    elif elements_anywhere == 0:
         error = no_gradients("in the live step or the reference pass")
-        return GradientComparison(math.inf, math.inf, {}, error=error, buffers_changed=changed)
+    if error is not None:
+        return GradientComparison(
+            math.inf, math.inf, {}, error=error, buffers_changed=buffers, attributes_changed=attributes
+        )
     if unequal_anywhere == 0:
-        return GradientComparison(0.0, 0.0, zeros, buffers_changed=changed)
+        return GradientComparison(0.0, 0.0, zeros, buffers_changed=buffers, attributes_changed=attributes)
     sums = [0.0, 0.0]
     maxima = []
     for position, (live_grad, ref_grad, counts) in enumerate(zip(live, reference, counted, strict=True)):
@@ -152,7 +163,8 @@ def compare_gradients(
         relative_divergence(total[0], total[1]),
         max(per_parameter, default=0.0),
         dict(zip(names, per_parameter, strict=True)),
-        buffers_changed=changed,
+        buffers_changed=buffers,
+        attributes_changed=attributes,
     )
 
 
@@ -170,6 +182,7 @@ def check_live_step(
     skip_non_finite: bool = False,
     live_loss: float = float("nan"),
     exclude_attributes: Iterable[str] = (),
+    ignore_attributes: Iterable[str] = (),
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -181,7 +194,9 @@ def check_live_step(
     or FSDP hooks), compares, and puts the live gradients and the state after the step back, whatever is raised.
     It also compares each buffer after the reference with the same buffer after the live step (one ``torch.equal``
     each): a difference is a divergence of cause ``"buffer_mutation"``, with the buffers' names in
-    ``buffer_mutations``, even where the gradients agree.
+    ``buffer_mutations``, even where the gradients agree. The plain Python attributes of the modules inside
+    checkpointed regions are compared alike (``"attribute_mutation"``, ``attribute_mutations``): recomputation that
+    repeats a forward's side effect (a list appended to) shows there.
 
     Args:
         module: The model: the state after the step is captured from it.
@@ -200,6 +215,7 @@ def check_live_step(
             that step).
         live_loss: The live step's loss, reported as ``checkpointed_loss``.
         exclude_attributes: Attribute names the state after the step leaves alone (see :class:`StepState`).
+        ignore_attributes: Attribute names never compared (they are still put back).
         device: Where the reduced tensors live.
 
     Returns:
@@ -233,6 +249,7 @@ def check_live_step(
         # The buffers after the reference (every region plain) against those after the live step: a recomputation
         # that updates them a second time (BatchNorm without `protect_buffers`) changes no gradient but shows here.
         changed = after_step.differing_buffers()
+        attributes = after_step.differing_attributes(region_modules(module), frozenset(ignore_attributes))
         noise_floor = 0.0
         if calibrate_noise:
             _, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
@@ -247,6 +264,7 @@ def check_live_step(
             skip_non_finite=skip_non_finite,
             device=device,
             buffers_changed=len(changed),
+            attributes_changed=len(attributes),
         )
     finally:
         stash.put_back()
@@ -255,10 +273,16 @@ def check_live_step(
         return None
     gradients_diverged = comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor)
     buffers = comparison.buffers_changed > 0
+    states = buffers or comparison.attributes_changed > 0
+    cause, hint = None, None
+    if buffers and not gradients_diverged:
+        cause, hint = "buffer_mutation", buffer_hint(changed or ["buffers of another rank"])
+    elif states and not gradients_diverged:
+        cause, hint = "attribute_mutation", attribute_hint(attributes or ["attributes of another rank"])
     return RecomputationReport(
         grad_divergence=comparison.grad_divergence,
         max_abs_diff=comparison.max_abs_diff,
-        diverged=gradients_diverged or buffers,
+        diverged=gradients_diverged or states,
         tolerance=tolerance,
         per_parameter=comparison.per_parameter,
         worst_parameters=worst_parameters(comparison.per_parameter),
@@ -267,9 +291,24 @@ def check_live_step(
         checkpointed_loss=live_loss,
         noise_floor=noise_floor,
         buffer_mutations=changed,
-        cause="buffer_mutation" if buffers and not gradients_diverged else None,
-        hint=buffer_hint(changed or ["buffers of another rank"]) if buffers and not gradients_diverged else None,
+        attribute_mutations=attributes,
+        cause=cause,
+        hint=hint,
     )
+
+
+def region_modules(module: nn.Module) -> list[nn.Module]:
+    """Every module inside a checkpointed region of ``module``: those whose code recomputation reruns.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Tanh()))
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> [type(sub).__name__ for sub in region_modules(model)]
+        ['Sequential', 'Tanh']
+    """
+    return [sub for region in checkpointed_modules(module).values() for sub in region.modules()]
 
 
 def _reference_gradients(

@@ -18,6 +18,7 @@ __all__ = [
     "ROUTING_TOO_LARGE_HINT",
     "RecomputationReport",
     "RegionReport",
+    "attribute_hint",
     "buffer_hint",
     "describe_error",
     "first_line",
@@ -45,9 +46,20 @@ CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
             " function of the region's inputs only, or leave this module out of checkpointing."
         ),
         "python_state": (
-            "The forward reads state that changed before recomputation (a Python counter or flag, or a buffer the"
-            " forward itself updates, such as a step count): compute it outside the checkpointed module and pass it"
-            " in, or change it only outside forward."
+            "The forward reads Python state that changed before recomputation (a list or dict it appends to, another"
+            " object's field, a global; the region's own scalar attributes, such as counters and flags, are"
+            " replayed): compute it outside the checkpointed module and pass it in, or change it only outside"
+            " forward."
+        ),
+        "parameter_write": (
+            "Recomputation writes a parameter in place a second time (an `nn.Embedding` with `max_norm`"
+            " renormalises its weight again in backward), so the weights drift from training without"
+            " checkpointing: leave that module out of checkpointing, or renormalise outside the checkpointed module."
+        ),
+        "attribute_mutation": (
+            "Recomputation changes Python attributes of the region a second time (a list appended to, a dict"
+            " updated): the package replays the region's scalar attributes (numbers, strings, flags), not containers"
+            " or other objects. Change them outside forward (in `training_step` or a hook), or hold them as scalars."
         ),
         "nondeterministic_kernel": (
             "A kernel returned other values for the same inputs: call `torch.use_deterministic_algorithms(True)`,"
@@ -114,6 +126,17 @@ def buffer_hint(buffers: list[str]) -> str:
         True
     """
     return f"{CAUSE_HINTS['buffer_mutation']} Changed: {', '.join(buffers)}."
+
+
+def attribute_hint(attributes: list[str]) -> str:
+    """The hint of an ``attribute_mutation``: the cause's and the attributes that changed.
+
+    Example::
+
+        >>> attribute_hint(["blocks.0.history"]).endswith("Changed: blocks.0.history.")
+        True
+    """
+    return f"{CAUSE_HINTS['attribute_mutation']} Changed: {', '.join(attributes)}."
 
 
 def no_gradients(where: str = "in either pass") -> str:
@@ -183,6 +206,8 @@ class RegionReport:
             buffers changed), or, for an input modified in place after the forward, a hint of its own; ``None``
             when ``cause`` is.
         buffer_mutations: The names of the buffers of the region that recomputation changed.
+        attribute_mutations: The names of the plain Python attributes of the region's modules that ended the
+            checkpointed pass otherwise than the reference pass (recomputation changed them a second time).
         error: With ``cause`` ``"recompute_error"`` (or an error that decided another cause), the first line of the
             exception raised while the region was recomputed, as ``"Type: message"``; ``None`` otherwise.
         recomputations: How many times the region was recomputed in the pass, over all its calls. More
@@ -207,6 +232,7 @@ class RegionReport:
     cause: str | None = None
     hint: str | None = None
     buffer_mutations: list[str] = field(default_factory=list)
+    attribute_mutations: list[str] = field(default_factory=list)
     error: str | None = None
     recomputations: int = 0
     data_dependent_ops: dict[str, bool] = field(default_factory=dict)
@@ -238,6 +264,10 @@ class RecomputationReport:
             recomputation differed from the forward, at which op, and why; empty otherwise.
         buffer_mutations: With ``attribution``, the names of the buffers recomputation changed (relative to the
             checked module), whether or not that changed a gradient.
+        attribute_mutations: The names of the plain Python attributes of the modules inside checkpointed regions
+            (relative to the checked module) that ended the checkpointed step otherwise than the reference pass: a
+            forward's side effect that recomputation repeats (a list appended to), which the package does not replay.
+            Attribute names given as ``exclude_attributes`` are left out.
         compiled: Whether the module is compiled. Both passes then ran compiled, and ``regions`` come from the same
             step rerun eagerly (eager semantics): a region's ``diverged`` counts only when the compiled gradients
             diverged too, since compile replays RNG and updates buffers by itself.
@@ -247,7 +277,7 @@ class RecomputationReport:
             op instead of replaying the forward's draw get this cause in ``regions`` too), or
             ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. From the live
             step's check: ``"buffer_mutation"`` when the gradients agree but buffers differ from the reference's
-            (``buffer_mutations`` names them). ``None`` otherwise.
+            (``buffer_mutations`` names them), else ``"attribute_mutation"`` when attributes do. ``None`` otherwise.
         hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled kernels for ``"nondeterministic_kernel"``,
             the buffers changed for ``"buffer_mutation"``); ``None`` when ``cause`` is.
 
@@ -271,6 +301,7 @@ class RecomputationReport:
     noise_floor: float = 0.0
     regions: list[RegionReport] = field(default_factory=list)
     buffer_mutations: list[str] = field(default_factory=list)
+    attribute_mutations: list[str] = field(default_factory=list)
     compiled: bool = False
     cause: str | None = None
     hint: str | None = None

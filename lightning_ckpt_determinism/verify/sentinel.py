@@ -3,29 +3,38 @@ forward's, through digests, on every step.
 
 Inside :func:`recomputation_sentinel` the sentinel is torch's ``determinism_check`` extractor for every eagerly
 checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.saved`). At the region's forward, torch hands
-it each tensor it saves; the sentinel digests the tensor on its device at once (a reduction and a dot product, while
-the tensor is fresh, in :mod:`~lightning_ckpt_determinism.verify.digest`) and keeps its position, metadata and the
-op that produced it. At the region's first unpack in backward, once the region is recomputed, torch compares each
-kept value with the recomputed tensor (``!=``): the sentinel compares the metadata at once (a difference raises
-torch's ``CheckpointError`` as before, under ``determinism_check="default"``) and digests the recomputed tensor. The
-comparison stays on the device, read back later (:meth:`report`, or :meth:`RecomputationSentinel.settle` once per
+it each tensor it saves, before the op that saves it has run. The sentinel digests each on its device (a row and a
+column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its value is final: at once where the
+region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
+it was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
+forward's end for every tensor of a call made before the profile exists (the region's first call). It keeps each
+tensor's position, metadata and the op that produced it. At the region's first unpack in backward, once the region
+is recomputed to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares
+the metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check=
+"default"``) and digests the recomputed tensor. Around each recomputation it also watches the region's state: a
+parameter whose version counter moves (recomputation writes it in place: an ``Embedding`` with ``max_norm``
+renormalises its weight again) and a buffer whose values change where no recompute context puts them back (without
+``protect_buffers``, BatchNorm updates its statistics a second time) are mismatches, with their cause. The
+comparisons stay on the device, read back later (:meth:`report`, or :meth:`RecomputationSentinel.settle` once per
 training step, after one comparison for the whole step). Nothing is read back to the host inside forward or
 backward, and the sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a
 mode of the user's never takes them for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
-recognised by their storage and left out; a buffer a recomputation updates a second time is attribution's to find.
-What it cannot see: torch's early stop ends a recomputation once every saved tensor is back, so ops after a region's
-last saved tensor are never recomputed; compiled regions are recomputed by the compiler, which calls no extractor
-(they count as not compared; regions that graph-break run eagerly and are compared); tensor subclasses other than
-DTensor (whose shard it reads), which it leaves out; with sampled digests, a change of single elements shows only
-at the steps whose offset reads them.
+recognised by their storage and left out of the saved tensors (their writes are watched as above). Opaque
+workspaces (an RNN layer's, see :data:`~lightning_ckpt_determinism.checkpointing.profile.OPAQUE_WORKSPACES`),
+tensors without bits to read and any tensor the sentinel fails to read are left out and counted as not compared;
+a failure of its own is logged once and never reaches training. What it cannot see: compiled regions are
+recomputed by the compiler, which calls no extractor (they count as not compared; regions that graph-break run
+eagerly and are compared); tensor subclasses other than DTensor (whose shard it reads), which it leaves out; writes
+to parameters that bump no version counter; with sampled digests, a change of single elements shows only at the
+steps whose offset reads them.
 """
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +42,10 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import current_graph_task_id, is_compiled_module, no_python_dispatch
+from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import observing_saved_tensors
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
-from lightning_ckpt_determinism.verify.digest import DigestPlans
+from lightning_ckpt_determinism.verify.digest import DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = ["RecomputationSentinel", "SentinelRegion", "SentinelReport", "recomputation_sentinel"]
@@ -49,9 +59,15 @@ class SentinelRegion:
 
     Attributes:
         compared: Saved tensors whose recomputation was compared with the forward's.
-        mismatches: Those whose recomputation differed.
+        mismatches: Those whose recomputation differed, plus the parameters recomputation wrote in place and the
+            buffers whose values it changed.
         first_mismatch: The first that differed: its position among the region's saved tensors, the op that
-            produced it, its shape and dtype (and what differed, for metadata); ``None`` when none did.
+            produced it, its shape and dtype (and what differed, for metadata), or the parameter or buffer and what
+            recomputation did to it; ``None`` when none did.
+        not_compared: Saved tensors (activations) left out: opaque workspaces, tensors without bits to read, and any
+            the sentinel failed to read.
+        cause: The cause of ``first_mismatch`` when the sentinel knows it (``"parameter_write"``,
+            ``"buffer_mutation"``); ``None`` for a saved tensor, whose cause a full check names.
 
     Example::
 
@@ -62,6 +78,8 @@ class SentinelRegion:
     compared: int = 0
     mismatches: int = 0
     first_mismatch: str | None = None
+    not_compared: int = 0
+    cause: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,11 +88,12 @@ class SentinelReport:
 
     Attributes:
         compared: Saved tensors whose recomputation was compared, over every region.
-        mismatches: Those whose recomputation differed.
+        mismatches: Mismatches over every region (see :class:`SentinelRegion`).
         regions: One :class:`SentinelRegion` per checkpointed region, by name relative to the module, every region
             present.
         compiled: The regions inside compiled modules, recomputed by the compiler (not compared unless they
             graph-break).
+        not_compared: Saved tensors left out, over every region.
 
     Example::
 
@@ -86,6 +105,7 @@ class SentinelReport:
     mismatches: int
     regions: dict[str, SentinelRegion]
     compiled: list[str] = field(default_factory=list)
+    not_compared: int = 0
 
 
 class _Recomputed:
@@ -112,10 +132,12 @@ class _Recomputed:
 class _Saved:
     """What torch keeps of one saved tensor at the forward, and compares with ``!=`` after the recomputation.
 
-    ``slot`` is its place among the call's digests: ``None`` for a parameter, a buffer or a tensor without bits.
+    ``slot`` is its place among the call's digests: ``None`` for a parameter, a buffer or a tensor left out.
     """
 
-    __slots__ = ("call", "device", "dtype", "position", "producer", "shape", "slot", "strict")
+    __slots__ = ("broken", "call", "device", "dtype", "position", "producer", "shape", "slot", "strict")
+
+    cause = None
 
     def __init__(self, call: "_Call", position: int, *, strict: bool) -> None:
         self.call = call
@@ -126,8 +148,12 @@ class _Saved:
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self.producer = ""
+        # The sentinel failed to keep it: never compared, and never a reason for torch to raise.
+        self.broken = False
 
     def __ne__(self, other: object) -> bool:
+        if self.broken:
+            return False
         if isinstance(other, _Recomputed):
             return self.call.recomputed(self, other.tensor)
         # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
@@ -149,54 +175,119 @@ class _Saved:
         return f"saved tensor {self.position} ({self.producer}, {shape} {self.dtype})"
 
 
+@dataclass(frozen=True)
+class _StateChange:
+    """A parameter or buffer a recomputation changed, as a mismatch describes it."""
+
+    description: str
+    cause: str
+
+    def describe(self) -> str:
+        return self.description
+
+
 class _Call:
     """One forward of one region: its saved tensors' digests and, after each recomputation, the digests to compare.
 
-    Each saved tensor is digested as torch hands it over, while it is fresh; the forward's digests are stacked into
-    one vector when the region's forward ends, the recomputation's at the comparison of the last of them.
+    Each saved tensor is digested once its value is final (see the module's description); the forward's digests are
+    stacked into one vector when the region's forward ends, the recomputation's at the comparison of the last of
+    them.
     """
 
-    def __init__(self, sentinel: "RecomputationSentinel", region: str, buffers: frozenset[int | None]) -> None:
+    def __init__(
+        self,
+        sentinel: "RecomputationSentinel",
+        region: str,
+        buffers: frozenset[int | None],
+        profile: RegionProfile | None,
+    ) -> None:
         self.sentinel = sentinel
         self.region = region
         self.buffers = buffers
+        self.profile = profile
         self.offset = None if sentinel.exact else sentinel.offset
         self.task = current_graph_task_id()
         self.saved: list[_Saved] = []
+        self.slotted: list[_Saved] = []
         self.saved_bytes = 0
+        self.not_compared = 0
         self.forward: torch.Tensor | None = None
         self.comparisons: list[tuple[list[int], torch.Tensor]] = []
         self.metadata_mismatches: list[str] = []
         self._digests: list[torch.Tensor] = []
+        self._held: list[tuple[_Saved, torch.Tensor]] = []
         self._recomputed: list[tuple[int, torch.Tensor]] = []
 
     def save(self, tensor: torch.Tensor, strict: bool) -> _Saved:
-        """Keep ``tensor``'s metadata and its digest, taken while the tensor is fresh."""
+        """Keep ``tensor``'s metadata, and its digest once its value is final."""
         saved = _Saved(self, len(self.saved), strict=strict)
         self.saved.append(saved)
-        local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
-        saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
-        saved.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
-        if type(local) is torch.Tensor and not _is_state(tensor, local, self.buffers):
-            found = self._digest(local)
-            if found is not None:
-                saved.slot = len(self._digests)
-                self._digests.append(found)
-                self.saved_bytes += local.numel() * local.element_size()
+        try:
+            local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+            saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
+            saved.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
+            if type(local) is not torch.Tensor or _is_state(tensor, local, self.buffers):
+                return saved
+            self.saved_bytes += local.numel() * local.element_size()
+            profile = self.profile
+            if profile is not None and saved.position in profile.workspaces:
+                self.not_compared += 1
+            elif profile is None or saved.position in profile.filled_late:
+                self._held.append((saved, local))  # read when the forward ends, once the op saving it has run
+            else:
+                self._take(saved, local)
+        except Exception as err:  # the sentinel's own failure stops it observing this tensor, never the step
+            self._leave_out(saved, err)
         return saved
 
-    def _digest(self, local: torch.Tensor) -> torch.Tensor | None:
-        """``local``'s digest at this call's offset, or ``None`` for a tensor without bits to read."""
-        plans = self.sentinel.plans
-        with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
-            matrix = plans.read(local, self.offset)
-            return None if matrix is None else plans.digest(matrix)
+    def _take(self, saved: _Saved, local: torch.Tensor) -> None:
+        found = self._digest(local, saved)
+        if found is None:
+            self.not_compared += 1
+            return
+        saved.slot = len(self._digests)
+        self._digests.append(found)
+        self.slotted.append(saved)
 
-    def forward_done(self, *, digest: bool) -> None:
-        """The region's forward ended: stack its digests into one vector (or drop them, when it raised)."""
-        if digest and self._digests:
-            self.forward = torch.stack(self._digests)
-        self._digests = []
+    def _digest(self, local: torch.Tensor, saved: _Saved) -> torch.Tensor | None:
+        """``local``'s digest at this call's offset, or ``None`` for a tensor without bits to read (or unreadable)."""
+        plans = self.sentinel.plans
+        try:
+            with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
+                matrix = plans.read(local, self.offset)
+                return None if matrix is None else plans.digest(matrix)
+        except Exception as err:
+            self.sentinel.failed(self.region, saved.describe(), err)
+            return None
+
+    def _leave_out(self, saved: _Saved, err: Exception) -> None:
+        saved.broken, saved.slot = True, None
+        self.not_compared += 1
+        self.sentinel.failed(self.region, f"saved tensor {saved.position}", err)
+
+    def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
+        """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
+        drop them, when it raised).
+
+        Args:
+            digest: Whether the forward returned.
+            profile: The region's profile now (learned during this forward when it is the region's first).
+        """
+        if digest:
+            for saved, local in self._held:
+                if profile is not None and saved.position in profile.workspaces:
+                    self.not_compared += 1
+                else:
+                    self._take(saved, local)
+            if self._digests:
+                try:
+                    with no_python_dispatch():
+                        self.forward = torch.stack(self._digests)
+                except Exception as err:
+                    self.sentinel.failed(self.region, "the forward's digests", err)
+                    self.not_compared += len(self.slotted)
+                    self.slotted = []
+        self._digests, self._held = [], []
 
     def recomputed(self, saved: _Saved, tensor: torch.Tensor) -> bool:
         """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
@@ -208,8 +299,12 @@ class _Call:
                 return True  # torch raises its CheckpointError, naming the metadata
             recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"
             self.metadata_mismatches.append(f"{saved.describe()} was recomputed as {recomputed_as}")
-        elif saved.slot is not None and (found := self._digest(local)) is not None:
-            self._recomputed.append((saved.slot, found))
+        elif saved.slot is not None and self.forward is not None:
+            found = self._digest(local, saved)
+            if found is None:
+                self.not_compared += 1
+            else:
+                self._recomputed.append((saved.slot, found))
         if saved.position == len(self.saved) - 1:
             self.recomputation_done()
         return False
@@ -218,18 +313,65 @@ class _Call:
         """Stack this recomputation's digests (also reached later, when the last tensor's holder was freed)."""
         if self._recomputed:
             slots = [slot for slot, _ in self._recomputed]
-            self.comparisons.append((slots, torch.stack([found for _, found in self._recomputed])))
+            found = [digest for _, digest in self._recomputed]
+            try:
+                with no_python_dispatch():
+                    self.comparisons.append((slots, torch.stack(found)))
+            except Exception as err:
+                self.sentinel.failed(self.region, "the recomputation's digests", err)
+                self.not_compared += len(slots)
         self._recomputed = []
         self.sentinel.compared(self)
 
-    def pairs(self) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-        """Each recomputation's slots, with the forward's digests there and the recomputed ones."""
+    def pairs(self) -> Iterator[tuple[list[Any], torch.Tensor, torch.Tensor]]:
+        """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones."""
         forward = self.forward
         if forward is None:  # nothing digested, so no slots
             return
         for slots, recomputed in self.comparisons:
+            items: list[Any] = [self.slotted[slot] for slot in slots]
             every = len(slots) == len(forward) and slots == list(range(len(slots)))
-            yield slots, forward if every else forward[torch.tensor(slots, device=forward.device)], recomputed
+            yield items, forward if every else forward[torch.tensor(slots, device=forward.device)], recomputed
+
+
+class _StateWatch:
+    """One recomputation of a region, watched for what it changes: the version counters of the region's parameters,
+    and the digests of the buffers no recompute context puts back."""
+
+    def __init__(
+        self,
+        sentinel: "RecomputationSentinel",
+        region: str,
+        module: nn.Module,
+        exposed: Sequence[tuple[str, torch.Tensor]],
+    ) -> None:
+        self.sentinel = sentinel
+        self.region = region
+        self.versions = [(name, param, param._version) for name, param in module.named_parameters()]
+        self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
+        self.before = self._digests()
+
+    def _digests(self) -> torch.Tensor | None:
+        if not self.buffers:
+            return None
+        with no_python_dispatch(), torch.no_grad():
+            plans = self.sentinel.plans
+            return torch.stack([plans.digest(plans.read(buffer)) for _, buffer in self.buffers])  # type: ignore[arg-type]
+
+    def done(self) -> None:
+        written = [name for name, param, version in self.versions if param._version != version]
+        changes = [
+            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", "parameter_write")
+            for name in written
+        ]
+        self.sentinel.changed(self.region, changes)
+        if self.before is not None:
+            after = self._digests()
+            items = [
+                _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", "buffer_mutation")
+                for name, _ in self.buffers
+            ]
+            self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
 
 
 def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:
@@ -253,6 +395,14 @@ def _metadata(tensor: torch.Tensor) -> dict[str, Any]:
     return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device}
 
 
+def _profile(module: nn.Module) -> RegionProfile | None:
+    """The profile the region's wrapper learned, or ``None`` before its first checkpointed forward."""
+    return getattr(module.__dict__.get("forward"), "profile", None)
+
+
+_Entry = tuple[str, list[Any]]
+
+
 class RecomputationSentinel:
     """The sentinel of one module's checkpointed regions: see :func:`recomputation_sentinel`.
 
@@ -268,7 +418,8 @@ class RecomputationSentinel:
         self._index = {name: position for position, name in enumerate(self._names)}
         self._name_of = {id(sub): name for name, sub in regions.items()}
         self._compiled = _compiled_regions(module)
-        # Buffers keep their storage (BatchNorm updates its statistics in place): known once.
+        # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
+        # themselves): known once.
         self._buffers = {name: frozenset(_storage(buffer) for buffer in sub.buffers()) for name, sub in regions.items()}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
@@ -276,9 +427,12 @@ class RecomputationSentinel:
         self.plans = DigestPlans()
         self._open: list[_Call] = []
         self._calls: list[_Call] = []
+        self._state_pairs: list[tuple[str, list[Any], torch.Tensor, torch.Tensor]] = []
+        self._changes: list[tuple[str, _StateChange]] = []
         self._recomputing: _Call | None = None
-        self._flags: tuple[list[tuple[_Call, list[int]]], torch.Tensor | None] | None = None
+        self._flags: tuple[list[_Entry], torch.Tensor | None] | None = None
         self._paused = 0
+        self._failures: set[tuple[str, str]] = set()
 
     @property
     def regions(self) -> list[str]:
@@ -308,7 +462,7 @@ class RecomputationSentinel:
         if self._paused or name not in self._totals:
             yield
             return
-        call = _Call(self, name, self._buffers[name])
+        call = _Call(self, name, self._buffers[name], _profile(module))
         self._open.append(call)
         finished = False
         try:
@@ -317,14 +471,36 @@ class RecomputationSentinel:
         finally:
             self._open.pop()
             if call.saved:
-                call.forward_done(digest=finished)
+                call.forward_done(digest=finished, profile=_profile(module))
                 if finished:
                     self._saved_bytes.setdefault(name, call.saved_bytes)
                     self._calls.append(call)
 
+    @contextlib.contextmanager
+    def region_recompute(
+        self, region: str, module: nn.Module, exposed_buffers: Sequence[tuple[str, torch.Tensor]]
+    ) -> Iterator[None]:
+        """Entered around each recomputation of an eagerly checkpointed region (the saved-tensor observer hook):
+        what it writes to the region's parameters and to ``exposed_buffers`` is a mismatch."""
+        name = self._name_of.get(id(module), region)
+        watch = None
+        if not self._paused and name in self._totals:
+            try:
+                watch = _StateWatch(self, name, module, exposed_buffers)
+            except Exception as err:
+                self.failed(name, "its parameters and buffers", err)
+        try:
+            yield
+        finally:
+            if watch is not None:
+                try:
+                    watch.done()
+                except Exception as err:
+                    self.failed(name, "its parameters and buffers", err)
+
     def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any:
-        """torch's ``determinism_check`` extractor: a kept value at a region's forward (digested when the forward
-        ends), the recomputed tensor at the comparison after its recomputation."""
+        """torch's ``determinism_check`` extractor: a kept value at a region's forward (digested once final), the
+        recomputed tensor at the comparison after its recomputation."""
         if self._paused:
             return _metadata(tensor) if strict else None
         task = current_graph_task_id()
@@ -333,6 +509,30 @@ class RecomputationSentinel:
         if task == -1:  # a forward the sentinel does not watch: what torch would keep
             return _metadata(tensor) if strict else None
         return _Recomputed(tensor)
+
+    def failed(self, region: str, what: str, err: Exception) -> None:
+        """The sentinel could not read ``what`` of ``region``: it is left out (said once per region and tensor)."""
+        if (region, what) not in self._failures:
+            self._failures.add((region, what))
+            _log.warning(
+                "lightning_ckpt_determinism: the sentinel could not read %s of region `%s` (%s: %s); it is left out and"
+                " counts as not compared. Training is not affected.",
+                what,
+                region,
+                type(err).__name__,
+                err,
+            )
+
+    def changed(self, region: str, changes: list[_StateChange]) -> None:
+        """A recomputation of ``region`` changed these parameters (known on the host)."""
+        if changes:
+            self._changes.extend((region, change) for change in changes)
+            self._flags = None
+
+    def state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None:
+        """A recomputation of ``region`` left these buffers' digests ``after`` (compared on the device)."""
+        self._state_pairs.append((region, items, before, after))
+        self._flags = None
 
     def comparing(self, call: _Call) -> None:
         """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested."""
@@ -360,8 +560,8 @@ class RecomputationSentinel:
             self._paused -= 1
 
     def pending_mismatches(self, device: torch.device | str) -> torch.Tensor:
-        """How many saved tensors of each region differ among those compared since the last :meth:`settle`, as an
-        integer tensor on ``device`` in region order; computed on the device, not read back.
+        """How many mismatches each region had since the last :meth:`settle`, as an integer tensor on ``device`` in
+        region order; computed on the device, not read back.
 
         Args:
             device: Where the counts go (the device the collective backend needs).
@@ -369,30 +569,53 @@ class RecomputationSentinel:
         layout, flags = self._mismatch_flags()
         counts = torch.zeros(len(self._names), dtype=torch.int64, device=device)
         if flags is not None:
-            regions = [self._index[call.region] for call, slots in layout for _ in slots]
+            regions = [self._index[region] for region, items in layout for _ in items]
             owners = torch.tensor(regions, dtype=torch.int64, device=flags.device)
             found = torch.zeros(len(self._names), dtype=torch.int64, device=flags.device).index_add_(0, owners, flags)
             counts = found.to(device)
-        metadata = [0] * len(self._names)
+        known = [0] * len(self._names)
         for call in self._calls:
-            metadata[self._index[call.region]] += len(call.metadata_mismatches)
-        if any(metadata):
-            counts = counts + torch.tensor(metadata, dtype=torch.int64, device=device)
+            known[self._index[call.region]] += len(call.metadata_mismatches)
+        for region, _ in self._changes:
+            known[self._index[region]] += 1
+        if any(known):
+            counts = counts + torch.tensor(known, dtype=torch.int64, device=device)
         return counts
 
-    def _mismatch_flags(self) -> tuple[list[tuple[_Call, list[int]]], torch.Tensor | None]:
+    def pending_compared(self) -> int:
+        """How many saved tensors were compared since the last :meth:`settle` (known on the host, no device read).
+
+        Example::
+
+            >>> RecomputationSentinel(torch.nn.Linear(2, 2)).pending_compared()
+            0
+        """
+        if self._recomputing is not None:
+            self._recomputing.recomputation_done()
+        compared = sum(len(slots) for call in self._calls for slots, _ in call.comparisons if call.forward is not None)
+        return compared + sum(len(call.metadata_mismatches) for call in self._calls)
+
+    def _mismatch_flags(self) -> tuple[list[_Entry], torch.Tensor | None]:
         """Every comparison since the last settle, in order, and whether each differed (an int64 vector, on the
         device; ``None`` when nothing was compared): one comparison for all of them."""
         if self._recomputing is not None:
             self._recomputing.recomputation_done()
         if self._flags is None:
-            layout, forward, recomputed = [], [], []
+            layout: list[_Entry] = []
+            forward, recomputed = [], []
             for call in self._calls:
-                for slots, before, after in call.pairs():
-                    layout.append((call, slots))
+                for items, before, after in call.pairs():
+                    layout.append((call.region, items))
                     forward.append(before)
                     recomputed.append(after)
-            flags = (torch.cat(forward) != torch.cat(recomputed)).to(torch.int64) if forward else None
+            for region, items, before, after in self._state_pairs:
+                layout.append((region, items))
+                forward.append(before)
+                recomputed.append(after)
+            flags = None
+            if forward:
+                with no_python_dispatch():
+                    flags = (torch.cat(forward) != torch.cat(recomputed)).to(torch.int64)
             self._flags = (layout, flags)
         return self._flags
 
@@ -405,32 +628,42 @@ class RecomputationSentinel:
         """
         layout, flags = self._mismatch_flags()
         differed = [] if clean or flags is None else flags.tolist()
-        found: dict[int, list[str]] = {}
-        compared: dict[int, int] = {}
+        found: dict[str, list[Any]] = {name: [] for name in self._names}
+        compared = dict.fromkeys(self._names, 0)
+        not_compared = dict.fromkeys(self._names, 0)
         at = 0
-        for call, slots in layout:
-            compared[id(call)] = compared.get(id(call), 0) + len(slots)
-            by_slot = {saved.slot: saved for saved in call.saved if saved.slot is not None}
-            for slot, flag in zip(slots, differed[at : at + len(slots)], strict=False):
+        for owner, items in layout:
+            compared[owner] += sum(isinstance(item, _Saved) for item in items)
+            for item, flag in zip(items, differed[at : at + len(items)], strict=False):
                 if flag:
-                    found.setdefault(id(call), []).append(by_slot[slot].describe())
-            at += len(slots)
-        period = {name: SentinelRegion() for name in self._names}
+                    found[owner].append(item)
+            at += len(items)
         for call in self._calls:
-            mismatches = call.metadata_mismatches + found.get(id(call), [])
-            region = period[call.region]
-            period[call.region] = SentinelRegion(
-                compared=region.compared + compared.get(id(call), 0) + len(call.metadata_mismatches),
-                mismatches=region.mismatches + len(mismatches),
-                first_mismatch=region.first_mismatch or (mismatches[0] if mismatches else None),
+            compared[call.region] += len(call.metadata_mismatches)
+            not_compared[call.region] += call.not_compared
+            found[call.region].extend(_StateChange(text, "") for text in call.metadata_mismatches)
+        for owner, change in self._changes:
+            found[owner].append(change)
+        period = {
+            name: SentinelRegion(
+                compared=compared[name],
+                mismatches=len(found[name]),
+                first_mismatch=found[name][0].describe() if found[name] else None,
+                not_compared=not_compared[name],
+                cause=(found[name][0].cause or None) if found[name] else None,
             )
-        self._calls, self._flags = [], None
+            for name in self._names
+        }
+        self._calls, self._state_pairs, self._changes, self._flags = [], [], [], None
         for name, region in period.items():
             total = self._totals[name]
+            first = total.first_mismatch is None and region.first_mismatch is not None
             self._totals[name] = SentinelRegion(
                 total.compared + region.compared,
                 total.mismatches + region.mismatches,
-                total.first_mismatch or region.first_mismatch,
+                region.first_mismatch if first else total.first_mismatch,
+                total.not_compared + region.not_compared,
+                region.cause if first else total.cause,
             )
         return period
 
@@ -451,7 +684,8 @@ class RecomputationSentinel:
         regions = dict(self._totals)
         compared = sum(region.compared for region in regions.values())
         mismatches = sum(region.mismatches for region in regions.values())
-        return SentinelReport(compared, mismatches, regions, list(self._compiled))
+        not_compared = sum(region.not_compared for region in regions.values())
+        return SentinelReport(compared, mismatches, regions, list(self._compiled), not_compared)
 
 
 def _compiled_regions(module: nn.Module) -> list[str]:

@@ -1,7 +1,8 @@
 """Snapshots of what a training step changes besides the gradients, so a check can put it back exactly.
 
-A :class:`StepState` holds every random stream (torch CPU, the accelerator devices in use, Python, NumPy), the values
-of a module's buffers, the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain
+A :class:`StepState` holds every random stream (torch CPU, the accelerator devices in use, Python, NumPy, and the
+``torch.Generator``, NumPy ``Generator`` and ``RandomState`` objects the modules hold), the values of a module's
+buffers, the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain
 Python state of the module and its submodules: attributes holding numbers, strings, ``None`` or containers (lists,
 dicts, sets, deques, tuples; each container reached through them, such as the lists of a dict of lists, is copied
 shallowly and restored in place, so references held elsewhere see the restored contents).
@@ -14,23 +15,21 @@ MeanSquaredError()}``).
 """
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
 from lightning_ckpt_determinism.verify.compare import same_values
 
 __all__ = ["StepState"]
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-# What `torch.distributed.fsdp.fully_shard` sets on a module: its registry of composable-API states and flags.
-_FSDP_ATTRIBUTE_PREFIXES = ("__composable_api_state_key", "_fsdp_", "_is_fsdp_")
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
 _CONTAINERS = (list, dict, set, tuple, deque)
+_MISSING = object()
 
 
 class StepState:
@@ -58,6 +57,7 @@ class StepState:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             devices.add(torch.device("cuda", torch.cuda.current_device()))
         self._rng = capture_rng(devices)
+        self._generators = _GeneratorSnapshot(module)
         self._buffers = _BufferSnapshot(module)
         self._metrics = _MetricSnapshot(module)
         self._python = _PythonState(module, frozenset(exclude_attributes))
@@ -77,9 +77,33 @@ class StepState:
         """
         return self._buffers.differing()
 
+    def differing_attributes(
+        self, within: Collection[nn.Module] | None = None, ignore: Collection[str] = ()
+    ) -> list[str]:
+        """The dotted names of the plain attributes whose values now differ from the captured ones (a scalar
+        rebound, a container's contents changed, an attribute created or deleted), on the modules ``within`` (every
+        module when ``None``).
+
+        Args:
+            within: The modules to look at (those inside checkpointed regions, whose code recomputation reruns).
+            ignore: Attribute names not compared (they are still captured and restored).
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 2)
+            >>> model.seen = []
+            >>> state = StepState(model)
+            >>> model.seen.append(1)
+            >>> state.differing_attributes()
+            ['seen']
+        """
+        found = self._python.differing(None if within is None else {id(sub) for sub in within})
+        return [name for name in found if name.rsplit(".", 1)[-1] not in ignore]
+
     def restore(self) -> None:
         """Put everything captured back; can be called any number of times."""
         restore_rng(self._rng)
+        self._generators.restore()
         self._buffers.restore()
         self._metrics.restore()
         self._python.restore()
@@ -112,6 +136,41 @@ class _BufferSnapshot:
             for _, owner, key, buffer, value in self._entries:
                 owner._buffers[key] = buffer
                 buffer.copy_(value)
+
+
+class _GeneratorSnapshot:
+    """The states of the random generators a module and its submodules hold, as attributes or in plain containers."""
+
+    def __init__(self, module: nn.Module) -> None:
+        held = {
+            id(item): item
+            for sub in module.modules()
+            for value in vars(sub).values()
+            for item in [value, *(entry for container, copy in _contents(value) for entry in _items(copy))]
+            if isinstance(item, (torch.Generator, np.random.Generator, np.random.RandomState))
+        }
+        self._entries = [(generator, _generator_state(generator)) for generator in held.values()]
+
+    def restore(self) -> None:
+        for generator, state in self._entries:
+            if isinstance(generator, torch.Generator):
+                generator.set_state(state)
+            elif isinstance(generator, np.random.Generator):
+                generator.bit_generator.state = state
+            else:
+                generator.set_state(state)
+
+
+def _generator_state(generator: Any) -> Any:
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return generator.get_state()
+
+
+def _items(copy: Any) -> list[Any]:
+    return list(copy.values()) if isinstance(copy, dict) else list(copy)
 
 
 class _MetricSnapshot:
@@ -159,31 +218,49 @@ class _PythonState:
     def __init__(self, module: nn.Module, exclude: frozenset[str]) -> None:
         from torchmetrics import Metric
 
-        skip = _MODULE_INTERNALS | exclude
-        self._entries: list[tuple[nn.Module, dict[str, tuple[Any, Any]]]] = []
-        for sub in module.modules():
+        self._exclude = exclude
+        self._entries: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
+        for prefix, sub in module.named_modules():
             if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
                 continue
             captured = {
                 name: (value, _contents(value))
                 for name, value in vars(sub).items()
-                if name not in skip and not name.startswith(_FSDP_ATTRIBUTE_PREFIXES) and _is_plain(value)
+                if self._captures(name) and _is_plain(value)
             }
-            self._entries.append((sub, captured))
-        self._skip = skip
+            self._entries.append((prefix, sub, captured))
+
+    def _captures(self, name: str) -> bool:
+        return name not in self._exclude and not is_framework_attribute(name)
+
+    def _created(self, sub: nn.Module, captured: dict[str, tuple[Any, Any]]) -> list[str]:
+        """Plain attributes the step created: they did not exist at capture."""
+        attributes = vars(sub)
+        return [
+            name
+            for name, value in attributes.items()
+            if name not in captured and self._captures(name) and _is_plain(value)
+        ]
+
+    def differing(self, within: set[int] | None) -> list[str]:
+        differing = []
+        for prefix, sub, captured in self._entries:
+            if within is not None and id(sub) not in within:
+                continue
+            attributes = vars(sub)
+            names = [
+                name for name, (value, contents) in captured.items() if _changed(attributes, name, value, contents)
+            ]
+            for name in sorted(names + self._created(sub, captured)):
+                differing.append(f"{prefix}.{name}" if prefix else name)
+        return differing
 
     def restore(self) -> None:
-        for sub, captured in self._entries:
+        for _, sub, captured in self._entries:
             attributes = vars(sub)
             # Plain attributes the step created did not exist at capture: they go, as they were not there.
-            created = [
-                name
-                for name, value in attributes.items()
-                if name not in captured and name not in self._skip and not name.startswith(_FSDP_ATTRIBUTE_PREFIXES)
-            ]
-            for name in created:
-                if _is_plain(attributes[name]):
-                    del attributes[name]
+            for name in self._created(sub, captured):
+                del attributes[name]
             for name, (original, contents) in captured.items():
                 for container, copy in contents:
                     _refill(container, copy)
@@ -200,7 +277,37 @@ def _is_fsdp1_wrapper(module: nn.Module) -> bool:
 
 
 def _is_plain(value: object) -> bool:
-    return isinstance(value, _SCALARS) or (isinstance(value, _CONTAINERS) and not isinstance(value, nn.Module))
+    return isinstance(value, SCALARS) or (isinstance(value, _CONTAINERS) and not isinstance(value, nn.Module))
+
+
+def _changed(attributes: dict[str, Any], name: str, value: Any, contents: list[tuple[Any, Any]]) -> bool:
+    """Whether an attribute captured as ``value`` (with copies of the ``contents`` of its containers) changed."""
+    current = attributes.get(name, _MISSING)
+    if current is not value and not _same_item(current, value):
+        return True
+    return any(not _same_contents(container, copy) for container, copy in contents)
+
+
+def _same_contents(container: Any, copy: Any) -> bool:
+    """Whether a container holds what ``copy`` (its shallow copy at capture) held."""
+    if isinstance(container, dict):
+        return container.keys() == copy.keys() and all(_same_item(container[key], copy[key]) for key in container)
+    if isinstance(container, set):
+        return set(container) == set(copy)
+    items = list(container)
+    return len(items) == len(copy) and all(_same_item(a, b) for a, b in zip(items, copy, strict=True))
+
+
+def _same_item(first: Any, second: Any) -> bool:
+    """Identity, or equal values for tensors (same metadata and elements) and for anything with a usable ``==``."""
+    if first is second:
+        return True
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and same_values(first, second)
+    try:
+        return type(first) is type(second) and bool(first == second)
+    except Exception:  # a value whose `==` is not a truth value
+        return False
 
 
 def _contents(value: Any) -> list[tuple[Any, Any]]:

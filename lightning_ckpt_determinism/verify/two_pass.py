@@ -11,7 +11,7 @@ state; :func:`_verdict` turns their gradients into figures; :func:`check_recompu
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
@@ -27,11 +27,13 @@ from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism.verify.gradients import GradientStash, local_tensor
+from lightning_ckpt_determinism.verify.live import region_modules
 from lightning_ckpt_determinism.verify.reports import (
     CAUSE_HINTS,
     COMPILED_NOISE_NOTE,
     RecomputationReport,
     RegionReport,
+    attribute_hint,
     describe_error,
     missing_reference_gradients,
     no_gradients,
@@ -52,6 +54,7 @@ def check_recomputation(
     calibrate_noise: bool = False,
     gradients: Literal["autograd", "backward"] = "autograd",
     agree: Callable[[bool], bool] | None = None,
+    exclude_attributes: Iterable[str] = (),
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
@@ -106,6 +109,9 @@ def check_recomputation(
             it ``True`` on all) so that every rank runs the same passes, since a forward may hold collectives (FSDP's
             all-gathers, SyncBatchNorm). Attribution decides two extra passes from what it found: the host-RNG
             confirmation and, on a compiled model, the graph scan. ``None`` on one process.
+        exclude_attributes: Attribute names never compared on any module (they are still put back after the check):
+            values that legitimately differ from pass to pass, such as a timestamp. The plain attributes of the
+            modules inside checkpointed regions are compared after both passes (``attribute_mutations``).
 
     Returns:
         The :class:`RecomputationReport`.
@@ -136,7 +142,14 @@ def check_recomputation(
     if not regions:
         raise CheckpointingConfigError(_no_region_message(module))
     names = [region_name(name) for name, _ in named]
-    passes = _Passes(module, closure, [p for _, p in named], use_backward=gradients == "backward", agree=agree)
+    passes = _Passes(
+        module,
+        closure,
+        [p for _, p in named],
+        use_backward=gradients == "backward",
+        agree=agree,
+        exclude_attributes=frozenset(exclude_attributes),
+    )
     with passes:
         report = _compare(passes, names, tolerance, attribution=attribution, calibrate_noise=calibrate_noise)
     return replace(report, checked_regions=regions, compiled=passes.compiled)
@@ -168,6 +181,7 @@ def _compare(
     observer = Attribution(passes.module) if attribution else None
     # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
+    attributes = passes.changed_attributes()
     eager_diverged = (
         passes.compiled and observer is not None and passes.diverges_eagerly(observer, tolerance, noise_floor)
     )
@@ -186,6 +200,7 @@ def _compare(
         compiler_only = observer is not None and verdict.diverged and not eager_diverged
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
+    regions = _with_attributes(regions, attributes)
     return RecomputationReport(
         grad_divergence=verdict.divergence,
         max_abs_diff=max(verdict.max_diffs, default=0.0),
@@ -199,9 +214,22 @@ def _compare(
         noise_floor=noise_floor,
         regions=regions,
         buffer_mutations=buffers,
+        attribute_mutations=attributes,
         cause=cause,
         hint=None if cause is None else CAUSE_HINTS[cause] + COMPILED_NOISE_NOTE * (cause == "nondeterministic_kernel"),
     )
+
+
+def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list[RegionReport]:
+    """``regions``, each with the changed attributes of its modules; a region without another cause gets
+    ``attribute_mutation``."""
+    named = []
+    for region in regions:
+        own = [name for name in attributes if name.startswith(f"{region.name}.") or not region.name]
+        if own and region.cause is None:
+            region = replace(region, diverged=True, cause="attribute_mutation", hint=attribute_hint(own))
+        named.append(replace(region, attribute_mutations=own) if own else region)
+    return named
 
 
 @dataclass(frozen=True)
@@ -261,8 +289,11 @@ class _Passes:
         *,
         use_backward: bool,
         agree: Callable[[bool], bool] | None,
+        exclude_attributes: frozenset[str] = frozenset(),
     ) -> None:
         self.module = module
+        self._exclude = exclude_attributes
+        self._after_reference: StepState | None = None
         self.compiled = is_compiled(module)
         self._take = partial(_gradients, closure, params, use_backward=use_backward)
         self._params = params
@@ -288,7 +319,17 @@ class _Passes:
     def reference(self) -> tuple[float, _Gradients]:
         """A reference pass: checkpointing off, the compiler's own recomputation off too."""
         self._restore()
-        return self._take(disable_checkpointing=True)
+        taken = self._take(disable_checkpointing=True)
+        if self._after_reference is None:
+            self._after_reference = StepState(self.module)
+        return taken
+
+    def changed_attributes(self) -> list[str]:
+        """The plain attributes of the modules inside regions that now differ from their values after the first
+        reference pass (call it right after a checkpointed pass)."""
+        if self._after_reference is None:
+            return []
+        return self._after_reference.differing_attributes(region_modules(self.module), self._exclude)
 
     def checkpointed(self, observer: Attribution | None = None) -> _Outcome:
         """A checkpointed pass, observed when ``observer`` is given; an error it raises is its outcome."""

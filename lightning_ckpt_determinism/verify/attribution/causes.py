@@ -15,7 +15,8 @@ A region whose recomputation raised without an op having differed first is blame
 ``CheckpointError`` about metadata (raised right after the region's recomputation) gives ``shape_change``, its other
 ``CheckpointError`` (another number of tensors saved: control flow changed) ``python_state``, and any other error
 ``recompute_error``, with the error's first line. A region whose recomputation reproduced every compared value but
-changed one of its buffers gets ``buffer_mutation``, with the names of those buffers.
+changed one of its buffers gets ``buffer_mutation``, with the names of those buffers; one whose recomputation wrote
+a parameter in place (``embedding_renorm_``) gets ``parameter_write``, with the parameters' names, first.
 
 When a data-dependent op recomputed other outputs than its forward's (routing flipped), the cause stays that of the
 first op that differed and the hint adds what keeps the routing.
@@ -130,7 +131,10 @@ def _region_report(
             else:
                 max_abs_diff = math.inf
             break
-    if cause is None and buffers:
+    written = sorted({f"{name}.{param}" for call in calls for param in call.parameters_written})
+    if cause is None and written:
+        cause, hint = "parameter_write", f"{CAUSE_HINTS['parameter_write']} Written: {', '.join(written)}."
+    elif cause is None and buffers:
         cause, hint = "buffer_mutation", buffer_hint(buffers)
     return RegionReport(
         name=name,

@@ -6,10 +6,12 @@ records each aten op with a copy of its outputs and a fingerprint of its inputs;
 backward, a second dispatch mode compares each recomputed op with the recorded one as soon as it runs, then lets the
 copy go. Recomputation stops early (once every saved tensor is back) and detaches its inputs, so the two op sequences
 are aligned on what both ran: ``aten.detach`` is left out of both, and comparison stops where recomputation stopped.
-Views and ops that return uninitialised memory (``empty_like`` ...) are compared by shape only, ops that update the
-region's own buffers are left to the buffer check, and collectives are never recorded nor compared (their outputs
-are filled by other processes; a collective's result is compared where it is consumed). DTensors are compared as
-this rank's local shards. The observer's own failures never reach the pass it observes.
+Views, ops that return uninitialised memory (``empty_like`` ...) and opaque workspaces (an RNN layer's, see
+:data:`~lightning_ckpt_determinism.checkpointing.profile.OPAQUE_WORKSPACES`) are compared by shape only, ops that
+update the region's own buffers are left to the buffer check, and collectives are never recorded nor compared
+(their outputs are filled by other processes; a collective's result is compared where it is consumed). DTensors are
+compared as this rank's local shards. The observer's own failures never reach the pass it observes. A recomputed op
+that writes one of the region's parameters (``embedding_renorm_``) is noted.
 
 torch checks the version counters of a region's saved inputs before it enters the region's recompute context, so an
 input modified in place after the forward is found by comparing the versions recorded at the forward with the
@@ -41,6 +43,7 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
@@ -103,6 +106,7 @@ class CallRecord:
     routing_changed: str | None = None
     abandoned: str | None = None
     uncomparable: set[str] = field(default_factory=set)
+    parameters_written: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
     def contained(self, stage: str) -> Iterator[None]:
@@ -160,13 +164,14 @@ class CallRecord:
             func, args, kwargs
         )
         views = _returns_views(func, len(outputs))
+        workspaces = OPAQUE_WORKSPACES.get(str(func.overloadpacket), ())
         self.ops.append(
             _Op(
                 func=func,
                 inputs=inputs,
                 outputs=[
-                    _recorded(value) if compare_values and not view else None
-                    for value, view in zip(outputs, views, strict=True)
+                    _recorded(value) if compare_values and not view and position not in workspaces else None
+                    for position, (value, view) in enumerate(zip(outputs, views, strict=True))
                 ],
                 metadata=[_metadata(value) for value in outputs],
                 data_dependent=is_data_dependent(func, args),
@@ -240,6 +245,18 @@ class CallRecord:
         if self.divergence is None:
             self.divergence = Divergence(index, op, kind, random, same_inputs)
 
+    def note_writes(self, func: OpOverload, args: Any, kwargs: Any) -> None:
+        """Note the parameters a recomputed op writes in place (``embedding_renorm_`` on a detached weight: known by
+        storage)."""
+        written = _written_tensors(func, args, kwargs)
+        if not written:
+            return
+        storages = {_storage(param): name for name, param in self.module.named_parameters()}
+        for tensor in written:
+            name = storages.get(_storage(tensor))
+            if name is not None and name not in self.parameters_written:
+                self.parameters_written.append(name)
+
     def _writes_buffer(self, func: OpOverload, args: Any, kwargs: Any) -> bool:
         return any(id(tensor) in self.buffer_ids for tensor in _written_tensors(func, args, kwargs))
 
@@ -269,6 +286,7 @@ class _CallMode(TorchDispatchMode):
             with disable_current_modes(), call.contained(self.stage):
                 if self.comparing:
                     call.compare(func, inputs, out)
+                    call.note_writes(func, args, kwargs)
                 else:
                     call.record(func, inputs or [], args, kwargs, out)
         return out
@@ -454,6 +472,13 @@ def _written_tensors(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str,
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         written.extend(leaf for leaf in _flatten(value) if isinstance(leaf, torch.Tensor))
     return written
+
+
+def _storage(tensor: Any) -> int | None:
+    try:
+        return int(local_tensor(tensor).untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, AttributeError):  # a subclass without a storage of its own
+        return None
 
 
 def _same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:

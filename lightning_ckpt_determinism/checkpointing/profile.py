@@ -1,0 +1,213 @@
+"""What a region's first checkpointed forward shows about it, learned once and kept by the region's wrapper.
+
+A :class:`FirstForwardProbe` watches a region's first eager checkpointed forward and gives its
+:class:`RegionProfile`:
+
+- **Saved tensors filled late.** An op packs every tensor it saves before it runs: ``rrelu_with_noise`` packs its
+  ``noise`` and fills it only afterwards, in place, without bumping a version counter. The probe holds each saved
+  tensor with a copy of its value when it was packed and compares them at the forward's end; the positions that
+  changed are read at the forward's end by the sentinel, and the region's recomputation runs to its end (torch's
+  early stop off, as for the first call itself), so that it fills them again before they are unpacked.
+- **Opaque workspaces.** The outputs of the ops in :data:`OPAQUE_WORKSPACES` are found among the saved tensors: bytes
+  a kernel keeps for its own backward and leaves partly unwritten, which differ between identical forwards while the
+  gradients do not. The sentinel leaves them out.
+- **State the forward changes.** The buffers (compared by value: BatchNorm updates its running statistics without a
+  version bump) and the plain Python attributes (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`)
+  of the region's modules whose values the forward changed, which recomputation replays
+  (:class:`~lightning_ckpt_determinism.checkpointing.contexts.ForwardState`), and the ``torch.Generator`` objects
+  the region's modules hold.
+
+Watching costs one copy of the region's saved tensors and one host read, at the first call only. The probe's own ops
+run below every dispatch mode, so that a selective-checkpointing cache never takes them for the model's.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, current_graph_task_id, no_python_dispatch
+from lightning_ckpt_determinism.checkpointing.modules import (
+    buffer_slots,
+    generator_slots,
+    local_tensor,
+    scalar_attributes,
+)
+
+__all__ = ["OPAQUE_WORKSPACES", "FirstForwardProbe", "RegionProfile"]
+
+OPAQUE_WORKSPACES: Mapping[str, tuple[int, ...]] = MappingProxyType(
+    {
+        # oneDNN's LSTM/GRU layer on the CPU (`nn.LSTM`, `nn.GRU`): its uint8 workspace, of which about 65k of 90k bytes
+        # differ between two identical forwards while the gradients are bit-identical (verified, torch 2.13).
+        "aten.mkldnn_rnn_layer": (3,),
+        # cuDNN's RNN: its reserve space. Unverified: listed by analogy until a CUDA run confirms it (`.ci/gpu`).
+        "aten._cudnn_rnn": (3,),
+        # MIOpen's RNN (ROCm): its reserve space. Unverified, by analogy with cuDNN.
+        "aten.miopen_rnn": (3,),
+    }
+)
+"""Ops whose outputs at these positions are opaque workspaces: by op packet name, the output positions. A saved tensor
+that is one of them is not compared by the sentinel (it counts as not compared)."""
+
+
+@dataclass(frozen=True, eq=False)
+class RegionProfile:
+    """What a region's first checkpointed forward showed.
+
+    Attributes:
+        saved: How many tensors the forward saved for backward.
+        filled_late: Positions among them whose values changed after they were saved (read at the forward's end).
+        workspaces: Positions that are opaque workspaces (see :data:`OPAQUE_WORKSPACES`), never compared.
+        buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
+            wrapper adds those it sees changed later.
+        attributes: The plain Python attributes the forward changed, as ``(module, name)``, replayed in recomputation.
+        generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
+
+    Example::
+
+        >>> RegionProfile(saved=3).filled_late
+        frozenset()
+    """
+
+    saved: int
+    filled_late: frozenset[int] = frozenset()
+    workspaces: frozenset[int] = frozenset()
+    buffers: frozenset[str] = frozenset()
+    attributes: tuple[tuple[nn.Module, str], ...] = ()
+    generators: tuple[tuple[str, torch.Generator], ...] = ()
+
+
+class FirstForwardProbe:
+    """Watches one region call's forward (the region's first) and gives its :class:`RegionProfile`.
+
+    Enter it around the forward, with the saved-tensor extractor handing it each saved tensor
+    (:class:`~lightning_ckpt_determinism.checkpointing.saved.Probing`); :attr:`profile` is set when the forward
+    returns, and stays ``None`` when it raised.
+
+    Args:
+        module: The region.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RReLU())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> model(torch.randn(2, 4)).sum().backward()  # the region's first call is probed
+        >>> sorted(model[1].forward.profile.filled_late)  # `rrelu_with_noise` fills its `noise` after saving it
+        [0]
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.profile: RegionProfile | None = None
+        self._task = current_graph_task_id()
+        self._packed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._finder = _WorkspaceFinder()
+        self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = {}
+        self._attributes: dict[tuple[nn.Module, str], Any] = {}
+
+    def __enter__(self) -> "FirstForwardProbe":
+        with no_python_dispatch(), torch.no_grad():
+            self._buffers = {
+                name: (owner, key, buffer, local_tensor(buffer).clone())
+                for name, (owner, key, buffer) in buffer_slots(self.module).items()
+            }
+        self._attributes = scalar_attributes(self.module)
+        self._finder.__enter__()
+        return self
+
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self._finder.__exit__(exc_type, *exc_info)
+        if exc_type is None:
+            with no_python_dispatch(), torch.no_grad():
+                self.profile = self._learned()
+        self._packed, self._buffers, self._attributes = [], {}, {}
+
+    def packed(self, tensor: torch.Tensor) -> None:
+        """Hold a tensor the forward saves, with a copy of its value now (the extractor's hook)."""
+        if current_graph_task_id() != self._task:  # a backward run inside the forward compares its own tensors
+            return
+        local = local_tensor(tensor)
+        with no_python_dispatch():
+            copy = local.detach().clone() if local.layout == torch.strided and not local.is_meta else None
+        self._packed.append((local, copy))
+
+    def _learned(self) -> RegionProfile:
+        workspaces = frozenset(
+            position for position, (tensor, _) in enumerate(self._packed) if _storage(tensor) in self._finder.storages
+        )
+        filled_late = frozenset(
+            position
+            for position, (tensor, copy) in enumerate(self._packed)
+            if copy is not None and position not in workspaces and not _same_values(tensor, copy)
+        )
+        buffers = frozenset(
+            name
+            for name, (owner, key, buffer, value) in self._buffers.items()
+            if owner._buffers.get(key) is not buffer or not _same_values(local_tensor(buffer), value)
+        )
+        attributes = tuple(
+            (owner, name)
+            for (owner, name), value in self._attributes.items()
+            if not _same_attribute(vars(owner).get(name, _MISSING), value)
+        )
+        return RegionProfile(
+            saved=len(self._packed),
+            filled_late=filled_late,
+            workspaces=workspaces,
+            buffers=buffers,
+            attributes=attributes,
+            generators=tuple(generator_slots(self.module)),
+        )
+
+
+class _WorkspaceFinder(TorchDispatchMode):
+    """Notes the storage of every output of the ops in :data:`OPAQUE_WORKSPACES`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        positions = OPAQUE_WORKSPACES.get(str(func.overloadpacket))
+        if positions is not None and isinstance(out, (tuple, list)):
+            for position in positions:
+                storage = _storage(out[position]) if position < len(out) else None
+                if storage is not None and type(out[position]) is torch.Tensor:
+                    self.storages.add(storage)
+        return out
+
+
+_MISSING = object()
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        return None
+
+
+def _same_values(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds the values of ``copy`` (NaN where NaN was)."""
+    if tensor.shape != copy.shape or tensor.dtype != copy.dtype:
+        return False
+    if torch.equal(tensor, copy):
+        return True
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return bool(((tensor == copy) | (tensor.isnan() & copy.isnan())).all())
+
+
+def _same_attribute(now: Any, before: Any) -> bool:
+    if now is before:
+        return True
+    try:
+        return bool(now == before) and type(now) is type(before)
+    except Exception:  # a value whose `==` is not a truth value
+        return False
