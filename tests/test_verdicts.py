@@ -337,9 +337,9 @@ def seeded(step: int) -> None:
     np.random.seed(step)
 
 
-def trial(case: Case, mode: str) -> Trial:
+def trial(case: Case, mode: str, device: str = "cpu") -> Trial:
     torch.manual_seed(0)
-    plain = case.build()
+    plain = case.build().to(device)
     checkpointed = copy.deepcopy(plain)
     config = CheckpointingConfig(names=list(case.names), classes=list(case.classes))
     regions = apply_activation_checkpointing(checkpointed, config)
@@ -349,7 +349,7 @@ def trial(case: Case, mode: str) -> Trial:
     gradients_equal = True
     with recomputation_sentinel(checkpointed, exact=mode == "exact") as sentinel:
         for step in range(STEPS):
-            x = tokens(step)
+            x = tokens(step).to(device)
             seeded(step)
             checks.append(check_recomputation(checkpointed, lambda x=x: loss_of(checkpointed, x), attribution=True))
             grads = []
@@ -404,6 +404,20 @@ def test_rnn_workspaces_are_left_out_and_counted_as_not_compared() -> None:
     # check's checkpointed pass and the training step's.
     assert result.sentinel.not_compared == 4 * 2 * STEPS
     assert result.sentinel.mismatches == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_lstm_reserve_space_is_left_out_and_the_steps_are_exact() -> None:
+    # Whether cuDNN's reserve space is the opaque workspace `OPAQUE_WORKSPACES` says it is: unverified until this runs.
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        result = trial(ZOO["LSTM, 2 layers, bidirectional"], "exact", device="cuda")
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+    assert result.gradients_equal and same_state(result.plain, result.checkpointed)
+    assert result.sentinel.mismatches == 0, result.sentinel.regions
+    assert result.sentinel.not_compared > 0
 
 
 def test_the_last_op_filling_what_it_saved_is_recomputed_where_torch_alone_reads_garbage() -> None:

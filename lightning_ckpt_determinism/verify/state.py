@@ -57,10 +57,10 @@ class StepState:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             devices.add(torch.device("cuda", torch.cuda.current_device()))
         self._rng = capture_rng(devices)
-        self._generators = _GeneratorSnapshot(module)
         self._buffers = _BufferSnapshot(module)
         self._metrics = _MetricSnapshot(module)
         self._python = _PythonState(module, frozenset(exclude_attributes))
+        self._generators = _GeneratorSnapshot(self._python.generators)
         self._training = {sub: sub.training for sub in module.modules()}
         self._grad_enabled = torch.is_grad_enabled()
 
@@ -139,17 +139,11 @@ class _BufferSnapshot:
 
 
 class _GeneratorSnapshot:
-    """The states of the random generators a module and its submodules hold, as attributes or in plain containers."""
+    """The states of the random generators a module and its submodules hold, as attributes or in plain containers
+    (found by :class:`_PythonState`'s walk of the attributes)."""
 
-    def __init__(self, module: nn.Module) -> None:
-        held = {
-            id(item): item
-            for sub in module.modules()
-            for value in vars(sub).values()
-            for item in [value, *(entry for container, copy in _contents(value) for entry in _items(copy))]
-            if isinstance(item, (torch.Generator, np.random.Generator, np.random.RandomState))
-        }
-        self._entries = [(generator, _generator_state(generator)) for generator in held.values()]
+    def __init__(self, generators: list[Any]) -> None:
+        self._entries = [(generator, _generator_state(generator)) for generator in generators]
 
     def restore(self) -> None:
         for generator, state in self._entries:
@@ -169,8 +163,11 @@ def _generator_state(generator: Any) -> Any:
     return generator.get_state()
 
 
-def _items(copy: Any) -> list[Any]:
-    return list(copy.values()) if isinstance(copy, dict) else list(copy)
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState)
+
+
+def _items(container: Any) -> list[Any]:
+    return list(container.values()) if isinstance(container, dict) else list(container)
 
 
 class _MetricSnapshot:
@@ -220,26 +217,38 @@ class _PythonState:
 
         self._exclude = exclude
         self._entries: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
+        # The random generators held as attributes or in their plain containers, found on the way.
+        found: dict[int, Any] = {}
         for prefix, sub in module.named_modules():
             if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
                 continue
-            captured = {
-                name: (value, _contents(value))
-                for name, value in vars(sub).items()
-                if self._captures(name) and _is_plain(value)
-            }
+            captured = {}
+            for name, value in vars(sub).items():
+                if not self._captures(name):
+                    continue
+                if isinstance(value, _GENERATORS):
+                    found[id(value)] = value
+                elif _is_plain(value):
+                    contents = _contents(value)
+                    captured[name] = (value, contents)
+                    found.update(
+                        (id(item), item)
+                        for _, copy in contents
+                        for item in _items(copy)
+                        if isinstance(item, _GENERATORS)
+                    )
             self._entries.append((prefix, sub, captured))
+        self.generators = list(found.values())
 
     def _captures(self, name: str) -> bool:
         return name not in self._exclude and not is_framework_attribute(name)
 
     def _created(self, sub: nn.Module, captured: dict[str, tuple[Any, Any]]) -> list[str]:
         """Plain attributes the step created: they did not exist at capture."""
-        attributes = vars(sub)
         return [
             name
-            for name, value in attributes.items()
-            if name not in captured and self._captures(name) and _is_plain(value)
+            for name, value in vars(sub).items()
+            if name not in captured and _is_plain(value) and self._captures(name)
         ]
 
     def differing(self, within: set[int] | None) -> list[str]:
