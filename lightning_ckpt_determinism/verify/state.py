@@ -202,7 +202,10 @@ def _metrics(module: nn.Module) -> list[Any]:
 
     found = {id(sub): sub for sub in module.modules() if isinstance(sub, Metric)}
     for sub in module.modules():
-        for value in vars(sub).values():
+        # nn.Module's own dicts (`_modules`, `_parameters`, hooks) hold no metric the walk of submodules missed.
+        for name, value in vars(sub).items():
+            if is_framework_attribute(name):
+                continue
             for container, _ in _contents(value):
                 items = container.values() if isinstance(container, dict) else container
                 found.update((id(item), item) for item in items if isinstance(item, Metric))
