@@ -4,10 +4,13 @@ A :class:`FirstForwardProbe` watches a region's first eager checkpointed forward
 :class:`RegionProfile`:
 
 - **Saved tensors filled late.** An op packs every tensor it saves before it runs: ``rrelu_with_noise`` packs its
-  ``noise`` and fills it only afterwards, in place, without bumping a version counter. The probe holds each saved
-  tensor with a copy of its value when it was packed and compares them at the forward's end; the positions that
-  changed are read at the forward's end by the sentinel, and the region's recomputation runs to its end (torch's
-  early stop off, as for the first call itself), so that it fills them again before they are unpacked.
+  ``noise`` and fills it only afterwards, in place, without bumping a version counter. A saved tensor is filled late
+  when an op that declares it writes its argument (``Tensor(a!)`` in its schema) writes that tensor's storage after
+  it was packed, or when its values at the forward's end differ from a copy taken when it was packed (for a kernel
+  that writes without declaring it). The schema is the reliable witness: an uninitialised ``noise`` may hold, by
+  the allocator's reuse, the very values the op then writes. The sentinel reads those positions at the forward's
+  end, and the region's recomputation runs to its end (torch's early stop off, as for the first call itself), so
+  that it fills them again before they are unpacked.
 - **Opaque workspaces.** The outputs of the ops in :data:`OPAQUE_WORKSPACES` are found among the saved tensors: bytes
   a kernel keeps for its own backward and leaves partly unwritten, which differ between identical forwards while the
   gradients do not. The sentinel leaves them out.
@@ -105,8 +108,10 @@ class FirstForwardProbe:
         self.module = module
         self.profile: RegionProfile | None = None
         self._task = current_graph_task_id()
-        self._packed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._finder = _WorkspaceFinder()
+        self._packed: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        # Packs and ops in the order they happen: a write to a packed tensor's storage by a later op fills it late.
+        self.events = 0
+        self._finder = _FirstCallMode(self)
         self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = {}
         self._attributes: dict[tuple[nn.Module, str], Any] = {}
 
@@ -134,16 +139,23 @@ class FirstForwardProbe:
         local = local_tensor(tensor)
         with no_python_dispatch():
             copy = local.detach().clone() if local.layout == torch.strided and not local.is_meta else None
-        self._packed.append((local, copy))
+        self.events += 1
+        self._packed.append((local, copy, self.events))
 
     def _learned(self) -> RegionProfile:
         workspaces = frozenset(
-            position for position, (tensor, _) in enumerate(self._packed) if _storage(tensor) in self._finder.storages
+            position
+            for position, (tensor, _, _) in enumerate(self._packed)
+            if _storage(tensor) in self._finder.storages
         )
         filled_late = frozenset(
             position
-            for position, (tensor, copy) in enumerate(self._packed)
-            if copy is not None and position not in workspaces and not _same_values(tensor, copy)
+            for position, (tensor, copy, packed_at) in enumerate(self._packed)
+            if position not in workspaces
+            and (
+                self._finder.written_after(_storage(tensor), packed_at)
+                or (copy is not None and not _same_values(tensor, copy))
+            )
         )
         buffers = frozenset(
             name
@@ -165,15 +177,24 @@ class FirstForwardProbe:
         )
 
 
-class _WorkspaceFinder(TorchDispatchMode):
-    """Notes the storage of every output of the ops in :data:`OPAQUE_WORKSPACES`."""
+class _FirstCallMode(TorchDispatchMode):
+    """Notes, for the probe of a first call, the storages every op writes (by its schema) with when it ran, and the
+    storage of every output of the ops in :data:`OPAQUE_WORKSPACES`."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: FirstForwardProbe) -> None:
         super().__init__()
+        self.probe = probe
         self.storages: set[int] = set()
+        self._writes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.probe.events += 1
+        for tensor in _written(func, args, kwargs):
+            storage = _storage(tensor)
+            if storage is not None:
+                self._writes[storage] = self.probe.events
         positions = OPAQUE_WORKSPACES.get(str(func.overloadpacket))
         if positions is not None and isinstance(out, (tuple, list)):
             for position in positions:
@@ -181,6 +202,22 @@ class _WorkspaceFinder(TorchDispatchMode):
                 if storage is not None and type(out[position]) is torch.Tensor:
                     self.storages.add(storage)
         return out
+
+    def written_after(self, storage: int | None, event: int) -> bool:
+        """Whether an op wrote ``storage`` after ``event``."""
+        return storage is not None and self._writes.get(storage, 0) > event
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an op writes in place, as its schema declares them (``Tensor(a!)``)."""
+    written: list[torch.Tensor] = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        written.extend(local_tensor(item) for item in values if isinstance(item, torch.Tensor))
+    return written
 
 
 _MISSING = object()
