@@ -40,6 +40,7 @@ both MLP linears) keeps ``E*(11*s*b*h + a*s*s*b)``: the block input, ``3h + h + 
 scores.
 """
 
+import gc
 from typing import Any
 
 import torch
@@ -211,10 +212,24 @@ class _LiveStorages(TorchDispatchMode):
                 self._outputs.append((StorageWeakRef(storage), key, nbytes))
         return out
 
-    def held_bytes(self) -> int:
-        """Bytes of the distinct recorded storages that are still alive."""
+    def held_bytes(self, also: dict[tuple[torch.device, int], int] | None = None) -> int:
+        """Bytes of the distinct recorded storages that are still alive, and of ``also`` (storages the mode could not
+        see, by key), each counted once."""
         alive = {key: nbytes for ref, key, nbytes in self._outputs if not ref.expired()}
-        return sum(alive.values())
+        return sum({**alive, **(also or {})}.values())
+
+
+def python_tensor_storages(excluded: set[int]) -> dict[tuple[torch.device, int], int]:
+    """The storages of every tensor the garbage collector knows (tensors Python holds, not those autograd holds), by
+    key, with their bytes: what code running below every dispatch mode (the routing guard's kept outputs) allocates
+    shows here only."""
+    found = {}
+    for candidate in gc.get_objects():
+        if type(candidate) is torch.Tensor and not candidate.is_meta and candidate.layout == torch.strided:
+            counted = _counted_storage(candidate, excluded)
+            if counted is not None:
+                found[counted[1]] = counted[2]
+    return found
 
 
 class _OpRecorder(TorchDispatchMode):

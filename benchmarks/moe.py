@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import interleaved_times, paired_ratios, summary
-from benchmarks.memory import _LiveStorages
+from benchmarks.memory import _LiveStorages, python_tensor_storages
 from examples.moe import MoEModule
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
 from lightning_ckpt_determinism.checkpointing.routing import is_data_dependent
@@ -87,10 +87,14 @@ def run(size: dict[str, int]) -> dict[str, Any]:
 
 
 def _held_bytes(model: MoEModule, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The bytes a forward leaves held for backward: storages its ops created that are still alive, and those Python
+    holds that were not there before (the routing guard copies what it keeps below every dispatch mode)."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    before = python_tensor_storages(parameters)
     with _LiveStorages(parameters) as live:
         loss = F.mse_loss(model(x), y)
-    held = live.held_bytes()
+    new = {key: nbytes for key, nbytes in python_tensor_storages(parameters).items() if key not in before}
+    held = live.held_bytes(also=new)
     del loss
     return held
 

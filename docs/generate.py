@@ -34,6 +34,9 @@ WHEN = {
     "parameter_write": "recomputation wrote a parameter in place (`embedding_renorm_` of an `nn.Embedding` with"
     " `max_norm`); the sentinel counts it at every step (a version counter that moved across the recomputation), and"
     " attribution names the parameter.",
+    "outside_state": "in `RecomputationReport.cause`: the gradients diverged and the step's forward already computed"
+    " another loss in the reference pass than in the checkpointed one, before anything was recomputed. No region is"
+    " blamed; with `calibrate_noise`, only when the reference passes agree with each other.",
     "attribute_mutation": "a plain Python attribute of a module inside a region (a list, a dict) ended the"
     " checkpointed step otherwise than the step without checkpointing: recomputation repeated a forward's side"
     " effect. The hint names the attributes; `exclude_attributes` leaves out those that legitimately differ.",

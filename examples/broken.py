@@ -6,9 +6,9 @@ others are plain. Each ``examples/configs/broken_<cause>.yaml`` checkpoints ever
     python -m lightning_ckpt_determinism audit --config examples/configs/broken_<cause>.yaml
 
 Some defects live in the model (host RNG, Python state, a data-dependent shape, a non-deterministic kernel, an
-in-place op on a block's input), two
-in the checkpointing config (dropout with ``preserve_rng_state: false``, BatchNorm with ``protect_buffers:
-false``). Data are synthetic regression targets made in code.
+in-place op on a block's input, a parameter renormalised in place, a list appended to, a global read in
+``training_step``), two in the checkpointing config (dropout with ``preserve_rng_state: false``, BatchNorm with
+``protect_buffers: false``). Data are synthetic regression targets made in code.
 """
 
 import itertools
@@ -31,9 +31,12 @@ Defect = Literal[
     "recompute_error",
     "parameter_write",
     "attribute_mutation",
+    "outside_state",
 ]
 
 _accumulation_orders = itertools.count()
+# Drawn from by `BrokenModule.training_step` with the `outside_state` defect: a global the check cannot put back.
+_input_scales = itertools.count()
 
 
 @torch.library.custom_op("lckd_examples::unordered_row_sum", mutates_args=())
@@ -197,6 +200,7 @@ DEFECTIVE_BLOCKS: dict[str, type[Block]] = {
     "recompute_error": InPlaceReluBlock,
     "parameter_write": RenormBlock,
     "attribute_mutation": LoggingBlock,
+    "outside_state": Block,
 }
 
 
@@ -242,6 +246,10 @@ class BrokenModule(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.hparams.get("defect") == "outside_state":
+            # Every other call scales the batch, counted by a module-level counter: state outside the checkpointed
+            # blocks, which a rerun of the step reads anew.
+            x = x * (1.0 + 0.1 * (next(_input_scales) % 2))
         loss = F.mse_loss(self(x), y)
         self.log("train/loss", loss)
         return loss

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 # Non-reentrant checkpoint internals: the early stop it raises inside recomputation once every saved tensor is back,
 # and its registry of `determinism_check` names (both >= 2.1).
+from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import _allowed_determinism_checks_to_fns, _StopRecomputationError
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "TorchDispatchMode",
     "aot_backends",
     "checkpoint_codes",
+    "checkpoint_debug_enabled",
     "compiled_call",
     "current_graph_task_id",
     "determinism_checks",
@@ -88,6 +90,12 @@ def current_graph_task_id() -> int:
 def determinism_checks() -> dict[str, Callable[..., Any]]:
     """torch's registry of ``determinism_check`` names for non-reentrant checkpointing (>= 2.1)."""
     return _allowed_determinism_checks_to_fns
+
+
+def checkpoint_debug_enabled() -> bool:
+    """Whether torch's checkpoint debug mode is on globally (``set_checkpoint_debug_enabled(True)``, >= 2.1): it then
+    refuses any ``context_fn``."""
+    return bool(_torch_checkpoint._checkpoint_debug_enabled)
 
 
 def checkpoint_codes() -> frozenset[CodeType]:

@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,32 @@ class RankOneBufferBlock(torch.nn.Module):
         if dist.get_rank() == 1:
             self.count += 1
         return x + torch.tanh(self.linear(x))
+
+
+class SometimesBranchBlock(torch.nn.Module):
+    """Uses its branch only on even batches (``odd`` is set by :class:`BranchingModule`): a parameter some steps
+    leave unused, which DDP's ``find_unused_parameters=True`` exists for. With ``noisy``, NumPy noise (a defect)."""
+
+    def __init__(self, noisy: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+        self.branch = torch.nn.Linear(DIM, DIM)
+        self.odd = False
+        self.noisy = noisy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x) if self.odd else self.linear(x) + self.branch(x)
+        if self.noisy:
+            hidden = hidden * (1 + torch.from_numpy(np.random.standard_normal(hidden.shape).astype(np.float32)))
+        return x + torch.tanh(hidden)
+
+
+class BranchingModule(StackModule):
+    """Tells its branching block whether the batch is odd, in ``training_step``."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.model.blocks[1].odd = batch_idx % 2 == 1
+        return super().training_step(batch, batch_idx)
 
 
 def _strategy(kind: str, checkpointing: CheckpointingConfig | None, **ddp_options: Any) -> Any:
@@ -224,6 +251,15 @@ def main(kind: str, out_dir: Path) -> None:
         for mode in ("warn", "raise"):
             monitor = RecomputationMonitor(every_n_steps=2, on_divergence=mode, sentinel="off")  # type: ignore[arg-type]
             run(kind, out_dir, f"rank_one_{mode}", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+        # A branch used on some steps only, under `find_unused_parameters=True`: the two-pass check (attribution
+        # "always", and the follow-up of any finding) must leave DDP's reducer as it found it.
+        unused = {"find_unused_parameters": True}
+        branching = {"classes": ["PlainBlock", "SometimesBranchBlock"]}
+        for name, noisy in (("unused_always_clean", False), ("unused_always_defect", True)):
+            monitor = every_step(attribution="always", **ignore)
+            branch = partial(SometimesBranchBlock, noisy=noisy)
+            options = {"module_class": BranchingModule, "ddp_options": unused}
+            run(kind, out_dir, name, "PlainBlock", monitor, branching, {}, branch, **options)  # type: ignore[arg-type]
         # The sentinel on every step, the defect on rank 1 only: seen at step 0 and named with its rank on rank 0.
         monitor = RecomputationMonitor(every_n_steps=50)
         run(kind, out_dir, "sentinel_rank_one", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)

@@ -552,6 +552,26 @@ class CollectingModule(StackModule):
         return loss
 
 
+class HeldNoiseModule(StackModule):
+    """Augments its batch with noise from generators it holds (torch's, NumPy's, Python's) and centres it by a running
+    mean kept in a plain tensor attribute, updated in place: state outside the checkpointed regions, which a check's
+    rerun reads again."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.torch_noise = torch.Generator().manual_seed(1)
+        self.numpy_noise = np.random.default_rng(2)
+        self.python_noise = random.Random(3)
+        self.running_mean = torch.zeros(DIM)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.running_mean.mul_(0.9).add_(0.1 * x.mean(dim=0))
+        noise = torch.rand(x.shape, generator=self.torch_noise)
+        scale = float(self.numpy_noise.uniform(0.9, 1.1)) * self.python_noise.uniform(0.9, 1.1)
+        return super().training_step(((x - self.running_mean) * (1 + 0.1 * noise) * scale, y), batch_idx)
+
+
 class BatchOnlyModule(StackModule):
     """``training_step(self, batch)`` without ``batch_idx``, which Lightning allows."""
 

@@ -318,9 +318,16 @@ def test_forward_copies_are_held_only_until_their_region_is_recomputed():
 
 
 def test_the_catalogue_has_a_hint_per_cause():
-    # The others have tests of their own: buffer_mutation, attribute_mutation and recompute_error here,
-    # parameter_write in tests/test_verdicts.py, compiler_recompute in tests/test_compile.py.
-    others = {"buffer_mutation", "attribute_mutation", "recompute_error", "compiler_recompute", "parameter_write"}
+    # The others have tests of their own: buffer_mutation, attribute_mutation, recompute_error and outside_state
+    # here, parameter_write in tests/test_verdicts.py, compiler_recompute in tests/test_compile.py.
+    others = {
+        "buffer_mutation",
+        "attribute_mutation",
+        "recompute_error",
+        "compiler_recompute",
+        "parameter_write",
+        "outside_state",
+    }
     assert set(CAUSE_HINTS) == {*CATALOGUE, *others}
     assert all(hint.endswith(".") for hint in CAUSE_HINTS.values())
     fixes = {

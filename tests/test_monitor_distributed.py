@@ -205,3 +205,19 @@ def test_ddp_the_sentinel_sees_a_defect_on_rank_one_only_at_every_step_and_warns
     # The periodic check at step 0, and the full check the sentinel's warning asked for at step 1.
     assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True), (1, True)]
     assert rank0["history"] == rank1["history"]
+
+
+def test_ddp_with_unused_parameters_trains_on_through_two_pass_checks_clean_and_defective(ddp):
+    # `attribution="always"` checks every step with the two-pass engine on the bare module; a branch used on even
+    # batches only leaves parameters unused under `find_unused_parameters=True`. A backward outside DDP's forward
+    # used to fire DDP's reducer hooks there, and the next step's backward failed.
+    out_dir = ddp
+    for name, diverged in (("unused_always_clean", False), ("unused_always_defect", True)):
+        for rank in (0, 1):
+            run = result(out_dir, name, rank)
+            assert run["global_step"] == 4
+            assert [(entry["step"], entry["diverged"]) for entry in run["history"]] == [
+                (step, diverged) for step in range(4)
+            ]
+    clean = result(out_dir, "unused_always_clean", 0)["history"]
+    assert [entry["grad_divergence"] for entry in clean] == [0.0] * 4

@@ -130,3 +130,21 @@ def test_buffers_updated_twice_are_caught_at_the_default_settings(tmp_path: Path
     with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["recompute/buffer_mutations"]]
     assert [(row["step"], float(row["recompute/buffer_mutations"])) for row in rows] == [("0", 9.0), ("1", 9.0)]
+
+
+def test_a_forward_that_differs_before_any_recomputation_blames_state_outside_the_regions(tmp_path: Path) -> None:
+    from examples.broken import BrokenModule, SyntheticRegression
+
+    monitor = RecomputationMonitor(every_n_steps=100, sentinel="off")
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=1, strategy=strategy, callbacks=[monitor]))
+    with pytest.warns(LightningCkptDeterminismWarning, match="before anything was recomputed") as caught:
+        trainer.fit(BrokenModule(defect="outside_state"), SyntheticRegression())
+    report = monitor.last_report
+    assert report is not None and report.diverged and report.cause == "outside_state"
+    assert report.reference_loss != report.checkpointed_loss
+    # Attribution reran the step: every region recomputed what its forward produced, and none is blamed.
+    assert len(report.regions) == 4 and not any(region.diverged for region in report.regions)
+    messages = [str(warning.message) for warning in caught if "recomputation diverged" in str(warning.message)]
+    assert len(messages) == 1 and "Region `" not in messages[0]

@@ -131,6 +131,23 @@ def test_raise_mode_stops_the_fit_at_the_step_of_the_mismatch(tmp_path: Path) ->
     assert logged(tmp_path, METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(6)]
 
 
+def test_under_gradient_accumulation_the_follow_up_check_is_the_next_global_steps(tmp_path: Path) -> None:
+    # The defect is in the recomputation of step 0's first micro-batch: the sentinel's finding asks for a full check,
+    # which the next micro-batch of the same step must not take (a second history and logger entry for step 0).
+    monitor = RecomputationMonitor(every_n_steps=100, exclude_attributes=ARMED_COUNT)
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    logger = CSVLogger(tmp_path)
+    kwargs = trainer_kwargs(
+        tmp_path, max_steps=3, strategy=strategy, callbacks=[monitor], logger=logger, accumulate_grad_batches=2
+    )
+    with pytest.warns(LightningCkptDeterminismWarning, match="at step 0") as caught:
+        pl.Trainer(**kwargs).fit(armed_module(step=0))
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, True), (1, False)]
+    assert any("the sentinel saw region `model.blocks.1`" in str(warning.message) for warning in caught)
+    assert [step for step, _ in logged(tmp_path, "recompute/grad_divergence")] == [0, 1]
+
+
 def _weights(tmp_path: Path, sentinel: str | None) -> dict[str, Any]:
     monitor = None if sentinel is None else RecomputationMonitor(every_n_steps=4, sentinel=sentinel)  # type: ignore[arg-type]
     module = StackModule(block="DropoutBlock")

@@ -103,6 +103,10 @@ def shortfall_note(checked: int, seen: int, asked: int) -> str:
     return f"note: checked {_batches(checked)}: the training data has only {seen}{no_loss} (asked for {asked})"
 
 
+# Causes of a whole step, which no region carries: the compiler's recomputation, state outside the regions.
+_STEP_CAUSES = ("compiler_recompute", "outside_state")
+
+
 def _batches(count: int) -> str:
     return f"{count} batch{'es' if count != 1 else ''}"
 
@@ -136,13 +140,12 @@ def footer(
             f"result: {len(diverged_regions)} of {len(summaries)} checkpointed regions diverged:"
             f" {', '.join(diverged_regions)}"
         )
-    elif any(report.cause == "compiler_recompute" for report in reports):
-        hint = next(report.hint for report in reports if report.cause == "compiler_recompute")
-        lines.append(f"result: diverged: compiler_recompute: {hint}")
+    elif (blamed := next((report for report in reports if report.cause in _STEP_CAUSES), None)) is not None:
+        lines.append(f"result: diverged: {blamed.cause}: {blamed.hint}")
     elif diverged(reports):
         lines.append(
             "result: diverged: every region recomputed what its forward produced, but the gradients of the two"
-            " passes differ (Python state a module changes in forward, such as a counter)"
+            " passes differ (Python state a module changes in forward, such as a list it appends to)"
         )
     else:
         noise = sum(summary.verdict == "noise" for summary in summaries)

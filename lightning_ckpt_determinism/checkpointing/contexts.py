@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._torch_compat import disable_current_modes
 from lightning_ckpt_determinism.checkpointing.modules import generator_slots, scalar_attributes
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
@@ -156,7 +157,8 @@ class ForwardState:
     def capture(self) -> Iterator[None]:
         """The forward context: capture what the forward starts from; afterwards, note buffers changed unexpectedly."""
         profile = self._profile
-        with torch.no_grad():
+        # Below every dispatch mode: a mode of the user's sees the model's ops, never the package's copies.
+        with torch.no_grad(), disable_current_modes():
             for name, owner, key in self._slots:
                 buffer = owner._buffers.get(key)
                 if buffer is None:
@@ -182,7 +184,7 @@ class ForwardState:
     def replay(self) -> Iterator[None]:
         """The recompute context: the forward's state in, the live state back afterwards, whatever is raised."""
         swapped = []
-        with torch.no_grad():
+        with torch.no_grad(), disable_current_modes():
             for owner, key, buffer, value in self._buffers:
                 swapped.append((owner, key, owner._buffers.get(key), buffer, buffer.detach().clone()))
                 buffer.data.copy_(value)
@@ -198,7 +200,7 @@ class ForwardState:
             for generator, state in live_generators:
                 generator.set_state(state)
             _set_attributes(live_attributes)
-            with torch.no_grad():
+            with torch.no_grad(), disable_current_modes():
                 for owner, key, live, buffer, value in reversed(swapped):
                     buffer.data.copy_(value)
                     owner._buffers[key] = live

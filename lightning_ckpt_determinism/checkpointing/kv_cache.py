@@ -7,9 +7,10 @@ cache off in training; so does this package:
 
 - applying checkpointing to a region inside a transformers ``PreTrainedModel`` whose ``config.use_cache`` is true
   sets it to ``False``, with one info line, until the last such region of that model is removed again;
-- a region called while training with grad enabled gets ``use_cache=False`` and no cache object (``cache``,
-  ``past_key_values``, ``past_key_value``, ``layer_past``), as transformers' ``GradientCheckpointingLayer`` does,
-  with one warning.
+- a region that is a transformers layer (its class, or a base of it, comes from ``transformers``), called while
+  training with grad enabled, gets ``use_cache=False`` and no cache object (``cache``, ``past_key_values``,
+  ``past_key_value``, ``layer_past``), as transformers' ``GradientCheckpointingLayer`` does, with one warning. Other
+  modules keep their keyword arguments, whatever their names.
 
 transformers is never imported: its models are recognised by the name and module of a base class.
 """
@@ -23,7 +24,14 @@ from torch import nn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
-__all__ = ["CACHE_ARGUMENTS", "CacheSwitch", "is_transformers_model", "switch_off_kv_caches", "without_cache"]
+__all__ = [
+    "CACHE_ARGUMENTS",
+    "CacheSwitch",
+    "is_transformers_layer",
+    "is_transformers_model",
+    "switch_off_kv_caches",
+    "without_cache",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -44,6 +52,18 @@ def is_transformers_model(module: nn.Module) -> bool:
         for base in type(module).__mro__
     )
     return transformers_base and hasattr(module, "config")
+
+
+def is_transformers_layer(module: nn.Module) -> bool:
+    """Whether ``module``'s class, or one of its bases, is defined in transformers: a layer whose cache arguments the
+    package drops in training, found without importing transformers.
+
+    Example::
+
+        >>> is_transformers_layer(nn.Linear(2, 2))
+        False
+    """
+    return any(base.__module__.startswith("transformers.") for base in type(module).__mro__)
 
 
 class CacheSwitch:

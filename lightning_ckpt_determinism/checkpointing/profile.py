@@ -148,10 +148,14 @@ class FirstForwardProbe:
             for position, (tensor, _, _) in enumerate(self._packed)
             if _storage(tensor) in self._finder.storages
         )
+        # Parameters and buffers are state, not activations: BatchNorm saves its running statistics and its kernel
+        # then updates them, but its backward in training never reads them (and the sentinel leaves state out).
+        state = {_storage(local_tensor(tensor)) for tensor in (*self.module.parameters(), *self.module.buffers())}
         filled_late = frozenset(
             position
             for position, (tensor, copy, packed_at) in enumerate(self._packed)
             if position not in workspaces
+            and _storage(tensor) not in state
             and (
                 self._finder.written_after(_storage(tensor), packed_at)
                 or (copy is not None and not _same_values(tensor, copy))

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
     TorchDispatchMode,
+    disable_current_modes,
     statically_known_true,
     tree_leaves,
     tree_map,
@@ -217,7 +218,12 @@ class _ServeRecompute(TorchDispatchMode):
 
 
 def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    """A copy of a kept output, made below every dispatch mode: a mode of the user's (or selective checkpointing's)
+    sees the model's ops, never the guard's own."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    with disable_current_modes():
+        return value.detach().clone()
 
 
 class CompiledPolicy:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled
 from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter, region_contexts
 from lightning_ckpt_determinism.checkpointing.contexts import (
     BufferSlot,
@@ -40,7 +41,7 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     Reenterable,
     same_context,
 )
-from lightning_ckpt_determinism.checkpointing.kv_cache import CacheSwitch, without_cache
+from lightning_ckpt_determinism.checkpointing.kv_cache import CacheSwitch, is_transformers_layer, without_cache
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import (
     NestedCheckpoint,
@@ -188,6 +189,9 @@ class CheckpointedForward:
         self._forward_kept: KeptOutputs | None = None
         # The transformers caches turned off while this region exists (see `kv_cache`).
         self.cache_switches: list[CacheSwitch] = []
+        # A transformers layer runs without its key-value cache in training (see `kv_cache`); other modules keep
+        # their keyword arguments.
+        self._drops_cache = is_transformers_layer(module)
         # Whether the first eager forward has looked for another checkpointing around and inside (see `nesting`).
         self._probed = False
         # What the region's first eager checkpointed forward showed (see `profile`); None until it has run.
@@ -218,7 +222,7 @@ class CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs and self.module.training and torch.is_grad_enabled():
+        if kwargs and self._drops_cache and self.module.training and torch.is_grad_enabled():
             # Also with checkpointing off, so that a check's reference pass runs the same forward.
             kwargs = without_cache(type(self.module).__name__, kwargs)
         if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
@@ -229,7 +233,9 @@ class CheckpointedForward:
         # graph-breaks inside) has torch run the region eagerly, with the traced call's `context_fn`, which holds
         # nothing of this region: `run` then enters the region's eager contexts itself.
         traced = torch.compiler.is_compiling()
-        graph_broken: tuple[Reenterable, Reenterable] | None = None
+        # The contexts `run` enters itself: those of a region dynamo could not trace, and every region's under
+        # torch's checkpoint debug mode, which refuses a `context_fn`.
+        in_run: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] | None = None
         calls = 0
         probe = not traced and not self._probed
         if probe:
@@ -240,7 +246,7 @@ class CheckpointedForward:
         learning = not traced and self.profile is None
 
         def run(*flat: Any) -> Any:
-            nonlocal graph_broken, calls
+            nonlocal in_run, calls
             if torch.compiler.is_compiling():
                 if self.config.keep_data_dependent:
                     flat = mark_region_inputs(flat)
@@ -249,10 +255,10 @@ class CheckpointedForward:
             forward = calls == 0
             calls += 1
             region: AbstractContextManager[Any] = contextlib.nullcontext()
-            if traced:
-                if graph_broken is None:
-                    graph_broken = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
-                region = graph_broken[0] if forward else graph_broken[1]
+            if traced and in_run is None:
+                in_run = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
+            if in_run is not None:
+                region = in_run[0] if forward else in_run[1]
             watched = self._watched(forward)
             nested: AbstractContextManager[list[NestedCheckpoint]] = (
                 checkpoints_inside(_REGION_CALL) if forward and probe else contextlib.nullcontext([])
@@ -274,6 +280,8 @@ class CheckpointedForward:
         options: dict[str, Any] = {}
         # A traced call never reaches the eager choice, which reads the observer.
         context_fn = self._compiled_context_fn() if traced else self._context_fn(inputs)
+        if context_fn is not None and not traced and checkpoint_debug_enabled():
+            in_run, context_fn = context_fn(), None
         if context_fn is not None:
             # Only when there is one: torch's default is taken by leaving the argument out.
             options["context_fn"] = context_fn

@@ -21,6 +21,7 @@ from lightning_ckpt_determinism.lightning.parallel import (
     agree,
     all_reduce,
     gradient_holders,
+    two_pass_gradients,
     writes_into_bucket_views,
 )
 from lightning_ckpt_determinism.lightning.step import (
@@ -111,8 +112,10 @@ class StepCheck:
                 report,
                 regions=attributed.regions,
                 buffer_mutations=attributed.buffer_mutations or report.buffer_mutations,
-                cause=attributed.cause or report.cause,
-                hint=attributed.hint or report.hint,
+                # The live check's `outside_state` is provisional: attribution may find a kernel that differs run
+                # to run, which changes the forward as well.
+                cause=attributed.cause if report.cause == "outside_state" else attributed.cause or report.cause,
+                hint=attributed.hint if report.cause == "outside_state" else attributed.hint or report.hint,
                 error=attributed.error,
             )
         return report
@@ -145,6 +148,7 @@ class StepCheck:
             live_loss=capture.loss,
             exclude_attributes=settings.internals,
             ignore_attributes=settings.ignore_attributes,
+            written_parameters=capture.written_parameters,
             device=strategy.root_device,
         )
 
@@ -152,8 +156,9 @@ class StepCheck:
         """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
 
         It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
-        gradients with ``backward()``, which works with FSDP2's sharded parameters and with reentrant checkpointing
-        elsewhere in the model.
+        gradients as :func:`two_pass_gradients` says: ``torch.autograd.grad`` under DDP with
+        ``find_unused_parameters=True``, so that no DDP reducer hook fires outside DDP's forward, ``backward()``
+        elsewhere (FSDP2's sharded parameters, reentrant checkpointing elsewhere in the model).
         """
         pl_module, capture, settings = self.pl_module, self.capture, self.settings
         strategy = self.trainer.strategy
@@ -166,7 +171,7 @@ class StepCheck:
             return training_step_loss(pl_module, *args, **kwargs)
 
         holders = [param for _, param in gradient_holders(self.trainer, pl_module)]
-        after_step = StepState(pl_module, settings.internals)
+        after_step = StepState(pl_module, settings.internals, capture.written_parameters)
         stash = GradientStash(holders, clone=writes_into_bucket_views(strategy))
         try:
             capture.state.restore()
@@ -177,9 +182,10 @@ class StepCheck:
                     tolerance=settings.tolerance,
                     attribution=attribution,
                     calibrate_noise=settings.calibrate_noise,
-                    gradients="backward",
+                    gradients=two_pass_gradients(strategy),
                     agree=lambda decision: agree(strategy, decision),
                     exclude_attributes=settings.ignore_attributes,
+                    written_parameters=capture.written_parameters,
                 )
         finally:
             stash.put_back()

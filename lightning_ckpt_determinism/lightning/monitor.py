@@ -187,7 +187,12 @@ class RecomputationMonitor(Callback):
         self._checks = 0
         self._internals: frozenset[str] = frozenset()
         self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
-        self._check_next = False
+        # Parameters a skipped step wrote in place in `training_step`: captured from the next check on, which is due
+        # at `_retry`.
+        self._written_parameters: set[str] = set()
+        self._retry: int | None = None
+        # The global step a sentinel finding asked to check in full (the one after the finding's), or None.
+        self._follow_up: int | None = None
 
     @property
     @override
@@ -200,7 +205,7 @@ class RecomputationMonitor(Callback):
         self._disarm()
         show_notes()
         self._internals = lightning_internals()
-        self._summary, self._warned = FitSummary(), {}
+        self._summary, self._warned, self._follow_up, self._retry = FitSummary(), {}, None, None
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
@@ -240,12 +245,18 @@ class RecomputationMonitor(Callback):
         self._disarm()
         step = trainer.global_step
         self._watch.step_started(step)
-        if not self._enabled or (step == self.last_checked_step and not self._check_next):
+        # A follow-up is due from the global step after the finding: never a second check of a step already checked
+        # (the next micro-batch of the same step, under gradient accumulation).
+        follow_up = self._follow_up is not None and step >= self._follow_up and step != self.last_checked_step
+        retry = self._retry is not None and step >= self._retry and step != self.last_checked_step
+        if not self._enabled or (step == self.last_checked_step and not follow_up):
             return
-        if self._checked_this_fit and step % self.every_n_steps and not self._check_next:
+        if self._checked_this_fit and step % self.every_n_steps and not (follow_up or retry):
             return
+        self._retry = None
         # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
-        self._capture = self._armed.enter_context(StepCapture(pl_module, batch_idx, self._internals).installed())
+        capture = StepCapture(pl_module, batch_idx, self._internals, frozenset(self._written_parameters))
+        self._capture = self._armed.enter_context(capture.installed())
         self._gradients_before = None
 
     @override
@@ -270,18 +281,22 @@ class RecomputationMonitor(Callback):
             self._checked_this_fit = True
             self.history.append(CheckRecord(step, skipped="parameters changed in place in training_step"))
             self._summary.skipped += 1
+            # From the next step on, the capture copies them: the check can then rerun a step from where it started.
+            self._written_parameters.update(changed)
+            self._retry = step + 1
             self._warn_once(
                 "changed_parameters",
                 f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
-                f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), so"
-                " the check cannot rerun the step from where it started. Change them outside `training_step` (a"
-                " momentum teacher in `on_train_batch_end`, for example) to have the step checked.",
+                f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), which"
+                " the check had not copied. It copies them from now on, and checks the next step.",
             )
             return
         plain = self._reference_regions(trainer, pl_module)
         # A step after the sentinel saw a mismatch is checked with attribution, so the cause is named.
-        settings = self._settings("always" if self._check_next else self.attribution)
-        self._check_next = False
+        follow_up = self._follow_up is not None and step >= self._follow_up
+        settings = self._settings("always" if follow_up else self.attribution)
+        if follow_up:
+            self._follow_up = None
         with self._watch.paused():
             report = StepCheck(trainer, pl_module, capture, settings).run(plain, self._gradients_before)
         if report is None:
@@ -314,7 +329,8 @@ class RecomputationMonitor(Callback):
         for message in messages:
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
         # Each warning comes with a full check of the next step, so the cause is named if the defect recurs.
-        self._check_next = bool(messages)
+        if messages:
+            self._follow_up = self._watch.step + 1
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:

@@ -4,7 +4,7 @@ Every collective here goes through the strategy (``strategy.reduce``, ``reduce_b
 group), and is called on every rank alike.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -15,7 +15,15 @@ from lightning_ckpt_determinism._torch_compat import fsdp1_flat_parameters
 from lightning_ckpt_determinism.checkpointing.modules import region_name
 from lightning_ckpt_determinism.verify.live import AllReduce
 
-__all__ = ["SUPPORTED_STRATEGIES", "agree", "all_reduce", "gather", "gradient_holders", "writes_into_bucket_views"]
+__all__ = [
+    "SUPPORTED_STRATEGIES",
+    "agree",
+    "all_reduce",
+    "gather",
+    "gradient_holders",
+    "two_pass_gradients",
+    "writes_into_bucket_views",
+]
 
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
 """The strategies the monitor is tested under (and their subclasses)."""
@@ -38,6 +46,23 @@ def gradient_holders(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> 
 def writes_into_bucket_views(strategy: Any) -> bool:
     """Whether the next backward writes into the live gradients' storage (DDP's ``gradient_as_bucket_view``)."""
     return isinstance(strategy.model, DistributedDataParallel) and bool(strategy.model.gradient_as_bucket_view)
+
+
+def two_pass_gradients(strategy: Any) -> Literal["autograd", "backward"]:
+    """How the two-pass check takes gradients on the bare module under ``strategy``: ``torch.autograd.grad`` under
+    DDP with ``find_unused_parameters=True``, whose reducer a ``backward()`` outside DDP's forward leaves expecting
+    gradients the next step does not give (its backward then fails); ``backward()`` elsewhere, which FSDP's sharded
+    parameters and reentrant checkpointing need.
+
+    Example::
+
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> two_pass_gradients(SingleDeviceStrategy("cpu"))
+        'backward'
+    """
+    wrapped = getattr(strategy, "model", None)
+    unused = isinstance(wrapped, DistributedDataParallel) and bool(wrapped.find_unused_parameters)
+    return "autograd" if unused else "backward"
 
 
 def all_reduce(strategy: Any) -> AllReduce:

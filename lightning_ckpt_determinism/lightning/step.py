@@ -102,12 +102,21 @@ class StepCapture:
         pl_module: The LightningModule.
         batch_idx: The index of the step's batch.
         exclude_attributes: Attributes the state never captures (Lightning's own bookkeeping).
+        written_parameters: Parameters an earlier step wrote in place in ``training_step``: their values are captured
+            with the state, so that a check can rerun the step from where it started.
     """
 
-    def __init__(self, pl_module: "pl.LightningModule", batch_idx: int, exclude_attributes: frozenset[str]) -> None:
+    def __init__(
+        self,
+        pl_module: "pl.LightningModule",
+        batch_idx: int,
+        exclude_attributes: frozenset[str],
+        written_parameters: frozenset[str] = frozenset(),
+    ) -> None:
         self.pl_module = pl_module
         self.batch_idx = batch_idx
         self._exclude = exclude_attributes
+        self.written_parameters = written_parameters
         self._state: StepState | None = None
         self._versions: list[tuple[str, torch.Tensor, int]] = []
         self.args: tuple[Any, ...] = ()
@@ -148,11 +157,16 @@ class StepCapture:
             _put_back(module, own, capturing)
 
     def changed_parameters(self) -> list[str]:
-        """The parameters changed in place since the step started (a momentum teacher updated in ``training_step``).
+        """The parameters changed in place since the step started (a momentum teacher updated in ``training_step``,
+        an ``nn.Embedding`` with ``max_norm``) whose values the state did not capture.
 
-        A check cannot rerun such a step from where it started: it never copies parameters.
+        A check cannot rerun such a step from where it started; the monitor captures them from the next check on.
         """
-        return [name for name, param, version in self._versions if param._version != version]
+        return [
+            name
+            for name, param, version in self._versions
+            if param._version != version and name not in self.written_parameters
+        ]
 
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh copies of the captured arguments (a step may change its batch in place)."""
@@ -160,7 +174,7 @@ class StepCapture:
 
     def _run(self, real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
-        self._state = StepState(self.pl_module, self._exclude)
+        self._state = StepState(self.pl_module, self._exclude, self.written_parameters)
         self._versions = [(name, param, param._version) for name, param in self.pl_module.named_parameters()]
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         output = real(*args, **kwargs)
@@ -189,8 +203,9 @@ def live_reference(
 ) -> Callable[[], float]:
     """The reference pass of a live-step check, as a closure: the step's forward with checkpointing off (all
     regions, or only ``plain_modules``; compiled regions with the compiler's own recomputation off too, see
-    :func:`~lightning_ckpt_determinism._compile.reference_pass`) and its backward, treated as Lightning treats the
-    live loss.
+    :func:`~lightning_ckpt_determinism.verify.compiled.reference_pass`) and its backward, treated as Lightning treats
+    the live loss. The closure returns the loss as ``training_step`` returned it (before the division below), to
+    compare with the live step's.
 
     The forward goes through the strategy's own wrapper (``strategy.training_step``: DDP, FSDP), with the captured
     arguments and logging suppressed; with ``loss_fn`` (manual optimization) it calls ``loss_fn`` on the module. The
@@ -209,11 +224,13 @@ def live_reference(
             else:
                 with strategy.precision_plugin.train_step_context():
                     loss = loss_fn(pl_module, args[0], batch_idx)
+            # The loss as `training_step` returned it, as the live step's is kept, to compare the two.
+            returned = float(loss.detach())
             if pl_module.automatic_optimization:
                 loss = loss / trainer.accumulate_grad_batches
             strategy.pre_backward(loss)
             scaler = getattr(strategy.precision_plugin, "scaler", None)
             (loss if scaler is None else scaler.scale(loss)).backward()
-        return float(loss.detach())
+        return returned
 
     return run

@@ -30,6 +30,7 @@ from lightning_ckpt_determinism.verify.compare import (
 )
 from lightning_ckpt_determinism.verify.gradients import GradientStash, counted_here, local_tensor
 from lightning_ckpt_determinism.verify.reports import (
+    CAUSE_HINTS,
     RecomputationReport,
     attribute_hint,
     buffer_hint,
@@ -38,7 +39,14 @@ from lightning_ckpt_determinism.verify.reports import (
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients", "region_modules"]
+__all__ = [
+    "AllReduce",
+    "GradientComparison",
+    "check_live_step",
+    "compare_gradients",
+    "losses_differ",
+    "region_modules",
+]
 
 AllReduce = Callable[[torch.Tensor, Literal["sum", "max"]], torch.Tensor]
 """``all_reduce(tensor, op)``: the tensor reduced over every rank with ``op``; the identity on one process."""
@@ -183,6 +191,7 @@ def check_live_step(
     live_loss: float = float("nan"),
     exclude_attributes: Iterable[str] = (),
     ignore_attributes: Iterable[str] = (),
+    written_parameters: Iterable[str] = (),
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -196,7 +205,9 @@ def check_live_step(
     each): a difference is a divergence of cause ``"buffer_mutation"``, with the buffers' names in
     ``buffer_mutations``, even where the gradients agree. The plain Python attributes of the modules inside
     checkpointed regions are compared alike (``"attribute_mutation"``, ``attribute_mutations``): recomputation that
-    repeats a forward's side effect (a list appended to) shows there.
+    repeats a forward's side effect (a list appended to) shows there. Gradients that diverge after a reference whose
+    loss already differs from ``live_loss`` are cause ``"outside_state"``: the forward differed before anything was
+    recomputed (with ``calibrate_noise``, only when both reference passes agree on the loss).
 
     Args:
         module: The model: the state after the step is captured from it.
@@ -216,6 +227,8 @@ def check_live_step(
         live_loss: The live step's loss, reported as ``checkpointed_loss``.
         exclude_attributes: Attribute names the state after the step leaves alone (see :class:`StepState`).
         ignore_attributes: Attribute names never compared (they are still put back).
+        written_parameters: Parameters the step writes in place (captured in ``entry_state`` too): their values
+            after the step are put back after the reference pass, which writes them again.
         device: Where the reduced tensors live.
 
     Returns:
@@ -240,7 +253,7 @@ def check_live_step(
     named = parameters if parameters is not None else [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names = [name for name, _ in named]
     params = [param for _, param in named]
-    after_step = StepState(module, exclude_attributes)
+    after_step = StepState(module, exclude_attributes, written_parameters)
     stash = GradientStash(params, clone=clone_gradients)
     try:
         live = [None if grad is None else local_tensor(grad) for grad in stash.gradients]
@@ -251,8 +264,10 @@ def check_live_step(
         changed = after_step.differing_buffers()
         attributes = after_step.differing_attributes(region_modules(module), frozenset(ignore_attributes))
         noise_floor = 0.0
+        reproducible = True
         if calibrate_noise:
-            _, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
+            again, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
+            reproducible = not losses_differ(reference_loss, again)
             noise = compare_gradients(names, second, first, all_reduce=all_reduce, counted=counted, device=device)
             noise_floor = NOISE_MARGIN * noise.grad_divergence
         comparison = compare_gradients(
@@ -275,7 +290,9 @@ def check_live_step(
     buffers = comparison.buffers_changed > 0
     states = buffers or comparison.attributes_changed > 0
     cause, hint = None, None
-    if buffers and not gradients_diverged:
+    if gradients_diverged and reproducible and losses_differ(reference_loss, live_loss):
+        cause, hint = "outside_state", CAUSE_HINTS["outside_state"]
+    elif buffers and not gradients_diverged:
         cause, hint = "buffer_mutation", buffer_hint(changed or ["buffers of another rank"])
     elif states and not gradients_diverged:
         cause, hint = "attribute_mutation", attribute_hint(attributes or ["attributes of another rank"])
@@ -295,6 +312,18 @@ def check_live_step(
         cause=cause,
         hint=hint,
     )
+
+
+def losses_differ(first: float, second: float) -> bool:
+    """Whether two finite losses differ: two passes of one step from one state that compute other losses before any
+    backward differ by state outside the checkpointed regions (recomputation happens in backward).
+
+    Example::
+
+        >>> losses_differ(1.0, 1.5), losses_differ(1.0, float("nan"))
+        (True, False)
+    """
+    return math.isfinite(first) and math.isfinite(second) and first != second
 
 
 def region_modules(module: nn.Module) -> list[nn.Module]:

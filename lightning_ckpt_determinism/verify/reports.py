@@ -56,6 +56,13 @@ CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
             " renormalises its weight again in backward), so the weights drift from training without"
             " checkpointing: leave that module out of checkpointing, or renormalise outside the checkpointed module."
         ),
+        "outside_state": (
+            "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
+            " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
+            " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
+            " state in module attributes, buffers or generators the check restores, or check with"
+            " `calibrate_noise=True` for kernels that are not reproducible."
+        ),
         "attribute_mutation": (
             "Recomputation changes Python attributes of the region a second time (a list appended to, a dict"
             " updated): the package replays the region's scalar attributes (numbers, strings, flags), not containers"
@@ -277,7 +284,10 @@ class RecomputationReport:
             op instead of replaying the forward's draw get this cause in ``regions`` too), or
             ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. From the live
             step's check: ``"buffer_mutation"`` when the gradients agree but buffers differ from the reference's
-            (``buffer_mutations`` names them), else ``"attribute_mutation"`` when attributes do. ``None`` otherwise.
+            (``buffer_mutations`` names them), else ``"attribute_mutation"`` when attributes do. From either check:
+            ``"outside_state"`` when the gradients diverged and the reference pass's loss differs from the
+            checkpointed one, which recomputation cannot explain (the forward ran before anything was recomputed); no
+            region is then counted as diverged. ``None`` otherwise.
         hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled kernels for ``"nondeterministic_kernel"``,
             the buffers changed for ``"buffer_mutation"``); ``None`` when ``cause`` is.
 

@@ -34,6 +34,7 @@ steps whose offset reads them.
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,16 +110,24 @@ class SentinelReport:
 
 
 class _Recomputed:
-    """What the extractor gives for a recomputed tensor: the tensor, for the comparison torch runs at once."""
+    """What the extractor gives for a recomputed tensor: the tensor, for the comparison torch runs at once.
+
+    It holds the tensor weakly: torch keeps the extractor's value of a tensor packed in a region's forward while a
+    backward runs inside it (``autograd.grad(..., create_graph=True)``), which the sentinel cannot tell from a
+    comparison; a strong reference there would close a cycle through autograd's C++ nodes (frame, tensor, its
+    ``grad_fn``, the saved holder, the hook, the frame) that Python's collector cannot break, keeping the region's
+    graph alive. At a real comparison the recomputed tensor is alive, held by torch's frame.
+    """
 
     __slots__ = ("tensor",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = weakref.ref(tensor)
 
     def __ne__(self, other: object) -> bool:
         # Reached when the forward ran outside the sentinel: torch kept its own metadata, or nothing ("none").
-        return other is not None and _metadata(self.tensor) != other
+        tensor = self.tensor()
+        return other is not None and tensor is not None and _metadata(tensor) != other
 
     def __eq__(self, other: object) -> bool:
         return not self.__ne__(other)
@@ -126,7 +135,8 @@ class _Recomputed:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return repr(_metadata(self.tensor))
+        tensor = self.tensor()
+        return repr(_metadata(tensor)) if tensor is not None else "<freed>"
 
 
 class _Saved:
@@ -155,7 +165,8 @@ class _Saved:
         if self.broken:
             return False
         if isinstance(other, _Recomputed):
-            return self.call.recomputed(self, other.tensor)
+            tensor = other.tensor()
+            return tensor is not None and self.call.recomputed(self, tensor)
         # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
         return self.strict and self.metadata() != other
 

@@ -1,19 +1,21 @@
 """Snapshots of what a training step changes besides the gradients, so a check can put it back exactly.
 
 A :class:`StepState` holds every random stream (torch CPU, the accelerator devices in use, Python, NumPy, and the
-``torch.Generator``, NumPy ``Generator`` and ``RandomState`` objects the modules hold), the values of a module's
-buffers, the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain
-Python state of the module and its submodules: attributes holding numbers, strings, ``None`` or containers (lists,
-dicts, sets, deques, tuples; each container reached through them, such as the lists of a dict of lists, is copied
-shallowly and restored in place, so references held elsewhere see the restored contents).
-It never touches ``nn.Module`` internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``:
-anything ``nn.Module.__init__`` sets), tensors, modules or other objects, nor FSDP's bookkeeping: FSDP1's wrapper
-modules are skipped whole, and the attributes FSDP2's ``fully_shard`` sets on a module (its composable-API state,
-``_fsdp_*`` flags) are left alone, as are the sharded and unsharded parameters FSDP swaps inside ``_parameters``.
+``torch.Generator``, NumPy ``Generator`` and ``RandomState`` and Python ``random.Random`` objects the modules hold),
+the values of a module's buffers and of the plain tensors its modules hold as attributes (neither parameters nor
+buffers), the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain Python state
+of the module and its submodules: attributes holding numbers, strings, ``None`` or containers (lists, dicts, sets,
+deques, tuples; each container reached through them, such as the lists of a dict of lists, is copied shallowly and
+restored in place, so references held elsewhere see the restored contents). It never touches ``nn.Module``
+internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``: anything ``nn.Module.__init__``
+sets), tensor subclasses, modules or other objects, nor FSDP's bookkeeping: FSDP1's wrapper modules are skipped
+whole, and the attributes FSDP2's ``fully_shard`` sets on a module (its composable-API state, ``_fsdp_*`` flags) are
+left alone, as are the sharded and unsharded parameters FSDP swaps inside ``_parameters``.
 Metrics are found inside the module tree and in the plain containers of its attributes (``self.metrics = {"mse":
 MeanSquaredError()}``).
 """
 
+import random
 from collections import deque
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -39,6 +41,8 @@ class StepState:
         module: The model whose buffers, metrics, training flags and Python attributes are captured.
         exclude_attributes: Attribute names never captured nor restored on any module (a framework's own
             bookkeeping on the root module, for example).
+        parameters: Names of parameters whose values to capture too: those the step writes in place (an
+            ``nn.Embedding`` with ``max_norm`` renormalises its weight in forward).
 
     Example::
 
@@ -52,7 +56,9 @@ class StepState:
         (0, 0)
     """
 
-    def __init__(self, module: nn.Module, exclude_attributes: Iterable[str] = ()) -> None:
+    def __init__(
+        self, module: nn.Module, exclude_attributes: Iterable[str] = (), parameters: Iterable[str] = ()
+    ) -> None:
         devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             devices.add(torch.device("cuda", torch.cuda.current_device()))
@@ -61,6 +67,9 @@ class StepState:
         self._metrics = _MetricSnapshot(module)
         self._python = _PythonState(module, frozenset(exclude_attributes))
         self._generators = _GeneratorSnapshot(self._python.generators)
+        self._tensors = _TensorAttributes(self._python.tensors)
+        named = dict(module.named_parameters())
+        self._parameters = _TensorAttributes([(module, name, named[name]) for name in parameters if name in named])
         self._training = {sub: sub.training for sub in module.modules()}
         self._grad_enabled = torch.is_grad_enabled()
 
@@ -104,6 +113,8 @@ class StepState:
         """Put everything captured back; can be called any number of times."""
         restore_rng(self._rng)
         self._generators.restore()
+        self._tensors.restore()
+        self._parameters.restore(rebind=False)
         self._buffers.restore()
         self._metrics.restore()
         self._python.restore()
@@ -138,6 +149,23 @@ class _BufferSnapshot:
                 buffer.copy_(value)
 
 
+class _TensorAttributes:
+    """Tensors held as plain attributes (not parameters, not buffers: ``self.running_loss = torch.zeros(())``), as
+    objects and values: a step that updates one in place or rebinds it is put back. Also the parameters a step is
+    known to write in place (``parameters`` of :class:`StepState`), whose values alone are put back."""
+
+    def __init__(self, held: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            self._entries = [(owner, name, tensor, tensor.detach().clone()) for owner, name, tensor in held]
+
+    def restore(self, *, rebind: bool = True) -> None:
+        with torch.no_grad():
+            for owner, name, tensor, value in self._entries:
+                if rebind:
+                    vars(owner)[name] = tensor
+                tensor.copy_(value)
+
+
 class _GeneratorSnapshot:
     """The states of the random generators a module and its submodules hold, as attributes or in plain containers
     (found by :class:`_PythonState`'s walk of the attributes)."""
@@ -151,6 +179,8 @@ class _GeneratorSnapshot:
                 generator.set_state(state)
             elif isinstance(generator, np.random.Generator):
                 generator.bit_generator.state = state
+            elif isinstance(generator, random.Random):
+                generator.setstate(state)
             else:
                 generator.set_state(state)
 
@@ -160,10 +190,12 @@ def _generator_state(generator: Any) -> Any:
         return generator.get_state()
     if isinstance(generator, np.random.Generator):
         return generator.bit_generator.state
+    if isinstance(generator, random.Random):
+        return generator.getstate()
     return generator.get_state()
 
 
-_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState)
+_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 
 
 def _items(container: Any) -> list[Any]:
@@ -220,8 +252,10 @@ class _PythonState:
 
         self._exclude = exclude
         self._entries: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
-        # The random generators held as attributes or in their plain containers, found on the way.
+        # The random generators held as attributes or in their plain containers, and the tensors held as attributes,
+        # found on the way.
         found: dict[int, Any] = {}
+        self.tensors: list[tuple[nn.Module, str, torch.Tensor]] = []
         for prefix, sub in module.named_modules():
             if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
                 continue
@@ -231,6 +265,8 @@ class _PythonState:
                     continue
                 if isinstance(value, _GENERATORS):
                     found[id(value)] = value
+                elif type(value) is torch.Tensor:
+                    self.tensors.append((sub, name, value))
                 elif _is_plain(value):
                     contents = _contents(value)
                     captured[name] = (value, contents)

@@ -27,7 +27,7 @@ from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism.verify.gradients import GradientStash, local_tensor
-from lightning_ckpt_determinism.verify.live import region_modules
+from lightning_ckpt_determinism.verify.live import losses_differ, region_modules
 from lightning_ckpt_determinism.verify.reports import (
     CAUSE_HINTS,
     COMPILED_NOISE_NOTE,
@@ -55,6 +55,7 @@ def check_recomputation(
     gradients: Literal["autograd", "backward"] = "autograd",
     agree: Callable[[bool], bool] | None = None,
     exclude_attributes: Iterable[str] = (),
+    written_parameters: Iterable[str] = (),
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
@@ -112,6 +113,9 @@ def check_recomputation(
         exclude_attributes: Attribute names never compared on any module (they are still put back after the check):
             values that legitimately differ from pass to pass, such as a timestamp. The plain attributes of the
             modules inside checkpointed regions are compared after both passes (``attribute_mutations``).
+        written_parameters: Names of parameters ``closure`` writes in place (an ``nn.Embedding`` with ``max_norm``
+            renormalises its weight in forward): their values are captured with the state and put back before each
+            pass and after the check.
 
     Returns:
         The :class:`RecomputationReport`.
@@ -149,6 +153,7 @@ def check_recomputation(
         use_backward=gradients == "backward",
         agree=agree,
         exclude_attributes=frozenset(exclude_attributes),
+        written_parameters=tuple(written_parameters),
     )
     with passes:
         report = _compare(passes, names, tolerance, attribution=attribution, calibrate_noise=calibrate_noise)
@@ -177,7 +182,11 @@ def _compare(
 ) -> RecomputationReport:
     """The passes a check runs, in order, and the report they give."""
     reference_loss, reference = passes.reference()
-    noise_floor = NOISE_MARGIN * gradient_divergence(reference, passes.reference()[1])[0] if calibrate_noise else 0.0
+    noise_floor, reproducible = 0.0, True
+    if calibrate_noise:
+        again_loss, again = passes.reference()
+        noise_floor = NOISE_MARGIN * gradient_divergence(reference, again)[0]
+        reproducible = not losses_differ(reference_loss, again_loss)
     observer = Attribution(passes.module) if attribution else None
     # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
@@ -201,6 +210,12 @@ def _compare(
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
+    kernel = any(region.cause == "nondeterministic_kernel" for region in regions)
+    if verdict.diverged and reproducible and not kernel and losses_differ(reference_loss, checkpointed.loss):
+        # The forward itself differed, before anything was recomputed, and no region's kernel explains it (one that
+        # differs run to run also changes the forward): what the regions saw differ is its echo.
+        cause = "outside_state"
+        regions = [replace(region, diverged=False) for region in regions]
     return RecomputationReport(
         grad_divergence=verdict.divergence,
         max_abs_diff=max(verdict.max_diffs, default=0.0),
@@ -290,9 +305,11 @@ class _Passes:
         use_backward: bool,
         agree: Callable[[bool], bool] | None,
         exclude_attributes: frozenset[str] = frozenset(),
+        written_parameters: tuple[str, ...] = (),
     ) -> None:
         self.module = module
         self._exclude = exclude_attributes
+        self._written = written_parameters
         self._after_reference: StepState | None = None
         self.compiled = is_compiled(module)
         self._take = partial(_gradients, closure, params, use_backward=use_backward)
@@ -305,7 +322,7 @@ class _Passes:
 
     def __enter__(self) -> "_Passes":
         self._stash = GradientStash(self._params) if self._use_backward else None
-        self._state = StepState(self.module)
+        self._state = StepState(self.module, parameters=self._written)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
