@@ -20,6 +20,9 @@ from torch._dynamo.eval_frame import OptimizeContext, OptimizedModule, innermost
 # Symbolic sizes: whether a comparison holds for every value of a traced size (>= 2.1).
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+# The checkpoint module itself, for its global debug-mode flag (>= 2.1).
+from torch.utils import checkpoint as _torch_checkpoint
+
 # Dispatch modes: the base class, and the switch that lets a mode's own bookkeeping run below every mode (>= 2.0).
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -28,7 +31,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 # Non-reentrant checkpoint internals: the early stop it raises inside recomputation once every saved tensor is back,
 # and its registry of `determinism_check` names (both >= 2.1).
-from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import _allowed_determinism_checks_to_fns, _StopRecomputationError
 
 __all__ = [
