@@ -268,6 +268,34 @@ class AttentionPoolBlock(nn.Module):
         return x + torch.bmm(weights.transpose(1, 2), self.proj(sequence)).squeeze(1)
 
 
+class SavesItsBuffer(torch.autograd.Function):
+    """Saves a buffer for backward and increments it there (``TestAutograd``'s saved-object identity)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(counter)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (counter,) = ctx.saved_tensors
+        counter.add_(1)
+        return grad * 2, None
+
+
+class BufferCounter(nn.Module):
+    """A linear layer through :class:`SavesItsBuffer`, which saves the module's ``counter`` buffer and increments it
+    in backward: recomputation must hand it the buffer itself, not a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.register_buffer("counter", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SavesItsBuffer.apply(self.linear(x), self.counter)
+
+
 class Stack(nn.Module):
     """An input projection, the given blocks in order, and an output head."""
 

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
-from tests.helpers import DIM, BatchNormBlock, PlainBlock, batch
+from tests.helpers import DIM, BatchNormBlock, BufferCounter, PlainBlock, batch
 
 
 def checkpointed(module: nn.Module) -> nn.Module:
@@ -175,34 +175,9 @@ def test_a_buffer_first_changed_after_the_first_call_is_replayed_from_the_next_f
     assert int(model[0].count) == int(plain[0].count) == 3
 
 
-class SavesAndBumps(torch.autograd.Function):
-    """Saves a buffer for backward and increments it there, as torch's own checkpoint tests do."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(counter)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (counter,) = ctx.saved_tensors
-        counter.add_(1)
-        return grad * 2, None
-
-
-class CountsInBackward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(DIM, DIM)
-        self.register_buffer("counter", torch.zeros(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return SavesAndBumps.apply(self.linear(x), self.counter)
-
-
 @pytest.mark.parametrize("protect_buffers", [True, False])
 def test_recomputation_hands_out_the_buffers_themselves(protect_buffers: bool) -> None:
-    model = nn.Sequential(CountsInBackward())
+    model = nn.Sequential(BufferCounter())
     apply_activation_checkpointing(model, CheckpointingConfig(names=["0"], protect_buffers=protect_buffers))
     step(model)
     # torch's own checkpoint gives [1, 1, 1]: the backward's update lands on the buffer itself, not on a copy.

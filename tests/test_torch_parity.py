@@ -29,6 +29,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     recomputation_sentinel,
 )
+from tests.helpers import BufferCounter
 
 WAYS = ["torch", "package", "package+sentinel"]
 DIM = 8
@@ -124,31 +125,6 @@ class CheckpointsInside(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.outer(checkpoint(self.inner, x, use_reentrant=False)))
-
-
-class SavesItsBuffer(torch.autograd.Function):
-    """Saves a buffer for backward and increments it there (``TestAutograd``'s saved-object identity)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(counter)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (counter,) = ctx.saved_tensors
-        counter.add_(1)
-        return grad * 2, None
-
-
-class BufferCounter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(DIM, DIM)
-        self.register_buffer("counter", torch.zeros(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return SavesItsBuffer.apply(self.linear(x), self.counter)
 
 
 def inputs() -> torch.Tensor:

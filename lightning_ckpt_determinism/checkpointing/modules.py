@@ -19,6 +19,7 @@ __all__ = [
     "named_modules",
     "region_name",
     "scalar_attributes",
+    "storage_pointer",
 ]
 
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -48,6 +49,22 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if _DTensor is not None and isinstance(tensor, _DTensor):
         return tensor.to_local()
     return tensor
+
+
+def storage_pointer(tensor: torch.Tensor) -> int | None:
+    """The address of the storage behind ``tensor`` (this rank's shard of a DTensor), which views of it share; ``None``
+    for a tensor subclass without a storage of its own.
+
+    Example::
+
+        >>> base = torch.zeros(4)
+        >>> storage_pointer(base[1:]) == storage_pointer(base)
+        True
+    """
+    try:
+        return int(local_tensor(tensor).untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        return None
 
 
 def region_name(name: str) -> str:

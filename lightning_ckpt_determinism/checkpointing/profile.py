@@ -38,6 +38,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     generator_slots,
     local_tensor,
     scalar_attributes,
+    storage_pointer,
 )
 
 __all__ = ["OPAQUE_WORKSPACES", "FirstForwardProbe", "RegionProfile"]
@@ -146,18 +147,18 @@ class FirstForwardProbe:
         workspaces = frozenset(
             position
             for position, (tensor, _, _) in enumerate(self._packed)
-            if _storage(tensor) in self._finder.storages
+            if storage_pointer(tensor) in self._finder.storages
         )
         # Parameters and buffers are state, not activations: BatchNorm saves its running statistics and its kernel
         # then updates them, but its backward in training never reads them (and the sentinel leaves state out).
-        state = {_storage(local_tensor(tensor)) for tensor in (*self.module.parameters(), *self.module.buffers())}
+        state = {storage_pointer(tensor) for tensor in (*self.module.parameters(), *self.module.buffers())}
         filled_late = frozenset(
             position
             for position, (tensor, copy, packed_at) in enumerate(self._packed)
             if position not in workspaces
-            and _storage(tensor) not in state
+            and storage_pointer(tensor) not in state
             and (
-                self._finder.written_after(_storage(tensor), packed_at)
+                self._finder.written_after(storage_pointer(tensor), packed_at)
                 or (copy is not None and not _same_values(tensor, copy))
             )
         )
@@ -196,13 +197,13 @@ class _FirstCallMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.probe.events += 1
         for tensor in _written(func, args, kwargs):
-            storage = _storage(tensor)
+            storage = storage_pointer(tensor)
             if storage is not None:
                 self._writes[storage] = self.probe.events
         positions = OPAQUE_WORKSPACES.get(str(func.overloadpacket))
         if positions is not None and isinstance(out, (tuple, list)):
             for position in positions:
-                storage = _storage(out[position]) if position < len(out) else None
+                storage = storage_pointer(out[position]) if position < len(out) else None
                 if storage is not None and type(out[position]) is torch.Tensor:
                     self.storages.add(storage)
         return out
@@ -225,13 +226,6 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 
 _MISSING = object()
-
-
-def _storage(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
-        return None
 
 
 def _same_values(tensor: torch.Tensor, copy: torch.Tensor) -> bool:

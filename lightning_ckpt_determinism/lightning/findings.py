@@ -187,26 +187,25 @@ def divergence_message(step: int, findings: Findings, report: RecomputationRepor
 def _headline(step: int, findings: Findings, tolerance: float) -> str:
     """What diverged: the gradients (with their figures), or, where they are exact, the buffers or the attributes
     (named)."""
-    if not findings.gradients_diverged and not findings.buffers_changed and findings.attributes_changed:
-        named = list(dict.fromkeys(name for finding in findings.ranks for name in finding.attribute_mutations))
-        count = findings.attributes_changed
-        return (
-            f"lightning_ckpt_determinism: recomputation changed Python attributes at step {step}: {count}"
-            f" attribute{'s' if count != 1 else ''} ended the step otherwise than in the same step without"
-            f" checkpointing ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are exact."
-        )
-    if findings.gradients_diverged or not findings.buffers_changed:
+    if findings.gradients_diverged or not (findings.buffers_changed or findings.attributes_changed):
         shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
         return (
             f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
             f" {tolerance:g}), max_abs_diff={findings.max_abs_diff:.3g}."
         )
-    named = list(dict.fromkeys(name for finding in findings.ranks for name in finding.buffer_mutations))
-    count = findings.buffers_changed
+    if findings.buffers_changed:
+        names = [name for finding in findings.ranks for name in finding.buffer_mutations]
+        return _changed_state(step, "buffer", findings.buffers_changed, names)
+    names = [name for finding in findings.ranks for name in finding.attribute_mutations]
+    return _changed_state(step, "Python attribute", findings.attributes_changed, names)
+
+
+def _changed_state(step: int, kind: str, count: int, names: list[str]) -> str:
+    named = list(dict.fromkeys(names))
     return (
-        f"lightning_ckpt_determinism: recomputation changed buffers at step {step}: {count}"
-        f" buffer{'s' if count != 1 else ''} ended the step otherwise than in the same step without checkpointing"
-        f" ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are exact."
+        f"lightning_ckpt_determinism: recomputation changed {kind}s at step {step}: {count}"
+        f" {kind.split()[-1]}{'s' if count != 1 else ''} ended the step otherwise than in the same step without"
+        f" checkpointing ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are exact."
     )
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import current_graph_task_id, is_compiled_module, no_python_dispatch
+from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import observing_saved_tensors
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
@@ -392,14 +393,7 @@ def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int 
     storage moves); a buffer by its storage, which stays.
     """
     base = tensor._base if tensor._base is not None else tensor
-    return isinstance(base, nn.Parameter) or (bool(buffers) and _storage(local) in buffers)
-
-
-def _storage(tensor: torch.Tensor) -> int | None:
-    try:
-        return local_tensor(tensor).untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
-        return None
+    return isinstance(base, nn.Parameter) or (bool(buffers) and storage_pointer(local) in buffers)
 
 
 def _metadata(tensor: torch.Tensor) -> dict[str, Any]:
@@ -431,7 +425,9 @@ class RecomputationSentinel:
         self._compiled = _compiled_regions(module)
         # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
         # themselves): known once.
-        self._buffers = {name: frozenset(_storage(buffer) for buffer in sub.buffers()) for name, sub in regions.items()}
+        self._buffers = {
+            name: frozenset(storage_pointer(buffer) for buffer in sub.buffers()) for name, sub in regions.items()
+        }
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._step = 0

@@ -42,7 +42,7 @@ from lightning_ckpt_determinism._torch_compat import (
     disable_current_modes,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
@@ -251,9 +251,9 @@ class CallRecord:
         written = _written_tensors(func, args, kwargs)
         if not written:
             return
-        storages = {_storage(param): name for name, param in self.module.named_parameters()}
+        storages = {storage_pointer(param): name for name, param in self.module.named_parameters()}
         for tensor in written:
-            name = storages.get(_storage(tensor))
+            name = storages.get(storage_pointer(tensor))
             if name is not None and name not in self.parameters_written:
                 self.parameters_written.append(name)
 
@@ -472,13 +472,6 @@ def _written_tensors(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str,
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         written.extend(leaf for leaf in _flatten(value) if isinstance(leaf, torch.Tensor))
     return written
-
-
-def _storage(tensor: Any) -> int | None:
-    try:
-        return int(local_tensor(tensor).untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError, AttributeError):  # a subclass without a storage of its own
-        return None
 
 
 def _same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
