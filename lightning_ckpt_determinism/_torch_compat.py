@@ -60,6 +60,7 @@ __all__ = [
     "statically_known_true",
     "tree_leaves",
     "tree_map",
+    "written_tensors",
 ]
 
 # Op overloads and their packets, as dispatch modes and selective-checkpointing policies receive them (>= 2.0).
@@ -82,6 +83,18 @@ no_python_dispatch: Callable[[], Any] = torch._C._DisableTorchDispatch
 run_and_save_rng_state: Any = torch._prims.rng_prims.run_and_save_rng_state
 run_with_rng_state: Any = torch._prims.rng_prims.run_with_rng_state
 graphsafe_run_with_rng_state: Any = torch._prims.rng_prims.graphsafe_run_with_rng_state
+
+
+def written_tensors(func: OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an op writes in place, as its schema declares them (``Tensor(a!)``, ``Tensor(a!)[]``), read from
+    ``OpOverload._schema`` (>= 1.13)."""
+    written: list[torch.Tensor] = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written.extend(leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+    return written
 
 
 def current_graph_task_id() -> int:

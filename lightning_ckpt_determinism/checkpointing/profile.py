@@ -32,7 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, current_graph_task_id, no_python_dispatch
+from lightning_ckpt_determinism._torch_compat import (
+    TorchDispatchMode,
+    current_graph_task_id,
+    no_python_dispatch,
+    written_tensors,
+)
+from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     generator_slots,
@@ -42,6 +48,8 @@ from lightning_ckpt_determinism.checkpointing.modules import (
 )
 
 __all__ = ["OPAQUE_WORKSPACES", "FirstForwardProbe", "RegionProfile"]
+
+_MISSING = object()
 
 OPAQUE_WORKSPACES: Mapping[str, tuple[int, ...]] = MappingProxyType(
     {
@@ -159,18 +167,18 @@ class FirstForwardProbe:
             and storage_pointer(tensor) not in state
             and (
                 self._finder.written_after(storage_pointer(tensor), packed_at)
-                or (copy is not None and not _same_values(tensor, copy))
+                or (copy is not None and not same_values(tensor, copy))
             )
         )
         buffers = frozenset(
             name
             for name, (owner, key, buffer, value) in self._buffers.items()
-            if owner._buffers.get(key) is not buffer or not _same_values(local_tensor(buffer), value)
+            if owner._buffers.get(key) is not buffer or not same_values(local_tensor(buffer), value)
         )
         attributes = tuple(
             (owner, name)
             for (owner, name), value in self._attributes.items()
-            if not _same_attribute(vars(owner).get(name, _MISSING), value)
+            if not same_item(vars(owner).get(name, _MISSING), value)
         )
         return RegionProfile(
             saved=len(self._packed),
@@ -196,7 +204,7 @@ class _FirstCallMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.probe.events += 1
-        for tensor in _written(func, args, kwargs):
+        for tensor in written_tensors(func, args, kwargs):
             storage = storage_pointer(tensor)
             if storage is not None:
                 self._writes[storage] = self.probe.events
@@ -211,38 +219,3 @@ class _FirstCallMode(TorchDispatchMode):
     def written_after(self, storage: int | None, event: int) -> bool:
         """Whether an op wrote ``storage`` after ``event``."""
         return storage is not None and self._writes.get(storage, 0) > event
-
-
-def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors an op writes in place, as its schema declares them (``Tensor(a!)``)."""
-    written: list[torch.Tensor] = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        written.extend(local_tensor(item) for item in values if isinstance(item, torch.Tensor))
-    return written
-
-
-_MISSING = object()
-
-
-def _same_values(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
-    """Whether ``tensor`` still holds the values of ``copy`` (NaN where NaN was)."""
-    if tensor.shape != copy.shape or tensor.dtype != copy.dtype:
-        return False
-    if torch.equal(tensor, copy):
-        return True
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        return False
-    return bool(((tensor == copy) | (tensor.isnan() & copy.isnan())).all())
-
-
-def _same_attribute(now: Any, before: Any) -> bool:
-    if now is before:
-        return True
-    try:
-        return bool(now == before) and type(now) is type(before)
-    except Exception:  # a value whose `==` is not a truth value
-        return False

@@ -317,23 +317,18 @@ class CheckpointedForward:
 
     def _protects_buffers(self) -> bool:
         # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
-        return self.config.protect_buffers and bool(self._slots())
-
-    def _slots(self) -> list[BufferSlot]:
-        return self._buffer_slots
+        return self.config.protect_buffers and bool(self._buffer_slots)
 
     def _exposed_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers whose live values a recomputation could change: every one without ``protect_buffers``, else
         those no forward was seen to change (which recomputation gets as they are)."""
-        replayed = self.profile.buffers if self.profile is not None and self.config.protect_buffers else None
-        if self.config.protect_buffers and replayed is None:
-            return []
-        exposed = []
-        for name, owner, key in self._slots():
-            buffer = owner._buffers.get(key)
-            if buffer is not None and (replayed is None or name not in replayed):
-                exposed.append((name, buffer))
-        return exposed
+        replayed: frozenset[str] = frozenset()
+        if self.config.protect_buffers:
+            if self.profile is None:
+                return []
+            replayed = self.profile.buffers
+        buffers = ((name, owner._buffers.get(key)) for name, owner, key in self._buffer_slots)
+        return [(name, buffer) for name, buffer in buffers if buffer is not None and name not in replayed]
 
     def _replays_state(self, protect_buffers: bool) -> bool:
         """Whether a forward's state must be captured for recomputation (see :class:`ForwardState`)."""
@@ -407,7 +402,7 @@ class CheckpointedForward:
             state = ForwardState(
                 self.module,
                 self.profile,
-                self._slots() if protect_buffers else (),
+                self._buffer_slots if protect_buffers else (),
                 generators=self.config.preserve_rng_state,
                 changed=self._buffer_changed,
             )

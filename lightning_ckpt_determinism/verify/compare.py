@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt_determinism.checkpointing.equality import same_values
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
@@ -152,20 +153,6 @@ def max_abs_difference(expected: Any, actual: Any) -> float:
         return 0.0
     diff = elementwise_difference(_comparable(expected), _comparable(actual))
     return float(diff.max()) if diff.numel() else 0.0
-
-
-def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
-    """Whether two tensors have the same shape, dtype and values (NaN equal to NaN).
-
-    Example::
-
-        >>> same_values(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
-        True
-    """
-    expected, actual = local_tensor(expected), local_tensor(actual)
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        return False
-    return max_abs_difference(expected, actual) == 0.0
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
-from lightning_ckpt_determinism.verify.compare import same_values
 
 __all__ = ["StepState"]
 
@@ -175,24 +175,20 @@ class _GeneratorSnapshot:
 
     def restore(self) -> None:
         for generator, state in self._entries:
-            if isinstance(generator, torch.Generator):
-                generator.set_state(state)
-            elif isinstance(generator, np.random.Generator):
+            if isinstance(generator, np.random.Generator):
                 generator.bit_generator.state = state
             elif isinstance(generator, random.Random):
                 generator.setstate(state)
-            else:
+            else:  # torch.Generator, np.random.RandomState
                 generator.set_state(state)
 
 
 def _generator_state(generator: Any) -> Any:
-    if isinstance(generator, torch.Generator):
-        return generator.get_state()
     if isinstance(generator, np.random.Generator):
         return generator.bit_generator.state
     if isinstance(generator, random.Random):
         return generator.getstate()
-    return generator.get_state()
+    return generator.get_state()  # torch.Generator, np.random.RandomState
 
 
 _GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
@@ -331,7 +327,7 @@ def _is_plain(value: object) -> bool:
 def _changed(attributes: dict[str, Any], name: str, value: Any, contents: list[tuple[Any, Any]]) -> bool:
     """Whether an attribute captured as ``value`` (with copies of the ``contents`` of its containers) changed."""
     current = attributes.get(name, _MISSING)
-    if current is not value and not _same_item(current, value):
+    if current is not value and not same_item(current, value):
         return True
     return any(not _same_contents(container, copy) for container, copy in contents)
 
@@ -339,23 +335,11 @@ def _changed(attributes: dict[str, Any], name: str, value: Any, contents: list[t
 def _same_contents(container: Any, copy: Any) -> bool:
     """Whether a container holds what ``copy`` (its shallow copy at capture) held."""
     if isinstance(container, dict):
-        return container.keys() == copy.keys() and all(_same_item(container[key], copy[key]) for key in container)
+        return container.keys() == copy.keys() and all(same_item(container[key], copy[key]) for key in container)
     if isinstance(container, set):
         return set(container) == set(copy)
     items = list(container)
-    return len(items) == len(copy) and all(_same_item(a, b) for a, b in zip(items, copy, strict=True))
-
-
-def _same_item(first: Any, second: Any) -> bool:
-    """Identity, or equal values for tensors (same metadata and elements) and for anything with a usable ``==``."""
-    if first is second:
-        return True
-    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
-        return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and same_values(first, second)
-    try:
-        return type(first) is type(second) and bool(first == second)
-    except Exception:  # a value whose `==` is not a truth value
-        return False
+    return len(items) == len(copy) and all(same_item(a, b) for a, b in zip(items, copy, strict=True))
 
 
 def _contents(value: Any) -> list[tuple[Any, Any]]:

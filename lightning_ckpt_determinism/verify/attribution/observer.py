@@ -40,6 +40,7 @@ from lightning_ckpt_determinism._torch_compat import (
     StopRecomputationError,
     TorchDispatchMode,
     disable_current_modes,
+    written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, storage_pointer
@@ -248,7 +249,7 @@ class CallRecord:
     def note_writes(self, func: OpOverload, args: Any, kwargs: Any) -> None:
         """Note the parameters a recomputed op writes in place (``embedding_renorm_`` on a detached weight: known by
         storage)."""
-        written = _written_tensors(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         if not written:
             return
         storages = {storage_pointer(param): name for name, param in self.module.named_parameters()}
@@ -258,7 +259,7 @@ class CallRecord:
                 self.parameters_written.append(name)
 
     def _writes_buffer(self, func: OpOverload, args: Any, kwargs: Any) -> bool:
-        return any(id(tensor) in self.buffer_ids for tensor in _written_tensors(func, args, kwargs))
+        return any(id(tensor) in self.buffer_ids for tensor in written_tensors(func, args, kwargs))
 
 
 class _CallMode(TorchDispatchMode):
@@ -462,16 +463,6 @@ def _returns_views(func: OpOverload, count: int) -> list[bool]:
         return flags
     # One list return (``split``, ``unbind``) flattens into several tensors.
     return [any(flags)] * count
-
-
-def _written_tensors(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
-    written: list[torch.Tensor] = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        written.extend(leaf for leaf in _flatten(value) if isinstance(leaf, torch.Tensor))
-    return written
 
 
 def _same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:

@@ -1,0 +1,42 @@
+"""`same_values` and `same_item` (`checkpointing/equality.py`), which the first-call probe and the checks share, held
+against the checks' own elementwise difference: equal exactly where that difference is zero."""
+
+import pytest
+import torch
+
+from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
+from lightning_ckpt_determinism.verify.compare import max_abs_difference
+
+NAN, INF = float("nan"), float("inf")
+
+PAIRS = [
+    (torch.tensor([1.0, NAN]), torch.tensor([1.0, NAN])),
+    (torch.tensor([1.0, NAN]), torch.tensor([NAN, 1.0])),
+    (torch.tensor([INF, -INF]), torch.tensor([INF, -INF])),
+    (torch.tensor([INF]), torch.tensor([-INF])),
+    (torch.tensor([-0.0]), torch.tensor([0.0])),
+    (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0 + 1e-6])),
+    (torch.tensor([3, 4]), torch.tensor([3, 5])),
+    (torch.tensor([True, False]), torch.tensor([True, True])),
+    (torch.tensor([complex(NAN, 1.0)]), torch.tensor([complex(NAN, 2.0)])),
+    (torch.tensor([complex(NAN, 1.0)]), torch.tensor([complex(NAN, 1.0)])),
+    (torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([1.0, 2.0], dtype=torch.bfloat16)),
+]
+
+
+@pytest.mark.parametrize(("first", "second"), PAIRS)
+def test_same_values_is_a_zero_elementwise_difference(first: torch.Tensor, second: torch.Tensor) -> None:
+    assert same_values(first, second) is (max_abs_difference(first, second) == 0.0)
+
+
+def test_same_values_needs_the_same_shape_and_dtype() -> None:
+    assert not same_values(torch.zeros(2), torch.zeros(1, 2))
+    assert not same_values(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+
+
+def test_same_item_compares_tensors_by_values_and_anything_else_by_type_and_equality() -> None:
+    assert same_item(torch.tensor([NAN]), torch.tensor([NAN]))
+    assert not same_item(torch.ones(1), 1.0)
+    assert same_item(3, 3) and not same_item(3, 3.0) and not same_item(True, 1)
+    assert not same_item(torch.ones(2), torch.ones(2) + 1)
+    assert not same_item([torch.ones(2)], [torch.ones(2)])  # `==` that is not a truth value: unequal, never raised
