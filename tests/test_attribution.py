@@ -26,7 +26,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     check_recomputation,
 )
-from lightning_ckpt_determinism.checkpointing.wrapper import _SWITCH
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.verify.attribution import Attribution, observer
 from lightning_ckpt_determinism.verify.attribution.observer import CallRecord
 from tests.helpers import (
@@ -241,8 +241,14 @@ def test_a_flag_that_changes_which_ops_run_is_python_state():
     assert report.diverged
 
 
+def registered_observers(model: nn.Module) -> list[object]:
+    """The region observers registered on ``model``'s checkpointed regions."""
+    observers = (sub.forward.region_observer for sub in checkpointed_modules(model).values())
+    return [observer for observer in observers if observer is not None]
+
+
 def test_a_failing_recomputation_is_named_and_its_error_kept():
-    _, report = attributed(FailingRecomputeBlock)
+    model, report = attributed(FailingRecomputeBlock)
     assert report.error == "RuntimeError: call 2 of FailingRecomputeBlock"
     region = report.regions[1]
     assert (region.cause, region.hint, region.error) == (
@@ -251,7 +257,7 @@ def test_a_failing_recomputation_is_named_and_its_error_kept():
         "RuntimeError: call 2 of FailingRecomputeBlock",
     )
     assert region.diverged
-    assert _SWITCH.observer is None
+    assert registered_observers(model) == []
 
 
 def test_a_module_called_twice_is_one_region_with_every_call_compared():
@@ -314,7 +320,7 @@ def test_forward_copies_are_held_only_until_their_region_is_recomputed():
         torch.autograd.grad(loss, list(model.parameters()))
     assert [call.recomputations for call in observer.calls] == [1] * 3
     assert all(op.outputs == [] and op.inputs == [] for call in observer.calls for op in call.ops)
-    assert _SWITCH.observer is None
+    assert registered_observers(model) == []
 
 
 def test_the_catalogue_has_a_hint_per_cause():

@@ -281,3 +281,21 @@ def test_a_recomputation_whose_last_saved_tensor_was_freed_is_still_compared(noi
     # The input and tanh's output are compared; the sigmoid's output, saved last, was never recomputed in time.
     assert report.regions["block"].compared == 2
     assert report.regions["block"].mismatches == (1 if noisy else 0)
+
+
+def test_a_sentinel_counts_only_its_own_models_regions_when_another_has_the_same_names() -> None:
+    # Ground truth: the clean model watched alone. The other model's regions have the same names and a host-RNG
+    # defect; its forwards and backwards interleave with the watched model's.
+    alone = watched_steps(checkpointed(make_stack(DropoutBlock)), exact=True)
+    model, other = checkpointed(make_stack(DropoutBlock)), checkpointed(stack_with(NumpyNoiseBlock))
+    with recomputation_sentinel(model, exact=True) as sentinel:
+        for step in range(3):
+            x, y = batch(seed=step)
+            loss = F.mse_loss(model(x), y)
+            other_loss = F.mse_loss(other(x), y)
+            other_loss.backward()
+            loss.backward()
+            sentinel.next_step()
+    assert alone.compared > 0 and alone.mismatches == 0
+    assert sentinel.report() == alone
+    assert watched_steps(other, exact=True).regions["blocks.1"].mismatches > 0

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import warnings
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -22,7 +23,10 @@ from lightning_ckpt_determinism.checkpointing.routing import CompiledPolicy
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
-__all__ = ["RecompileLimitFilter", "region_contexts"]
+__all__ = ["ContextPairFn", "RecompileLimitFilter", "eager_only_options", "region_contexts"]
+
+ContextPairFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+"""A ``context_fn``: makes a region call's forward and recompute contexts."""
 
 _log = logging.getLogger(__name__)
 
@@ -56,11 +60,7 @@ def region_contexts(
     """
     if not torch.compiler.is_compiling():
         return contextlib.nullcontext(), contextlib.nullcontext()
-    skipped = tuple(
-        option
-        for option, applies in (("preserve_host_rng", config.preserve_host_rng), ("protect_buffers", protect_buffers))
-        if applies
-    )
+    skipped = eager_only_options(config, protect_buffers)
     noted = _noted.setdefault(config, set())
     if skipped and skipped not in noted:
         noted.add(skipped)
@@ -75,6 +75,24 @@ def region_contexts(
     return create_selective_checkpoint_contexts(
         CompiledPolicy(save_ops=frozenset(resolve_ops(config.save_ops)), keep=config.keep_data_dependent)
     )
+
+
+def eager_only_options(config: CheckpointingConfig, protect_buffers: bool) -> tuple[str, ...]:
+    """The options of ``config`` a compiled region goes without: the compiler replays torch's RNG and updates buffers
+    once (see :attr:`~lightning_ckpt_determinism.checkpointing.plan.RegionPlan.eager_only`).
+
+    Args:
+        config: The region's config.
+        protect_buffers: Whether the region protects buffers.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> eager_only_options(CheckpointingConfig(classes=["Block"], preserve_host_rng=True), False)
+        ('preserve_host_rng',)
+    """
+    options = (("preserve_host_rng", config.preserve_host_rng), ("protect_buffers", protect_buffers))
+    return tuple(option for option, applies in options if applies)
 
 
 def _selection(config: CheckpointingConfig) -> str:

@@ -97,7 +97,7 @@ class FirstForwardProbe:
     """Watches one region call's forward (the region's first) and gives its :class:`RegionProfile`.
 
     Enter it around the forward, with the saved-tensor extractor handing it each saved tensor
-    (:class:`~lightning_ckpt_determinism.checkpointing.saved.Probing`); :attr:`profile` is set when the forward
+    (:class:`~lightning_ckpt_determinism.checkpointing.saved.InRegionCall`); :attr:`profile` is set when the forward
     returns, and stays ``None`` when it raised.
 
     Args:

@@ -1,23 +1,26 @@
-"""The package's ``determinism_check``: torch's own metadata check, with a slot for an observer of saved tensors.
+"""The package's ``determinism_check``: torch's own metadata check, with a slot for one region call's observer.
 
 torch's non-reentrant checkpoint calls a region's ``determinism_check`` extractor on every tensor it saves for
 backward in the region's forward (under ``no_grad``) and keeps what it returns. At the region's first unpack in
 backward, once the region is recomputed, it compares each kept value with the extractor of the recomputed tensor
-(``saved != extract(recomputed)``, for every holder still alive) and raises its ``CheckpointError`` on a difference.
-The extractor is looked up by the name given as ``determinism_check``, in a registry of torch's own.
+(``saved != extract(recomputed)``, for every holder still alive, the saved value on the left: pinned in
+:mod:`~lightning_ckpt_determinism._torch_compat`) and raises its ``CheckpointError`` on a difference. The extractor
+is looked up by the name given as ``determinism_check``, in a registry of torch's own.
 
 The package registers two names there, which every checkpointed region passes instead of torch's ``"default"`` and
-``"none"``: while no observer is registered they behave exactly as those (shapes, dtypes and devices compared, or
-nothing), and while one is (:func:`observing_saved_tensors`) the observer gives what is kept at the forward and what
-is compared at the recomputation. The traced path under ``torch.compile`` passes the same constant name, so dynamo
-guards on nothing more; the compiler recomputes compiled regions itself and calls no extractor.
-
-The extractor also hands each tensor a region's forward saves to that region call's probe, while one learns what the
-region saves (:mod:`~lightning_ckpt_determinism.checkpointing.profile`): :class:`Probing` says which call that is.
+``"none"``. torch calls the extractor with the tensor alone, so each eager region call says which call it is while
+its forward runs (:class:`InRegionCall`): its probe, while one learns what the region saves
+(:mod:`~lightning_ckpt_determinism.checkpointing.profile`), and the saved-tensor observer registered on that region
+(:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing_saved_tensors`, on one model's own regions).
+Where neither is set they behave exactly as torch's (shapes, dtypes and devices compared, or nothing); where an
+observer is, it gives what is kept at the forward, and the recomputed tensor reaches what it kept as a
+:class:`Recomputed`. The traced path under ``torch.compile`` passes
+the same constant name, so dynamo guards on nothing more; the compiler recomputes compiled regions itself and calls no
+extractor.
 """
 
-import contextlib
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
 from typing import Any, Protocol
@@ -25,26 +28,26 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import determinism_checks
-from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
+from lightning_ckpt_determinism._torch_compat import current_graph_task_id, determinism_checks
 
 __all__ = [
     "DETERMINISM_CHECKS",
-    "Probing",
+    "InRegionCall",
+    "Recomputed",
     "SavedTensorObserver",
     "SavedTensorProbe",
-    "observing_saved_tensors",
     "probing_now",
-    "saved_tensor_observer",
 ]
 
 
 class SavedTensorObserver(Protocol):
-    """What :func:`observing_saved_tensors` plugs into every eagerly checkpointed region.
+    """What :func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing_saved_tensors` plugs into one model's
+    eagerly checkpointed regions.
 
-    ``region_forward`` is entered around each region call's forward; ``extract`` is the extractor torch calls, with
-    ``strict`` telling whether the region's ``determinism_check`` is ``"default"`` (a difference of metadata must
-    raise torch's error) or ``"none"``.
+    ``region_forward`` is entered around each region call's forward; ``extract`` is the extractor torch calls for each
+    tensor that forward saves, with ``strict`` telling whether the region's ``determinism_check`` is ``"default"`` (a
+    difference of metadata must raise torch's error) or ``"none"``. What it returns is compared with a
+    :class:`Recomputed` after the recomputation.
 
     ``region_recompute`` is entered around each recomputation of an eagerly checkpointed region, inside its recompute
     contexts, with the buffers whose live values that recomputation could change (those no recompute context puts
@@ -66,17 +69,33 @@ class SavedTensorProbe(Protocol):
     def packed(self, tensor: torch.Tensor) -> None: ...
 
 
-# The region call whose forward runs now, when a probe learns from it: torch calls the extractor with the tensor alone,
-# so the wrapper says which call it is. Context-local, and read only by eager calls (dynamo never traces it).
-_PROBE: ContextVar[SavedTensorProbe | None] = ContextVar("lightning_ckpt_determinism_probe", default=None)
+class _Call:
+    """The region call whose forward runs now, as the extractor needs it."""
+
+    __slots__ = ("observer", "probe", "task")
+
+    def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
+        self.probe = probe
+        self.observer = observer
+        # A backward run inside the forward (a gradient penalty) compares tensors of other calls: not this call's.
+        self.task = current_graph_task_id()
 
 
-class Probing:
-    """Hand the tensors saved inside this block to ``probe`` (``None``: to no probe, as inside a region call that is
-    not probed within one that is).
+# The one piece of state the package keeps besides the checkpointing switch: the eager region call whose forward runs
+# now. torch calls the extractor with the tensor alone, so the wrapper says which call it is. Context-local, so that
+# threads never see each other's calls, and read only by eager calls (dynamo never traces it).
+_CURRENT: ContextVar[_Call | None] = ContextVar("lightning_ckpt_determinism_region_call", default=None)
+
+
+class InRegionCall:
+    """Say, inside this block, which region call's forward runs: its probe and its saved-tensor observer.
+
+    A region call inside another one's forward enters its own block, so that the outer call's probe and observer
+    never see what the inner region saves.
 
     Args:
-        probe: The probe of the region call whose forward runs inside the block.
+        probe: The probe learning from this call's forward, or ``None``.
+        observer: The saved-tensor observer registered on the region, or ``None``.
 
     Example::
 
@@ -85,24 +104,24 @@ class Probing:
         ...     def packed(self, tensor):
         ...         self.saved += 1
         >>> count = Count()
-        >>> with Probing(count):
+        >>> with InRegionCall(count, None):
         ...     _ = _default(torch.ones(1))
         >>> count.saved
         1
     """
 
-    __slots__ = ("_probe", "_token")
+    __slots__ = ("_call", "_token")
 
-    def __init__(self, probe: SavedTensorProbe | None) -> None:
-        self._probe = probe
-        self._token: Token[SavedTensorProbe | None] | None = None
+    def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
+        self._call = _Call(probe, observer) if probe is not None or observer is not None else None
+        self._token: Token[_Call | None] | None = None
 
     def __enter__(self) -> None:
-        self._token = _PROBE.set(self._probe)
+        self._token = _CURRENT.set(self._call)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._token is not None:
-            _PROBE.reset(self._token)
+            _CURRENT.reset(self._token)
 
 
 def probing_now() -> bool:
@@ -113,54 +132,75 @@ def probing_now() -> bool:
         >>> probing_now()
         False
     """
-    return _PROBE.get() is not None
+    call = _CURRENT.get()
+    return call is not None and call.probe is not None
+
+
+class Recomputed:
+    """What the extractor gives for a recomputed tensor: the tensor, for the comparison torch runs at once.
+
+    What an observer kept at the forward compares itself with it (torch puts the saved value on the left of ``!=``);
+    torch's own metadata, kept where no observer watched the forward, compares here. It holds the tensor weakly:
+    torch keeps the extractor's value of a tensor packed in a region's forward while a backward runs inside it
+    (``autograd.grad(..., create_graph=True)``), and a strong reference there would close a cycle through autograd's
+    C++ nodes (frame, tensor, its ``grad_fn``, the saved holder, the hook, the frame) that Python's collector cannot
+    break. At a real comparison the recomputed tensor is alive, held by torch's frame.
+
+    Args:
+        tensor: The recomputed tensor.
+
+    Example::
+
+        >>> kept = {"shape": torch.Size([2]), "dtype": torch.float32, "device": torch.device("cpu")}
+        >>> Recomputed(torch.ones(2)) != kept
+        False
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = weakref.ref(tensor)
+
+    def __ne__(self, other: object) -> bool:
+        tensor = self.tensor()
+        return other is not None and tensor is not None and _metadata(tensor) != other
+
+    def __eq__(self, other: object) -> bool:
+        return not self.__ne__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        tensor = self.tensor()
+        return repr(_metadata(tensor)) if tensor is not None else "<freed>"
+
+
+def _metadata(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device}
+
+
+def _extract(tensor: torch.Tensor, *, strict: bool) -> Any:
+    call = _CURRENT.get()
+    task = current_graph_task_id()
+    if call is not None and call.task == task:
+        if call.probe is not None:
+            call.probe.packed(tensor)
+        if call.observer is not None:
+            return call.observer.extract(tensor, strict=strict)
+    elif task != -1:  # a comparison after a recomputation: what the forward kept compares itself with it
+        return Recomputed(tensor)
+    return _metadata(tensor) if strict else None
 
 
 def _default(tensor: torch.Tensor) -> Any:
-    probe = _PROBE.get()
-    if probe is not None:
-        probe.packed(tensor)
-    observer = _SWITCH.saved_observer
-    if observer is None:
-        return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device}
-    return observer.extract(tensor, strict=True)
+    return _extract(tensor, strict=True)
 
 
 def _none(tensor: torch.Tensor) -> Any:
-    probe = _PROBE.get()
-    if probe is not None:
-        probe.packed(tensor)
-    observer = _SWITCH.saved_observer
-    return None if observer is None else observer.extract(tensor, strict=False)
+    return _extract(tensor, strict=False)
 
 
 DETERMINISM_CHECKS = {"default": "lightning_ckpt_determinism", "none": "lightning_ckpt_determinism_none"}
 """The name a region passes to torch for each ``CheckpointingConfig.determinism_check``."""
 
 determinism_checks().update({DETERMINISM_CHECKS["default"]: _default, DETERMINISM_CHECKS["none"]: _none})
-
-
-def saved_tensor_observer() -> SavedTensorObserver | None:
-    """The observer now registered, or ``None``.
-
-    Example::
-
-        >>> saved_tensor_observer() is None
-        True
-    """
-    return _SWITCH.saved_observer
-
-
-@contextlib.contextmanager
-def observing_saved_tensors(observer: SavedTensorObserver) -> Iterator[None]:
-    """Give ``observer`` every tensor the eagerly checkpointed regions save inside this block (one at a time).
-
-    Args:
-        observer: What keeps and compares the saved tensors.
-    """
-    previous = _SWITCH.saved_observer
-    _SWITCH.saved_observer = observer
-    try:
-        yield
-    finally:
-        _SWITCH.saved_observer = previous

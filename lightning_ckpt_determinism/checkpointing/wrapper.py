@@ -1,16 +1,18 @@
 """The region wrapper: a module's forward run under non-reentrant activation checkpointing, in place.
 
 Wrapping sets an instance-level ``forward`` on each selected module, so the module object, its parameters, its
-buffers and every ``state_dict`` key stay exactly as they were. Recomputation composes up to five contexts:
-host-RNG replay, buffer protection, the selective-op policy, the guard that keeps data-dependent outputs (routing)
-from the forward and, while one is registered with :func:`observing`, an observer's. Each recompute context can be
+buffers and every ``state_dict`` key stay exactly as they were. Which contexts a region's recomputation composes is
+decided once, by its :class:`~lightning_ckpt_determinism.checkpointing.plan.RegionPlan`: host-RNG replay, the
+forward's state (buffers, attributes, generators), the selective-op policy, the guard that keeps data-dependent
+outputs (routing) from the forward, and the observers registered on the region's model (:func:`observing`,
+:func:`observing_saved_tensors`), which plug in as contexts of the same call. Each recompute context can be
 entered any number of times (a gradient penalty or ``retain_graph=True`` recomputes a region once per backward), and
 each entry replays the same state. A region that needs only the selective-op policy gets torch's own pair of
 dispatch modes. The guard (:mod:`~lightning_ckpt_determinism.checkpointing.routing`) is on at a region's first
 checkpointed forward and stays on only where that forward ran a data-dependent op: a region without routing pays
 nothing.
 
-The traced path (under ``torch.compile``) reads only state dynamo can guard on (an attribute of the process-wide
+The traced path (under ``torch.compile``) reads only state dynamo can guard on (the plan, and the one process-wide
 switch, :mod:`~lightning_ckpt_determinism.checkpointing.switch`, never a ContextVar), never passes
 ``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops``, eager-only
 options or ``keep_data_dependent``: see :mod:`~lightning_ckpt_determinism.checkpointing.compiled`. Every region
@@ -32,9 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled
-from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter, region_contexts
+from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
-    BufferSlot,
     ContextFactory,
     ForwardState,
     HostRNGReplay,
@@ -42,18 +43,19 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     same_context,
 )
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheSwitch, is_transformers_layer, without_cache
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, named_modules
+from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import (
     NestedCheckpoint,
     checkpoint_around,
     checkpoints_inside,
     warn_nested,
 )
+from lightning_ckpt_determinism.checkpointing.plan import RegionPlan
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
-from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS, Probing, probing_now
+from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS, InRegionCall, SavedTensorObserver
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
-from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
+from lightning_ckpt_determinism.config import CheckpointingConfig
 
 __all__ = [
     "CheckpointedForward",
@@ -64,6 +66,7 @@ __all__ = [
     "checkpointing_disabled",
     "is_checkpointed",
     "observing",
+    "observing_saved_tensors",
     "remove_activation_checkpointing",
     "run_plainly",
 ]
@@ -92,7 +95,7 @@ class RegionCall:
 
 
 class RegionObserver(Protocol):
-    """What :func:`observing` plugs into every checkpointed region that runs eagerly.
+    """What :func:`observing` plugs into one model's checkpointed regions that run eagerly.
 
     ``contexts`` is called at each checkpointed call and returns two factories: one context for the forward, and one
     for each recomputation (there can be several, e.g. under a gradient penalty). Their dispatch modes sit above
@@ -151,18 +154,58 @@ def run_plainly(modules: Iterable[nn.Module]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def observing(observer: RegionObserver) -> Iterator[None]:
-    """Plug ``observer`` into every checkpointed region that runs eagerly inside this block (one at a time).
+def observing(observer: RegionObserver, module: nn.Module) -> Iterator[None]:
+    """Plug ``observer`` into the checkpointed regions of ``module`` that run eagerly inside this block.
+
+    It registers on ``module``'s own regions only: another model's regions, even with the same names, are never
+    seen. Blocks nest; each region has one observer at a time, the innermost.
 
     Args:
         observer: Gives each call's forward and recompute contexts.
+        module: The model whose regions to observe.
     """
-    previous = _SWITCH.observer
-    _SWITCH.observer = observer
+    with _registered(module, "region_observer", observer):
+        yield
+
+
+@contextlib.contextmanager
+def observing_saved_tensors(observer: SavedTensorObserver, module: nn.Module) -> Iterator[None]:
+    """Give ``observer`` every tensor the eagerly checkpointed regions of ``module`` save inside this block.
+
+    It registers on ``module``'s own regions only: another model's regions, even with the same names, are never
+    seen. Blocks nest; each region has one observer at a time, the innermost.
+
+    Args:
+        observer: What keeps and compares the saved tensors.
+        module: The model whose checkpointed regions to observe.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Tanh"]))
+        >>> with observing_saved_tensors(object(), model):  # type: ignore[arg-type]
+        ...     model[1].forward.saved_observer is not None
+        True
+        >>> model[1].forward.saved_observer is None
+        True
+    """
+    with _registered(module, "saved_observer", observer):
+        yield
+
+
+@contextlib.contextmanager
+def _registered(module: nn.Module, slot: str, observer: Any) -> Iterator[None]:
+    """Set ``slot`` of each region wrapper of ``module`` to ``observer`` inside this block, then put back each one's."""
+    wrappers = [sub.__dict__["forward"] for sub in checkpointed_modules(module).values()]
+    previous = [getattr(wrapper, slot) for wrapper in wrappers]
+    for wrapper in wrappers:
+        setattr(wrapper, slot, observer)
     try:
         yield
     finally:
-        _SWITCH.observer = previous
+        for wrapper, before in zip(wrappers, previous, strict=True):
+            setattr(wrapper, slot, before)
 
 
 class CheckpointedForward:
@@ -179,7 +222,7 @@ class CheckpointedForward:
         self.region = region
         self.config = _shared_configs.setdefault(config, config)
         self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
-        self._save_ops = frozenset(resolve_ops(config.save_ops))
+        self.plan = RegionPlan.of(module, self.config)
         # An instance attribute rather than a context variable: `torch.compile` can guard on it.
         self.plain_depth = 0
         # Whether a data-dependent op ran in the region's first checkpointed forward (None: none has finished yet).
@@ -196,24 +239,22 @@ class CheckpointedForward:
         self._probed = False
         # What the region's first eager checkpointed forward showed (see `profile`); None until it has run.
         self.profile: RegionProfile | None = None
-        # The region's buffers, worked out once: a compiled call guards on what it reads here.
-        self._buffer_slots: list[BufferSlot] = [
-            (name, owner, key) for name, (owner, key, _) in buffer_slots(module).items()
-        ]
+        # The observers registered on this region, by `observing` and `observing_saved_tensors` on its model: read
+        # only by eager calls, so compiled graphs never guard on them.
+        self.region_observer: RegionObserver | None = None
+        self.saved_observer: SavedTensorObserver | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
-        # could not be pickled or `torch.save`d; they are resolved again from the config on load.
         state = self.__dict__.copy()
-        del state["_save_ops"]
         # Learned again after loading: it holds generators and module references of this process.
         state["profile"] = None
+        state["region_observer"] = state["saved_observer"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.config = _shared_configs.setdefault(self.config, self.config)
-        self._save_ops = frozenset(resolve_ops(self.config.save_ops))
+        self.plan = replace(self.plan, config=self.config)
 
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward, not checkpointed."""
@@ -227,68 +268,64 @@ class CheckpointedForward:
             kwargs = without_cache(type(self.module).__name__, kwargs)
         if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
-        keys = tuple(kwargs)
-        num_positional = len(args)
-        # Dynamo reads `is_compiling()` as a constant. A traced call whose region dynamo cannot trace (it
-        # graph-breaks inside) has torch run the region eagerly, with the traced call's `context_fn`, which holds
-        # nothing of this region: `run` then enters the region's eager contexts itself.
-        traced = torch.compiler.is_compiling()
-        # The contexts `run` enters itself: those of a region dynamo could not trace, and every region's under
-        # torch's checkpoint debug mode, which refuses a `context_fn`.
-        in_run: tuple[AbstractContextManager[Any], AbstractContextManager[Any]] | None = None
-        calls = 0
-        probe = not traced and not self._probed
-        if probe:
+        # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
+        inputs = (*args, *kwargs.values())
+        # Dynamo reads `is_compiling()` as a constant: a traced call never reaches the eager path.
+        if torch.compiler.is_compiling():
+            context_fn = self.plan.compiled_context(next(self.module.buffers(), None) is not None)
+            return self._checkpoint(self._traced_run(len(args), tuple(kwargs)), inputs, context_fn)
+        return self._eager_call(inputs, len(args), tuple(kwargs))
+
+    def _traced_run(self, num_positional: int, keys: tuple[str, ...]) -> Callable[..., Any]:
+        """The function a traced call checkpoints. A region dynamo cannot trace (it graph-breaks inside) has torch run
+        it eagerly, with the traced call's ``context_fn``, which holds nothing of this region: it then enters the
+        region's eager contexts itself."""
+        fallback: list[_EagerCall] = []
+
+        def run(*flat: Any) -> Any:
+            if torch.compiler.is_compiling():
+                if self.plan.keep_data_dependent:
+                    flat = mark_region_inputs(flat)
+                return self._forward_from(flat, num_positional, keys)
+            if not fallback:
+                fallback.append(_EagerCall(self, num_positional, keys, self._make_contexts(flat), first=False))
+            return fallback[0].run(*flat)
+
+        return run
+
+    def _eager_call(self, inputs: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
+        first = not self._probed
+        if first:
             self._probed = True
             around = checkpoint_around(sys._getframe(), _REGION_CALL)
             if around is not None:
                 warn_nested(type(self.module).__name__, around, inside=False)
-        learning = not traced and self.profile is None
-
-        def run(*flat: Any) -> Any:
-            nonlocal in_run, calls
-            if torch.compiler.is_compiling():
-                if self.config.keep_data_dependent:
-                    flat = mark_region_inputs(flat)
-                return self._forward_from(flat, num_positional, keys)
-            # The first call is the forward, each later one a recomputation.
-            forward = calls == 0
-            calls += 1
-            region: AbstractContextManager[Any] = contextlib.nullcontext()
-            if traced and in_run is None:
-                in_run = self._make_contexts(_SWITCH.observer, self._protects_buffers(), flat)
-            if in_run is not None:
-                region = in_run[0] if forward else in_run[1]
-            watched = self._watched(forward)
-            nested: AbstractContextManager[list[NestedCheckpoint]] = (
-                checkpoints_inside(_REGION_CALL) if forward and probe else contextlib.nullcontext([])
-            )
-            first = FirstForwardProbe(self.module) if forward and learning else None
-            probing = Probing(first) if first is not None or probing_now() else contextlib.nullcontext()
-            with region, watched, nested as inside:
-                with probing, first if first is not None else contextlib.nullcontext():
-                    out = self._forward_from(flat, num_positional, keys)
-                if first is not None and first.profile is not None and self.profile is None:
-                    # Before the sentinel's forward ends, which reads it.
-                    self.profile = first.profile
-            if inside:
-                warn_nested(type(self.module).__name__, inside[0], inside=True)
-            return out
-
-        # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
-        inputs = (*args, *kwargs.values())
-        options: dict[str, Any] = {}
-        # A traced call never reaches the eager choice, which reads the observer.
-        context_fn = self._compiled_context_fn() if traced else self._context_fn(inputs)
-        if context_fn is not None and not traced and checkpoint_debug_enabled():
+        context_fn = self._context_fn(inputs)
+        in_run = None
+        if context_fn is not None and checkpoint_debug_enabled():
+            # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
             in_run, context_fn = context_fn(), None
+        learning = self.profile is None
+        call = _EagerCall(self, num_positional, keys, in_run, first=first, learning=learning)
+        # The first call, and regions holding a saved tensor filled after it was saved, recompute to the end, so that
+        # the op filling it runs again (a global `set_checkpoint_early_stop(True)` overrides this).
+        full = learning or (self.profile is not None and bool(self.profile.filled_late))
+        return self._checkpoint(call.run, inputs, context_fn, early_stop=False if full else None)
+
+    def _checkpoint(
+        self,
+        run: Callable[..., Any],
+        inputs: tuple[Any, ...],
+        context_fn: Callable[[], _ContextPair] | None,
+        early_stop: bool | None = None,
+    ) -> Any:
+        """torch's non-reentrant checkpoint of ``run``; ``context_fn`` and ``early_stop`` only when given, so that
+        torch's defaults are taken by leaving them out."""
+        options: dict[str, Any] = {}
         if context_fn is not None:
-            # Only when there is one: torch's default is taken by leaving the argument out.
             options["context_fn"] = context_fn
-        if learning or (not traced and self.profile is not None and self.profile.filled_late):
-            # The first call, and regions holding a saved tensor filled after it was saved, recompute to the end,
-            # so that the op filling it runs again (a global `set_checkpoint_early_stop(True)` overrides this).
-            options["early_stop"] = False
+        if early_stop is not None:
+            options["early_stop"] = early_stop
         return checkpoint(
             run,
             *inputs,
@@ -298,15 +335,6 @@ class CheckpointedForward:
             **options,
         )
 
-    def _watched(self, forward: bool) -> AbstractContextManager[Any]:
-        """The saved-tensor observer's context around this call's forward or one of its recomputations."""
-        saved = _SWITCH.saved_observer
-        if saved is None:
-            return contextlib.nullcontext()
-        if forward:
-            return saved.region_forward(self.region, self.module)  # type: ignore[no-any-return]
-        return saved.region_recompute(self.region, self.module, self._exposed_buffers())  # type: ignore[no-any-return]
-
     def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
         """The plain forward of the region's flattened inputs; an eager forward first gives the data-dependent
         guard its size limit."""
@@ -314,10 +342,6 @@ class CheckpointedForward:
             self._forward_kept.note_inputs(flat)
             self._forward_kept = None
         return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
-
-    def _protects_buffers(self) -> bool:
-        # A region without buffers has nothing to protect: skipping the context saves its cost on every call.
-        return self.config.protect_buffers and bool(self._buffer_slots)
 
     def _exposed_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers whose live values a recomputation could change: every one without ``protect_buffers``, else
@@ -327,15 +351,8 @@ class CheckpointedForward:
             if self.profile is None:
                 return []
             replayed = self.profile.buffers
-        buffers = ((name, owner._buffers.get(key)) for name, owner, key in self._buffer_slots)
+        buffers = ((name, owner._buffers.get(key)) for name, owner, key in self.plan.buffer_slots)
         return [(name, buffer) for name, buffer in buffers if buffer is not None and name not in replayed]
-
-    def _replays_state(self, protect_buffers: bool) -> bool:
-        """Whether a forward's state must be captured for recomputation (see :class:`ForwardState`)."""
-        profile = self.profile
-        if profile is None or protect_buffers or profile.attributes:
-            return True
-        return self.config.preserve_rng_state and bool(profile.generators)
 
     def _buffer_changed(self, name: str) -> None:
         if self.profile is not None and name not in self.profile.buffers:
@@ -347,38 +364,18 @@ class CheckpointedForward:
             )
             self.profile = replace(self.profile, buffers=self.profile.buffers | {name})
 
-    def _compiled_context_fn(self) -> Callable[[], _ContextPair] | None:
-        """The ``context_fn`` of a call dynamo traces (see :func:`region_contexts`), or ``None`` when it needs none."""
-        # Read from the module, not from the slots the wrapper keeps: dynamo then guards on the module's structure,
-        # so regions of other classes compile apart (one that graph-breaks never lends its partial graph to others).
-        protect_buffers = self.config.protect_buffers and next(self.module.buffers(), None) is not None
-        if self.config.keep_data_dependent or self.config.preserve_host_rng or protect_buffers or self._save_ops:
-            # The policy runs only while the compiler traces the region: it costs nothing per step, so every region
-            # gets it, and it finds the data-dependent ops itself.
-            return partial(region_contexts, self.config, protect_buffers)
-        return None
-
     def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
-        observer = _SWITCH.observer
-        protect_buffers = self._protects_buffers()
-        if (
-            self.config.preserve_host_rng
-            or observer is not None
-            or self._guarded()
-            or self._replays_state(protect_buffers)
-        ):
-            return partial(self._make_contexts, observer, protect_buffers, inputs)
-        if self._save_ops:
-            # The pair of dispatch modes alone, as torch builds it: the form `torch.compile` accepts.
+        """The ``context_fn`` of an eager call, as the plan says: the package's contexts, torch's selective pair alone
+        (the form `torch.compile` accepts), or none."""
+        observed = self.region_observer is not None or self.saved_observer is not None
+        if self.plan.composes_contexts(self.profile, self.data_dependent, observed):
+            return partial(self._make_contexts, inputs)
+        if self.plan.save_ops:
             return partial(create_selective_checkpoint_contexts, self._save_ops_policy)
         return None
 
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in self._save_ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    def _guarded(self) -> bool:
-        """Whether an eager call keeps data-dependent outputs: until the first forward showed the region has none."""
-        return self.config.keep_data_dependent and self.data_dependent is not False
+        return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
     def _found_data_dependent(self, found: bool) -> None:
         # A later forward that shows routing (one observed by a check) turns a dropped guard back on.
@@ -389,36 +386,34 @@ class CheckpointedForward:
         self._forward_kept = kept
         return kept.forward()
 
-    def _make_contexts(
-        self, observer: RegionObserver | None, protect_buffers: bool, inputs: tuple[Any, ...]
-    ) -> tuple[Reenterable, Reenterable]:
+    def _make_contexts(self, inputs: tuple[Any, ...]) -> tuple[Reenterable, Reenterable]:
+        """One eager call's forward and recompute contexts, in the order the plan composes them: host RNG, the
+        forward's state, selective checkpointing, the data-dependent guard, then the observers registered on the
+        region."""
+        plan, profile = self.plan, self.profile
         forward: list[ContextFactory] = []
         recompute: list[ContextFactory] = []
-        if self.config.preserve_host_rng:
+        if plan.host_rng:
             replay = HostRNGReplay()
             forward.append(replay.capture)
             recompute.append(replay.replay)
-        if self._replays_state(protect_buffers):
-            state = ForwardState(
-                self.module,
-                self.profile,
-                self._buffer_slots if protect_buffers else (),
-                generators=self.config.preserve_rng_state,
-                changed=self._buffer_changed,
-            )
+        if plan.replays_state(profile):
+            slots = plan.buffer_slots if plan.protect_buffers else ()
+            state = ForwardState(self.module, profile, slots, generators=plan.generators, changed=self._buffer_changed)
             forward.append(state.capture)
             recompute.append(state.replay)
-        if self._save_ops:
+        if plan.save_ops:
             sac_forward, sac_recompute = create_selective_checkpoint_contexts(self._save_ops_policy)
             forward.append(partial(same_context, sac_forward))
             recompute.append(partial(same_context, sac_recompute))
-        guarded = self._guarded()
+        guarded = plan.guards(self.data_dependent)
         kept = KeptOutputs(
             keep=guarded,
-            save_ops=self._save_ops,
+            save_ops=plan.save_ops,
             on_forward=self._found_data_dependent,
-            dropped=self.config.keep_data_dependent and not guarded,
+            dropped=plan.keep_data_dependent and not guarded,
         )
+        observer = self.region_observer
         if guarded or observer is not None:
             # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the
             # guard it only logs, for the observer, which data-dependent ops run.
@@ -426,15 +421,90 @@ class CheckpointedForward:
             if guarded:
                 recompute.append(kept.recompute)
         if observer is not None:
-            # Last, so its dispatch mode sits on top of the selective-checkpointing one and of the guard and sees
-            # every op, including those whose outputs they serve from their caches.
+            # Above the other contexts, so its dispatch mode sits on top of the selective-checkpointing one and of the
+            # guard and sees every op, including those whose outputs they serve from their caches.
             observe_forward, observe_recompute = observer.contexts(RegionCall(self.region, self.module, inputs, kept))
             forward.append(observe_forward)
             recompute.append(observe_recompute)
+        if self.saved_observer is not None:
+            forward.append(self._saved_forward)
+            recompute.append(self._saved_recompute)
         return Reenterable(forward), Reenterable(recompute)
 
+    def _saved_forward(self) -> AbstractContextManager[Any]:
+        """The saved-tensor observer's context around this call's forward."""
+        saved = self.saved_observer
+        return contextlib.nullcontext() if saved is None else saved.region_forward(self.region, self.module)
 
-_REGION_CALL = CheckpointedForward.__call__.__code__
+    def _saved_recompute(self) -> AbstractContextManager[Any]:
+        """The saved-tensor observer's context around a recomputation (the observer registered now, if any)."""
+        saved = self.saved_observer
+        if saved is None:
+            return contextlib.nullcontext()
+        return saved.region_recompute(self.region, self.module, self._exposed_buffers())
+
+
+class _EagerCall:
+    """One eager call of a checkpointed region: its forward, then each recomputation (torch's own frame is one call's
+    state in one object too).
+
+    Args:
+        wrapper: The region.
+        num_positional: How many of the flattened inputs are positional; the rest are keyword values.
+        keys: The keywords.
+        contexts: The forward and recompute contexts the call enters itself (under torch's checkpoint debug mode, and
+            for a region dynamo could not trace), or ``None`` when torch enters them through ``context_fn``.
+        first: Whether this is the region's first eager call, which looks for checkpointing nested inside.
+        learning: Whether its forward learns the region's profile.
+    """
+
+    __slots__ = ("_contexts", "_first", "_keys", "_learning", "_num_positional", "_runs", "_wrapper")
+
+    def __init__(
+        self,
+        wrapper: CheckpointedForward,
+        num_positional: int,
+        keys: tuple[str, ...],
+        contexts: _ContextPair | None,
+        *,
+        first: bool,
+        learning: bool = False,
+    ) -> None:
+        self._wrapper = wrapper
+        self._num_positional = num_positional
+        self._keys = keys
+        self._contexts = contexts
+        self._first = first
+        self._learning = learning
+        self._runs = 0
+
+    def run(self, *flat: Any) -> Any:
+        """The region's forward at the first run, a recomputation at each later one."""
+        forward = self._runs == 0
+        self._runs += 1
+        wrapper = self._wrapper
+        entered: AbstractContextManager[Any] = contextlib.nullcontext()
+        if self._contexts is not None:
+            entered = self._contexts[0] if forward else self._contexts[1]
+        if not forward:
+            with entered:
+                return wrapper._forward_from(flat, self._num_positional, self._keys)
+        nested: AbstractContextManager[list[NestedCheckpoint]] = (
+            checkpoints_inside(_REGION_CALL) if self._first else contextlib.nullcontext([])
+        )
+        probe = FirstForwardProbe(wrapper.module) if self._learning else None
+        with entered, nested as inside:
+            with InRegionCall(probe, wrapper.saved_observer), probe if probe is not None else contextlib.nullcontext():
+                out = wrapper._forward_from(flat, self._num_positional, self._keys)
+            if probe is not None and probe.profile is not None and wrapper.profile is None:
+                # Before the saved-tensor observer's forward context ends, which reads it.
+                wrapper.profile = probe.profile
+        if inside:
+            warn_nested(type(wrapper.module).__name__, inside[0], inside=True)
+        return out
+
+
+_REGION_CALL = CheckpointedForward._checkpoint.__code__
 
 
 def is_checkpointed(module: nn.Module) -> bool:

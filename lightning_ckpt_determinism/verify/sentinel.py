@@ -34,7 +34,6 @@ steps whose offset reads them.
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import current_graph_task_id, is_compiled_module, no_python_dispatch
+from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.saved import observing_saved_tensors
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.checkpointing.saved import Recomputed
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
 from lightning_ckpt_determinism.verify.digest import DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
@@ -110,36 +109,6 @@ class SentinelReport:
     not_compared: int = 0
 
 
-class _Recomputed:
-    """What the extractor gives for a recomputed tensor: the tensor, for the comparison torch runs at once.
-
-    It holds the tensor weakly: torch keeps the extractor's value of a tensor packed in a region's forward while a
-    backward runs inside it (``autograd.grad(..., create_graph=True)``), which the sentinel cannot tell from a
-    comparison; a strong reference there would close a cycle through autograd's C++ nodes (frame, tensor, its
-    ``grad_fn``, the saved holder, the hook, the frame) that Python's collector cannot break, keeping the region's
-    graph alive. At a real comparison the recomputed tensor is alive, held by torch's frame.
-    """
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = weakref.ref(tensor)
-
-    def __ne__(self, other: object) -> bool:
-        # Reached when the forward ran outside the sentinel: torch kept its own metadata, or nothing ("none").
-        tensor = self.tensor()
-        return other is not None and tensor is not None and _metadata(tensor) != other
-
-    def __eq__(self, other: object) -> bool:
-        return not self.__ne__(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        tensor = self.tensor()
-        return repr(_metadata(tensor)) if tensor is not None else "<freed>"
-
-
 class _Saved:
     """What torch keeps of one saved tensor at the forward, and compares with ``!=`` after the recomputation.
 
@@ -165,7 +134,7 @@ class _Saved:
     def __ne__(self, other: object) -> bool:
         if self.broken:
             return False
-        if isinstance(other, _Recomputed):
+        if isinstance(other, Recomputed):
             tensor = other.tensor()
             return tensor is not None and self.call.recomputed(self, tensor)
         # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
@@ -218,7 +187,6 @@ class _Call:
         self.buffers = buffers
         self.profile = profile
         self.offset = None if sentinel.exact else sentinel.offset
-        self.task = current_graph_task_id()
         self.saved: list[_Saved] = []
         self.slotted: list[_Saved] = []
         self.saved_bytes = 0
@@ -465,8 +433,8 @@ class RecomputationSentinel:
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
         """Entered around each forward of an eagerly checkpointed region (the saved-tensor observer hook)."""
-        name = self._name_of.get(id(module), region)
-        if self._paused or name not in self._totals:
+        name = self._name_of.get(id(module))
+        if self._paused or name is None:
             yield
             return
         call = _Call(self, name, self._buffers[name], _profile(module))
@@ -489,9 +457,9 @@ class RecomputationSentinel:
     ) -> Iterator[None]:
         """Entered around each recomputation of an eagerly checkpointed region (the saved-tensor observer hook):
         what it writes to the region's parameters and to ``exposed_buffers`` is a mismatch."""
-        name = self._name_of.get(id(module), region)
+        name = self._name_of.get(id(module))
         watch = None
-        if not self._paused and name in self._totals:
+        if not self._paused and name is not None:
             try:
                 watch = _StateWatch(self, name, module, exposed_buffers)
             except Exception as err:
@@ -503,19 +471,14 @@ class RecomputationSentinel:
                 try:
                     watch.done()
                 except Exception as err:
-                    self.failed(name, "its parameters and buffers", err)
+                    self.failed(watch.region, "its parameters and buffers", err)
 
     def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any:
-        """torch's ``determinism_check`` extractor: a kept value at a region's forward (digested once final), the
-        recomputed tensor at the comparison after its recomputation."""
-        if self._paused:
+        """torch's ``determinism_check`` extractor for a tensor the forward of one of this model's regions saves: a
+        kept value, digested once final, that compares itself with the recomputed tensor after the recomputation."""
+        if self._paused or not self._open:
             return _metadata(tensor) if strict else None
-        task = current_graph_task_id()
-        if self._open and self._open[-1].task == task:
-            return self._open[-1].save(tensor, strict)
-        if task == -1:  # a forward the sentinel does not watch: what torch would keep
-            return _metadata(tensor) if strict else None
-        return _Recomputed(tensor)
+        return self._open[-1].save(tensor, strict)
 
     def failed(self, region: str, what: str, err: Exception) -> None:
         """The sentinel could not read ``what`` of ``region``: it is left out (said once per region and tensor)."""
@@ -740,5 +703,5 @@ def recomputation_sentinel(module: nn.Module, *, exact: bool = False) -> Iterato
             " compared.",
             ", ".join(sentinel.compiled),
         )
-    with observing_saved_tensors(sentinel):
+    with observing_saved_tensors(sentinel, module):
         yield sentinel

@@ -311,6 +311,7 @@ class Attribution:
     """
 
     def __init__(self, module: nn.Module, replay_host_rng: frozenset[str] | None = None) -> None:
+        self._module = module
         self.names = list(checkpointed_modules(module))
         self._name_of = {id(sub): name for name, sub in checkpointed_modules(module).items()}
         self._replay_host_rng = replay_host_rng
@@ -332,8 +333,8 @@ class Attribution:
         return partial(self._forward, call), partial(self._recompute, call)
 
     def observing(self) -> contextlib.AbstractContextManager[None]:
-        """Observe every checkpointed region that runs inside this block."""
-        return observing(self)
+        """Observe the model's checkpointed regions that run inside this block (no other model's)."""
+        return observing(self, self._module)
 
     def finish(self, error: BaseException | None) -> None:
         """Close the pass: blame ``error`` on the region it came from; drop every recorded copy."""

@@ -1,0 +1,144 @@
+"""The plan of one checkpointed region: which recompute contexts it needs, decided once from its config and module.
+
+The region wrapper (:mod:`~lightning_ckpt_determinism.checkpointing.wrapper`) builds one :class:`RegionPlan` when it
+wraps a module, and every call reads it: the eager path for the contexts it composes, the path ``torch.compile``
+traces for the ``context_fn`` it hands the compiler
+(:func:`~lightning_ckpt_determinism.checkpointing.compiled.region_contexts`, which skips the options named by
+:attr:`RegionPlan.eager_only`). What a region's first forward shows (its
+:class:`~lightning_ckpt_determinism.checkpointing.profile.RegionProfile`, and whether it ran a data-dependent op) is
+learned afterwards; the plan's methods take it as an argument.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from torch import nn
+
+from lightning_ckpt_determinism.checkpointing.compiled import ContextPairFn, eager_only_options, region_contexts
+from lightning_ckpt_determinism.checkpointing.contexts import BufferSlot
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
+from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
+from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
+
+__all__ = ["RegionPlan"]
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """Which contexts one checkpointed region needs, decided once from its config and its module.
+
+    Attributes:
+        config: The region's config.
+        host_rng: Replay Python's and NumPy's RNG at each recomputation (``preserve_host_rng``).
+        protect_buffers: Recompute from the buffer values the forward started from (``protect_buffers``, and the
+            region holds buffers: a region without any skips the context and its cost).
+        generators: Replay the ``torch.Generator`` objects the region's modules hold (``preserve_rng_state``).
+        save_ops: The ops whose outputs are saved rather than recomputed (``save_ops``, resolved).
+        keep_data_dependent: Keep the outputs of data-dependent ops from the forward (``keep_data_dependent``), until
+            the region's first forward shows it runs none.
+        buffer_slots: The region's buffers, worked out once.
+
+    Example::
+
+        >>> import torch
+        >>> plan = RegionPlan.of(torch.nn.BatchNorm1d(2), CheckpointingConfig(classes=["BatchNorm1d"]))
+        >>> plan.protect_buffers, plan.eager_only
+        (True, ('protect_buffers',))
+        >>> RegionPlan.of(torch.nn.Linear(2, 2), CheckpointingConfig(classes=["Linear"])).protect_buffers
+        False
+    """
+
+    config: CheckpointingConfig
+    host_rng: bool
+    protect_buffers: bool
+    generators: bool
+    save_ops: frozenset[Any]
+    keep_data_dependent: bool
+    buffer_slots: tuple[BufferSlot, ...]
+
+    @classmethod
+    def of(cls, module: nn.Module, config: CheckpointingConfig) -> "RegionPlan":
+        """The plan of ``module`` checkpointed with ``config``.
+
+        Args:
+            module: The region.
+            config: How to checkpoint it.
+        """
+        slots = tuple((name, owner, key) for name, (owner, key, _) in buffer_slots(module).items())
+        protect_buffers = config.protect_buffers and bool(slots)
+        save_ops = frozenset(resolve_ops(config.save_ops))
+        return cls(
+            config=config,
+            host_rng=config.preserve_host_rng,
+            protect_buffers=protect_buffers,
+            generators=config.preserve_rng_state,
+            save_ops=save_ops,
+            keep_data_dependent=config.keep_data_dependent,
+            buffer_slots=slots,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
+        # could not be pickled or `torch.save`d: they are resolved again from the config on load.
+        state = dict(self.__dict__)
+        del state["save_ops"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "save_ops", frozenset(resolve_ops(self.config.save_ops)))
+
+    def compiled_context(self, holds_buffers: bool) -> ContextPairFn | None:
+        """The ``context_fn`` a traced call hands ``torch.compile``, or ``None`` when it needs none.
+
+        Made at each traced call, as hand-written checkpointing makes it: it binds only what identical regions share
+        (their config object and whether they protect buffers), so that blocks compiled one by one share one graph.
+        The policy runs only while the compiler traces the region: it costs nothing per step, so every region with an
+        option gets it, and it finds the data-dependent ops itself.
+
+        Args:
+            holds_buffers: Whether the region holds buffers, as the traced call reads it from the module (so that
+                dynamo guards on the module's structure: regions of other classes compile apart, and one that
+                graph-breaks never lends its partial graph to others).
+        """
+        protect_buffers = self.config.protect_buffers and holds_buffers
+        if self.keep_data_dependent or self.host_rng or protect_buffers or self.save_ops:
+            return partial(region_contexts, self.config, protect_buffers)
+        return None
+
+    @property
+    def eager_only(self) -> tuple[str, ...]:
+        """The options a compiled region goes without: the compiler replays torch's RNG and updates buffers once."""
+        return eager_only_options(self.config, self.protect_buffers)
+
+    def replays_state(self, profile: RegionProfile | None) -> bool:
+        """Whether a forward's state must be captured for its recomputation (see
+        :class:`~lightning_ckpt_determinism.checkpointing.contexts.ForwardState`).
+
+        Args:
+            profile: What the region's first forward showed; ``None`` before it ran.
+        """
+        if profile is None or self.protect_buffers or profile.attributes:
+            return True
+        return self.generators and bool(profile.generators)
+
+    def guards(self, data_dependent: bool | None) -> bool:
+        """Whether an eager call keeps data-dependent outputs: until the first forward showed the region has none.
+
+        Args:
+            data_dependent: Whether the region's first forward ran a data-dependent op (``None``: none has ended).
+        """
+        return self.keep_data_dependent and data_dependent is not False
+
+    def composes_contexts(self, profile: RegionProfile | None, data_dependent: bool | None, observed: bool) -> bool:
+        """Whether an eager call composes the package's contexts (else it gets torch's selective-checkpointing pair
+        when it has ``save_ops``, and no context otherwise).
+
+        Args:
+            profile: What the region's first forward showed; ``None`` before it ran.
+            data_dependent: Whether that forward ran a data-dependent op.
+            observed: Whether an observer is registered on the region.
+        """
+        return self.host_rng or observed or self.guards(data_dependent) or self.replays_state(profile)
