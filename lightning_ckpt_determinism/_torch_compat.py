@@ -43,23 +43,32 @@ __all__ = [
     "aot_backends",
     "checkpoint_codes",
     "checkpoint_debug_enabled",
+    "compile_options",
     "compiled_call",
+    "compiled_inner",
     "current_graph_task_id",
     "determinism_checks",
     "disable_current_modes",
+    "dynamo_context",
+    "dynamo_context_key",
     "fsdp1_flat_parameters",
     "functorch_config",
     "graphsafe_run_with_rng_state",
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
+    "module_call",
     "no_python_dispatch",
+    "own_buffers",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
+    "set_dynamo_context",
     "statically_known_true",
     "tree_leaves",
     "tree_map",
+    "version_counter",
+    "view_base",
     "written_tensors",
 ]
 
@@ -167,3 +176,60 @@ def fsdp1_flat_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
         flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
         if flat is not None:
             yield flat
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """A tensor's version counter, ``Tensor._version``: bumped by every in-place write to it or to a view of it
+    (>= 1.0)."""
+    return int(tensor._version)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was taken from, ``Tensor._base``; ``None`` for a tensor that is not a view (>= 1.0)."""
+    return tensor._base
+
+
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The buffers a module holds itself (not its submodules'), by key: ``Module._buffers``, the dict itself, so that
+    an entry can be swapped without ``register_buffer``'s checks or a ``__setattr__`` hook (>= 1.0)."""
+    buffers: dict[str, torch.Tensor | None] = module._buffers
+    return buffers
+
+
+def compiled_inner(module: OptimizedModule) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiles, ``OptimizedModule._orig_mod`` (>= 2.0)."""
+    inner: nn.Module = module._orig_mod
+    return inner
+
+
+def module_call(module: nn.Module) -> Callable[..., Any]:
+    """A module's uncompiled call, ``Module._call_impl``, which ``Module.compile()`` compiles (>= 2.2)."""
+    call: Callable[..., Any] = module._call_impl
+    return call
+
+
+def dynamo_context(compiled: Any) -> OptimizeContext | None:
+    """The dynamo context of a ``torch.compile`` wrapper (its ``dynamo_ctx``, >= 2.0) or of the compiled call a
+    ``Module.compile()`` installs (a cell of its closure, >= 2.2); ``None`` for anything else."""
+    if isinstance(compiled, OptimizedModule):
+        return compiled.dynamo_ctx if isinstance(compiled.dynamo_ctx, OptimizeContext) else None
+    cells = getattr(compiled, "__closure__", None) or ()
+    return next((cell.cell_contents for cell in cells if isinstance(cell.cell_contents, OptimizeContext)), None)
+
+
+def dynamo_context_key(compiled: Any) -> Any:
+    """What identifies a compiled part across recompiles: a wrapper's ``dynamo_ctx`` (>= 2.0), else the compiled
+    call itself."""
+    return getattr(compiled, "dynamo_ctx", compiled)
+
+
+def set_dynamo_context(wrapper: OptimizedModule, context: Any) -> None:
+    """Make a ``torch.compile`` wrapper call through ``context``: set its ``dynamo_ctx`` and rebuild its forward
+    (``OptimizedModule._initialize``, >= 2.0)."""
+    wrapper.dynamo_ctx = context
+    wrapper._initialize()
+
+
+def compile_options(context: OptimizeContext) -> tuple[bool, Any]:
+    """The ``fullgraph`` (>= 2.9) and ``dynamic`` (``_dynamic``, >= 2.0) a dynamo context was made with."""
+    return bool(context.fullgraph), context._dynamic

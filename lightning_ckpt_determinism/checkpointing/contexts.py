@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import disable_current_modes
+from lightning_ckpt_determinism._torch_compat import disable_current_modes, own_buffers, version_counter
 from lightning_ckpt_determinism.checkpointing.modules import generator_slots, scalar_attributes
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
@@ -160,13 +160,13 @@ class ForwardState:
         # Below every dispatch mode: a mode of the user's sees the model's ops, never the package's copies.
         with torch.no_grad(), disable_current_modes():
             for name, owner, key in self._slots:
-                buffer = owner._buffers.get(key)
+                buffer = own_buffers(owner).get(key)
                 if buffer is None:
                     continue
                 if profile is None or name in profile.buffers:
                     self._buffers.append((owner, key, buffer, buffer.detach().clone()))
                 else:
-                    self._watched.append((name, owner, key, buffer, buffer._version))
+                    self._watched.append((name, owner, key, buffer, version_counter(buffer)))
         if profile is None:
             self._attributes = scalar_attributes(self._module)
         else:
@@ -176,7 +176,7 @@ class ForwardState:
             self._generators = [(generator, generator.get_state()) for _, generator in held]
         yield
         for name, owner, key, buffer, version in self._watched:
-            if owner._buffers.get(key) is not buffer or buffer._version != version:
+            if own_buffers(owner).get(key) is not buffer or version_counter(buffer) != version:
                 self._changed(name)
         self._watched = []
 
@@ -186,9 +186,9 @@ class ForwardState:
         swapped = []
         with torch.no_grad(), disable_current_modes():
             for owner, key, buffer, value in self._buffers:
-                swapped.append((owner, key, owner._buffers.get(key), buffer, buffer.detach().clone()))
+                swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
                 buffer.data.copy_(value)
-                owner._buffers[key] = buffer
+                own_buffers(owner)[key] = buffer
         live_attributes = {slot: vars(slot[0]).get(slot[1], _MISSING) for slot in self._attributes}
         _set_attributes(self._attributes)
         live_generators = [(generator, generator.get_state()) for generator, _ in self._generators]
@@ -203,7 +203,7 @@ class ForwardState:
             with torch.no_grad(), disable_current_modes():
                 for owner, key, live, buffer, value in reversed(swapped):
                     buffer.data.copy_(value)
-                    owner._buffers[key] = live
+                    own_buffers(owner)[key] = live
 
 
 _MISSING = object()

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import OptimizedModule
+from lightning_ckpt_determinism._torch_compat import OptimizedModule, own_buffers
 
 __all__ = [
     "MODULE_INTERNALS",
@@ -112,7 +112,7 @@ def buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Ten
     """
     slots = {}
     for prefix, owner in module.named_modules():
-        for key, buffer in owner._buffers.items():
+        for key, buffer in own_buffers(owner).items():
             if buffer is not None:
                 slots[f"{prefix}.{key}" if prefix else key] = (owner, key, buffer)
     return slots

@@ -36,6 +36,7 @@ from lightning_ckpt_determinism._torch_compat import (
     TorchDispatchMode,
     current_graph_task_id,
     no_python_dispatch,
+    own_buffers,
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
@@ -173,7 +174,7 @@ class FirstForwardProbe:
         buffers = frozenset(
             name
             for name, (owner, key, buffer, value) in self._buffers.items()
-            if owner._buffers.get(key) is not buffer or not same_values(local_tensor(buffer), value)
+            if own_buffers(owner).get(key) is not buffer or not same_values(local_tensor(buffer), value)
         )
         attributes = tuple(
             (owner, name)

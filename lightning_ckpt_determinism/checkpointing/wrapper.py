@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled
+from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled, own_buffers
 from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
     ContextFactory,
@@ -351,7 +351,7 @@ class CheckpointedForward:
             if self.profile is None:
                 return []
             replayed = self.profile.buffers
-        buffers = ((name, owner._buffers.get(key)) for name, owner, key in self.plan.buffer_slots)
+        buffers = ((name, own_buffers(owner).get(key)) for name, owner, key in self.plan.buffer_slots)
         return [(name, buffer) for name, buffer in buffers if buffer is not None and name not in replayed]
 
     def _buffer_changed(self, name: str) -> None:

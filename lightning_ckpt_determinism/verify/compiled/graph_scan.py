@@ -40,18 +40,23 @@ from torch import fx, nn
 
 from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
-    OptimizeContext,
     OptimizedModule,
     aot_backends,
+    compile_options,
     compiled_call,
+    compiled_inner,
+    dynamo_context,
+    dynamo_context_key,
     functorch_config,
     graphsafe_run_with_rng_state,
     inductor_compilers,
     innermost_backend,
     is_compiled_module,
+    module_call,
     run_and_save_rng_state,
     run_with_rng_state,
     set_compiled_call,
+    set_dynamo_context,
 )
 
 __all__ = ["GraphScan", "RandomRedraw", "find_redraws", "scanned"]
@@ -205,7 +210,7 @@ def _follow(root: nn.Module | None, path: str) -> nn.Module | None:
         except (AttributeError, IndexError, KeyError, TypeError):
             return found
         if isinstance(obj, OptimizedModule):
-            obj = obj._orig_mod
+            obj = compiled_inner(obj)
         if isinstance(obj, nn.Module):
             found = obj
     return found
@@ -346,18 +351,11 @@ def _scannable(backend: Any) -> bool:
 
 
 # The scanning recompile of each compiled part, kept while the part lives: a second scan reuses its graphs instead
-# of compiling again, and dynamo's cache holds one more entry per part, not one per scan.
+# of compiling again, and dynamo's cache holds one more entry per part, not one per scan. Weak caches of compiled
+# code, keyed by the compiled parts themselves (never by name), read and filled only inside `scanned`.
 _SCANNING: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 # Each scanning recompile's findings, by the recompiled context or call: a scan inside a scan reads the outer one's.
 _SCANS: "weakref.WeakKeyDictionary[Any, _PartScan]" = weakref.WeakKeyDictionary()
-
-
-def _optimize_context(compiled: Any) -> OptimizeContext | None:
-    """The dynamo context of an ``OptimizedModule`` or of a ``Module.compile()``'s compiled call."""
-    if isinstance(compiled, OptimizedModule):
-        return compiled.dynamo_ctx if isinstance(compiled.dynamo_ctx, OptimizeContext) else None
-    cells = getattr(compiled, "__closure__", None) or ()
-    return next((cell.cell_contents for cell in cells if isinstance(cell.cell_contents, OptimizeContext)), None)
 
 
 @contextlib.contextmanager
@@ -396,20 +394,18 @@ def scanned(module: nn.Module) -> Iterator[GraphScan]:
 def _install(sub: nn.Module, scan: GraphScan) -> Callable[[], None]:
     """Put the scanning recompile of one compiled part in place; return what puts the configured one back."""
     if isinstance(sub, OptimizedModule):
-        wrapper, context = sub, sub.dynamo_ctx
-        recompiled = _scanning_recompile(wrapper, wrapper, wrapper._orig_mod, wrapper._orig_mod, scan)
+        wrapper, context = sub, dynamo_context_key(sub)
+        recompiled = _scanning_recompile(wrapper, wrapper, compiled_inner(wrapper), compiled_inner(wrapper), scan)
         if recompiled is None:
             return lambda: None
-        wrapper.dynamo_ctx = recompiled.dynamo_ctx
-        wrapper._initialize()
+        set_dynamo_context(wrapper, dynamo_context_key(recompiled))
 
         def restore() -> None:
-            wrapper.dynamo_ctx = context
-            wrapper._initialize()
+            set_dynamo_context(wrapper, context)
 
         return restore
     call: Any = compiled_call(sub)
-    recompiled = _scanning_recompile(call, call, sub, sub._call_impl, scan)
+    recompiled = _scanning_recompile(call, call, sub, module_call(sub), scan)
     if recompiled is None:
         return lambda: None
     set_compiled_call(sub, recompiled)
@@ -423,10 +419,10 @@ def _install(sub: nn.Module, scan: GraphScan) -> Callable[[], None]:
 def _scanning_recompile(current: Any, compiled: Any, root: nn.Module, target: Any, scan: GraphScan) -> Any:
     """``target`` compiled as ``compiled`` is but through a scanning backend, made once per compiled part; ``None``
     where an enclosing scan has put it in place already (``current``) or the backend cannot be scanned."""
-    if getattr(current, "dynamo_ctx", current) in _SCANS:  # an enclosing scan's
-        scan._parts.append(_SCANS[getattr(current, "dynamo_ctx", current)])
+    if dynamo_context_key(current) in _SCANS:  # an enclosing scan's
+        scan._parts.append(_SCANS[dynamo_context_key(current)])
         return None
-    context = _optimize_context(compiled)
+    context = dynamo_context(compiled)
     backend = innermost_backend(context.callback) if context is not None and callable(context.callback) else None
     if context is None or not _scannable(backend):
         name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", type(backend).__name__)
@@ -434,14 +430,12 @@ def _scanning_recompile(current: Any, compiled: Any, root: nn.Module, target: An
         return None
     if current not in _SCANNING:
         own = _PartScan()
+        fullgraph, dynamic = compile_options(context)
         recompiled: Any = torch.compile(
-            target,
-            backend=_ScanningBackend(backend, root, own),
-            fullgraph=context.fullgraph,
-            dynamic=context._dynamic,
+            target, backend=_ScanningBackend(backend, root, own), fullgraph=fullgraph, dynamic=dynamic
         )
         _SCANNING[current] = recompiled
-        _SCANS[getattr(recompiled, "dynamo_ctx", recompiled)] = own
+        _SCANS[dynamo_context_key(recompiled)] = own
     recompiled = _SCANNING[current]
-    scan._parts.append(_SCANS[getattr(recompiled, "dynamo_ctx", recompiled)])
+    scan._parts.append(_SCANS[dynamo_context_key(recompiled)])
     return recompiled
