@@ -6,6 +6,7 @@ sets the package's floor. The package is tested on the versions its README names
 """
 
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from types import CodeType
 from typing import Any
@@ -34,6 +35,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import _allowed_determinism_checks_to_fns, _StopRecomputationError
 
 __all__ = [
+    "RECOMPILE_LOGGER",
     "OpOverload",
     "OpOverloadPacket",
     "OptimizeContext",
@@ -54,10 +56,12 @@ __all__ = [
     "fsdp1_flat_parameters",
     "functorch_config",
     "graphsafe_run_with_rng_state",
+    "hit_recompile_limit",
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
     "module_call",
+    "module_path_steps",
     "no_python_dispatch",
     "own_buffers",
     "run_and_save_rng_state",
@@ -233,3 +237,26 @@ def set_dynamo_context(wrapper: OptimizedModule, context: Any) -> None:
 def compile_options(context: OptimizeContext) -> tuple[bool, Any]:
     """The ``fullgraph`` (>= 2.9) and ``dynamic`` (``_dynamic``, >= 2.0) a dynamo context was made with."""
     return bool(context.fullgraph), context._dynamic
+
+
+RECOMPILE_LOGGER = "torch._dynamo.convert_frame"
+"""The logger through which dynamo reports a frame that hit its recompile limit (>= 2.0; never through ``warnings``)."""
+
+
+def hit_recompile_limit(message: str) -> bool:
+    """Whether a record of :data:`RECOMPILE_LOGGER` says a frame hit a recompile limit: dynamo's text names the
+    limit it hit, ``config.recompile_limit`` (``config.cache_size_limit`` before 2.6; checked on 2.13)."""
+    return "hit config." in message
+
+
+# The steps of dynamo's attribute path of a module in a graph's `nn_module_stack`: `.name`, `[0]`, `['key']`.
+_PATH_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[['\"]([^'\"]+)['\"]\]")
+
+
+def module_path_steps(path: str) -> list[tuple[str, str, str]] | None:
+    """The steps of dynamo's attribute path of a module (``L['self'].blocks[0]._modules['dropout']``, in a graph
+    node's ``nn_module_stack``, >= 2.0): each an attribute, an index or a key (the others empty); ``None`` for a path
+    that does not start at a local (``L[...]``)."""
+    if not path.startswith("L["):
+        return None
+    return [tuple(step) for step in _PATH_STEP.findall(path[path.index("]") + 1 :])]  # type: ignore[misc]

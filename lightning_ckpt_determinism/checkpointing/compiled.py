@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from lightning_ckpt_determinism._torch_compat import RECOMPILE_LOGGER, hit_recompile_limit
 from lightning_ckpt_determinism.checkpointing.routing import CompiledPolicy
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
@@ -119,7 +120,7 @@ class RecompileLimitFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        ours = "hit config." in message and any(mark in message for mark in self._marks)
+        ours = hit_recompile_limit(message) and any(mark in message for mark in self._marks)
         if ours and _rank_zero():
             warnings.warn(
                 "lightning_ckpt_determinism: torch.compile hit its recompile limit on a checkpointed region, so its"
@@ -133,7 +134,7 @@ class RecompileLimitFilter(logging.Filter):
 
     def install(self) -> None:
         """Add this filter to dynamo's logger unless one like it is there."""
-        logger = logging.getLogger("torch._dynamo.convert_frame")
+        logger = logging.getLogger(RECOMPILE_LOGGER)
         if not any(isinstance(existing, RecompileLimitFilter) for existing in logger.filters):
             logger.addFilter(self)
 

@@ -15,24 +15,20 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 Any other error keeps its traceback.
 """
 
-import re
 import sys
 from argparse import ArgumentError
-from itertools import pairwise, takewhile
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_ckpt_determinism._library_compat import is_unknown_strategy_error, package_message_in, rejected_value
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 
 __all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
 
-# jsonargparse nests the errors of each part of a config under the part's key, one level deeper each time.
-_PARSER_KEY = re.compile(r'( *)Parser key "([^"]+)":(.*)')
-# The package's messages start with the argument they are about, in backticks; jsonargparse's never do.
-_PACKAGE_MESSAGE = re.compile(r"^ *- (`.+)$", re.MULTILINE)
 _CONFIG_OPTIONS = ("--config", "-c")
 
 
@@ -149,40 +145,9 @@ def configuration_error(err: Exception) -> str | None:
     """
     if isinstance(err, CheckpointingConfigError):
         return str(err)
-    package_message = _PACKAGE_MESSAGE.search(str(err))
-    if package_message:
-        return package_message[1]
-    if "invalid strategy name" in str(err):
-        # Lightning's own message for a strategy name it does not know (`strategy: dpp`), on one line.
+    package_message = package_message_in(str(err))
+    if package_message is not None:
+        return package_message
+    if is_unknown_strategy_error(err):
         return " ".join(str(err).split())
-    return _parse_error(str(err)) if isinstance(err, ArgumentError) else None
-
-
-def _parse_error(text: str) -> str:
-    """The innermost value that jsonargparse's nested message rejects, as ```full.key`: why``."""
-    lines = text.splitlines()
-    chain: list[tuple[int, str]] = []  # (indent, key) of the keys around the current line
-    keys: list[str] = []
-    at = 0
-    for index, line in enumerate(lines):
-        if match := _PARSER_KEY.fullmatch(line):
-            chain = [outer for outer in chain if outer[0] < len(match[1])] + [(len(match[1]), match[2])]
-            if len(chain) > len(keys):
-                keys, at = [key for _, key in chain], index
-    if not keys:
-        return lines[0]
-    indent = " " * (len(lines[at]) - len(lines[at].lstrip()) + 2)
-    block = list(takewhile(lambda line: line.startswith(indent), lines[at + 1 :]))
-    reason = lines[at].split('":', 1)[1].strip() or next(iter(block), "").strip()
-    options = [number for number, line in enumerate(block) if line.startswith(indent + "  - ")]
-    if reason.startswith("Does not validate against any of the Union subtypes") and options:
-        # Of the alternatives, the class whose arguments were given is the one meant, else the first (None is last).
-        first = next((number for number in options if block[number].endswith(":")), options[0])
-        option = block[first].strip()[2:]
-        if option.endswith(":") and first + 1 < len(block):  # "Problem with given class_path '...':" above why
-            reason = block[first + 1].strip()
-        else:
-            given = [line.strip() for line in block if line.startswith(indent + "Given value:")]
-            expected = re.sub(r"Not a valid subclass of (\S+)", r"expected a mapping of \1 arguments", option)
-            reason = f"{expected}, got {given[-1].removeprefix('Given value: ')}" if given else expected
-    return f"`{'.'.join(keys)}`: {reason}"
+    return rejected_value(str(err)) if isinstance(err, ArgumentError) else None

@@ -29,7 +29,6 @@ backends are listed in :attr:`GraphScan.unscanned` and compile as configured.
 
 import contextlib
 import functools
-import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from lightning_ckpt_determinism._torch_compat import (
     innermost_backend,
     is_compiled_module,
     module_call,
+    module_path_steps,
     run_and_save_rng_state,
     run_with_rng_state,
     set_compiled_call,
@@ -70,7 +70,6 @@ _SEEDED_BY: dict[Any, Callable[[fx.Node], Any]] = {
     run_with_rng_state: lambda node: node.args[0],
     graphsafe_run_with_rng_state: lambda node: node.kwargs.get("rng_state"),
 }
-_PATH_STEP = re.compile(r"\.(\w+)|\[(\d+)\]|\[['\"]([^'\"]+)['\"]\]")
 
 
 @dataclass(frozen=True)
@@ -195,11 +194,12 @@ def _innermost_path(meta: Mapping[str, Any]) -> str:
 
 def _follow(root: nn.Module | None, path: str) -> nn.Module | None:
     """The innermost module along dynamo's attribute path (``L['self'].blocks.0.forward.module.dropout``)."""
-    if root is None or not path.startswith("L["):
+    steps = module_path_steps(path)
+    if root is None or steps is None:
         return None
     obj: Any = root
     found: nn.Module = root
-    for attribute, index, key in _PATH_STEP.findall(path[path.index("]") + 1 :]):
+    for attribute, index, key in steps:
         try:
             if index:
                 obj = obj[int(index)]

@@ -1,0 +1,115 @@
+"""Every reading of another library's internals or message text, other than torch's, in one place: Lightning's,
+torchmetrics' and jsonargparse's, each with the versions it is known in.
+
+An upgrade of one of them touches this file only (torch's are in :mod:`~lightning_ckpt_determinism._torch_compat`).
+Each entry has a test pinned to the installed version (``tests/test_library_compat.py``).
+"""
+
+import re
+from itertools import takewhile
+from typing import Any
+
+__all__ = [
+    "METRIC_BOOKKEEPING",
+    "is_unknown_strategy_error",
+    "metric_state_names",
+    "package_message_in",
+    "rejected_value",
+]
+
+METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_is_synced", "_cache")
+"""The private attributes of a torchmetrics ``Metric`` that an update changes besides its states (torchmetrics 1.x)."""
+
+# jsonargparse nests the errors of each part of a config under the part's key, one level deeper each time.
+_PARSER_KEY = re.compile(r'( *)Parser key "([^"]+)":(.*)')
+# The package's messages start with the argument they are about, in backticks; jsonargparse's never do.
+_PACKAGE_MESSAGE = re.compile(r"^ *- (`.+)$", re.MULTILINE)
+
+
+def metric_state_names(metric: Any) -> list[str]:
+    """The names of a torchmetrics ``Metric``'s states, those ``add_state`` registered (``Metric._defaults``,
+    torchmetrics >= 0.5).
+
+    Args:
+        metric: A ``torchmetrics.Metric``.
+
+    Example::
+
+        >>> from torchmetrics import MeanMetric
+        >>> metric_state_names(MeanMetric())
+        ['mean_value', 'weight']
+    """
+    return list(metric._defaults)
+
+
+def package_message_in(text: str) -> str | None:
+    """This package's own message inside a jsonargparse error text (jsonargparse lists a validator's message on a
+    ``  - `` line; the package's messages start with a backticked argument name), or ``None``.
+
+    Args:
+        text: The error's text.
+
+    Example::
+
+        >>> package_message_in('Parser key "every_n":\\n  - `every_n` must be an integer >= 1, got 0.')
+        '`every_n` must be an integer >= 1, got 0.'
+    """
+    found = _PACKAGE_MESSAGE.search(text)
+    return found[1] if found else None
+
+
+def is_unknown_strategy_error(err: BaseException) -> bool:
+    """Whether ``err`` is Lightning's error for a strategy name it does not know (``strategy: dpp``; its message says
+    "invalid strategy name", Lightning 2.x).
+
+    Args:
+        err: What building the Trainer raised.
+
+    Example::
+
+        >>> is_unknown_strategy_error(ValueError("You selected an invalid strategy name: `strategy='dpp'`."))
+        True
+    """
+    return "invalid strategy name" in str(err)
+
+
+def rejected_value(text: str) -> str:
+    """The innermost value that jsonargparse's nested error message rejects, as ```full.key`: why``.
+
+    Parses jsonargparse's text (4.x: ``Parser key "...":`` lines nested by indentation, ``Does not validate against
+    any of the Union subtypes`` with its ``- `` alternatives and ``Given value:`` lines; checked on 4.40 to 4.42).
+
+    Args:
+        text: The message of jsonargparse's ``ArgumentError``.
+
+    Example::
+
+        >>> rejected_value('Parser key "trainer":\\n  Parser key "max_steps":\\n    Expected an int, got "x"')
+        '`trainer.max_steps`: Expected an int, got "x"'
+    """
+    lines = text.splitlines()
+    chain: list[tuple[int, str]] = []  # (indent, key) of the keys around the current line
+    keys: list[str] = []
+    at = 0
+    for index, line in enumerate(lines):
+        if match := _PARSER_KEY.fullmatch(line):
+            chain = [outer for outer in chain if outer[0] < len(match[1])] + [(len(match[1]), match[2])]
+            if len(chain) > len(keys):
+                keys, at = [key for _, key in chain], index
+    if not keys:
+        return lines[0]
+    indent = " " * (len(lines[at]) - len(lines[at].lstrip()) + 2)
+    block = list(takewhile(lambda line: line.startswith(indent), lines[at + 1 :]))
+    reason = lines[at].split('":', 1)[1].strip() or next(iter(block), "").strip()
+    options = [number for number, line in enumerate(block) if line.startswith(indent + "  - ")]
+    if reason.startswith("Does not validate against any of the Union subtypes") and options:
+        # Of the alternatives, the class whose arguments were given is the one meant, else the first (None is last).
+        first = next((number for number in options if block[number].endswith(":")), options[0])
+        option = block[first].strip()[2:]
+        if option.endswith(":") and first + 1 < len(block):  # "Problem with given class_path '...':" above why
+            reason = block[first + 1].strip()
+        else:
+            given = [line.strip() for line in block if line.startswith(indent + "Given value:")]
+            expected = re.sub(r"Not a valid subclass of (\S+)", r"expected a mapping of \1 arguments", option)
+            reason = f"{expected}, got {given[-1].removeprefix('Given value: ')}" if given else expected
+    return f"`{'.'.join(keys)}`: {reason}"
