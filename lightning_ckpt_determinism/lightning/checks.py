@@ -32,10 +32,9 @@ from lightning_ckpt_determinism.lightning.step import (
     training_step_loss,
 )
 from lightning_ckpt_determinism.verify.compiled import is_compiled
-from lightning_ckpt_determinism.verify.gradients import GradientStash
+from lightning_ckpt_determinism.verify.core import CheckScope
 from lightning_ckpt_determinism.verify.live import check_live_step
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
-from lightning_ckpt_determinism.verify.state import StepState
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
 
 __all__ = ["CheckSettings", "LossFn", "StepCheck"]
@@ -171,9 +170,14 @@ class StepCheck:
             return training_step_loss(pl_module, *args, **kwargs)
 
         holders = [param for _, param in gradient_holders(self.trainer, pl_module)]
-        after_step = StepState(pl_module, settings.internals, capture.written_parameters)
-        stash = GradientStash(holders, clone=writes_into_bucket_views(strategy))
-        try:
+        # The state after the step and its live gradients come back whatever the check raises.
+        with CheckScope(
+            pl_module,
+            holders,
+            clone_gradients=writes_into_bucket_views(strategy),
+            exclude_attributes=settings.internals,
+            written_parameters=capture.written_parameters,
+        ):
             capture.state.restore()
             with strategy.precision_plugin.train_step_context(), logging_suppressed(pl_module):
                 return check_recomputation(
@@ -187,6 +191,3 @@ class StepCheck:
                     exclude_attributes=settings.ignore_attributes,
                     written_parameters=capture.written_parameters,
                 )
-        finally:
-            stash.put_back()
-            after_step.restore()

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt_determinism.verify.core import gradients_diverge
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
@@ -110,7 +111,7 @@ def reduce_findings(report: RecomputationReport, device: torch.device, reduce: A
         rank: This rank.
     """
     diverged_here = report.diverged or bool(_diverging_regions(report))
-    gradients_here = report.error is not None or report.grad_divergence > max(report.tolerance, report.noise_floor)
+    gradients_here = gradients_diverge(report.grad_divergence, report.tolerance, report.noise_floor, error=report.error)
     figures = [report.grad_divergence, report.max_abs_diff, float(diverged_here), report.noise_floor]
     states = [float(len(report.buffer_mutations)), float(len(report.attribute_mutations))]
     local = torch.tensor(

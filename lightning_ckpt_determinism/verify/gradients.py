@@ -7,7 +7,7 @@ import torch
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor
 
-__all__ = ["GradientStash", "counted_here", "local_tensor"]
+__all__ = ["GradientStash", "counted_here", "local_tensor", "take_gradients"]
 
 _DTensor: Any = None
 if torch.distributed.is_available():  # a build without torch.distributed has no DTensor
@@ -36,6 +36,29 @@ def counted_here(tensor: torch.Tensor) -> bool:
         not placement.is_replicate() or position == 0
         for placement, position in zip(tensor.placements, coordinate, strict=True)
     )
+
+
+def take_gradients(params: Sequence[torch.Tensor], *, clone: bool = False) -> list[torch.Tensor | None]:
+    """The gradients a pass left in the parameters' ``.grad``, as this rank's tensors, each ``.grad`` left ``None``
+    for the next pass.
+
+    Args:
+        params: The parameters.
+        clone: Return copies: needed where the next backward writes into the same storage (DDP's bucket views).
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> (weight * 3).sum().backward()
+        >>> take_gradients([weight]), weight.grad
+        ([tensor([3., 3.])], None)
+    """
+    grads = []
+    for param in params:
+        grad = None if param.grad is None else local_tensor(param.grad)
+        grads.append(grad.detach().clone() if clone and grad is not None else grad)
+        param.grad = None
+    return grads
 
 
 class GradientStash:

@@ -21,32 +21,24 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.verify.compare import (
     NOISE_MARGIN,
     pair_difference,
     relative_divergence,
     worst_parameters,
 )
-from lightning_ckpt_determinism.verify.gradients import GradientStash, counted_here, local_tensor
-from lightning_ckpt_determinism.verify.reports import (
-    CAUSE_HINTS,
-    RecomputationReport,
-    attribute_hint,
-    buffer_hint,
-    missing_reference_gradients,
-    no_gradients,
+from lightning_ckpt_determinism.verify.core import (
+    CheckScope,
+    gradients_diverge,
+    losses_differ,
+    region_modules,
+    uncomparable,
 )
+from lightning_ckpt_determinism.verify.gradients import counted_here, take_gradients
+from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS, RecomputationReport, attribute_hint, buffer_hint
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = [
-    "AllReduce",
-    "GradientComparison",
-    "check_live_step",
-    "compare_gradients",
-    "losses_differ",
-    "region_modules",
-]
+__all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
 
 AllReduce = Callable[[torch.Tensor, Literal["sum", "max"]], torch.Tensor]
 """``all_reduce(tensor, op)``: the tensor reduced over every rank with ``op``; the identity on one process."""
@@ -146,11 +138,13 @@ def compare_gradients(
     zeros = dict.fromkeys(names, 0.0)
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
-    error = None
-    if missing_anywhere > 0:
-        error = missing_reference_gradients(missing, "the live step")
-    elif elements_anywhere == 0:
-        error = no_gradients("in the live step or the reference pass")
+    error = uncomparable(
+        missing,
+        missing_anywhere=missing_anywhere > 0,
+        gradients_anywhere=elements_anywhere > 0,
+        live="the live step",
+        nowhere="in the live step or the reference pass",
+    )
     if error is not None:
         return GradientComparison(
             math.inf, math.inf, {}, error=error, buffers_changed=buffers, attributes_changed=attributes
@@ -253,16 +247,20 @@ def check_live_step(
     named = parameters if parameters is not None else [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names = [name for name, _ in named]
     params = [param for _, param in named]
-    after_step = StepState(module, exclude_attributes, written_parameters)
-    stash = GradientStash(params, clone=clone_gradients)
-    try:
-        live = [None if grad is None else local_tensor(grad) for grad in stash.gradients]
+    with CheckScope(
+        module,
+        params,
+        clone_gradients=clone_gradients,
+        exclude_attributes=exclude_attributes,
+        written_parameters=written_parameters,
+    ) as after_step:
+        live = after_step.gradients
         counted = [counted_here(param) for param in params]
         reference_loss, first = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
         # The buffers after the reference (every region plain) against those after the live step: a recomputation
         # that updates them a second time (BatchNorm without `protect_buffers`) changes no gradient but shows here.
-        changed = after_step.differing_buffers()
-        attributes = after_step.differing_attributes(region_modules(module), frozenset(ignore_attributes))
+        changed = after_step.state.differing_buffers()
+        attributes = after_step.state.differing_attributes(region_modules(module), frozenset(ignore_attributes))
         noise_floor = 0.0
         reproducible = True
         if calibrate_noise:
@@ -281,12 +279,9 @@ def check_live_step(
             buffers_changed=len(changed),
             attributes_changed=len(attributes),
         )
-    finally:
-        stash.put_back()
-        after_step.restore()
     if comparison.skipped:
         return None
-    gradients_diverged = comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor)
+    gradients_diverged = gradients_diverge(comparison.grad_divergence, tolerance, noise_floor, error=comparison.error)
     buffers = comparison.buffers_changed > 0
     states = buffers or comparison.attributes_changed > 0
     cause, hint = None, None
@@ -314,32 +309,6 @@ def check_live_step(
     )
 
 
-def losses_differ(first: float, second: float) -> bool:
-    """Whether two finite losses differ: two passes of one step from one state that compute other losses before any
-    backward differ by state outside the checkpointed regions (recomputation happens in backward).
-
-    Example::
-
-        >>> losses_differ(1.0, 1.5), losses_differ(1.0, float("nan"))
-        (True, False)
-    """
-    return math.isfinite(first) and math.isfinite(second) and first != second
-
-
-def region_modules(module: nn.Module) -> list[nn.Module]:
-    """Every module inside a checkpointed region of ``module``: those whose code recomputation reruns.
-
-    Example::
-
-        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
-        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Tanh()))
-        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
-        >>> [type(sub).__name__ for sub in region_modules(model)]
-        ['Sequential', 'Tanh']
-    """
-    return [sub for region in checkpointed_modules(module).values() for sub in region.modules()]
-
-
 def _reference_gradients(
     params: list[torch.Tensor],
     reference: Callable[[], float],
@@ -354,9 +323,4 @@ def _reference_gradients(
             before = None if gradients_before is None else gradients_before[position]
             param.grad = None if before is None else before.clone()
     loss = reference()
-    grads = []
-    for param in params:
-        grad = None if param.grad is None else local_tensor(param.grad)
-        grads.append(grad.detach().clone() if keep_copies and grad is not None else grad)
-        param.grad = None
-    return loss, grads
+    return loss, take_gradients(params, clone=keep_copies)

@@ -26,8 +26,14 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
-from lightning_ckpt_determinism.verify.gradients import GradientStash, local_tensor
-from lightning_ckpt_determinism.verify.live import losses_differ, region_modules
+from lightning_ckpt_determinism.verify.core import (
+    CheckScope,
+    gradients_diverge,
+    losses_differ,
+    region_modules,
+    uncomparable,
+)
+from lightning_ckpt_determinism.verify.gradients import take_gradients
 from lightning_ckpt_determinism.verify.reports import (
     CAUSE_HINTS,
     COMPILED_NOISE_NOTE,
@@ -35,8 +41,6 @@ from lightning_ckpt_determinism.verify.reports import (
     RegionReport,
     attribute_hint,
     describe_error,
-    missing_reference_gradients,
-    no_gradients,
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -146,16 +150,18 @@ def check_recomputation(
     if not regions:
         raise CheckpointingConfigError(_no_region_message(module))
     names = [region_name(name) for name, _ in named]
-    passes = _Passes(
-        module,
-        closure,
-        [p for _, p in named],
-        use_backward=gradients == "backward",
-        agree=agree,
-        exclude_attributes=frozenset(exclude_attributes),
-        written_parameters=tuple(written_parameters),
-    )
-    with passes:
+    params = [p for _, p in named]
+    use_backward = gradients == "backward"
+    with CheckScope(module, params, set_gradients_aside=use_backward, written_parameters=written_parameters) as scope:
+        passes = _Passes(
+            scope,
+            module,
+            closure,
+            params,
+            use_backward=use_backward,
+            agree=agree,
+            exclude_attributes=frozenset(exclude_attributes),
+        )
         report = _compare(passes, names, tolerance, attribution=attribution, calibrate_noise=calibrate_noise)
     return replace(report, checked_regions=regions, compiled=passes.compiled)
 
@@ -276,28 +282,31 @@ def _verdict(
         return _Verdict(math.inf, [math.inf], {}, finding, diverged=True)
     divergence, max_diffs = gradient_divergence(reference, checkpointed.gradients)
     per_parameter = dict(zip(names, max_diffs, strict=True))
-    return _Verdict(divergence, max_diffs, per_parameter, None, divergence > max(tolerance, noise_floor))
+    return _Verdict(divergence, max_diffs, per_parameter, None, gradients_diverge(divergence, tolerance, noise_floor))
 
 
 def _uncomparable(names: list[str], reference: _Gradients, recomputed: _Gradients) -> str | None:
-    if all(grad is None for grad in (*reference, *recomputed)):
-        return no_gradients() + "; make the loss depend on the module's parameters"
     missing = [
         name for name, ref, other in zip(names, reference, recomputed, strict=True) if ref is None and other is not None
     ]
-    return missing_reference_gradients(missing, "the checkpointed pass") if missing else None
+    return uncomparable(
+        missing,
+        missing_anywhere=bool(missing),
+        gradients_anywhere=any(grad is not None for grad in (*reference, *recomputed)),
+        live="the checkpointed pass",
+        nowhere="in either pass; make the loss depend on the module's parameters",
+    )
 
 
 class _Passes:
-    """The passes of one check, each run from the state captured when the block is entered.
-
-    Entering captures the state (and sets the parameters' ``.grad`` aside when gradients are taken with
-    ``backward()``); leaving puts both back, whatever is raised. Decisions that start or skip a pass are reduced
-    over ranks with ``agree`` first, so every rank runs the same passes and their collectives.
+    """The passes of one check, each run from the state ``scope`` captured (the scope puts it back after the
+    check). Decisions that start or skip a pass are reduced over ranks with ``agree`` first, so every rank runs the
+    same passes and their collectives.
     """
 
     def __init__(
         self,
+        scope: CheckScope,
         module: nn.Module,
         closure: Callable[[], torch.Tensor],
         params: list[nn.Parameter],
@@ -305,33 +314,15 @@ class _Passes:
         use_backward: bool,
         agree: Callable[[bool], bool] | None,
         exclude_attributes: frozenset[str] = frozenset(),
-        written_parameters: tuple[str, ...] = (),
     ) -> None:
         self.module = module
+        self._scope = scope
         self._exclude = exclude_attributes
-        self._written = written_parameters
         self._after_reference: StepState | None = None
         self.compiled = is_compiled(module)
         self._take = partial(_gradients, closure, params, use_backward=use_backward)
-        self._params = params
-        self._use_backward = use_backward
         self._agreed = agree if agree is not None else bool
-        self._state: StepState | None = None
-        self._stash: GradientStash | None = None
         self._ran = False
-
-    def __enter__(self) -> "_Passes":
-        self._stash = GradientStash(self._params) if self._use_backward else None
-        self._state = StepState(self.module, parameters=self._written)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            if self._state is not None:
-                self._state.restore()
-        finally:
-            if self._stash is not None:
-                self._stash.put_back()
 
     def reference(self) -> tuple[float, _Gradients]:
         """A reference pass: checkpointing off, the compiler's own recomputation off too."""
@@ -369,7 +360,7 @@ class _Passes:
             outcome = self.checkpointed(observer)
         if outcome.error is not None or outcome.gradients is None:
             return True
-        return gradient_divergence(reference, outcome.gradients)[0] > max(tolerance, noise_floor)
+        return gradients_diverge(gradient_divergence(reference, outcome.gradients)[0], tolerance, noise_floor)
 
     def host_rng_explained(self, suspects: frozenset[str]) -> frozenset[str]:
         """The suspects whose recomputation matches its forward once their host RNG is replayed: one more pass,
@@ -419,8 +410,8 @@ class _Passes:
 
     def _restore(self) -> None:
         # The first pass starts from the state as it was captured; each later one from that state put back.
-        if self._ran and self._state is not None:
-            self._state.restore()
+        if self._ran:
+            self._scope.restore()
         self._ran = True
 
 
@@ -452,8 +443,7 @@ def _gradients(
             return float(loss.detach()), list(torch.autograd.grad(loss, params, allow_unused=True))
         try:
             loss.backward()
-            grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
         finally:
-            for param in params:
-                param.grad = None
+            # Taken even when backward raises: the next pass must start from no gradient.
+            grads = take_gradients(params)
     return float(loss.detach()), grads
