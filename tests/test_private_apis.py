@@ -52,7 +52,8 @@ def _offences(path: Path, root: Path = PACKAGE.parent) -> list[str]:
 
 def _is_reflection(node: ast.Call) -> bool:
     """``getattr``, ``hasattr`` or ``setattr`` of a private name, on anything but the object itself."""
-    if not (isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr")) or len(node.args) < 2:
+    reflection = isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr")
+    if not reflection or len(node.args) < 2:
         return False
     target, name = node.args[0], node.args[1]
     own = isinstance(target, ast.Name) and target.id in ("self", "cls")

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
+from lightning_ckpt_determinism._torch_compat import own_buffers
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
@@ -136,7 +138,7 @@ class _BufferSnapshot:
     def differing(self) -> list[str]:
         differing = []
         for name, owner, key, _, value in self._entries:
-            current = owner._buffers.get(key)
+            current = own_buffers(owner).get(key)
             if current is None or not same_values(value, current):
                 differing.append(name)
         return differing
@@ -145,7 +147,7 @@ class _BufferSnapshot:
         with torch.no_grad():
             # Always copied: kernels such as batch_norm update running statistics without bumping `_version`.
             for _, owner, key, buffer, value in self._entries:
-                owner._buffers[key] = buffer
+                own_buffers(owner)[key] = buffer
                 buffer.copy_(value)
 
 
@@ -203,13 +205,17 @@ class _MetricSnapshot:
 
     def __init__(self, module: nn.Module) -> None:
         self._entries = [
-            (metric, {name: _copy_state(getattr(metric, name)) for name in metric._defaults}, dict(metric.__dict__))
+            (
+                metric,
+                {name: _copy_state(getattr(metric, name)) for name in metric_state_names(metric)},
+                dict(metric.__dict__),
+            )
             for metric in _metrics(module)
         ]
 
     def restore(self) -> None:
         for metric, states, attributes in self._entries:
-            for key in ("_update_count", "_computed", "_forward_cache", "_is_synced", "_cache"):
+            for key in METRIC_BOOKKEEPING:
                 if key in attributes:
                     setattr(metric, key, attributes[key])
             for name, value in states.items():
