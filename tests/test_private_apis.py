@@ -67,9 +67,7 @@ def _root(node: ast.expr) -> str | None:
 
 
 def test_no_module_outside_the_compat_modules_uses_a_private_api() -> None:
-    offences = [
-        offence for path in sorted(PACKAGE.rglob("*.py")) if path not in COMPAT for offence in _offences(path)
-    ]
+    offences = [offence for path in sorted(PACKAGE.rglob("*.py")) if path not in COMPAT for offence in _offences(path)]
     assert offences == [], "\n".join(offences)
 
 
