@@ -13,6 +13,7 @@ from lightning_ckpt_determinism.verify.digest import (
     DigestPlans,
     digest,
     digests,
+    fingerprint,
     words,
 )
 
@@ -184,3 +185,16 @@ def test_a_digest_mode_names_its_tier_and_keeps_it_from_step_to_step() -> None:
     sampled = DigestMode("sampled", 7)
     assert sampled.next_step() == DigestMode("sampled", 8)
     assert EXACT.next_step().window([(0, 1), (1, 1)]) is None
+
+
+def test_a_fingerprint_is_the_metadata_and_exact_digest_of_any_layout() -> None:
+    values = bit_patterns((6, 40), torch.float32)
+    found = fingerprint(values)
+    assert found.shape == (6, 40) and found.dtype == torch.float32
+    assert torch.equal(found.digest, digest(values))  # type: ignore[arg-type]
+    for name, tensor in layouts(values).items():
+        assert fingerprint(tensor).same_as(found), name
+    assert not fingerprint(values.view(torch.int32)).same_as(found)  # the same bits, another dtype
+    assert not fingerprint(values.reshape(40, 6)).same_as(found)
+    unreadable = fingerprint(torch.zeros(2, 2).to_sparse())
+    assert unreadable.digest is None and not unreadable.same_as(unreadable)

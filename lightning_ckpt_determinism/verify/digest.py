@@ -27,6 +27,9 @@ once by the caller and handed to every read: all of it (``"exact"``), or (``"sam
 step to step, so that every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter than
 ``SAMPLE_STRIDE`` words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a flipped
 route) shows at once, a change of single words (or words moved within a window) when the window comes to them.
+
+The attribution observer identifies an op's inputs by a :class:`Fingerprint`: the tensor's metadata and its exact
+digest.
 """
 
 from collections.abc import Sequence
@@ -44,9 +47,11 @@ __all__ = [
     "DigestMode",
     "DigestPlans",
     "DigestTier",
+    "Fingerprint",
     "column_weights",
     "digest",
     "digests",
+    "fingerprint",
     "readable",
     "row_sums",
     "row_weights",
@@ -121,7 +126,7 @@ class DigestMode:
 
 
 EXACT = DigestMode()
-"""Every word of every tensor, the mode of reads that must see all of it (buffers)."""
+"""Every word of every tensor, the mode of reads that must see all of it (buffers, fingerprints)."""
 
 
 def readable(tensor: torch.Tensor) -> bool:
@@ -253,6 +258,61 @@ def digest(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | Non
     plans = DigestPlans()
     matrix = plans.read(tensor, mode)
     return None if matrix is None else plans.digest(matrix)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A tensor, identified by its metadata and its exact digest (the attribution observer compares an op's inputs by
+    it).
+
+    Attributes:
+        shape: The shape (of this rank's shard of a DTensor).
+        dtype: The dtype.
+        digest: The :func:`digest` of every word, on the tensor's device; ``None`` for tensors whose values cannot be
+            read (:func:`readable`): such fingerprints never match.
+
+    Example::
+
+        >>> Fingerprint((1,), torch.float32, None).same_as(Fingerprint((1,), torch.float32, None))
+        False
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    digest: torch.Tensor | None
+
+    def same_as(self, other: object) -> bool:
+        """Whether ``other`` is a fingerprint of a tensor with the same metadata and bits.
+
+        Args:
+            other: Another fingerprint (anything else is not the same).
+
+        Example::
+
+            >>> fingerprint(torch.tensor([1.0, 2.0])).same_as(fingerprint(torch.tensor([1.0, 2.0])))
+            True
+        """
+        if not isinstance(other, Fingerprint) or self.digest is None or other.digest is None:
+            return False
+        if (self.shape, self.dtype) != (other.shape, other.dtype) or self.digest.device != other.digest.device:
+            return False
+        return torch.equal(self.digest, other.digest)
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint:
+    """A :class:`Fingerprint` of ``tensor`` (this rank's shard of a DTensor): its metadata and exact digest, which
+    tell apart any change of value and nearly any reordering.
+
+    Args:
+        tensor: The tensor.
+
+    Example::
+
+        >>> fingerprint(torch.tensor([1.0, 2.0])).same_as(fingerprint(torch.tensor([2.0, 1.0])))
+        False
+    """
+    local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+    return Fingerprint(tuple(local.shape), local.dtype, digest(local))
 
 
 class DigestPlans:

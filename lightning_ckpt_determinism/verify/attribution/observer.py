@@ -54,7 +54,8 @@ from lightning_ckpt_determinism.verify.attribution.causes import (
     evidence_cause,
     region_reports,
 )
-from lightning_ckpt_determinism.verify.compare import Fingerprint, fingerprint, max_abs_difference, same_values
+from lightning_ckpt_determinism.verify.compare import max_abs_difference, same_values
+from lightning_ckpt_determinism.verify.digest import Fingerprint, fingerprint
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport
 
