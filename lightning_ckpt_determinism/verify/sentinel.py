@@ -15,10 +15,10 @@ the metadata at once (a difference raises torch's ``CheckpointError`` as before,
 parameter whose version counter moves (recomputation writes it in place: an ``Embedding`` with ``max_norm``
 renormalises its weight again) and a buffer whose values change where no recompute context puts them back (without
 ``protect_buffers``, BatchNorm updates its statistics a second time) are mismatches, with their cause. The
-comparisons stay on the device, read back later (:meth:`report`, or :meth:`RecomputationSentinel.settle` once per
-training step, after one comparison for the whole step). Nothing is read back to the host inside forward or
-backward, and the sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a
-mode of the user's never takes them for the model's.
+comparisons stay on the device, read back later (:meth:`RecomputationSentinel.report`, or
+:meth:`RecomputationSentinel.settle` once per training step, after one comparison for the whole step). Nothing is
+read back to the host inside forward or backward, and the sentinel's own ops run below every dispatch mode, so that a
+selective-checkpointing cache or a mode of the user's never takes them for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are

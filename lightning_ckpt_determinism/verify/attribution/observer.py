@@ -320,7 +320,7 @@ class Attribution:
         self._mutated: dict[str, list[str]] = {}
 
     def contexts(self, region_call: RegionCall) -> tuple[ContextFactory, ContextFactory]:
-        """The forward and recompute contexts of one call of a region (see :class:`RegionObserver`)."""
+        """The forward and recompute contexts of one call of a region (see :class:`Attribution`)."""
         module = region_call.module
         call = CallRecord(
             region=self._name_of.get(id(module), region_call.region), module=module, kept=region_call.data_dependent
