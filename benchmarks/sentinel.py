@@ -139,7 +139,7 @@ def _constant_digests(device: torch.device) -> Iterator[None]:
     """The sentinel with constant digests: its hooks and bookkeeping without the digests' views and kernels."""
     constant = torch.zeros((), dtype=torch.int64, device=device)
 
-    def constant_read(self: Any, tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+    def constant_read(self: Any, tensor: torch.Tensor, mode: Any) -> torch.Tensor:
         return constant
 
     def constant_digest(self: Any, matrix: torch.Tensor) -> torch.Tensor:

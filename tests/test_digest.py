@@ -6,12 +6,21 @@ import itertools
 import pytest
 import torch
 
-from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestPlans, digest, digests, words
+from lightning_ckpt_determinism.verify.digest import (
+    EXACT,
+    SAMPLE_STRIDE,
+    DigestMode,
+    DigestPlans,
+    digest,
+    digests,
+    fingerprint,
+    words,
+)
 
 
-def formula(tensor: torch.Tensor, offset: int | None = None) -> int:
+def formula(tensor: torch.Tensor, mode: DigestMode = EXACT) -> int:
     """The digest as the module documents it, in Python integers, wrapped to 64 bits at the end."""
-    matrix = words(tensor, offset)
+    matrix = words(tensor, mode)
     assert matrix is not None
     table = matrix.tolist()
     total = 0
@@ -53,12 +62,16 @@ TENSORS = {
 
 
 @pytest.mark.parametrize("name", list(TENSORS))
-@pytest.mark.parametrize("offset", [None, 0, 3, SAMPLE_STRIDE + 5], ids=["exact", "window 0", "window 3", "wrapped"])
-def test_digests_are_the_documented_integer_formula_on_any_bits(name: str, offset: int | None) -> None:
+@pytest.mark.parametrize(
+    "mode",
+    [EXACT, DigestMode("sampled", 0), DigestMode("sampled", 3), DigestMode("sampled", SAMPLE_STRIDE + 5)],
+    ids=["exact", "window 0", "window 3", "wrapped"],
+)
+def test_digests_are_the_documented_integer_formula_on_any_bits(name: str, mode: DigestMode) -> None:
     tensor = TENSORS[name]()
-    found = digests([tensor, tensor.clone()], offset)
+    found = digests([tensor, tensor.clone()], mode)
     assert found.dtype == torch.int64
-    assert found.tolist() == [formula(tensor, offset)] * 2
+    assert found.tolist() == [formula(tensor, mode)] * 2
 
 
 def layouts(values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -97,9 +110,9 @@ def test_every_layout_of_a_tensor_reads_as_its_contiguous_copy(shape: tuple[int,
     for name, tensor in layouts(values).items():
         copy = tensor.clone(memory_format=torch.contiguous_format)
         assert torch.equal(bits(copy), bits(values)), name
-        for offset in (None, 0, 5):
-            assert torch.equal(digests([tensor], offset, plans), digests([copy], offset)), (name, offset)
-            assert digests([tensor], offset).tolist() == [formula(copy, offset)], (name, offset)
+        for mode in (EXACT, DigestMode("sampled", 0), DigestMode("sampled", 5)):
+            assert torch.equal(digests([tensor], mode, plans), digests([copy], mode)), (name, mode)
+            assert digests([tensor], mode).tolist() == [formula(copy, mode)], (name, mode)
 
 
 def test_a_fit_saved_attention_pooling_tensor_is_read_without_error() -> None:
@@ -141,12 +154,12 @@ def test_every_column_is_read_within_sample_stride_steps_and_short_rows_are_read
     columns = torch.arange(80, dtype=torch.float32).repeat(3, 1)  # 40 words of two float32 a row
     seen = set()
     for offset in range(SAMPLE_STRIDE):
-        window = words(columns, offset)
+        window = words(columns, DigestMode("sampled", offset))
         assert window is not None and window.shape[0] == 3 and 0 < window.shape[1] <= 3
         seen.update(int(value) for value in window[0].contiguous().view(torch.float32).tolist())
     assert seen == set(range(80))
     short = torch.zeros(4, 2, 8)  # rows of 8 elements, two joined into rows of 16 (8 words): no window
-    assert words(short, offset=5).shape == (4, 8)  # type: ignore[union-attr]
+    assert words(short, DigestMode("sampled", 5)).shape == (4, 8)  # type: ignore[union-attr]
 
 
 def test_tensors_without_readable_bits_have_no_digest() -> None:
@@ -160,7 +173,28 @@ def test_tensors_without_readable_bits_have_no_digest() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_digests_are_those_of_the_cpu() -> None:
     tensors = [TENSORS[name]() for name in ("float32 activations", "bfloat16, four to a word", "a boolean mask")]
-    for offset in (None, 3):
-        on_cuda = digests([tensor.cuda() for tensor in tensors], offset)
+    for mode in (EXACT, DigestMode("sampled", 3)):
+        on_cuda = digests([tensor.cuda() for tensor in tensors], mode)
         assert on_cuda.device.type == "cuda"
-        assert on_cuda.cpu().tolist() == digests(tensors, offset).tolist()
+        assert on_cuda.cpu().tolist() == digests(tensors, mode).tolist()
+
+
+def test_a_digest_mode_names_its_tier_and_keeps_it_from_step_to_step() -> None:
+    with pytest.raises(ValueError, match="`tier` can be exact or sampled, got 'light'"):
+        DigestMode("light")  # type: ignore[arg-type]
+    sampled = DigestMode("sampled", 7)
+    assert sampled.next_step() == DigestMode("sampled", 8)
+    assert EXACT.next_step().window([(0, 1), (1, 1)]) is None
+
+
+def test_a_fingerprint_is_the_metadata_and_exact_digest_of_any_layout() -> None:
+    values = bit_patterns((6, 40), torch.float32)
+    found = fingerprint(values)
+    assert found.shape == (6, 40) and found.dtype == torch.float32
+    assert torch.equal(found.digest, digest(values))  # type: ignore[arg-type]
+    for name, tensor in layouts(values).items():
+        assert fingerprint(tensor).same_as(found), name
+    assert not fingerprint(values.view(torch.int32)).same_as(found)  # the same bits, another dtype
+    assert not fingerprint(values.reshape(40, 6)).same_as(found)
+    unreadable = fingerprint(torch.zeros(2, 2).to_sparse())
+    assert unreadable.digest is None and not unreadable.same_as(unreadable)

@@ -79,14 +79,14 @@ def test_the_default_monitor_trains_a_model_whose_saved_tensors_have_odd_strides
 def test_a_failure_of_the_sentinels_own_reads_leaves_that_tensor_out_and_the_fit_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from lightning_ckpt_determinism.verify.digest import DigestPlans
+    from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans
 
     read = DigestPlans.read
 
-    def failing(self: DigestPlans, tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
+    def failing(self: DigestPlans, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
         if tensor.grad_fn is not None and tensor.grad_fn.name() == "TanhBackward0":
             raise RuntimeError("an injected failure")
-        return read(self, tensor, offset)
+        return read(self, tensor, mode)
 
     monkeypatch.setattr(DigestPlans, "read", failing)
     monitor = RecomputationMonitor(every_n_steps=50)

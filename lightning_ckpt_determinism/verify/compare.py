@@ -1,4 +1,4 @@
-"""How the checks compare tensors: gradient divergence, elementwise differences and input fingerprints, written once.
+"""How the checks compare tensors: gradient divergence and elementwise differences, written once.
 
 NaN in the same place on both sides, or the same infinity, counts as equal; a non-finite value on one side only is an
 infinite difference. DTensors are compared as this rank's local shards, so no comparison runs a collective.
@@ -6,7 +6,6 @@ infinite difference. DTensors are compared as this rank's local shards, so no co
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,9 +16,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 __all__ = [
     "NOISE_MARGIN",
     "WORST_PARAMETERS",
-    "Fingerprint",
     "elementwise_difference",
-    "fingerprint",
     "gradient_divergence",
     "max_abs_difference",
     "pair_difference",
@@ -34,8 +31,6 @@ WORST_PARAMETERS = 5
 NOISE_MARGIN = 2.0
 """The noise floor over the divergence of two reference passes: one sample of the noise, which a second draw (the
 checkpointed pass) exceeds about half the time, by a little."""
-
-_BITS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def gradient_divergence(
@@ -160,60 +155,3 @@ def _comparable(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     return tensor.to(torch.float64)
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """A tensor, identified by its metadata and integer sums of its bit pattern (weighted by position).
-
-    Attributes:
-        shape: The shape (of this rank's shard of a DTensor).
-        dtype: The dtype.
-        sums: Exact integer sums of the bit pattern, by row and by column, on the tensor's device; ``None`` for
-            tensors whose values cannot be read (sparse, quantized, meta): such fingerprints never match.
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    sums: torch.Tensor | None
-
-    def same_as(self, other: object) -> bool:
-        """Whether ``other`` is a fingerprint of a tensor with the same metadata and bits."""
-        if not isinstance(other, Fingerprint) or self.sums is None or other.sums is None:
-            return False
-        if (self.shape, self.dtype) != (other.shape, other.dtype) or self.sums.device != other.sums.device:
-            return False
-        return torch.equal(self.sums, other.sums)
-
-
-def fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    """A :class:`Fingerprint` of ``tensor``: exact integers that tell apart any change of value and nearly any
-    reordering, without a copy of the tensor.
-
-    Example::
-
-        >>> fingerprint(torch.tensor([1.0, 2.0])).same_as(fingerprint(torch.tensor([2.0, 1.0])))
-        False
-    """
-    tensor = local_tensor(tensor)
-    shape, dtype = tuple(tensor.shape), tensor.dtype
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
-        return Fingerprint(shape, dtype, None)
-    data = tensor.detach()
-    if data.numel() == 0:
-        return Fingerprint(shape, dtype, torch.zeros(3, dtype=torch.int64, device=data.device))
-    if data.is_complex():
-        data = torch.view_as_real(data)
-    bits = data.view(torch.uint8) if data.dtype == torch.bool else data.view(_BITS_BY_SIZE[data.element_size()])
-    # Sums of the bit patterns by row and by column of the last dimension, each weighted by position.
-    table = bits.reshape(-1, bits.shape[-1]) if bits.dim() > 1 else bits.reshape(1, -1)
-    rows, columns = table.sum(dim=1), table.sum(dim=0)
-    return Fingerprint(
-        shape,
-        dtype,
-        torch.stack([rows.sum(), (rows * _positions(rows)).sum(), (columns * _positions(columns)).sum()]),
-    )
-
-
-def _positions(sums: torch.Tensor) -> torch.Tensor:
-    return torch.arange(1, sums.numel() + 1, device=sums.device, dtype=torch.int64)

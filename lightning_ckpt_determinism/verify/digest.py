@@ -21,26 +21,37 @@ swap of two words that differ in their top bit only.
 
 Every tensor is read through one path (:class:`DigestPlans`): a plan worked out once per shape, strides and dtype
 views the tensor's memory as its word matrix; a tensor that is not laid out as that matrix (permuted, sliced,
-misaligned for wider words) is first copied into one. Sampled digests read one window of about ``1 / SAMPLE_STRIDE``
-of the last dimension of every row, the window moving with an offset the caller rotates from step to step, so that
-every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter than ``SAMPLE_STRIDE``
-words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a flipped route) shows at
-once, a change of single words (or words moved within a window) when the window comes to them.
+misaligned for wider words) is first copied into one. What a read takes of the matrix is a :class:`DigestMode`, made
+once by the caller and handed to every read: all of it (``"exact"``), or (``"sampled"``) one window of about
+``1 / SAMPLE_STRIDE`` of the last dimension of every row, the window moving with an offset the caller moves on from
+step to step, so that every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter than
+``SAMPLE_STRIDE`` words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a flipped
+route) shows at once, a change of single words (or words moved within a window) when the window comes to them.
+
+The attribution observer identifies an op's inputs by a :class:`Fingerprint`: the tensor's metadata and its exact
+digest.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
+    "EXACT",
     "ROW_ELEMENTS",
     "SAMPLE_STRIDE",
+    "DigestMode",
     "DigestPlans",
+    "DigestTier",
+    "Fingerprint",
     "column_weights",
     "digest",
     "digests",
+    "fingerprint",
     "readable",
     "row_sums",
     "row_weights",
@@ -52,6 +63,70 @@ ROW_ELEMENTS = 16
 
 SAMPLE_STRIDE = 16
 """A sampled digest reads a window of about one word in this many of each row's last dimension."""
+
+DigestTier = Literal["exact", "sampled"]
+"""How much of each tensor a digest reads: every word, or one window of each row."""
+
+
+@dataclass(frozen=True)
+class DigestMode:
+    """What a digest reads of each tensor, decided once by its caller (the sentinel, per step) and handed to every
+    read, so that no two reads of one step can take different words.
+
+    Args:
+        tier: ``"exact"`` reads every word; ``"sampled"`` reads the window ``offset`` of each row (windows of
+            ``ceil(columns / SAMPLE_STRIDE)`` columns, taken in turn; rows shorter than ``SAMPLE_STRIDE`` words, or
+            joined from several dimensions, are read whole).
+        offset: The window a sampled digest reads, taken modulo the row's windows (so that moving it on by one each
+            step reads every word within ``SAMPLE_STRIDE`` steps); an exact digest reads every word whatever it is.
+
+    Raises:
+        ValueError: If ``tier`` is not one of :data:`DigestTier`.
+
+    Example::
+
+        >>> mode = DigestMode("sampled", offset=3)
+        >>> mode.window([(0, 2), (2, 2), (4, 2), (6, 2)]), mode.next_step().offset
+        ((6, 2), 4)
+        >>> EXACT.window([(0, 2), (2, 2)]) is None
+        True
+    """
+
+    tier: DigestTier = "exact"
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tier not in ("exact", "sampled"):
+            raise ValueError(f"`tier` can be exact or sampled, got {self.tier!r}.")
+
+    def window(self, windows: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """The window ``(start, width)`` of each row this mode reads, or ``None`` for the whole row.
+
+        Args:
+            windows: The windows a row is cut into (none for a row read whole).
+
+        Example::
+
+            >>> DigestMode("sampled", offset=5).window([(0, 3), (3, 3)])
+            (3, 3)
+        """
+        if self.tier == "exact" or not windows:
+            return None
+        return windows[self.offset % len(windows)]
+
+    def next_step(self) -> "DigestMode":
+        """The mode of the next step: the same tier, its offset moved on by one.
+
+        Example::
+
+            >>> EXACT.next_step()
+            DigestMode(tier='exact', offset=1)
+        """
+        return replace(self, offset=self.offset + 1)
+
+
+EXACT = DigestMode()
+"""Every word of every tensor, the mode of reads that must see all of it (buffers, fingerprints)."""
 
 
 def readable(tensor: torch.Tensor) -> bool:
@@ -73,26 +148,25 @@ def readable(tensor: torch.Tensor) -> bool:
     return size in _WORD
 
 
-def words(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
+def words(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | None:
     """The ``(rows, columns)`` integer matrix a digest of ``tensor`` (this rank's shard of a DTensor) reads: all of
-    its words, or the window ``offset`` of each row; ``None`` for a tensor whose values cannot be read as bits
+    its words, or one window of each row; ``None`` for a tensor whose values cannot be read as bits
     (:func:`readable`).
 
     Args:
         tensor: The tensor.
-        offset: ``None`` reads every word; an integer reads the window ``offset`` of each row (windows of
-            ``ceil(columns / SAMPLE_STRIDE)`` columns, taken in turn).
+        mode: What to read (:class:`DigestMode`); every word by default.
 
     Example::
 
         >>> words(torch.zeros(4, 64)).shape, words(torch.zeros(4, 64)).dtype  # float32 pairs
         (torch.Size([4, 32]), torch.int64)
-        >>> words(torch.zeros(4, 64), offset=3).shape  # words 6 and 7 of each row
+        >>> words(torch.zeros(4, 64), DigestMode("sampled", offset=3)).shape  # words 6 and 7 of each row
         torch.Size([4, 2])
         >>> words(torch.zeros(4, 7)).shape, words(torch.zeros(4, 7)).dtype  # rows joined to 28 elements
         (torch.Size([1, 28]), torch.int32)
     """
-    return DigestPlans().read(tensor, offset)
+    return DigestPlans().read(tensor, mode)
 
 
 def row_sums(matrix: torch.Tensor) -> torch.Tensor:
@@ -142,13 +216,13 @@ def column_weights(count: int, device: torch.device | str = "cpu") -> torch.Tens
 
 
 def digests(
-    tensors: Sequence[torch.Tensor], offset: int | None = None, plans: "DigestPlans | None" = None
+    tensors: Sequence[torch.Tensor], mode: DigestMode = EXACT, plans: "DigestPlans | None" = None
 ) -> torch.Tensor:
     """The digests of ``tensors`` (all on one device), as one ``int64`` vector on that device, in their order.
 
     Args:
         tensors: The tensors; each must be :func:`readable` (callers leave out those that are not).
-        offset: ``None`` reads every word; an integer reads the window ``offset`` of each row.
+        mode: What to read of each (:class:`DigestMode`); every word by default.
         plans: Where the plans and weights come from (a :class:`DigestPlans` kept by the caller, so that they are
             worked out once per shape); a fresh one when ``None``.
 
@@ -160,7 +234,7 @@ def digests(
         5
     """
     plans = plans or DigestPlans()
-    matrices = [plans.read(tensor, offset) for tensor in tensors]
+    matrices = [plans.read(tensor, mode) for tensor in tensors]
     if any(matrix is None for matrix in matrices):
         raise ValueError("digests: a tensor has no bits to read (check `readable(tensor)` first)")
     if not matrices:
@@ -168,13 +242,13 @@ def digests(
     return torch.stack([plans.digest(matrix) for matrix in matrices])  # type: ignore[arg-type]
 
 
-def digest(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
+def digest(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | None:
     """The digest of one tensor, as a 0-dimensional ``int64`` tensor on its device, or ``None`` when it is not
     :func:`readable`.
 
     Args:
         tensor: The tensor.
-        offset: ``None`` reads every word; an integer reads the window ``offset`` of each row.
+        mode: What to read (:class:`DigestMode`); every word by default.
 
     Example::
 
@@ -182,8 +256,63 @@ def digest(tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | No
         tensor(False)
     """
     plans = DigestPlans()
-    matrix = plans.read(tensor, offset)
+    matrix = plans.read(tensor, mode)
     return None if matrix is None else plans.digest(matrix)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A tensor, identified by its metadata and its exact digest (the attribution observer compares an op's inputs by
+    it).
+
+    Attributes:
+        shape: The shape (of this rank's shard of a DTensor).
+        dtype: The dtype.
+        digest: The :func:`digest` of every word, on the tensor's device; ``None`` for tensors whose values cannot be
+            read (:func:`readable`): such fingerprints never match.
+
+    Example::
+
+        >>> Fingerprint((1,), torch.float32, None).same_as(Fingerprint((1,), torch.float32, None))
+        False
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    digest: torch.Tensor | None
+
+    def same_as(self, other: object) -> bool:
+        """Whether ``other`` is a fingerprint of a tensor with the same metadata and bits.
+
+        Args:
+            other: Another fingerprint (anything else is not the same).
+
+        Example::
+
+            >>> fingerprint(torch.tensor([1.0, 2.0])).same_as(fingerprint(torch.tensor([1.0, 2.0])))
+            True
+        """
+        if not isinstance(other, Fingerprint) or self.digest is None or other.digest is None:
+            return False
+        if (self.shape, self.dtype) != (other.shape, other.dtype) or self.digest.device != other.digest.device:
+            return False
+        return torch.equal(self.digest, other.digest)
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint:
+    """A :class:`Fingerprint` of ``tensor`` (this rank's shard of a DTensor): its metadata and exact digest, which
+    tell apart any change of value and nearly any reordering.
+
+    Args:
+        tensor: The tensor.
+
+    Example::
+
+        >>> fingerprint(torch.tensor([1.0, 2.0])).same_as(fingerprint(torch.tensor([2.0, 1.0])))
+        False
+    """
+    local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+    return Fingerprint(tuple(local.shape), local.dtype, digest(local))
 
 
 class DigestPlans:
@@ -193,9 +322,9 @@ class DigestPlans:
     Example::
 
         >>> plans = DigestPlans()
-        >>> plans.read(torch.zeros(3, 32)).shape
+        >>> plans.read(torch.zeros(3, 32), EXACT).shape
         torch.Size([3, 16])
-        >>> plans.read(torch.zeros(32, 24).t()).shape  # permuted: read from a copy laid out as its words
+        >>> plans.read(torch.zeros(32, 24).t(), EXACT).shape  # permuted: read from a copy laid out as its words
         torch.Size([24, 16])
     """
 
@@ -203,20 +332,20 @@ class DigestPlans:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
-    def read(self, tensor: torch.Tensor, offset: int | None = None) -> torch.Tensor | None:
-        """``tensor``'s word matrix (all of it, or the window ``offset`` of each row), or ``None`` when it is not
+    def read(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
+        """``tensor``'s word matrix (all of it, or the window ``mode`` reads of each row), or ``None`` when it is not
         :func:`readable`.
 
         Args:
             tensor: The tensor (this rank's shard of a DTensor is read).
-            offset: ``None`` reads every word; an integer reads the window ``offset`` of each row.
+            mode: What to read (:class:`DigestMode`).
         """
         data = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
         key = (data.shape, data.stride(), data.dtype)
         plan = self._plans.get(key, _UNPLANNED)
         if plan is _UNPLANNED:
             plan = self._plans[key] = _Plan.of(data)
-        return None if plan is None else plan.read(data, offset)
+        return None if plan is None else plan.read(data, mode)
 
     def digest(self, matrix: torch.Tensor) -> torch.Tensor:
         """The digest of a word matrix (from :meth:`read`), a 0-dimensional ``int64`` tensor on its device.
@@ -270,7 +399,7 @@ class _Plan:
             return _ComplexPlan(tensor)
         return _Plan(tensor)
 
-    def read(self, tensor: torch.Tensor, offset: int | None) -> torch.Tensor:
+    def read(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor:
         if self.empty:
             return torch.zeros(0, 0, dtype=torch.int64, device=tensor.device)
         data = tensor
@@ -284,9 +413,10 @@ class _Plan:
             data = data.view(self.word)
         elif self.widen:
             data = data.to(torch.int32)
-        if offset is None or not self.windows:
+        window = mode.window(self.windows)
+        if window is None:
             return data.view(self.rows, self.columns)
-        start, width = self.windows[offset % len(self.windows)]
+        start, width = window
         return data.as_strided((self.rows, width), (self.columns, 1), data.storage_offset() + start)
 
 
@@ -298,8 +428,8 @@ class _ComplexPlan(_Plan):
     def __init__(self, tensor: torch.Tensor) -> None:
         self.real = _Plan(torch.view_as_real(tensor))
 
-    def read(self, tensor: torch.Tensor, offset: int | None) -> torch.Tensor:
-        return self.real.read(torch.view_as_real(tensor), offset)
+    def read(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor:
+        return self.real.read(torch.view_as_real(tensor), mode)
 
 
 _UNPLANNED = object.__new__(_Plan)

@@ -15,10 +15,10 @@ the metadata at once (a difference raises torch's ``CheckpointError`` as before,
 parameter whose version counter moves (recomputation writes it in place: an ``Embedding`` with ``max_norm``
 renormalises its weight again) and a buffer whose values change where no recompute context puts them back (without
 ``protect_buffers``, BatchNorm updates its statistics a second time) are mismatches, with their cause. The
-comparisons stay on the device, read back later (:meth:`report`, or :meth:`RecomputationSentinel.settle` once per
-training step, after one comparison for the whole step). Nothing is read back to the host inside forward or
-backward, and the sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a
-mode of the user's never takes them for the model's.
+comparisons stay on the device, read back later (:meth:`RecomputationSentinel.report`, or
+:meth:`RecomputationSentinel.settle` once per training step, after one comparison for the whole step). Nothing is
+read back to the host inside forward or backward, and the sentinel's own ops run below every dispatch mode, so that a
+selective-checkpointing cache or a mode of the user's never takes them for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
@@ -46,7 +46,7 @@ from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Recomputed
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
-from lightning_ckpt_determinism.verify.digest import DigestPlans, readable
+from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = ["RecomputationSentinel", "SentinelRegion", "SentinelReport", "recomputation_sentinel"]
@@ -186,7 +186,7 @@ class _Call:
         self.region = region
         self.buffers = buffers
         self.profile = profile
-        self.offset = None if sentinel.exact else sentinel.offset
+        self.mode = sentinel.mode
         self.saved: list[_Saved] = []
         self.slotted: list[_Saved] = []
         self.saved_bytes = 0
@@ -230,11 +230,11 @@ class _Call:
         self.slotted.append(saved)
 
     def _digest(self, local: torch.Tensor, saved: _Saved) -> torch.Tensor | None:
-        """``local``'s digest at this call's offset, or ``None`` for a tensor without bits to read (or unreadable)."""
+        """``local``'s digest in this call's mode, or ``None`` for a tensor without bits to read (or unreadable)."""
         plans = self.sentinel.plans
         try:
             with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
-                matrix = plans.read(local, self.offset)
+                matrix = plans.read(local, self.mode)
                 return None if matrix is None else plans.digest(matrix)
         except Exception as err:
             self.sentinel.failed(self.region, saved.describe(), err)
@@ -336,7 +336,7 @@ class _StateWatch:
             return None
         with no_python_dispatch(), torch.no_grad():
             plans = self.sentinel.plans
-            return torch.stack([plans.digest(plans.read(buffer)) for _, buffer in self.buffers])  # type: ignore[arg-type]
+            return torch.stack([plans.digest(plans.read(buffer, EXACT)) for _, buffer in self.buffers])  # type: ignore[arg-type]
 
     def done(self) -> None:
         written = [name for name, param, version in self.versions if param._version != version]
@@ -398,7 +398,9 @@ class RecomputationSentinel:
         }
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
-        self._step = 0
+        # What every digest of a step reads, made once per step: a call's reads at its forward and at its
+        # recomputation take it from the call, so the two read the same words.
+        self.mode = DigestMode("exact" if exact else "sampled")
         self.plans = DigestPlans()
         self._open: list[_Call] = []
         self._calls: list[_Call] = []
@@ -428,7 +430,7 @@ class RecomputationSentinel:
     @property
     def offset(self) -> int:
         """The window sampled digests read this step (see :meth:`next_step`)."""
-        return self._step
+        return self.mode.offset
 
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
@@ -518,7 +520,7 @@ class RecomputationSentinel:
 
     def next_step(self) -> None:
         """Move the sampled digests' offset on, so that every element is read within ``SAMPLE_STRIDE`` steps."""
-        self._step += 1
+        self.mode = self.mode.next_step()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -63,7 +63,8 @@ def check_recomputation(
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
-    From one state S the reference pass runs ``closure`` under :func:`checkpointing_disabled` and takes gradients;
+    From one state S the reference pass runs ``closure`` under
+    :func:`~lightning_ckpt_determinism.checkpointing.checkpointing_disabled` and takes gradients;
     S is restored; the checkpointed pass runs the same way, recomputing inside its backward. S is every random
     stream (torch's CPU and accelerator RNG, Python's ``random``, NumPy), the buffers, torchmetrics states, training
     flags, grad mode and the modules' plain Python attributes (counters, flags, lists: see

@@ -54,7 +54,8 @@ from lightning_ckpt_determinism.verify.attribution.causes import (
     evidence_cause,
     region_reports,
 )
-from lightning_ckpt_determinism.verify.compare import Fingerprint, fingerprint, max_abs_difference, same_values
+from lightning_ckpt_determinism.verify.compare import max_abs_difference, same_values
+from lightning_ckpt_determinism.verify.digest import Fingerprint, fingerprint
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport
 
@@ -320,7 +321,7 @@ class Attribution:
         self._mutated: dict[str, list[str]] = {}
 
     def contexts(self, region_call: RegionCall) -> tuple[ContextFactory, ContextFactory]:
-        """The forward and recompute contexts of one call of a region (see :class:`RegionObserver`)."""
+        """The forward and recompute contexts of one call of a region (see :class:`Attribution`)."""
         module = region_call.module
         call = CallRecord(
             region=self._name_of.get(id(module), region_call.region), module=module, kept=region_call.data_dependent
