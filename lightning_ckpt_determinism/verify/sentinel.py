@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch
+from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch, version_counter, view_base
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Recomputed
@@ -327,7 +327,7 @@ class _StateWatch:
     ) -> None:
         self.sentinel = sentinel
         self.region = region
-        self.versions = [(name, param, param._version) for name, param in module.named_parameters()]
+        self.versions = [(name, param, version_counter(param)) for name, param in module.named_parameters()]
         self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
         self.before = self._digests()
 
@@ -339,7 +339,7 @@ class _StateWatch:
             return torch.stack([plans.digest(plans.read(buffer, EXACT)) for _, buffer in self.buffers])  # type: ignore[arg-type]
 
     def done(self) -> None:
-        written = [name for name, param, version in self.versions if param._version != version]
+        written = [name for name, param, version in self.versions if version_counter(param) != version]
         changes = [
             _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", "parameter_write")
             for name in written
@@ -360,7 +360,9 @@ def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int 
     A parameter is known by the tensor it views (FSDP2 swaps in unsharded parameters at each forward, so their
     storage moves); a buffer by its storage, which stays.
     """
-    base = tensor._base if tensor._base is not None else tensor
+    base = view_base(tensor)
+    if base is None:
+        base = tensor
     return isinstance(base, nn.Parameter) or (bool(buffers) and storage_pointer(local) in buffers)
 
 
