@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import (
     NOISE_MARGIN,
     pair_difference,
@@ -30,7 +31,6 @@ from lightning_ckpt_determinism.verify.compare import (
 )
 from lightning_ckpt_determinism.verify.gradients import GradientStash, counted_here, local_tensor
 from lightning_ckpt_determinism.verify.reports import (
-    CAUSE_HINTS,
     RecomputationReport,
     attribute_hint,
     buffer_hint,
@@ -289,13 +289,14 @@ def check_live_step(
     gradients_diverged = comparison.error is not None or comparison.grad_divergence > max(tolerance, noise_floor)
     buffers = comparison.buffers_changed > 0
     states = buffers or comparison.attributes_changed > 0
-    cause, hint = None, None
+    cause: Cause | None = None
+    hint: str | None = None
     if gradients_diverged and reproducible and losses_differ(reference_loss, live_loss):
-        cause, hint = "outside_state", CAUSE_HINTS["outside_state"]
+        cause, hint = Cause.OUTSIDE_STATE, Cause.OUTSIDE_STATE.hint
     elif buffers and not gradients_diverged:
-        cause, hint = "buffer_mutation", buffer_hint(changed or ["buffers of another rank"])
+        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(changed or ["buffers of another rank"])
     elif states and not gradients_diverged:
-        cause, hint = "attribute_mutation", attribute_hint(attributes or ["attributes of another rank"])
+        cause, hint = Cause.ATTRIBUTE_MUTATION, attribute_hint(attributes or ["attributes of another rank"])
     return RecomputationReport(
         grad_divergence=comparison.grad_divergence,
         max_abs_diff=comparison.max_abs_diff,

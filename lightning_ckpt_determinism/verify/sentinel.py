@@ -47,6 +47,7 @@ from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import observing_saved_tensors
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
@@ -81,7 +82,7 @@ class SentinelRegion:
     mismatches: int = 0
     first_mismatch: str | None = None
     not_compared: int = 0
-    cause: str | None = None
+    cause: Cause | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class _StateChange:
     """A parameter or buffer a recomputation changed, as a mismatch describes it."""
 
     description: str
-    cause: str
+    cause: Cause | None
 
     def describe(self) -> str:
         return self.description
@@ -373,14 +374,14 @@ class _StateWatch:
     def done(self) -> None:
         written = [name for name, param, version in self.versions if param._version != version]
         changes = [
-            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", "parameter_write")
+            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE)
             for name in written
         ]
         self.sentinel.changed(self.region, changes)
         if self.before is not None:
             after = self._digests()
             items = [
-                _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", "buffer_mutation")
+                _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", Cause.BUFFER_MUTATION)
                 for name, _ in self.buffers
             ]
             self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
@@ -648,7 +649,7 @@ class RecomputationSentinel:
         for call in self._calls:
             compared[call.region] += len(call.metadata_mismatches)
             not_compared[call.region] += call.not_compared
-            found[call.region].extend(_StateChange(text, "") for text in call.metadata_mismatches)
+            found[call.region].extend(_StateChange(text, None) for text in call.metadata_mismatches)
         for owner, change in self._changes:
             found[owner].append(change)
         period = {
@@ -657,7 +658,7 @@ class RecomputationSentinel:
                 mismatches=len(found[name]),
                 first_mismatch=found[name][0].describe() if found[name] else None,
                 not_compared=not_compared[name],
-                cause=(found[name][0].cause or None) if found[name] else None,
+                cause=found[name][0].cause if found[name] else None,
             )
             for name in self._names
         }
