@@ -22,6 +22,7 @@ from lightning_ckpt_determinism.errors import (
 )
 from lightning_ckpt_determinism.verify import (
     CAUSE_HINTS,
+    Cause,
     RecomputationReport,
     RecomputationSentinel,
     RegionReport,
@@ -58,6 +59,7 @@ _LIGHTNING_LAYER = {
 __all__ = [
     "CAUSE_HINTS",
     "ActivationCheckpointingMixin",
+    "Cause",
     "CheckpointingCLI",
     "CheckpointingConfig",
     "CheckpointingConfigError",

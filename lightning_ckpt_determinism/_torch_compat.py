@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 # Non-reentrant checkpoint internals: the early stop it raises inside recomputation once every saved tensor is back,
 # and its registry of `determinism_check` names (both >= 2.1).
-from torch.utils.checkpoint import _allowed_determinism_checks_to_fns, _StopRecomputationError
+from torch.utils.checkpoint import CheckpointError, _allowed_determinism_checks_to_fns, _StopRecomputationError
 
 __all__ = [
     "RECOMPILE_LOGGER",
@@ -60,6 +60,7 @@ __all__ = [
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
+    "is_metadata_mismatch",
     "module_call",
     "module_path_steps",
     "no_python_dispatch",
@@ -108,6 +109,27 @@ def written_tensors(func: OpOverload, args: Any, kwargs: Any) -> list[torch.Tens
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         written.extend(leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
     return written
+
+
+def is_metadata_mismatch(error: BaseException) -> bool:
+    """Whether ``error`` is the ``CheckpointError`` non-reentrant checkpointing raises when a recomputed tensor has
+    another shape, dtype or device than the one the forward saved.
+
+    torch tells it from its other ``CheckpointError`` (another number of tensors saved) by its message only:
+    "torch.utils.checkpoint: Recomputed values for the following tensors have different metadata than during the
+    forward pass.", matched on "different metadata". The message is the same from torch 2.1 (where
+    ``CheckpointError`` and this check of the recomputed tensors appeared) to 2.13 (read in its sources);
+    ``tests/test_torch_compat.py`` pins it on the installed torch.
+
+    Args:
+        error: An error raised while a region was recomputed.
+
+    Example::
+
+        >>> is_metadata_mismatch(RuntimeError("different metadata")), is_metadata_mismatch(CheckpointError("other"))
+        (False, False)
+    """
+    return isinstance(error, CheckpointError) and "different metadata" in str(error)
 
 
 def current_graph_task_id() -> int:

@@ -4,7 +4,9 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan
+from lightning_ckpt_determinism.verify.outcome import Verdict, region_outcome, report_diverged, worse
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 
 __all__ = ["RegionSummary", "diverged", "document", "footer", "scan_notes", "shortfall_note", "summarize", "table"]
@@ -14,14 +16,14 @@ __all__ = ["RegionSummary", "diverged", "document", "footer", "scan_notes", "sho
 class RegionSummary:
     """One region over every checked batch.
 
-    ``verdict`` is ``"diverged"``, ``"noise"`` (it differed, within the noise floor), ``"unchecked"`` (no op of it
-    was recomputed: it did not run, or the pass failed before its recomputation) or ``"ok"``. ``data_dependent_ops``
-    maps each data-dependent op its forward ran to whether its outputs were kept from the forward in every batch.
+    ``verdict`` is the worst :data:`~lightning_ckpt_determinism.verify.outcome.Verdict` over the batches.
+    ``data_dependent_ops`` maps each data-dependent op its forward ran to whether its outputs were kept from the
+    forward in every batch.
     """
 
     name: str
-    verdict: str
-    cause: str | None
+    verdict: Verdict
+    cause: Cause | None
     max_abs_diff: float
     first_divergent_op: tuple[str, int] | None
     hint: str | None
@@ -31,31 +33,30 @@ class RegionSummary:
 
 
 def summarize(reports: list[RecomputationReport]) -> list[RegionSummary]:
+    """Each region over every batch: its worst verdict, and the cause of its first batch that diverged (of its first
+    with a cause when none did)."""
     summaries: dict[str, RegionSummary] = {}
     for report in reports:
         for region in report.regions:
-            summary = summaries.setdefault(region.name, RegionSummary(region.name, "ok", None, 0.0, None, None))
+            outcome = region_outcome(region)
+            summary = summaries.setdefault(region.name, RegionSummary(region.name, "unchecked", None, 0.0, None, None))
             summary.max_abs_diff = max(summary.max_abs_diff, region.max_abs_diff)
-            summary.batches_diverged += region.diverged
-            first_of_its_kind = summary.cause is None or (region.diverged and summary.verdict != "diverged")
-            if region.cause is not None and first_of_its_kind:
-                summary.cause, summary.hint = region.cause, region.hint
+            summary.batches_diverged += outcome.verdict == "diverged"
+            first_of_its_kind = summary.cause is None or (
+                outcome.verdict == "diverged" and summary.verdict != "diverged"
+            )
+            if outcome.cause is not None and first_of_its_kind:
+                summary.cause, summary.hint = outcome.cause, outcome.hint
                 summary.first_divergent_op = region.first_divergent_op
-            if region.diverged:
-                summary.verdict = "diverged"
-            elif region.cause is not None and summary.verdict == "ok":
-                summary.verdict = "noise"
+            summary.verdict = worse(summary.verdict, outcome.verdict)
             summary.ops_compared += region.ops_compared
             for op, kept in region.data_dependent_ops.items():
                 summary.data_dependent_ops[op] = summary.data_dependent_ops.get(op, True) and kept
-    for summary in summaries.values():
-        if summary.verdict == "ok" and summary.ops_compared == 0:
-            summary.verdict = "unchecked"
     return list(summaries.values())
 
 
 def diverged(reports: list[RecomputationReport]) -> bool:
-    return any(report.diverged or any(region.diverged for region in report.regions) for report in reports)
+    return any(report_diverged(report) for report in reports)
 
 
 def table(summaries: list[RegionSummary]) -> str:
@@ -104,7 +105,7 @@ def shortfall_note(checked: int, seen: int, asked: int) -> str:
 
 
 # Causes of a whole step, which no region carries: the compiler's recomputation, state outside the regions.
-_STEP_CAUSES = ("compiler_recompute", "outside_state")
+_STEP_CAUSES = (Cause.COMPILER_RECOMPUTE, Cause.OUTSIDE_STATE)
 
 
 def _batches(count: int) -> str:
@@ -128,7 +129,7 @@ def footer(
     errors = list(dict.fromkeys(report.error.splitlines()[0] for report in reports if report.error))
     lines.extend(f"error: {error}" for error in errors)
     if any(report.compiled for report in reports):
-        scanned_regions = any(summary.cause == "compiler_recompute" for summary in summaries)
+        scanned_regions = any(summary.cause == Cause.COMPILER_RECOMPUTE for summary in summaries)
         lines.append(
             "compiled: both passes ran compiled; the regions were compared with eager semantics (the same step run"
             " under torch.compiler.set_stance('force_eager'))"

@@ -31,6 +31,7 @@ from lightning_ckpt_determinism.lightning.step import (
     logging_suppressed,
     training_step_loss,
 )
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.core import CheckScope
 from lightning_ckpt_determinism.verify.live import check_live_step
@@ -113,8 +114,8 @@ class StepCheck:
                 buffer_mutations=attributed.buffer_mutations or report.buffer_mutations,
                 # The live check's `outside_state` is provisional: attribution may find a kernel that differs run
                 # to run, which changes the forward as well.
-                cause=attributed.cause if report.cause == "outside_state" else attributed.cause or report.cause,
-                hint=attributed.hint if report.cause == "outside_state" else attributed.hint or report.hint,
+                cause=attributed.cause if report.cause == Cause.OUTSIDE_STATE else attributed.cause or report.cause,
+                hint=attributed.hint if report.cause == Cause.OUTSIDE_STATE else attributed.hint or report.hint,
                 error=attributed.error,
             )
         return report

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.core import gradients_diverge
+from lightning_ckpt_determinism.verify.outcome import diverging, region_outcome, report_diverged
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
@@ -72,7 +74,7 @@ class RankFindings:
 
     @classmethod
     def of(cls, rank: int, report: RecomputationReport) -> "RankFindings":
-        regions = _diverging_regions(report)
+        regions = diverging(report.regions)
         return cls(
             rank,
             report.error,
@@ -110,7 +112,7 @@ def reduce_findings(report: RecomputationReport, device: torch.device, reduce: A
         gather: ``value -> every rank's value``.
         rank: This rank.
     """
-    diverged_here = report.diverged or bool(_diverging_regions(report))
+    diverged_here = report_diverged(report)
     gradients_here = gradients_diverge(report.grad_divergence, report.tolerance, report.noise_floor, error=report.error)
     figures = [report.grad_divergence, report.max_abs_diff, float(diverged_here), report.noise_floor]
     states = [float(len(report.buffer_mutations)), float(len(report.attribute_mutations))]
@@ -146,7 +148,7 @@ def metrics(findings: Findings, prefix: str, *, calibrate_noise: bool) -> dict[s
 
 def warning_key(findings: Findings) -> str:
     """What kind of finding this is, so that one kind warns once."""
-    causes = sorted({region.cause or "" for finding in findings.ranks for region in finding.regions})
+    causes = sorted({region_outcome(region).cause or "" for finding in findings.ranks for region in finding.regions})
     errors = sorted({finding.error.split(":", 1)[0] for finding in findings.ranks if finding.error})
     return f"causes:{causes}" if causes else f"errors:{errors}" if errors else "gradients"
 
@@ -166,7 +168,7 @@ def divergence_message(step: int, findings: Findings, report: RecomputationRepor
     sentences: dict[str, list[int]] = {}
     for finding in findings.ranks:
         for region in finding.regions[:_NAMED_REGIONS]:
-            sentences.setdefault(_region_sentence(region), []).append(finding.rank)
+            sentences.setdefault(region_outcome(region).finding or "", []).append(finding.rank)
     for sentence, on in list(sentences.items())[:_NAMED_REGIONS]:
         suffix = f" (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" if several else ""
         parts.append(f"{sentence.rstrip('.')}{suffix}.")
@@ -210,11 +212,6 @@ def _changed_state(step: int, kind: str, count: int, names: list[str]) -> str:
     )
 
 
-def _diverging_regions(report: RecomputationReport) -> list[RegionReport]:
-    """The diverged regions of ``report``, worst first."""
-    return sorted((region for region in report.regions if region.diverged), key=lambda r: -r.max_abs_diff)
-
-
 def _worst_over_ranks(findings: list[RankFindings]) -> list[RegionReport]:
     """Each diverging region once, with its largest difference over ranks, worst first."""
     worst: dict[str, RegionReport] = {}
@@ -223,23 +220,6 @@ def _worst_over_ranks(findings: list[RankFindings]) -> list[RegionReport]:
             if region.name not in worst or region.max_abs_diff > worst[region.name].max_abs_diff:
                 worst[region.name] = region
     return sorted(worst.values(), key=lambda region: -region.max_abs_diff)
-
-
-def _region_sentence(region: RegionReport) -> str:
-    if region.first_divergent_op is None:
-        where = ""
-    else:
-        op, index = region.first_divergent_op
-        where = f" at `{op}` (op {index} of the region)"
-    if region.cause == "buffer_mutation":
-        return f"Region `{region.name}` updated its buffers a second time in recomputation: {region.hint}"
-    if region.cause == "attribute_mutation":
-        return f"Region `{region.name}` changed Python attributes a second time in recomputation: {region.hint}"
-    if region.cause == "parameter_write":
-        return f"Region `{region.name}` wrote a parameter in place in recomputation: {region.hint}"
-    # A region the graph scan named differs only compiled: its eager values, which `max_abs_diff` measures, agree.
-    diff = "" if region.cause == "compiler_recompute" else f", max abs diff {region.max_abs_diff:.3g}"
-    return f"Region `{region.name}` diverged{where}{diff}, cause {region.cause}: {region.hint}"
 
 
 @dataclass
@@ -251,7 +231,7 @@ class FitSummary:
     skipped: int = 0
     worst: float = 0.0
     worst_step: int | None = None
-    causes: dict[str, dict[str, str]] = field(default_factory=dict)
+    causes: dict[Cause, dict[str, str]] = field(default_factory=dict)
 
     def add(self, step: int, findings: Findings) -> None:
         """Count one check."""
@@ -261,8 +241,9 @@ class FitSummary:
             self.worst, self.worst_step = findings.grad_divergence, step
         for finding in findings.ranks:
             for region in finding.regions:
-                if region.cause is not None:
-                    self.causes.setdefault(region.cause, {}).setdefault(region.name, region.hint or "")
+                outcome = region_outcome(region)
+                if outcome.cause is not None:
+                    self.causes.setdefault(outcome.cause, {}).setdefault(region.name, outcome.hint or "")
 
     def text(self, every_n_steps: int, sentinel: SentinelReport | None) -> str:
         """One paragraph: the checks, how many diverged, the worst figure and its step, each cause with its regions

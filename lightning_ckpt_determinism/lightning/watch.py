@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
-from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.sentinel import (
     RecomputationSentinel,
     SentinelRegion,
@@ -50,14 +50,14 @@ class SentinelFinding:
     mismatches: int
     first_mismatch: str
     ranks: list[int] = field(default_factory=list)
-    cause: str | None = None
+    cause: Cause | None = None
 
     def message(self, several_ranks: bool) -> str:
         ranks = f" (rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))})"
         where = ranks if several_ranks else ""
         count = f"{self.mismatches} mismatch{'es' if self.mismatches != 1 else ''}"
-        if self.cause is not None and self.cause in CAUSE_HINTS:
-            then = f" Cause {self.cause}: {CAUSE_HINTS[self.cause]}"
+        if self.cause is not None:
+            then = f" Cause {self.cause}: {self.cause.hint}"
         else:
             then = " The next step is checked in full, with attribution, to name the cause."
         return (

@@ -3,6 +3,7 @@
 This layer imports no Lightning: it runs on plain PyTorch (and the checkpointing layer below it).
 """
 
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import gradient_divergence
 from lightning_ckpt_determinism.verify.live import GradientComparison, check_live_step, compare_gradients
 from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS, RecomputationReport, RegionReport
@@ -17,6 +18,7 @@ from lightning_ckpt_determinism.verify.two_pass import check_recomputation
 
 __all__ = [
     "CAUSE_HINTS",
+    "Cause",
     "GradientComparison",
     "RecomputationReport",
     "RecomputationSentinel",

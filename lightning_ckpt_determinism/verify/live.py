@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import (
     NOISE_MARGIN,
     pair_difference,
@@ -35,7 +36,11 @@ from lightning_ckpt_determinism.verify.core import (
     uncomparable,
 )
 from lightning_ckpt_determinism.verify.gradients import counted_here, take_gradients
-from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS, RecomputationReport, attribute_hint, buffer_hint
+from lightning_ckpt_determinism.verify.reports import (
+    RecomputationReport,
+    attribute_hint,
+    buffer_hint,
+)
 from lightning_ckpt_determinism.verify.state import StepState
 
 __all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
@@ -284,13 +289,14 @@ def check_live_step(
     gradients_diverged = gradients_diverge(comparison.grad_divergence, tolerance, noise_floor, error=comparison.error)
     buffers = comparison.buffers_changed > 0
     states = buffers or comparison.attributes_changed > 0
-    cause, hint = None, None
+    cause: Cause | None = None
+    hint: str | None = None
     if gradients_diverged and reproducible and losses_differ(reference_loss, live_loss):
-        cause, hint = "outside_state", CAUSE_HINTS["outside_state"]
+        cause, hint = Cause.OUTSIDE_STATE, Cause.OUTSIDE_STATE.hint
     elif buffers and not gradients_diverged:
-        cause, hint = "buffer_mutation", buffer_hint(changed or ["buffers of another rank"])
+        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(changed or ["buffers of another rank"])
     elif states and not gradients_diverged:
-        cause, hint = "attribute_mutation", attribute_hint(attributes or ["attributes of another rank"])
+        cause, hint = Cause.ATTRIBUTE_MUTATION, attribute_hint(attributes or ["attributes of another rank"])
     return RecomputationReport(
         grad_divergence=comparison.grad_divergence,
         max_abs_diff=comparison.max_abs_diff,

@@ -1,13 +1,16 @@
 """What a check reports: :class:`RecomputationReport`, one :class:`RegionReport` per region, and the causes.
 
-:data:`CAUSE_HINTS` is the one source of each cause's text; reports, warnings, the audit and the docs take it from
-here. Reports are frozen: a check builds each once.
+Each cause and its text is a :class:`~lightning_ckpt_determinism.verify.cause.Cause`, and :data:`CAUSE_HINTS` maps
+each to its hint; reports, warnings, the audit and the docs take them from there. Reports are frozen: a check builds
+each once.
 """
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from lightning_ckpt_determinism.verify.cause import Cause
 
 __all__ = [
     "CAUSE_HINTS",
@@ -26,73 +29,16 @@ __all__ = [
     "no_gradients",
 ]
 
-CAUSE_HINTS: Mapping[str, str] = MappingProxyType(
-    {
-        "rng_not_preserved": (
-            "A random op draws other numbers in recomputation: set `preserve_rng_state=True` in the"
-            " `CheckpointingConfig`, and draw from torch's default generators (a generator of your own is not"
-            " replayed)."
-        ),
-        "host_rng": (
-            "The forward reads Python's `random` or NumPy's global RNG: set `preserve_host_rng=True` in the"
-            " `CheckpointingConfig`, or draw from torch's RNG instead."
-        ),
-        "buffer_mutation": (
-            "Recomputation updates the region's buffers a second time (BatchNorm statistics, counters): set"
-            " `protect_buffers=True` in the `CheckpointingConfig`."
-        ),
-        "shape_change": (
-            "A shape in the region depends on something that changed between forward and recomputation: make it a"
-            " function of the region's inputs only, or leave this module out of checkpointing."
-        ),
-        "python_state": (
-            "The forward reads Python state that changed before recomputation (a list or dict it appends to, another"
-            " object's field, a global; the region's own scalar attributes, such as counters and flags, are"
-            " replayed): compute it outside the checkpointed module and pass it in, or change it only outside"
-            " forward."
-        ),
-        "parameter_write": (
-            "Recomputation writes a parameter in place a second time (an `nn.Embedding` with `max_norm`"
-            " renormalises its weight again in backward), so the weights drift from training without"
-            " checkpointing: leave that module out of checkpointing, or renormalise outside the checkpointed module."
-        ),
-        "outside_state": (
-            "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
-            " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
-            " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
-            " state in module attributes, buffers or generators the check restores, or check with"
-            " `calibrate_noise=True` for kernels that are not reproducible."
-        ),
-        "attribute_mutation": (
-            "Recomputation changes Python attributes of the region a second time (a list appended to, a dict"
-            " updated): the package replays the region's scalar attributes (numbers, strings, flags), not containers"
-            " or other objects. Change them outside forward (in `training_step` or a hook), or hold them as scalars."
-        ),
-        "nondeterministic_kernel": (
-            "A kernel returned other values for the same inputs: call `torch.use_deterministic_algorithms(True)`,"
-            " or check with `calibrate_noise=True` so that differences within the noise floor are tolerated."
-        ),
-        "recompute_error": (
-            "Recomputing the region raised an error its forward did not (see `error`): make the region's code"
-            " depend only on its inputs, or leave this module out of checkpointing."
-        ),
-        "compiler_recompute": (
-            "The compiled step diverges and the same step run eagerly does not: the compiler's own recomputation"
-            " differs from its forward. Known triggers: `torch._functorch.config.activation_memory_budget` below 1"
-            " (random ops redrawn, pytorch#190717), inductor's `fallback_random` with `reorder_for_peak_memory`"
-            " (dropout masks reordered), and reductions compiled differently for the recomputation. Fixes: set the"
-            " budget to 1.0, mark the random ops `CheckpointPolicy.MUST_SAVE` in a selective-checkpointing policy,"
-            " or, against the budget's redraws, `torch._inductor.config.fallback_random = True` without"
-            " `reorder_for_peak_memory`."
-        ),
-    }
-)
-"""The catalogue of causes: each ``RegionReport.cause`` key and the hint reports give for it.
+CAUSE_HINTS: Mapping[str, str] = MappingProxyType({cause: cause.hint for cause in Cause})
+"""The catalogue of causes: each :class:`~lightning_ckpt_determinism.verify.cause.Cause` and the hint reports give
+for it (its Python form), in the order of the enum.
 
 Example::
 
     >>> sorted(CAUSE_HINTS)[:2]
     ['buffer_mutation', 'host_rng']
+    >>> CAUSE_HINTS["host_rng"] == Cause.HOST_RNG.hint
+    True
 """
 
 ROUTING_HINT = (
@@ -132,7 +78,7 @@ def buffer_hint(buffers: list[str]) -> str:
         >>> buffer_hint(["norm.running_mean"]).endswith("Changed: norm.running_mean.")
         True
     """
-    return f"{CAUSE_HINTS['buffer_mutation']} Changed: {', '.join(buffers)}."
+    return f"{Cause.BUFFER_MUTATION.hint} Changed: {', '.join(buffers)}."
 
 
 def attribute_hint(attributes: list[str]) -> str:
@@ -143,7 +89,7 @@ def attribute_hint(attributes: list[str]) -> str:
         >>> attribute_hint(["blocks.0.history"]).endswith("Changed: blocks.0.history.")
         True
     """
-    return f"{CAUSE_HINTS['attribute_mutation']} Changed: {', '.join(attributes)}."
+    return f"{Cause.ATTRIBUTE_MUTATION.hint} Changed: {', '.join(attributes)}."
 
 
 def no_gradients(where: str = "in either pass") -> str:
@@ -207,8 +153,8 @@ class RegionReport:
         diverged: Whether the difference counts against the verdict: always when ``cause`` is set, except that a
             ``"nondeterministic_kernel"`` only counts when the gradients diverge beyond the tolerance and the
             noise floor.
-        cause: A key of :data:`CAUSE_HINTS` when recomputation did not reproduce the forward; ``None`` when it
-            reproduced every compared value and buffer exactly.
+        cause: A :class:`~lightning_ckpt_determinism.verify.cause.Cause` when recomputation did not reproduce the
+            forward; ``None`` when it reproduced every compared value and buffer exactly.
         hint: What to change, for people: :data:`CAUSE_HINTS` of ``cause`` followed by what was found (the
             buffers changed), or, for an input modified in place after the forward, a hint of its own; ``None``
             when ``cause`` is.
@@ -236,7 +182,7 @@ class RegionReport:
     max_abs_diff: float = 0.0
     first_divergent_op: tuple[str, int] | None = None
     diverged: bool = False
-    cause: str | None = None
+    cause: Cause | None = None
     hint: str | None = None
     buffer_mutations: list[str] = field(default_factory=list)
     attribute_mutations: list[str] = field(default_factory=list)
@@ -313,5 +259,5 @@ class RecomputationReport:
     buffer_mutations: list[str] = field(default_factory=list)
     attribute_mutations: list[str] = field(default_factory=list)
     compiled: bool = False
-    cause: str | None = None
+    cause: Cause | None = None
     hint: str | None = None

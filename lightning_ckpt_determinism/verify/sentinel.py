@@ -46,6 +46,7 @@ from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Recomputed
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
@@ -80,7 +81,7 @@ class SentinelRegion:
     mismatches: int = 0
     first_mismatch: str | None = None
     not_compared: int = 0
-    cause: str | None = None
+    cause: Cause | None = None
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class _StateChange:
     """A parameter or buffer a recomputation changed, as a mismatch describes it."""
 
     description: str
-    cause: str
+    cause: Cause | None
 
     def describe(self) -> str:
         return self.description
@@ -341,14 +342,14 @@ class _StateWatch:
     def done(self) -> None:
         written = [name for name, param, version in self.versions if version_counter(param) != version]
         changes = [
-            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", "parameter_write")
+            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE)
             for name in written
         ]
         self.sentinel.changed(self.region, changes)
         if self.before is not None:
             after = self._digests()
             items = [
-                _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", "buffer_mutation")
+                _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", Cause.BUFFER_MUTATION)
                 for name, _ in self.buffers
             ]
             self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
@@ -615,7 +616,7 @@ class RecomputationSentinel:
         for call in self._calls:
             compared[call.region] += len(call.metadata_mismatches)
             not_compared[call.region] += call.not_compared
-            found[call.region].extend(_StateChange(text, "") for text in call.metadata_mismatches)
+            found[call.region].extend(_StateChange(text, None) for text in call.metadata_mismatches)
         for owner, change in self._changes:
             found[owner].append(change)
         period = {
@@ -624,7 +625,7 @@ class RecomputationSentinel:
                 mismatches=len(found[name]),
                 first_mismatch=found[name][0].describe() if found[name] else None,
                 not_compared=not_compared[name],
-                cause=(found[name][0].cause or None) if found[name] else None,
+                cause=found[name][0].cause if found[name] else None,
             )
             for name in self._names
         }

@@ -24,6 +24,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_module
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism.verify.core import (
@@ -35,7 +36,6 @@ from lightning_ckpt_determinism.verify.core import (
 )
 from lightning_ckpt_determinism.verify.gradients import take_gradients
 from lightning_ckpt_determinism.verify.reports import (
-    CAUSE_HINTS,
     COMPILED_NOISE_NOTE,
     RecomputationReport,
     RegionReport,
@@ -217,11 +217,11 @@ def _compare(
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
-    kernel = any(region.cause == "nondeterministic_kernel" for region in regions)
+    kernel = any(region.cause == Cause.NONDETERMINISTIC_KERNEL for region in regions)
     if verdict.diverged and reproducible and not kernel and losses_differ(reference_loss, checkpointed.loss):
         # The forward itself differed, before anything was recomputed, and no region's kernel explains it (one that
         # differs run to run also changes the forward): what the regions saw differ is its echo.
-        cause = "outside_state"
+        cause = Cause.OUTSIDE_STATE
         regions = [replace(region, diverged=False) for region in regions]
     return RecomputationReport(
         grad_divergence=verdict.divergence,
@@ -238,7 +238,7 @@ def _compare(
         buffer_mutations=buffers,
         attribute_mutations=attributes,
         cause=cause,
-        hint=None if cause is None else CAUSE_HINTS[cause] + COMPILED_NOISE_NOTE * (cause == "nondeterministic_kernel"),
+        hint=None if cause is None else cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL),
     )
 
 
@@ -249,7 +249,7 @@ def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list
     for region in regions:
         own = [name for name in attributes if name.startswith(f"{region.name}.") or not region.name]
         if own and region.cause is None:
-            region = replace(region, diverged=True, cause="attribute_mutation", hint=attribute_hint(own))
+            region = replace(region, diverged=True, cause=Cause.ATTRIBUTE_MUTATION, hint=attribute_hint(own))
         named.append(replace(region, attribute_mutations=own) if own else region)
     return named
 
@@ -375,7 +375,7 @@ class _Passes:
 
     def compiled_cause(
         self, compiler_only: bool, reference: _Gradients, recomputed: _Gradients | None, regions: list[RegionReport]
-    ) -> tuple[str | None, list[RegionReport]]:
+    ) -> tuple[Cause | None, list[RegionReport]]:
         """A compiled divergence the eager step does not show: the compiler's recomputation when it repeats from the
         same state, kernels that differ run to run when it does not; the regions the graph scan names then."""
         if not self._agreed(compiler_only):
@@ -385,10 +385,10 @@ class _Passes:
         _, again_reference = self.reference()
         again = self.checkpointed()
         repeats = _same(reference, again_reference) and _same(recomputed, again.gradients)
-        cause = ("compiler_recompute" if repeats else "nondeterministic_kernel") if compiler_only else None
+        cause = (Cause.COMPILER_RECOMPUTE if repeats else Cause.NONDETERMINISTIC_KERNEL) if compiler_only else None
         if self._agreed(compiler_only and repeats):
             # Where this rank's divergence is not the compiler's, the pass runs for the others' collectives only.
-            regions = self._name_redrawing_regions(regions, mark=cause == "compiler_recompute")
+            regions = self._name_redrawing_regions(regions, mark=cause == Cause.COMPILER_RECOMPUTE)
         return cause, regions
 
     def _name_redrawing_regions(self, regions: list[RegionReport], *, mark: bool) -> list[RegionReport]:
@@ -404,8 +404,8 @@ class _Passes:
         for region in regions:
             if region.name in redraws:
                 found = "; ".join(redraw.describe() for redraw in redraws[region.name])
-                hint = f"{CAUSE_HINTS['compiler_recompute']} In its compiled backward graph, {found}."
-                region = replace(region, diverged=True, cause="compiler_recompute", hint=hint)
+                hint = f"{Cause.COMPILER_RECOMPUTE.hint} In its compiled backward graph, {found}."
+                region = replace(region, diverged=True, cause=Cause.COMPILER_RECOMPUTE, hint=hint)
             named.append(region)
         return named
 

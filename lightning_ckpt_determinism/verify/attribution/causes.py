@@ -20,56 +20,33 @@ a parameter in place (``embedding_renorm_``) gets ``parameter_write``, with the 
 
 When a data-dependent op recomputed other outputs than its forward's (routing flipped), the cause stays that of the
 first op that differed and the hint adds what keeps the routing.
+
+The rules read only the :class:`~lightning_ckpt_determinism.verify.attribution.evidence.CallEvidence` the observer
+produced: a new cause is a member of :class:`~lightning_ckpt_determinism.verify.cause.Cause` and one rule here.
 """
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterable, Mapping, Sequence
 
-from torch.utils.checkpoint import CheckpointError
-
+from lightning_ckpt_determinism.verify.attribution.evidence import CallEvidence, Divergence, RecomputeFailure
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.reports import (
-    CAUSE_HINTS,
     INPUT_MODIFIED_HINT,
     ROUTING_DROPPED_HINT,
     ROUTING_HINT,
     ROUTING_TOO_LARGE_HINT,
     RegionReport,
     buffer_hint,
-    first_line,
 )
 
-if TYPE_CHECKING:
-    from lightning_ckpt_determinism.verify.attribution.observer import CallRecord
-
-__all__ = ["Divergence", "DivergenceKind", "evidence_cause", "region_reports"]
-
-DivergenceKind = Literal["values", "shape", "structure"]
+__all__ = ["call_cause", "evidence_cause", "failure_cause", "region_reports"]
 
 
-@dataclass(frozen=True)
-class Divergence:
-    """The first op of a call whose recomputation differed from its forward.
-
-    Attributes:
-        index: Its position among the region's ops, from 0.
-        op: Its aten name.
-        kind: ``"values"`` (other values), ``"shape"`` (another shape or dtype), ``"structure"`` (another op, or
-            more ops than the forward ran).
-        random: Whether the op draws random numbers.
-        same_inputs: Whether the op received exactly the inputs it had in the forward.
-    """
-
-    index: int
-    op: str
-    kind: DivergenceKind
-    random: bool
-    same_inputs: bool
-
-
-def evidence_cause(divergence: Divergence) -> str | None:
+def evidence_cause(divergence: Divergence) -> Cause | None:
     """The cause the differing op itself proves, or ``None`` when host RNG and Python state remain.
+
+    Args:
+        divergence: The first op of a call that differed.
 
     Example::
 
@@ -79,17 +56,59 @@ def evidence_cause(divergence: Divergence) -> str | None:
     if divergence.kind == "structure":
         return None
     if divergence.random:
-        return "rng_not_preserved"
+        return Cause.RNG_NOT_PRESERVED
     if divergence.kind == "shape":
-        return "shape_change"
+        return Cause.SHAPE_CHANGE
     if divergence.same_inputs:
-        return "nondeterministic_kernel"
+        return Cause.NONDETERMINISTIC_KERNEL
     return None
+
+
+def failure_cause(failure: RecomputeFailure) -> Cause:
+    """The cause of a recomputation that failed before any of its ops differed.
+
+    torch's metadata mismatch is a shape that changed; its other ``CheckpointError``, a different number of saved
+    tensors, comes from control flow that changed, as do errors raised by the region's own code.
+
+    Args:
+        failure: How the recomputation failed.
+
+    Example::
+
+        >>> failure_cause("metadata"), failure_cause("checkpoint"), failure_cause("error")
+        ('shape_change', 'python_state', 'recompute_error')
+    """
+    if failure == "error":
+        return Cause.RECOMPUTE_ERROR
+    return Cause.SHAPE_CHANGE if failure == "metadata" else Cause.PYTHON_STATE
+
+
+def call_cause(call: CallEvidence, *, host_rng_explained: bool) -> Cause | None:
+    """The cause one call of a region proves: its first differing op's, else its failure's; ``None`` for a call
+    that recomputed what its forward produced.
+
+    Args:
+        call: What the observer found in the call.
+        host_rng_explained: Whether replaying the region's host RNG made its difference go away.
+
+    Example::
+
+        >>> differed = Divergence(2, "aten.add.Tensor", "values", random=False, same_inputs=False)
+        >>> call = CallEvidence("blocks.1", divergence=differed, host_rng_read=True)
+        >>> call_cause(call, host_rng_explained=True), call_cause(call, host_rng_explained=False)
+        ('host_rng', 'python_state')
+    """
+    if call.divergence is None:
+        return None if call.failure is None else failure_cause(call.failure)
+    found = evidence_cause(call.divergence)
+    if found is not None:
+        return found
+    return Cause.HOST_RNG if host_rng_explained and call.host_rng_read else Cause.PYTHON_STATE
 
 
 def region_reports(
     names: Iterable[str],
-    calls: list["CallRecord"],
+    calls: Sequence[CallEvidence],
     mutated: Mapping[str, list[str]],
     *,
     gradients_diverged: bool,
@@ -99,10 +118,16 @@ def region_reports(
 
     Args:
         names: The checkpointed regions.
-        calls: Every observed call of the pass.
+        calls: The evidence of every observed call of the pass.
         mutated: The buffers recomputation changed, by region.
         gradients_diverged: Whether the check's gradients diverged (a ``nondeterministic_kernel`` counts only then).
         host_rng_explained: The regions whose difference the host-RNG replay made go away.
+
+    Example::
+
+        >>> [report.cause for report in region_reports(["a"], [], {"a": ["a.count"]}, gradients_diverged=False,
+        ...                                             host_rng_explained=frozenset())]
+        ['buffer_mutation']
     """
     return [
         _region_report(
@@ -117,15 +142,15 @@ def region_reports(
 
 
 def _region_report(
-    name: str, calls: list["CallRecord"], buffers: list[str], *, gradients_diverged: bool, host_rng_explained: bool
+    name: str, calls: list[CallEvidence], buffers: list[str], *, gradients_diverged: bool, host_rng_explained: bool
 ) -> RegionReport:
     max_abs_diff = max((call.max_abs_diff for call in calls), default=0.0)
     cause = hint = error = first_op = None
     for call in calls:
-        cause = _cause(call, host_rng_explained=host_rng_explained)
+        cause = call_cause(call, host_rng_explained=host_rng_explained)
         if cause is not None:
-            hint = (INPUT_MODIFIED_HINT if call.input_modified else CAUSE_HINTS[cause]) + _routing_hint(call)
-            error = None if call.error is None else first_line(call.error)
+            hint = (INPUT_MODIFIED_HINT if call.input_modified else cause.hint) + _routing_hint(call)
+            error = call.error
             if call.divergence is not None:
                 first_op = (call.divergence.op, call.divergence.index)
             else:
@@ -133,15 +158,15 @@ def _region_report(
             break
     written = sorted({f"{name}.{param}" for call in calls for param in call.parameters_written})
     if cause is None and written:
-        cause, hint = "parameter_write", f"{CAUSE_HINTS['parameter_write']} Written: {', '.join(written)}."
+        cause, hint = Cause.PARAMETER_WRITE, f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(written)}."
     elif cause is None and buffers:
-        cause, hint = "buffer_mutation", buffer_hint(buffers)
+        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(buffers)
     return RegionReport(
         name=name,
         ops_compared=sum(call.compared for call in calls),
         max_abs_diff=max_abs_diff,
         first_divergent_op=first_op,
-        diverged=cause is not None and (cause != "nondeterministic_kernel" or gradients_diverged),
+        diverged=cause is not None and (cause != Cause.NONDETERMINISTIC_KERNEL or gradients_diverged),
         cause=cause,
         hint=hint,
         buffer_mutations=buffers,
@@ -151,36 +176,21 @@ def _region_report(
     )
 
 
-def _cause(call: "CallRecord", *, host_rng_explained: bool) -> str | None:
-    if call.divergence is None:
-        if call.error is None:
-            return None
-        # torch's metadata mismatch; its other CheckpointError, a different number of saved tensors, comes from
-        # control flow that changed, as do errors raised by the region's own code.
-        if not isinstance(call.error, CheckpointError):
-            return "recompute_error"
-        return "shape_change" if "different metadata" in str(call.error) else "python_state"
-    found = evidence_cause(call.divergence)
-    if found is not None:
-        return found
-    return "host_rng" if host_rng_explained and call.host_rng_read else "python_state"
-
-
-def _data_dependent_ops(calls: list["CallRecord"]) -> dict[str, bool]:
+def _data_dependent_ops(calls: list[CallEvidence]) -> dict[str, bool]:
     """Each data-dependent op the calls' forwards ran, with whether every call kept its outputs."""
     ops: dict[str, bool] = {}
     for call in calls:
-        for op, kept in call.kept.seen if call.kept is not None else []:
+        for op, kept in call.data_dependent_ops:
             ops[op] = ops.get(op, True) and kept
     return ops
 
 
-def _routing_hint(call: "CallRecord") -> str:
+def _routing_hint(call: CallEvidence) -> str:
     """What keeps the routing, when a data-dependent op recomputed other outputs than its forward's."""
     if call.routing_changed is None:
         return ""
-    if call.kept is not None and call.kept.keep:
+    if call.keep_data_dependent == "on":
         return ROUTING_TOO_LARGE_HINT.format(op=call.routing_changed)
-    if call.kept is not None and call.kept.dropped:
+    if call.keep_data_dependent == "unguarded":
         return ROUTING_DROPPED_HINT.format(op=call.routing_changed)
     return ROUTING_HINT.format(op=call.routing_changed)

@@ -18,7 +18,8 @@ input modified in place after the forward is found by comparing the versions rec
 inputs' versions when the pass failed. A region's buffers are compared at the end of the pass with their values after
 the region's last forward. A region recomputed more than once in a pass (a gradient penalty, ``retain_graph=True``)
 is compared at its first recomputation; the later ones replay the same state, are counted, and are not compared.
-How the evidence becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.causes`.
+Each call ends as a :class:`~lightning_ckpt_determinism.verify.attribution.evidence.CallEvidence`; how the evidence
+becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.causes`.
 """
 
 import contextlib
@@ -40,6 +41,7 @@ from lightning_ckpt_determinism._torch_compat import (
     StopRecomputationError,
     TorchDispatchMode,
     disable_current_modes,
+    is_metadata_mismatch,
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
@@ -48,16 +50,18 @@ from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
-from lightning_ckpt_determinism.verify.attribution.causes import (
+from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause, region_reports
+from lightning_ckpt_determinism.verify.attribution.evidence import (
+    CallEvidence,
     Divergence,
     DivergenceKind,
-    evidence_cause,
-    region_reports,
+    KeepDataDependent,
+    RecomputeFailure,
 )
 from lightning_ckpt_determinism.verify.compare import max_abs_difference, same_values
 from lightning_ckpt_determinism.verify.digest import Fingerprint, fingerprint
 from lightning_ckpt_determinism.verify.gradients import local_tensor
-from lightning_ckpt_determinism.verify.reports import RegionReport
+from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
 
 __all__ = ["COLLECTIVE_NAMESPACES", "Attribution", "CallRecord"]
 
@@ -216,6 +220,24 @@ class CallRecord:
         for op in self.ops:
             op.outputs = []
             op.inputs = []
+
+    def evidence(self) -> CallEvidence:
+        """What this call showed, for the cause rules."""
+        return CallEvidence(
+            region=self.region,
+            compared=self.compared,
+            max_abs_diff=self.max_abs_diff,
+            recomputations=self.recomputations,
+            divergence=self.divergence,
+            failure=_failure(self.error),
+            error=None if self.error is None else first_line(self.error),
+            input_modified=self.input_modified,
+            host_rng_read=self.host_rng_read,
+            routing_changed=self.routing_changed,
+            keep_data_dependent=_keep_data_dependent(self.kept),
+            data_dependent_ops=tuple(self.kept.seen) if self.kept is not None else (),
+            parameters_written=tuple(self.parameters_written),
+        )
 
     def snapshot_buffers(self) -> None:
         with torch.no_grad():
@@ -384,7 +406,7 @@ class Attribution:
         """One :class:`RegionReport` per checkpointed region, in module order, and the mutated buffers' names."""
         reports = region_reports(
             self.names,
-            self.calls,
+            [call.evidence() for call in self.calls],
             self._mutated,
             gradients_diverged=gradients_diverged,
             host_rng_explained=host_rng_explained,
@@ -430,6 +452,20 @@ class Attribution:
             call.release()
             if live is not None:
                 restore_host_rng(live)
+
+
+def _failure(error: BaseException | None) -> RecomputeFailure | None:
+    if error is None:
+        return None
+    if not isinstance(error, CheckpointError):
+        return "error"
+    return "metadata" if is_metadata_mismatch(error) else "checkpoint"
+
+
+def _keep_data_dependent(kept: KeptOutputs | None) -> KeepDataDependent:
+    if kept is not None and kept.keep:
+        return "on"
+    return "unguarded" if kept is not None and kept.dropped else "off"
 
 
 def _is_random(func: OpOverload) -> bool:

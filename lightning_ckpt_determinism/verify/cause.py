@@ -1,0 +1,232 @@
+"""The causes a check gives, as one type: :class:`Cause`, each with its fix hint in every syntax people use.
+
+A hint names settings; people set them in Python (``CheckpointingConfig(preserve_host_rng=True)``), in a
+LightningCLI YAML (``trainer.strategy.init_args.checkpointing``) or through the audit, which reads such a YAML and
+has flags of its own. Each hint is written once, with its settings as :class:`Setting` s that know each spelling.
+"""
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+__all__ = ["Cause", "Hints", "Setting", "Syntax"]
+
+Syntax = Literal["python", "yaml", "audit"]
+"""Where a hint is shown: Python code, a LightningCLI YAML, or the audit (a YAML and the audit's own flags)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting a hint names, spelt for each :data:`Syntax`.
+
+    Args:
+        python: As Python code writes it.
+        yaml: As a LightningCLI YAML writes it.
+        audit: As the audit takes it; the YAML's spelling when ``None`` (the audit reads the training YAML).
+
+    Example::
+
+        >>> Setting(python="`x=True`", yaml="`x: true`").spelt("audit")
+        '`x: true`'
+    """
+
+    python: str
+    yaml: str
+    audit: str | None = None
+
+    def spelt(self, syntax: Syntax) -> str:
+        """This setting as ``syntax`` writes it.
+
+        Args:
+            syntax: Where the hint is shown.
+        """
+        if syntax == "python":
+            return self.python
+        return self.audit if syntax == "audit" and self.audit is not None else self.yaml
+
+
+@dataclass(frozen=True)
+class Hints:
+    """A cause's fix hint, in each :data:`Syntax` it is shown in.
+
+    Args:
+        python: For Python code: what every report, warning and the audit print today.
+        yaml: For a LightningCLI YAML.
+        audit: For the audit.
+
+    Example::
+
+        >>> Cause.HOST_RNG.hints.yaml.split(": set ")[1].split(",")[0]
+        '`preserve_host_rng: true` under `trainer.strategy.init_args.checkpointing`'
+    """
+
+    python: str
+    yaml: str
+    audit: str
+
+    def spelt(self, syntax: Syntax) -> str:
+        """The hint as ``syntax`` writes its settings.
+
+        Args:
+            syntax: Where the hint is shown.
+        """
+        return {"python": self.python, "yaml": self.yaml, "audit": self.audit}[syntax]
+
+
+def _checkpointing(field: str) -> Setting:
+    """A boolean field of :class:`~lightning_ckpt_determinism.config.CheckpointingConfig`, turned on."""
+    return Setting(
+        python=f"`{field}=True` in the `CheckpointingConfig`",
+        yaml=f"`{field}: true` under `trainer.strategy.init_args.checkpointing`",
+    )
+
+
+_CALIBRATE_NOISE = Setting(
+    python="`calibrate_noise=True`",
+    yaml="`calibrate_noise: true` in the `RecomputationMonitor`'s `init_args`",
+    audit="`--calibrate-noise`",
+)
+# Lightning's `Trainer(deterministic=True)` calls `torch.use_deterministic_algorithms(True)`.
+_DETERMINISTIC = Setting(
+    python="call `torch.use_deterministic_algorithms(True)`", yaml="set `deterministic: true` under `trainer`"
+)
+
+
+def _hints(text: str, *settings: Setting) -> Hints:
+    """``text`` with its ``{}`` placeholders filled by ``settings``, in each syntax."""
+    return Hints(
+        python=text.format(*(setting.spelt("python") for setting in settings)),
+        yaml=text.format(*(setting.spelt("yaml") for setting in settings)),
+        audit=text.format(*(setting.spelt("audit") for setting in settings)),
+    )
+
+
+class Cause(str, enum.Enum):
+    """Why recomputation did not reproduce the forward: ``RegionReport.cause`` and ``RecomputationReport.cause``.
+
+    Each member is its name as a string (``Cause.HOST_RNG == "host_rng"``), printed, formatted, compared and written
+    to JSON as that string, and carries its fix hint in each :data:`Syntax` (:attr:`hints`); :attr:`hint` is the
+    Python one, which reports give.
+
+    Example::
+
+        >>> Cause("host_rng") is Cause.HOST_RNG, f"cause {Cause.HOST_RNG}", [Cause.HOST_RNG]
+        (True, 'cause host_rng', ['host_rng'])
+        >>> "`preserve_host_rng=True`" in Cause.HOST_RNG.hint
+        True
+    """
+
+    RNG_NOT_PRESERVED = "rng_not_preserved"
+    HOST_RNG = "host_rng"
+    BUFFER_MUTATION = "buffer_mutation"
+    SHAPE_CHANGE = "shape_change"
+    PYTHON_STATE = "python_state"
+    PARAMETER_WRITE = "parameter_write"
+    OUTSIDE_STATE = "outside_state"
+    ATTRIBUTE_MUTATION = "attribute_mutation"
+    NONDETERMINISTIC_KERNEL = "nondeterministic_kernel"
+    RECOMPUTE_ERROR = "recompute_error"
+    COMPILER_RECOMPUTE = "compiler_recompute"
+
+    # Shown as the plain string the reports always held, in text as in the lists and tuples people print.
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @property
+    def hints(self) -> Hints:
+        """The fix hint in each syntax."""
+        return _HINTS[self]
+
+    @property
+    def hint(self) -> str:
+        """The fix hint for Python code, as reports, warnings and the audit give it."""
+        return _HINTS[self].python
+
+    @property
+    def state_change(self) -> str | None:
+        """What recomputation did to the region's state, for the causes that change state rather than values;
+        ``None`` for the others."""
+        return _STATE_CHANGES.get(self)
+
+
+_HINTS: Mapping[Cause, Hints] = MappingProxyType(
+    {
+        Cause.RNG_NOT_PRESERVED: _hints(
+            "A random op draws other numbers in recomputation: set {}, and draw from torch's default generators (a"
+            " generator of your own is not replayed).",
+            _checkpointing("preserve_rng_state"),
+        ),
+        Cause.HOST_RNG: _hints(
+            "The forward reads Python's `random` or NumPy's global RNG: set {}, or draw from torch's RNG instead.",
+            _checkpointing("preserve_host_rng"),
+        ),
+        Cause.BUFFER_MUTATION: _hints(
+            "Recomputation updates the region's buffers a second time (BatchNorm statistics, counters): set {}.",
+            _checkpointing("protect_buffers"),
+        ),
+        Cause.SHAPE_CHANGE: _hints(
+            "A shape in the region depends on something that changed between forward and recomputation: make it a"
+            " function of the region's inputs only, or leave this module out of checkpointing."
+        ),
+        Cause.PYTHON_STATE: _hints(
+            "The forward reads Python state that changed before recomputation (a list or dict it appends to, another"
+            " object's field, a global; the region's own scalar attributes, such as counters and flags, are"
+            " replayed): compute it outside the checkpointed module and pass it in, or change it only outside"
+            " forward."
+        ),
+        Cause.PARAMETER_WRITE: _hints(
+            "Recomputation writes a parameter in place a second time (an `nn.Embedding` with `max_norm`"
+            " renormalises its weight again in backward), so the weights drift from training without"
+            " checkpointing: leave that module out of checkpointing, or renormalise outside the checkpointed module."
+        ),
+        Cause.OUTSIDE_STATE: _hints(
+            "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
+            " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
+            " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
+            " state in module attributes, buffers or generators the check restores, or check with {} for kernels"
+            " that are not reproducible.",
+            _CALIBRATE_NOISE,
+        ),
+        Cause.ATTRIBUTE_MUTATION: _hints(
+            "Recomputation changes Python attributes of the region a second time (a list appended to, a dict"
+            " updated): the package replays the region's scalar attributes (numbers, strings, flags), not containers"
+            " or other objects. Change them outside forward (in `training_step` or a hook), or hold them as scalars."
+        ),
+        Cause.NONDETERMINISTIC_KERNEL: _hints(
+            "A kernel returned other values for the same inputs: {}, or check with {} so that differences within"
+            " the noise floor are tolerated.",
+            _DETERMINISTIC,
+            _CALIBRATE_NOISE,
+        ),
+        Cause.RECOMPUTE_ERROR: _hints(
+            "Recomputing the region raised an error its forward did not (see `error`): make the region's code"
+            " depend only on its inputs, or leave this module out of checkpointing."
+        ),
+        # torch's and inductor's own settings, which only Python code sets.
+        Cause.COMPILER_RECOMPUTE: _hints(
+            "The compiled step diverges and the same step run eagerly does not: the compiler's own recomputation"
+            " differs from its forward. Known triggers: `torch._functorch.config.activation_memory_budget` below 1"
+            " (random ops redrawn, pytorch#190717), inductor's `fallback_random` with `reorder_for_peak_memory`"
+            " (dropout masks reordered), and reductions compiled differently for the recomputation. Fixes: set the"
+            " budget to 1.0, mark the random ops `CheckpointPolicy.MUST_SAVE` in a selective-checkpointing policy,"
+            " or, against the budget's redraws, `torch._inductor.config.fallback_random = True` without"
+            " `reorder_for_peak_memory`."
+        ),
+    }
+)
+
+_STATE_CHANGES: Mapping[Cause, str] = MappingProxyType(
+    {
+        Cause.BUFFER_MUTATION: "updated its buffers a second time in recomputation",
+        Cause.ATTRIBUTE_MUTATION: "changed Python attributes a second time in recomputation",
+        Cause.PARAMETER_WRITE: "wrote a parameter in place in recomputation",
+    }
+)

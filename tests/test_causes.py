@@ -1,0 +1,90 @@
+"""The causes as one type: each member is today's string, carries its hint in every syntax, and travels as that
+string through JSON, pickles and text."""
+
+import json
+import pickle
+from dataclasses import asdict
+
+import pytest
+
+from lightning_ckpt_determinism import CAUSE_HINTS, Cause, RegionReport
+from lightning_ckpt_determinism.verify.outcome import region_outcome, worse
+
+# The strings reports, metrics, JSON files and configs held before causes were a type, in the catalogue's order.
+STRINGS = [
+    "rng_not_preserved",
+    "host_rng",
+    "buffer_mutation",
+    "shape_change",
+    "python_state",
+    "parameter_write",
+    "outside_state",
+    "attribute_mutation",
+    "nondeterministic_kernel",
+    "recompute_error",
+    "compiler_recompute",
+]
+CONFIG_FIELDS = {
+    Cause.RNG_NOT_PRESERVED: "preserve_rng_state",
+    Cause.HOST_RNG: "preserve_host_rng",
+    Cause.BUFFER_MUTATION: "protect_buffers",
+}
+
+
+def test_the_values_are_the_strings_reports_always_held() -> None:
+    assert [cause.value for cause in Cause] == STRINGS
+    assert all(Cause(text) is cause and cause == text for text, cause in zip(STRINGS, Cause, strict=True))
+    assert list(CAUSE_HINTS) == STRINGS
+
+
+@pytest.mark.parametrize("cause", list(Cause), ids=str)
+def test_every_cause_has_its_hint_in_every_syntax(cause: Cause) -> None:
+    hints = cause.hints
+    assert all(text and text.endswith(".") for text in (hints.python, hints.yaml, hints.audit))
+    assert cause.hint == hints.python == hints.spelt("python") == CAUSE_HINTS[cause]
+    assert (hints.spelt("yaml"), hints.spelt("audit")) == (hints.yaml, hints.audit)
+    # YAML and the audit never show Python's spelling of a setting.
+    assert "=True`" not in hints.yaml and "=True`" not in hints.audit
+    assert "`CheckpointingConfig`" not in hints.yaml
+
+
+@pytest.mark.parametrize("cause", list(CONFIG_FIELDS), ids=str)
+def test_a_checkpointing_setting_is_spelt_as_each_syntax_writes_it(cause: Cause) -> None:
+    field = CONFIG_FIELDS[cause]
+    assert f"`{field}=True` in the `CheckpointingConfig`" in cause.hints.python
+    assert f"`{field}: true` under `trainer.strategy.init_args.checkpointing`" in cause.hints.yaml
+    assert cause.hints.audit == cause.hints.yaml  # the audit reads the training YAML
+
+
+def test_the_monitor_and_trainer_settings_are_spelt_for_yaml_and_for_the_audits_flag() -> None:
+    kernel = Cause.NONDETERMINISTIC_KERNEL.hints
+    assert "`torch.use_deterministic_algorithms(True)`" in kernel.python and "`calibrate_noise=True`" in kernel.python
+    assert "`deterministic: true` under `trainer`" in kernel.yaml and "`calibrate_noise: true`" in kernel.yaml
+    assert "`--calibrate-noise`" in kernel.audit and "`--calibrate-noise`" in Cause.OUTSIDE_STATE.hints.audit
+
+
+def test_a_cause_round_trips_through_json_as_its_string() -> None:
+    region = RegionReport("blocks.1", diverged=True, cause=Cause.HOST_RNG, hint=Cause.HOST_RNG.hint)
+    text = json.dumps(asdict(region))
+    assert json.loads(text)["cause"] == "host_rng"
+    assert Cause(json.loads(text)["cause"]) is Cause.HOST_RNG
+    assert json.dumps({cause: cause for cause in Cause}) == json.dumps({text: text for text in STRINGS})
+
+
+def test_a_cause_prints_pickles_and_formats_as_its_string() -> None:
+    cause = Cause.BUFFER_MUTATION
+    assert (str(cause), f"{cause}", f"{cause:>16}", repr([cause])) == (
+        "buffer_mutation",
+        "buffer_mutation",
+        " buffer_mutation",
+        "['buffer_mutation']",
+    )
+    assert pickle.loads(pickle.dumps(cause)) is cause
+
+
+def test_a_region_outcome_reads_a_cause_given_as_its_string() -> None:
+    outcome = region_outcome(RegionReport("blocks.1", ops_compared=3, cause="buffer_mutation", hint="Set it."))
+    assert (outcome.verdict, outcome.cause) == ("noise", Cause.BUFFER_MUTATION)
+    assert outcome.finding == "Region `blocks.1` updated its buffers a second time in recomputation: Set it."
+    assert region_outcome(RegionReport("blocks.2")).verdict == "unchecked"
+    assert worse("noise", "unchecked") == "noise"
