@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import _allowed_determinism_checks_to_fns, _StopRecomputationError
 
 __all__ = [
+    "SAVED_VALUE_COMPARED_ON_THE_LEFT",
     "OpOverload",
     "OpOverloadPacket",
     "OptimizeContext",
@@ -150,12 +151,14 @@ def compiled_call(module: nn.Module) -> Any:
 
 
 def set_compiled_call(module: nn.Module, call: Any) -> None:
-    """Replace the compiled ``_call_impl`` of a module compiled with ``Module.compile()``."""
+    """Replace the compiled ``_call_impl`` of a module compiled with ``Module.compile()`` (the attribute
+    :func:`compiled_call` reads, >= 2.2): the module's next call runs ``call``."""
     module._compiled_call_impl = call
 
 
 def is_compiled_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``torch.compile`` wrapper or was compiled in place with ``Module.compile()``."""
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``, >= 2.0) or was compiled in place with
+    ``Module.compile()`` (>= 2.2)."""
     return isinstance(module, OptimizedModule) or compiled_call(module) is not None
 
 
@@ -167,3 +170,12 @@ def fsdp1_flat_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
         flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
         if flat is not None:
             yield flat
+
+
+SAVED_VALUE_COMPARED_ON_THE_LEFT = True
+"""torch's non-reentrant checkpoint compares the value a ``determinism_check`` extractor gave at the forward with the
+extractor's value of the recomputed tensor as ``saved != extract(recomputed)``, the saved value on the left
+(``_CheckpointFrame.check_recomputed_tensors_match`` in ``torch/utils/checkpoint.py``), so the saved object's
+``__ne__`` runs first, with the recomputed value as its argument. The sentinel's kept value relies on it, and the
+package's ``Recomputed`` on the reflected ``__ne__`` that a kept ``dict`` of torch's metadata falls back to. The
+comparison comes with ``determinism_check`` (>= 2.1); the operand order is checked on 2.13."""
