@@ -314,13 +314,12 @@ def test_checkpoint_codes_find_each_kind_of_checkpoint_call() -> None:
 @pins("functorch_config")
 def test_the_functorch_config_holds_the_partitioner_settings_and_patches_them_for_a_block() -> None:
     config = compat.functorch_config
-    assert config.activation_memory_budget == 1.0
-    assert config.enable_autograd_cache is True
+    # Defaults may come from the environment (`TORCHINDUCTOR_AUTOGRAD_CACHE`): the block puts back whatever was set.
+    before = (config.activation_memory_budget, config.enable_autograd_cache)
+    assert isinstance(before[0], float) and isinstance(before[1], bool)
     with config.patch(activation_memory_budget=0.5, enable_autograd_cache=False):
-        assert config.activation_memory_budget == 0.5
-        assert config.enable_autograd_cache is False
-    assert config.activation_memory_budget == 1.0
-    assert config.enable_autograd_cache is True
+        assert (config.activation_memory_budget, config.enable_autograd_cache) == (0.5, False)
+    assert (config.activation_memory_budget, config.enable_autograd_cache) == before
 
 
 @pins("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state")
