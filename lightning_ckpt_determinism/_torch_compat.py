@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointError, _allowed_determinism_checks_
 
 __all__ = [
     "RECOMPILE_LOGGER",
+    "SAVED_VALUE_COMPARED_ON_THE_LEFT",
     "OpOverload",
     "OpOverloadPacket",
     "OptimizeContext",
@@ -117,7 +118,7 @@ def is_metadata_mismatch(error: BaseException) -> bool:
 
     torch tells it from its other ``CheckpointError`` (another number of tensors saved) by its message only:
     "torch.utils.checkpoint: Recomputed values for the following tensors have different metadata than during the
-    forward pass.", matched on "different metadata". The message is the same from torch 2.1 (where
+    forward pass.", matched on "different metadata". The message is the same from torch 2.1 (>= 2.1, where
     ``CheckpointError`` and this check of the recomputed tensors appeared) to 2.13 (read in its sources);
     ``tests/test_torch_compat.py`` pins it on the installed torch.
 
@@ -185,12 +186,14 @@ def compiled_call(module: nn.Module) -> Any:
 
 
 def set_compiled_call(module: nn.Module, call: Any) -> None:
-    """Replace the compiled ``_call_impl`` of a module compiled with ``Module.compile()``."""
+    """Replace the compiled ``_call_impl`` of a module compiled with ``Module.compile()`` (the attribute
+    :func:`compiled_call` reads, >= 2.2): the module's next call runs ``call``."""
     module._compiled_call_impl = call
 
 
 def is_compiled_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``torch.compile`` wrapper or was compiled in place with ``Module.compile()``."""
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``, >= 2.0) or was compiled in place with
+    ``Module.compile()`` (>= 2.2)."""
     return isinstance(module, OptimizedModule) or compiled_call(module) is not None
 
 
@@ -282,3 +285,12 @@ def module_path_steps(path: str) -> list[tuple[str, str, str]] | None:
     if not path.startswith("L["):
         return None
     return [tuple(step) for step in _PATH_STEP.findall(path[path.index("]") + 1 :])]  # type: ignore[misc]
+
+
+SAVED_VALUE_COMPARED_ON_THE_LEFT = True
+"""torch's non-reentrant checkpoint compares the value a ``determinism_check`` extractor gave at the forward with the
+extractor's value of the recomputed tensor as ``saved != extract(recomputed)``, the saved value on the left
+(``_CheckpointFrame.check_recomputed_tensors_match`` in ``torch/utils/checkpoint.py``), so the saved object's
+``__ne__`` runs first, with the recomputed value as its argument. The sentinel's kept value relies on it, and the
+package's ``Recomputed`` on the reflected ``__ne__`` that a kept ``dict`` of torch's metadata falls back to. The
+comparison comes with ``determinism_check`` (>= 2.1); the operand order is checked on 2.13."""
