@@ -66,6 +66,7 @@ __all__ = [
     "module_path_steps",
     "no_python_dispatch",
     "own_buffers",
+    "returned_views",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
@@ -131,6 +132,12 @@ def is_metadata_mismatch(error: BaseException) -> bool:
         (False, False)
     """
     return isinstance(error, CheckpointError) and "different metadata" in str(error)
+
+
+def returned_views(func: OpOverload) -> list[bool]:
+    """For each return of an op, whether its schema declares it a view of an argument (``Tensor(a)``, not written),
+    read from ``OpOverload._schema`` (>= 1.13)."""
+    return [ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns]
 
 
 def current_graph_task_id() -> int:

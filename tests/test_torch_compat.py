@@ -133,6 +133,16 @@ def test_written_tensors_are_the_arguments_the_schema_marks_written() -> None:
     assert [[id(tensor) for tensor in tensors] for tensors in written] == [[], [id(a)], [id(out)], [id(a), id(b)]]
 
 
+@pins("returned_views")
+def test_returned_views_are_the_returns_the_schema_marks_aliased_and_not_written() -> None:
+    aten = torch.ops.aten
+    assert compat.returned_views(aten.view.default) == [True]
+    assert compat.returned_views(aten.split.Tensor) == [True]  # one list return
+    assert compat.returned_views(aten.add.Tensor) == [False]
+    assert compat.returned_views(aten.add_.Tensor) == [False]  # aliased, but written: not a view
+    assert compat.returned_views(aten.max.dim) == [False, False]
+
+
 @pins("current_graph_task_id")
 def test_the_graph_task_id_is_minus_one_outside_backward_and_one_per_backward_inside() -> None:
     x = torch.ones(2, requires_grad=True)

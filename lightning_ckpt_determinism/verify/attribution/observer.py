@@ -42,6 +42,9 @@ from lightning_ckpt_determinism._torch_compat import (
     TorchDispatchMode,
     disable_current_modes,
     is_metadata_mismatch,
+    own_buffers,
+    returned_views,
+    version_counter,
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
@@ -250,14 +253,14 @@ class CallRecord:
         """Whether an input saved at the forward has been modified in place since (its version counter moved)."""
         for ref, version in self.input_versions:
             tensor = ref()
-            if tensor is not None and tensor._version != version:
+            if tensor is not None and version_counter(tensor) != version:
                 return True
         return False
 
     def mutated_buffers(self) -> list[str]:
         mutated = []
         for name, owner, key, value in self.buffers_after_forward:
-            current = owner._buffers.get(key)
+            current = own_buffers(owner).get(key)
             if current is None or not same_values(value, current):
                 mutated.append(name)
         return mutated
@@ -351,7 +354,9 @@ class Attribution:
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext
         call.input_versions = [
-            (weakref.ref(value), value._version) for value in region_call.inputs if isinstance(value, torch.Tensor)
+            (weakref.ref(value), version_counter(value))
+            for value in region_call.inputs
+            if isinstance(value, torch.Tensor)
         ]
         return partial(self._forward, call), partial(self._recompute, call)
 
@@ -495,8 +500,7 @@ def _recorded(value: Any) -> Any:
 
 
 def _returns_views(func: OpOverload, count: int) -> list[bool]:
-    returns = func._schema.returns
-    flags = [ret.alias_info is not None and not ret.alias_info.is_write for ret in returns]
+    flags = returned_views(func)
     if len(flags) == count:
         return flags
     # One list return (``split``, ``unbind``) flattens into several tensors.
