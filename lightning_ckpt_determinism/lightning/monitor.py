@@ -37,15 +37,10 @@ from lightning_ckpt_determinism.lightning.findings import (
     warning_key,
 )
 from lightning_ckpt_determinism.lightning.notes import show_notes
-from lightning_ckpt_determinism.lightning.parallel import (
-    SUPPORTED_STRATEGIES,
-    agree,
-    all_reduce,
-    gather,
-    gradient_holders,
-)
+from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, gather
 from lightning_ckpt_determinism.lightning.reference import free_memory, plain_regions, regions_that_fit
 from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
+from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of
 from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
@@ -186,6 +181,7 @@ class RecomputationMonitor(Callback):
         self._gradients_before: list[torch.Tensor | None] | None = None
         self._checks = 0
         self._internals: frozenset[str] = frozenset()
+        self._support: StrategySupport | None = None
         self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
         # Parameters a skipped step wrote in place in `training_step`: captured from the next check on, which is due
         # at `_retry`.
@@ -213,7 +209,8 @@ class RecomputationMonitor(Callback):
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
             )
         self._enabled = False
-        if not isinstance(trainer.strategy, SUPPORTED_STRATEGIES):
+        self._support = support_of(trainer.strategy)
+        if self._support is None:
             rank_zero_warn(
                 f"`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and"
                 f" their subclasses), not under {type(trainer.strategy).__name__}, so no check will run.",
@@ -261,9 +258,9 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        if self._capture is None or not self._capture.captured:
+        if self._capture is None or not self._capture.captured or self._support is None:
             return
-        held = [grad for _, grad in gradient_holders(trainer, pl_module)]
+        held = [grad for _, grad in self._support.gradient_holders(pl_module)]
         if any(param.grad is not None for param in held):
             # Gradients the step accumulates onto (a later micro-batch, or accumulation by hand): the reference
             # starts from them too.
@@ -271,8 +268,8 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        capture = self._capture
-        if capture is None or not capture.captured:
+        capture, support = self._capture, self._support
+        if capture is None or not capture.captured or support is None:
             return
         self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
         step = self.last_checked_step = trainer.global_step
@@ -298,7 +295,7 @@ class RecomputationMonitor(Callback):
         if follow_up:
             self._follow_up = None
         with self._watch.paused():
-            report = StepCheck(trainer, pl_module, capture, settings).run(plain, self._gradients_before)
+            report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
         if report is None:
             self.history.append(CheckRecord(step, skipped="non-finite gradients (the GradScaler skips this step)"))
             self._summary.skipped += 1
