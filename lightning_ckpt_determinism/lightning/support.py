@@ -17,8 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ckpt_determinism._torch_compat import fsdp1_flat_parameters
 from lightning_ckpt_determinism.checkpointing.modules import region_name
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 
-__all__ = ["DDPSupport", "FSDPSupport", "StrategySupport", "stock_support", "support_of"]
+__all__ = ["DDPSupport", "FSDPSupport", "StrategySupport", "stock_support", "support_of", "unmonitored"]
 
 
 class StrategySupport:
@@ -152,3 +153,31 @@ def support_of(strategy: Any) -> StrategySupport | None:
     """
     declared = getattr(strategy, "monitor_support", None)
     return declared() if callable(declared) else stock_support(strategy)
+
+
+def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.LightningModule") -> str | None:
+    """Why the monitor checks nothing in this fit (a strategy without support, a model without a checkpointed
+    module), or ``None`` when it can.
+
+    Args:
+        support: What :func:`support_of` says of ``strategy``.
+        strategy: The Trainer's strategy.
+        pl_module: The LightningModule.
+
+    Example::
+
+        >>> unmonitored(None, object(), None)[-39:]
+        'not under object, so no check will run.'
+    """
+    if support is None:
+        return (
+            "`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and their"
+            f" subclasses), not under {type(strategy).__name__}, so no check will run."
+        )
+    if not checkpointed_modules(pl_module):
+        return (
+            f"`RecomputationMonitor` found no checkpointed module in {type(pl_module).__name__}, so no check will run."
+            " Use a checkpointing strategy (e.g. `SingleDeviceCheckpointingStrategy(checkpointing=...)`) or"
+            " `apply_activation_checkpointing`."
+        )
+    return None
