@@ -32,6 +32,8 @@ from lightning_ckpt_determinism.verify import (
     recomputation_sentinel,
 )
 
+# Type checkers read the Lightning layer from its modules (`__getattr__` imports it at run time), the strategies and
+# the monitor as their `__all__` gives them, so that a new strategy needs no line here but its name below.
 if TYPE_CHECKING:
     from lightning_ckpt_determinism.lightning.cli import CheckpointingCLI as CheckpointingCLI
     from lightning_ckpt_determinism.lightning.monitor import *  # noqa: F403
@@ -60,7 +62,8 @@ __all__ = [
     "recomputation_sentinel",
     "remove_activation_checkpointing",
 ]
-# The Lightning layer's public API (`lightning_ckpt_determinism.lightning.__all__`), imported on first use.
+# The Lightning layer's public API (`lightning_ckpt_determinism.lightning.__all__`, which a test compares), imported
+# on first use.
 _LIGHTNING_LAYER = (
     "ActivationCheckpointingMixin",
     "CheckpointingCLI",

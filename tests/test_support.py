@@ -114,3 +114,5 @@ def test_the_root_exports_every_public_name_of_the_lightning_layer() -> None:
     assert set(lightning_layer.__all__) <= set(lightning_ckpt_determinism.__all__)
     for name in lightning_layer.__all__:
         assert getattr(lightning_ckpt_determinism, name) is getattr(lightning_layer, name)
+    for name in lightning_ckpt_determinism.__all__:
+        assert hasattr(lightning_ckpt_determinism, name), name
