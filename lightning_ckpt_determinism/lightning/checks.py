@@ -17,13 +17,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
-from lightning_ckpt_determinism.lightning.parallel import (
-    agree,
-    all_reduce,
-    gradient_holders,
-    two_pass_gradients,
-    writes_into_bucket_views,
-)
+from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
     StepCapture,
@@ -31,6 +25,7 @@ from lightning_ckpt_determinism.lightning.step import (
     logging_suppressed,
     training_step_loss,
 )
+from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.core import CheckScope
@@ -68,15 +63,22 @@ class StepCheck:
         pl_module: The LightningModule.
         capture: What the step started from.
         settings: How to check.
+        support: What the strategy says the check needs of it.
     """
 
     def __init__(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", capture: StepCapture, settings: CheckSettings
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        capture: StepCapture,
+        settings: CheckSettings,
+        support: StrategySupport,
     ) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
         self.capture = capture
         self.settings = settings
+        self.support = support
 
     def run(
         self, plain: list[tuple[str, nn.Module]] | None, gradients_before: list[torch.Tensor | None] | None
@@ -138,10 +140,10 @@ class StepCheck:
             pl_module,
             reference,
             capture.state,
-            parameters=gradient_holders(trainer, pl_module),
+            parameters=self.support.gradient_holders(pl_module),
             all_reduce=all_reduce(strategy),
             tolerance=settings.tolerance,
-            clone_gradients=writes_into_bucket_views(strategy),
+            clone_gradients=self.support.writes_into_bucket_views(),
             gradients_before=gradients_before,
             calibrate_noise=settings.calibrate_noise,
             skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
@@ -156,9 +158,9 @@ class StepCheck:
         """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
 
         It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
-        gradients as :func:`two_pass_gradients` says: ``torch.autograd.grad`` under DDP with
-        ``find_unused_parameters=True``, so that no DDP reducer hook fires outside DDP's forward, ``backward()``
-        elsewhere (FSDP2's sharded parameters, reentrant checkpointing elsewhere in the model).
+        gradients as the strategy's :meth:`~StrategySupport.two_pass_gradients` says: ``torch.autograd.grad`` under
+        DDP with ``find_unused_parameters=True``, so that no DDP reducer hook fires outside DDP's forward,
+        ``backward()`` elsewhere (FSDP2's sharded parameters, reentrant checkpointing elsewhere in the model).
         """
         pl_module, capture, settings = self.pl_module, self.capture, self.settings
         strategy = self.trainer.strategy
@@ -170,12 +172,12 @@ class StepCheck:
                 return loss_fn(pl_module, args[0], capture.batch_idx)
             return training_step_loss(pl_module, *args, **kwargs)
 
-        holders = [param for _, param in gradient_holders(self.trainer, pl_module)]
+        holders = [param for _, param in self.support.gradient_holders(pl_module)]
         # The state after the step and its live gradients come back whatever the check raises.
         with CheckScope(
             pl_module,
             holders,
-            clone_gradients=writes_into_bucket_views(strategy),
+            clone_gradients=self.support.writes_into_bucket_views(),
             exclude_attributes=settings.internals,
             written_parameters=capture.written_parameters,
         ):
@@ -187,7 +189,7 @@ class StepCheck:
                     tolerance=settings.tolerance,
                     attribution=attribution,
                     calibrate_noise=settings.calibrate_noise,
-                    gradients=two_pass_gradients(strategy),
+                    gradients=self.support.two_pass_gradients(),
                     agree=lambda decision: agree(strategy, decision),
                     exclude_attributes=settings.ignore_attributes,
                     written_parameters=capture.written_parameters,

@@ -1,7 +1,6 @@
 """A Lightning callback that periodically checks that recomputation reproduces the forward pass."""
 
 import contextlib
-from collections import deque
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -22,30 +21,16 @@ from lightning_ckpt_determinism.config import (
     check_non_negative_float,
     check_positive_int,
 )
-from lightning_ckpt_determinism.errors import (
-    CheckpointingConfigError,
-    LightningCkptDeterminismWarning,
-    RecomputationDivergenceError,
-)
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
-from lightning_ckpt_determinism.lightning.findings import (
-    CheckRecord,
-    FitSummary,
-    divergence_message,
-    metrics,
-    reduce_findings,
-    warning_key,
-)
+from lightning_ckpt_determinism.lightning.findings import CheckRecord
 from lightning_ckpt_determinism.lightning.notes import show_notes
-from lightning_ckpt_determinism.lightning.parallel import (
-    SUPPORTED_STRATEGIES,
-    agree,
-    all_reduce,
-    gather,
-    gradient_holders,
-)
-from lightning_ckpt_determinism.lightning.reference import free_memory, plain_regions, regions_that_fit
+from lightning_ckpt_determinism.lightning.parallel import agree
+from lightning_ckpt_determinism.lightning.reference import free_memory, reference_subset
+from lightning_ckpt_determinism.lightning.results import CheckResults
+from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
 from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
+from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
@@ -173,87 +158,80 @@ class RecomputationMonitor(Callback):
         self.sentinel = check_choice("sentinel", sentinel, ("sampled", "exact", "off"))
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.exclude_attributes = _attribute_names(exclude_attributes)
-        self.last_checked_step = -1
-        self.history: deque[CheckRecord] = deque(maxlen=check_positive_int("history_size", history_size))
         self.last_report: RecomputationReport | None = None
+        self._schedule = CheckSchedule(self.every_n_steps)
+        self._results = CheckResults(
+            history_size=check_positive_int("history_size", history_size),
+            log_prefix=self.log_prefix,
+            every_n_steps=self.every_n_steps,
+            on_divergence=self.on_divergence,
+            attribution=self.attribution,
+            calibrate_noise=self.calibrate_noise,
+            prog_bar=self.prog_bar,
+        )
+        self.history = self._results.history
         self._enabled = False
-        self._checked_this_fit = False
-        # The check count at which each kind of finding last warned.
-        self._warned: dict[str, int] = {}
-        self._summary = FitSummary()
+        self._support: StrategySupport | None = None
         self._capture: StepCapture | None = None
         self._armed = contextlib.ExitStack()
         self._gradients_before: list[torch.Tensor | None] | None = None
-        self._checks = 0
         self._internals: frozenset[str] = frozenset()
         self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
-        # Parameters a skipped step wrote in place in `training_step`: captured from the next check on, which is due
-        # at `_retry`.
+        # Parameters a skipped step wrote in place in `training_step`: captured from the next check on.
         self._written_parameters: set[str] = set()
-        self._retry: int | None = None
-        # The global step a sentinel finding asked to check in full (the one after the finding's), or None.
-        self._follow_up: int | None = None
 
     @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps, log_prefix=self.log_prefix)
 
+    @property
+    def last_checked_step(self) -> int:
+        """The global step last checked, or ``-1``."""
+        return self._schedule.last_checked
+
+    @property
+    def sentinel_report(self) -> SentinelReport | None:
+        """What the sentinel compared during the last fit (cumulative), or ``None`` without one."""
+        return self._watch.report
+
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._checked_this_fit = False
         self._disarm()
         show_notes()
         self._internals = lightning_internals()
-        self._summary, self._warned, self._follow_up, self._retry = FitSummary(), {}, None, None
+        self._schedule.start_fit()
+        self._results.start_fit()
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
                 " `training_step`, which would step the optimizers. Pass"
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
             )
-        self._enabled = False
-        if not isinstance(trainer.strategy, SUPPORTED_STRATEGIES):
+        self._support = support_of(trainer.strategy)
+        problem = unmonitored(self._support, trainer.strategy, pl_module)
+        self._enabled = problem is None
+        if problem is not None:
+            rank_zero_warn(problem, category=LightningCkptDeterminismWarning)
+            return
+        if self.sentinel != "off":
+            self._watch.start(pl_module)
+        if not trainer.loggers:
             rank_zero_warn(
-                f"`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and"
-                f" their subclasses), not under {type(trainer.strategy).__name__}, so no check will run.",
+                "`RecomputationMonitor` runs under a Trainer without a logger: its metrics go only to its"
+                " `history` and to `trainer.callback_metrics`. Give the Trainer a logger (TensorBoard, CSV ...) to"
+                " watch them.",
                 category=LightningCkptDeterminismWarning,
             )
-        elif not checkpointed_modules(pl_module):
-            rank_zero_warn(
-                f"`RecomputationMonitor` found no checkpointed module in {type(pl_module).__name__}, so no check will"
-                " run. Use a checkpointing strategy (e.g. `SingleDeviceCheckpointingStrategy(checkpointing=...)`) or"
-                " `apply_activation_checkpointing`.",
-                category=LightningCkptDeterminismWarning,
-            )
-        else:
-            self._enabled = True
-            if self.sentinel != "off":
-                self._watch.start(pl_module)
-            if not trainer.loggers:
-                rank_zero_warn(
-                    "`RecomputationMonitor` runs under a Trainer without a logger: its metrics go only to its"
-                    " `history` and to `trainer.callback_metrics`. Give the Trainer a logger (TensorBoard, CSV ...) to"
-                    " watch them.",
-                    category=LightningCkptDeterminismWarning,
-                )
 
     @override
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
-        step = trainer.global_step
-        self._watch.step_started(step)
-        # A follow-up is due from the global step after the finding: never a second check of a step already checked
-        # (the next micro-batch of the same step, under gradient accumulation).
-        follow_up = self._follow_up is not None and step >= self._follow_up and step != self.last_checked_step
-        retry = self._retry is not None and step >= self._retry and step != self.last_checked_step
-        if not self._enabled or (step == self.last_checked_step and not follow_up):
+        self._watch.step_started(trainer.global_step)
+        if not self._enabled or not self._schedule.due(trainer.global_step):
             return
-        if self._checked_this_fit and step % self.every_n_steps and not (follow_up or retry):
-            return
-        self._retry = None
         # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
         capture = StepCapture(pl_module, batch_idx, self._internals, frozenset(self._written_parameters))
         self._capture = self._armed.enter_context(capture.installed())
@@ -261,9 +239,9 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        if self._capture is None or not self._capture.captured:
+        if self._capture is None or not self._capture.captured or self._support is None:
             return
-        held = [grad for _, grad in gradient_holders(trainer, pl_module)]
+        held = [grad for _, grad in self._support.gradient_holders(pl_module)]
         if any(param.grad is not None for param in held):
             # Gradients the step accumulates onto (a later micro-batch, or accumulation by hand): the reference
             # starts from them too.
@@ -271,47 +249,31 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        capture = self._capture
-        if capture is None or not capture.captured:
+        capture, support = self._capture, self._support
+        if capture is None or not capture.captured or support is None:
             return
         self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
-        step = self.last_checked_step = trainer.global_step
+        step = trainer.global_step
+        self._schedule.checking(step)
         changed = capture.changed_parameters()
         if agree(trainer.strategy, bool(changed)):
-            self._checked_this_fit = True
-            self.history.append(CheckRecord(step, skipped="parameters changed in place in training_step"))
-            self._summary.skipped += 1
-            # From the next step on, the capture copies them: the check can then rerun a step from where it started.
-            self._written_parameters.update(changed)
-            self._retry = step + 1
-            self._warn_once(
-                "changed_parameters",
-                f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
-                f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), which"
-                " the check had not copied. It copies them from now on, and checks the next step.",
-            )
+            self._skip_changed_parameters(step, changed)
             return
         plain = self._reference_regions(trainer, pl_module)
-        # A step after the sentinel saw a mismatch is checked with attribution, so the cause is named.
-        follow_up = self._follow_up is not None and step >= self._follow_up
-        settings = self._settings("always" if follow_up else self.attribution)
-        if follow_up:
-            self._follow_up = None
+        settings = self._settings(self._schedule.attribution(step, self.attribution))
         with self._watch.paused():
-            report = StepCheck(trainer, pl_module, capture, settings).run(plain, self._gradients_before)
+            report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
         if report is None:
-            self.history.append(CheckRecord(step, skipped="non-finite gradients (the GradScaler skips this step)"))
-            self._summary.skipped += 1
+            self._results.skipped(step, "non-finite gradients (the GradScaler skips this step)")
             return
         if plain is not None:
             rank_zero_info(
                 f"lightning_ckpt_determinism: step {step} checked with regions {report.checked_regions} run plainly in"
                 " the reference pass."
             )
-        self._checked_this_fit = True
-        self._checks += 1
+        self._schedule.checked_this_fit = True
         self.last_report = report
-        self._record(trainer, pl_module, step, report, plain is not None)
+        self._results.record(trainer, pl_module, step, report, plain is not None)
 
     @override
     def on_train_batch_end(
@@ -319,18 +281,16 @@ class RecomputationMonitor(Callback):
     ) -> None:
         self._disarm()
         findings = self._watch.step_ended(trainer)
-        self._publish(trainer, pl_module, self._watch.metrics_due(trainer), self._watch.step)
-        if not findings or self.on_divergence == "ignore":
-            return
-        several = trainer.world_size > 1
-        if self.on_divergence == "raise":
-            raise RecomputationDivergenceError(" ".join(finding.message(several) for finding in findings))
-        messages = self._watch.news(findings, self.every_n_steps, several_ranks=several)
-        for message in messages:
-            rank_zero_warn(message, category=LightningCkptDeterminismWarning)
-        # Each warning comes with a full check of the next step, so the cause is named if the defect recurs.
-        if messages:
-            self._follow_up = self._watch.step + 1
+        self._results.publish(trainer, pl_module, self._watch.metrics_due(trainer), self._watch.step)
+        warned = self._watch.respond(
+            findings,
+            on_divergence=self.on_divergence,
+            every_n_steps=self.every_n_steps,
+            several_ranks=trainer.world_size > 1,
+        )
+        if warned:
+            # Each warning comes with a full check of the next step, so the cause is named if the defect recurs.
+            self._schedule.follow_up = self._watch.step + 1
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -345,24 +305,19 @@ class RecomputationMonitor(Callback):
             logger.log_metrics(self._watch.metrics_due(trainer, last=True) or {}, step=self._watch.step)
         self._watch.stop()
         if self._enabled:
-            rank_zero_info(self._summary.text(self.every_n_steps, self._watch.report))
-
-    @property
-    def sentinel_report(self) -> SentinelReport | None:
-        """What the sentinel compared during the last fit (cumulative), or ``None`` without one."""
-        return self._watch.report
+            rank_zero_info(self._results.text(self._watch.report))
 
     @override
     def state_dict(self) -> dict[str, Any]:
         history = [asdict(record) for record in self.history]
-        return {"last_checked_step": self.last_checked_step, "history": history, "checks": self._checks}
+        return {"last_checked_step": self.last_checked_step, "history": history, "checks": self._results.checks}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_checked_step = state_dict["last_checked_step"]
+        self._schedule.last_checked = state_dict["last_checked_step"]
         self.history.clear()
         self.history.extend(CheckRecord(**record) for record in state_dict["history"])
-        self._checks = state_dict.get("checks", 0)
+        self._results.checks = state_dict.get("checks", 0)
 
     def _settings(self, attribution: Any) -> CheckSettings:
         return CheckSettings(
@@ -378,79 +333,36 @@ class RecomputationMonitor(Callback):
         self._armed.close()
         self._capture = None
 
+    def _skip_changed_parameters(self, step: int, changed: list[str]) -> None:
+        """Skip a check whose ``training_step`` changed parameters in place (on any rank): the capture copies them
+        from the next step on, which is then checked."""
+        self._schedule.skipped(step)
+        self._results.skipped(step, "parameters changed in place in training_step")
+        self._written_parameters.update(changed)
+        self._results.warn_once(
+            "changed_parameters",
+            f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
+            f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), which"
+            " the check had not copied. It copies them from now on, and checks the next step.",
+        )
+
     def _reference_regions(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule"
     ) -> list[tuple[str, nn.Module]] | None:
         """The regions the reference runs plainly at this check (``None``: all), rotating with ``reference_regions``."""
         regions = list(checkpointed_modules(pl_module).items())
-        count = self.reference_regions
-        if count == "auto":
-            free, saved = free_memory(trainer.strategy.root_device), self._watch.saved_bytes
-            count = None if free is None or not saved else regions_that_fit(list(saved.values()), free)
-        if count is None or int(count) >= len(regions):
-            return None
-        if is_compiled(pl_module):
+        saved = list(self._watch.saved_bytes.values())
+        free = free_memory(trainer.strategy.root_device) if self.reference_regions == "auto" else None
+        plain = reference_subset(regions, self.reference_regions, saved, free, self._results.checks)
+        if plain is not None and is_compiled(pl_module):
             # Each subset would be another set of guards, one recompile each, past dynamo's limit on a deep model.
-            self._warn_once(
+            self._results.warn_once(
                 "compiled_reference_regions",
                 "`RecomputationMonitor(reference_regions=...)` runs every region plainly in the reference pass of a"
                 " compiled model: a rotating subset would compile a graph per subset.",
             )
             return None
-        return plain_regions(regions, int(count), self._checks)
-
-    def _record(
-        self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
-        step: int,
-        report: RecomputationReport,
-        subset: bool,
-    ) -> None:
-        strategy = trainer.strategy
-        findings = reduce_findings(
-            report,
-            strategy.root_device,
-            all_reduce(strategy),
-            lambda value: gather(strategy, value),
-            trainer.global_rank,
-        )
-        self._summary.add(step, findings)
-        self._publish(
-            trainer, pl_module, metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise), step
-        )
-        plain = list(report.checked_regions) if subset else None
-        self.history.append(
-            CheckRecord(step, findings.grad_divergence, findings.max_abs_diff, findings.diverged, checked_regions=plain)
-        )
-        if not findings.diverged or self.on_divergence == "ignore":
-            return
-        message = divergence_message(step, findings, report, self.attribution)
-        if self.on_divergence == "raise":
-            raise RecomputationDivergenceError(message)
-        self._warn_once(warning_key(findings), message)
-
-    def _publish(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", logged: dict[str, float] | None, step: int
-    ) -> None:
-        """Write ``logged`` to the loggers at ``step``, and put it in ``trainer.callback_metrics`` (for
-        ``ModelCheckpoint``, ``EarlyStopping`` and the progress bar) through ``self.log(..., logger=False)``."""
-        if not logged:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(logged, step=step)
-        shown = f"{self.log_prefix}/grad_divergence"
-        for name, value in logged.items():
-            prog_bar = self.prog_bar and name == shown
-            pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        """Warn on rank zero when a kind of finding first shows, and again when it recurs ``every_n_steps`` checks
-        later; the metrics carry every check's numbers."""
-        last = self._warned.get(key)
-        if last is None or self._checks - last >= self.every_n_steps:
-            self._warned[key] = self._checks
-            rank_zero_warn(message, category=LightningCkptDeterminismWarning)
+        return plain
 
 
 def _attribute_names(names: list[str] | None) -> list[str]:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["MEMORY_MARGIN", "free_memory", "plain_regions", "regions_that_fit"]
+__all__ = ["MEMORY_MARGIN", "free_memory", "plain_regions", "reference_subset", "regions_that_fit"]
 
 _Region = TypeVar("_Region")
 
@@ -81,3 +81,30 @@ def plain_regions(
         return None
     start = checks * count % len(regions)
     return [regions[(start + offset) % len(regions)] for offset in range(count)]
+
+
+def reference_subset(
+    regions: Sequence[_Region],
+    count: int | str | None,
+    saved_bytes: Sequence[int],
+    free_bytes: int | None,
+    checks: int,
+) -> list[_Region] | None:
+    """The regions the reference runs plainly at the ``checks``-th check, as ``reference_regions`` says; ``None`` for
+    all of them.
+
+    Args:
+        regions: The checkpointed regions, in module order.
+        count: ``reference_regions``: how many, ``"auto"`` (as many as fit ``free_bytes``), or ``None``.
+        saved_bytes: What each region saves for backward, as the sentinel measured it (empty when unmeasured).
+        free_bytes: The device's free memory (:func:`free_memory`); ``None`` where unknown, and ``"auto"`` takes all.
+        checks: How many checks ran before this one.
+
+    Example::
+
+        >>> reference_subset(["a", "b", "c"], "auto", [100, 300, 200], free_bytes=700, checks=0)
+        ['a', 'b']
+    """
+    if count == "auto":
+        count = None if free_bytes is None or not saved_bytes else regions_that_fit(saved_bytes, free_bytes)
+    return plain_regions(regions, None if count is None else int(count), checks)

@@ -11,6 +11,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
+from lightning_ckpt_determinism._torch_compat import version_counter
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -165,7 +166,7 @@ class StepCapture:
         return [
             name
             for name, param, version in self._versions
-            if param._version != version and name not in self.written_parameters
+            if version_counter(param) != version and name not in self.written_parameters
         ]
 
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -175,7 +176,7 @@ class StepCapture:
     def _run(self, real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
         self._state = StepState(self.pl_module, self._exclude, self.written_parameters)
-        self._versions = [(name, param, param._version) for name, param in self.pl_module.named_parameters()]
+        self._versions = [(name, param, version_counter(param)) for name, param in self.pl_module.named_parameters()]
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         output = real(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output

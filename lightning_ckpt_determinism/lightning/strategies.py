@@ -22,6 +22,7 @@ from lightning_ckpt_determinism.errors import (
     LightningCkptDeterminismWarning,
 )
 from lightning_ckpt_determinism.lightning.notes import show_notes
+from lightning_ckpt_determinism.lightning.support import DDPSupport, FSDPSupport, StrategySupport, stock_support
 
 __all__ = [
     "ActivationCheckpointingMixin",
@@ -65,6 +66,8 @@ class ActivationCheckpointingMixin:
     """
 
     _checkpoint_after_wrapping: ClassVar[bool] = False
+    # What the monitor needs of the strategy; `None`: what it needs of the stock strategy it is built on.
+    _monitor_support: ClassVar[type[StrategySupport] | None] = None
 
     def __init__(self, *args: Any, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         if checkpointing is None:
@@ -111,6 +114,23 @@ class ActivationCheckpointingMixin:
             remove_activation_checkpointing(module)
         self._applied_checkpointing = {}
         super().teardown()  # type: ignore[misc]
+
+    def monitor_support(self) -> StrategySupport | None:
+        """What :class:`~lightning_ckpt_determinism.RecomputationMonitor` needs of this strategy (its gradient
+        holders, how it takes gradients): what the class declares, else what it needs of the Lightning strategy this
+        one is built on; ``None`` when that is none the monitor is tested under, and the monitor does not run.
+
+        Example::
+
+            >>> from lightning.pytorch.strategies import DDPStrategy
+            >>> class MyStrategy(ActivationCheckpointingMixin, DDPStrategy):
+            ...     pass
+            >>> type(MyStrategy(checkpointing=CheckpointingConfig(classes=["Block"])).monitor_support()).__name__
+            'DDPSupport'
+        """
+        if self._monitor_support is not None:
+            return self._monitor_support(self)  # type: ignore[arg-type]
+        return stock_support(self)  # type: ignore[arg-type]
 
     def select_for_checkpointing(self, module: nn.Module) -> dict[str, nn.Module]:
         """The submodules of ``module`` this strategy's config selects, by name; none when checkpointing is applied
@@ -184,6 +204,8 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
         device(type='cpu')
     """
 
+    _monitor_support = StrategySupport
+
     def __init__(self, checkpointing: CheckpointingConfig | None, device: str = "cpu", **kwargs: Any) -> None:
         super().__init__(checkpointing=checkpointing, device=device, **kwargs)
 
@@ -201,6 +223,8 @@ class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # ty
         >>> strategy.checkpointing.names
         ['model.blocks.*']
     """
+
+    _monitor_support = DDPSupport
 
     def __init__(self, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         super().__init__(checkpointing=checkpointing, **kwargs)
@@ -227,6 +251,7 @@ class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
         ['Block']
     """
 
+    _monitor_support = FSDPSupport
     _checkpoint_after_wrapping = True
 
     def __init__(self, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
@@ -260,6 +285,8 @@ class ModelParallelCheckpointingStrategy(ActivationCheckpointingMixin, ModelPara
         >>> strategy.checkpointing.classes
         ['Block']
     """
+
+    _monitor_support = StrategySupport
 
     def __init__(self, checkpointing: CheckpointingConfig | None, **kwargs: Any) -> None:
         super().__init__(checkpointing=checkpointing, **kwargs)

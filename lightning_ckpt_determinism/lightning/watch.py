@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.sentinel import (
@@ -191,15 +191,33 @@ class SentinelWatch:
         self.stop()
         self._active = False
 
-    def news(self, findings: list[SentinelFinding], every_n_steps: int, *, several_ranks: bool) -> list[str]:
-        """The warnings due for ``findings``: a region warns again only ``every_n_steps`` after its last warning."""
-        messages = []
+    def respond(
+        self, findings: list[SentinelFinding], *, on_divergence: str, every_n_steps: int, several_ranks: bool
+    ) -> bool:
+        """Act on a batch's ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero (a region
+        again only ``every_n_steps`` after its last warning), or nothing; whether a warning was given.
+
+        Args:
+            findings: What :meth:`step_ended` returned, alike on every rank.
+            on_divergence: ``"warn"``, ``"raise"`` or ``"ignore"``.
+            every_n_steps: Steps before a region warns again.
+            several_ranks: Whether the messages name the ranks.
+
+        Raises:
+            RecomputationDivergenceError: With ``on_divergence="raise"``, if anything differed.
+        """
+        if not findings or on_divergence == "ignore":
+            return False
+        if on_divergence == "raise":
+            raise RecomputationDivergenceError(" ".join(finding.message(several_ranks) for finding in findings))
+        warned = False
         for finding in findings:
             last = self._warned.get(finding.region)
             if last is None or finding.step - last >= every_n_steps:
                 self._warned[finding.region] = finding.step
-                messages.append(finding.message(several_ranks))
-        return messages
+                rank_zero_warn(finding.message(several_ranks), category=LightningCkptDeterminismWarning)
+                warned = True
+        return warned
 
     def metrics_due(self, trainer: "pl.Trainer", *, last: bool = False) -> dict[str, float] | None:
         """The metrics to log now, or ``None``: at the batch that completes a step Lightning logs at

@@ -1,0 +1,171 @@
+"""What the monitor's checks found, and how it is shown: the history, the fit's summary, the metrics, the warnings."""
+
+from collections import deque
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
+from lightning_ckpt_determinism.lightning.findings import (
+    CheckRecord,
+    FitSummary,
+    divergence_message,
+    metrics,
+    reduce_findings,
+    warning_key,
+)
+from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
+from lightning_ckpt_determinism.verify.reports import RecomputationReport
+from lightning_ckpt_determinism.verify.sentinel import SentinelReport
+
+__all__ = ["CheckResults"]
+
+
+class CheckResults:
+    """The checks' results over fits: each check's figures reduced over ranks (collectives on every rank alike),
+    its history entry, the metrics in the loggers and ``trainer.callback_metrics``, and a divergence warned on rank
+    zero (each kind again only ``every_n_steps`` checks later) or raised on every rank.
+
+    Args:
+        history_size: How many recent results are kept.
+        log_prefix: The prefix of the logged metric names.
+        every_n_steps: How many checks pass before a kind of finding warns again.
+        on_divergence: ``"warn"``, ``"raise"`` or ``"ignore"``.
+        attribution: The monitor's ``attribution``, which the warning's text follows.
+        calibrate_noise: Whether the noise floor is logged.
+        prog_bar: Whether ``{log_prefix}/grad_divergence`` is shown in the progress bar.
+
+    Example::
+
+        >>> results = CheckResults(history_size=4, log_prefix="recompute", every_n_steps=1, on_divergence="warn")
+        >>> results.skipped(0, "non-finite gradients")
+        >>> results.history[0].skipped, results.summary.skipped
+        ('non-finite gradients', 1)
+    """
+
+    def __init__(
+        self,
+        *,
+        history_size: int,
+        log_prefix: str,
+        every_n_steps: int,
+        on_divergence: str,
+        attribution: str = "on_divergence",
+        calibrate_noise: bool = False,
+        prog_bar: bool = False,
+    ) -> None:
+        self.history: deque[CheckRecord] = deque(maxlen=history_size)
+        self.log_prefix = log_prefix
+        self.every_n_steps = every_n_steps
+        self.on_divergence = on_divergence
+        self.attribution = attribution
+        self.calibrate_noise = calibrate_noise
+        self.prog_bar = prog_bar
+        self.checks = 0
+        self.summary = FitSummary()
+        # The check count at which each kind of finding last warned.
+        self._warned: dict[str, int] = {}
+
+    def start_fit(self) -> None:
+        """A fit starts: its summary is empty, and every kind of finding warns at once."""
+        self.summary, self._warned = FitSummary(), {}
+
+    def skipped(self, step: int, reason: str) -> None:
+        """Keep a check of ``step`` skipped for ``reason``.
+
+        Args:
+            step: The global step.
+            reason: Why it was skipped.
+        """
+        self.history.append(CheckRecord(step, skipped=reason))
+        self.summary.skipped += 1
+
+    def record(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        step: int,
+        report: RecomputationReport,
+        subset: bool,
+    ) -> None:
+        """Count a check, reduce its report over ranks, log and keep it, and warn or raise if it diverged.
+
+        Args:
+            trainer: The Trainer.
+            pl_module: The LightningModule (its ``self.log`` fills ``trainer.callback_metrics``).
+            step: The global step checked.
+            report: This rank's report.
+            subset: Whether the reference ran only some regions plainly (they are kept with the history entry).
+
+        Raises:
+            RecomputationDivergenceError: On every rank, with ``on_divergence="raise"``, if any rank diverged.
+        """
+        self.checks += 1
+        strategy = trainer.strategy
+        findings = reduce_findings(
+            report,
+            strategy.root_device,
+            all_reduce(strategy),
+            lambda value: gather(strategy, value),
+            trainer.global_rank,
+        )
+        self.summary.add(step, findings)
+        logged = metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise)
+        self.publish(trainer, pl_module, logged, step)
+        self.history.append(
+            CheckRecord(
+                step,
+                findings.grad_divergence,
+                findings.max_abs_diff,
+                findings.diverged,
+                checked_regions=list(report.checked_regions) if subset else None,
+            )
+        )
+        if not findings.diverged or self.on_divergence == "ignore":
+            return
+        message = divergence_message(step, findings, report, self.attribution)
+        if self.on_divergence == "raise":
+            raise RecomputationDivergenceError(message)
+        self.warn_once(warning_key(findings), message)
+
+    def publish(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", logged: dict[str, float] | None, step: int
+    ) -> None:
+        """Write ``logged`` to the loggers at ``step``, and put it in ``trainer.callback_metrics`` (for
+        ``ModelCheckpoint``, ``EarlyStopping`` and the progress bar) through ``self.log(..., logger=False)``.
+
+        Args:
+            trainer: The Trainer.
+            pl_module: The LightningModule.
+            logged: The metrics, or ``None`` for none.
+            step: The global step they belong to.
+        """
+        if not logged:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(logged, step=step)
+        shown = f"{self.log_prefix}/grad_divergence"
+        for name, value in logged.items():
+            prog_bar = self.prog_bar and name == shown
+            pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn on rank zero when a kind of finding first shows, and again when it recurs ``every_n_steps`` checks
+        later; the metrics carry every check's numbers.
+
+        Args:
+            key: The kind of finding.
+            message: The warning.
+        """
+        last = self._warned.get(key)
+        if last is None or self.checks - last >= self.every_n_steps:
+            self._warned[key] = self.checks
+            rank_zero_warn(message, category=LightningCkptDeterminismWarning)
+
+    def text(self, sentinel: SentinelReport | None) -> str:
+        """The fit's summary paragraph, with what ``sentinel`` compared.
+
+        Args:
+            sentinel: The sentinel's report, or ``None`` without one.
+        """
+        return self.summary.text(self.every_n_steps, sentinel)

@@ -1,0 +1,183 @@
+"""What the monitor needs of a Lightning strategy, asked of the strategy itself.
+
+A strategy says what :class:`~lightning_ckpt_determinism.RecomputationMonitor` needs of it through a
+:class:`StrategySupport`: the tensors whose ``.grad`` the step fills, whether the next backward writes into the live
+gradients' storage, and how a two-pass check takes gradients. The package's strategies declare theirs
+(``ActivationCheckpointingMixin.monitor_support``); Lightning's stock strategies, with checkpointing applied in
+``configure_model``, get theirs from :func:`stock_support`. A strategy that has none is not monitored.
+"""
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import Strategy as LightningStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ckpt_determinism._torch_compat import fsdp1_flat_parameters
+from lightning_ckpt_determinism.checkpointing.modules import region_name
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+
+__all__ = ["DDPSupport", "FSDPSupport", "StrategySupport", "stock_support", "support_of", "unmonitored"]
+
+
+class StrategySupport:
+    """What the monitor needs of a strategy whose gradients land on the module's own parameters (a single device,
+    ``ModelParallelStrategy``'s FSDP2 and tensor parallelism). Subclass it for a strategy that holds gradients
+    elsewhere or takes them another way.
+
+    Args:
+        strategy: The strategy, as the Trainer holds it.
+
+    Example::
+
+        >>> support = StrategySupport(SingleDeviceStrategy("cpu"))
+        >>> support.two_pass_gradients(), support.writes_into_bucket_views()
+        ('backward', False)
+    """
+
+    def __init__(self, strategy: LightningStrategy) -> None:
+        self.strategy = strategy
+
+    def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
+        """The tensors whose ``.grad`` the step fills, by name: the module's trainable parameters.
+
+        Args:
+            pl_module: The LightningModule the strategy trains.
+        """
+        return [(region_name(name), param) for name, param in pl_module.named_parameters() if param.requires_grad]
+
+    def writes_into_bucket_views(self) -> bool:
+        """Whether the next backward writes into the live gradients' storage, so that setting them aside copies."""
+        return False
+
+    def two_pass_gradients(self) -> Literal["autograd", "backward"]:
+        """How the two-pass check takes gradients on the bare module: ``backward()``, which sharded parameters and
+        reentrant checkpointing need."""
+        return "backward"
+
+
+class DDPSupport(StrategySupport):
+    """:class:`StrategySupport` under DDP, which may hold gradients in its buckets and expect some of them.
+
+    Args:
+        strategy: The strategy, as the Trainer holds it.
+
+    Example::
+
+        >>> DDPSupport(DDPStrategy()).two_pass_gradients()  # no model wrapped yet
+        'backward'
+    """
+
+    def writes_into_bucket_views(self) -> bool:
+        """Whether DDP wrapped the model with ``gradient_as_bucket_view``: its next backward writes into the live
+        gradients' storage."""
+        model = self.strategy.model
+        return isinstance(model, DistributedDataParallel) and bool(model.gradient_as_bucket_view)
+
+    def two_pass_gradients(self) -> Literal["autograd", "backward"]:
+        """``torch.autograd.grad`` under DDP with ``find_unused_parameters=True``, whose reducer a ``backward()``
+        outside DDP's forward leaves expecting gradients the next step does not give (its backward then fails);
+        ``backward()`` otherwise."""
+        model = self.strategy.model
+        unused = isinstance(model, DistributedDataParallel) and bool(model.find_unused_parameters)
+        return "autograd" if unused else "backward"
+
+
+class FSDPSupport(StrategySupport):
+    """:class:`StrategySupport` under FSDP1, which accumulates into its flat parameters' gradients when it keeps the
+    original parameters (``use_orig_params=True``).
+
+    Args:
+        strategy: The strategy, as the Trainer holds it.
+
+    Example::
+
+        >>> FSDPSupport(FSDPStrategy()).writes_into_bucket_views()
+        False
+    """
+
+    def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
+        """The module's trainable parameters, then FSDP1's flat parameters that are not among them.
+
+        Args:
+            pl_module: The LightningModule the strategy trains.
+        """
+        holders = super().gradient_holders(pl_module)
+        if self.strategy.model is not None:
+            known = {id(param) for _, param in holders}
+            for index, flat in enumerate(fsdp1_flat_parameters(self.strategy.model)):
+                if id(flat) not in known and flat.requires_grad:
+                    holders.append((f"<FSDP flat parameter {index}>", flat))
+        return holders
+
+
+# Lightning's stock strategies the monitor is tested under (and their subclasses), most specific first.
+_STOCK: tuple[tuple[type[LightningStrategy], type[StrategySupport]], ...] = (
+    (FSDPStrategy, FSDPSupport),
+    (DDPStrategy, DDPSupport),
+    (ModelParallelStrategy, StrategySupport),
+    (SingleDeviceStrategy, StrategySupport),
+)
+
+
+def stock_support(strategy: LightningStrategy) -> StrategySupport | None:
+    """The support of one of Lightning's stock strategies (or a subclass), or ``None`` for any other strategy.
+
+    Args:
+        strategy: The strategy, as the Trainer holds it.
+
+    Example::
+
+        >>> type(stock_support(DDPStrategy())).__name__
+        'DDPSupport'
+    """
+    for stock, support in _STOCK:
+        if isinstance(strategy, stock):
+            return support(strategy)
+    return None
+
+
+def support_of(strategy: Any) -> StrategySupport | None:
+    """What ``strategy`` says the monitor needs of it: its own ``monitor_support()`` when it has one, else that of the
+    stock strategy it is; ``None`` when it is neither, and the monitor does not run.
+
+    Args:
+        strategy: The strategy, as the Trainer holds it.
+
+    Example::
+
+        >>> type(support_of(SingleDeviceStrategy("cpu"))).__name__
+        'StrategySupport'
+    """
+    declared = getattr(strategy, "monitor_support", None)
+    return declared() if callable(declared) else stock_support(strategy)
+
+
+def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.LightningModule") -> str | None:
+    """Why the monitor checks nothing in this fit (a strategy without support, a model without a checkpointed
+    module), or ``None`` when it can.
+
+    Args:
+        support: What :func:`support_of` says of ``strategy``.
+        strategy: The Trainer's strategy.
+        pl_module: The LightningModule.
+
+    Example::
+
+        >>> unmonitored(None, object(), None)[-39:]
+        'not under object, so no check will run.'
+    """
+    if support is None:
+        return (
+            "`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and their"
+            f" subclasses), not under {type(strategy).__name__}, so no check will run."
+        )
+    if not checkpointed_modules(pl_module):
+        return (
+            f"`RecomputationMonitor` found no checkpointed module in {type(pl_module).__name__}, so no check will run."
+            " Use a checkpointing strategy (e.g. `SingleDeviceCheckpointingStrategy(checkpointing=...)`) or"
+            " `apply_activation_checkpointing`."
+        )
+    return None

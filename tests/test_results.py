@@ -1,0 +1,33 @@
+"""Tests for `lightning_ckpt_determinism.lightning.results`: the history, the summary and the warnings' cadence."""
+
+import warnings
+
+from lightning_ckpt_determinism import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.lightning.results import CheckResults
+
+
+def test_a_kind_of_finding_warns_again_every_n_steps_checks() -> None:
+    results = CheckResults(history_size=2, log_prefix="recompute", every_n_steps=2, on_divergence="warn")
+    warned = []
+    for _ in range(5):
+        results.checks += 1
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            results.warn_once("kind", "lightning_ckpt_determinism: found")
+            results.warn_once("other", "lightning_ckpt_determinism: found other")
+        assert all(issubclass(item.category, LightningCkptDeterminismWarning) for item in record)
+        warned.append([str(item.message) for item in record])
+    found = ["lightning_ckpt_determinism: found", "lightning_ckpt_determinism: found other"]
+    assert warned == [found, [], found, [], found]
+
+
+def test_skipped_checks_are_kept_and_counted_and_a_fit_starts_afresh() -> None:
+    results = CheckResults(history_size=2, log_prefix="recompute", every_n_steps=1, on_divergence="warn")
+    for step in range(3):
+        results.skipped(step, "non-finite gradients")
+    assert [record.step for record in results.history] == [1, 2]
+    assert results.summary.skipped == 3
+    results.start_fit()
+    assert results.summary.skipped == 0
+    assert len(results.history) == 2
+    assert "ran 0 checks this fit (every 1 steps)" in results.text(None)
