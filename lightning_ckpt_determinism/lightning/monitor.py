@@ -76,7 +76,8 @@ class RecomputationMonitor(Callback):
         tolerance: Largest ``grad_divergence`` that still counts as equal. ``0.0`` demands bit-identical
             gradients, which the CPU and deterministic kernels give.
         on_divergence: ``"warn"`` (rank zero, naming the worst parameters), ``"raise"``
-            (:class:`RecomputationDivergenceError` on every rank alike) or ``"ignore"`` (metric only).
+            (:class:`~lightning_ckpt_determinism.errors.RecomputationDivergenceError` on every rank alike) or
+            ``"ignore"`` (metric only).
         loss_fn: ``loss_fn(pl_module, batch, batch_idx) -> loss``; by default the LightningModule's own
             ``training_step`` (its loss tensor or ``["loss"]`` of its dict) with every ``self.log`` during the
             check suppressed. Required with manual optimization, where it is the reference of the first
