@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_ckpt_determinism import CAUSE_HINTS
+from lightning_ckpt_determinism import CAUSE_HINTS, Cause
 from lightning_ckpt_determinism.verify.reports import INPUT_MODIFIED_HINT, ROUTING_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,31 +20,6 @@ CAUSES_PAGE = ROOT / "docs" / "causes.md"
 PERFORMANCE_PAGE = ROOT / "docs" / "performance.md"
 BENCHMARK = ROOT / "docs" / "benchmark-cpu.json"
 TABLES = re.compile(r"(<!-- tables: begin -->\n).*?(<!-- tables: end -->)", re.DOTALL)
-
-# When each cause is given; its fix is the hint itself, which the code owns.
-WHEN = {
-    "rng_not_preserved": "a random op (dropout, `rand*`, `bernoulli` ...) drew other numbers in recomputation.",
-    "host_rng": "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that"
-    " region.",
-    "buffer_mutation": "recomputation updated the region's buffers a second time; the hint names the buffers, and the"
-    " gradients may well be exact.",
-    "shape_change": "a recomputed tensor has another shape or dtype than its forward's (torch's metadata error).",
-    "python_state": "Python state read in forward that recomputation does not replay (a list or dict, another"
-    " object's field, a global, a cache) decided other values or ops, or torch found another number of saved tensors.",
-    "parameter_write": "recomputation wrote a parameter in place (`embedding_renorm_` of an `nn.Embedding` with"
-    " `max_norm`); the sentinel counts it at every step (a version counter that moved across the recomputation), and"
-    " attribution names the parameter.",
-    "outside_state": "in `RecomputationReport.cause`: the gradients diverged and the step's forward already computed"
-    " another loss in the reference pass than in the checkpointed one, before anything was recomputed. No region is"
-    " blamed; with `calibrate_noise`, only when the reference passes agree with each other.",
-    "attribute_mutation": "a plain Python attribute of a module inside a region (a list, a dict) ended the"
-    " checkpointed step otherwise than the step without checkpointing: recomputation repeated a forward's side"
-    " effect. The hint names the attributes; `exclude_attributes` leaves out those that legitimately differ.",
-    "nondeterministic_kernel": "an op returned other values for exactly the inputs it had in the forward.",
-    "recompute_error": "recomputing the region raised; `RegionReport.error` holds the error's first line.",
-    "compiler_recompute": "on a compiled model, in `RecomputationReport.cause`: the compiled step diverges and the same"
-    " step run eagerly does not. The regions whose compiled backward graph draws a random op afresh get it too.",
-}
 
 
 def _example(cause: str) -> str:
@@ -57,9 +32,6 @@ def _example(cause: str) -> str:
 
 def causes_page() -> str:
     """The text of ``docs/causes.md``."""
-    missing = sorted(set(CAUSE_HINTS) - set(WHEN))
-    if missing:
-        raise SystemExit(f"docs/generate.py says nothing of when these causes are given: {missing}")
     sections = [
         "# Causes",
         "",
@@ -72,7 +44,14 @@ def causes_page() -> str:
         "and it is what the warning, the report and the audit print.",
     ]
     for cause, hint in CAUSE_HINTS.items():
-        sections += ["", f"## `{cause}`", "", f"**When:** {WHEN[cause]}", "", f"**Hint:** {hint}{_example(cause)}"]
+        sections += [
+            "",
+            f"## `{cause}`",
+            "",
+            f"**When:** {Cause(cause).when}",
+            "",
+            f"**Hint:** {hint}{_example(cause)}",
+        ]
     sections += [
         "",
         "## Hints added to a cause",

@@ -4,6 +4,7 @@ string through JSON, pickles and text."""
 import json
 import pickle
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,8 @@ CONFIG_FIELDS = {
     Cause.BUFFER_MUTATION: "protect_buffers",
 }
 
+CAUSES_PAGE = Path(__file__).resolve().parents[1] / "docs" / "causes.md"
+
 
 def test_the_values_are_the_strings_reports_always_held() -> None:
     assert [cause.value for cause in Cause] == STRINGS
@@ -46,6 +49,8 @@ def test_every_cause_has_its_hint_in_every_syntax(cause: Cause) -> None:
     # YAML and the audit never show Python's spelling of a setting.
     assert "=True`" not in hints.yaml and "=True`" not in hints.audit
     assert "`CheckpointingConfig`" not in hints.yaml
+    # The page of causes says when each is given, from the enum alone.
+    assert cause.when.endswith(".") and f"## `{cause}`\n\n**When:** {cause.when}" in CAUSES_PAGE.read_text()
 
 
 @pytest.mark.parametrize("cause", list(CONFIG_FIELDS), ids=str)

@@ -151,6 +151,11 @@ class Cause(str, enum.Enum):
         return _HINTS[self].python
 
     @property
+    def when(self) -> str:
+        """When the cause is given, as the documentation's page of causes says it."""
+        return _WHEN[self]
+
+    @property
     def state_change(self) -> str | None:
         """What recomputation did to the region's state, for the causes that change state rather than values;
         ``None`` for the others."""
@@ -219,6 +224,51 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             " budget to 1.0, mark the random ops `CheckpointPolicy.MUST_SAVE` in a selective-checkpointing policy,"
             " or, against the budget's redraws, `torch._inductor.config.fallback_random = True` without"
             " `reorder_for_peak_memory`."
+        ),
+    }
+)
+
+# When each cause is given, as the documentation's page of causes says it.
+_WHEN: Mapping[Cause, str] = MappingProxyType(
+    {
+        Cause.RNG_NOT_PRESERVED: (
+            "a random op (dropout, `rand*`, `bernoulli` ...) drew other numbers in recomputation."
+        ),
+        Cause.HOST_RNG: (
+            "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that region."
+        ),
+        Cause.BUFFER_MUTATION: (
+            "recomputation updated the region's buffers a second time; the hint names the buffers, and the "
+            "gradients may well be exact."
+        ),
+        Cause.SHAPE_CHANGE: (
+            "a recomputed tensor has another shape or dtype than its forward's (torch's metadata error)."
+        ),
+        Cause.PYTHON_STATE: (
+            "Python state read in forward that recomputation does not replay (a list or dict, another object's "
+            "field, a global, a cache) decided other values or ops, or torch found another number of saved "
+            "tensors."
+        ),
+        Cause.PARAMETER_WRITE: (
+            "recomputation wrote a parameter in place (`embedding_renorm_` of an `nn.Embedding` with `max_norm`);"
+            " the sentinel counts it at every step (a version counter that moved across the recomputation), and "
+            "attribution names the parameter."
+        ),
+        Cause.OUTSIDE_STATE: (
+            "in `RecomputationReport.cause`: the gradients diverged and the step's forward already computed "
+            "another loss in the reference pass than in the checkpointed one, before anything was recomputed. No "
+            "region is blamed; with `calibrate_noise`, only when the reference passes agree with each other."
+        ),
+        Cause.ATTRIBUTE_MUTATION: (
+            "a plain Python attribute of a module inside a region (a list, a dict) ended the checkpointed step "
+            "otherwise than the step without checkpointing: recomputation repeated a forward's side effect. The "
+            "hint names the attributes; `exclude_attributes` leaves out those that legitimately differ."
+        ),
+        Cause.NONDETERMINISTIC_KERNEL: ("an op returned other values for exactly the inputs it had in the forward."),
+        Cause.RECOMPUTE_ERROR: ("recomputing the region raised; `RegionReport.error` holds the error's first line."),
+        Cause.COMPILER_RECOMPUTE: (
+            "on a compiled model, in `RecomputationReport.cause`: the compiled step diverges and the same step "
+            "run eagerly does not. The regions whose compiled backward graph draws a random op afresh get it too."
         ),
     }
 )
