@@ -35,9 +35,18 @@ def metric_state_names(metric: Any) -> list[str]:
 
     Example::
 
-        >>> from torchmetrics import MeanMetric
-        >>> metric_state_names(MeanMetric())
-        ['mean_value', 'weight']
+        >>> import torch
+        >>> from torchmetrics import Metric
+        >>> class Total(Metric):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
+        ...     def update(self, value):
+        ...         self.total += value
+        ...     def compute(self):
+        ...         return self.total
+        >>> metric_state_names(Total())
+        ['total']
     """
     return list(metric._defaults)
 

@@ -1,0 +1,64 @@
+"""Each entry of `_library_compat` pinned on the installed Lightning, torchmetrics and jsonargparse: the real error or
+object, read as the package reads it."""
+
+from argparse import ArgumentError
+from dataclasses import dataclass
+
+import pytest
+import torch
+from jsonargparse import ArgumentParser
+from jsonargparse.typing import PositiveInt
+from lightning.pytorch import Trainer
+from torchmetrics import MeanMetric
+
+from lightning_ckpt_determinism import _library_compat as compat
+
+
+@dataclass
+class _Inner:
+    every_n: PositiveInt = 1
+
+
+def _parse_error(value: object) -> str:
+    """jsonargparse's own message for a value its type refuses, nested under two keys."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--outer", type=_Inner)
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_object({"outer": {"every_n": value}})
+    return str(raised.value)
+
+
+def test_rejected_value_names_the_nested_key_and_why_from_jsonargparses_message() -> None:
+    found = compat.rejected_value(_parse_error(0))
+    assert found.startswith("`outer.every_n`: ") and "0" in found
+
+
+def test_package_message_in_finds_a_validators_message_listed_by_jsonargparse() -> None:
+    text = 'Parser key "checkpointing":\n  - `every_n` must be an integer >= 1, got 0.'
+    assert compat.package_message_in(text) == "`every_n` must be an integer >= 1, got 0."
+    assert compat.package_message_in(_parse_error(0)) is None  # jsonargparse's own messages never start with a name
+
+
+def test_lightnings_error_for_an_unknown_strategy_name_is_recognised() -> None:
+    with pytest.raises(ValueError) as raised:
+        Trainer(strategy="dpp", accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert compat.is_unknown_strategy_error(raised.value)
+    assert not compat.is_unknown_strategy_error(ValueError("dropout probability has to be between 0 and 1"))
+
+
+def test_a_metrics_states_and_bookkeeping_are_what_an_update_changes() -> None:
+    metric = MeanMetric()
+    names = compat.metric_state_names(metric)
+    assert len(names) == 2 and "weight" in names
+    before = {key: vars(metric).get(key) for key in compat.METRIC_BOOKKEEPING}
+    metric.update(torch.tensor([1.0, 3.0]))
+    assert float(metric.compute()) == 2.0
+    after = {key: vars(metric).get(key) for key in compat.METRIC_BOOKKEEPING}
+    assert set(compat.METRIC_BOOKKEEPING) <= set(vars(metric))
+    assert after["_update_count"] == before["_update_count"] + 1
+    assert after["_computed"] is not None
+
+
+def test_every_entry_is_pinned_here() -> None:
+    pinned = {"rejected_value", "package_message_in", "is_unknown_strategy_error", "metric_state_names"}
+    assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}
