@@ -26,7 +26,13 @@ from lightning_ckpt_determinism.checkpointing.wrapper import is_checkpointed, re
 from lightning_ckpt_determinism.config import CheckpointingConfig, parse_memory_budget
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
-__all__ = ["CheckpointingPlan", "choose_checkpointed", "plan_activation_checkpointing", "plan_from_figures"]
+__all__ = [
+    "CheckpointingPlan",
+    "check_budget_device",
+    "choose_checkpointed",
+    "plan_activation_checkpointing",
+    "plan_from_figures",
+]
 
 
 @dataclass(frozen=True)
@@ -168,12 +174,7 @@ def plan_activation_checkpointing(
             "`memory_budget` is None: `plan_activation_checkpointing` plans within a budget; give one such as"
             " '512MiB' or 0.5."
         )
-    if config.memory_budget == "auto":
-        device = _device_of(model)
-        where = "is not available yet" if device.type == "cuda" else f"needs a CUDA device, the model is on {device}"
-        raise CheckpointingConfigError(
-            f"`memory_budget`='auto' {where}; give bytes ('512MiB') or a fraction (0.5) instead."
-        )
+    check_budget_device(config, next(model.parameters(), torch.empty(0)).device)
     candidates = select_modules(model, config)
     added = {name: module for name, module in candidates.items() if not is_checkpointed(module)}
     checkpoint_selected(model, added, config)
@@ -185,6 +186,27 @@ def plan_activation_checkpointing(
         for module in added.values():
             remove_activation_checkpointing(module)
     return plan_from_figures(meter.figures(), config)
+
+
+def check_budget_device(config: CheckpointingConfig, device: torch.device) -> None:
+    """Refuse ``memory_budget="auto"``, which reads the free memory of a CUDA device (not available yet).
+
+    Args:
+        config: The config.
+        device: Where the model trains.
+
+    Raises:
+        CheckpointingConfigError: For ``"auto"``, in one line naming the device.
+
+    Example::
+
+        >>> check_budget_device(CheckpointingConfig(classes=["Block"], memory_budget="1GB"), torch.device("cpu"))
+    """
+    if config.memory_budget == "auto":
+        where = "is not available yet" if device.type == "cuda" else f"needs a CUDA device, the model is on {device}"
+        raise CheckpointingConfigError(
+            f"`memory_budget`='auto' {where}; give bytes ('512MiB') or a fraction (0.5) instead."
+        )
 
 
 def plan_from_figures(figures: Sequence[RegionFigures], config: CheckpointingConfig) -> CheckpointingPlan:
@@ -297,10 +319,6 @@ def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int]
     visit(0, 0, 0, 0)
     assert best is not None  # checkpointing every group saves `need`: some choice fits
     return best[1]
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    return next(model.parameters(), torch.empty(0)).device
 
 
 def _size(num_bytes: int) -> str:
