@@ -1,5 +1,6 @@
 """Tests for `memory_budget` under the strategies: measured in the first batch, planned and applied from the second."""
 
+import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -16,7 +17,7 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
-from tests.helpers import trainer_kwargs
+from tests.helpers import REPO, launch_ranks, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, ROWS, _mixed
 
 
@@ -115,3 +116,16 @@ def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
         CheckpointingConfigError, match=r"^`memory_budget`='auto' needs a CUDA device, the model is on cpu; give bytes"
     ):
         _fit(tmp_path, _strategy("auto"))
+
+
+def test_ddp_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_figures(tmp_path: Path) -> None:
+    launch_ranks(REPO / "tests" / "ddp_budget_script.py", str(tmp_path), timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["checkpointed"] == ranks[1]["checkpointed"]
+    assert ranks[0]["figures"] == ranks[1]["figures"]
+    # Rank 1's batches are larger: its figures are the maximum, rank 0's own are smaller.
+    assert ranks[0]["figures"] == ranks[1]["own_figures"] != ranks[0]["own_figures"]
+    planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
+    assert 0 < len(planned) < 6
+    for rank in ranks:
+        assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
