@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -118,12 +119,22 @@ def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
         _fit(tmp_path, _strategy("auto"))
 
 
-def test_ddp_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_figures(tmp_path: Path) -> None:
-    launch_ranks(REPO / "tests" / "ddp_budget_script.py", str(tmp_path), timeout=240)
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("budget")
+    launch_ranks(REPO / "tests" / "distributed_budget_script.py", str(out_dir), timeout=300)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_figures(
+    distributed: list[dict[str, Any]], kind: str
+) -> None:
+    ranks = [found[kind] for found in distributed]
     assert ranks[0]["checkpointed"] == ranks[1]["checkpointed"]
     assert ranks[0]["figures"] == ranks[1]["figures"]
-    # Rank 1's batches are larger: its figures are the maximum, rank 0's own are smaller.
+    # Rank 1's batches are larger: its figures are the maximum (FSDP2's gathered parameters are not counted as
+    # activations), rank 0's own are smaller.
     assert ranks[0]["figures"] == ranks[1]["own_figures"] != ranks[0]["own_figures"]
     planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
     assert 0 < len(planned) < 6

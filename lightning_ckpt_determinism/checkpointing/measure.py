@@ -3,7 +3,8 @@
 An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed regions inside
 :meth:`ActivationMeter.measuring` and gives one :class:`RegionFigures` per region:
 
-- **Plain bytes**: what the region would keep for backward without checkpointing. Every tensor a checkpointed forward
+- **Plain bytes**: what the region would keep for backward without checkpointing, on this rank (a DTensor counts its
+  local shard). Every tensor a checkpointed forward
   saves reaches the package's ``determinism_check`` extractor (:mod:`~lightning_ckpt_determinism.checkpointing.saved`)
   exactly as autograd would save it without checkpointing; the meter adds up the bytes of their distinct storages,
   leaving out the model's parameters and buffers (state, not activations). A view keeps its whole storage alive, so
@@ -33,7 +34,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, tree_leaves
-from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
+from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.saved import SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
@@ -114,7 +115,7 @@ class ActivationMeter:
         keep_data_dependent: bool = True,
     ) -> None:
         self._regions = dict(regions)
-        self._state = {storage_pointer(tensor) for tensor in (*model.parameters(), *model.buffers())}
+        self._state = _state_storages(model)
         self._save_ops = frozenset(resolve_ops(list(save_ops)))
         self._keep = keep_data_dependent
         self._tallies = {name: _Tally() for name in self._regions}
@@ -141,18 +142,22 @@ class ActivationMeter:
         inputs = (*args, *kwargs.values())
         self._tallies[name].pending = (self.activation_bytes(tree_leaves(inputs)), input_limit(inputs))
 
-    def activation_bytes(self, tensors: Sequence[Any]) -> int:
-        """The bytes of the distinct storages behind the tensors among ``tensors``, the model's state left out.
+    def activation_bytes(self, tensors: Sequence[Any], state: frozenset[int | None] = frozenset()) -> int:
+        """The bytes of the distinct storages behind the tensors among ``tensors`` (this rank's shards of DTensors),
+        the model's state and ``state`` left out.
 
         Args:
             tensors: Values, of which the tensors count.
+            state: More storages that are state, not activations.
         """
         storages: dict[int, int] = {}
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor:
-                pointer = storage_pointer(tensor)
-                if pointer is not None and pointer not in self._state:
-                    storages[pointer] = tensor.untyped_storage().nbytes()
+        for value in tensors:
+            local = local_tensor(value) if isinstance(value, torch.Tensor) else None
+            # Other tensor subclasses have no storage of their own to count.
+            if local is not None and type(local) is torch.Tensor:
+                pointer = storage_pointer(local)
+                if pointer is not None and pointer not in self._state and pointer not in state:
+                    storages[pointer] = local.untyped_storage().nbytes()
         return sum(storages.values())
 
 
@@ -172,11 +177,13 @@ class _RegionMeter:
         flops = FlopCounterMode(display=False)
         inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
         self._saved = []
+        # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
+        state = _state_storages(module)
         with inner, flops, kept:
             yield
         tally = self._tally
         tally.calls += 1
-        tally.plain += self._meter.activation_bytes(self._saved)
+        tally.plain += self._meter.activation_bytes(self._saved, state)
         tally.checkpointed += inputs_bytes + self._meter.activation_bytes(kept.outputs)
         tally.flops += int(flops.get_total_flops())
         self._saved = []
@@ -194,6 +201,11 @@ class _RegionMeter:
         if self._inner is not None:
             return self._inner.extract(tensor, strict=strict)
         return kept_by_torch(tensor, strict=strict)
+
+
+def _state_storages(module: nn.Module) -> frozenset[int | None]:
+    """The storages of ``module``'s parameters and buffers as they are now (local shards of DTensors)."""
+    return frozenset(storage_pointer(tensor) for tensor in (*module.parameters(), *module.buffers()))
 
 
 class _KeptOps(TorchDispatchMode):
