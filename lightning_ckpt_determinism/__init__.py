@@ -8,10 +8,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_ckpt_determinism.checkpointing import (
+    CheckpointingPlan,
     apply_activation_checkpointing,
     checkpoint_module,
     checkpointed_modules,
     checkpointing_disabled,
+    plan_activation_checkpointing,
     remove_activation_checkpointing,
 )
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -47,6 +49,7 @@ __all__ = [
     "Cause",
     "CheckpointingConfig",
     "CheckpointingConfigError",
+    "CheckpointingPlan",
     "LightningCkptDeterminismWarning",
     "RecomputationDivergenceError",
     "RecomputationReport",
@@ -61,6 +64,7 @@ __all__ = [
     "checkpointed_modules",
     "checkpointing_disabled",
     "gradient_divergence",
+    "plan_activation_checkpointing",
     "recomputation_sentinel",
     "remove_activation_checkpointing",
 ]

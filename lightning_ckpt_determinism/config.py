@@ -7,6 +7,7 @@ back into the plain types on construction so that they pickle, save to YAML and 
 """
 
 import importlib
+import re
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,8 +31,10 @@ __all__ = [
     "PositiveInt",
     "check_bool",
     "check_choice",
+    "check_memory_budget",
     "check_non_negative_float",
     "check_positive_int",
+    "parse_memory_budget",
     "resolve_class_path",
     "resolve_ops",
 ]
@@ -108,6 +111,114 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return str(value)
 
 
+_SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[A-Za-z]+)?\s*$")
+
+
+def parse_memory_budget(value: object) -> int | float | str | None:
+    """``memory_budget`` in the form the planner reads: an ``int`` of bytes, a ``float`` fraction in (0, 1] of what
+    the matched modules keep without checkpointing, ``"auto"``, or ``None``.
+
+    Strings with a unit are bytes (``"512MiB"``, ``"2GB"``, ``"1.5GiB"``; ``KB``, ``MB``, ``GB``, ``TB`` are powers of
+    1000, ``KiB`` ... ``TiB`` of 1024, ``B`` is bytes), ``"50%"`` is a fraction, and a string without a unit reads as
+    the number it spells (the command line hands ``--...memory_budget=0.5`` over as a string).
+
+    Args:
+        value: What the config was given.
+
+    Raises:
+        CheckpointingConfigError: For 0, negatives, fractions above 1, unknown units, bools and anything that is
+            not a size, naming ``memory_budget``.
+
+    Example::
+
+        >>> parse_memory_budget("1.5GiB"), parse_memory_budget("50%"), parse_memory_budget(0.25)
+        (1610612736, 0.5, 0.25)
+    """
+    if value is None or value == "auto":
+        return value  # type: ignore[return-value]
+    if isinstance(value, str):
+        return _parse_size_string(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointingConfigError(f"`memory_budget` must be a size, got {value!r}; {_BUDGET_FORMS}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise CheckpointingConfigError(f"`memory_budget` must be more than 0 bytes, got {value!r}.")
+        return int(value)
+    if not 0.0 < value <= 1.0:
+        raise CheckpointingConfigError(
+            f"`memory_budget` as a fraction must be in (0, 1], got {value!r}; give bytes as an int or with a unit."
+        )
+    return float(value)
+
+
+_BUDGET_FORMS = "give bytes (1073741824, '512MiB', '2GB'), a fraction in (0, 1] (0.5, '50%'), 'auto' or None."
+
+
+def _parse_size_string(value: str) -> int | float:
+    found = _SIZE.match(value)
+    if found is None:
+        raise CheckpointingConfigError(f"`memory_budget` {value!r} is not a size; {_BUDGET_FORMS}")
+    number, unit = found.groups()
+    if unit is None:
+        return parse_memory_budget(float(number) if "." in number else int(number))  # type: ignore[return-value]
+    if unit == "%":
+        if not 0.0 < float(number) <= 100.0:
+            raise CheckpointingConfigError(f"`memory_budget` as a percentage must be in (0, 100], got {value!r}.")
+        return float(number) / 100.0
+    if unit not in _SIZE_UNITS:
+        raise CheckpointingConfigError(
+            f"`memory_budget` {value!r} has an unknown unit {unit!r}; use one of {', '.join(_SIZE_UNITS)} or %."
+        )
+    size = int(float(number) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise CheckpointingConfigError(f"`memory_budget` must be more than 0 bytes, got {value!r}.")
+    return size
+
+
+def check_memory_budget(value: object, every_n: int) -> int | float | str | None:
+    """``memory_budget`` checked and as plain types: a number spelt as a string without a unit becomes that number,
+    a string with a unit stays as written (so a saved config reads as it was given).
+
+    Args:
+        value: What the config was given.
+        every_n: The config's ``every_n``, which a budget cannot be combined with.
+
+    Raises:
+        CheckpointingConfigError: If :func:`parse_memory_budget` refuses ``value``, or a budget comes with
+            ``every_n > 1``.
+
+    Example::
+
+        >>> check_memory_budget("0.5", every_n=1), check_memory_budget("512MiB", every_n=1)
+        (0.5, '512MiB')
+    """
+    parsed = parse_memory_budget(value)
+    if parsed is not None and every_n > 1:
+        raise CheckpointingConfigError(
+            f"`memory_budget` chooses which matched modules to checkpoint and cannot be combined with"
+            f" `every_n`={every_n}; set `every_n` to 1 or remove `memory_budget`."
+        )
+    if isinstance(value, str) and value != "auto" and _unit_of(value) is None:
+        return parsed
+    return str(value) if isinstance(value, str) else parsed
+
+
+def _unit_of(size: str) -> str | None:
+    found = _SIZE.match(size)
+    return found.group(2) if found is not None else None
+
+
 @dataclass(frozen=True)
 class CheckpointingConfig:
     """Which submodules to checkpoint and how.
@@ -149,11 +260,20 @@ class CheckpointingConfig:
             is recomputed and the audit lists it as not kept. Installed only in regions where such an op runs in
             their first checkpointed forward (which is already guarded), or later in a forward a check observes;
             others pay nothing. ``False`` recomputes them, to let the check show how sensitive the routing is.
+        memory_budget: The most activation memory the matched modules may keep for backward in one training step;
+            a memory budget chooses which of them to checkpoint, with the least recomputation that fits. An int is
+            bytes; a string with a unit is bytes (``"512MiB"``, ``"2GB"``, ``"1.5GiB"``, ``"300KiB"``); a float in
+            (0, 1] or a string such as ``"50%"`` is a fraction of what the matched modules keep without
+            checkpointing. ``"auto"`` (CUDA only) fits the free memory. The strategies measure every match,
+            checkpointed, in the first training step and apply the plan from the second one on;
+            ``plan_activation_checkpointing`` does the same in plain PyTorch. ``None`` checkpoints every match,
+            thinned by ``every_n``, which a budget cannot be combined with.
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but
-            strings, a switch is not a bool, ``every_n < 1``, a class path or op cannot be found, or
-            ``determinism_check`` is not one torch knows.
+            strings, a switch is not a bool, ``every_n < 1``, a class path or op cannot be found,
+            ``determinism_check`` is not one torch knows, or ``memory_budget`` is not a size (or comes with
+            ``every_n > 1``).
 
     Example::
 
@@ -172,6 +292,7 @@ class CheckpointingConfig:
     protect_buffers: bool = True
     determinism_check: Literal["default", "none"] = "default"
     keep_data_dependent: bool = True
+    memory_budget: int | str | float | None = None
 
     def __post_init__(self) -> None:
         for name in ("classes", "names", "save_ops"):
@@ -206,6 +327,7 @@ class CheckpointingConfig:
             if "." in path:
                 resolve_class_path(path)
         resolve_ops(self.save_ops)
+        object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, self.every_n))
 
     def __hash__(self) -> int:
         # By value, as `==` compares: equal configs checkpoint alike (and share their compiled graphs' notes).

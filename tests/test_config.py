@@ -7,17 +7,21 @@ import dataclasses
 import inspect
 import io
 import pickle
+import sys
 import typing
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from jsonargparse import ArgumentParser
 from jsonargparse.typing import NonNegativeFloat, NotEmptyStr, PositiveInt
 from torch import nn
 
 import lightning_ckpt_determinism
 from lightning_ckpt_determinism import (
+    CheckpointingCLI,
     CheckpointingConfig,
     CheckpointingConfigError,
     FSDPCheckpointingStrategy,
@@ -27,8 +31,10 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
-from lightning_ckpt_determinism.config import resolve_class_path, resolve_ops
-from tests.helpers import StackModule, make_stack, trainer_kwargs
+from lightning_ckpt_determinism.config import parse_memory_budget, resolve_class_path, resolve_ops
+from tests.helpers import REPO, StackModule, make_stack, trainer_kwargs
+
+GPT_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
 
 
 def test_defaults_checkpoint_everything_matched_with_full_recomputation() -> None:
@@ -275,3 +281,81 @@ def test_entries_that_are_not_strings_and_switches_that_are_not_bools_raise_the_
 ) -> None:
     with pytest.raises(CheckpointingConfigError, match=message):
         CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("given", "stored", "parsed"),
+    [
+        (1000, 1000, 1000),
+        (2**40, 2**40, 2**40),
+        ("512MiB", "512MiB", 512 * 2**20),
+        ("2GB", "2GB", 2 * 10**9),
+        ("1.5GiB", "1.5GiB", 3 * 2**29),
+        ("300KiB", "300KiB", 300 * 1024),
+        (0.5, 0.5, 0.5),
+        (1.0, 1.0, 1.0),
+        ("50%", "50%", 0.5),
+        ("0.25", 0.25, 0.25),
+        ("4096", 4096, 4096),
+        ("auto", "auto", "auto"),
+        (None, None, None),
+    ],
+)
+def test_memory_budget_takes_bytes_units_and_fractions(given: object, stored: object, parsed: object) -> None:
+    config = CheckpointingConfig(classes=["Block"], memory_budget=given)  # type: ignore[arg-type]
+    assert config.memory_budget == stored
+    assert type(config.memory_budget) is type(stored)
+    assert parse_memory_budget(config.memory_budget) == parsed
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, r"`memory_budget` must be more than 0 bytes, got 0\.$"),
+        (-5, r"`memory_budget` must be more than 0 bytes, got -5\.$"),
+        ("0MiB", r"`memory_budget` must be more than 0 bytes, got '0MiB'\.$"),
+        (0.0, r"`memory_budget` as a fraction must be in \(0, 1\], got 0\.0;"),
+        (-0.5, r"`memory_budget` as a fraction must be in \(0, 1\], got -0\.5;"),
+        (1.5, r"`memory_budget` as a fraction must be in \(0, 1\], got 1\.5;"),
+        ("1.5", r"`memory_budget` as a fraction must be in \(0, 1\], got 1\.5;"),
+        ("150%", r"`memory_budget` as a percentage must be in \(0, 100\], got '150%'\.$"),
+        ("3XB", r"`memory_budget` '3XB' has an unknown unit 'XB'; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
+        ("lots", r"`memory_budget` 'lots' is not a size; give bytes"),
+        ("-5MiB", r"`memory_budget` '-5MiB' is not a size; give bytes"),
+        (True, r"`memory_budget` must be a size, got True; give bytes"),
+        ([1], r"`memory_budget` must be a size, got \[1\]; give bytes"),
+    ],
+)
+def test_bad_memory_budgets_are_one_line_errors_naming_the_field(value: object, message: str) -> None:
+    with pytest.raises(CheckpointingConfigError, match=f"^{message}") as raised:
+        CheckpointingConfig(classes=["Block"], memory_budget=value)  # type: ignore[arg-type]
+    assert "\n" not in str(raised.value)
+
+
+def test_memory_budget_with_every_n_above_one_is_an_error() -> None:
+    with pytest.raises(
+        CheckpointingConfigError,
+        match=r"^`memory_budget` chooses which matched modules to checkpoint and cannot be combined with `every_n`=2;"
+        r" set `every_n` to 1 or remove `memory_budget`\.$",
+    ):
+        CheckpointingConfig(classes=["Block"], every_n=2, memory_budget="1GB")
+
+
+@pytest.mark.parametrize(("value", "stored"), [("512MiB", "512MiB"), (0.5, 0.5), (1000000, 1000000), ("50%", "50%")])
+def test_lightning_cli_yaml_takes_a_memory_budget_and_help_explains_it(
+    value: object, stored: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setattr(sys, "argv", ["examples/train.py"])
+    config = yaml.safe_load(GPT_CONFIG.read_text())
+    config["trainer"]["strategy"]["init_args"]["checkpointing"]["memory_budget"] = value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = CheckpointingCLI(subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(path)], run=False)
+    assert cli.trainer.strategy.checkpointing.memory_budget == stored
+    # The strategy's `checkpointing` is one argument in LightningCLI's help; jsonargparse reads each field's text
+    # from the docstring, as a parser of the config itself shows.
+    parser = ArgumentParser()
+    parser.add_class_arguments(CheckpointingConfig, "checkpointing")
+    parser.print_help()
+    assert "The most activation memory the matched modules may keep" in " ".join(capsys.readouterr().out.split())

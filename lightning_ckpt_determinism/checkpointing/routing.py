@@ -38,7 +38,7 @@ from lightning_ckpt_determinism._torch_compat import (
     tree_map,
 )
 
-__all__ = ["CompiledPolicy", "KeptOutputs", "is_data_dependent", "mark_region_inputs"]
+__all__ = ["CompiledPolicy", "KeptOutputs", "fits_size_rule", "input_limit", "is_data_dependent", "mark_region_inputs"]
 
 _aten = torch.ops.aten
 _TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -90,8 +90,17 @@ def _by_rule(func: Any) -> bool:
     return any(tag in func.tags for tag in _TAGS)
 
 
-def _input_limit(inputs: Iterable[Any]) -> Any:
-    """The size rule's limit: the number of elements of the largest tensor among ``inputs`` (symbolic if compiled)."""
+def input_limit(inputs: Iterable[Any]) -> Any:
+    """The size rule's limit: the number of elements of the largest tensor among ``inputs`` (symbolic if compiled).
+
+    Args:
+        inputs: A region call's inputs.
+
+    Example::
+
+        >>> input_limit((torch.ones(4, 2), 3))
+        8
+    """
     limit: Any = 0
     for value in inputs:
         if isinstance(value, torch.Tensor):
@@ -99,8 +108,18 @@ def _input_limit(inputs: Iterable[Any]) -> Any:
     return limit
 
 
-def _fits(output: Any, limit: Any) -> bool:
-    """Whether an op's floating outputs hold at most ``limit`` elements; outputs of unknown size do not fit."""
+def fits_size_rule(output: Any, limit: Any) -> bool:
+    """Whether an op's floating outputs hold at most ``limit`` elements; outputs of unknown size do not fit.
+
+    Args:
+        output: What a data-dependent op returned.
+        limit: The region's :func:`input_limit`.
+
+    Example::
+
+        >>> fits_size_rule((torch.ones(2), torch.ones(2, dtype=torch.long)), 2)
+        True
+    """
     floating = sum(
         leaf.numel()
         for leaf in tree_leaves(output)
@@ -157,7 +176,7 @@ class KeptOutputs:
 
     def note_inputs(self, inputs: tuple[Any, ...]) -> None:
         """Take the size rule's limit from the region's inputs, as the forward starts."""
-        self._limit = _input_limit(inputs)
+        self._limit = input_limit(inputs)
 
     def forward(self) -> "_KeepForward":
         return _KeepForward(self)
@@ -170,7 +189,7 @@ class KeptOutputs:
         if not is_data_dependent(func, args):
             return
         by_save_ops = func in self._save_ops
-        kept = by_save_ops or (self.keep and _fits(out, self._limit))
+        kept = by_save_ops or (self.keep and fits_size_rule(out, self._limit))
         self.seen.append((str(func), kept))
         if self.keep and not by_save_ops:
             self._outputs.setdefault(func, []).append(tree_map(_copy, out) if kept else _RECOMPUTED)
@@ -257,6 +276,6 @@ class CompiledPolicy:
             self._reading_markers = False
         if op in self._save_ops:
             return CheckpointPolicy.MUST_SAVE
-        if self._keep and is_data_dependent(op, args) and _fits(ctx.op_output, self._limit):
+        if self._keep and is_data_dependent(op, args) and fits_size_rule(ctx.op_output, self._limit):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE

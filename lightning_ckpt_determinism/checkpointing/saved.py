@@ -36,6 +36,7 @@ __all__ = [
     "Recomputed",
     "SavedTensorObserver",
     "SavedTensorProbe",
+    "kept_by_torch",
     "probing_now",
 ]
 
@@ -179,6 +180,22 @@ def _metadata(tensor: torch.Tensor) -> dict[str, Any]:
     return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device}
 
 
+def kept_by_torch(tensor: torch.Tensor, *, strict: bool) -> Any:
+    """What the package's ``determinism_check`` keeps of a saved tensor that no observer watches: torch's own
+    metadata, or nothing where the region's ``determinism_check`` is ``"none"``.
+
+    Args:
+        tensor: A tensor a region's forward saves.
+        strict: Whether the region's ``determinism_check`` is ``"default"``.
+
+    Example::
+
+        >>> kept_by_torch(torch.ones(2), strict=False) is None
+        True
+    """
+    return _metadata(tensor) if strict else None
+
+
 def _extract(tensor: torch.Tensor, *, strict: bool) -> Any:
     call = _CURRENT.get()
     task = current_graph_task_id()
@@ -189,7 +206,7 @@ def _extract(tensor: torch.Tensor, *, strict: bool) -> Any:
             return call.observer.extract(tensor, strict=strict)
     elif task != -1:  # a comparison after a recomputation: what the forward kept compares itself with it
         return Recomputed(tensor)
-    return _metadata(tensor) if strict else None
+    return kept_by_torch(tensor, strict=strict)
 
 
 def _default(tensor: torch.Tensor) -> Any:

@@ -180,6 +180,8 @@ class RecomputationMonitor(Callback):
         self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
         # Parameters a skipped step wrote in place in `training_step`: captured from the next check on.
         self._written_parameters: set[str] = set()
+        # Whether this fit said that no module is checkpointed (a memory budget's plan may leave every one plain).
+        self._said_nothing_to_check = False
 
     @property
     @override
@@ -200,6 +202,7 @@ class RecomputationMonitor(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
         show_notes()
+        self._said_nothing_to_check = False
         self._internals = lightning_internals()
         self._schedule.start_fit()
         self._results.start_fit()
@@ -254,6 +257,16 @@ class RecomputationMonitor(Callback):
         if capture is None or not capture.captured or support is None:
             return
         self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
+        if not checkpointed_modules(pl_module):
+            # A memory budget's plan may leave every region plain (the same plan on every rank): both passes would
+            # run the same plain forward, which proves nothing.
+            if not self._said_nothing_to_check:
+                self._said_nothing_to_check = True
+                rank_zero_info(
+                    "lightning_ckpt_determinism: no module is checkpointed (the memory budget's plan leaves every"
+                    " one plain): RecomputationMonitor has nothing to check."
+                )
+            return
         step = trainer.global_step
         self._schedule.checking(step)
         changed = capture.changed_parameters()

@@ -14,6 +14,7 @@ from lightning_ckpt_determinism.checkpointing import (
     remove_activation_checkpointing,
     select_modules,
 )
+from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, check_budget_device
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import (
@@ -21,6 +22,7 @@ from lightning_ckpt_determinism.errors import (
     CheckpointingTypeError,
     LightningCkptDeterminismWarning,
 )
+from lightning_ckpt_determinism.lightning.budget import BudgetedCheckpointing
 from lightning_ckpt_determinism.lightning.notes import show_notes
 from lightning_ckpt_determinism.lightning.support import DDPSupport, FSDPSupport, StrategySupport, stock_support
 
@@ -44,6 +46,9 @@ class ActivationCheckpointingMixin:
     it at the end of their setup, when fitting. Module names in the config are relative to the LightningModule.
     Checkpointing applied by the strategy is removed again at teardown, leaving the model as it was given.
 
+    With a ``memory_budget``, the first training batch runs with every match checkpointed and measures them; from the
+    second batch on, the plan (:attr:`checkpointing_plan`) applies, the same on every rank, and rank zero logs it.
+
     Args:
         checkpointing: Which submodules to checkpoint and how. ``None`` is rejected: the type admits it so that a
             YAML ``checkpointing: null`` reaches the error that says what to give instead, rather than failing
@@ -53,7 +58,8 @@ class ActivationCheckpointingMixin:
 
     Raises:
         CheckpointingConfigError: If ``checkpointing`` is not a :class:`CheckpointingConfig` (also a ``TypeError``
-            then), or at setup, before any training step, if the config matches no module.
+            then), or at setup, before any training step, if the config matches no module or its ``memory_budget`` is
+            ``"auto"`` off CUDA.
 
     Example::
 
@@ -85,11 +91,21 @@ class ActivationCheckpointingMixin:
         self.checkpointing = checkpointing
         self._applied_checkpointing: dict[str, nn.Module] = {}
         self._model_set_up = False
+        self._budgeted: BudgetedCheckpointing | None = None
         super().__init__(*args, **kwargs)
+
+    @property
+    def checkpointing_plan(self) -> CheckpointingPlan | None:
+        """The plan a ``memory_budget`` chose in this fit, from its second training batch on; ``None`` before, and
+        without a budget."""
+        return self._budgeted.plan if self._budgeted is not None else None
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self._model_set_up = False
         show_notes()
+        if self.checkpointing.memory_budget is not None:
+            check_budget_device(self.checkpointing, self.root_device)  # type: ignore[attr-defined]
+            self._budgeted = BudgetedCheckpointing(self.checkpointing)
         super().setup(trainer)  # type: ignore[misc]
         if not self._model_set_up and trainer.state.fn == TrainerFn.FITTING:
             # Some strategies never call `_setup_model` (ModelParallelStrategy; FSDP with `configure_sharded_model`):
@@ -109,7 +125,17 @@ class ActivationCheckpointingMixin:
         self.apply_checkpointing(selected)
         return super()._setup_model(model)  # type: ignore[misc]
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if self._budgeted is not None:
+            # Before the batch's forward, on every rank alike: the plan's reduction is a collective.
+            made_plain = self._budgeted.batch_started(self, self.lightning_module, self._applied_checkpointing)  # type: ignore[attr-defined]
+            for name in made_plain:
+                del self._applied_checkpointing[name]
+
     def teardown(self) -> None:
+        if self._budgeted is not None:
+            self._budgeted.stop()
         for module in self._applied_checkpointing.values():
             remove_activation_checkpointing(module)
         self._applied_checkpointing = {}

@@ -1,0 +1,329 @@
+"""A memory budget: which of the matched modules to checkpoint, measured on the model, with the least recomputation.
+
+:func:`plan_activation_checkpointing` runs one step with every candidate (every module the config matches)
+checkpointed, measures each with :class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter` (bytes kept
+with and without checkpointing, forward FLOPs; see there for what FLOPs leave out), and chooses exactly: the set to
+checkpoint keeps the candidates' total within the budget with the fewest FLOPs recomputed. Identical blocks measure
+alike and form one group, whose choice is how many of them to checkpoint (the first ones in module order); the groups
+are searched branch and bound, which is exact and quick for the handful of distinct regions real models have. A tie in
+FLOPs (FLOPs are 0 for regions made only of elementwise ops and norms) goes to fewer checkpointed modules, then to
+fewer bytes kept. A candidate whose checkpointing would keep more than it saves stays plain.
+
+The plan holds for batches like the measured one: bytes scale with the batch, so a larger batch keeps more.
+"""
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
+from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected, select_modules
+from lightning_ckpt_determinism.checkpointing.wrapper import is_checkpointed, remove_activation_checkpointing
+from lightning_ckpt_determinism.config import CheckpointingConfig, parse_memory_budget
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
+
+__all__ = [
+    "CheckpointingPlan",
+    "check_budget_device",
+    "choose_checkpointed",
+    "plan_activation_checkpointing",
+    "plan_from_figures",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointingPlan:
+    """Which of a config's candidates to checkpoint under its ``memory_budget``, and the figures it was chosen from.
+
+    Attributes:
+        config: The config planned for; :meth:`apply` checkpoints with its other fields.
+        candidates: Each candidate's figures, in module order.
+        checkpointed: The names of the candidates to checkpoint, in module order.
+        kept_bytes: What the candidates keep for backward under the plan.
+        budget_bytes: The budget, in bytes.
+        recomputed_flops_share: The share of the candidates' forward FLOPs that the plan recomputes (0 when they
+            count none).
+
+    Example::
+
+        >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=100)
+        >>> figures = [RegionFigures("0", 80, 10, 5, 1), RegionFigures("1", 80, 10, 1, 1)]
+        >>> plan = plan_from_figures(figures, config)
+        >>> plan.checkpointed, plan.kept_bytes
+        (['1'], 90)
+    """
+
+    config: CheckpointingConfig
+    candidates: tuple[RegionFigures, ...]
+    checkpointed: list[str]
+    kept_bytes: int
+    budget_bytes: int
+    recomputed_flops_share: float
+
+    def apply(self, model: nn.Module) -> list[str]:
+        """Checkpoint exactly :attr:`checkpointed` among the config's candidates of ``model``, with the config's other
+        fields; candidates checkpointed before and not planned are made plain again.
+
+        Args:
+            model: The model planned for (or a twin with the same module names).
+
+        Returns:
+            The names of the checkpointed candidates.
+
+        Example::
+
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+            >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=12)
+            >>> plan = plan_from_figures([RegionFigures("0", 8, 8, 1, 1), RegionFigures("1", 8, 4, 1, 1)], config)
+            >>> plan.apply(model)
+            ['1']
+        """
+        candidates = select_modules(model, self.config)
+        for name, module in candidates.items():
+            if name not in self.checkpointed and is_checkpointed(module):
+                remove_activation_checkpointing(module)
+        chosen = {name: module for name, module in candidates.items() if name in self.checkpointed}
+        checkpoint_selected(model, chosen, self.config)
+        return list(chosen)
+
+    def summary(self) -> str:
+        """The plan in one line.
+
+        Example::
+
+            >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=2048)
+            >>> plan = plan_from_figures([RegionFigures("0", 4096, 1024, 10, 1)], config)
+            >>> print(plan.summary())  # doctest: +NORMALIZE_WHITESPACE
+            memory budget 2.0 KiB: checkpointing 1 of 1 modules (0), keeping 1.0 KiB of 4.0 KiB,
+            recomputing 100% of their forward FLOPs
+        """
+        plain = sum(figures.plain_bytes for figures in self.candidates)
+        names = ", ".join(self.checkpointed) or "none"
+        return (
+            f"memory budget {_size(self.budget_bytes)}: checkpointing {len(self.checkpointed)} of"
+            f" {len(self.candidates)} modules ({names}), keeping {_size(self.kept_bytes)} of {_size(plain)},"
+            f" recomputing {self.recomputed_flops_share:.0%} of their forward FLOPs"
+        )
+
+    def __str__(self) -> str:
+        rows = [("module", "plain", "checkpointed", "forward FLOPs", "plan")]
+        for figures in self.candidates:
+            if figures.calls == 0:
+                choice = "checkpoint (did not run)"
+            else:
+                choice = "checkpoint" if figures.name in self.checkpointed else "plain"
+            rows.append(
+                (
+                    figures.name,
+                    _size(figures.plain_bytes),
+                    _size(figures.checkpointed_bytes),
+                    f"{figures.flops:,}",
+                    choice,
+                )
+            )
+        widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+        return "\n".join([self.summary(), *lines])
+
+
+def plan_activation_checkpointing(
+    model: nn.Module, config: CheckpointingConfig, closure: Callable[[], object]
+) -> CheckpointingPlan:
+    """Measure every module ``config`` matches in one step of ``closure`` and plan which to checkpoint within
+    ``config.memory_budget``, with the least recomputation.
+
+    ``closure`` runs once, with every candidate checkpointed (those checkpointed already stay so, the others are
+    checkpointed for the step and made plain again afterwards); its own effects (gradients, buffers, random streams)
+    stay, as after a training step. Per candidate it measures the activation bytes it keeps without checkpointing,
+    the bytes it keeps checkpointed (its inputs, and what ``save_ops`` and ``keep_data_dependent`` keep) and its
+    forward FLOPs (``torch.utils.flop_counter``: matrix products, convolutions and CUDA's fused attention; elementwise
+    ops, norms, softmax and attention on the CPU count 0), see
+    :mod:`~lightning_ckpt_determinism.checkpointing.measure`. A candidate that did not run stays checkpointed. A budget
+    that cannot be met plans to checkpoint every candidate and warns once with the least figure achievable.
+
+    Args:
+        model: The model; ``config``'s names are relative to it.
+        config: What may be checkpointed and how, with its ``memory_budget``.
+        closure: One forward and backward of a real batch, e.g. ``lambda: loss_fn(model(x), y).backward()``.
+
+    Returns:
+        The plan; :meth:`CheckpointingPlan.apply` checkpoints it.
+
+    Raises:
+        CheckpointingConfigError: If ``config.memory_budget`` is ``None`` or ``"auto"`` (which needs a CUDA device,
+            and is not available there yet), or the config matches no module.
+
+    Example::
+
+        >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        >>> model = torch.nn.Sequential(*[block() for _ in range(4)])
+        >>> config = CheckpointingConfig(classes=["Sequential"], memory_budget=0.75)
+        >>> x = torch.randn(4, 8)
+        >>> plan = plan_activation_checkpointing(model, config, lambda: model(x).sum().backward())
+        >>> plan.checkpointed
+        ['0', '1']
+        >>> plan.apply(model)
+        ['0', '1']
+    """
+    if config.memory_budget is None:
+        raise CheckpointingConfigError(
+            "`memory_budget` is None: `plan_activation_checkpointing` plans within a budget; give one such as"
+            " '512MiB' or 0.5."
+        )
+    check_budget_device(config, next(model.parameters(), torch.empty(0)).device)
+    candidates = select_modules(model, config)
+    added = {name: module for name, module in candidates.items() if not is_checkpointed(module)}
+    checkpoint_selected(model, added, config)
+    try:
+        meter = ActivationMeter(model, candidates, config.save_ops, keep_data_dependent=config.keep_data_dependent)
+        with meter.measuring():
+            closure()
+    finally:
+        for module in added.values():
+            remove_activation_checkpointing(module)
+    return plan_from_figures(meter.figures(), config)
+
+
+def check_budget_device(config: CheckpointingConfig, device: torch.device) -> None:
+    """Refuse ``memory_budget="auto"``, which reads the free memory of a CUDA device (not available yet).
+
+    Args:
+        config: The config.
+        device: Where the model trains.
+
+    Raises:
+        CheckpointingConfigError: For ``"auto"``, in one line naming the device.
+
+    Example::
+
+        >>> check_budget_device(CheckpointingConfig(classes=["Block"], memory_budget="1GB"), torch.device("cpu"))
+    """
+    if config.memory_budget == "auto":
+        where = "is not available yet" if device.type == "cuda" else f"needs a CUDA device, the model is on {device}"
+        raise CheckpointingConfigError(
+            f"`memory_budget`='auto' {where}; give bytes ('512MiB') or a fraction (0.5) instead."
+        )
+
+
+def plan_from_figures(figures: Sequence[RegionFigures], config: CheckpointingConfig) -> CheckpointingPlan:
+    """The plan for measured ``figures`` within ``config.memory_budget`` (a fraction is of the plain bytes of the
+    candidates that ran); warns once when the budget cannot be met.
+
+    Args:
+        figures: Each candidate's figures, in module order (reduced over ranks under a distributed strategy).
+        config: The config with its ``memory_budget`` in bytes or as a fraction.
+
+    Example::
+
+        >>> config = CheckpointingConfig(classes=["Block"], memory_budget="50%")
+        >>> plan_from_figures([RegionFigures("a", 100, 10, 1, 1)], config).budget_bytes
+        50
+    """
+    budget = parse_memory_budget(config.memory_budget)
+    plain = sum(entry.plain_bytes for entry in figures)
+    if isinstance(budget, float):
+        budget_bytes = math.floor(budget * plain)
+    elif isinstance(budget, int):
+        budget_bytes = budget
+    else:
+        raise CheckpointingConfigError(f"`memory_budget` must be bytes or a fraction here, got {budget!r}.")
+    chosen = choose_checkpointed(figures, budget_bytes)
+    if chosen is None:
+        least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
+        warnings.warn(
+            f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({_size(budget_bytes)}) cannot be"
+            f" met: the matched modules keep at least {least} bytes ({_size(least)}) for backward. Checkpointing all"
+            " of them.",
+            LightningCkptDeterminismWarning,
+            stacklevel=2,
+        )
+        chosen = {entry.name for entry in figures}
+    kept = sum(entry.checkpointed_bytes if entry.name in chosen else entry.plain_bytes for entry in figures)
+    flops = sum(entry.flops for entry in figures)
+    recomputed = sum(entry.flops for entry in figures if entry.name in chosen)
+    return CheckpointingPlan(
+        config=config,
+        candidates=tuple(figures),
+        checkpointed=[entry.name for entry in figures if entry.name in chosen],
+        kept_bytes=kept,
+        budget_bytes=budget_bytes,
+        recomputed_flops_share=recomputed / flops if flops else 0.0,
+    )
+
+
+def choose_checkpointed(figures: Sequence[RegionFigures], budget_bytes: int) -> set[str] | None:
+    """The candidates to checkpoint so that the total kept is at most ``budget_bytes`` with the fewest FLOPs
+    recomputed (then the fewest modules, then the fewest bytes); ``None`` when no choice fits.
+
+    Candidates that did not run are always checkpointed. Candidates with equal figures form a group of which the
+    first k in order are checkpointed; the search over the groups' k is exhaustive with bounds, so the choice is exact.
+
+    Args:
+        figures: Each candidate's figures, in module order.
+        budget_bytes: The most the candidates may keep.
+
+    Example::
+
+        >>> figures = [RegionFigures("big", 100, 10, 1, 1), RegionFigures("small", 20, 10, 50, 1)]
+        >>> sorted(choose_checkpointed(figures, 40))
+        ['big']
+    """
+    forced = {entry.name for entry in figures if entry.calls == 0}
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for entry in figures:
+        if entry.calls and entry.saving > 0:
+            groups.setdefault((entry.saving, entry.flops, entry.checkpointed_bytes), []).append(entry.name)
+    need = sum(entry.plain_bytes for entry in figures) - budget_bytes
+    # Cheapest FLOPs per byte saved first: the bound then finds a good choice early.
+    order = sorted(groups, key=lambda key: (key[1] / key[0], -key[0]))
+    counts = _least_recompute([(key[0], key[1], len(groups[key])) for key in order], need)
+    if counts is None:
+        return None
+    chosen = set(forced)
+    for key, count in zip(order, counts, strict=True):
+        chosen.update(groups[key][:count])
+    return chosen
+
+
+def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int] | None:
+    """How many of each group (bytes saved, FLOPs, size) to checkpoint to save at least ``need`` bytes, ordered by
+    (FLOPs, count, -saved); ``None`` if even all of them save less."""
+    reachable = [0] * (len(groups) + 1)
+    for index in range(len(groups) - 1, -1, -1):
+        saving, _, size = groups[index]
+        reachable[index] = reachable[index + 1] + saving * size
+    if reachable[0] < need:
+        return None
+    best: tuple[tuple[int, int, int], list[int]] | None = None
+    counts = [0] * len(groups)
+
+    def visit(index: int, saved: int, flops: int, chosen: int) -> None:
+        nonlocal best
+        if saved >= need:
+            key = (flops, chosen, -saved)
+            if best is None or key < best[0]:
+                best = (key, list(counts))
+            return
+        if saved + reachable[index] < need or (best is not None and (flops, chosen) >= best[0][:2]):
+            return
+        saving, cost, size = groups[index]
+        for count in range(size, -1, -1):
+            counts[index] = count
+            visit(index + 1, saved + count * saving, flops + count * cost, chosen + count)
+        counts[index] = 0
+
+    visit(0, 0, 0, 0)
+    assert best is not None  # checkpointing every group saves `need`: some choice fits
+    return best[1]
+
+
+def _size(num_bytes: int) -> str:
+    """Bytes in binary units, one decimal."""
+    exponent = min(3, int(math.log(abs(num_bytes), 1024))) if num_bytes else 0
+    if exponent == 0:
+        return f"{num_bytes} B"
+    return f"{num_bytes / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"

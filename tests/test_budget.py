@@ -1,0 +1,298 @@
+"""Tests for `plan_activation_checkpointing`: the plan equals a brute-force optimum over the test's own measurement."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    CheckpointingConfigError,
+    CheckpointingPlan,
+    LightningCkptDeterminismWarning,
+    apply_activation_checkpointing,
+    checkpointed_modules,
+    plan_activation_checkpointing,
+)
+
+DIM = 32
+ROWS = 16
+
+
+class CheapBlock(nn.Module):
+    """Keeps much for few FLOPs: one matmul, then a chain of elementwise ops that each keep their input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        for _ in range(4):
+            h = torch.sin(h)
+        return h
+
+
+class CostlyBlock(nn.Module):
+    """Keeps little for many FLOPs: three chained matmuls, keeping only the two products between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for weight in self.weights:
+            x = x @ weight
+        return x
+
+
+class WideBlock(nn.Module):
+    """In between: a matmul to a wider hidden layer and back, with a tanh between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class Mixed(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+CONFIG = {"classes": ["CheapBlock", "CostlyBlock", "WideBlock"]}
+
+
+def _mixed(seed: int = 0) -> Mixed:
+    torch.manual_seed(seed)
+    return Mixed([CheapBlock(), CostlyBlock(), CheapBlock(), WideBlock(), CostlyBlock(), CheapBlock()])
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, DIM, generator=generator), torch.randn(ROWS, 1, generator=generator)
+
+
+def _closure(model: nn.Module) -> None:
+    x, y = _batch()
+    F.mse_loss(model(x), y).backward()
+
+
+def _plan(model: nn.Module, budget: object) -> CheckpointingPlan:
+    config = CheckpointingConfig(**CONFIG, memory_budget=budget)  # type: ignore[arg-type]
+    return plan_activation_checkpointing(model, config, lambda: _closure(model))
+
+
+def _own_measurement(model: Mixed) -> dict[str, tuple[int, int, int]]:
+    """Per block, measured by the test itself on the plain model: (bytes autograd saves in its forward, as distinct
+    storages without parameters; bytes of its input; forward FLOPs)."""
+    state = {tensor.untyped_storage().data_ptr() for tensor in model.parameters()}
+    figures: dict[str, tuple[int, int, int]] = {}
+    x = model.inp(_batch()[0])
+    for index, block in enumerate(model.blocks):
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer not in state:
+                storages[pointer] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        counter = FlopCounterMode(display=False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), counter:
+            out = block(x)
+        inputs = x.untyped_storage().nbytes()
+        figures[f"blocks.{index}"] = (sum(storages.values()), inputs, counter.get_total_flops())
+        x = out
+    return figures
+
+
+def _brute_force(figures: dict[str, tuple[int, int, int]], budget: int) -> tuple[tuple[int, int, int], list[set[str]]]:
+    """The least (FLOPs recomputed, modules checkpointed, bytes kept) within ``budget`` over every subset, and every
+    subset reaching it."""
+    names = list(figures)
+    best: tuple[int, int, int] | None = None
+    optima: list[set[str]] = []
+    for mask in itertools.product((False, True), repeat=len(names)):
+        chosen = {name for name, on in zip(names, mask, strict=True) if on}
+        kept = sum(figures[name][1] if name in chosen else figures[name][0] for name in names)
+        if kept > budget:
+            continue
+        key = (sum(figures[name][2] for name in chosen), len(chosen), kept)
+        if best is None or key < best:
+            best, optima = key, [chosen]
+        elif key == best:
+            optima.append(chosen)
+    assert best is not None
+    return best, optima
+
+
+def test_the_measurement_equals_the_tests_own() -> None:
+    model = _mixed()
+    own = _own_measurement(_mixed())
+    plan = _plan(model, 1.0)
+    measured = {entry.name: (entry.plain_bytes, entry.checkpointed_bytes, entry.flops) for entry in plan.candidates}
+    assert measured == own
+    assert [entry.calls for entry in plan.candidates] == [1] * 6
+    # The blocks differ as the test means them to: cheap ones keep much for few FLOPs, costly ones the opposite.
+    assert own["blocks.0"][0] - own["blocks.0"][1] > own["blocks.1"][0] - own["blocks.1"][1] > 0
+    assert own["blocks.0"][2] < own["blocks.1"][2]
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95, 1.0])
+def test_the_plan_is_the_brute_force_optimum_of_the_tests_own_measurement(fraction: float) -> None:
+    own = _own_measurement(_mixed())
+    plain = sum(entry[0] for entry in own.values())
+    budget = int(fraction * plain)
+    (flops, count, kept), optima = _brute_force(own, budget)
+    model = _mixed()
+    plan = plan_activation_checkpointing(
+        model, CheckpointingConfig(**CONFIG, memory_budget=budget), lambda: _closure(model)
+    )
+    assert set(plan.checkpointed) in optima
+    assert plan.kept_bytes == kept <= plan.budget_bytes == budget
+    total = sum(entry[2] for entry in own.values())
+    assert plan.recomputed_flops_share == pytest.approx(flops / total)
+    assert len(plan.checkpointed) == count
+    # The model is left as it was found.
+    assert checkpointed_modules(model) == {}
+
+
+def test_budgets_in_units_and_fractions_plan_alike() -> None:
+    own = _own_measurement(_mixed())
+    plain = sum(entry[0] for entry in own.values())
+    plans = {}
+    for budget in (plain // 2, f"{plain / 2 / 1024}KiB", 0.5, "50%"):
+        model = _mixed()
+        plans[budget] = plan_activation_checkpointing(
+            model, CheckpointingConfig(**CONFIG, memory_budget=budget), lambda model=model: _closure(model)
+        )
+    assert {plan.budget_bytes for plan in plans.values()} == {plain // 2}
+    assert len({tuple(plan.checkpointed) for plan in plans.values()}) == 1
+    assert plans[0.5].checkpointed
+
+
+def test_identical_blocks_checkpoint_the_first_k() -> None:
+    torch.manual_seed(0)
+    model = Mixed([CheapBlock() for _ in range(5)])
+    own = _own_measurement(model)
+    saving = own["blocks.0"][0] - own["blocks.0"][1]
+    plain = sum(entry[0] for entry in own.values())
+    plan = plan_activation_checkpointing(
+        model, CheckpointingConfig(classes=["CheapBlock"], memory_budget=plain - 2 * saving), lambda: _closure(model)
+    )
+    assert plan.checkpointed == ["blocks.0", "blocks.1"]
+
+
+def test_an_unmeetable_budget_checkpoints_everything_and_warns_once_with_the_least_figure() -> None:
+    own = _own_measurement(_mixed())
+    least = sum(min(entry[0], entry[1]) for entry in own.values())
+    model = _mixed()
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        plan = plan_activation_checkpointing(
+            model, CheckpointingConfig(**CONFIG, memory_budget=least - 1), lambda: _closure(model)
+        )
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith(f"lightning_ckpt_determinism: `memory_budget` of {least - 1} bytes (")
+    assert f"cannot be met: the matched modules keep at least {least} bytes ({least / 1024:.1f} KiB)" in message
+    assert plan.checkpointed == [f"blocks.{index}" for index in range(6)]
+
+
+def test_a_candidate_that_did_not_run_stays_checkpointed() -> None:
+    model = _mixed()
+    skipped = model.blocks[2]
+    model.blocks = nn.ModuleList([block for block in model.blocks if block is not skipped])
+    model.add_module("unused", skipped)
+    plan = _plan(model, 1.0)
+    unused = [entry for entry in plan.candidates if entry.name == "unused"]
+    assert [(entry.calls, entry.plain_bytes, entry.flops) for entry in unused] == [(0, 0, 0)]
+    assert plan.checkpointed == ["unused"]
+    assert "checkpoint (did not run)" in str(plan)
+
+
+def test_a_candidate_checkpointed_before_stays_so() -> None:
+    model = _mixed()
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.1"]))
+    _plan(model, 1.0)
+    assert list(checkpointed_modules(model)) == ["blocks.1"]
+
+
+def test_plan_apply_checkpoints_exactly_the_plan_and_gradients_equal_a_plain_twins() -> None:
+    model, twin = _mixed(), _mixed()
+    config = CheckpointingConfig(**CONFIG, memory_budget=0.6, preserve_host_rng=True)
+    plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
+    model.zero_grad(set_to_none=True)
+    assert 0 < len(plan.checkpointed) < 6
+    assert plan.apply(model) == plan.checkpointed
+    assert list(checkpointed_modules(model)) == plan.checkpointed
+    assert all(module.forward.config == config for module in checkpointed_modules(model).values())
+    _closure(model)
+    _closure(twin)
+    for (name, parameter), twin_parameter in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(parameter.grad, twin_parameter.grad), name
+    # Applying another plan makes the modules it leaves out plain again.
+    everything = CheckpointingPlan(**{**vars(plan), "checkpointed": []})
+    assert everything.apply(model) == []
+    assert checkpointed_modules(model) == {}
+
+
+def test_the_plan_is_a_table_and_a_line() -> None:
+    model = _mixed()
+    plan = _plan(model, 0.6)
+    lines = str(plan).splitlines()
+    assert lines[0] == plan.summary()
+    assert lines[1].split() == ["module", "plain", "checkpointed", "forward", "FLOPs", "plan"]
+    assert [line.split()[0] for line in lines[2:]] == [f"blocks.{index}" for index in range(6)]
+    assert [line.split()[-1] for line in lines[2:]] == [
+        "checkpoint" if f"blocks.{index}" in plan.checkpointed else "plain" for index in range(6)
+    ]
+    assert plan.summary().startswith(f"memory budget {plan.budget_bytes / 1024:.1f} KiB: checkpointing")
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        (None, r"^`memory_budget` is None: `plan_activation_checkpointing` plans within a budget"),
+        ("auto", r"^`memory_budget`='auto' needs a CUDA device, the model is on cpu; give bytes \('512MiB'\)"),
+    ],
+)
+def test_planning_without_a_budget_or_with_auto_off_cuda_is_a_one_line_error(budget: object, message: str) -> None:
+    model = _mixed()
+    with pytest.raises(CheckpointingConfigError, match=message) as raised:
+        plan_activation_checkpointing(
+            model,
+            CheckpointingConfig(**CONFIG, memory_budget=budget),
+            lambda: _closure(model),  # type: ignore[arg-type]
+        )
+    assert "\n" not in str(raised.value)
+    assert checkpointed_modules(model) == {}
+
+
+def test_save_ops_and_kept_routing_count_as_kept_when_checkpointed() -> None:
+    plain = _mixed()
+    kept = plan_activation_checkpointing(
+        plain, CheckpointingConfig(**CONFIG, memory_budget=1.0, save_ops=["aten.mm"]), lambda: _closure(plain)
+    )
+    without = plan_activation_checkpointing(
+        plain, CheckpointingConfig(**CONFIG, memory_budget=1.0), lambda: _closure(plain)
+    )
+    by_name = {entry.name: entry for entry in without.candidates}
+    costly = next(entry for entry in kept.candidates if entry.name == "blocks.1")
+    # Three products of ROWS x DIM floats are kept besides the input.
+    assert costly.checkpointed_bytes == by_name["blocks.1"].checkpointed_bytes + 3 * ROWS * DIM * 4

@@ -1,0 +1,142 @@
+"""Tests for `memory_budget` under the strategies: measured in the first batch, planned and applied from the second."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    CheckpointingConfigError,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    checkpointed_modules,
+    plan_activation_checkpointing,
+)
+from tests.helpers import REPO, launch_ranks, trainer_kwargs
+from tests.test_budget import CONFIG, DIM, ROWS, _mixed
+
+
+class MixedModule(pl.LightningModule):
+    """Regresses with the heterogeneous blocks of `test_budget`; records which blocks each step checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _mixed()
+        self.checkpointed: list[list[str]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.checkpointed.append([name.removeprefix("model.") for name in checkpointed_modules(self)])
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(3)
+        x = torch.randn(4 * ROWS, DIM, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=ROWS)
+
+
+def _fit(tmp_path: Path, strategy: object = "auto", **overrides: object) -> tuple[pl.Trainer, MixedModule]:
+    pl.seed_everything(0)
+    module = MixedModule()
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, **overrides))  # type: ignore[arg-type]
+    trainer.fit(module)
+    return trainer, module
+
+
+def _strategy(budget: object) -> SingleDeviceCheckpointingStrategy:
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=budget)  # type: ignore[arg-type]
+    return SingleDeviceCheckpointingStrategy(checkpointing=config)
+
+
+def test_a_fit_with_a_budget_checkpoints_the_plan_from_the_second_step_bit_identical_to_a_plain_fit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = _strategy(0.6)
+    assert strategy.checkpointing_plan is None
+    _, module = _fit(tmp_path, strategy)
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    every = [f"blocks.{index}" for index in range(6)]
+    planned = [name.removeprefix("model.") for name in plan.checkpointed]
+    assert 0 < len(planned) < 6
+    assert module.checkpointed == [every] + [planned] * 3
+    # The plan is what planning in plain PyTorch gives for the first batch.
+    twin = _mixed()
+    x, y = next(iter(module.train_dataloader()))
+    expected = plan_activation_checkpointing(
+        twin, CheckpointingConfig(**CONFIG, memory_budget=0.6), lambda: F.mse_loss(twin(x), y).backward()
+    )
+    assert planned == expected.checkpointed
+    assert [entry.flops for entry in plan.candidates] == [entry.flops for entry in expected.candidates]
+    assert plan.kept_bytes == expected.kept_bytes
+    assert f"lightning_ckpt_determinism: {plan.summary()}." in caplog.text
+    _, plain = _fit(tmp_path / "plain")
+    for (name, weight), plain_weight in zip(module.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(weight, plain_weight), name
+    # Teardown leaves the model as it was given.
+    assert checkpointed_modules(module) == {}
+
+
+def test_a_budget_that_keeps_every_module_plain_trains_with_the_monitor_which_says_once_it_has_nothing_to_check(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy = _strategy(1.0)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    _, module = _fit(tmp_path, strategy, callbacks=[monitor])
+    assert strategy.checkpointing_plan is not None
+    assert strategy.checkpointing_plan.checkpointed == []
+    assert module.checkpointed[1:] == [[]] * 3
+    # The first step, every block checkpointed, is checked and clean; the others have nothing to check.
+    assert [(entry.step, entry.grad_divergence) for entry in monitor.history] == [(0, 0.0)]
+    assert monitor.sentinel_report is not None and monitor.sentinel_report.mismatches == 0
+    said = "RecomputationMonitor has nothing to check."
+    assert [record.getMessage().endswith(said) for record in caplog.records].count(True) == 1
+
+
+def test_the_monitor_stays_clean_under_a_plan(tmp_path: Path) -> None:
+    strategy = _strategy(0.6)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    _fit(tmp_path, strategy, callbacks=[monitor])
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0] * 4
+    report = monitor.sentinel_report
+    assert report is not None
+    assert report.mismatches == 0 < report.compared
+
+
+def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
+    with pytest.raises(
+        CheckpointingConfigError, match=r"^`memory_budget`='auto' needs a CUDA device, the model is on cpu; give bytes"
+    ):
+        _fit(tmp_path, _strategy("auto"))
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out_dir = tmp_path_factory.mktemp("budget")
+    launch_ranks(REPO / "tests" / "distributed_budget_script.py", str(out_dir), timeout=300)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_figures(
+    distributed: list[dict[str, Any]], kind: str
+) -> None:
+    ranks = [found[kind] for found in distributed]
+    assert ranks[0]["checkpointed"] == ranks[1]["checkpointed"]
+    assert ranks[0]["figures"] == ranks[1]["figures"]
+    # Rank 1's batches are larger: its figures are the maximum (FSDP2's gathered parameters are not counted as
+    # activations), rank 0's own are smaller.
+    assert ranks[0]["figures"] == ranks[1]["own_figures"] != ranks[0]["own_figures"]
+    planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
+    assert 0 < len(planned) < 6
+    for rank in ranks:
+        assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
