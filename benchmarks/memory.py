@@ -89,11 +89,11 @@ def run(size: ModelSize, device: torch.device) -> dict[str, Any]:
             bytes_saving_matmuls(size, element),
         ),
     )
-    baseline = _forward_bytes(build_model(size, Variant("none"), device, layers=0), inputs, targets)
+    baseline = forward_bytes(build_model(size, Variant("none"), device, layers=0), inputs, targets)
     results: dict[str, dict[str, float]] = {}
     for variant, analytical in variants:
         model = build_model(size, variant, device)
-        saved, held = _forward_bytes(model, inputs, targets)
+        saved, held = forward_bytes(model, inputs, targets)
         entry = {
             "saved_bytes_per_block": (saved - baseline[0]) / size.layers,
             "held_bytes_per_block": (held - baseline[1]) / size.layers,
@@ -161,7 +161,7 @@ def _scores(size: ModelSize) -> int:
     return size.heads * size.seq_len**2 * size.batch_size
 
 
-def _forward_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+def forward_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
     """Bytes the loss's graph keeps after one forward: ``(saved through hooks, held alive)``."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[tuple[torch.device, int], int] = {}

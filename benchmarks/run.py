@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import lightning
 import torch
 
-from benchmarks import distributed, memory, monitor, sentinel, step_time
+from benchmarks import budget, distributed, memory, monitor, sentinel, step_time
 from benchmarks.common import ModelSize
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -124,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["check_cost"],
         ),
         "sentinel": lambda: sentinel.run(size, device, repeats.sentinel_rounds, repeats.sentinel_steps),
+        "memory_budget": lambda: budget.run(size, device, repeats.rounds, repeats.warmup),
     }
     if device.type == "cpu":
         # Two processes over gloo on this machine; a GPU machine would need one device per process.
@@ -355,6 +356,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines += _memory_lines(result)
     lines += _monitor_lines(result)
     lines += _sentinel_lines(result)
+    lines += _budget_lines(result)
     lines += ["", "Goals:"]
     for goal in result["goals"]:
         verdict = "met" if goal["met"] else "MISSED"
@@ -399,6 +401,26 @@ def _sentinel_lines(result: dict[str, Any]) -> list[str]:
     lines += [_stat_line(f"step, {name}", parts[name], _ms) for name in ("step", "sampled", "exact", "hooks only")]
     lines += [_stat_line(f"{name}/step", parts[f"{name}/step"], _number) for name in ("sampled", "exact", "hooks only")]
     lines.append(f"  mismatches seen: {found['mismatches']}")
+    return lines
+
+
+def _budget_lines(result: dict[str, Any]) -> list[str]:
+    found = result["memory_budget"]
+    lines = [
+        "",
+        f"5. Memory budget over the blocks (classes [Block]), {result['repeats']['rounds']} interleaved rounds; the"
+        f" blocks keep {found['plain_bytes'] / 2**20:.2f} MiB plainly",
+        "  budget  checkpointed            budget MiB  planned MiB  measured MiB  FLOPs recomputed",
+    ]
+    for name, entry in found["budgets"].items():
+        lines.append(
+            f"  {name:>6}  {', '.join(entry['checkpointed']) or 'none':<22}  {entry['budget_bytes'] / 2**20:>10.2f}"
+            f"  {entry['planned_bytes'] / 2**20:>11.2f}  {entry['measured_bytes'] / 2**20:>12.2f}"
+            f"  {entry['recomputed_flops_share']:>16.0%}"
+        )
+    lines.append(_header("step time, ms"))
+    lines += [_stat_line(name, stats, _ms) for name, stats in found["variants"].items()]
+    lines += [_stat_line(f"{name}/every block", stats, _number) for name, stats in found["ratios"].items()]
     return lines
 
 

@@ -7,7 +7,9 @@ converts the model to the Trainer's precision and checkpoints it as the strategy
 strategy's device (a multi-process strategy is audited on one process with its checkpointing config, and the output
 says so; one that cannot train on this machine, such as FSDP without CUDA, is refused). It prints one row per
 checkpointed region and exits 0 when every region reproduces its forward (and the gradients agree), 1 when any
-diverges, 2 on a usage or configuration error.
+diverges, 2 on a usage or configuration error. A config with a ``memory_budget`` first prints its trade-off (the bytes
+the candidates keep and the FLOPs they recompute, for each number checkpointed) and the plan for the budget, measured
+on the first batch; every candidate is checked, since any of them may be checkpointed.
 """
 
 import argparse
@@ -24,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from lightning_ckpt_determinism.audit.arguments import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, PROGRAM, UsageError, parser
+from lightning_ckpt_determinism.audit.budget import trade_off_table
 from lightning_ckpt_determinism.audit.files import finite, json_target, replace_atomically
 from lightning_ckpt_determinism.audit.loading import (
     build,
@@ -43,6 +46,8 @@ from lightning_ckpt_determinism.audit.rendering import (
     summarize,
     table,
 )
+from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_activation_checkpointing
+from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
     logging_suppressed,
@@ -124,6 +129,8 @@ def _audit(args: argparse.Namespace) -> int:
     if scan is not None:
         notes.extend(scan_notes(scan))
     summaries = summarize(reports)
+    if strategy.checkpointing.memory_budget is not None:
+        print(trade_off_table(_plan(model, strategy, loader)) + "\n")
     print(table(summaries))
     print(footer(reports, summaries, notes, args))
     if target is not None:
@@ -140,6 +147,24 @@ def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
         raise UsageError(str(err)) from err
     model.train()
     return model
+
+
+def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> CheckpointingPlan:
+    """The plan for the config's ``memory_budget``, measured on the first batch that gives a loss."""
+    for batch_idx, batch in enumerate(loader):
+        batch = model.transfer_batch_to_device(batch, strategy.root_device, 0)
+
+        def step(batch: Any = batch, batch_idx: int = batch_idx) -> None:
+            training_step_loss(model, *training_step_arguments(model, batch, batch_idx)).backward()
+
+        try:
+            with strategy.precision_plugin.train_step_context(), logging_suppressed(model):
+                return plan_activation_checkpointing(model, strategy.checkpointing, step)
+        except SkippedStep:
+            continue
+        except CheckpointingConfigError as err:
+            raise UsageError(str(err)) from err
+    raise UsageError("the training data gave no batch whose `training_step` returned a loss to plan the budget on")
 
 
 def _check_batches(
