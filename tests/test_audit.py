@@ -12,7 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_ckpt_determinism import CAUSE_HINTS
+from examples.gpt import GPTModule
+from lightning_ckpt_determinism import CAUSE_HINTS, CheckpointingConfig, plan_activation_checkpointing
 from lightning_ckpt_determinism.audit import files, loading, main, running
 
 REPO = Path(__file__).resolve().parents[1]
@@ -513,3 +514,25 @@ def test_a_training_step_without_batch_idx_is_audited_as_lightning_calls_it(caps
     code, out, err = audit(capsys, "--config", str(path))
     assert code == 1, err
     assert out.splitlines()[-1] == "result: 1 of 4 checkpointed regions diverged: blocks.3"
+
+
+def test_a_config_with_a_memory_budget_prints_its_trade_off_and_the_plan_before_auditing_every_candidate(capsys):
+    code, out, _ = audit(capsys, "--config", str(CONFIGS / "gpt_memory_budget.yaml"))
+    assert code == 0
+    # Ground truth: the same model planned directly on a batch of the config's shape (16 sequences of 33 tokens;
+    # bytes and FLOPs depend on shapes only).
+    model = GPTModule(layers=4)
+    batch = torch.randint(64, (16, 33))
+
+    def step() -> None:
+        logits = model.model(batch[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).backward()
+
+    plan = plan_activation_checkpointing(model, CheckpointingConfig(classes=["Block"], memory_budget="50%"), step)
+    assert plan.checkpointed == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    trade_off = [line.split("  ")[0] for line in out.splitlines() if re.match(r"\d of 4 ", line)]
+    assert trade_off == [f"{count} of 4" for count in range(5)]
+    assert "3 of 4        3.4 MiB                 75%         <- as many as the plan" in out
+    assert str(plan) in out
+    # Every candidate is audited: any of them may be checkpointed.
+    assert list(table(out.split(str(plan), 1)[1].lstrip("\n"))) == [f"model.blocks.{index}" for index in range(4)]

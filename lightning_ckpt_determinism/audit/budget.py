@@ -1,7 +1,7 @@
 """The audit's view of a ``memory_budget``: the trade-off between the bytes the candidates keep and what they
 recompute, for each number of checkpointed candidates, then the plan for the budget."""
 
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan
+from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, format_bytes
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 
 __all__ = ["trade_off", "trade_off_table"]
@@ -46,9 +46,9 @@ def trade_off_table(plan: CheckpointingPlan) -> str:
     """
     rows = [("checkpointed", "kept", "recomputed", "")]
     for count, kept, share in trade_off(plan.candidates):
-        mark = "<- plan" if count == len(plan.checkpointed) else ""
+        mark = "<- as many as the plan" if count == len(plan.checkpointed) else ""
         within = "" if kept <= plan.budget_bytes else " (over budget)"
-        rows.append((f"{count} of {len(plan.candidates)}", _size(kept) + within, f"{share:.0%}", mark))
+        rows.append((f"{count} of {len(plan.candidates)}", format_bytes(kept) + within, f"{share:.0%}", mark))
     widths = [max(len(row[column]) for row in rows) for column in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(
@@ -59,12 +59,3 @@ def trade_off_table(plan: CheckpointingPlan) -> str:
             str(plan),
         ]
     )
-
-
-def _size(num_bytes: int) -> str:
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

@@ -54,6 +54,7 @@ from lightning_ckpt_determinism.lightning.step import (
     training_step_arguments,
     training_step_loss,
 )
+from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan, scanned
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
@@ -129,7 +130,7 @@ def _audit(args: argparse.Namespace) -> int:
     if scan is not None:
         notes.extend(scan_notes(scan))
     summaries = summarize(reports)
-    if strategy.checkpointing.memory_budget is not None:
+    if cast(ActivationCheckpointingMixin, strategy).checkpointing.memory_budget is not None:
         print(trade_off_table(_plan(model, strategy, loader)) + "\n")
     print(table(summaries))
     print(footer(reports, summaries, notes, args))

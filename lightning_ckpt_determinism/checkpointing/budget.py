@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointingPlan",
     "check_budget_device",
     "choose_checkpointed",
+    "format_bytes",
     "plan_activation_checkpointing",
     "plan_from_figures",
 ]
@@ -104,9 +105,9 @@ class CheckpointingPlan:
         plain = sum(figures.plain_bytes for figures in self.candidates)
         names = ", ".join(self.checkpointed) or "none"
         return (
-            f"memory budget {_size(self.budget_bytes)}: checkpointing {len(self.checkpointed)} of"
-            f" {len(self.candidates)} modules ({names}), keeping {_size(self.kept_bytes)} of {_size(plain)},"
-            f" recomputing {self.recomputed_flops_share:.0%} of their forward FLOPs"
+            f"memory budget {format_bytes(self.budget_bytes)}: checkpointing {len(self.checkpointed)} of"
+            f" {len(self.candidates)} modules ({names}), keeping {format_bytes(self.kept_bytes)} of"
+            f" {format_bytes(plain)}, recomputing {self.recomputed_flops_share:.0%} of their forward FLOPs"
         )
 
     def __str__(self) -> str:
@@ -119,8 +120,8 @@ class CheckpointingPlan:
             rows.append(
                 (
                     figures.name,
-                    _size(figures.plain_bytes),
-                    _size(figures.checkpointed_bytes),
+                    format_bytes(figures.plain_bytes),
+                    format_bytes(figures.checkpointed_bytes),
                     f"{figures.flops:,}",
                     choice,
                 )
@@ -235,9 +236,9 @@ def plan_from_figures(figures: Sequence[RegionFigures], config: CheckpointingCon
     if chosen is None:
         least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
         warnings.warn(
-            f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({_size(budget_bytes)}) cannot be"
-            f" met: the matched modules keep at least {least} bytes ({_size(least)}) for backward. Checkpointing all"
-            " of them.",
+            f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({format_bytes(budget_bytes)})"
+            f" cannot be met: the matched modules keep at least {least} bytes ({format_bytes(least)}) for backward."
+            " Checkpointing all of them.",
             LightningCkptDeterminismWarning,
             stacklevel=2,
         )
@@ -321,8 +322,17 @@ def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int]
     return best[1]
 
 
-def _size(num_bytes: int) -> str:
-    """Bytes in binary units, one decimal."""
+def format_bytes(num_bytes: int) -> str:
+    """Bytes in binary units, one decimal.
+
+    Args:
+        num_bytes: A size in bytes.
+
+    Example::
+
+        >>> format_bytes(512), format_bytes(3 * 2**20 // 2)
+        ('512 B', '1.5 MiB')
+    """
     exponent = min(3, int(math.log(abs(num_bytes), 1024))) if num_bytes else 0
     if exponent == 0:
         return f"{num_bytes} B"
