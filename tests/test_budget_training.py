@@ -7,12 +7,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
     checkpointed_modules,
@@ -102,7 +104,9 @@ def test_a_budget_that_keeps_every_module_plain_trains_with_the_monitor_which_sa
     assert [record.getMessage().endswith(said) for record in caplog.records].count(True) == 1
 
 
-def test_the_monitor_stays_clean_under_a_plan(tmp_path: Path) -> None:
+def test_the_monitor_stays_clean_under_a_plan_and_its_summary_names_the_plan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     strategy = _strategy(0.6)
     monitor = RecomputationMonitor(every_n_steps=1)
     _fit(tmp_path, strategy, callbacks=[monitor])
@@ -110,6 +114,9 @@ def test_the_monitor_stays_clean_under_a_plan(tmp_path: Path) -> None:
     report = monitor.sentinel_report
     assert report is not None
     assert report.mismatches == 0 < report.compared
+    assert strategy.checkpointing_plan is not None
+    summary = [record.getMessage() for record in caplog.records if "RecomputationMonitor ran" in record.getMessage()]
+    assert len(summary) == 1 and summary[0].endswith(f" It trained under a {strategy.checkpointing_plan.summary()}.")
 
 
 def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
@@ -140,3 +147,72 @@ def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_fi
     assert 0 < len(planned) < 6
     for rank in ranks:
         assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
+
+
+class CompiledMixedModule(MixedModule):
+    """`MixedModule` whose forward is compiled; records how many frames the compiler had compiled at each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = CompileCounterWithBackend("aot_eager")
+        self.frames: list[int] = []
+        self._compiled = torch.compile(lambda x: self.model(x), backend=self.counter)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.frames.append(self.counter.frame_count)
+        self.checkpointed.append([name.removeprefix("model.") for name in checkpointed_modules(self)])
+        x, y = batch
+        return F.mse_loss(self._compiled(x), y)
+
+
+def test_a_compiled_model_is_measured_eagerly_and_compiles_once_with_the_plan(tmp_path: Path) -> None:
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    module = CompiledMixedModule()
+    strategy = _strategy(0.6)
+    pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy)).fit(module)  # type: ignore[arg-type]
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    # The measured batch ran uncompiled, and measured what eager planning measures; the plan compiled once, at the
+    # second batch, and nothing recompiled after.
+    assert module.frames[:2] == [0, 0]
+    compiled_once = module.frames[2]
+    assert compiled_once > 0 and module.frames[3] == module.counter.frame_count == compiled_once
+    twin = _mixed()
+    x, y = next(iter(module.train_dataloader()))
+    expected = plan_activation_checkpointing(
+        twin, CheckpointingConfig(**CONFIG, memory_budget=0.6), lambda: F.mse_loss(twin(x), y).backward()
+    )
+    assert plan.checkpointed == [f"model.{name}" for name in expected.checkpointed]
+    assert plan.kept_bytes == expected.kept_bytes
+    # A compiled fit that checkpoints the plan from its start compiles as many frames.
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    direct = CompiledMixedModule()
+    names = [name.removeprefix("model.") for name in plan.checkpointed]
+    fixed = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=[f"model.{n}" for n in names]))
+    pl.Trainer(**trainer_kwargs(tmp_path / "direct", strategy=fixed)).fit(direct)  # type: ignore[arg-type]
+    torch._dynamo.reset()
+    assert direct.counter.frame_count == compiled_once
+
+
+class GrowingBatchesModule(MixedModule):
+    """`MixedModule` whose third and fourth batches are twice as large as the measured first one."""
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(3)
+        batches = []
+        for rows in (ROWS, ROWS, 2 * ROWS, 2 * ROWS):
+            x = torch.randn(rows, DIM, generator=generator)
+            batches.append((x, x.sum(dim=1, keepdim=True)))
+        return DataLoader(batches, batch_size=None)
+
+
+def test_a_batch_larger_than_the_measured_one_is_said_once(tmp_path: Path) -> None:
+    strategy = _strategy(0.6)
+    with pytest.warns(LightningCkptDeterminismWarning, match="more than 110% of the") as caught:
+        pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy)).fit(GrowingBatchesModule())  # type: ignore[arg-type]
+    measured = ROWS * DIM * 4 + ROWS * 4
+    said = [str(warning.message) for warning in caught if "was measured on" in str(warning.message)]
+    assert len(said) == 1
+    assert f"holds {2 * measured} bytes of tensors, more than 110% of the {measured} bytes" in said[0]

@@ -1,10 +1,14 @@
 """A ``memory_budget`` under a strategy: the first training batch measures, the second one on runs the plan.
 
 Every candidate the strategy checkpointed is measured while the first training batch runs
-(:class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter`). When the second batch starts, each
-rank's figures are reduced by their maximum through the strategy, so that every rank (DDP, FSDP, tensor parallelism)
-plans from the same figures and applies the same plan, before any forward of that batch: the candidates the plan
-leaves plain are made plain. Rank zero logs the plan in one line.
+(:class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter`), in eager mode: a compiled model runs
+that batch uncompiled (``torch.compiler.set_stance("force_eager")``, for that batch only), since the compiler
+recomputes its regions out of the meter's sight, and compiles from the second batch on, with the plan in place, so the
+budget costs it no recompile. When the second batch starts, each rank's figures are reduced by their maximum through
+the strategy, so that every rank (DDP, FSDP, tensor parallelism) plans from the same figures and applies the same
+plan, before any forward of that batch: the candidates the plan leaves plain are made plain. Rank zero logs the plan
+in one line. The plan holds for batches like the measured one: a later batch whose tensors are more than 10 % larger
+(from which the regions' inputs are computed) is said once.
 """
 
 import contextlib
@@ -16,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_ckpt_determinism._torch_compat import tree_leaves
 from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
 from lightning_ckpt_determinism.checkpointing.wrapper import remove_activation_checkpointing
@@ -23,7 +28,10 @@ from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.parallel import all_reduce
 
-__all__ = ["BudgetedCheckpointing"]
+__all__ = ["LARGER_BATCH", "BudgetedCheckpointing"]
+
+LARGER_BATCH = 1.1
+"""How much larger than the measured batch a later batch may be before the plan's figures are said to be too small."""
 
 
 class BudgetedCheckpointing:
@@ -44,25 +52,35 @@ class BudgetedCheckpointing:
         self.plan: CheckpointingPlan | None = None
         self._meter: ActivationMeter | None = None
         self._measuring = contextlib.ExitStack()
+        self._measured_batch_bytes = 0
+        self._said_larger = False
 
-    def batch_started(self, strategy: Any, root: nn.Module, regions: Mapping[str, nn.Module]) -> list[str]:
+    def batch_started(
+        self, strategy: Any, root: nn.Module, regions: Mapping[str, nn.Module], batch: Any = None
+    ) -> list[str]:
         """Start measuring at the first training batch; plan and apply at the second (on every rank alike).
 
         Args:
             strategy: The strategy, through which the figures are reduced over ranks.
             root: The LightningModule; its parameters and buffers are not activations.
             regions: The regions the strategy checkpointed, by name.
+            batch: The batch starting, compared in size with the measured one.
 
         Returns:
             The regions the plan made plain at this batch (none at other batches).
         """
-        if self.plan is not None or not regions:
+        if self.plan is not None:
+            self._compare_batch(batch)
+            return []
+        if not regions:
             return []
         if self._meter is None:
             config = self.config
             self._meter = ActivationMeter(
                 root, regions, config.save_ops, keep_data_dependent=config.keep_data_dependent
             )
+            self._measured_batch_bytes = _tensor_bytes(batch)
+            self._measuring.enter_context(torch.compiler.set_stance("force_eager"))
             self._measuring.enter_context(self._meter.measuring())
             return []
         self._measuring.close()
@@ -72,6 +90,22 @@ class BudgetedCheckpointing:
             remove_activation_checkpointing(regions[name])
         rank_zero_info(f"lightning_ckpt_determinism: {plan.summary()}.")
         return plain
+
+    def _compare_batch(self, batch: Any) -> None:
+        """Say once when a batch is more than 10 % larger than the measured one: its regions' inputs, and what they
+        keep, are likely larger than the plan assumed."""
+        if self._said_larger or not self._measured_batch_bytes:
+            return
+        size = _tensor_bytes(batch)
+        if size > LARGER_BATCH * self._measured_batch_bytes:
+            self._said_larger = True
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: a training batch holds {size} bytes of tensors, more than"
+                f" {LARGER_BATCH:.0%} of the {self._measured_batch_bytes} bytes of the batch the `memory_budget` plan"
+                " was measured on: its regions may keep more than the plan says. Measure on the largest batch (order"
+                " the data so it comes first), or lower `memory_budget`.",
+                category=LightningCkptDeterminismWarning,
+            )
 
     def stop(self) -> None:
         """Stop measuring (a fit that ended within its first batch); the plan stays readable."""
@@ -85,6 +119,11 @@ class BudgetedCheckpointing:
         for warning in caught:
             rank_zero_warn(str(warning.message), category=warning.category)
         return plan
+
+
+def _tensor_bytes(batch: Any) -> int:
+    """The bytes of the tensors in a batch (nested in lists, tuples and dicts)."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor))
 
 
 def _reduced(strategy: Any, figures: list[RegionFigures]) -> list[RegionFigures]:

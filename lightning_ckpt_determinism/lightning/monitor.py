@@ -319,7 +319,8 @@ class RecomputationMonitor(Callback):
             logger.log_metrics(self._watch.metrics_due(trainer, last=True) or {}, step=self._watch.step)
         self._watch.stop()
         if self._enabled:
-            rank_zero_info(self._results.text(self._watch.report))
+            plan = getattr(trainer.strategy, "checkpointing_plan", None)
+            rank_zero_info(self._results.text(self._watch.report, plan))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from collections import deque
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.findings import (
     CheckRecord,
@@ -162,10 +163,12 @@ class CheckResults:
             self._warned[key] = self.checks
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
 
-    def text(self, sentinel: SentinelReport | None) -> str:
-        """The fit's summary paragraph, with what ``sentinel`` compared.
+    def text(self, sentinel: SentinelReport | None, plan: CheckpointingPlan | None = None) -> str:
+        """The fit's summary paragraph, with what ``sentinel`` compared and the ``memory_budget`` plan the fit ran.
 
         Args:
             sentinel: The sentinel's report, or ``None`` without one.
+            plan: The strategy's plan, or ``None`` without a budget.
         """
-        return self.summary.text(self.every_n_steps, sentinel)
+        text = self.summary.text(self.every_n_steps, sentinel)
+        return text if plan is None else f"{text} It trained under a {plan.summary()}."
