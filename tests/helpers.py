@@ -409,15 +409,14 @@ class DictOutputBlock(nn.Module):
 
 
 class CheckpointedModulesRecorder(pl.Callback):
-    """Records the names of the LightningModule's checkpointed modules at every training batch and checkpoint save."""
+    """Records the names of the LightningModule's checkpointed modules at every training step's backward (what that
+    step's forward ran checkpointed, after the strategy's batch-start hook) and at every checkpoint save."""
 
     def __init__(self) -> None:
         self.seen: list[list[str]] = []
         self.saved: list[list[str]] = []
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
-    ) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self.seen.append(list(checkpointed_modules(pl_module)))
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
