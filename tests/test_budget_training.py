@@ -20,6 +20,9 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
+from lightning_ckpt_determinism.checkpointing.budget import plan_from_figures
+from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
+from lightning_ckpt_determinism.lightning.budget import auto_budget
 from tests.helpers import REPO, launch_ranks, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, ROWS, _mixed
 
@@ -216,3 +219,25 @@ def test_a_batch_larger_than_the_measured_one_is_said_once(tmp_path: Path) -> No
     said = [str(warning.message) for warning in caught if "was measured on" in str(warning.message)]
     assert len(said) == 1
     assert f"holds {2 * measured} bytes of tensors, more than 110% of the {measured} bytes" in said[0]
+
+
+def test_auto_is_the_figures_free_memory_leaves_and_plans_like_the_same_budget_in_bytes() -> None:
+    figures = [RegionFigures(f"model.blocks.{index}", 400, 100, 10, 1) for index in range(3)]
+    # 2000 free bytes, 25 % left unused: 1500; the measured step needed 900 - 300 kept = 600 besides: 900 remain.
+    assert auto_budget(free_bytes=2000, step_peak_bytes=900, figures=figures) == 900
+    assert auto_budget(free_bytes=100, step_peak_bytes=900, figures=figures) == 0
+    auto = plan_from_figures(figures, CheckpointingConfig(**CONFIG, memory_budget="auto"), auto_bytes=900)
+    in_bytes = plan_from_figures(figures, CheckpointingConfig(**CONFIG, memory_budget=900))
+    assert (auto.checkpointed, auto.budget_bytes) == (in_bytes.checkpointed, 900)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_a_roomy_cuda_device_keeps_every_block_plain_and_trains(tmp_path: Path) -> None:
+    strategy = _strategy("auto")
+    _, module = _fit(tmp_path, strategy, accelerator="cuda", devices=1)
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    # A few KiB of activations against a GPU's free memory: nothing needs checkpointing.
+    assert plan.budget_bytes > sum(entry.plain_bytes for entry in plan.candidates) > 0
+    assert plan.checkpointed == [] and module.checkpointed[1:] == [[]] * 3
+    assert all(torch.isfinite(param).all() for param in module.parameters())

@@ -155,8 +155,9 @@ def plan_activation_checkpointing(
         The plan; :meth:`CheckpointingPlan.apply` checkpoints it.
 
     Raises:
-        CheckpointingConfigError: If ``config.memory_budget`` is ``None`` or ``"auto"`` (which needs a CUDA device,
-            and is not available there yet), or the config matches no module.
+        CheckpointingConfigError: If ``config.memory_budget`` is ``None`` or ``"auto"`` (which reads the free memory
+            a training step leaves after its first optimizer step: give it to a checkpointing strategy), or the config
+            matches no module.
 
     Example::
 
@@ -176,6 +177,11 @@ def plan_activation_checkpointing(
             " '512MiB' or 0.5."
         )
     check_budget_device(config, next(model.parameters(), torch.empty(0)).device)
+    if config.memory_budget == "auto":
+        raise CheckpointingConfigError(
+            "`memory_budget`='auto' is planned by a checkpointing strategy, after the first optimizer step has"
+            " allocated its state; here give bytes ('512MiB') or a fraction (0.5) instead."
+        )
     candidates = select_modules(model, config)
     added = {name: module for name, module in candidates.items() if not is_checkpointed(module)}
     checkpoint_selected(model, added, config)
@@ -190,7 +196,7 @@ def plan_activation_checkpointing(
 
 
 def check_budget_device(config: CheckpointingConfig, device: torch.device) -> None:
-    """Refuse ``memory_budget="auto"``, which reads the free memory of a CUDA device (not available yet).
+    """Refuse ``memory_budget="auto"`` off CUDA: it reads the free memory of a CUDA device.
 
     Args:
         config: The config.
@@ -203,20 +209,23 @@ def check_budget_device(config: CheckpointingConfig, device: torch.device) -> No
 
         >>> check_budget_device(CheckpointingConfig(classes=["Block"], memory_budget="1GB"), torch.device("cpu"))
     """
-    if config.memory_budget == "auto":
-        where = "is not available yet" if device.type == "cuda" else f"needs a CUDA device, the model is on {device}"
+    if config.memory_budget == "auto" and device.type != "cuda":
         raise CheckpointingConfigError(
-            f"`memory_budget`='auto' {where}; give bytes ('512MiB') or a fraction (0.5) instead."
+            f"`memory_budget`='auto' needs a CUDA device, the model is on {device}; give bytes ('512MiB') or a"
+            " fraction (0.5) instead."
         )
 
 
-def plan_from_figures(figures: Sequence[RegionFigures], config: CheckpointingConfig) -> CheckpointingPlan:
+def plan_from_figures(
+    figures: Sequence[RegionFigures], config: CheckpointingConfig, auto_bytes: int | None = None
+) -> CheckpointingPlan:
     """The plan for measured ``figures`` within ``config.memory_budget`` (a fraction is of the plain bytes of the
     candidates that ran); warns once when the budget cannot be met.
 
     Args:
         figures: Each candidate's figures, in module order (reduced over ranks under a distributed strategy).
         config: The config with its ``memory_budget`` in bytes or as a fraction.
+        auto_bytes: What ``memory_budget="auto"`` comes to, worked out by the caller from the device's free memory.
 
     Example::
 
@@ -230,6 +239,8 @@ def plan_from_figures(figures: Sequence[RegionFigures], config: CheckpointingCon
         budget_bytes = math.floor(budget * plain)
     elif isinstance(budget, int):
         budget_bytes = budget
+    elif budget == "auto" and auto_bytes is not None:
+        budget_bytes = auto_bytes
     else:
         raise CheckpointingConfigError(f"`memory_budget` must be bytes or a fraction here, got {budget!r}.")
     chosen = choose_checkpointed(figures, budget_bytes)

@@ -12,8 +12,9 @@ in one line. The plan holds for batches like the measured one: a later batch who
 """
 
 import contextlib
+import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,8 +28,9 @@ from lightning_ckpt_determinism.checkpointing.wrapper import remove_activation_c
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.parallel import all_reduce
+from lightning_ckpt_determinism.lightning.reference import MEMORY_MARGIN
 
-__all__ = ["LARGER_BATCH", "BudgetedCheckpointing"]
+__all__ = ["LARGER_BATCH", "BudgetedCheckpointing", "auto_budget"]
 
 LARGER_BATCH = 1.1
 """How much larger than the measured batch a later batch may be before the plan's figures are said to be too small."""
@@ -54,6 +56,8 @@ class BudgetedCheckpointing:
         self._measuring = contextlib.ExitStack()
         self._measured_batch_bytes = 0
         self._said_larger = False
+        # With "auto" on CUDA: the device's allocated bytes when the measured step started.
+        self._step_start = 0
 
     def batch_started(
         self, strategy: Any, root: nn.Module, regions: Mapping[str, nn.Module], batch: Any = None
@@ -80,11 +84,18 @@ class BudgetedCheckpointing:
                 root, regions, config.save_ops, keep_data_dependent=config.keep_data_dependent
             )
             self._measured_batch_bytes = _tensor_bytes(batch)
+            if config.memory_budget == "auto":
+                # The measured step's peak, read at the next batch (the device's peak statistics restart here).
+                device = strategy.root_device
+                torch.cuda.reset_peak_memory_stats(device)
+                self._step_start = torch.cuda.memory_allocated(device)
             self._measuring.enter_context(torch.compiler.set_stance("force_eager"))
             self._measuring.enter_context(self._meter.measuring())
             return []
         self._measuring.close()
-        self.plan = plan = self._planned(_reduced(strategy, self._meter.figures()))
+        figures = self._meter.figures()
+        auto = self._auto_bytes(strategy, figures) if self.config.memory_budget == "auto" else None
+        self.plan = plan = self._planned(_reduced(strategy, figures), auto)
         plain = [name for name in regions if name not in plan.checkpointed]
         for name in plain:
             remove_activation_checkpointing(regions[name])
@@ -111,14 +122,49 @@ class BudgetedCheckpointing:
         """Stop measuring (a fit that ended within its first batch); the plan stays readable."""
         self._measuring.close()
 
-    def _planned(self, figures: list[RegionFigures]) -> CheckpointingPlan:
+    def _auto_bytes(self, strategy: Any, figures: list[RegionFigures]) -> int:
+        """What ``"auto"`` comes to on this CUDA device, the least over ranks (see :func:`auto_budget`); read after
+        the first optimizer step, which allocated the optimizer's state."""
+        device = strategy.root_device
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        step_peak = torch.cuda.max_memory_allocated(device) - self._step_start
+        local = auto_budget(int(free) + int(cached), step_peak, figures)
+        least = all_reduce(strategy)(torch.tensor([-local], dtype=torch.int64, device=device), "max")
+        return -int(least.item())
+
+    def _planned(self, figures: list[RegionFigures], auto_bytes: int | None = None) -> CheckpointingPlan:
         # Every rank plans alike; the warning of an unmeetable budget is shown once, on rank zero.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LightningCkptDeterminismWarning)
-            plan = plan_from_figures(figures, self.config)
+            plan = plan_from_figures(figures, self.config, auto_bytes)
         for warning in caught:
             rank_zero_warn(str(warning.message), category=warning.category)
         return plan
+
+
+def auto_budget(
+    free_bytes: int, step_peak_bytes: int, figures: Sequence[RegionFigures], margin: float = MEMORY_MARGIN
+) -> int:
+    """What ``memory_budget="auto"`` lets the candidates keep: the device's free memory with the margin of
+    ``reference_regions="auto"`` (a share left unused), less what the measured step needed besides the candidates'
+    kept bytes (the other activations, the gradients, one region's recomputation), which the next steps need too.
+
+    Args:
+        free_bytes: What the allocator can hand out after the first optimizer step (free and cached).
+        step_peak_bytes: The measured step's peak allocation above what was allocated when it started.
+        figures: The candidates' figures in that step, every one checkpointed.
+        margin: The share of ``free_bytes`` left unused.
+
+    Example::
+
+        >>> figures = [RegionFigures("0", 300, 100, 1, 1), RegionFigures("1", 300, 100, 1, 1)]
+        >>> auto_budget(free_bytes=2000, step_peak_bytes=700, figures=figures)  # 1500 usable, 500 needed besides
+        1000
+    """
+    kept = sum(entry.checkpointed_bytes for entry in figures)
+    others = max(0, step_peak_bytes - kept)
+    return max(0, math.floor(free_bytes * (1.0 - margin)) - others)
 
 
 def _tensor_bytes(batch: Any) -> int:
