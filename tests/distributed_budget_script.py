@@ -1,4 +1,5 @@
-"""A ``memory_budget`` under DDP and FSDP2 on two CPU processes (gloo), each rank with batches of its own size.
+"""A ``memory_budget`` under DDP and FSDP2 on two CPU processes (gloo), each rank with batches of its own size, and
+under tensor parallelism.
 
 Run by ``tests/test_budget_training.py``, which starts both ranks itself (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) so that Lightning creates no process of its own. Usage:
@@ -27,7 +28,7 @@ from lightning_ckpt_determinism import (
     ModelParallelCheckpointingStrategy,
     plan_activation_checkpointing,
 )
-from tests.helpers import close_process_group, trainer_kwargs
+from tests.helpers import StackModule, TensorParallelStackModule, close_process_group, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, _mixed
 from tests.test_budget_training import MixedModule
 
@@ -78,6 +79,25 @@ def fit(module: RankSizedModule, strategy: Any, out_dir: Path) -> dict[str, Any]
     }
 
 
+def fit_tensor_parallel(out_dir: Path) -> dict[str, Any]:
+    """A stack of MLP blocks sharded with tensor parallelism (both ranks see the same batches), planned at 70 %."""
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.7)
+    strategy = ModelParallelCheckpointingStrategy(
+        checkpointing=config, data_parallel_size=1, tensor_parallel_size=2, process_group_backend="gloo"
+    )
+    module = TensorParallelStackModule(block="MLPBlock")
+    trainer = pl.Trainer(
+        **trainer_kwargs(out_dir, max_steps=3, strategy=strategy, devices=2, use_distributed_sampler=False)  # type: ignore[arg-type]
+    )
+    trainer.fit(module)
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    twin = StackModule(block="MLPBlock")
+    x, y = next(iter(twin.train_dataloader()))
+    unsharded = plan_activation_checkpointing(twin, config, lambda: F.mse_loss(twin(x), y).backward())
+    return {"checkpointed": plan.checkpointed, "figures": _figures(plan), "unsharded_figures": _figures(unsharded)}
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=BUDGET)
@@ -89,6 +109,8 @@ def main(out_dir: Path) -> None:
         checkpointing=config, data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
     )
     found["fsdp2"] = fit(ShardedRankSizedModule(), fsdp2, out_dir)
+    pl.seed_everything(0, verbose=False)
+    found["tp"] = fit_tensor_parallel(out_dir)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
 
 

@@ -152,6 +152,17 @@ def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_fi
         assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
 
 
+def test_tensor_parallel_ranks_measure_their_shards_and_apply_one_plan(distributed: list[dict[str, Any]]) -> None:
+    ranks = [found["tp"] for found in distributed]
+    assert ranks[0] == ranks[1]
+    planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
+    assert 0 < len(planned) < 3
+    # Each rank keeps its shard of every block's hidden layer: less than the same blocks unsharded keep. The FLOP
+    # counter counts a DTensor op's logical FLOPs, so they equal the unsharded blocks'.
+    sharded, unsharded = ranks[0]["figures"], ranks[0]["unsharded_figures"]
+    assert all(a[0] < b[0] and a[2] == b[2] for a, b in zip(sharded, unsharded, strict=True))
+
+
 class CompiledMixedModule(MixedModule):
     """`MixedModule` whose forward is compiled; records how many frames the compiler had compiled at each step."""
 
