@@ -29,14 +29,11 @@ class RegionPlan:
     """Which contexts one checkpointed region needs, decided once from its config and its module.
 
     Attributes:
-        config: The region's config.
-        host_rng: Replay Python's and NumPy's RNG at each recomputation (``preserve_host_rng``).
+        config: The region's config; its switches (``host_rng``, ``generators``, ``keep_data_dependent``) are read
+            from it.
         protect_buffers: Recompute from the buffer values the forward started from (``protect_buffers``, and the
             region holds buffers: a region without any skips the context and its cost).
-        generators: Replay the ``torch.Generator`` objects the region's modules hold (``preserve_rng_state``).
         save_ops: The ops whose outputs are saved rather than recomputed (``save_ops``, resolved).
-        keep_data_dependent: Keep the outputs of data-dependent ops from the forward (``keep_data_dependent``), until
-            the region's first forward shows it runs none.
         buffer_slots: The region's buffers, worked out once.
 
     Example::
@@ -50,11 +47,8 @@ class RegionPlan:
     """
 
     config: CheckpointingConfig
-    host_rng: bool
     protect_buffers: bool
-    generators: bool
     save_ops: frozenset[Any]
-    keep_data_dependent: bool
     buffer_slots: tuple[BufferSlot, ...]
 
     @classmethod
@@ -68,15 +62,23 @@ class RegionPlan:
         slots = tuple((name, owner, key) for name, (owner, key, _) in buffer_slots(module).items())
         protect_buffers = config.protect_buffers and bool(slots)
         save_ops = frozenset(resolve_ops(config.save_ops))
-        return cls(
-            config=config,
-            host_rng=config.preserve_host_rng,
-            protect_buffers=protect_buffers,
-            generators=config.preserve_rng_state,
-            save_ops=save_ops,
-            keep_data_dependent=config.keep_data_dependent,
-            buffer_slots=slots,
-        )
+        return cls(config=config, protect_buffers=protect_buffers, save_ops=save_ops, buffer_slots=slots)
+
+    @property
+    def host_rng(self) -> bool:
+        """Replay Python's and NumPy's RNG at each recomputation (``preserve_host_rng``)."""
+        return self.config.preserve_host_rng
+
+    @property
+    def generators(self) -> bool:
+        """Replay the ``torch.Generator`` objects the region's modules hold (``preserve_rng_state``)."""
+        return self.config.preserve_rng_state
+
+    @property
+    def keep_data_dependent(self) -> bool:
+        """Keep the outputs of data-dependent ops from the forward (``keep_data_dependent``), until the region's first
+        forward shows it runs none."""
+        return self.config.keep_data_dependent
 
     def __getstate__(self) -> dict[str, Any]:
         # Op overloads do not pickle (their pybind function records cannot), so a wrapped model with `save_ops`
