@@ -1,6 +1,7 @@
 """The audit's view of a ``memory_budget``: the trade-off between the bytes the candidates keep and what they
 recompute, for each number of checkpointed candidates, then the plan for the budget."""
 
+from lightning_ckpt_determinism._text import aligned
 from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, format_bytes
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 
@@ -49,12 +50,10 @@ def trade_off_table(plan: CheckpointingPlan) -> str:
         mark = "<- as many as the plan" if count == len(plan.checkpointed) else ""
         within = "" if kept <= plan.budget_bytes else " (over budget)"
         rows.append((f"{count} of {len(plan.candidates)}", format_bytes(kept) + within, f"{share:.0%}", mark))
-    widths = [max(len(row[column]) for row in rows) for column in range(4)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(
         [
             "memory budget trade-off (bytes the candidates keep, share of their forward FLOPs recomputed):",
-            *lines,
+            *aligned(rows),
             "",
             str(plan),
         ]

@@ -4,6 +4,7 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_ckpt_determinism._text import aligned
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan
 from lightning_ckpt_determinism.verify.outcome import Verdict, region_outcome, report_diverged, worse
@@ -76,11 +77,7 @@ def table(summaries: list[RegionSummary]) -> str:
                 summary.hint or "-",
             )
         )
-    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
-    return "\n".join(
-        "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[-1]]).rstrip()
-        for row in rows
-    )
+    return "\n".join(aligned(rows))
 
 
 def scan_notes(scan: GraphScan) -> list[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._text import aligned
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected, select_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import is_checkpointed, remove_activation_checkpointing
@@ -126,9 +127,7 @@ class CheckpointingPlan:
                     choice,
                 )
             )
-        widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-        return "\n".join([self.summary(), *lines])
+        return "\n".join([self.summary(), *aligned(rows)])
 
 
 def plan_activation_checkpointing(
