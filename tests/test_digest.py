@@ -180,10 +180,12 @@ def test_cuda_digests_are_those_of_the_cpu() -> None:
 
 
 def test_a_digest_mode_names_its_tier_and_keeps_it_from_step_to_step() -> None:
-    with pytest.raises(ValueError, match="`tier` can be exact or sampled, got 'light'"):
-        DigestMode("light")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`tier` can be exact, sampled or light, got 'every'"):
+        DigestMode("every")  # type: ignore[arg-type]
     sampled = DigestMode("sampled", 7)
     assert sampled.next_step() == DigestMode("sampled", 8)
+    # The light tier reads the same window of each row as the sampled one.
+    assert DigestMode("light", 7).window([(0, 1), (1, 1), (2, 1)]) == sampled.window([(0, 1), (1, 1), (2, 1)]) == (1, 1)
     assert EXACT.next_step().window([(0, 1), (1, 1)]) is None
 
 

@@ -71,7 +71,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),
         ({"every_n_steps": True}, r"`every_n_steps` must be an integer >= 1, got True\."),
         ({"reference_regions": 0}, r"`reference_regions` must be None, 'auto' or an integer >= 1, got 0\."),
-        ({"sentinel": "always"}, r"`sentinel` can be sampled, exact, off, got 'always'\."),
+        ({"sentinel": "always"}, r"`sentinel` can be light, sampled, exact, off, got 'always'\."),
     ],
 )
 def test_each_argument_is_checked_with_the_config_error(kwargs: dict[str, object], message: str) -> None:

@@ -53,7 +53,7 @@ def armed_module(step: int = 5) -> StackModule:
     return module
 
 
-@pytest.mark.parametrize("sentinel", ["sampled", "exact"])
+@pytest.mark.parametrize("sentinel", ["light", "sampled", "exact"])
 def test_a_clean_fit_logs_zero_mismatches_at_every_step(tmp_path: Path, sentinel: str) -> None:
     monitor = RecomputationMonitor(every_n_steps=50, sentinel=sentinel)  # type: ignore[arg-type]
     fit(tmp_path, monitor, StackModule(block="DropoutBlock"))
@@ -63,9 +63,9 @@ def test_a_clean_fit_logs_zero_mismatches_at_every_step(tmp_path: Path, sentinel
     assert all(region.compared >= 12 for region in report.regions.values())
 
 
-@pytest.mark.parametrize("sentinel", ["sampled", "exact"])
+@pytest.mark.parametrize("sentinel", ["light", "sampled", "exact"])
 def test_the_default_monitor_trains_a_model_whose_saved_tensors_have_odd_strides(tmp_path: Path, sentinel: str) -> None:
-    monitor = RecomputationMonitor() if sentinel == "sampled" else RecomputationMonitor(sentinel="exact")
+    monitor = RecomputationMonitor() if sentinel == "light" else RecomputationMonitor(sentinel=sentinel)  # type: ignore[arg-type]
     trainer = fit(tmp_path, monitor, StackModule(block="AttentionPoolBlock"))
     assert trainer.global_step == 12
     assert logged(tmp_path, METRIC) == [(step, 0.0) for step in range(12)]
@@ -89,7 +89,7 @@ def test_a_failure_of_the_sentinels_own_reads_leaves_that_tensor_out_and_the_fit
         return read(self, tensor, mode)
 
     monkeypatch.setattr(DigestPlans, "read", failing)
-    monitor = RecomputationMonitor(every_n_steps=50)
+    monitor = RecomputationMonitor(every_n_steps=50, sentinel="sampled")
     with caplog.at_level("WARNING", logger="lightning_ckpt_determinism"):
         trainer = fit(tmp_path, monitor, StackModule(block="PlainBlock"), steps=4)
     assert trainer.global_step == 4
@@ -123,18 +123,44 @@ def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_mi
     )
 
 
-def test_raise_mode_stops_the_fit_at_the_step_of_the_mismatch(tmp_path: Path) -> None:
+def test_raise_mode_stops_the_fit_at_the_step_of_the_mismatch_before_its_optimizer_step(tmp_path: Path) -> None:
     monitor = RecomputationMonitor(every_n_steps=50, on_divergence="raise", exclude_attributes=ARMED_COUNT)
+    module = armed_module(step=5)
     with pytest.raises(RecomputationDivergenceError, match=r"region `model.blocks.1` .* at step 5"):
-        fit(tmp_path, monitor, armed_module(step=5))
+        fit(tmp_path / "raised", monitor, module)
     # Logged up to the step of the mismatch, which is logged before the error stops the fit.
-    assert logged(tmp_path, METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(6)]
+    assert logged(tmp_path / "raised", METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(6)]
+    # Ground truth: the same model trained for the five steps before it. Step 5's gradients were never applied.
+    twin = armed_module(step=5)
+    fit(tmp_path / "twin", None, twin, steps=5)
+    assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
+
+
+def test_a_defect_read_at_a_later_logging_step_is_warned_and_logged_at_the_step_it_happened(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(
+        tmp_path, max_steps=12, strategy=strategy, callbacks=[monitor], logger=CSVLogger(tmp_path), log_every_n_steps=5
+    )
+    with pytest.warns(
+        LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 2: 1"
+    ) as caught:
+        pl.Trainer(**kwargs).fit(armed_module(step=2))
+    # Read at the logging step 4, logged at step 2; the logging steps 4, 9 and the fit's last step (11) show the rest.
+    assert logged(tmp_path, METRIC) == [(2, 1.0), (4, 0.0), (9, 0.0), (11, 0.0)]
+    assert logged(tmp_path, "recompute/sentinel/regions/model.blocks.1/mismatches") == [(2, 1.0)]
+    warning = next(str(w.message) for w in caught if "the sentinel saw" in str(w.message))
+    assert "Step 5 is checked in full" in warning
+    # The full check the finding asked for ran at step 5, the step after the read.
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (5, False)]
 
 
 def test_under_gradient_accumulation_the_follow_up_check_is_the_next_global_steps(tmp_path: Path) -> None:
     # The defect is in the recomputation of step 0's first micro-batch: the sentinel's finding asks for a full check,
     # which the next micro-batch of the same step must not take (a second history and logger entry for step 0).
-    monitor = RecomputationMonitor(every_n_steps=100, exclude_attributes=ARMED_COUNT)
+    # Without attribution, step 0's check names no cause, so the finding asks for one.
+    monitor = RecomputationMonitor(every_n_steps=100, exclude_attributes=ARMED_COUNT, attribution="never")
     pl.seed_everything(0, verbose=False)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
     logger = CSVLogger(tmp_path)
@@ -158,6 +184,7 @@ def _weights(tmp_path: Path, sentinel: str | None) -> dict[str, Any]:
 def test_training_is_bit_identical_with_the_sentinel_on_and_off(tmp_path: Path) -> None:
     off = _weights(tmp_path / "off", "off")
     for name, weights in (
+        ("light", _weights(tmp_path / "l", "light")),
         ("sampled", _weights(tmp_path / "s", "sampled")),
         ("exact", _weights(tmp_path / "e", "exact")),
     ):

@@ -37,6 +37,7 @@ from tests.helpers import (
 )
 
 REGIONS = ["blocks.0", "blocks.1", "blocks.2"]
+MODES = ["light", "sampled", "exact"]
 
 
 def checkpointed(model: nn.Module, **config: Any) -> nn.Module:
@@ -44,9 +45,11 @@ def checkpointed(model: nn.Module, **config: Any) -> nn.Module:
     return model
 
 
-def watched_steps(model: nn.Module, steps: int = 3, exact: bool = False, loss: Callable[[], Any] | None = None) -> Any:
+def watched_steps(
+    model: nn.Module, steps: int = 3, mode: str = "sampled", loss: Callable[[], Any] | None = None
+) -> Any:
     """The sentinel's report over ``steps`` forward and backward passes of ``model``."""
-    with recomputation_sentinel(model, exact=exact) as sentinel:
+    with recomputation_sentinel(model, mode=mode) as sentinel:
         for step in range(steps):
             if loss is None:
                 step_gradients(model, seed=step)
@@ -63,11 +66,11 @@ CLEAN = {
 }
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CLEAN))
-def test_a_clean_model_compares_every_region_and_finds_nothing(name: str, exact: bool) -> None:
+def test_a_clean_model_compares_every_region_and_finds_nothing(name: str, mode: str) -> None:
     block, config = CLEAN[name]
-    report = watched_steps(checkpointed(make_stack(block), **config), exact=exact)
+    report = watched_steps(checkpointed(make_stack(block), **config), mode=mode)
     assert list(report.regions) == REGIONS
     assert report.mismatches == 0
     assert all(region.compared > 0 and region.first_mismatch is None for region in report.regions.values())
@@ -87,21 +90,21 @@ class KeywordModel(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
-def test_a_block_with_keyword_inputs_and_a_tuple_and_dict_output_is_compared_clean(exact: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_with_keyword_inputs_and_a_tuple_and_dict_output_is_compared_clean(mode: str) -> None:
     model = checkpointed(KeywordModel())
     x, _ = batch()
-    report = watched_steps(model, exact=exact, loss=lambda: model(x).square().mean())
+    report = watched_steps(model, mode=mode, loss=lambda: model(x).square().mean())
     assert report.mismatches == 0 and all(region.compared > 0 for region in report.regions.values())
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
-def test_a_top_k_mixture_of_experts_with_its_routing_kept_is_compared_clean(exact: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_top_k_mixture_of_experts_with_its_routing_kept_is_compared_clean(mode: str) -> None:
     torch.manual_seed(0)
     module = MoEModule(blocks=2, dim=8)
     apply_activation_checkpointing(module, CheckpointingConfig(classes=["MoEBlock"], keep_data_dependent=True))
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
-    report = watched_steps(module, exact=exact, loss=lambda: module(x).square().mean())
+    report = watched_steps(module, mode=mode, loss=lambda: module(x).square().mean())
     assert report.mismatches == 0 and all(region.compared > 0 for region in report.regions.values())
 
 
@@ -113,20 +116,20 @@ DEFECTS = {
 }
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(DEFECTS))
-def test_a_defect_shows_in_its_region_only(name: str, exact: bool) -> None:
+def test_a_defect_shows_in_its_region_only(name: str, mode: str) -> None:
     block, config = DEFECTS[name]
-    report = watched_steps(checkpointed(stack_with(block), **config), exact=exact)
+    report = watched_steps(checkpointed(stack_with(block), **config), mode=mode)
     assert [region.mismatches > 0 for region in report.regions.values()] == [False, True, False]
     first = report.regions["blocks.1"].first_mismatch
     assert first is not None and first.startswith("saved tensor ") and "torch.float32" in first
     assert report.mismatches == report.regions["blocks.1"].mismatches
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
-def test_buffers_recomputation_updates_again_are_mismatches_with_their_cause_unless_protected(exact: bool) -> None:
-    report = watched_steps(checkpointed(stack_with(BatchNormBlock), protect_buffers=False), exact=exact)
+@pytest.mark.parametrize("mode", MODES)
+def test_buffers_recomputation_updates_again_are_mismatches_with_their_cause_unless_protected(mode: str) -> None:
+    report = watched_steps(checkpointed(stack_with(BatchNormBlock), protect_buffers=False), mode=mode)
     region = report.regions["blocks.1"]
     # Three buffers a step (two statistics and the count), every step, in the region that holds them.
     assert [other.mismatches for other in report.regions.values()] == [0, 9, 0]
@@ -134,12 +137,12 @@ def test_buffers_recomputation_updates_again_are_mismatches_with_their_cause_unl
         "buffer `blocks.1.norm.running_mean` changed by recomputation",
         "buffer_mutation",
     )
-    protected = watched_steps(checkpointed(stack_with(BatchNormBlock)), exact=exact)
+    protected = watched_steps(checkpointed(stack_with(BatchNormBlock)), mode=mode)
     assert protected.mismatches == 0
 
 
 def test_rows_moved_to_other_places_in_recomputation_are_caught_by_the_default_digest() -> None:
-    report = watched_steps(checkpointed(stack_with(lambda: RecomputeOnlyBlock(change="rows"))), steps=1)
+    report = watched_steps(checkpointed(stack_with(lambda: RecomputeOnlyBlock(change="rows"))), steps=1, mode="sampled")
     # tanh's output, saved by tanh and by the linear layer after it; the region's input and weights are exact.
     assert [region.mismatches for region in report.regions.values()] == [0, 2, 0]
     assert report.regions["blocks.1"].compared == 3
@@ -148,9 +151,9 @@ def test_rows_moved_to_other_places_in_recomputation_are_caught_by_the_default_d
 
 def test_one_changed_element_is_caught_exactly_and_by_the_sample_once_its_offset_reads_it() -> None:
     model = checkpointed(stack_with(lambda: RecomputeOnlyBlock(change="element")))
-    assert watched_steps(model, steps=1, exact=True).regions["blocks.1"].mismatches == 2
+    assert watched_steps(model, steps=1, mode="exact").regions["blocks.1"].mismatches == 2
     # The sample reads the window `offset` of each row, two of its 32 columns: the changed column 5 at offset 2.
-    with recomputation_sentinel(model) as sentinel:
+    with recomputation_sentinel(model, mode="sampled") as sentinel:
         found = []
         for _ in range(SAMPLE_STRIDE):
             step_gradients(model)
@@ -188,7 +191,7 @@ def test_the_sentinel_changes_no_gradient_and_no_random_stream() -> None:
 
 def test_parameters_and_buffers_saved_by_reference_are_left_out() -> None:
     model = checkpointed(make_stack(BatchNormBlock))
-    with recomputation_sentinel(model, exact=True) as sentinel:
+    with recomputation_sentinel(model, mode="exact") as sentinel:
         step_gradients(model)
         saved = sentinel.saved_bytes
     activations = sum(value for value in saved.values())
@@ -227,8 +230,8 @@ class SummingBlock(PlainBlock):
         return torch.tanh(h * h.sum(dim=-1, keepdim=True))
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["sampled", "exact"])
-def test_the_sentinels_own_ops_never_enter_the_regions_selective_checkpointing_cache(exact: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sentinels_own_ops_never_enter_the_regions_selective_checkpointing_cache(mode: str) -> None:
     # With `aten.sum` saved by the policy, a digest's row sums taken at the forward would be served to the
     # recomputation's own sums, were the cache's dispatch mode to see them.
     def gradients(watch: bool) -> tuple[dict[str, torch.Tensor], int]:
@@ -236,7 +239,7 @@ def test_the_sentinels_own_ops_never_enter_the_regions_selective_checkpointing_c
         model = checkpointed(make_stack(SummingBlock), save_ops=["aten.sum"])
         if not watch:
             return step_gradients(model), 0
-        with recomputation_sentinel(model, exact=exact) as sentinel:
+        with recomputation_sentinel(model, mode=mode) as sentinel:
             grads = step_gradients(model)
         assert sentinel.report().mismatches == 0
         return grads, sentinel.report().compared
@@ -274,7 +277,7 @@ class UsingFirstHead(nn.Module):
 def test_a_recomputation_whose_last_saved_tensor_was_freed_is_still_compared(noisy: bool) -> None:
     model = UsingFirstHead(noisy)
     apply_activation_checkpointing(model, CheckpointingConfig(names=["block"]))
-    with recomputation_sentinel(model, exact=True) as sentinel:
+    with recomputation_sentinel(model, mode="exact") as sentinel:
         x, y = batch()
         F.mse_loss(model(x).sum(-1, keepdim=True), y).backward()
         report = sentinel.report()
@@ -286,9 +289,9 @@ def test_a_recomputation_whose_last_saved_tensor_was_freed_is_still_compared(noi
 def test_a_sentinel_counts_only_its_own_models_regions_when_another_has_the_same_names() -> None:
     # Ground truth: the clean model watched alone. The other model's regions have the same names and a host-RNG
     # defect; its forwards and backwards interleave with the watched model's.
-    alone = watched_steps(checkpointed(make_stack(DropoutBlock)), exact=True)
+    alone = watched_steps(checkpointed(make_stack(DropoutBlock)), mode="exact")
     model, other = checkpointed(make_stack(DropoutBlock)), checkpointed(stack_with(NumpyNoiseBlock))
-    with recomputation_sentinel(model, exact=True) as sentinel:
+    with recomputation_sentinel(model, mode="exact") as sentinel:
         for step in range(3):
             x, y = batch(seed=step)
             loss = F.mse_loss(model(x), y)
@@ -298,4 +301,4 @@ def test_a_sentinel_counts_only_its_own_models_regions_when_another_has_the_same
             sentinel.next_step()
     assert alone.compared > 0 and alone.mismatches == 0
     assert sentinel.report() == alone
-    assert watched_steps(other, exact=True).regions["blocks.1"].mismatches > 0
+    assert watched_steps(other, mode="exact").regions["blocks.1"].mismatches > 0

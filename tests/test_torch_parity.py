@@ -57,7 +57,7 @@ def watched(model: nn.Module, way: str) -> Iterator[None]:
     if way != "package+sentinel":
         yield
         return
-    with recomputation_sentinel(model, exact=True) as sentinel:
+    with recomputation_sentinel(model, mode="exact") as sentinel:
         yield
     assert sentinel.report().mismatches == 0
 

@@ -347,7 +347,7 @@ def trial(case: Case, mode: str, device: str = "cpu") -> Trial:
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (plain, checkpointed)]
     checks = []
     gradients_equal = True
-    with recomputation_sentinel(checkpointed, exact=mode == "exact") as sentinel:
+    with recomputation_sentinel(checkpointed, mode=mode) as sentinel:  # type: ignore[arg-type]
         for step in range(STEPS):
             x = tokens(step).to(device)
             seeded(step)
@@ -372,7 +372,7 @@ def same_state(first: nn.Module, second: nn.Module) -> bool:
     return one.keys() == other.keys() and all(torch.equal(one[key], other[key]) for key in one)
 
 
-@pytest.mark.parametrize("mode", ["sampled", "exact"])
+@pytest.mark.parametrize("mode", ["light", "sampled", "exact"])
 @pytest.mark.parametrize("name", list(ZOO))
 def test_every_case_is_exact_or_names_its_region_and_cause(name: str, mode: str) -> None:
     case = ZOO[name]

@@ -31,7 +31,7 @@ from lightning_ckpt_determinism.lightning.results import CheckResults
 from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
 from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
-from lightning_ckpt_determinism.lightning.watch import SentinelWatch
+from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelMetrics, SentinelWatch
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelReport
@@ -98,14 +98,21 @@ class RecomputationMonitor(Callback):
             differs shows at the checks that run it plainly. ``"auto"`` runs, on CUDA, as many as fit the device's
             free memory with a margin (each region's activations as the sentinel measured them), and every region
             elsewhere. A compiled model runs every region plainly.
-        sentinel: On every training step, compare each tensor the checkpointed regions save for backward, after
-            its recomputation, with the forward's, through digests on the device (see
-            :func:`~lightning_ckpt_determinism.recomputation_sentinel`): ``"sampled"`` reads a rotating window of
-            each row (every element within 16 steps), ``"exact"`` every element, ``"off"`` nothing. It logs
-            ``{log_prefix}/sentinel/mismatches`` and ``{log_prefix}/sentinel/regions/{name}/mismatches`` at Lightning's
-            logging steps, counting everything since the last logged step; a mismatch warns (once per region and
-            ``every_n_steps``) or raises as ``on_divergence`` says, and the next step is checked in full, with
-            attribution.
+        sentinel: On every training step, compare tensors the checkpointed regions save for backward, after their
+            recomputation, with the forward's, through digests on the device (see
+            :func:`~lightning_ckpt_determinism.recomputation_sentinel` and docs/performance.md for the costs):
+            ``"light"`` (the default) digests, per region call, its last saved tensor, its last floating-point one
+            and one more in turn (every saved tensor within as many steps as the region saves), each through a
+            window of its rows; ``"sampled"`` every saved tensor through that window (every element within 16
+            steps); ``"exact"`` every element; ``"off"`` nothing. The counts stay on the device and are read at
+            Lightning's logging steps (``log_every_n_steps``), at check steps and at the fit's end, so a finding is
+            read at most ``min(log_every_n_steps, every_n_steps)`` steps after it happened (with
+            ``on_divergence="raise"``, at every step before the optimizer step: one small all-reduce and host read
+            per step). It logs ``{log_prefix}/sentinel/compared``, ``{log_prefix}/sentinel/mismatches`` and
+            ``{log_prefix}/sentinel/regions/{name}/mismatches``; the loggers get each step that had mismatches at
+            that step. A mismatch warns, naming the step it happened at (once per region and ``every_n_steps``), or
+            raises as ``on_divergence`` says; after a warning the next step digests every element of every saved
+            tensor and is checked in full, with attribution, so that the op and cause are named.
         exclude_attributes: Attribute names the check never compares (on any module inside a checkpointed
             region): values that legitimately differ between the live step and the reference pass, such as a
             timestamp or a stored ``loss.item()``. They are still put back after each check.
@@ -136,7 +143,7 @@ class RecomputationMonitor(Callback):
         attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
         calibrate_noise: bool = False,
         reference_regions: PositiveInt | Literal["auto"] | None = "auto",
-        sentinel: Literal["sampled", "exact", "off"] = "sampled",
+        sentinel: Literal["light", "sampled", "exact", "off"] = "light",
         prog_bar: bool = False,
         exclude_attributes: list[str] | None = None,
     ) -> None:
@@ -156,7 +163,7 @@ class RecomputationMonitor(Callback):
         self.reference_regions: int | str | None = check_positive_int(
             "reference_regions", reference_regions, optional=True, choices=("auto",)
         )
-        self.sentinel = check_choice("sentinel", sentinel, ("sampled", "exact", "off"))
+        self.sentinel = check_choice("sentinel", sentinel, ("light", "sampled", "exact", "off"))
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.exclude_attributes = _attribute_names(exclude_attributes)
         self.last_report: RecomputationReport | None = None
@@ -177,7 +184,8 @@ class RecomputationMonitor(Callback):
         self._armed = contextlib.ExitStack()
         self._gradients_before: list[torch.Tensor | None] | None = None
         self._internals: frozenset[str] = frozenset()
-        self._watch = SentinelWatch(exact=self.sentinel == "exact", prefix=self.log_prefix)
+        tier = "light" if self.sentinel == "off" else self.sentinel
+        self._watch = SentinelWatch(tier=tier, prefix=self.log_prefix)  # type: ignore[arg-type]
         # Parameters a skipped step wrote in place in `training_step`: captured from the next check on.
         self._written_parameters: set[str] = set()
         # Whether this fit said that no module is checkpointed (a memory budget's plan may leave every one plain).
@@ -290,21 +298,30 @@ class RecomputationMonitor(Callback):
         self._results.record(trainer, pl_module, step, report, plain is not None)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.on_divergence != "raise":
+            return
+        # Before the optimizer steps, so that a step whose recomputation differed never applies its gradients.
+        self._watch.step_ended()
+        findings = self._watch.read(trainer)
+        if findings:
+            self._publish(trainer, None, self._watch.metrics())  # the loggers show the step that raises
+        self._respond(trainer, findings)
+
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
-        findings = self._watch.step_ended(trainer)
-        self._results.publish(trainer, pl_module, self._watch.metrics_due(trainer), self._watch.step)
-        warned = self._watch.respond(
-            findings,
-            on_divergence=self.on_divergence,
-            every_n_steps=self.every_n_steps,
-            several_ranks=trainer.world_size > 1,
-        )
-        if warned:
-            # Each warning comes with a full check of the next step, so the cause is named if the defect recurs.
-            self._schedule.follow_up = self._watch.step + 1
+        self._watch.step_ended()
+        logging = self._watch.metrics_due(trainer)
+        step = self._watch.step
+        if logging or self._schedule.last_checked == step or self.on_divergence == "raise":
+            self._respond(trainer, self._watch.read(trainer))
+        if logging:
+            self._publish(trainer, pl_module, self._watch.metrics())
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -314,9 +331,10 @@ class RecomputationMonitor(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
+        self._watch.step_ended()
+        self._respond(trainer, self._watch.read(trainer), last=True)
         # Lightning takes no `self.log` here: what is left goes to the loggers only.
-        for logger in trainer.loggers:
-            logger.log_metrics(self._watch.metrics_due(trainer, last=True) or {}, step=self._watch.step)
+        self._publish(trainer, None, self._watch.metrics(last=True))
         self._watch.stop()
         if self._enabled:
             plan = getattr(trainer.strategy, "checkpointing_plan", None)
@@ -333,6 +351,40 @@ class RecomputationMonitor(Callback):
         self.history.clear()
         self.history.extend(CheckRecord(**record) for record in state_dict["history"])
         self._results.checks = state_dict.get("checks", 0)
+
+    def _respond(self, trainer: "pl.Trainer", findings: list[SentinelFinding], *, last: bool = False) -> None:
+        """Warn or raise on the sentinel's ``findings``; after a warning, the next step is checked in full with every
+        element digested, unless a check of the finding's step already named the cause or the fit ends."""
+        step = self._watch.step
+        checked = {record.step for record in self.history if record.diverged and self.attribution != "never"}
+        named = bool(findings) and all(finding.step in checked for finding in findings)
+        if named:
+            then = "The check of that step names the cause (see its warning)."
+        elif last:
+            then = "The fit ended before a check could name the cause: run the audit on this config to name it."
+        else:
+            then = f"Step {step + 1} is checked in full, every saved tensor compared, to name the op and cause."
+        warned = self._watch.respond(
+            findings,
+            on_divergence=self.on_divergence,
+            every_n_steps=self.every_n_steps,
+            several_ranks=trainer.world_size > 1,
+            then=then,
+        )
+        if warned and not named and not last:
+            self._schedule.follow_up = step + 1
+            self._watch.escalate(step + 1)
+
+    def _publish(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule | None", metrics: SentinelMetrics | None
+    ) -> None:
+        """The sentinel's points to the loggers, each at its step, and its period to ``trainer.callback_metrics``."""
+        if metrics is None:
+            return
+        for step, values in metrics.points:
+            self._results.publish(trainer, None, values, step)
+        if pl_module is not None:
+            self._results.publish(trainer, pl_module, metrics.period, self._watch.step, loggers=False)
 
     def _settings(self, attribution: Any) -> CheckSettings:
         return CheckSettings(

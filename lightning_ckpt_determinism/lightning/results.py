@@ -130,23 +130,31 @@ class CheckResults:
         self.warn_once(warning_key(findings), message)
 
     def publish(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", logged: dict[str, float] | None, step: int
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule | None",
+        logged: dict[str, float] | None,
+        step: int,
+        *,
+        loggers: bool = True,
     ) -> None:
         """Write ``logged`` to the loggers at ``step``, and put it in ``trainer.callback_metrics`` (for
         ``ModelCheckpoint``, ``EarlyStopping`` and the progress bar) through ``self.log(..., logger=False)``.
 
         Args:
             trainer: The Trainer.
-            pl_module: The LightningModule.
+            pl_module: The LightningModule, or ``None`` to leave ``trainer.callback_metrics`` alone (a step past, or
+                a hook where Lightning takes no ``self.log``).
             logged: The metrics, or ``None`` for none.
             step: The global step they belong to.
+            loggers: Whether the loggers get them.
         """
         if not logged:
             return
-        for logger in trainer.loggers:
+        for logger in trainer.loggers if loggers else []:
             logger.log_metrics(logged, step=step)
         shown = f"{self.log_prefix}/grad_divergence"
-        for name, value in logged.items():
+        for name, value in logged.items() if pl_module is not None else []:
             prog_bar = self.prog_bar and name == shown
             pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
 

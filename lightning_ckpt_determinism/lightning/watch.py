@@ -1,14 +1,17 @@
 """The monitor's sentinel over one fit: every training step's recomputed saved tensors compared with the forward's.
 
 The sentinel (:func:`~lightning_ckpt_determinism.recomputation_sentinel`) is entered when the fit starts and left
-when it ends. At each training batch's end the monitor reads the batch's counts once: the number of mismatches per
-region, computed on the device, reduced over ranks (one small all-reduce), read back to the host; only when
-something differed does every rank read its details, and every rank's are gathered. The counts are logged at
-Lightning's logging steps (``log_every_n_steps``), each logged value counting everything since the last logged step:
-``{prefix}/sentinel/compared`` always, ``{prefix}/sentinel/mismatches`` only when something was compared (a period
-that compared nothing has no mismatch count to show, and the monitor says once why). The monitor's own check passes
-are not watched: they rerun the step, they do not train. A failure of the sentinel's own bookkeeping stops the
-sentinel on every rank alike, with one warning, and never the fit.
+when it ends. Each training batch's comparisons stay on the device, closed into one record per batch
+(:meth:`SentinelWatch.step_ended`): no host read and no collective per step. They are read
+(:meth:`SentinelWatch.read`) at Lightning's logging steps (``log_every_n_steps``), at the monitor's check steps and
+at the fit's end, and, with ``on_divergence="raise"``, at every step before the optimizer steps: every record since
+the last read is reduced over ranks in one small all-reduce and read back to the host once; only the steps where
+something differed are read in detail on every rank, and every rank's details gathered. A finding keeps the step at
+which it happened. The counts are logged at the logging steps: ``{prefix}/sentinel/compared`` always,
+``{prefix}/sentinel/mismatches`` when something was compared (a period that compared nothing has no mismatch count
+to show, and the monitor says once why); in the loggers a step that had mismatches gets its own point, at that step.
+The monitor's own check passes are not watched: they rerun the step, they do not train. A failure of the sentinel's
+own bookkeeping stops the sentinel on every rank alike, with one warning, and never the fit.
 """
 
 import contextlib
@@ -23,12 +26,14 @@ from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.sentinel import (
     RecomputationSentinel,
+    SentinelMode,
     SentinelRegion,
     SentinelReport,
+    SentinelStep,
     recomputation_sentinel,
 )
 
-__all__ = ["SentinelFinding", "SentinelWatch"]
+__all__ = ["SentinelFinding", "SentinelMetrics", "SentinelWatch"]
 
 
 @dataclass(frozen=True)
@@ -52,39 +57,64 @@ class SentinelFinding:
     ranks: list[int] = field(default_factory=list)
     cause: Cause | None = None
 
-    def message(self, several_ranks: bool) -> str:
+    def message(self, several_ranks: bool, then: str = "") -> str:
+        """The warning: where and when it differed, and the cause where known, else ``then`` (what comes next).
+
+        Args:
+            several_ranks: Whether to name the ranks.
+            then: What the monitor does next to name the cause, as a sentence, or ``""``.
+        """
         ranks = f" (rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))})"
         where = ranks if several_ranks else ""
         count = f"{self.mismatches} mismatch{'es' if self.mismatches != 1 else ''}"
-        if self.cause is not None:
-            then = f" Cause {self.cause}: {self.cause.hint}"
-        else:
-            then = " The next step is checked in full, with attribution, to name the cause."
+        after = f" Cause {self.cause}: {self.cause.hint}" if self.cause is not None else f" {then}" if then else ""
         return (
             f"lightning_ckpt_determinism: the sentinel saw region `{self.region}` recompute other values than its"
-            f" forward at step {self.step}{where}: {count}, the first {self.first_mismatch}.{then}"
+            f" forward at step {self.step}{where}: {count}, the first {self.first_mismatch}.{after}"
         )
 
 
+@dataclass(frozen=True)
+class SentinelMetrics:
+    """The sentinel's metrics at a logging step.
+
+    Attributes:
+        points: What the loggers get, as ``(step, metrics)`` in step order: each step that had mismatches, with the
+            tensors compared since the previous point, then the logging step itself.
+        period: What ``trainer.callback_metrics`` gets at the logging step: everything since the last logging step.
+    """
+
+    points: list[tuple[int, dict[str, float]]]
+    period: dict[str, float]
+
+
+@dataclass
+class _StepCounts:
+    """What one read step compared and found (on this rank; mismatches summed over ranks)."""
+
+    compared: int = 0
+    mismatches: dict[str, int] = field(default_factory=dict)
+
+
 class SentinelWatch:
-    """The sentinel of one fit, with the counts not yet logged.
+    """The sentinel of one fit, with the records not yet read and the counts not yet logged.
 
     Args:
-        exact: Digest every element instead of a rotating sample.
+        tier: The sentinel's tier (:data:`~lightning_ckpt_determinism.verify.sentinel.SentinelMode`).
         prefix: The monitor's ``log_prefix``.
     """
 
-    def __init__(self, *, exact: bool, prefix: str) -> None:
-        self.exact = exact
+    def __init__(self, *, tier: SentinelMode, prefix: str) -> None:
+        self.tier = tier
         self.prefix = prefix
         self.sentinel: RecomputationSentinel | None = None
         self._entered = contextlib.ExitStack()
-        self._unlogged: dict[str, int] = {}
-        self._unlogged_compared = 0
-        self._unlogged_steps = 0
+        self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
+        self._unlogged: dict[int, _StepCounts] = {}
         self._warned: dict[str, int] = {}
         self._logged_step = -1
         self._said_nothing_compared = False
+        self._exact_from: int | None = None
         # False once the sentinel stopped after a failure of its own (its report stays readable).
         self._active = False
         self.step = 0
@@ -92,10 +122,10 @@ class SentinelWatch:
     def start(self, pl_module: "pl.LightningModule") -> None:
         """Enter the sentinel for the fit (every region of ``pl_module`` is watched)."""
         self.stop()
-        self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, exact=self.exact))
-        self._unlogged = dict.fromkeys(self.sentinel.regions, 0)
-        self._unlogged_compared = self._unlogged_steps = 0
+        self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, mode=self.tier))
+        self._pending, self._unlogged = [], {}
         self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
+        self._exact_from = None
         self._active = True
 
     def stop(self) -> None:
@@ -116,66 +146,101 @@ class SentinelWatch:
         """The bytes each region saved for backward at its first forward, as the sentinel measured them."""
         return {} if self.sentinel is None else self.sentinel.saved_bytes
 
-    def step_started(self, step: int) -> None:
-        """A training batch starts at global step ``step``: the sample moves on."""
-        self.step = step
-        if self.sentinel is not None:
-            self.sentinel.next_step()
+    def escalate(self, step: int) -> None:
+        """Digest every element of every saved tensor at global ``step`` (the step after a finding was read).
 
-    def step_ended(self, trainer: "pl.Trainer") -> list[SentinelFinding]:
-        """Count what the batch compared (one host read), on every rank alike; the regions that differed.
+        Args:
+            step: The global step.
+        """
+        self._exact_from = step
+
+    def step_started(self, step: int) -> None:
+        """A training batch starts at global step ``step``: the windows move on (the tier is ``"exact"`` at an
+        escalated step)."""
+        self.step = step
+        if self.sentinel is None:
+            return
+        exact = self._exact_from is not None and step >= self._exact_from
+        if exact and self._exact_from != step:
+            self._exact_from = None  # a later batch than the escalated step's: back to the tier
+            exact = False
+        self.sentinel.next_step("exact" if exact else None)
+
+    def step_ended(self) -> None:
+        """Close what the batch compared into one record, unread (no host read, no collective)."""
+        if self.sentinel is None or not self._active:
+            return
+        try:
+            self._pending.append((self.step, self.sentinel.end_step(), None))
+        except Exception as err:
+            self._pending.append((self.step, None, err))
+
+    def read(self, trainer: "pl.Trainer") -> list[SentinelFinding]:
+        """Read every record since the last read: one all-reduce of the counts and one host read, on every rank
+        alike; the steps that differed are read in detail and gathered. The findings, each at its step.
 
         Every rank calls the same collectives whatever happens: a failure of the sentinel's own bookkeeping on any
         rank is reduced with the counts, and then every rank stops its sentinel.
         """
-        sentinel = self.sentinel
-        if sentinel is None or not self._active:
+        sentinel, pending = self.sentinel, self._pending
+        if sentinel is None or not self._active or not pending:
             return []
+        self._pending = []
         strategy = trainer.strategy
         device = strategy.root_device
-        failed = None
-        try:
-            pending = sentinel.pending_mismatches(device)
-            compared = sentinel.pending_compared()
-        except Exception as err:
-            failed, compared = err, 0
-            pending = torch.zeros(len(sentinel.regions), dtype=torch.int64, device=device)
+        regions = len(sentinel.regions)
+        failed = next((error for _, _, error in pending if error is not None), None)
+        counts = []
+        for _, record, _ in pending:
+            try:
+                found = record.mismatch_counts(device) if record is not None and failed is None else None
+            except Exception as err:
+                failed, found = err, None
+            counts.append(found if found is not None else torch.zeros(regions, dtype=torch.int64, device=device))
         flag = torch.tensor([int(failed is not None)], dtype=torch.int64, device=device)
-        counts = all_reduce(strategy)(torch.cat([pending, flag]), "sum").tolist()
-        if counts[-1]:
+        reduced = all_reduce(strategy)(torch.cat([*counts, flag]), "sum").tolist()
+        if reduced[-1]:
             self._fail(failed)
             return []
-        self._unlogged_compared += compared
-        self._unlogged_steps += 1
-        if not any(counts[:-1]):
-            sentinel.settle(clean=True)
+        differed = []
+        for index, (step, record, _) in enumerate(pending):
+            row = reduced[index * regions : (index + 1) * regions]
+            if record is None:  # only with a failure, which the flag carries
+                continue
+            if record.compared:
+                self._unlogged.setdefault(step, _StepCounts()).compared += record.compared
+            if any(row):
+                differed.append((step, record))
+            else:
+                sentinel.read(record, clean=True)
+        if not differed:
             return []
         try:
-            period: dict[str, SentinelRegion] | None = sentinel.settle()
+            periods: list[dict[str, SentinelRegion]] | None = [sentinel.read(record) for _, record in differed]
         except Exception as err:
-            failed, period = err, None
-        found = gather(strategy, (trainer.global_rank, period))
+            failed, periods = err, None
+        found = gather(strategy, (trainer.global_rank, periods))
         if any(regions is None for _, regions in found):
             self._fail(failed)
             return []
-        return self._findings(found)
+        return [
+            finding
+            for at, (step, _) in enumerate(differed)
+            for finding in self._findings(step, [(rank, periods[at]) for rank, periods in found])
+        ]
 
-    def _findings(self, found: list[tuple[int, dict[str, SentinelRegion]]]) -> list[SentinelFinding]:
+    def _findings(self, step: int, found: list[tuple[int, dict[str, SentinelRegion]]]) -> list[SentinelFinding]:
         findings = []
+        counts = self._unlogged.setdefault(step, _StepCounts())
         for name in self.sentinel.regions if self.sentinel is not None else []:
             here = [(rank, regions[name]) for rank, regions in found if regions[name].mismatches]
             if here:
                 total = sum(region.mismatches for _, region in here)
-                self._unlogged[name] = self._unlogged.get(name, 0) + total
+                counts.mismatches[name] = counts.mismatches.get(name, 0) + total
                 first = here[0][1]
                 findings.append(
                     SentinelFinding(
-                        self.step,
-                        name,
-                        total,
-                        first.first_mismatch or "(unnamed)",
-                        [rank for rank, _ in here],
-                        first.cause,
+                        step, name, total, first.first_mismatch or "(unnamed)", [rank for rank, _ in here], first.cause
                     )
                 )
         return findings
@@ -192,16 +257,23 @@ class SentinelWatch:
         self._active = False
 
     def respond(
-        self, findings: list[SentinelFinding], *, on_divergence: str, every_n_steps: int, several_ranks: bool
+        self,
+        findings: list[SentinelFinding],
+        *,
+        on_divergence: str,
+        every_n_steps: int,
+        several_ranks: bool,
+        then: str = "",
     ) -> bool:
-        """Act on a batch's ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero (a region
-        again only ``every_n_steps`` after its last warning), or nothing; whether a warning was given.
+        """Act on ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero (a region again only
+        ``every_n_steps`` after its last warning), or nothing; whether a warning was given.
 
         Args:
-            findings: What :meth:`step_ended` returned, alike on every rank.
+            findings: What :meth:`read` returned, alike on every rank.
             on_divergence: ``"warn"``, ``"raise"`` or ``"ignore"``.
             every_n_steps: Steps before a region warns again.
             several_ranks: Whether the messages name the ranks.
+            then: What the monitor does next to name a cause the sentinel does not know (a sentence), or ``""``.
 
         Raises:
             RecomputationDivergenceError: With ``on_divergence="raise"``, if anything differed.
@@ -215,37 +287,62 @@ class SentinelWatch:
             last = self._warned.get(finding.region)
             if last is None or finding.step - last >= every_n_steps:
                 self._warned[finding.region] = finding.step
-                rank_zero_warn(finding.message(several_ranks), category=LightningCkptDeterminismWarning)
+                rank_zero_warn(finding.message(several_ranks, then), category=LightningCkptDeterminismWarning)
                 warned = True
         return warned
 
-    def metrics_due(self, trainer: "pl.Trainer", *, last: bool = False) -> dict[str, float] | None:
-        """The metrics to log now, or ``None``: at the batch that completes a step Lightning logs at
-        (``log_every_n_steps``), under that step, and at the fit's end (``last``) for what is still unlogged.
+    def metrics_due(self, trainer: "pl.Trainer") -> bool:
+        """Whether the batch ending now completes a step Lightning logs at (``log_every_n_steps``) not logged yet.
 
-        ``{prefix}/sentinel/compared`` counts the saved tensors compared since the last logged step;
-        ``{prefix}/sentinel/mismatches`` every mismatch since then, summed over ranks, given only when something was
-        compared or differed; ``{prefix}/sentinel/regions/<name>/mismatches`` for each region that had any.
+        Args:
+            trainer: The Trainer.
         """
         every = getattr(trainer, "log_every_n_steps", 50)
         due = trainer.global_step > self.step and every > 0 and (self.step + 1) % every == 0
-        due = due and self._logged_step != self.step
-        pending = self._unlogged_steps > 0
-        if self.sentinel is None or not self._active or not (due or (last and pending)):
+        return due and self._logged_step != self.step and self._active
+
+    def metrics(self, *, last: bool = False) -> SentinelMetrics | None:
+        """The metrics of every step read since the last logged one, logged at the current step (or, at the fit's
+        end with ``last``, what is still unlogged); ``None`` when there is nothing to log.
+
+        ``{prefix}/sentinel/compared`` counts the saved tensors compared; ``{prefix}/sentinel/mismatches`` the
+        mismatches, summed over ranks, given only when something was compared or differed;
+        ``{prefix}/sentinel/regions/<name>/mismatches`` for each region that had any. The loggers get a point at
+        each step that had mismatches (counting the steps since the previous point) and one at the current step.
+
+        Args:
+            last: The fit ends: log what is unlogged, if anything.
+        """
+        if self.sentinel is None or not self._active or (last and not self._unlogged):
             return None
         self._logged_step = self.step
-        mismatches = sum(self._unlogged.values())
-        logged = {f"{self.prefix}/sentinel/compared": float(self._unlogged_compared)}
-        if self._unlogged_compared or mismatches:
-            logged[f"{self.prefix}/sentinel/mismatches"] = float(mismatches)
-        else:
+        unlogged, self._unlogged = self._unlogged, {}
+        points: list[tuple[int, dict[str, float]]] = []
+        since = _StepCounts()
+        total = _StepCounts()
+        for step in sorted(unlogged):
+            counts = unlogged[step]
+            for into in (since, total):
+                into.compared += counts.compared
+                for name, count in counts.mismatches.items():
+                    into.mismatches[name] = into.mismatches.get(name, 0) + count
+            if counts.mismatches:
+                points.append((step, self._values(since)))
+                since = _StepCounts()
+        if not points or points[-1][0] != self.step:
+            points.append((self.step, self._values(since)))
+        if not total.compared and not total.mismatches:
             self._nothing_compared()
-        for name, count in self._unlogged.items():
-            if count:
-                logged[f"{self.prefix}/sentinel/regions/{name}/mismatches"] = float(count)
-        self._unlogged = dict.fromkeys(self._unlogged, 0)
-        self._unlogged_compared = self._unlogged_steps = 0
-        return logged
+        return SentinelMetrics(points, self._values(total))
+
+    def _values(self, counts: _StepCounts) -> dict[str, float]:
+        mismatches = sum(counts.mismatches.values())
+        values = {f"{self.prefix}/sentinel/compared": float(counts.compared)}
+        if counts.compared or mismatches:
+            values[f"{self.prefix}/sentinel/mismatches"] = float(mismatches)
+        for name, count in counts.mismatches.items():
+            values[f"{self.prefix}/sentinel/regions/{name}/mismatches"] = float(count)
+        return values
 
     def _nothing_compared(self) -> None:
         """Say once per fit why a logged period compared nothing."""

@@ -22,11 +22,11 @@ swap of two words that differ in their top bit only.
 Every tensor is read through one path (:class:`DigestPlans`): a plan worked out once per shape, strides and dtype
 views the tensor's memory as its word matrix; a tensor that is not laid out as that matrix (permuted, sliced,
 misaligned for wider words) is first copied into one. What a read takes of the matrix is a :class:`DigestMode`, made
-once by the caller and handed to every read: all of it (``"exact"``), or (``"sampled"``) one window of about
-``1 / SAMPLE_STRIDE`` of the last dimension of every row, the window moving with an offset the caller moves on from
-step to step, so that every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter than
-``SAMPLE_STRIDE`` words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a flipped
-route) shows at once, a change of single words (or words moved within a window) when the window comes to them.
+once by the caller and handed to every read: all of it (``"exact"``), or (``"sampled"``, ``"light"``) one window of
+about ``1 / SAMPLE_STRIDE`` of the last dimension of every row, the window moving with an offset the caller moves on
+from step to step, so that every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter
+than ``SAMPLE_STRIDE`` words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a
+flipped route) shows at once, a change of single words (or words moved within a window) when the window comes to them.
 
 The attribution observer identifies an op's inputs by a :class:`Fingerprint`: the tensor's metadata and its exact
 digest.
@@ -64,8 +64,9 @@ ROW_ELEMENTS = 16
 SAMPLE_STRIDE = 16
 """A sampled digest reads a window of about one word in this many of each row's last dimension."""
 
-DigestTier = Literal["exact", "sampled"]
-"""How much of each tensor a digest reads: every word, or one window of each row."""
+DigestTier = Literal["exact", "sampled", "light"]
+"""How much of each tensor a digest reads: every word (``"exact"``), or one window of each row (``"sampled"``, and
+``"light"``, whose reader, the sentinel, also digests only a few of a region's saved tensors)."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,9 @@ class DigestMode:
     read, so that no two reads of one step can take different words.
 
     Args:
-        tier: ``"exact"`` reads every word; ``"sampled"`` reads the window ``offset`` of each row (windows of
-            ``ceil(columns / SAMPLE_STRIDE)`` columns, taken in turn; rows shorter than ``SAMPLE_STRIDE`` words, or
-            joined from several dimensions, are read whole).
+        tier: ``"exact"`` reads every word; ``"sampled"`` and ``"light"`` read the window ``offset`` of each row
+            (windows of ``ceil(columns / SAMPLE_STRIDE)`` columns, taken in turn; rows shorter than ``SAMPLE_STRIDE``
+            words, or joined from several dimensions, are read whole).
         offset: The window a sampled digest reads, taken modulo the row's windows (so that moving it on by one each
             step reads every word within ``SAMPLE_STRIDE`` steps); an exact digest reads every word whatever it is.
 
@@ -96,8 +97,8 @@ class DigestMode:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        if self.tier not in ("exact", "sampled"):
-            raise ValueError(f"`tier` can be exact or sampled, got {self.tier!r}.")
+        if self.tier not in ("exact", "sampled", "light"):
+            raise ValueError(f"`tier` can be exact, sampled or light, got {self.tier!r}.")
 
     def window(self, windows: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
         """The window ``(start, width)`` of each row this mode reads, or ``None`` for the whole row.

@@ -34,9 +34,10 @@ steps whose offset reads them.
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,13 +45,21 @@ from torch import nn
 from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch, version_counter, view_base
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.saved import Recomputed
+from lightning_ckpt_determinism.checkpointing.saved import Recomputed, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
+from lightning_ckpt_determinism.verify.light import SavedLayout
 
-__all__ = ["RecomputationSentinel", "SentinelRegion", "SentinelReport", "recomputation_sentinel"]
+__all__ = [
+    "RecomputationSentinel",
+    "SentinelMode",
+    "SentinelRegion",
+    "SentinelReport",
+    "SentinelStep",
+    "recomputation_sentinel",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -113,10 +122,11 @@ class SentinelReport:
 class _Saved:
     """What torch keeps of one saved tensor at the forward, and compares with ``!=`` after the recomputation.
 
-    ``slot`` is its place among the call's digests: ``None`` for a parameter, a buffer or a tensor left out.
+    ``slot`` is its place among the call's digests: ``None`` for a parameter, a buffer or a tensor left out. ``mode``
+    is what its digests read (the light tier's rotating tensor reads another window than the call's others).
     """
 
-    __slots__ = ("broken", "call", "device", "dtype", "position", "producer", "shape", "slot", "strict")
+    __slots__ = ("broken", "call", "device", "dtype", "mode", "position", "producer", "shape", "slot", "strict")
 
     cause = None
 
@@ -128,6 +138,7 @@ class _Saved:
         self.shape: torch.Size | None = None
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
+        self.mode = call.mode
         self.producer = ""
         # The sentinel failed to keep it: never compared, and never a reason for torch to raise.
         self.broken = False
@@ -171,9 +182,12 @@ class _StateChange:
 class _Call:
     """One forward of one region: its saved tensors' digests and, after each recomputation, the digests to compare.
 
-    Each saved tensor is digested once its value is final (see the module's description); the forward's digests are
+    Which saved tensors it digests: every one, or under the light tier the targets of the region's
+    :class:`~lightning_ckpt_determinism.verify.light.SavedLayout` (``targets``); a call of a region without a layout
+    yet looks at every saved tensor, learns the layout at its forward's end and digests that step's targets. Each
+    digested tensor is digested once its value is final (see the module's description); the forward's digests are
     stacked into one vector when the region's forward ends, the recomputation's at the comparison of the last of
-    them.
+    them. The others are given back as torch's own extractor would keep them.
     """
 
     def __init__(
@@ -182,16 +196,22 @@ class _Call:
         region: str,
         buffers: frozenset[int | None],
         profile: RegionProfile | None,
+        layout: SavedLayout | None,
     ) -> None:
         self.sentinel = sentinel
         self.region = region
         self.buffers = buffers
         self.profile = profile
         self.mode = sentinel.mode
+        self.layout = layout
+        self.targets = None if layout is None else layout.targets(self.mode)
+        # Light without a layout: every saved tensor is held to the forward's end, where the layout is learned.
+        self.learning = layout is None and self.mode.tier == "light"
+        self.packs = 0
         self.saved: list[_Saved] = []
         self.slotted: list[_Saved] = []
         self.saved_bytes = 0
-        self.not_compared = 0
+        self.not_compared = 0 if layout is None else layout.left_out
         self.forward: torch.Tensor | None = None
         self.comparisons: list[tuple[list[int], torch.Tensor]] = []
         self.metadata_mismatches: list[str] = []
@@ -199,9 +219,14 @@ class _Call:
         self._held: list[tuple[_Saved, torch.Tensor]] = []
         self._recomputed: list[tuple[int, torch.Tensor]] = []
 
-    def save(self, tensor: torch.Tensor, strict: bool) -> _Saved:
-        """Keep ``tensor``'s metadata, and its digest once its value is final."""
-        saved = _Saved(self, len(self.saved), strict=strict)
+    def save(self, tensor: torch.Tensor, strict: bool) -> Any:
+        """Keep ``tensor``'s metadata, and its digest once its value is final (or, for a tensor the light tier does
+        not digest at this call, what torch's own extractor keeps)."""
+        position = self.packs
+        self.packs += 1
+        if self.targets is not None and position not in self.targets:
+            return kept_by_torch(tensor, strict=strict)
+        saved = _Saved(self, position, strict=strict)
         self.saved.append(saved)
         try:
             local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
@@ -209,11 +234,13 @@ class _Call:
             saved.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
             if type(local) is not torch.Tensor or _is_state(tensor, local, self.buffers):
                 return saved
+            if self.targets is not None:
+                saved.mode = self.targets[position]
             self.saved_bytes += local.numel() * local.element_size()
             profile = self.profile
-            if profile is not None and saved.position in profile.workspaces:
+            if profile is not None and position in profile.workspaces:
                 self.not_compared += 1
-            elif profile is None or saved.position in profile.filled_late:
+            elif profile is None or self.learning or position in profile.filled_late:
                 self._held.append((saved, local))  # read when the forward ends, once the op saving it has run
             else:
                 self._take(saved, local)
@@ -231,11 +258,11 @@ class _Call:
         self.slotted.append(saved)
 
     def _digest(self, local: torch.Tensor, saved: _Saved) -> torch.Tensor | None:
-        """``local``'s digest in this call's mode, or ``None`` for a tensor without bits to read (or unreadable)."""
+        """``local``'s digest in ``saved``'s mode, or ``None`` for a tensor without bits to read (or unreadable)."""
         plans = self.sentinel.plans
         try:
             with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
-                matrix = plans.read(local, self.mode)
+                matrix = plans.read(local, saved.mode)
                 return None if matrix is None else plans.digest(matrix)
         except Exception as err:
             self.sentinel.failed(self.region, saved.describe(), err)
@@ -248,18 +275,23 @@ class _Call:
 
     def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
         """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
-        drop them, when it raised).
+        drop them, when it raised); a call that learned its region's layout, or saved another number of tensors
+        than it, tells the sentinel.
 
         Args:
             digest: Whether the forward returned.
             profile: The region's profile now (learned during this forward when it is the region's first).
         """
         if digest:
-            for saved, local in self._held:
-                if profile is not None and saved.position in profile.workspaces:
-                    self.not_compared += 1
-                else:
-                    self._take(saved, local)
+            workspaces = profile.workspaces if profile is not None else frozenset()
+            held = [(saved, local) for saved, local in self._held if saved.position not in workspaces]
+            self.not_compared += len(self._held) - len(held)
+            if self.learning:
+                held = self._learn(held)
+            elif self.layout is not None and self.packs != self.layout.saved:
+                self.sentinel.learned(self.region, None)  # another code path: its layout is learned again
+            for saved, local in held:
+                self._take(saved, local)
             if self._digests:
                 try:
                     with no_python_dispatch():
@@ -269,6 +301,22 @@ class _Call:
                     self.not_compared += len(self.slotted)
                     self.slotted = []
         self._digests, self._held = [], []
+
+    def _learn(self, held: list[tuple[_Saved, torch.Tensor]]) -> list[tuple[_Saved, torch.Tensor]]:
+        """Learn the region's layout from this call's held activations, and keep those its targets name."""
+        comparable = [(saved, local) for saved, local in held if readable(local)]
+        self.not_compared += len(held) - len(comparable)
+        layout = SavedLayout(
+            saved=self.packs,
+            compared=tuple(saved.position for saved, _ in comparable),
+            floating=tuple(saved.position for saved, local in comparable if local.dtype.is_floating_point),
+            left_out=self.not_compared,
+        )
+        self.sentinel.learned(self.region, layout)
+        targets = layout.targets(self.mode)
+        for saved, _ in comparable:
+            saved.mode = targets.get(saved.position, self.mode)
+        return [(saved, local) for saved, local in comparable if saved.position in targets]
 
     def recomputed(self, saved: _Saved, tensor: torch.Tensor) -> bool:
         """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
@@ -286,7 +334,7 @@ class _Call:
                 self.not_compared += 1
             else:
                 self._recomputed.append((saved.slot, found))
-        if saved.position == len(self.saved) - 1:
+        if saved is self.saved[-1]:
             self.recomputation_done()
         return False
 
@@ -367,10 +415,6 @@ def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int 
     return isinstance(base, nn.Parameter) or (bool(buffers) and storage_pointer(local) in buffers)
 
 
-def _metadata(tensor: torch.Tensor) -> dict[str, Any]:
-    return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device}
-
-
 def _profile(module: nn.Module) -> RegionProfile | None:
     """The profile the region's wrapper learned, or ``None`` before its first checkpointed forward."""
     return getattr(module.__dict__.get("forward"), "profile", None)
@@ -378,20 +422,141 @@ def _profile(module: nn.Module) -> RegionProfile | None:
 
 _Entry = tuple[str, list[Any]]
 
+SentinelMode = Literal["light", "sampled", "exact"]
+"""What the sentinel digests: a few saved tensors per region call with a window of each row (``"light"``), every
+saved tensor with a window of each row (``"sampled"``), or every element of every saved tensor (``"exact"``)."""
+
+
+class SentinelStep:
+    """What one step compared, kept on the device until it is read (:meth:`RecomputationSentinel.read`): the step
+    of a mismatch is known when it is read, however much later.
+
+    Attributes:
+        compared: Saved tensors compared (known on the host, without reading the device).
+
+    Example::
+
+        >>> sentinel = RecomputationSentinel(torch.nn.Linear(2, 2))
+        >>> step = sentinel.end_step()
+        >>> step.compared, step.mismatch_counts("cpu").tolist()
+        (0, [])
+    """
+
+    def __init__(self, sentinel: "RecomputationSentinel") -> None:
+        self._sentinel = sentinel
+        self.calls: list[_Call] = []
+        self.state_pairs: list[tuple[str, list[Any], torch.Tensor, torch.Tensor]] = []
+        self.changes: list[tuple[str, _StateChange]] = []
+        self.read: dict[str, SentinelRegion] | None = None
+        self._flags: tuple[list[_Entry], torch.Tensor | None] | None = None
+
+    @property
+    def compared(self) -> int:
+        """Saved tensors compared in this step (known on the host)."""
+        compared = sum(len(slots) for call in self.calls for slots, _ in call.comparisons if call.forward is not None)
+        return compared + sum(len(call.metadata_mismatches) for call in self.calls)
+
+    def updated(self) -> None:
+        """Something was added to the step (comparisons made after :meth:`flags` are compared again)."""
+        self._flags = None
+
+    def mismatch_counts(self, device: torch.device | str) -> torch.Tensor:
+        """How many mismatches each region had in this step, as an integer tensor on ``device`` in region order;
+        computed on the device, not read back.
+
+        Args:
+            device: Where the counts go (the device the collective backend needs).
+        """
+        names = self._sentinel.regions
+        layout, flags = self.flags()
+        counts = torch.zeros(len(names), dtype=torch.int64, device=device)
+        index = {name: position for position, name in enumerate(names)}
+        if flags is not None:
+            regions = [index[region] for region, items in layout for _ in items]
+            owners = torch.tensor(regions, dtype=torch.int64, device=flags.device)
+            with no_python_dispatch():
+                found = torch.zeros(len(names), dtype=torch.int64, device=flags.device).index_add_(0, owners, flags)
+            counts = found.to(device)
+        known = [0] * len(names)
+        for call in self.calls:
+            known[index[call.region]] += len(call.metadata_mismatches)
+        for region, _ in self.changes:
+            known[index[region]] += 1
+        if any(known):
+            counts = counts + torch.tensor(known, dtype=torch.int64, device=device)
+        return counts
+
+    def flags(self) -> tuple[list[_Entry], torch.Tensor | None]:
+        """Every comparison of the step, in order, and whether each differed (an int64 vector, on the device;
+        ``None`` when nothing was compared): one comparison for all of them."""
+        if self._flags is None:
+            layout: list[_Entry] = []
+            forward, recomputed = [], []
+            for call in self.calls:
+                for items, before, after in call.pairs():
+                    layout.append((call.region, items))
+                    forward.append(before)
+                    recomputed.append(after)
+            for region, items, before, after in self.state_pairs:
+                layout.append((region, items))
+                forward.append(before)
+                recomputed.append(after)
+            flags = None
+            if forward:
+                with no_python_dispatch():
+                    flags = (torch.cat(forward) != torch.cat(recomputed)).to(torch.int64)
+            self._flags = (layout, flags)
+        return self._flags
+
+    def regions(self, *, clean: bool) -> dict[str, SentinelRegion]:
+        """What the step found by region, reading the comparisons back unless ``clean``."""
+        layout, flags = self.flags()
+        names = self._sentinel.regions
+        differed = [] if clean or flags is None else flags.tolist()
+        found: dict[str, list[Any]] = {name: [] for name in names}
+        compared = dict.fromkeys(names, 0)
+        not_compared = dict.fromkeys(names, 0)
+        at = 0
+        for owner, items in layout:
+            compared[owner] += sum(isinstance(item, _Saved) for item in items)
+            for item, flag in zip(items, differed[at : at + len(items)], strict=False):
+                if flag:
+                    found[owner].append(item)
+            at += len(items)
+        for call in self.calls:
+            compared[call.region] += len(call.metadata_mismatches)
+            not_compared[call.region] += call.not_compared
+            found[call.region].extend(_StateChange(text, None) for text in call.metadata_mismatches)
+        for owner, change in self.changes:
+            found[owner].append(change)
+        return {
+            name: SentinelRegion(
+                compared=compared[name],
+                mismatches=len(found[name]),
+                first_mismatch=found[name][0].describe() if found[name] else None,
+                not_compared=not_compared[name],
+                cause=found[name][0].cause if found[name] else None,
+            )
+            for name in names
+        }
+
 
 class RecomputationSentinel:
     """The sentinel of one module's checkpointed regions: see :func:`recomputation_sentinel`.
 
     Args:
         module: The model; regions are named relative to it.
-        exact: Digest every element; ``False`` reads a strided sample that rotates with :meth:`next_step`.
+        mode: What to digest (:data:`SentinelMode`).
+        exact: Deprecated: ``True`` means ``mode="exact"``, ``False`` means ``mode="sampled"``.
+
+    Raises:
+        ValueError: If ``mode`` is not one of :data:`SentinelMode`.
     """
 
-    def __init__(self, module: nn.Module, *, exact: bool = False) -> None:
-        self.exact = exact
+    def __init__(self, module: nn.Module, *, mode: SentinelMode = "light", exact: bool | None = None) -> None:
+        self.tier: SentinelMode = _tier(mode, exact, stacklevel=3)
         regions = checkpointed_modules(module)
         self._names = list(regions)
-        self._index = {name: position for position, name in enumerate(self._names)}
         self._name_of = {id(sub): name for name, sub in regions.items()}
         self._compiled = _compiled_regions(module)
         # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
@@ -401,16 +566,15 @@ class RecomputationSentinel:
         }
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
+        self._layouts: dict[str, SavedLayout] = {}
         # What every digest of a step reads, made once per step: a call's reads at its forward and at its
         # recomputation take it from the call, so the two read the same words.
-        self.mode = DigestMode("exact" if exact else "sampled")
+        self.mode = DigestMode(self.tier)
         self.plans = DigestPlans()
         self._open: list[_Call] = []
-        self._calls: list[_Call] = []
-        self._state_pairs: list[tuple[str, list[Any], torch.Tensor, torch.Tensor]] = []
-        self._changes: list[tuple[str, _StateChange]] = []
+        self._step = SentinelStep(self)
+        self._unread: list[SentinelStep] = []
         self._recomputing: _Call | None = None
-        self._flags: tuple[list[_Entry], torch.Tensor | None] | None = None
         self._paused = 0
         self._failures: set[tuple[str, str]] = set()
 
@@ -442,7 +606,8 @@ class RecomputationSentinel:
         if self._paused or name is None:
             yield
             return
-        call = _Call(self, name, self._buffers[name], _profile(module))
+        layout = self._layouts.get(name) if self.mode.tier == "light" else None
+        call = _Call(self, name, self._buffers[name], _profile(module), layout)
         self._open.append(call)
         finished = False
         try:
@@ -454,7 +619,8 @@ class RecomputationSentinel:
                 call.forward_done(digest=finished, profile=_profile(module))
                 if finished:
                     self._saved_bytes.setdefault(name, call.saved_bytes)
-                    self._calls.append(call)
+                    self._step.calls.append(call)
+                    self._step.updated()
 
     @contextlib.contextmanager
     def region_recompute(
@@ -482,8 +648,15 @@ class RecomputationSentinel:
         """torch's ``determinism_check`` extractor for a tensor the forward of one of this model's regions saves: a
         kept value, digested once final, that compares itself with the recomputed tensor after the recomputation."""
         if self._paused or not self._open:
-            return _metadata(tensor) if strict else None
+            return kept_by_torch(tensor, strict=strict)
         return self._open[-1].save(tensor, strict)
+
+    def learned(self, region: str, layout: SavedLayout | None) -> None:
+        """A call learned ``region``'s layout (``None``: a call did not match it, and the next call learns it)."""
+        if layout is None:
+            self._layouts.pop(region, None)
+        else:
+            self._layouts[region] = layout
 
     def failed(self, region: str, what: str, err: Exception) -> None:
         """The sentinel could not read ``what`` of ``region``: it is left out (said once per region and tensor)."""
@@ -500,14 +673,13 @@ class RecomputationSentinel:
 
     def changed(self, region: str, changes: list[_StateChange]) -> None:
         """A recomputation of ``region`` changed these parameters (known on the host)."""
-        if changes:
-            self._changes.extend((region, change) for change in changes)
-            self._flags = None
+        self._step.changes.extend((region, change) for change in changes)
+        self._step.updated()
 
     def state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None:
         """A recomputation of ``region`` left these buffers' digests ``after`` (compared on the device)."""
-        self._state_pairs.append((region, items, before, after))
-        self._flags = None
+        self._step.state_pairs.append((region, items, before, after))
+        self._step.updated()
 
     def comparing(self, call: _Call) -> None:
         """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested."""
@@ -519,11 +691,16 @@ class RecomputationSentinel:
         """``call``'s recomputation is digested."""
         if self._recomputing is call:
             self._recomputing = None
-        self._flags = None
+        self._step.updated()
 
-    def next_step(self) -> None:
-        """Move the sampled digests' offset on, so that every element is read within ``SAMPLE_STRIDE`` steps."""
-        self.mode = self.mode.next_step()
+    def next_step(self, tier: SentinelMode | None = None) -> None:
+        """Move the windows on, so that every element (and, in the light tier, every saved tensor) comes round.
+
+        Args:
+            tier: What the next step digests, if not the sentinel's own tier (the monitor escalates a step to
+                ``"exact"`` after a finding).
+        """
+        self.mode = DigestMode(tier or self.tier, self.mode.offset + 1)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -534,133 +711,96 @@ class RecomputationSentinel:
         finally:
             self._paused -= 1
 
-    def pending_mismatches(self, device: torch.device | str) -> torch.Tensor:
-        """How many mismatches each region had since the last :meth:`settle`, as an integer tensor on ``device`` in
-        region order; computed on the device, not read back.
-
-        Args:
-            device: Where the counts go (the device the collective backend needs).
-        """
-        layout, flags = self._mismatch_flags()
-        counts = torch.zeros(len(self._names), dtype=torch.int64, device=device)
-        if flags is not None:
-            regions = [self._index[region] for region, items in layout for _ in items]
-            owners = torch.tensor(regions, dtype=torch.int64, device=flags.device)
-            found = torch.zeros(len(self._names), dtype=torch.int64, device=flags.device).index_add_(0, owners, flags)
-            counts = found.to(device)
-        known = [0] * len(self._names)
-        for call in self._calls:
-            known[self._index[call.region]] += len(call.metadata_mismatches)
-        for region, _ in self._changes:
-            known[self._index[region]] += 1
-        if any(known):
-            counts = counts + torch.tensor(known, dtype=torch.int64, device=device)
-        return counts
-
-    def pending_compared(self) -> int:
-        """How many saved tensors were compared since the last :meth:`settle` (known on the host, no device read).
+    def end_step(self) -> SentinelStep:
+        """Close the comparisons made since the last call into one :class:`SentinelStep`, unread (nothing is read
+        back from the device): the monitor calls it at every training batch's end.
 
         Example::
 
-            >>> RecomputationSentinel(torch.nn.Linear(2, 2)).pending_compared()
-            0
+            >>> sentinel = RecomputationSentinel(torch.nn.Linear(2, 2))
+            >>> sentinel.read(sentinel.end_step())
+            {}
         """
         if self._recomputing is not None:
             self._recomputing.recomputation_done()
-        compared = sum(len(slots) for call in self._calls for slots, _ in call.comparisons if call.forward is not None)
-        return compared + sum(len(call.metadata_mismatches) for call in self._calls)
+        step, self._step = self._step, SentinelStep(self)
+        self._unread.append(step)
+        return step
 
-    def _mismatch_flags(self) -> tuple[list[_Entry], torch.Tensor | None]:
-        """Every comparison since the last settle, in order, and whether each differed (an int64 vector, on the
-        device; ``None`` when nothing was compared): one comparison for all of them."""
-        if self._recomputing is not None:
-            self._recomputing.recomputation_done()
-        if self._flags is None:
-            layout: list[_Entry] = []
-            forward, recomputed = [], []
-            for call in self._calls:
-                for items, before, after in call.pairs():
-                    layout.append((call.region, items))
-                    forward.append(before)
-                    recomputed.append(after)
-            for region, items, before, after in self._state_pairs:
-                layout.append((region, items))
-                forward.append(before)
-                recomputed.append(after)
-            flags = None
-            if forward:
-                with no_python_dispatch():
-                    flags = (torch.cat(forward) != torch.cat(recomputed)).to(torch.int64)
-            self._flags = (layout, flags)
-        return self._flags
-
-    def settle(self, *, clean: bool = False) -> dict[str, SentinelRegion]:
-        """Add what was compared since the last settle to the report, and return it by region.
+    def read(self, step: SentinelStep, *, clean: bool = False) -> dict[str, SentinelRegion]:
+        """What ``step`` found by region, added to the report (once: a step read again gives the same).
 
         Args:
-            clean: The caller knows that nothing differed (every rank's :meth:`pending_mismatches` was zero): no
-                comparison is read back.
+            step: A step from :meth:`end_step`.
+            clean: The caller knows that nothing differed (every rank's :meth:`SentinelStep.mismatch_counts` was
+                zero): no comparison is read back.
         """
-        layout, flags = self._mismatch_flags()
-        differed = [] if clean or flags is None else flags.tolist()
-        found: dict[str, list[Any]] = {name: [] for name in self._names}
-        compared = dict.fromkeys(self._names, 0)
-        not_compared = dict.fromkeys(self._names, 0)
-        at = 0
-        for owner, items in layout:
-            compared[owner] += sum(isinstance(item, _Saved) for item in items)
-            for item, flag in zip(items, differed[at : at + len(items)], strict=False):
-                if flag:
-                    found[owner].append(item)
-            at += len(items)
-        for call in self._calls:
-            compared[call.region] += len(call.metadata_mismatches)
-            not_compared[call.region] += call.not_compared
-            found[call.region].extend(_StateChange(text, None) for text in call.metadata_mismatches)
-        for owner, change in self._changes:
-            found[owner].append(change)
-        period = {
-            name: SentinelRegion(
-                compared=compared[name],
-                mismatches=len(found[name]),
-                first_mismatch=found[name][0].describe() if found[name] else None,
-                not_compared=not_compared[name],
-                cause=found[name][0].cause if found[name] else None,
-            )
-            for name in self._names
-        }
-        self._calls, self._state_pairs, self._changes, self._flags = [], [], [], None
-        for name, region in period.items():
-            total = self._totals[name]
-            first = total.first_mismatch is None and region.first_mismatch is not None
-            self._totals[name] = SentinelRegion(
-                total.compared + region.compared,
-                total.mismatches + region.mismatches,
-                region.first_mismatch if first else total.first_mismatch,
-                total.not_compared + region.not_compared,
-                region.cause if first else total.cause,
-            )
-        return period
+        if step.read is not None:
+            return step.read
+        found = step.read = step.regions(clean=clean)
+        self._unread = [other for other in self._unread if other is not step]
+        self._totals = _added(self._totals, found)
+        return found
+
+    def settle(self) -> dict[str, SentinelRegion]:
+        """Close and read what was compared since the last :meth:`end_step`, and return it by region."""
+        return self.read(self.end_step())
 
     def report(self) -> SentinelReport:
-        """Everything compared since the block was entered (works after it exited too).
+        """Everything compared since the block was entered (works after it exited too), the steps not read yet and
+        the step under way included; it marks nothing read.
 
         Example::
 
             >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
             >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Dropout(0.5))
             >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1", "2"]))
-            >>> with recomputation_sentinel(model, exact=True) as sentinel:
+            >>> with recomputation_sentinel(model, mode="exact") as sentinel:
             ...     model(torch.ones(2, 4)).sum().backward()
             >>> sentinel.report().compared, sentinel.report().mismatches
             (2, 0)
         """
-        self.settle()
-        regions = dict(self._totals)
+        if self._recomputing is not None:
+            self._recomputing.recomputation_done()
+        regions = self._totals
+        for step in [*self._unread, self._step]:
+            regions = _added(regions, step.regions(clean=False))
         compared = sum(region.compared for region in regions.values())
         mismatches = sum(region.mismatches for region in regions.values())
         not_compared = sum(region.not_compared for region in regions.values())
-        return SentinelReport(compared, mismatches, regions, list(self._compiled), not_compared)
+        return SentinelReport(compared, mismatches, dict(regions), list(self._compiled), not_compared)
+
+
+def _added(totals: dict[str, SentinelRegion], found: dict[str, SentinelRegion]) -> dict[str, SentinelRegion]:
+    """``totals`` with ``found`` added, region by region (the first mismatch and its cause kept from the earliest)."""
+    added = {}
+    for name, total in totals.items():
+        region = found[name]
+        first = total.first_mismatch is None and region.first_mismatch is not None
+        added[name] = SentinelRegion(
+            total.compared + region.compared,
+            total.mismatches + region.mismatches,
+            region.first_mismatch if first else total.first_mismatch,
+            total.not_compared + region.not_compared,
+            region.cause if first else total.cause,
+        )
+    return added
+
+
+def _tier(mode: str, exact: bool | None, *, stacklevel: int) -> SentinelMode:
+    """The tier ``mode`` names, or the one the deprecated ``exact`` names (with a warning pointing ``stacklevel``
+    frames up)."""
+    if exact is not None:
+        warnings.warn(
+            '`exact=` is deprecated and will be removed in the next release: pass `mode="exact"` (for `exact=True`)'
+            ' or `mode="sampled"` (for `exact=False`).',
+            FutureWarning,
+            stacklevel=stacklevel,
+        )
+        return "exact" if exact else "sampled"
+    if mode not in ("light", "sampled", "exact"):
+        raise ValueError(f"`mode` can be light, sampled or exact, got {mode!r}.")
+    return mode  # type: ignore[return-value]
 
 
 def _compiled_regions(module: nn.Module) -> list[str]:
@@ -670,21 +810,31 @@ def _compiled_regions(module: nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def recomputation_sentinel(module: nn.Module, *, exact: bool = False) -> Iterator[RecomputationSentinel]:
-    """Compare every tensor each checkpointed region of ``module`` saves, after its recomputation, with the forward's.
+def recomputation_sentinel(
+    module: nn.Module, *, mode: SentinelMode = "light", exact: bool | None = None
+) -> Iterator[RecomputationSentinel]:
+    """Compare what each checkpointed region of ``module`` saves, after its recomputation, with the forward's.
 
-    Inside the block, each eager checkpointed forward keeps a digest of every activation it saves for backward, and
+    Inside the block, each eager checkpointed forward keeps digests of the activations it saves for backward, and
     each recomputation is digested and compared on the device (see the module's description). Nothing is digested
     outside the block, and the sentinel's report counts what was compared inside it. It changes no value the model
     computes: gradients and random streams are exactly those without it.
 
     Args:
         module: The model whose checkpointed regions to watch.
-        exact: Read every element; by default a strided sample (one element in 16 of each row) whose offset
-            moves with :meth:`RecomputationSentinel.next_step`.
+        mode: What to digest. ``"light"`` (the default): per region call, the last saved tensor, the last
+            floating-point one and one more whose position rotates with :meth:`RecomputationSentinel.next_step`,
+            each through a window of about one element in 16 of each row, the window moving on with the steps
+            (every saved tensor is compared within as many steps as the region saves tensors).
+            ``"sampled"``: every saved tensor, through that window. ``"exact"``: every element of every saved
+            tensor.
+        exact: Deprecated: ``True`` means ``mode="exact"``, ``False`` means ``mode="sampled"``.
 
     Yields:
         The :class:`RecomputationSentinel`; its :meth:`~RecomputationSentinel.report` gives what it found.
+
+    Raises:
+        ValueError: If ``mode`` is not one of :data:`SentinelMode`.
 
     Example::
 
@@ -700,7 +850,8 @@ def recomputation_sentinel(module: nn.Module, *, exact: bool = False) -> Iterato
         >>> sentinel.report().regions["1"].mismatches
         1
     """
-    sentinel = RecomputationSentinel(module, exact=exact)
+    # A generator's caller is two frames up: contextlib's `__enter__`, then the `with`.
+    sentinel = RecomputationSentinel(module, mode=_tier(mode, exact, stacklevel=4))
     if sentinel.compiled:
         _log.info(
             "lightning_ckpt_determinism: the sentinel does not see inside compiled checkpointed regions (%s): the"

@@ -1,0 +1,69 @@
+"""Which of a region call's saved tensors the sentinel's ``"light"`` tier digests.
+
+A region's saved tensors come in the same order at every call of the same code path: a :class:`SavedLayout`, learned
+from one call whose every saved tensor was looked at, says how many there are and which of them are activations the
+sentinel can compare (not parameters or buffers, not opaque workspaces, with bits to read). At each later call, the
+light tier digests only :meth:`SavedLayout.targets`:
+
+- the region's last compared saved tensor and its last floating-point one, at every step: a change anywhere upstream
+  of them (a redrawn dropout mask, host noise in the first op, a counter, rows reordered, another scale) reaches them;
+- one more position, rotating from step to step over the compared ones, so that a change confined to one saved
+  tensor of a side branch, which no later saved tensor depends on, is seen within as many steps as the region has
+  compared saved tensors. Its window of elements moves on once per turn, so that every window of every tensor comes
+  round in turn.
+
+A call that saves another number of tensors than its layout (another code path) is still compared where its targets
+fell, and the region's layout is learned again at its next call.
+"""
+
+from dataclasses import dataclass
+
+from lightning_ckpt_determinism.verify.digest import DigestMode
+
+__all__ = ["SavedLayout"]
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The saved tensors of one region's calls, as the light tier selects among them.
+
+    Attributes:
+        saved: How many tensors a call saves.
+        compared: The positions of those the sentinel compares (activations with bits to read), in order.
+        floating: The positions among ``compared`` holding floating-point tensors, in order.
+        left_out: Activations among them the sentinel cannot compare (opaque workspaces, tensors without bits to
+            read): each call counts them as not compared.
+
+    Example::
+
+        >>> layout = SavedLayout(saved=5, compared=(0, 2, 3), floating=(0, 2))
+        >>> sorted(layout.targets(DigestMode("light", offset=1)))  # the last, the last float, and position 2 in turn
+        [2, 3]
+        >>> sorted(layout.targets(DigestMode("light", offset=3)))
+        [0, 2, 3]
+    """
+
+    saved: int
+    compared: tuple[int, ...]
+    floating: tuple[int, ...]
+    left_out: int = 0
+
+    def targets(self, mode: DigestMode) -> dict[int, DigestMode]:
+        """The positions a call digests at ``mode``'s step, each with the mode its digests read.
+
+        Args:
+            mode: The step's mode; the fixed targets read its window, the rotating one the window of its turn.
+
+        Example::
+
+            >>> SavedLayout(saved=2, compared=(0, 1), floating=(0,)).targets(DigestMode("light", offset=4))
+            {1: DigestMode(tier='light', offset=4), 0: DigestMode(tier='light', offset=4)}
+        """
+        if not self.compared:
+            return {}
+        chosen = {self.compared[-1]: mode}
+        if self.floating:
+            chosen.setdefault(self.floating[-1], mode)
+        turn, position = divmod(mode.offset, len(self.compared))
+        chosen.setdefault(self.compared[position], DigestMode(mode.tier, turn))
+        return chosen
