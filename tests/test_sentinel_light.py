@@ -1,0 +1,163 @@
+"""The sentinel's light tier (`lightning_ckpt_determinism.verify.light`): what it must see at the step of a defect,
+and what within its rotation, held against the exact tier as ground truth."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, recomputation_sentinel
+from lightning_ckpt_determinism.verify.digest import DigestMode
+from lightning_ckpt_determinism.verify.light import SavedLayout
+from tests.helpers import DIM, Stack, batch, step_gradients
+
+STEPS = 6
+
+
+class BranchedBlock(nn.Module):
+    """Six saved activations: a side branch ``sigmoid(linear(x))`` first, whose saved output no later saved tensor
+    depends on (it is added at the end, which saves nothing), then a main path ``linear -> gelu -> linear -> tanh``
+    (ending in dropout when ``dropout``).
+
+    Its recomputation at step ``armed``, or at every step when ``armed`` is ``None`` (its calls are counted in a
+    list, which recomputation does not replay), has the defect ``defect``:
+
+    - ``"scale"``: the region's input scaled by 1.01 in its first op;
+    - ``"rows"``: the input's rows moved by one at the region's start;
+    - ``"host_noise"``: NumPy noise (not replayed: host RNG is off) added in the first op, at every call;
+    - ``"counter"``: the input scaled by its count of calls, at every call;
+    - ``"side"``: the side branch's pre-activation scaled by 1.01, nothing else;
+    - ``""``: none.
+    """
+
+    def __init__(self, defect: str = "", armed: int | None = -1, dropout: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+        self.side = nn.Linear(DIM, DIM)
+        self.dropout = nn.Dropout(0.5) if dropout else nn.Identity()
+        self.defect = defect
+        self.armed = armed
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(1)
+        calls = len(self.calls)
+        recomputing_armed = calls % 2 == 0 if self.armed is None else calls == 2 * self.armed + 2
+        if self.defect == "host_noise":
+            x = x + torch.from_numpy(np.random.standard_normal(x.shape).astype(np.float32))
+        elif self.defect == "counter":
+            x = x * (1.0 + 0.01 * len(self.calls))
+        elif recomputing_armed and self.defect == "scale":
+            x = x * 1.01
+        elif recomputing_armed and self.defect == "rows":
+            x = x.roll(1, dims=0)
+        side = self.side(x)
+        if recomputing_armed and self.defect == "side":
+            side = side * 1.01
+        side = torch.sigmoid(side)
+        main = self.dropout(torch.tanh(self.down(nn.functional.gelu(self.up(x)))))
+        return x + main + side
+
+
+def model_with(block: BranchedBlock, **config: object) -> nn.Module:
+    torch.manual_seed(0)
+    model = Stack([BranchedBlock(), block, BranchedBlock()])
+    with torch.no_grad():
+        block.load_state_dict(BranchedBlock(dropout=isinstance(block.dropout, nn.Dropout)).state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"], **config))  # type: ignore[arg-type]
+    return model
+
+
+def mismatches_by_step(model: nn.Module, mode: str, steps: int = STEPS) -> list[int]:
+    """The middle region's mismatches at each step, read step by step."""
+    found = []
+    with recomputation_sentinel(model, mode=mode) as sentinel:  # type: ignore[arg-type]
+        for step in range(steps):
+            sentinel.next_step()
+            step_gradients(model, seed=step)
+            found.append(sentinel.settle()["blocks.1"].mismatches)
+    return found
+
+
+AT_ITS_STEP = {
+    "a redrawn dropout mask at the region's end": (BranchedBlock(dropout=True), {"preserve_rng_state": False}),
+    "host noise in the region's first op": (BranchedBlock("host_noise"), {"preserve_host_rng": False}),
+    "a counter read in forward": (BranchedBlock("counter"), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(AT_ITS_STEP))
+def test_the_light_tier_sees_a_defect_that_reaches_the_last_saved_tensors_at_every_step(name: str) -> None:
+    block, config = AT_ITS_STEP[name]
+    found = mismatches_by_step(model_with(block, **config), "light")
+    assert all(count > 0 for count in found), found
+
+
+@pytest.mark.parametrize("defect", ["scale", "rows"])
+@pytest.mark.parametrize("armed", [1, 2, 3])
+def test_the_light_tier_sees_a_one_step_defect_at_its_step_whatever_the_rotation(defect: str, armed: int) -> None:
+    found = mismatches_by_step(model_with(BranchedBlock(defect, armed=armed)), "light")
+    exact = mismatches_by_step(model_with(BranchedBlock(defect, armed=armed)), "exact")
+    assert [count > 0 for count in found] == [count > 0 for count in exact] == [s == armed for s in range(STEPS)]
+
+
+def test_a_change_confined_to_a_side_branch_is_seen_within_the_rotation_and_only_when_it_comes_round() -> None:
+    # Ground truth for the rotation's length: the saved activations the sampled tier compares at one call.
+    clean = model_with(BranchedBlock())
+    with recomputation_sentinel(clean, mode="sampled") as sampled:
+        step_gradients(clean, seed=0)
+    activations = sampled.report().regions["blocks.1"].compared
+    assert activations == 6
+    steps = 2 * activations
+    found = mismatches_by_step(model_with(BranchedBlock("side", armed=None)), "light", steps=steps)
+    # Seen once per turn of the rotation, when the rotating position comes to the sigmoid's output.
+    first = next(step for step, count in enumerate(found) if count)
+    assert first < activations
+    assert [step for step, count in enumerate(found) if count] == [first, first + activations]
+    assert mismatches_by_step(model_with(BranchedBlock("side", armed=None)), "exact", steps=2) == [1, 1]
+
+
+def test_clean_models_stay_at_zero_and_the_light_tier_compares_a_few_tensors_per_call() -> None:
+    sampled = mismatches_by_step(model_with(BranchedBlock(dropout=True)), "sampled")
+    assert sampled == [0] * STEPS
+    model = model_with(BranchedBlock(dropout=True))
+    with recomputation_sentinel(model, mode="light") as sentinel:
+        for step in range(STEPS):
+            sentinel.next_step()
+            step_gradients(model, seed=step)
+    report = sentinel.report()
+    assert report.mismatches == 0
+    # At most three per call (the last, the last floating-point one and the rotating one), at least one.
+    assert all(STEPS <= region.compared <= 3 * STEPS for region in report.regions.values())
+
+
+def test_a_call_on_another_code_path_is_compared_where_it_can_and_its_layout_learned_again() -> None:
+    layout = SavedLayout(saved=4, compared=(0, 1, 3), floating=(0, 1))
+    light = DigestMode("light", 0)
+    assert layout.targets(light) == {3: light, 1: light, 0: light}
+    # The rotating position's window moves on once per turn of the rotation.
+    assert layout.targets(DigestMode("light", offset=5))[3] == DigestMode("light", 5)
+    assert layout.targets(DigestMode("light", offset=6))[0] == DigestMode("light", 2)
+
+    class TwoPaths(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(DIM, DIM)
+            self.long = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.linear(x))
+            return x + (torch.sigmoid(h) if self.long else h)
+
+    torch.manual_seed(0)
+    model = Stack([TwoPaths()])
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    x, _ = batch()
+    with recomputation_sentinel(model, mode="light") as sentinel:
+        for long in (False, True, True, False):
+            model.blocks[0].long = long
+            sentinel.next_step()
+            model(x).sum().backward()
+            assert sentinel.settle()["blocks.0"].mismatches == 0
+    assert sentinel.report().regions["blocks.0"].compared >= 4
