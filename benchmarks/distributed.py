@@ -35,15 +35,39 @@ from benchmarks.common import (
     summary,
     train_step,
 )
-from lightning_ckpt_determinism import CheckpointingConfig
+from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
+from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.sentinel import SentinelStep
 from lightning_ckpt_determinism.verify.state import StepState
 
 STEP = "step"
 CHECKED = "checked step"
 CHECKED_WITHOUT_SYNC = "checked step, reference without all-reduce"
 CAPTURE = "state capture"
+
+
+def run_sentinel(size: ModelSize, rounds: int, warmup: int, world_size: int = 2) -> dict[str, Any]:
+    """Time DDP training steps with each sentinel tier against steps without it, interleaved, on ``world_size`` CPU
+    processes; as the monitor runs it, each step's comparisons are closed on the device and read (one all-reduce and
+    one host read) every ``SENTINEL_READ_EVERY`` steps, and, in ``"light, read every step"``, at every step (what
+    ``on_divergence="raise"`` does).
+
+    Args:
+        size: The model's shape.
+        rounds: Timed rounds.
+        warmup: Untimed rounds first.
+        world_size: Processes.
+
+    Returns:
+        Rank zero's summaries of seconds by variant and the per-round ratios ``"<variant>/off"``.
+    """
+    return _spawned(_sentinel_worker, size, rounds, warmup, world_size)
+
+
+SENTINEL_READ_EVERY = 10
+"""How many steps the DDP sentinel benchmark reads the counts after (Lightning logs every 50 by default)."""
 
 
 def run(size: ModelSize, rounds: int, warmup: int, world_size: int = 2) -> dict[str, Any]:
@@ -60,26 +84,78 @@ def run(size: ModelSize, rounds: int, warmup: int, world_size: int = 2) -> dict[
         checked step over a step, in steps), ``"check without all-reduce/step"`` and ``"capture/step"``; with
         ``"max_grad_divergence"`` over every check (``0.0`` when exact) and ``"world_size"``.
     """
+    return _spawned(_worker, size, rounds, warmup, world_size)
+
+
+def _spawned(worker: Any, size: ModelSize, rounds: int, warmup: int, world_size: int) -> dict[str, Any]:
+    """``worker``'s measures on ``world_size`` spawned processes, as rank zero wrote them."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "rank0.json"
-        spawn(_worker, args=(world_size, port, size, rounds, warmup, str(out)), nprocs=world_size)
+        spawn(worker, args=(world_size, port, size, rounds, warmup, str(out)), nprocs=world_size)
         return json.loads(out.read_text())
 
 
 def _worker(rank: int, world_size: int, port: int, size: ModelSize, rounds: int, warmup: int, out: str) -> None:
+    _in_group(rank, world_size, port, out, partial(_measure, size, rounds, warmup))
+
+
+def _sentinel_worker(
+    rank: int, world_size: int, port: int, size: ModelSize, rounds: int, warmup: int, out: str
+) -> None:
+    _in_group(rank, world_size, port, out, partial(_measure_sentinel, size, rounds, warmup))
+
+
+def _in_group(rank: int, world_size: int, port: int, out: str, measure: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
     )
     try:
-        result = _measure(size, rounds, warmup)
+        result = measure()
         if rank == 0:
             Path(out).write_text(json.dumps({**result, "world_size": world_size}))
     finally:
         dist.destroy_process_group()
+
+
+def _measure_sentinel(size: ModelSize, rounds: int, warmup: int) -> dict[str, Any]:
+    device = torch.device("cpu")
+    model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
+    ddp = DistributedDataParallel(model)
+    optimizer = make_optimizer(model)
+    inputs, targets = make_batch(size, device)
+    step = partial(train_step, ddp, optimizer, inputs, targets)
+    tiers = {"light": "light", "sampled": "sampled", "exact": "exact", "light, read every step": "light"}
+    sentinels = {name: RecomputationSentinel(model, mode=tier) for name, tier in tiers.items()}  # type: ignore[arg-type]
+    pending: dict[str, list[SentinelStep]] = {name: [] for name in sentinels}
+
+    def watched(name: str) -> None:
+        sentinel = sentinels[name]
+        with observing_saved_tensors(sentinel, model):
+            sentinel.next_step()
+            step()
+            pending[name].append(sentinel.end_step())
+        if name.endswith("every step") or len(pending[name]) == SENTINEL_READ_EVERY:
+            _read(sentinel, pending[name])
+            pending[name] = []
+
+    functions = {"off": step, **{name: partial(watched, name) for name in sentinels}}
+    times = interleaved_times({name: _started_together(f) for name, f in functions.items()}, rounds, warmup, device)
+    result: dict[str, Any] = {name: summary(samples) for name, samples in times.items()}
+    result["ratios"] = {f"{name}/off": summary(paired_ratios(times[name], times["off"])) for name in sentinels}
+    result["read_every"] = SENTINEL_READ_EVERY
+    return result
+
+
+def _read(sentinel: RecomputationSentinel, steps: list[SentinelStep]) -> None:
+    """What the monitor's read does: every unread step's counts all-reduced and read back once."""
+    counts = torch.cat([step.mismatch_counts("cpu") for step in steps] + [torch.zeros(1, dtype=torch.int64)])
+    dist.all_reduce(counts)
+    for step in steps:
+        sentinel.read(step, clean=not any(counts.tolist()))
 
 
 def _measure(size: ModelSize, rounds: int, warmup: int) -> dict[str, Any]:

@@ -1,22 +1,24 @@
-"""What the sentinel costs: whole fits with it sampled, exact and off, its peak memory, and where its time goes.
+"""What the sentinel costs: whole fits with each tier and off, its peak memory, and where its time goes.
 
 The fits train the benchmark GPT under ``SingleDeviceCheckpointingStrategy`` with ``RecomputationMonitor`` checking
-the first step only (``every_n_steps`` past the fit), so the runs differ by the sentinel alone; they go round-robin,
-the order rotated every round, with two torch threads, and each ratio is the median of per-round ratios of whole
-``Trainer.fit`` times. The breakdown times single training steps without Lightning: with the sentinel, and with its
-digests replaced by a constant (what the hooks and bookkeeping cost without the digest kernels).
+the first step only (``every_n_steps`` past the fit), so the runs differ by the sentinel alone, at two widths, each
+with and without dropout. The modes go round-robin, the order rotated every round, with two torch threads, and each
+ratio is the median of per-round ratios of whole ``Trainer.fit`` times; ``off again/off`` pairs two runs without the
+sentinel, the noise floor. The peak memory is a training step's with each tier over without, once the tier is past
+its first step (and, for the light tier, at its first step too, where it learns what each region saves). The
+breakdown times single training steps without Lightning: with each tier, and with the light tier's digests replaced
+by a constant (what its hooks and bookkeeping cost without the digest kernels).
 
 ``python -m benchmarks.sentinel`` runs the breakdown alone for wider models (``--dims 128,256,512``, the sequence
-half the width): the sentinel's cost is a few kernels per saved tensor, so its share falls as the blocks grow.
+half the width): the sentinel's cost is a few kernels per digested tensor, so its share falls as the blocks grow.
 """
 
 import argparse
-import contextlib
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -35,41 +37,53 @@ from benchmarks.common import (
     train_step,
 )
 from benchmarks.monitor import _fit, _step_peak_bytes
-from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, recomputation_sentinel
+from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, RecomputationSentinel
+from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.verify import digest as digest_module
 
-MODES = ("off", "sampled", "exact")
+TIERS = ("light", "sampled", "exact")
+MODES = ("off", "off again", *TIERS)
 THREADS = 2
 
 
-def run(size: ModelSize, device: torch.device, rounds: int, steps: int) -> dict[str, Any]:
-    """Fit times by sentinel mode, their ratios to ``"off"``, the peak memory and the step-level breakdown.
+def run(
+    size: ModelSize, device: torch.device, rounds: int, steps: dict[int, int], dropout: float = 0.1
+) -> dict[str, Any]:
+    """Fit times by sentinel mode at each width, with and without dropout, their ratios to ``"off"``, the peak
+    memory and the step-level breakdown.
 
     Args:
-        size: The model's shape.
+        size: The model's shape (its width and dropout are replaced by each configuration's).
         device: Where to train.
-        rounds: Fits of each mode.
-        steps: Training steps per fit.
+        rounds: Fits of each mode, per configuration.
+        steps: Training steps per fit, by width (the widths measured).
+        dropout: The dropout of the configurations with dropout.
 
     Returns:
-        ``"fit_s"``: summaries of whole-fit seconds by mode; ``"ratios"``: ``"sampled/off"`` and ``"exact/off"``;
-        ``"peak/step"``: the peak memory of a training step with each digest over without; ``"breakdown"``: step
-        times (``"step"``, ``"sampled"``, ``"exact"``, ``"hooks only"``) and ``"digests_per_step"``;
-        ``"mismatches"``: the largest count any fit saw (``0`` on this exact model); and the settings.
+        ``"configs"``: by configuration name, ``"fit_s"`` (summaries of whole-fit seconds by mode), ``"ratios"``
+        (``"<mode>/off"`` for every other mode), ``"mismatches"`` (the largest count any fit saw, ``0`` on this
+        exact model) and its size; ``"peak/step"``: a step's peak memory with each tier over without;
+        ``"breakdown"``: step times and their ratios; and the settings.
     """
+    configs = {
+        f"width {dim}, {'dropout ' + str(p) if p else 'no dropout'}": replace(size, dim=dim, dropout=p)
+        for dim in steps
+        for p in (dropout, 0.0)
+    }
     with _threads(THREADS):
-        fits = _fits(size, device, rounds, steps)
+        found = {name: _fits(config, device, rounds, steps[config.dim]) for name, config in configs.items()}
         breakdown = _breakdown(size, device, rounds=max(rounds * 3, 3), warmup=1)
         peaks = _peaks(size, device)
-    times = fits.pop("times")
+    for result in found.values():
+        times = result.pop("times")
+        result["fit_s"] = {mode: summary(values) for mode, values in times.items()}
+        result["ratios"] = {f"{mode}/off": summary(paired_ratios(times[mode], times["off"])) for mode in MODES[1:]}
     return {
-        "fit_s": {mode: summary(values) for mode, values in times.items()},
-        "ratios": {f"{mode}/off": summary(paired_ratios(times[mode], times["off"])) for mode in ("sampled", "exact")},
+        "configs": found,
         "peak/step": peaks,
         "breakdown": breakdown,
         "threads": THREADS,
-        "steps_per_fit": steps,
-        **fits,
+        "steps_per_fit": {str(dim): count for dim, count in steps.items()},
     }
 
 
@@ -80,7 +94,8 @@ def _fits(size: ModelSize, device: torch.device, rounds: int, steps: int) -> dic
         shift = index % len(MODES)
         for mode in MODES[shift:] + MODES[:shift]:
             # Checks the first step only, in every mode alike.
-            monitor = RecomputationMonitor(every_n_steps=steps + 1, on_divergence="ignore", sentinel=mode)  # type: ignore[arg-type]
+            tier = "off" if mode.startswith("off") else mode
+            monitor = RecomputationMonitor(every_n_steps=steps + 1, on_divergence="ignore", sentinel=tier)  # type: ignore[arg-type]
             synchronize(device)
             started = time.perf_counter()
             _fit(size, device, [monitor], steps)
@@ -88,7 +103,22 @@ def _fits(size: ModelSize, device: torch.device, rounds: int, steps: int) -> dic
             times[mode].append(time.perf_counter() - started)
             report = monitor.sentinel_report
             mismatches = max(mismatches, report.mismatches if report is not None else 0)
-    return {"times": times, "mismatches": mismatches}
+    return {"times": times, "mismatches": mismatches, "size": {"dim": size.dim, "dropout": size.dropout}}
+
+
+def _watched(model: torch.nn.Module, sentinel: RecomputationSentinel, step: Callable[[], object]) -> None:
+    """One training step under ``sentinel``, as the monitor runs it: the windows moved on, the step's comparisons
+    closed on the device, read back only when something differed."""
+    with observing_saved_tensors(sentinel, model):
+        sentinel.next_step()
+        step()
+        record = sentinel.end_step()
+        sentinel.read(record, clean=not bool(record.mismatch_counts(_device_of(model)).any()))
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are."""
+    return next(model.parameters()).device
 
 
 def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
@@ -96,27 +126,25 @@ def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) 
     optimizer = make_optimizer(model)
     inputs, targets = make_batch(size, device)
     step = partial(train_step, model, optimizer, inputs, targets)
-    digests: list[int] = []
+    sentinels = {tier: RecomputationSentinel(model, mode=tier) for tier in TIERS}  # type: ignore[arg-type]
+    constant = RecomputationSentinel(model, mode="light")
 
-    def watched(exact: bool, hooks_only: bool = False) -> None:
-        constant = _constant_digests(device) if hooks_only else contextlib.nullcontext()
-        with constant, recomputation_sentinel(model, exact=exact) as s:
-            step()
-            s.next_step()
-            s.settle(clean=not bool(s.pending_mismatches(device).any()))
-        digests.append(s.report().compared)
+    def hooks_only() -> None:
+        with _constant_digests(device):
+            _watched(model, constant, step)
 
     functions: dict[str, Callable[[], object]] = {
         "step": step,
-        "sampled": partial(watched, False),
-        "exact": partial(watched, True),
-        "hooks only": partial(watched, False, True),
+        **{tier: partial(_watched, model, sentinel, step) for tier, sentinel in sentinels.items()},
+        "light hooks only": hooks_only,
     }
     times = interleaved_times(functions, rounds, warmup, device)
     result: dict[str, Any] = {name: summary(samples) for name, samples in times.items()}
-    for name in ("sampled", "exact", "hooks only"):
+    for name in (*TIERS, "light hooks only"):
         result[f"{name}/step"] = summary(paired_ratios(times[name], times["step"]))
-    result["digests_per_step"] = statistics.median(digests)
+    result["digests_per_step"] = {
+        tier: sentinel.report().compared / (rounds + warmup) for tier, sentinel in sentinels.items()
+    }
     return result
 
 
@@ -124,14 +152,17 @@ def _peaks(size: ModelSize, device: torch.device) -> dict[str, float]:
     model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
     optimizer = make_optimizer(model)
     inputs, targets = make_batch(size, device)
-    train_step(model, optimizer, inputs, targets)  # optimizer states exist before any measured step
-
-    def watched(exact: bool) -> None:
-        with recomputation_sentinel(model, exact=exact):
-            train_step(model, optimizer, inputs, targets)
-
-    plain = _step_peak_bytes(partial(train_step, model, optimizer, inputs, targets), device)
-    return {mode: _step_peak_bytes(partial(watched, mode == "exact"), device) / plain for mode in ("sampled", "exact")}
+    step = partial(train_step, model, optimizer, inputs, targets)
+    step()  # optimizer states and the regions' profiles exist before any measured step
+    plain = _step_peak_bytes(step, device)
+    peaks = {}
+    for tier in TIERS:
+        sentinel = RecomputationSentinel(model, mode=tier)  # type: ignore[arg-type]
+        first = _step_peak_bytes(partial(_watched, model, sentinel, step), device)
+        if tier == "light":
+            peaks["light, its first step"] = first / plain
+        peaks[tier] = _step_peak_bytes(partial(_watched, model, sentinel, step), device) / plain
+    return peaks
 
 
 @contextmanager
@@ -173,8 +204,8 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
         rounds: Interleaved rounds of each variant.
 
     Returns:
-        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``sampled/step``, ``exact/step`` and
-        ``hooks only/step`` ratios.
+        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``<tier>/step`` and ``light hooks only/step``
+        ratios.
     """
     rows = []
     with _threads(THREADS):
@@ -185,7 +216,7 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
                     "dim": size.dim,
                     "seq_len": size.seq_len,
                     "step_ms": found["step"]["median"] * 1e3,
-                    **{name: found[name]["median"] for name in ("sampled/step", "exact/step", "hooks only/step")},
+                    **{f"{name}/step": found[f"{name}/step"]["median"] for name in (*TIERS, "light hooks only")},
                 }
             )
     return rows
@@ -207,11 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
         for dim in (int(text) for text in args.dims.split(","))
     ]
-    print("dim  seq  step ms  sampled/step  exact/step  hooks only/step")
+    print("dim  seq  step ms  light/step  sampled/step  exact/step  light hooks only/step")
     for row in scaling(sizes, torch.device(args.device), args.rounds):
         print(
-            f"{row['dim']:<4} {row['seq_len']:<4} {row['step_ms']:7.1f}  {row['sampled/step']:12.3f}"
-            f"  {row['exact/step']:10.3f}  {row['hooks only/step']:15.3f}"
+            f"{row['dim']:<4} {row['seq_len']:<4} {row['step_ms']:7.1f}  {row['light/step']:10.3f}"
+            f"  {row['sampled/step']:12.3f}  {row['exact/step']:10.3f}  {row['light hooks only/step']:21.3f}"
         )
     return 0
 

@@ -205,8 +205,9 @@ class _Call:
         self.mode = sentinel.mode
         self.layout = layout
         self.targets = None if layout is None else layout.targets(self.mode)
-        # Light without a layout: every saved tensor is held to the forward's end, where the layout is learned.
+        # Light without a layout: the layout is learned from this call, at its forward's end.
         self.learning = layout is None and self.mode.tier == "light"
+        self._seen: list[tuple[int, bool]] = []
         self.packs = 0
         self.saved: list[_Saved] = []
         self.slotted: list[_Saved] = []
@@ -240,13 +241,26 @@ class _Call:
             profile = self.profile
             if profile is not None and position in profile.workspaces:
                 self.not_compared += 1
-            elif profile is None or self.learning or position in profile.filled_late:
+            elif self.learning and profile is not None:
+                self._roll(saved, local)
+            elif profile is None or position in profile.filled_late:
                 self._held.append((saved, local))  # read when the forward ends, once the op saving it has run
             else:
                 self._take(saved, local)
         except Exception as err:  # the sentinel's own failure stops it observing this tensor, never the step
             self._leave_out(saved, err)
         return saved
+
+    def _roll(self, saved: _Saved, local: torch.Tensor) -> None:
+        """A learning call notes each comparable activation and holds only the last one and the last floating-point
+        one (the targets it digests), so that learning holds no more memory than two tensors."""
+        if not readable(local):
+            self.not_compared += 1
+            return
+        floating = local.dtype.is_floating_point
+        self._seen.append((saved.position, floating))
+        kept = [] if floating else [entry for entry in self._held if entry[1].dtype.is_floating_point]
+        self._held = [*kept, (saved, local)]
 
     def _take(self, saved: _Saved, local: torch.Tensor) -> None:
         found = self._digest(local, saved)
@@ -303,20 +317,28 @@ class _Call:
         self._digests, self._held = [], []
 
     def _learn(self, held: list[tuple[_Saved, torch.Tensor]]) -> list[tuple[_Saved, torch.Tensor]]:
-        """Learn the region's layout from this call's held activations, and keep those its targets name."""
-        comparable = [(saved, local) for saved, local in held if readable(local)]
-        self.not_compared += len(held) - len(comparable)
+        """Learn the region's layout from this call, and keep the held activations its targets name.
+
+        The region's first call (no profile yet) held every activation, read off here; a later one noted them as
+        they came and held only the last and the last floating-point one.
+        """
+        seen = self._seen
+        if self.profile is None:
+            comparable = [(saved, local) for saved, local in held if readable(local)]
+            self.not_compared += len(held) - len(comparable)
+            seen = [(saved.position, local.dtype.is_floating_point) for saved, local in comparable]
+            held = comparable
         layout = SavedLayout(
             saved=self.packs,
-            compared=tuple(saved.position for saved, _ in comparable),
-            floating=tuple(saved.position for saved, local in comparable if local.dtype.is_floating_point),
+            compared=tuple(position for position, _ in seen),
+            floating=tuple(position for position, floating in seen if floating),
             left_out=self.not_compared,
         )
         self.sentinel.learned(self.region, layout)
         targets = layout.targets(self.mode)
-        for saved, _ in comparable:
+        for saved, _ in held:
             saved.mode = targets.get(saved.position, self.mode)
-        return [(saved, local) for saved, local in comparable if saved.position in targets]
+        return [(saved, local) for saved, local in held if saved.position in targets]
 
     def recomputed(self, saved: _Saved, tensor: torch.Tensor) -> bool:
         """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
