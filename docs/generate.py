@@ -85,7 +85,7 @@ def performance_tables(result: dict[str, Any]) -> str:
     step, ratios = result["step_time"]["variants"], result["step_time"]["ratios"]
     memory = result["memory"]["variants"]
     cost, peaks = result["check_cost"], result["check_memory"]["peak_bytes"]
-    lightning, ddp, sentinel = result["lightning"], result["check_cost_ddp"], result["sentinel"]
+    lightning, ddp = result["lightning"], result["check_cost_ddp"]
     monitor = lightning["ratios"]["monitor"]
     always = lightning["ratios"]["monitor attribution='always'"]
     kib = 1024
@@ -145,20 +145,44 @@ def performance_tables(result: dict[str, Any]) -> str:
         f"| same with `reference_regions: 1` | {peaks['checked step, reference_regions=1'] / peaks['step']:.2f}"
         f" ({peaks['checked step, reference_regions=1'] / mib:.1f} MiB) | |",
         "",
-        "| the sentinel | median | goal |",
-        "|---|---|---|",
-        f"| whole fit ({sentinel['steps_per_fit']} steps), `sentinel: sampled` / `off` |"
-        f" {_spread(sentinel['ratios']['sampled/off'])} | {_goal(result, 'sentinel sampled/off fit time')} |",
-        f"| whole fit, `sentinel: exact` / `off` | {_spread(sentinel['ratios']['exact/off'])} | |",
-        f"| one step, sampled / without ({sentinel['breakdown']['digests_per_step']:.0f} digests a step) |"
-        f" {_spread(sentinel['breakdown']['sampled/step'])} | |",
-        f"| one step, the extractor hooks alone (digests replaced by a constant) / without |"
-        f" {_spread(sentinel['breakdown']['hooks only/step'])} | |",
-        f"| peak memory of a step / without | {sentinel['peak/step']['sampled']:.3f} |"
-        f" {_goal(result, 'sentinel peak memory/without')} |",
+    ]
+    lines += _sentinel_table(result)
+    return "\n".join(lines)
+
+
+def _sentinel_table(result: dict[str, Any]) -> list[str]:
+    """The sentinel's rows: each configuration's whole-fit ratios, its peak memory, its step under DDP."""
+    sentinel, ddp = result["sentinel"], result["sentinel_ddp"]
+    steps = sentinel["steps_per_fit"]
+    lines = [
+        "| the sentinel, whole fits / `off` | `light` | `sampled` | `exact` | `off` again (noise) | goal for `light` |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, config in sentinel["configs"].items():
+        ratios = config["ratios"]
+        lines.append(
+            f"| {name} ({steps[str(config['size']['dim'])]} steps) | {_spread(ratios['light/off'])}"
+            f" | {ratios['sampled/off']['median']:.3f} | {ratios['exact/off']['median']:.3f}"
+            f" | {ratios['off again/off']['median']:.3f} | {_goal(result, f'sentinel light/off fit time, {name}')} |"
+        )
+    peaks, parts = sentinel["peak/step"], sentinel["breakdown"]
+    lines += [
+        f"| one step without Lightning (width {result['size']['dim']}) / without |"
+        f" {parts['light/step']['median']:.3f} | {parts['sampled/step']['median']:.3f}"
+        f" | {parts['exact/step']['median']:.3f} | | |",
+        f"| digests a step | {parts['digests_per_step']['light']:.0f} | {parts['digests_per_step']['sampled']:.0f}"
+        f" | {parts['digests_per_step']['exact']:.0f} | | |",
+        f"| peak memory of a step / without | {peaks['light']:.3f} ({peaks['light, its first step']:.3f} at its"
+        f" first step) | {peaks['sampled']:.3f} | {peaks['exact']:.3f} | |"
+        f" {_goal(result, 'sentinel light peak memory/without')} |",
+        f"| one DDP step, {ddp['world_size']} processes, counts read every {ddp['read_every']} steps / without |"
+        f" {_spread(ddp['ratios']['light/off'])} | {ddp['ratios']['sampled/off']['median']:.3f}"
+        f" | {ddp['ratios']['exact/off']['median']:.3f} | | |",
+        "| the same, read every step (`on_divergence: raise`) |"
+        f" {ddp['ratios']['light, read every step/off']['median']:.3f} | | | | |",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def performance_page(text: str, result: dict[str, Any]) -> str:
