@@ -62,7 +62,7 @@ class SentinelFinding:
             then = " The next step is checked in full, with attribution, to name the cause."
         return (
             f"lightning_ckpt_determinism: the sentinel saw region `{self.region}` recompute other values than its"
-            f" forward at step {self.step}{where}: {count}, the first {self.first_mismatch}.{then}"
+            f" forward at step {self.step}{where}: {count}, first: {self.first_mismatch}.{then}"
         )
 
 
