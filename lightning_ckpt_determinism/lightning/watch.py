@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
-from lightning_ckpt_determinism.verify.cause import Cause
+from lightning_ckpt_determinism.verify.cause import Cause, Syntax, respelt
 from lightning_ckpt_determinism.verify.sentinel import (
     RecomputationSentinel,
     SentinelRegion,
@@ -192,7 +192,13 @@ class SentinelWatch:
         self._active = False
 
     def respond(
-        self, findings: list[SentinelFinding], *, on_divergence: str, every_n_steps: int, several_ranks: bool
+        self,
+        findings: list[SentinelFinding],
+        *,
+        on_divergence: str,
+        every_n_steps: int,
+        several_ranks: bool,
+        syntax: Syntax = "python",
     ) -> bool:
         """Act on a batch's ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero (a region
         again only ``every_n_steps`` after its last warning), or nothing; whether a warning was given.
@@ -202,6 +208,7 @@ class SentinelWatch:
             on_divergence: ``"warn"``, ``"raise"`` or ``"ignore"``.
             every_n_steps: Steps before a region warns again.
             several_ranks: Whether the messages name the ranks.
+            syntax: How the messages spell the settings their hints name.
 
         Raises:
             RecomputationDivergenceError: With ``on_divergence="raise"``, if anything differed.
@@ -209,13 +216,15 @@ class SentinelWatch:
         if not findings or on_divergence == "ignore":
             return False
         if on_divergence == "raise":
-            raise RecomputationDivergenceError(" ".join(finding.message(several_ranks) for finding in findings))
+            messages = (respelt(finding.message(several_ranks), syntax) for finding in findings)
+            raise RecomputationDivergenceError(" ".join(messages))
         warned = False
         for finding in findings:
             last = self._warned.get(finding.region)
             if last is None or finding.step - last >= every_n_steps:
                 self._warned[finding.region] = finding.step
-                rank_zero_warn(finding.message(several_ranks), category=LightningCkptDeterminismWarning)
+                message = respelt(finding.message(several_ranks), syntax)
+                rank_zero_warn(message, category=LightningCkptDeterminismWarning)
                 warned = True
         return warned
 
