@@ -309,7 +309,7 @@ class RecomputationMonitor(Callback):
             on_divergence=self.on_divergence,
             every_n_steps=self.every_n_steps,
             several_ranks=trainer.world_size > 1,
-            syntax=self.hint_syntax,
+            syntax=self._results.syntax,
         )
         if warned:
             # Each warning comes with a full check of the next step, so the cause is named if the defect recurs.
