@@ -41,7 +41,10 @@ def causes_page() -> str:
         "each diverging region one cause, decided in this order: a random op that differs is `rng_not_preserved`;",
         "another shape `shape_change`; the same inputs giving other outputs `nondeterministic_kernel`; a difference",
         "that replaying host RNG removes `host_rng`; anything else `python_state`. The hint of each cause is the fix,",
-        "and it is what the warning, the report and the audit print.",
+        "and it is what the warning, the report and the audit print. It is shown here as Python writes the settings;",
+        "under `CheckpointingCLI` the warnings and the summary write them as the YAML does",
+        "(`preserve_host_rng: true` under `trainer.strategy.init_args.checkpointing`), and the audit as its YAML and",
+        "flags do (`--calibrate-noise`).",
     ]
     for cause, hint in CAUSE_HINTS.items():
         sections += [

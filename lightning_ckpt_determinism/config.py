@@ -6,8 +6,11 @@ back into the plain types on construction so that they pickle, save to YAML and 
 ``check_*`` helpers validate one argument each, with the package's message shape; the monitor uses them too.
 """
 
+import contextlib
 import importlib
+import pickle
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket
-from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 if TYPE_CHECKING:
     NonNegativeFloat = float
@@ -34,6 +37,7 @@ __all__ = [
     "check_memory_budget",
     "check_non_negative_float",
     "check_positive_int",
+    "class_name",
     "parse_memory_budget",
     "resolve_class_path",
     "resolve_ops",
@@ -229,7 +233,11 @@ class CheckpointingConfig:
 
     Args:
         classes: Module classes to checkpoint, by bare class name (``"Block"``, matched against the class and its
-            bases) or by dotted import path (``"torch.nn.TransformerEncoderLayer"``, matched with ``isinstance``).
+            bases), by dotted import path (``"torch.nn.TransformerEncoderLayer"``, matched with ``isinstance``) or,
+            in Python, as the class itself (``[GPT2Block]``), matched with ``isinstance`` and stored as its dotted
+            path so that the config saves and pickles. A class that cannot be imported by its path (one defined
+            inside a function) is matched in this process but cannot be pickled, which ``strategy="ddp_spawn"``
+            needs: it is warned once.
         names: ``fnmatch`` globs over module names relative to the module the config is applied to (the
             LightningModule under a strategy), e.g. ``"model.blocks.*"`` or ``"encoder.layers.3"``.
         every_n: Checkpoint every n-th matched module in module order (the n-th, 2n-th, ...). ``1`` checkpoints
@@ -271,9 +279,9 @@ class CheckpointingConfig:
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but
-            strings, a switch is not a bool, ``every_n < 1``, a class path or op cannot be found,
-            ``determinism_check`` is not one torch knows, or ``memory_budget`` is not a size (or comes with
-            ``every_n > 1``).
+            strings (``classes`` also takes classes), a switch is not a bool, ``every_n < 1``, a class path or op
+            cannot be found, ``determinism_check`` is not one torch knows, or ``memory_budget`` is not a size (or
+            comes with ``every_n > 1``).
 
     Example::
 
@@ -283,7 +291,7 @@ class CheckpointingConfig:
         2
     """
 
-    classes: list[str] = field(default_factory=list)
+    classes: list[str | type] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     every_n: PositiveInt = 1
     save_ops: list[str] = field(default_factory=list)
@@ -300,16 +308,19 @@ class CheckpointingConfig:
             if isinstance(value, str):
                 # `list("Block")` would silently select classes named "B", "l", ...
                 raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
+        object.__setattr__(self, "classes", _class_entries(self.classes))
+        for name in ("names", "save_ops"):
+            value = getattr(self, name)
             wrong = [entry for entry in value if not isinstance(entry, str)]
             if wrong:
-                # A class or an op object would fail later, far from the config, with a TypeError or AttributeError.
+                # An op object or a number would fail later, far from the config, with a TypeError or AttributeError.
                 raise CheckpointingConfigError(
                     f"`{name}` must be a list of strings, got the entry {wrong[0]!r} ({type(wrong[0]).__name__});"
-                    " write classes as names or dotted paths and ops as 'aten.mm'."
+                    " write names as globs and ops as 'aten.mm'."
                 )
         for name in ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent"):
             check_bool(name, getattr(self, name))
-        for name in ("classes", "names", "save_ops"):
+        for name in ("names", "save_ops"):
             object.__setattr__(self, name, list(getattr(self, name)))
         if not self.classes and not self.names:
             raise CheckpointingConfigError(
@@ -324,7 +335,7 @@ class CheckpointingConfig:
                 f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."
             )
         for path in self.classes:
-            if "." in path:
+            if isinstance(path, str) and "." in path:
                 resolve_class_path(path)
         resolve_ops(self.save_ops)
         object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, self.every_n))
@@ -338,7 +349,9 @@ def resolve_class_path(path: str) -> type:
     """Import a class from its dotted path.
 
     Args:
-        path: A dotted path such as ``"torch.nn.TransformerEncoderLayer"``.
+        path: A dotted path such as ``"torch.nn.TransformerEncoderLayer"``; a nested class is
+            ``"module.Outer.Inner"``. An entry ``classes`` stored for a class that cannot be imported by its path
+            gives that class.
 
     Returns:
         The class.
@@ -351,17 +364,122 @@ def resolve_class_path(path: str) -> type:
         >>> resolve_class_path("torch.nn.Linear")
         <class 'torch.nn.modules.linear.Linear'>
     """
-    module_path, _, class_name = path.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_path), class_name)
-    except (ImportError, AttributeError) as err:
+    if isinstance(path, _HeldClass):
+        return path.cls
+    parts = path.split(".")
+    failed: ImportError | None = None
+    # The longest prefix that imports is the module; the rest is the class's qualified name in it.
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError as err:
+            failed = failed or err
+            continue
+        try:
+            for part in parts[cut:]:
+                found = getattr(found, part)
+        except AttributeError as err:
+            raise _not_importable(path, err) from err
+        if not isinstance(found, type):
+            raise CheckpointingConfigError(f"`classes` entry {path!r} is not a class, got {type(found).__name__}.")
+        return found
+    raise _not_importable(path, failed) from failed
+
+
+def _not_importable(path: str, err: Exception | None) -> CheckpointingConfigError:
+    return CheckpointingConfigError(
+        f"`classes` entry {path!r} cannot be imported ({err or 'not a dotted path'}). Use a bare class name such as"
+        f" {path.rpartition('.')[2]!r} or a dotted path to an importable class."
+    )
+
+
+def class_name(entry: str | type) -> str:
+    """The class name an entry of ``classes`` names, as messages show it.
+
+    Args:
+        entry: A bare name, a dotted path or a class.
+
+    Example::
+
+        >>> class_name("torch.nn.TransformerEncoderLayer"), class_name(torch.nn.Linear)
+        ('TransformerEncoderLayer', 'Linear')
+    """
+    return entry.__name__ if isinstance(entry, type) else entry.rpartition(".")[2]
+
+
+class _HeldClass(str):
+    """The dotted path of a class that cannot be imported by it (defined inside a function, or made at run time),
+    holding the class so that matching works in this process. It refuses to be pickled: no other process could find
+    the class by its path."""
+
+    cls: type
+
+    def __new__(cls, path: str, held: type) -> "_HeldClass":
+        entry = super().__new__(cls, path)
+        entry.cls = held
+        return entry
+
+    # Two classes a function makes on two calls share a path: an entry equals only one that holds the same class.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _HeldClass) and other.cls is not self.cls:
+            return False
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
+
+    def __copy__(self) -> "_HeldClass":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_HeldClass":
+        return self
+
+    def __reduce__(self) -> Any:
+        raise pickle.PicklingError(
+            f"lightning_ckpt_determinism: the `classes` entry {self.cls.__name__} ({self!s}) cannot be pickled:"
+            " the class cannot be imported by its path in another process. Define it at module level, or give"
+            f" its name {self.cls.__name__!r} as a string."
+        )
+
+
+def _class_entries(value: Any) -> list[str]:
+    """``classes`` as stored: names and paths as given, each class as its dotted path."""
+    if isinstance(value, type):
         raise CheckpointingConfigError(
-            f"`classes` entry {path!r} cannot be imported ({err}). Use a bare class name such as"
-            f" {class_name!r} or a dotted path to an importable class."
-        ) from err
-    if not isinstance(found, type):
-        raise CheckpointingConfigError(f"`classes` entry {path!r} is not a class, got {type(found).__name__}.")
-    return found
+            f"`classes` must be a list, got the class {value.__name__}; use [{value.__name__}]."
+        )
+    entries: list[str] = []
+    for entry in value:
+        if isinstance(entry, type):
+            entries.append(_class_entry(entry))
+        elif isinstance(entry, str):
+            entries.append(entry)
+        else:
+            raise CheckpointingConfigError(
+                f"`classes` must be a list of class names, dotted paths or classes, got the entry {entry!r}"
+                f" ({type(entry).__name__}); write classes as 'Block', 'my_package.model.Block' or the class itself."
+            )
+    return entries
+
+
+def _class_entry(cls: type) -> str:
+    """``cls``'s dotted path; one that holds ``cls`` where the path does not import back to it (warned once)."""
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    with contextlib.suppress(CheckpointingConfigError):
+        if resolve_class_path(path) is cls:
+            return path
+    warnings.warn(
+        f"lightning_ckpt_determinism: `classes` entry {cls.__name__} ({path}) cannot be imported by its path: it is"
+        ' matched in this process, but a config holding it cannot be pickled, so `strategy="ddp_spawn"` (which'
+        " pickles the strategy for each process) fails with it. Define the class at module level to train that"
+        " way.",
+        LightningCkptDeterminismWarning,
+        stacklevel=5,
+    )
+    return _HeldClass(path, cls)
 
 
 def resolve_ops(names: list[str]) -> list[OpOverload]:

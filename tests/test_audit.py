@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from examples.gpt import GPTModule
-from lightning_ckpt_determinism import CAUSE_HINTS, CheckpointingConfig, plan_activation_checkpointing
+from lightning_ckpt_determinism import CAUSE_HINTS, Cause, CheckpointingConfig, plan_activation_checkpointing
 from lightning_ckpt_determinism.audit import files, loading, main, running
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,9 @@ def test_subprocess_audit_of_a_broken_config_prints_the_table_writes_json_and_ex
     assert rows["blocks.2"]["verdict"] == "diverged"
     assert rows["blocks.2"]["cause"] == "host_rng"
     assert rows["blocks.2"]["first divergent op"] == "aten.mul.Tensor (op 3)"
-    assert rows["blocks.2"]["hint"] == CAUSE_HINTS["host_rng"]
+    # Written as the YAML writes the setting; the JSON's checks keep the reports' own Python spelling.
+    assert rows["blocks.2"]["hint"] == Cause.HOST_RNG.hints.audit
+    assert "`preserve_host_rng: true` under `trainer.strategy.init_args.checkpointing`" in rows["blocks.2"]["hint"]
     assert [rows[name]["verdict"] for name in ("blocks.0", "blocks.1", "blocks.3")] == ["ok"] * 3
     assert result.stdout.splitlines()[-1] == "result: 1 of 4 checkpointed regions diverged: blocks.2"
     written = json.loads(report.read_text())
@@ -84,6 +86,8 @@ def test_subprocess_audit_of_a_broken_config_prints_the_table_writes_json_and_ex
     assert [region["verdict"] for region in written["regions"]] == ["ok", "ok", "diverged", "ok"]
     assert written["regions"][2]["first_divergent_op"] == ["aten.mul.Tensor", 3]
     assert written["checks"][0]["regions"][2]["cause"] == "host_rng"
+    assert written["regions"][2]["hint"] == Cause.HOST_RNG.hints.audit
+    assert written["checks"][0]["regions"][2]["hint"] == Cause.HOST_RNG.hints.python
 
 
 def test_the_console_script_is_the_cli_main():
@@ -106,13 +110,14 @@ def test_each_broken_config_names_its_region_and_cause_and_exits_1(cause, capsys
     diverged = [name for name, row in rows.items() if row["verdict"] == "diverged"]
     if BROKEN_REGION[cause] is None:
         assert diverged == []
-        assert out.splitlines()[-1] == f"result: diverged: {cause}: {CAUSE_HINTS[cause]}"
+        assert out.splitlines()[-1] == f"result: diverged: {cause}: {Cause(cause).hints.audit}"
         return
     assert diverged == [BROKEN_REGION[cause]]
     row = rows[BROKEN_REGION[cause]]
     assert row["cause"] == cause
     # The in-place case of `recompute_error` has a hint of its own; `buffer_mutation` names the buffers after it.
-    assert row["hint"].startswith(CAUSE_HINTS[cause] if cause != "recompute_error" else "An input the region received")
+    hint = Cause(cause).hints.audit if cause != "recompute_error" else "An input the region received"
+    assert row["hint"].startswith(hint)
     assert all(other["cause"] == "-" for name, other in rows.items() if name not in diverged)
     assert out.splitlines()[-1] == f"result: 1 of 4 checkpointed regions diverged: {BROKEN_REGION[cause]}"
 

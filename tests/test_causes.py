@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ckpt_determinism import CAUSE_HINTS, Cause, RegionReport
+from lightning_ckpt_determinism import CAUSE_HINTS, Cause, RecomputationReport, RegionReport
+from lightning_ckpt_determinism.lightning.findings import Findings, divergence_message
+from lightning_ckpt_determinism.verify.cause import respelt
 from lightning_ckpt_determinism.verify.outcome import region_outcome, worse
+from lightning_ckpt_determinism.verify.reports import COMPILED_NOISE_NOTE, ROUTING_HINT, buffer_hint
 
 # The strings reports, metrics, JSON files and configs held before causes were a type, in the catalogue's order.
 STRINGS = [
@@ -66,6 +69,29 @@ def test_the_monitor_and_trainer_settings_are_spelt_for_yaml_and_for_the_audits_
     assert "`torch.use_deterministic_algorithms(True)`" in kernel.python and "`calibrate_noise=True`" in kernel.python
     assert "`deterministic: true` under `trainer`" in kernel.yaml and "`calibrate_noise: true`" in kernel.yaml
     assert "`--calibrate-noise`" in kernel.audit and "`--calibrate-noise`" in Cause.OUTSIDE_STATE.hints.audit
+
+
+@pytest.mark.parametrize("cause", list(Cause), ids=str)
+def test_a_hint_in_python_form_is_respelt_into_each_syntax_exactly_as_written_for_it(cause: Cause) -> None:
+    hints = cause.hints
+    assert respelt(hints.python, "python") == hints.python
+    assert respelt(hints.python, "yaml") == hints.yaml
+    assert respelt(hints.python, "audit") == hints.audit
+
+
+def test_hints_built_from_several_parts_and_the_likely_causes_are_respelt_whole() -> None:
+    buffers = respelt(buffer_hint(["norm.running_mean"]), "yaml")
+    assert buffers == f"{Cause.BUFFER_MUTATION.hints.yaml} Changed: norm.running_mean."
+    routing = respelt(ROUTING_HINT.format(op="`aten.topk.default`"), "yaml")
+    assert "set `keep_data_dependent: true` under `trainer.strategy.init_args.checkpointing` to keep" in routing
+    assert respelt(COMPILED_NOISE_NOTE, "audit").endswith("with a `tolerance`, or with `--calibrate-noise`.")
+    # A check that diverged without attribution lists the usual suspects, each switch written as YAML writes it.
+    findings = Findings(grad_divergence=0.5, max_abs_diff=0.1, noise_floor=0.0, diverged=True)
+    message = respelt(
+        divergence_message(3, findings, RecomputationReport(0.5, 0.1, diverged=True, tolerance=0.0), "never"), "yaml"
+    )
+    assert "dropout with `preserve_rng_state: false`, NumPy or `random` without `preserve_host_rng: true`" in message
+    assert "buffers without `protect_buffers: true`" in message and "=True`" not in message
 
 
 def test_a_cause_round_trips_through_json_as_its_string() -> None:

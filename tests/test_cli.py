@@ -1,18 +1,29 @@
 """Tests for `CheckpointingCLI`: each configuration mistake ends in one short message and exit code 2."""
 
+import logging
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
 
 from examples import train
+from examples.broken import BrokenModule, SyntheticRegression
 from examples.gpt import GPTModule
-from lightning_ckpt_determinism import CheckpointingCLI, RecomputationMonitor
+from lightning_ckpt_determinism import (
+    CheckpointingCLI,
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
@@ -284,3 +295,94 @@ def test_a_correct_config_builds_through_the_package_cli(tmp_path: Path) -> None
         subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(BASE_CONFIG)], run=False
     )
     assert type(cli.model) is GPTModule
+
+
+# The fix hints, as the route a fit takes writes them.
+
+YAML_HINT = "set `preserve_host_rng: true` under `trainer.strategy.init_args.checkpointing`, or draw from torch's RNG"
+PYTHON_HINT = "set `preserve_host_rng=True` in the `CheckpointingConfig`, or draw from torch's RNG"
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _said(fit: Callable[[], list[RecomputationMonitor]]) -> tuple[list[RecomputationMonitor], list[str], list[str]]:
+    """The monitors ``fit`` ran, its divergence warnings and its fit summaries."""
+    lines = _Lines()
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(lines)
+    try:
+        # The sentinel warns too, at the same step: every warning is recorded, and those of the check are kept.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            monitors = fit()
+    finally:
+        logger.removeHandler(lines)
+    ours = [str(warning.message) for warning in caught if warning.category is LightningCkptDeterminismWarning]
+    warned = [message for message in ours if "recomputation diverged at step 0" in message]
+    return monitors, warned, [line for line in lines.lines if "RecomputationMonitor ran" in line]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_fit_under_the_package_cli_writes_its_fix_as_the_yaml_does_and_a_python_fit_as_python_does(
+    tmp_path: Path,
+) -> None:
+    broken = REPO / "examples" / "configs" / "broken_host_rng.yaml"
+
+    def from_yaml() -> list[RecomputationMonitor]:
+        cli = train.main(_argv(broken, tmp_path / "yaml"))
+        return [callback for callback in cli.trainer.callbacks if isinstance(callback, RecomputationMonitor)]
+
+    monitors, warned, summaries = _said(from_yaml)
+    assert [monitor.hint_syntax for monitor in monitors] == ["yaml"]
+    assert len(warned) == 1 and YAML_HINT in warned[0] and "=True`" not in warned[0]
+    assert len(summaries) == 1 and "Cause host_rng in blocks.2: The forward reads" in summaries[0]
+    assert YAML_HINT in summaries[0] and "=True`" not in summaries[0]
+
+    # The same model, strategy and monitor built in Python, after the YAML run: nothing carries over.
+    def from_python() -> list[RecomputationMonitor]:
+        monitor = RecomputationMonitor(every_n_steps=10)
+        trainer = pl.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            devices=1,
+            strategy=SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"])),
+            callbacks=[monitor],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=tmp_path / "python",
+        )
+        trainer.fit(BrokenModule(defect="host_rng", defective_block=2), datamodule=SyntheticRegression())
+        return [monitor]
+
+    monitors, warned, summaries = _said(from_python)
+    assert [monitor.hint_syntax for monitor in monitors] == ["python"]
+    assert len(warned) == 1 and PYTHON_HINT in warned[0] and YAML_HINT not in warned[0]
+    assert len(summaries) == 1 and PYTHON_HINT in summaries[0]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_the_sentinels_warning_under_the_package_cli_writes_its_fix_as_the_yaml_does(tmp_path: Path) -> None:
+    broken = REPO / "examples" / "configs" / "broken_buffer_mutation.yaml"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train.main(_argv(broken, tmp_path))
+    sentinel = [str(warning.message) for warning in caught if "the sentinel saw" in str(warning.message)]
+    assert len(sentinel) == 1 and "Cause buffer_mutation: " in sentinel[0]
+    assert "set `protect_buffers: true` under `trainer.strategy.init_args.checkpointing`." in sentinel[0]
+
+
+def test_the_monitors_hint_syntax_is_checked_at_fit_start(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor()
+    monitor.hint_syntax = "toml"  # type: ignore[assignment]
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"^`hint_syntax` can be python, yaml, got 'toml'\.$"):
+        monitor.on_fit_start(trainer, BrokenModule())

@@ -3,6 +3,7 @@
 Also that every configuration check of the package, wherever it sits, raises `CheckpointingConfigError`.
 """
 
+import copy
 import dataclasses
 import inspect
 import io
@@ -25,6 +26,7 @@ from lightning_ckpt_determinism import (
     CheckpointingConfig,
     CheckpointingConfigError,
     FSDPCheckpointingStrategy,
+    LightningCkptDeterminismWarning,
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
@@ -32,7 +34,17 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
 from lightning_ckpt_determinism.config import parse_memory_budget, resolve_class_path, resolve_ops
-from tests.helpers import REPO, StackModule, make_stack, trainer_kwargs
+from tests.helpers import (
+    REPO,
+    DropoutBlock,
+    PlainBlock,
+    ScaledLinear,
+    Stack,
+    StackModule,
+    make_stack,
+    step_gradients,
+    trainer_kwargs,
+)
 
 GPT_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
 
@@ -264,9 +276,10 @@ def test_a_model_wrapped_with_a_config_of_restricted_types_saves_and_loads() -> 
     ("kwargs", "message"),
     [
         (
-            {"classes": [torch.nn.Linear]},
-            r"`classes` must be a list of strings, got the entry <class '.*Linear'> \(type\)",
+            {"classes": ["Linear", 3]},
+            r"`classes` must be a list of class names, dotted paths or classes, got the entry 3 \(int\)",
         ),
+        ({"classes": torch.nn.Linear}, r"`classes` must be a list, got the class Linear; use \[Linear\]"),
         ({"classes": ["Linear"], "names": [3]}, r"`names` must be a list of strings, got the entry 3 \(int\)"),
         ({"classes": ["Linear"], "save_ops": [torch.ops.aten.mm.default]}, r"`save_ops` must be a list of strings"),
         (
@@ -359,3 +372,96 @@ def test_lightning_cli_yaml_takes_a_memory_budget_and_help_explains_it(
     parser.add_class_arguments(CheckpointingConfig, "checkpointing")
     parser.print_help()
     assert "The most activation memory the matched modules may keep" in " ".join(capsys.readouterr().out.split())
+
+
+# Classes given as objects.
+
+
+class _Outer:
+    class InnerBlock(DropoutBlock):
+        """A block class nested in another: its path is the module and its qualified name."""
+
+
+def _linears() -> Stack:
+    torch.manual_seed(0)
+    return Stack([ScaledLinear(8, 8), nn.Linear(8, 8), PlainBlock()])
+
+
+def _local_block_class() -> type[nn.Module]:
+    class LocalBlock(DropoutBlock):
+        """Defined inside a function: its path imports nothing."""
+
+    return LocalBlock
+
+
+@pytest.mark.parametrize(
+    ("given", "as_strings", "stored"),
+    [
+        (DropoutBlock, ["DropoutBlock"], "tests.helpers.DropoutBlock"),
+        (nn.Linear, ["torch.nn.Linear"], "torch.nn.modules.linear.Linear"),
+        (_Outer.InnerBlock, ["tests.test_config._Outer.InnerBlock"], "tests.test_config._Outer.InnerBlock"),
+    ],
+)
+def test_a_class_given_as_an_object_wraps_what_its_name_or_path_wraps_and_is_stored_as_its_path(
+    given: type[nn.Module], as_strings: list[str], stored: str
+) -> None:
+    def model() -> Stack:
+        return _linears() if given is nn.Linear else make_stack(given, n=3)
+
+    by_object, by_string = model(), model()
+    wrapped = apply_activation_checkpointing(by_object, CheckpointingConfig(classes=[given]))
+    assert wrapped == apply_activation_checkpointing(by_string, CheckpointingConfig(classes=as_strings))
+    # `isinstance`, as a dotted path matches: the Linear subclass too.
+    linears = ["inp", "blocks.0", "blocks.1", "blocks.2.linear", "head"]
+    assert wrapped == (linears if given is nn.Linear else ["blocks.0", "blocks.1", "blocks.2"])
+    config = CheckpointingConfig(classes=[given])
+    assert config.classes == [stored] and type(config.classes[0]) is str
+    assert config == CheckpointingConfig(classes=[stored])
+
+
+def test_a_config_of_class_objects_pickles_saves_to_yaml_and_selects_the_same_modules_after() -> None:
+    config = CheckpointingConfig(classes=[DropoutBlock, "PlainBlock"], every_n=2)
+    loaded = pickle.loads(pickle.dumps(config))
+    assert loaded == config and loaded.classes == ["tests.helpers.DropoutBlock", "PlainBlock"]
+    assert CheckpointingConfig(**yaml.safe_load(yaml.safe_dump(dataclasses.asdict(config)))) == config
+    model = Stack([DropoutBlock(), PlainBlock(), DropoutBlock(), PlainBlock()])
+    assert list(select_modules(model, loaded)) == list(select_modules(model, config)) == ["blocks.1", "blocks.3"]
+
+
+def test_a_class_defined_in_a_function_is_matched_in_this_process_and_refuses_to_pickle() -> None:
+    local = _local_block_class()
+    with pytest.warns(
+        LightningCkptDeterminismWarning,
+        match=r"`classes` entry LocalBlock \(tests\.test_config\."
+        r"_local_block_class\.<locals>\.LocalBlock\) cannot be imported by its path.*`strategy=\"ddp_spawn\"`",
+    ):
+        config = CheckpointingConfig(classes=[local])
+    assert config.classes == ["tests.test_config._local_block_class.<locals>.LocalBlock"]
+    # Training with it in this process is training without checkpointing, as for any class.
+    torch.manual_seed(0)
+    checkpointed = Stack([local(), PlainBlock(), local()])
+    plain = copy.deepcopy(checkpointed)
+    assert apply_activation_checkpointing(checkpointed, config) == ["blocks.0", "blocks.2"]
+    assert _unequal(step_gradients(checkpointed), step_gradients(plain)) == []
+    # A changed copy keeps the class, without warning again; another class of the same path is another entry.
+    again = dataclasses.replace(config, every_n=2)
+    assert list(select_modules(Stack([local(), local()]), again)) == ["blocks.1"]
+    with pytest.warns(LightningCkptDeterminismWarning, match="cannot be imported by its path"):
+        assert CheckpointingConfig(classes=[_local_block_class()]) != config
+    with pytest.raises(
+        pickle.PicklingError,
+        match=r"^lightning_ckpt_determinism: the `classes` entry LocalBlock .*"
+        r"cannot be pickled.*Define it at module level, or give its name 'LocalBlock' as a string\.",
+    ):
+        pickle.dumps(config)
+
+
+def test_messages_name_a_class_given_as_an_object_by_its_name() -> None:
+    with pytest.raises(CheckpointingConfigError, match=r"matches no module of Stack: classes=\['PlainBlock'\],"):
+        select_modules(make_stack(n=2), CheckpointingConfig(classes=[PlainBlock]))
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"entries \['PlainBlock'\] match no module of Stack"):
+        select_modules(make_stack(n=2), CheckpointingConfig(classes=[DropoutBlock, PlainBlock]))
+
+
+def _unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
+    return [name for name in first if not torch.equal(first[name], second[name])]

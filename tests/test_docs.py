@@ -172,6 +172,36 @@ def test_every_relative_link_and_image_resolves() -> None:
                 assert anchor in slugs, (page.name, target, slugs)
 
 
+# A paragraph (or a list item) a reader takes in at once; longer ones are split.
+LONGEST_PARAGRAPH = 150
+
+
+def paragraphs(text: str) -> list[str]:
+    """The prose of a page: its paragraphs and list items, outside code blocks, tables, headings and comments."""
+    found = []
+    for block in re.split(r"\n\s*\n", BLOCK.sub("", text)):
+        for item in re.split(r"\n(?=\s*(?:[-*]|\d+\.) )", block.strip()):
+            if item and not item.lstrip().startswith(("|", "#", "<!--", ":::")):
+                found.append(item)
+    return found
+
+
+def test_no_paragraph_of_the_readme_or_the_docs_runs_to_150_words() -> None:
+    long = [
+        (page.name, len(paragraph.split()), paragraph[:60])
+        for page in PAGES
+        for paragraph in paragraphs(page.read_text())
+        if len(paragraph.split()) >= LONGEST_PARAGRAPH
+    ]
+    assert long == []
+    # What counts as one: a list item apart from the item before it, a code block not at all.
+    assert paragraphs("Two\nlines.\n\n- an item\n- another\n\n```text\nnot prose\n```\n") == [
+        "Two\nlines.",
+        "- an item",
+        "- another",
+    ]
+
+
 def test_the_causes_page_is_generated_from_cause_hints() -> None:
     assert (REPO / "docs" / "causes.md").read_text() == generate.causes_page()
 

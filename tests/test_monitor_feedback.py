@@ -117,7 +117,7 @@ def test_buffers_updated_twice_are_caught_at_the_default_settings(tmp_path: Path
         pytest.warns(
             LightningCkptDeterminismWarning,
             # One warning per region, each naming the region's own statistics.
-            match=r"the sentinel saw region `model\.blocks\.(\d)` .* at step 0: 3 mismatches, the first"
+            match=r"the sentinel saw region `model\.blocks\.(\d)` .* at step 0: 3 mismatches, first:"
             r" buffer `model\.blocks\.\1\.norm\.running_mean` changed by recomputation",
         ),
     ):

@@ -119,7 +119,7 @@ def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_mi
     assert report is not None and report.regions["model.blocks.1"].mismatches == 1
     assert (
         report.regions["model.blocks.1"].first_mismatch
-        == "saved tensor 2 (grad_fn TanhBackward0, (8, 8) torch.float32)"
+        == "the 3rd tensor the region saved (made by `TanhBackward0`, shape (8, 8), float32)"
     )
 
 

@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from examples.broken import SyntheticRegression
+from examples.moe import MoEModule
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     DDPCheckpointingStrategy,
@@ -43,10 +45,16 @@ def _unequal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) ->
     return [name for name in first if not torch.equal(first[name], second[name])]
 
 
-def _fit(tmp_path: Path, module: StackModule, strategy: object = "auto", **overrides: object) -> pl.Trainer:
+def _fit(
+    tmp_path: Path,
+    module: pl.LightningModule,
+    strategy: object = "auto",
+    datamodule: pl.LightningDataModule | None = None,
+    **overrides: object,
+) -> pl.Trainer:
     torch.manual_seed(5)
     trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, **overrides))
-    trainer.fit(module)
+    trainer.fit(module, datamodule=datamodule)
     return trainer
 
 
@@ -88,12 +96,37 @@ def test_single_device_strategy_trains_checkpointed_and_equals_an_unchecked_run(
     applied = [
         record.getMessage() for record in lightning_info.records if "lightning_ckpt_determinism" in record.getMessage()
     ]
+    # The blocks run no data-dependent op: nothing is said of `keep_data_dependent`, at setup or after.
     assert applied == [
         "lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to 3 modules (3 x DropoutBlock);"
-        " every_n=1, save_ops=none; keep_data_dependent=on (outputs of topk, sort, argmax, nonzero, bincount, item"
-        " ... kept from the forward in the regions that run them; floating ones up to the size of the region's"
-        " largest input)."
+        " every_n=1, save_ops=none."
     ]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_regions_that_route_are_named_once_after_the_first_batch_with_keep_data_dependent(
+    keep: bool, tmp_path: Path, lightning_info: pytest.LogCaptureFixture
+) -> None:
+    # Two mixture-of-experts blocks, which run topk and nonzero, and the head, which runs neither.
+    config = CheckpointingConfig(names=["blocks.*", "head"], keep_data_dependent=keep)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    torch.manual_seed(0)
+    _fit(tmp_path, MoEModule(blocks=2), strategy, max_steps=3, datamodule=SyntheticRegression(size=64))
+    said = [
+        record.getMessage() for record in lightning_info.records if "lightning_ckpt_determinism" in record.getMessage()
+    ]
+    assert said[0] == (
+        "lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to 3 modules (2 x MoEBlock,"
+        " 1 x Linear); every_n=1, save_ops=none."
+    )
+    routing = [
+        "lightning_ckpt_determinism: keep_data_dependent keeps the outputs of the data-dependent ops (topk, sort,"
+        " argmax, nonzero, bincount, item ...) that 2 regions ran in the first batch (blocks.0, blocks.1) and serves"
+        " them to their recomputation, so that it routes as the forward did; floating outputs are kept up to the size"
+        " of the region's largest input."
+    ]
+    # Without the guard nothing is kept, and nothing is said.
+    assert said[1:] == (routing if keep else [])
 
 
 def test_strategy_names_are_relative_to_the_lightning_module(tmp_path: Path) -> None:

@@ -307,7 +307,9 @@ ZOO: dict[str, Case] = {
     "a generator inside a region": Case(head(HeldGenerator)),
     "generators outside a region": Case(NoisyOutside),
     "a call counter": Case(head(CallCounter)),
-    "a roll by whole words": Case(head(WordRoll), finding=("python_state", "saved tensor")),
+    "a roll by whole words": Case(
+        head(WordRoll), finding=("python_state", "the 2nd tensor the region saved (made by `TanhBackward0`")
+    ),
     "GPT2Block": Case(lambda: LanguageModel("GPT2Block"), names=(), classes=("GPT2Block",)),
     "LlamaDecoderLayer": Case(lambda: LanguageModel("LlamaDecoderLayer"), names=(), classes=("LlamaDecoderLayer",)),
     "BertLayer": Case(lambda: LanguageModel("BertLayer"), names=(), classes=("BertLayer",)),

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_ckpt_determinism._text import aligned
-from lightning_ckpt_determinism.verify.cause import Cause
+from lightning_ckpt_determinism.verify.cause import Cause, respelt
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan
 from lightning_ckpt_determinism.verify.outcome import Verdict, region_outcome, report_diverged, worse
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
@@ -47,7 +47,9 @@ def summarize(reports: list[RecomputationReport]) -> list[RegionSummary]:
                 outcome.verdict == "diverged" and summary.verdict != "diverged"
             )
             if outcome.cause is not None and first_of_its_kind:
-                summary.cause, summary.hint = outcome.cause, outcome.hint
+                # The audit reads a YAML and takes flags: its hints name settings as they are written there.
+                summary.cause = outcome.cause
+                summary.hint = None if outcome.hint is None else respelt(outcome.hint, "audit")
                 summary.first_divergent_op = region.first_divergent_op
             summary.verdict = worse(summary.verdict, outcome.verdict)
             summary.ops_compared += region.ops_compared
@@ -139,7 +141,7 @@ def footer(
             f" {', '.join(diverged_regions)}"
         )
     elif (blamed := next((report for report in reports if report.cause in _STEP_CAUSES), None)) is not None:
-        lines.append(f"result: diverged: {blamed.cause}: {blamed.hint}")
+        lines.append(f"result: diverged: {blamed.cause}: {respelt(blamed.hint or '', 'audit')}")
     elif diverged(reports):
         lines.append(
             "result: diverged: every region recomputed what its forward produced, but the gradients of the two"

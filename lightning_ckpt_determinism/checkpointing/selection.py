@@ -9,7 +9,7 @@ from torch import nn
 from lightning_ckpt_determinism.checkpointing.kv_cache import switch_off_kv_caches
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, is_checkpointed
-from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_class_path
+from lightning_ckpt_determinism.config import CheckpointingConfig, class_name, resolve_class_path
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_selected", "select_modules"]
@@ -38,8 +38,9 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         >>> list(select_modules(model, CheckpointingConfig(classes=["Linear"], every_n=2)))
         ['1', '3']
     """
-    bare_names = {path for path in config.classes if "." not in path}
-    classes = tuple(resolve_class_path(path) for path in config.classes if "." in path)
+    paths = [entry for entry in config.classes if isinstance(entry, str)]  # the config stores classes as paths
+    bare_names = {path for path in paths if "." not in path}
+    classes = tuple(resolve_class_path(path) for path in paths if "." in path)
     wrapped_names = [name for name, sub in named_modules(module) if is_checkpointed(sub)]
 
     def matches(name: str, sub: nn.Module) -> bool:
@@ -136,7 +137,8 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
     module_names = [name for name, _ in named_modules(module) if name]
     sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
     return (
-        f"`CheckpointingConfig` matches no module of {type(module).__name__}: classes={config.classes},"
+        f"`CheckpointingConfig` matches no module of {type(module).__name__}:"
+        f" classes={[class_name(entry) for entry in config.classes]},"
         f" names={config.names}. The model's module classes are {class_names}; its module names include"
         f" {sample}. Names are relative to the module the config is applied to (the LightningModule under a"
         " strategy)."
@@ -149,7 +151,7 @@ def _warn_unused_entries(
     named = [(name, sub) for name, sub in named_modules(module) if name]
     seen_class_names = {base.__name__ for _, sub in named for base in type(sub).__mro__}
     unused = [name for name in sorted(bare_names) if name not in seen_class_names]
-    unused += [cls.__qualname__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]
+    unused += [cls.__name__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]
     unused += [pattern for pattern in config.names if not any(fnmatch.fnmatchcase(n, pattern) for n, _ in named)]
     if unused:
         warnings.warn(

@@ -68,6 +68,7 @@ __all__ = [
     "observing",
     "observing_saved_tensors",
     "remove_activation_checkpointing",
+    "routes",
     "run_plainly",
 ]
 
@@ -516,6 +517,25 @@ def is_checkpointed(module: nn.Module) -> bool:
         False
     """
     return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+def routes(module: nn.Module) -> bool | None:
+    """Whether the checkpointed ``module``'s first eager checkpointed forward ran a data-dependent op (``topk``,
+    ``nonzero``, ``.item()`` ...), whose outputs ``keep_data_dependent`` keeps; ``None`` before that forward has run
+    (a compiled region's never does) and for a module that is not checkpointed.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Linear"]))
+        >>> routes(layer)
+        >>> _ = layer(torch.ones(2, 4, requires_grad=True))
+        >>> routes(layer)
+        False
+    """
+    wrapper = module.__dict__.get("forward")
+    return wrapper.data_dependent if isinstance(wrapper, CheckpointedForward) else None
 
 
 def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:

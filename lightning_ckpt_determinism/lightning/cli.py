@@ -21,11 +21,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_ckpt_determinism._library_compat import is_unknown_strategy_error, package_message_in, rejected_value
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 
 __all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
 
@@ -36,7 +38,9 @@ class CheckpointingCLI(LightningCLI):
     """A ``LightningCLI`` that reports a configuration error on one line, without a traceback, and exits with 2.
 
     Use it in place of ``LightningCLI`` in a training script; it takes the same arguments. What counts as a
-    configuration error is listed in :mod:`lightning_ckpt_determinism.lightning.cli`.
+    configuration error is listed in :mod:`lightning_ckpt_determinism.lightning.cli`. The run is driven by its YAML:
+    the fix hints of each :class:`~lightning_ckpt_determinism.RecomputationMonitor` it builds name settings as the
+    YAML writes them (``preserve_host_rng: true`` under ``trainer.strategy.init_args.checkpointing``).
 
     Args:
         *args: Passed to ``LightningCLI``.
@@ -68,6 +72,18 @@ class CheckpointingCLI(LightningCLI):
                 raise
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """The Trainer, as ``LightningCLI`` builds it, with its monitors' hints in YAML form.
+
+        Args:
+            **kwargs: Passed to ``LightningCLI.instantiate_trainer``.
+        """
+        trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, RecomputationMonitor):
+                callback.hint_syntax = "yaml"
+        return trainer
 
 
 def config_file_error(args: Any) -> str | None:

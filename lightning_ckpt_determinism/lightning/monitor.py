@@ -32,6 +32,7 @@ from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
 from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelMetrics, SentinelWatch
+from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelReport
@@ -65,10 +66,15 @@ class RecomputationMonitor(Callback):
     change and the ranks that found it. With ``calibrate_noise`` the noise floor is logged as
     ``{log_prefix}/noise_floor``.
 
-    A check costs one reference forward and backward without recomputation, under one training step (see the
-    README's Performance section), and holds the activations of that pass (``reference_regions`` bounds them) and one
+    A check costs one reference forward and backward without recomputation, under one training step (see
+    ``docs/performance.md``), and holds the activations of that pass (``reference_regions`` bounds them) and one
     extra set of gradients during the check step. Attribution observes every op of the regions from Python (several
     steps) and, by default, runs only when the check diverged.
+
+    Fix hints name settings as Python writes them (``preserve_host_rng=True`` in the ``CheckpointingConfig``). With
+    :attr:`hint_syntax` set to ``"yaml"`` the warnings and the summary name them as a LightningCLI YAML writes them
+    (``preserve_host_rng: true`` under ``trainer.strategy.init_args.checkpointing``);
+    :class:`~lightning_ckpt_determinism.CheckpointingCLI` sets it on the monitors it builds.
 
     Args:
         every_n_steps: Check every this many optimizer steps; the first training step of a fit is always checked
@@ -166,6 +172,8 @@ class RecomputationMonitor(Callback):
         self.sentinel = check_choice("sentinel", sentinel, ("light", "sampled", "exact", "off"))
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.exclude_attributes = _attribute_names(exclude_attributes)
+        # How hints name settings: "python", or "yaml" where the run is YAML-driven (`CheckpointingCLI` says so).
+        self.hint_syntax: Syntax = "python"
         self.last_report: RecomputationReport | None = None
         self._schedule = CheckSchedule(self.every_n_steps)
         self._results = CheckResults(
@@ -213,7 +221,7 @@ class RecomputationMonitor(Callback):
         self._said_nothing_to_check = False
         self._internals = lightning_internals()
         self._schedule.start_fit()
-        self._results.start_fit()
+        self._results.start_fit(_hint_syntax(self.hint_syntax))
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
@@ -370,6 +378,7 @@ class RecomputationMonitor(Callback):
             every_n_steps=self.every_n_steps,
             several_ranks=trainer.world_size > 1,
             then=then,
+            syntax=self._results.syntax,
         )
         if warned and not named and not last:
             self._schedule.follow_up = step + 1
@@ -430,6 +439,10 @@ class RecomputationMonitor(Callback):
             )
             return None
         return plain
+
+
+def _hint_syntax(syntax: object) -> Syntax:
+    return "yaml" if check_choice("hint_syntax", syntax, ("python", "yaml")) == "yaml" else "python"
 
 
 def _attribute_names(names: list[str] | None) -> list[str]:

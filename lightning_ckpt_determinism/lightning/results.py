@@ -16,6 +16,7 @@ from lightning_ckpt_determinism.lightning.findings import (
     warning_key,
 )
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
+from lightning_ckpt_determinism.verify.cause import Syntax, respelt
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
@@ -64,12 +65,17 @@ class CheckResults:
         self.prog_bar = prog_bar
         self.checks = 0
         self.summary = FitSummary()
+        self.syntax: Syntax = "python"
         # The check count at which each kind of finding last warned.
         self._warned: dict[str, int] = {}
 
-    def start_fit(self) -> None:
-        """A fit starts: its summary is empty, and every kind of finding warns at once."""
-        self.summary, self._warned = FitSummary(), {}
+    def start_fit(self, syntax: Syntax = "python") -> None:
+        """A fit starts: its summary is empty, and every kind of finding warns at once.
+
+        Args:
+            syntax: How the fit's warnings and summary spell the settings their hints name.
+        """
+        self.summary, self._warned, self.syntax = FitSummary(), {}, syntax
 
     def skipped(self, step: int, reason: str) -> None:
         """Keep a check of ``step`` skipped for ``reason``.
@@ -124,7 +130,7 @@ class CheckResults:
         )
         if not findings.diverged or self.on_divergence == "ignore":
             return
-        message = divergence_message(step, findings, report, self.attribution)
+        message = respelt(divergence_message(step, findings, report, self.attribution), self.syntax)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
         self.warn_once(warning_key(findings), message)
@@ -178,5 +184,5 @@ class CheckResults:
             sentinel: The sentinel's report, or ``None`` without one.
             plan: The strategy's plan, or ``None`` without a budget.
         """
-        text = self.summary.text(self.every_n_steps, sentinel)
+        text = respelt(self.summary.text(self.every_n_steps, sentinel), self.syntax)
         return text if plan is None else f"{text} It trained under a {plan.summary()}."

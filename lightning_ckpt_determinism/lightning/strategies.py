@@ -16,6 +16,7 @@ from lightning_ckpt_determinism.checkpointing import (
 )
 from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, check_budget_device
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected
+from lightning_ckpt_determinism.checkpointing.wrapper import routes
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import (
     CheckpointingConfigError,
@@ -92,6 +93,8 @@ class ActivationCheckpointingMixin:
         self._applied_checkpointing: dict[str, nn.Module] = {}
         self._model_set_up = False
         self._budgeted: BudgetedCheckpointing | None = None
+        # Training batches started this fit: at the second, the regions that route are named.
+        self._batches_started = 0
         super().__init__(*args, **kwargs)
 
     @property
@@ -102,6 +105,7 @@ class ActivationCheckpointingMixin:
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self._model_set_up = False
+        self._batches_started = 0
         show_notes()
         if self.checkpointing.memory_budget is not None:
             check_budget_device(self.checkpointing, self.root_device)  # type: ignore[attr-defined]
@@ -132,6 +136,18 @@ class ActivationCheckpointingMixin:
             made_plain = self._budgeted.batch_started(self, self.lightning_module, self._applied_checkpointing, batch)  # type: ignore[attr-defined]
             for name in made_plain:
                 del self._applied_checkpointing[name]
+        self._batches_started += 1
+        if self._batches_started == 2:
+            self._name_routing_regions()
+
+    def _name_routing_regions(self) -> None:
+        """Once the first batch's forward has run every region: one info line naming those whose forward ran a
+        data-dependent op, which ``keep_data_dependent`` guards (none for a model without such ops)."""
+        if not self.checkpointing.keep_data_dependent:
+            return
+        routing = [name for name, module in self._applied_checkpointing.items() if routes(module)]
+        if routing:
+            rank_zero_info(_routing_line(routing))
 
     def teardown(self) -> None:
         if self._budgeted is not None:
@@ -197,16 +213,18 @@ class ActivationCheckpointingMixin:
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
             f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"
-            f" save_ops={self.checkpointing.save_ops or 'none'}; {_data_dependent_summary(self.checkpointing)}."
+            f" save_ops={self.checkpointing.save_ops or 'none'}."
         )
 
 
-def _data_dependent_summary(config: CheckpointingConfig) -> str:
-    if not config.keep_data_dependent:
-        return "keep_data_dependent=off (routing ops are recomputed)"
+def _routing_line(regions: list[str]) -> str:
+    """The info line for the regions whose forward ran data-dependent ops, which ``keep_data_dependent`` guards."""
+    named = ", ".join(regions[:6]) + (" ..." if len(regions) > 6 else "")
     return (
-        "keep_data_dependent=on (outputs of topk, sort, argmax, nonzero, bincount, item ... kept from the forward in"
-        " the regions that run them; floating ones up to the size of the region's largest input)"
+        f"lightning_ckpt_determinism: keep_data_dependent keeps the outputs of the data-dependent ops (topk, sort,"
+        f" argmax, nonzero, bincount, item ...) that {len(regions)} region{'s' if len(regions) != 1 else ''} ran in"
+        f" the first batch ({named}) and serves them to their recomputation, so that it routes as the forward did;"
+        " floating outputs are kept up to the size of the region's largest input."
     )
 
 

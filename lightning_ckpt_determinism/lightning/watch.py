@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
-from lightning_ckpt_determinism.verify.cause import Cause
+from lightning_ckpt_determinism.verify.cause import Cause, Syntax, respelt
 from lightning_ckpt_determinism.verify.sentinel import (
     RecomputationSentinel,
     SentinelMode,
@@ -70,7 +70,7 @@ class SentinelFinding:
         after = f" Cause {self.cause}: {self.cause.hint}" if self.cause is not None else f" {then}" if then else ""
         return (
             f"lightning_ckpt_determinism: the sentinel saw region `{self.region}` recompute other values than its"
-            f" forward at step {self.step}{where}: {count}, the first {self.first_mismatch}.{after}"
+            f" forward at step {self.step}{where}: {count}, first: {self.first_mismatch}.{after}"
         )
 
 
@@ -264,6 +264,7 @@ class SentinelWatch:
         every_n_steps: int,
         several_ranks: bool,
         then: str = "",
+        syntax: Syntax = "python",
     ) -> bool:
         """Act on ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero (a region again only
         ``every_n_steps`` after its last warning), or nothing; whether a warning was given.
@@ -274,6 +275,7 @@ class SentinelWatch:
             every_n_steps: Steps before a region warns again.
             several_ranks: Whether the messages name the ranks.
             then: What the monitor does next to name a cause the sentinel does not know (a sentence), or ``""``.
+            syntax: How the messages spell the settings their hints name.
 
         Raises:
             RecomputationDivergenceError: With ``on_divergence="raise"``, if anything differed.
@@ -281,13 +283,15 @@ class SentinelWatch:
         if not findings or on_divergence == "ignore":
             return False
         if on_divergence == "raise":
-            raise RecomputationDivergenceError(" ".join(finding.message(several_ranks) for finding in findings))
+            messages = (respelt(finding.message(several_ranks), syntax) for finding in findings)
+            raise RecomputationDivergenceError(" ".join(messages))
         warned = False
         for finding in findings:
             last = self._warned.get(finding.region)
             if last is None or finding.step - last >= every_n_steps:
                 self._warned[finding.region] = finding.step
-                rank_zero_warn(finding.message(several_ranks, then), category=LightningCkptDeterminismWarning)
+                message = respelt(finding.message(several_ranks, then), syntax)
+                rank_zero_warn(message, category=LightningCkptDeterminismWarning)
                 warned = True
         return warned
 

@@ -3,6 +3,8 @@
 A hint names settings; people set them in Python (``CheckpointingConfig(preserve_host_rng=True)``), in a
 LightningCLI YAML (``trainer.strategy.init_args.checkpointing``) or through the audit, which reads such a YAML and
 has flags of its own. Each hint is written once, with its settings as :class:`Setting` s that know each spelling.
+Reports hold their hints in Python form; what shows them to a YAML-driven run (``CheckpointingCLI``'s monitor, the
+audit) passes its text through :func:`respelt`, which spells every setting as that syntax writes it.
 """
 
 import enum
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-__all__ = ["Cause", "Hints", "Setting", "Syntax"]
+__all__ = ["Cause", "Hints", "Setting", "Syntax", "respelt"]
 
 Syntax = Literal["python", "yaml", "audit"]
 """Where a hint is shown: Python code, a LightningCLI YAML, or the audit (a YAML and the audit's own flags)."""
@@ -92,6 +94,49 @@ _CALIBRATE_NOISE = Setting(
 _DETERMINISTIC = Setting(
     python="call `torch.use_deterministic_algorithms(True)`", yaml="set `deterministic: true` under `trainer`"
 )
+
+
+def _switch(field: str, value: bool) -> Setting:
+    """A boolean field named with its value alone, as a list of likely causes names it."""
+    return Setting(python=f"`{field}={value}`", yaml=f"`{field}: {str(value).lower()}`")
+
+
+_CHECKPOINTING_SWITCHES = ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent")
+# Every setting a hint or a message names, longest Python spelling first: a switch's short spelling is part of its
+# long one, which goes first.
+_SETTINGS = tuple(
+    sorted(
+        [
+            *(_checkpointing(field) for field in _CHECKPOINTING_SWITCHES),
+            *(_switch(field, value) for field in _CHECKPOINTING_SWITCHES for value in (True, False)),
+            _CALIBRATE_NOISE,
+            _DETERMINISTIC,
+        ],
+        key=lambda setting: -len(setting.python),
+    )
+)
+
+
+def respelt(text: str, syntax: Syntax) -> str:
+    """``text`` (a hint, or a message or summary holding hints) with every setting it names in Python form spelt as
+    ``syntax`` writes it.
+
+    Args:
+        text: Text whose settings are in Python form, as reports hold them.
+        syntax: Where it is shown.
+
+    Example::
+
+        >>> respelt(Cause.HOST_RNG.hint, "yaml") == Cause.HOST_RNG.hints.yaml
+        True
+        >>> respelt("Region `blocks.1` differs: check with `calibrate_noise=True`.", "audit")
+        'Region `blocks.1` differs: check with `--calibrate-noise`.'
+    """
+    if syntax == "python":
+        return text
+    for setting in _SETTINGS:
+        text = text.replace(setting.python, setting.spelt(syntax))
+    return text
 
 
 def _hints(text: str, *settings: Setting) -> Hints:

@@ -43,7 +43,7 @@ Example::
 
 ROUTING_HINT = (
     " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's; set"
-    " `keep_data_dependent: true` in the `CheckpointingConfig` to keep such outputs from the forward."
+    " `keep_data_dependent=True` in the `CheckpointingConfig` to keep such outputs from the forward."
 )
 ROUTING_TOO_LARGE_HINT = (
     " The routing changed too: the data-dependent op {op} recomputed other outputs than its forward's, and"

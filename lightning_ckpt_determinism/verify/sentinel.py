@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._text import describe_saved
 from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch, version_counter, view_base
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
@@ -164,8 +165,7 @@ class _Saved:
         return {"shape": self.shape, "dtype": self.dtype, "device": self.device}
 
     def describe(self) -> str:
-        shape = tuple(self.shape) if self.shape is not None else None
-        return f"saved tensor {self.position} ({self.producer}, {shape} {self.dtype})"
+        return describe_saved(self.position, self.producer or None, self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ class _Call:
         try:
             local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
             saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
-            saved.producer = f"grad_fn {tensor.grad_fn.name()}" if tensor.grad_fn is not None else "no grad_fn"
+            saved.producer = tensor.grad_fn.name() if tensor.grad_fn is not None else ""
             if type(local) is not torch.Tensor or _is_state(tensor, local, self.buffers):
                 return saved
             if self.targets is not None:
