@@ -49,7 +49,8 @@ def test_a_clean_fit_ends_with_a_summary_of_what_was_checked(tmp_path: Path, lig
     fit(tmp_path, RecomputationMonitor(every_n_steps=2))
     (summary,) = summaries(lightning_info)
     assert summary.startswith(
-        "lightning_ckpt_determinism: RecomputationMonitor ran 2 checks this fit (every 2 steps): none diverged."
+        "lightning_ckpt_determinism: RecomputationMonitor ran 2 periodic checks this fit (the first step, then every 2"
+        " steps): none diverged."
     )
     assert " The sentinel compared " in summary and summary.endswith(
         " recomputed saved tensors with the forward's: none differed."

@@ -1,6 +1,7 @@
 """The monitor's sentinel in Lightning fits: every step's recomputed saved tensors compared with the forward's."""
 
 import csv
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +108,25 @@ def test_a_failure_of_the_sentinels_own_reads_leaves_that_tensor_out_and_the_fit
 ARMED_COUNT = ["calls"]
 
 
-def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_misses(tmp_path: Path) -> None:
+def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_misses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
-    with pytest.warns(LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 5: 1"):
-        fit(tmp_path, monitor, armed_module(step=5))
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(caplog.handler)
+    try:
+        with (
+            caplog.at_level("INFO", logger="lightning.pytorch"),
+            pytest.warns(LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 5: 1"),
+        ):
+            fit(tmp_path, monitor, armed_module(step=5))
+    finally:
+        logger.removeHandler(caplog.handler)
+    (summary,) = {record.getMessage() for record in caplog.records if "RecomputationMonitor ran" in record.getMessage()}
+    assert (
+        "ran 1 periodic check this fit (the first step, then every 50 steps) and 1 follow-up check that sentinel"
+        in summary
+    )
     assert logged(tmp_path, METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(12)]
     assert logged(tmp_path, "recompute/sentinel/regions/model.blocks.1/mismatches") == [(5, 1.0)]
     # The periodic check ran at step 0 and, asked by the sentinel, at step 6: the defect did not recur there.

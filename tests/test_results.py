@@ -30,4 +30,4 @@ def test_skipped_checks_are_kept_and_counted_and_a_fit_starts_afresh() -> None:
     results.start_fit()
     assert results.summary.skipped == 0
     assert len(results.history) == 2
-    assert "ran 0 checks this fit (every 1 steps)" in results.text(None)
+    assert "ran 0 periodic checks this fit (the first step, then every 1 steps)" in results.text(None)

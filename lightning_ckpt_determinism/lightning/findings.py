@@ -227,15 +227,17 @@ class FitSummary:
     """What the monitor found over one fit, for the paragraph it prints at the fit's end."""
 
     checks: int = 0
+    follow_ups: int = 0
     diverged: int = 0
     skipped: int = 0
     worst: float = 0.0
     worst_step: int | None = None
     causes: dict[Cause, dict[str, str]] = field(default_factory=dict)
 
-    def add(self, step: int, findings: Findings) -> None:
-        """Count one check."""
+    def add(self, step: int, findings: Findings, *, follow_up: bool = False) -> None:
+        """Count one check (``follow_up``: one a sentinel finding asked for, not a periodic one)."""
         self.checks += 1
+        self.follow_ups += follow_up
         self.diverged += findings.diverged
         if self.worst_step is None or findings.grad_divergence > self.worst:
             self.worst, self.worst_step = findings.grad_divergence, step
@@ -249,9 +251,17 @@ class FitSummary:
         """One paragraph: the checks, how many diverged, the worst figure and its step, each cause with its regions
         and hint, and what the sentinel compared."""
         skipped = f", {self.skipped} skipped" if self.skipped else ""
+        periodic = self.checks - self.follow_ups
+        follow_ups = (
+            f" and {self.follow_ups} follow-up check{'s' if self.follow_ups != 1 else ''} that sentinel findings"
+            " asked for"
+            if self.follow_ups
+            else ""
+        )
         parts = [
-            f"lightning_ckpt_determinism: RecomputationMonitor ran {self.checks} check{'s' if self.checks != 1 else ''}"
-            f" this fit (every {every_n_steps} steps{skipped})"
+            f"lightning_ckpt_determinism: RecomputationMonitor ran {periodic} periodic check"
+            f"{'s' if periodic != 1 else ''} this fit (the first step, then every {every_n_steps} steps{skipped})"
+            f"{follow_ups}"
         ]
         if not self.diverged:
             parts[0] += ": none diverged."

@@ -290,6 +290,7 @@ class RecomputationMonitor(Callback):
             self._skip_changed_parameters(step, changed)
             return
         plain = self._reference_regions(trainer, pl_module)
+        follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
         with self._watch.paused():
             report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
@@ -303,7 +304,7 @@ class RecomputationMonitor(Callback):
             )
         self._schedule.checked_this_fit = True
         self.last_report = report
-        self._results.record(trainer, pl_module, step, report, plain is not None)
+        self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up)
 
     @override
     def on_before_optimizer_step(

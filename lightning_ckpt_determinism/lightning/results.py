@@ -94,6 +94,8 @@ class CheckResults:
         step: int,
         report: RecomputationReport,
         subset: bool,
+        *,
+        follow_up: bool = False,
     ) -> None:
         """Count a check, reduce its report over ranks, log and keep it, and warn or raise if it diverged.
 
@@ -103,6 +105,7 @@ class CheckResults:
             step: The global step checked.
             report: This rank's report.
             subset: Whether the reference ran only some regions plainly (they are kept with the history entry).
+            follow_up: Whether a sentinel finding asked for this check (the summary counts them apart).
 
         Raises:
             RecomputationDivergenceError: On every rank, with ``on_divergence="raise"``, if any rank diverged.
@@ -116,7 +119,7 @@ class CheckResults:
             lambda value: gather(strategy, value),
             trainer.global_rank,
         )
-        self.summary.add(step, findings)
+        self.summary.add(step, findings, follow_up=follow_up)
         logged = metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise)
         self.publish(trainer, pl_module, logged, step)
         self.history.append(
