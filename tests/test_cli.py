@@ -284,3 +284,17 @@ def test_a_correct_config_builds_through_the_package_cli(tmp_path: Path) -> None
         subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(BASE_CONFIG)], run=False
     )
     assert type(cli.model) is GPTModule
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"].pop("strategy"))
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(config, tmp_path))
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith(
+        "error: `RecomputationMonitor` has nothing to check: no module of GPTModule is checkpointed at fit start"
+        " under SingleDeviceStrategy. Add a checkpointing strategy (e.g."
+    )

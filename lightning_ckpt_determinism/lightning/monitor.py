@@ -111,8 +111,10 @@ class RecomputationMonitor(Callback):
             timestamp or a stored ``loss.item()``. They are still put back after each check.
 
     Raises:
-        CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
-            optimization and no ``loss_fn`` is given.
+        CheckpointingConfigError: If an argument is out of range; at fit start, before any step, if the module uses
+            manual optimization and no ``loss_fn`` is given, if no module is checkpointed (no checkpointing strategy
+            and no ``apply_activation_checkpointing`` in ``configure_model``), or if the strategy is none the monitor
+            runs under (on every rank alike).
         RecomputationDivergenceError: During training, with ``on_divergence="raise"``, when a check diverges.
 
     Example::
@@ -214,10 +216,12 @@ class RecomputationMonitor(Callback):
             )
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module)
-        self._enabled = problem is None
-        if problem is not None:
-            rank_zero_warn(problem, category=LightningCkptDeterminismWarning)
-            return
+        # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
+        self._enabled = not agree(trainer.strategy, problem is not None)
+        if not self._enabled:
+            raise CheckpointingConfigError(
+                problem or "`RecomputationMonitor` has nothing to check on another rank; see the error it raised."
+            )
         if self.sentinel != "off":
             self._watch.start(pl_module)
         if not trainer.loggers:
