@@ -252,6 +252,11 @@ CHECKPOINTING = (
         ("selects_nothing", r"error: `CheckpointingConfig` matches no module of BrokenModule"),
         ("bad_json_path", r"error: `--json` '.*no_dir/out\.json' cannot be written"),
         ("zero_batches", r"argument --batches: must be an integer >= 1, got '0'"),
+        # As `CheckpointingConfig(every_n=0)` says it, and `CheckpointingCLI`: with the field's key.
+        (
+            "every_n_zero",
+            r"cannot be loaded: `trainer\.strategy\.checkpointing\.every_n` must be an integer >= 1, got 0\.$",
+        ),
         ("no_command", r"the following arguments are required: command"),
     ],
 )
@@ -278,6 +283,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         ],
         "bad_json_path": ["audit", "--config", broken, "--json", str(tmp_path / "no_dir" / "out.json")],
         "zero_batches": ["audit", "--config", broken, "--batches", "0"],
+        "every_n_zero": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.every_n=0"],
         "no_command": [],
     }[case]
     assert main(argv) == 2

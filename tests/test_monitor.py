@@ -66,6 +66,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
         ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
         ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
+        ({"log_prefix": 5}, r"`log_prefix` must be a non-empty string, got 5\."),
         ({"history_size": 0}, r"`history_size` must be an integer >= 1, got 0\."),
         ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
         ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),

@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strateg
 
 from lightning_ckpt_determinism.audit.arguments import UsageError
 from lightning_ckpt_determinism.lightning.cli import configuration_error, yaml_error
+from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
 __all__ = [
@@ -40,6 +41,11 @@ class _ParsedFit(LightningCLI):
     ``fit`` (which LightningCLI calls in place of ``Trainer.fit`` when the CLI defines one) keeps the arguments."""
 
     fit_arguments: dict[str, Any]
+
+    def before_instantiate_classes(self) -> None:
+        # The package's values, checked as `CheckpointingCLI` checks them: the same message, naming the key.
+        super().before_instantiate_classes()
+        check_parsed_config(self.config[self.subcommand])
 
     def fit(self, model: Any, datamodule: Any = None, **arguments: Any) -> None:
         self.fit_arguments = arguments

@@ -18,6 +18,7 @@ from lightning_ckpt_determinism.config import (
     PositiveInt,
     check_bool,
     check_choice,
+    check_non_empty_str,
     check_non_negative_float,
     check_positive_int,
 )
@@ -143,16 +144,14 @@ class RecomputationMonitor(Callback):
         exclude_attributes: list[str] | None = None,
     ) -> None:
         super().__init__()
-        # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
+        # The one check of each argument, from Python and LightningCLI alike; plain types save, pickle and key alike.
         self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self.tolerance = check_non_negative_float("tolerance", tolerance)
         self.on_divergence = check_choice("on_divergence", on_divergence, ("warn", "raise", "ignore"))
         if loss_fn is not None and not callable(loss_fn):
             raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         self.loss_fn = loss_fn
-        if not log_prefix:
-            raise CheckpointingConfigError("`log_prefix` must be a non-empty string, got ''.")
-        self.log_prefix = str(log_prefix)
+        self.log_prefix = check_non_empty_str("log_prefix", log_prefix)
         self.attribution = check_choice("attribution", attribution, ("on_divergence", "always", "never"))
         self.calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
         self.reference_regions: int | str | None = check_positive_int(
