@@ -201,6 +201,17 @@ def test_a_mistake_reads_the_same_from_python_and_from_yaml_with_the_fields_key(
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_mistake_of_the_whole_config_is_named_by_the_configs_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(CheckpointingConfigError, match=r"^`CheckpointingConfig` selects nothing") as raised:
+        CheckpointingConfig(classes=[])
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(_config_with(tmp_path, "checkpointing", "classes", []), tmp_path))
+    assert _error_lines(capsys.readouterr().err) == [f"error: `trainer.strategy.checkpointing`: {raised.value}"]
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_command_line_value_reads_as_the_same_value_in_yaml(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

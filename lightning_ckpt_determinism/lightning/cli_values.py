@@ -88,18 +88,16 @@ def _package_values(value: Any, key: str) -> Iterator[tuple[str, Any, dict[str, 
         return
     if "class_path" in given:
         init_args = given.get("init_args")
-        arguments = vars(init_args) if isinstance(init_args, Namespace) else {}
-        if _is_monitor(given["class_path"]):
+        if _is_monitor(given["class_path"]) and isinstance(init_args, Namespace):
             # The monitor's own arguments, of a subclass too; a nested class (a `loss_fn` by `class_path`) is built
             # by LightningCLI alone.
             own = {
                 name: argument
-                for name, argument in arguments.items()
+                for name, argument in vars(init_args).items()
                 if name in _MONITOR_ARGUMENTS and not isinstance(argument, Namespace)
             }
             yield key, RecomputationMonitor, own
-        for name, argument in arguments.items():
-            yield from _package_values(argument, _joined(key, name))
+        yield from _package_values(init_args, key)
         return
     for name, argument in given.items():
         yield from _package_values(argument, _joined(key, name))
