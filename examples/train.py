@@ -7,9 +7,9 @@ repository root::
     python -m lightning_ckpt_determinism audit --config examples/configs/gpt_blocks_by_class.yaml
 
 The package's ``CheckpointingCLI`` ends a run with a mistake in its configuration with one line on stderr that names
-the field and the value, and exit code 2, instead of a long traceback::
+the field by its key and the value, as the constructor does in Python, and exit code 2, instead of a long traceback::
 
-    error: `trainer.strategy.checkpointing.every_n`: Not of type PositiveInt: 0 does not conform to restriction v>0
+    error: `trainer.strategy.checkpointing.every_n` must be an integer >= 1, got 0.
 """
 
 import lightning.pytorch as pl

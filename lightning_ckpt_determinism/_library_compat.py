@@ -5,6 +5,7 @@ An upgrade of one of them touches this file only (torch's are in :mod:`~lightnin
 Each entry has a test pinned to the installed version (``tests/test_library_compat.py``).
 """
 
+import ast
 import re
 from itertools import takewhile
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 __all__ = [
     "METRIC_BOOKKEEPING",
     "is_unknown_strategy_error",
+    "literal_rejection",
     "metric_state_names",
     "package_message_in",
     "rejected_value",
@@ -24,6 +26,8 @@ METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_is_synce
 _PARSER_KEY = re.compile(r'( *)Parser key "([^"]+)":(.*)')
 # The package's messages start with the argument they are about, in backticks; jsonargparse's never do.
 _PACKAGE_MESSAGE = re.compile(r"^ *- (`.+)$", re.MULTILINE)
+# jsonargparse's reason for a value a `Literal` refuses.
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
 
 
 def metric_state_names(metric: Any) -> list[str]:
@@ -65,6 +69,28 @@ def package_message_in(text: str) -> str | None:
     """
     found = _PACKAGE_MESSAGE.search(text)
     return found[1] if found else None
+
+
+def literal_rejection(reason: str) -> tuple[list[Any], str] | None:
+    """The choices and the value (as jsonargparse prints it) of jsonargparse's reason for a value that a ``Literal``
+    refuses (4.x: ``Expected a typing.Literal['a', 'b']. Got value: c``), or ``None`` for another reason.
+
+    Args:
+        reason: Why jsonargparse refused a value, as :func:`rejected_value` gives it after the key.
+
+    Example::
+
+        >>> literal_rejection("Expected a typing.Literal['warn', 'raise']. Got value: stop")
+        (['warn', 'raise'], 'stop')
+    """
+    found = _LITERAL.fullmatch(reason)
+    if found is None:
+        return None
+    try:
+        choices = ast.literal_eval(f"[{found[1]}]")
+    except (SyntaxError, ValueError):
+        return None
+    return choices, found[2]
 
 
 def is_unknown_strategy_error(err: BaseException) -> bool:

@@ -1,9 +1,10 @@
 """The typed checkpointing configuration, filled from Python or LightningCLI YAML, and the checks of every argument.
 
-The restricted types LightningCLI checks while it parses a config (``PositiveInt`` ...) are jsonargparse's; mypy
-sees them as the plain types. Values of them are subclasses of ``int``, ``float`` and ``str``, which the package turns
-back into the plain types on construction so that they pickle, save to YAML and compare as users expect. The
-``check_*`` helpers validate one argument each, with the package's message shape; the monitor uses them too.
+The ``check_*`` helpers validate one argument each, with the package's message shape; the monitor uses them too. A
+mistake reads the same from Python and from YAML: the types that say in LightningCLI's ``--help`` what a field
+takes (``PositiveInt``, ``NonNegativeFloat``, ``NotEmptyStr``) are registered with jsonargparse to hand every value
+over to the constructor (a number given as a string on the command line converted), and the constructor's check
+gives the message, which ``CheckpointingCLI`` prefixes with the field's key. mypy sees them as the plain types.
 """
 
 import contextlib
@@ -11,21 +12,16 @@ import importlib
 import pickle
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import astuple, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from jsonargparse.typing import register_type
 
 from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
-
-if TYPE_CHECKING:
-    NonNegativeFloat = float
-    NotEmptyStr = str
-    PositiveInt = int
-else:
-    from jsonargparse.typing import NonNegativeFloat, NotEmptyStr, PositiveInt
 
 __all__ = [
     "CheckpointingConfig",
@@ -35,13 +31,52 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_memory_budget",
+    "check_non_empty_str",
     "check_non_negative_float",
     "check_positive_int",
+    "choice_message",
     "class_name",
     "parse_memory_budget",
     "resolve_class_path",
     "resolve_ops",
 ]
+
+
+def _handed_over(base: type, convert: Callable[[str], Any] | None) -> Callable[[Any], Any]:
+    """What jsonargparse hands the constructor for a value not of ``base``: ``convert(value)`` for a string that
+    spells a ``base`` (the command line gives strings), else the value itself, for the constructor to refuse."""
+
+    def hand_over(value: Any) -> Any:
+        if convert is not None and isinstance(value, str):
+            with suppress(ValueError):
+                return convert(value)
+        return value
+
+    return hand_over
+
+
+def _field_type(name: str, base: type, convert: Callable[[str], Any] | None, doc: str) -> type:
+    """A subclass of ``base`` named ``name`` for ``--help``, registered with jsonargparse to check nothing itself."""
+    type_ = type(name, (base,), {"__doc__": doc, "__module__": __name__})
+    register_type(
+        type_,
+        serializer=lambda value: value,
+        deserializer=_handed_over(base, convert),
+        type_check=lambda value, _: isinstance(value, base) and not isinstance(value, bool),
+    )
+    return type_
+
+
+if TYPE_CHECKING:
+    NonNegativeFloat = float
+    NotEmptyStr = str
+    PositiveInt = int
+else:
+    PositiveInt = _field_type("PositiveInt", int, int, "An integer >= 1, checked by the constructor that takes it.")
+    NonNegativeFloat = _field_type(
+        "NonNegativeFloat", float, float, "A number >= 0, checked by the constructor that takes it."
+    )
+    NotEmptyStr = _field_type("NotEmptyStr", str, None, "A non-empty string, checked by the constructor that takes it.")
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -83,6 +118,22 @@ def check_positive_int(name: str, value: object, *, optional: bool = False, choi
     return int(value)
 
 
+def check_non_empty_str(name: str, value: object) -> str:
+    """``value`` as a plain ``str`` if it is a non-empty string.
+
+    Raises:
+        CheckpointingConfigError: Otherwise, naming ``name``.
+
+    Example::
+
+        >>> check_non_empty_str("log_prefix", "recompute")
+        'recompute'
+    """
+    if not isinstance(value, str) or not value:
+        raise CheckpointingConfigError(f"`{name}` must be a non-empty string, got {value!r}.")
+    return str(value)
+
+
 def check_non_negative_float(name: str, value: object) -> float:
     """``value`` as a plain ``float`` if it is a number >= 0.
 
@@ -111,8 +162,20 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
         'warn'
     """
     if value not in choices:
-        raise CheckpointingConfigError(f"`{name}` can be {', '.join(choices)}, got {value!r}.")
+        raise CheckpointingConfigError(choice_message(name, value, choices))
     return str(value)
+
+
+def choice_message(name: str, value: object, choices: Sequence[object]) -> str:
+    """The message for ``value`` given to ``name``, which takes one of ``choices``; ``CheckpointingCLI`` gives it for
+    a ``Literal`` that LightningCLI refuses, with the field's key as ``name``.
+
+    Example::
+
+        >>> choice_message("sentinel", "always", ("sampled", "exact", "off"))
+        "`sentinel` can be sampled, exact, off, got 'always'."
+    """
+    return f"`{name}` can be {', '.join(str(choice) for choice in choices)}, got {value!r}."
 
 
 _SIZE_UNITS = {
@@ -327,13 +390,9 @@ class CheckpointingConfig:
                 "`CheckpointingConfig` selects nothing: set `classes` (e.g. ['Block']) or `names`"
                 " (e.g. ['model.blocks.*'])."
             )
-        # LightningCLI hands jsonargparse's `PositiveInt`; a plain int saves to YAML and pickles anywhere.
+        # A plain int saves to YAML and pickles anywhere, whatever subclass of int was given.
         object.__setattr__(self, "every_n", check_positive_int("every_n", self.every_n))
-        allowed_checks = ["default", "none"]
-        if self.determinism_check not in allowed_checks:
-            raise CheckpointingConfigError(
-                f"`determinism_check` can be one of {allowed_checks}, got {self.determinism_check!r}."
-            )
+        check_choice("determinism_check", self.determinism_check, ("default", "none"))
         for path in self.classes:
             if isinstance(path, str) and "." in path:
                 resolve_class_path(path)

@@ -25,11 +25,13 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    CheckpointingConfigError,
     DDPCheckpointingStrategy,
     LightningCkptDeterminismWarning,
     ModelParallelCheckpointingStrategy,
     RecomputationDivergenceError,
     RecomputationMonitor,
+    apply_activation_checkpointing,
 )
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from tests.helpers import (
@@ -101,6 +103,14 @@ class BranchingModule(StackModule):
         return super().training_step(batch, batch_idx)
 
 
+class RankOneCheckpointedModule(StackModule):
+    """Checkpoints its blocks in ``configure_model`` on rank 1 only: rank 0 has nothing for the monitor to check."""
+
+    def configure_model(self) -> None:
+        if dist.get_rank() == 1:
+            apply_activation_checkpointing(self, CheckpointingConfig(classes=["DropoutBlock"]))
+
+
 def _strategy(kind: str, checkpointing: CheckpointingConfig | None, **ddp_options: Any) -> Any:
     if kind == "ddp":
         if checkpointing is None:
@@ -159,7 +169,7 @@ def _run(
         warnings.simplefilter("always", LightningCkptDeterminismWarning)
         try:
             trainer.fit(module)
-        except RecomputationDivergenceError as err:
+        except (RecomputationDivergenceError, CheckpointingConfigError) as err:
             error = str(err)
     rank = trainer.global_rank
     result = {
@@ -260,6 +270,10 @@ def main(kind: str, out_dir: Path) -> None:
             branch = partial(SometimesBranchBlock, noisy=noisy)
             options = {"module_class": BranchingModule, "ddp_options": unused}
             run(kind, out_dir, name, "PlainBlock", monitor, branching, {}, branch, **options)  # type: ignore[arg-type]
+        # Nothing checkpointed on rank 0 only: every rank stops at fit start, none waits for the others.
+        monitor = every_step()
+        options = {"module_class": RankOneCheckpointedModule}
+        run(kind, out_dir, "nothing_on_rank_zero", "DropoutBlock", monitor, None, {}, **options)  # type: ignore[arg-type]
         # The sentinel on every step, the defect on rank 1 only: seen at step 0 and named with its rank on rank 0.
         monitor = RecomputationMonitor(every_n_steps=50)
         run(kind, out_dir, "sentinel_rank_one", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)

@@ -1,4 +1,5 @@
 import errno
+import io
 import json
 import math
 import os
@@ -172,8 +173,9 @@ def test_a_clean_config_exits_0_and_its_json_replaces_the_old_report(capsys, tmp
 def test_batches_are_checked_in_turn_and_summed_up_per_region(capsys, tmp_path):
     report = tmp_path / "three.json"
     config = str(CONFIGS / "broken_python_state.yaml")
-    code, out, _ = audit(capsys, "--config", config, "--batches", "3", "--json", str(report))
+    code, out, err = audit(capsys, "--config", config, "--batches", "3", "--json", str(report))
     assert code == 1
+    assert "audit:" not in err  # no progress bar off a terminal
     assert " over 3 batches (tolerance 0)" in out
     written = json.loads(report.read_text())
     assert len(written["checks"]) == written["batches"] == 3
@@ -221,10 +223,12 @@ def test_json_reports_buffer_mutations_errors_and_infinities(capsys, tmp_path):
     assert math.isinf(float(written["checks"][0]["max_abs_diff"]))
 
 
-def write_config(tmp_path: Path, name: str, strategy: str, model: str = "examples.broken.BrokenModule") -> Path:
+def write_config(tmp_path: Path, name: str, strategy: str | None, model: str = "examples.broken.BrokenModule") -> Path:
+    """A config for ``model`` under ``strategy`` (YAML lines under `trainer.strategy`), or under none."""
     path = tmp_path / f"{name}.yaml"
+    given = "" if strategy is None else f"  strategy:\n{strategy}\n"
     path.write_text(
-        f"trainer:\n  accelerator: cpu\n  strategy:\n{strategy}\nmodel:\n  class_path: {model}\n"
+        f"trainer:\n  accelerator: cpu\n{given}model:\n  class_path: {model}\n"
         "data:\n  class_path: examples.broken.SyntheticRegression\n"
     )
     return path
@@ -242,10 +246,22 @@ CHECKPOINTING = (
         ("missing", r"error: `--config` 'missing\.yaml' is not a file"),
         ("no_class_path", r"error: `model` in .*classless\.yaml names no class: give it `class_path"),
         ("plain_strategy", r"is SingleDeviceStrategy, which applies no activation checkpointing"),
+        (
+            "no_strategy",
+            r"error: .*no_strategy\.yaml sets no `trainer\.strategy`, so nothing is checkpointed; give it one of this"
+            r" package's strategies with `checkpointing`, e\.g\. `class_path:"
+            r" lightning_ckpt_determinism\.SingleDeviceCheckpointingStrategy` with `init_args: \{checkpointing:"
+            r" \{classes: \[Block\]\}\}`\n$",
+        ),
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         ("selects_nothing", r"error: `CheckpointingConfig` matches no module of BrokenModule"),
         ("bad_json_path", r"error: `--json` '.*no_dir/out\.json' cannot be written"),
         ("zero_batches", r"argument --batches: must be an integer >= 1, got '0'"),
+        # As `CheckpointingConfig(every_n=0)` says it, and `CheckpointingCLI`: with the field's key.
+        (
+            "every_n_zero",
+            r"cannot be loaded: `trainer\.strategy\.checkpointing\.every_n` must be an integer >= 1, got 0\.$",
+        ),
         ("no_command", r"the following arguments are required: command"),
     ],
 )
@@ -259,6 +275,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
             "--config",
             str(write_config(tmp_path, "plain", "    class_path: SingleDeviceStrategy")),
         ],
+        "no_strategy": ["audit", "--config", str(write_config(tmp_path, "no_strategy", None))],
         "unknown_model": [
             "audit",
             "--config",
@@ -271,6 +288,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         ],
         "bad_json_path": ["audit", "--config", broken, "--json", str(tmp_path / "no_dir" / "out.json")],
         "zero_batches": ["audit", "--config", broken, "--batches", "0"],
+        "every_n_zero": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.every_n=0"],
         "no_command": [],
     }[case]
     assert main(argv) == 2
@@ -541,3 +559,48 @@ def test_a_config_with_a_memory_budget_prints_its_trade_off_and_the_plan_before_
     assert str(plan) in out
     # Every candidate is audited: any of them may be checkpointed.
     assert list(table(out.split(str(plan), 1)[1].lstrip("\n"))) == [f"model.blocks.{index}" for index in range(4)]
+
+
+def test_a_module_outside_the_working_directory_is_named_with_where_the_audit_imports_from(
+    capsys, tmp_path, monkeypatch
+):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "audit_elsewhere_model.py").write_text("from examples.broken import BrokenModule as Module\n")
+    config = write_config(tmp_path, "elsewhere", CHECKPOINTING.format(classes="Block"), "audit_elsewhere_model.Module")
+    monkeypatch.chdir(elsewhere)
+    hint = (
+        f"No module named 'audit_elsewhere_model' (the audit imports from the working directory {elsewhere} and"
+        " PYTHONPATH: run it from the directory that holds audit_elsewhere_model, or add that directory to"
+        " PYTHONPATH)"
+    )
+    code, _, err = audit(capsys, "--config", str(config))
+    assert (code, err) == (2, f"lightning-ckpt-determinism audit: error: {config} cannot be loaded: `model`: {hint}\n")
+    code, _, err = audit(capsys, "--config", str(config), "--model", "audit_elsewhere_model.Module")
+    option = "`--model` 'audit_elsewhere_model.Module'"
+    assert (code, err) == (2, f"lightning-ckpt-determinism audit: error: {option} cannot be imported: {hint}\n")
+    # What the hint says works.
+    monkeypatch.syspath_prepend(str(project))
+    try:
+        code, out, err = audit(capsys, "--config", str(config))
+    finally:
+        sys.modules.pop("audit_elsewhere_model", None)
+    assert code == 0, err
+    assert out.splitlines()[-1] == "result: none of the 4 checkpointed regions diverged"
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, as tqdm asks."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("batches", "shown"), [("1", False), ("2", True)])
+def test_a_progress_bar_shows_on_a_terminal_for_several_batches_only(batches, shown, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert main(["audit", "--config", str(CONFIGS / "broken_python_state.yaml"), "--batches", batches]) == 1
+    assert (f"audit:   0%|          | 0/{batches}" in terminal.getvalue()) is shown

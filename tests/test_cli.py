@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from examples.gpt import GPTModule
 from lightning_ckpt_determinism import (
     CheckpointingCLI,
     CheckpointingConfig,
+    CheckpointingConfigError,
     LightningCkptDeterminismWarning,
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
@@ -34,57 +36,56 @@ MISTAKES = {
         "checkpointing",
         "every_n",
         0,
-        "`trainer.strategy.checkpointing.every_n`: Not of type PositiveInt: 0 does not conform to restriction v>0",
+        "`trainer.strategy.checkpointing.every_n` must be an integer >= 1, got 0.",
     ),
     "tolerance": (
         "monitor",
         "tolerance",
         -1,
-        "`trainer.callbacks.tolerance`: Not of type NonNegativeFloat: -1 does not conform to restriction v>=0",
+        "`trainer.callbacks.tolerance` must be a non-negative float, got -1.",
     ),
     "every_n_steps": (
         "monitor",
         "every_n_steps",
         0,
-        "`trainer.callbacks.every_n_steps`: Not of type PositiveInt: 0 does not conform to restriction v>0",
+        "`trainer.callbacks.every_n_steps` must be an integer >= 1, got 0.",
     ),
     "save_ops": (
         "checkpointing",
         "save_ops",
         ["aten.nosuchop"],
-        "`save_ops` entry 'aten.nosuchop' is not an op torch knows.",
+        "`trainer.strategy.checkpointing.save_ops` entry 'aten.nosuchop' is not an op torch knows.",
     ),
     "classes": (
         "checkpointing",
         "classes",
         ["no_such_package.Block"],
-        "`classes` entry 'no_such_package.Block' cannot be imported (No module named 'no_such_package').",
+        "`trainer.strategy.checkpointing.classes` entry 'no_such_package.Block' cannot be imported (No module named"
+        " 'no_such_package').",
     ),
     "determinism_check": (
         "checkpointing",
         "determinism_check",
         "strict",
-        "`trainer.strategy.checkpointing.determinism_check`: Expected a typing.Literal['default', 'none']. Got value:"
-        " strict",
+        "`trainer.strategy.checkpointing.determinism_check` can be default, none, got 'strict'.",
     ),
     "history_size": (
         "monitor",
         "history_size",
         0,
-        "`trainer.callbacks.history_size`: Not of type PositiveInt: 0 does not conform to restriction v>0",
+        "`trainer.callbacks.history_size` must be an integer >= 1, got 0.",
     ),
     "log_prefix": (
         "monitor",
         "log_prefix",
         "",
-        "`trainer.callbacks.log_prefix`: Not of type NotEmptyStr:  does not match regular expression",
+        "`trainer.callbacks.log_prefix` must be a non-empty string, got ''.",
     ),
     "reference_regions": (
         "monitor",
         "reference_regions",
         0,
-        # An optional value: jsonargparse puts the value last.
-        "`trainer.callbacks.reference_regions`: Not of type PositiveInt: does not conform to restriction v>0, got 0",
+        "`trainer.callbacks.reference_regions` must be None, 'auto' or an integer >= 1, got 0.",
     ),
     "checkpointing_null": (
         "strategy",
@@ -166,6 +167,80 @@ def test_each_configuration_mistake_is_one_line_naming_the_field_and_exit_code_2
     (line,) = _error_lines(stderr)
     assert line.startswith(f"error: {message}"), line
     assert key in message
+
+
+# A mistake in each restricted field of `CheckpointingConfig` and `RecomputationMonitor`: (where, field, value).
+BOTH_ROUTES = [
+    ("checkpointing", "every_n", 0),
+    ("checkpointing", "every_n", "two"),
+    ("checkpointing", "determinism_check", "strict"),
+    ("checkpointing", "memory_budget", "lots"),
+    ("checkpointing", "save_ops", ["aten.nosuchop"]),
+    ("monitor", "every_n_steps", 0),
+    ("monitor", "tolerance", -1),
+    ("monitor", "on_divergence", "stop"),
+    ("monitor", "attribution", "sometimes"),
+    ("monitor", "sentinel", "always"),
+    ("monitor", "log_prefix", ""),
+    ("monitor", "history_size", 0),
+    ("monitor", "reference_regions", 0),
+]
+KEYS = {"checkpointing": "trainer.strategy.checkpointing", "monitor": "trainer.callbacks"}
+
+
+def _python_error(where: str, field: str, value: object) -> str:
+    build = partial(CheckpointingConfig, classes=["Block"]) if where == "checkpointing" else RecomputationMonitor
+    with pytest.raises(CheckpointingConfigError, match=f"^`{field}` ") as raised:
+        build(**{field: value})
+    return str(raised.value)
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(("where", "field", "value"), BOTH_ROUTES)
+def test_a_mistake_reads_the_same_from_python_and_from_yaml_with_the_fields_key(
+    where: str, field: str, value: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    python = _python_error(where, field, value)
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(_config_with(tmp_path, where, field, value), tmp_path))
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == f"error: `{KEYS[where]}.{field}`" + python.removeprefix(f"`{field}`")
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_mistake_of_the_whole_config_is_named_by_the_configs_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(CheckpointingConfigError, match=r"^`CheckpointingConfig` selects nothing") as raised:
+        CheckpointingConfig(classes=[])
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(_config_with(tmp_path, "checkpointing", "classes", []), tmp_path))
+    assert _error_lines(capsys.readouterr().err) == [f"error: `trainer.strategy.checkpointing`: {raised.value}"]
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_command_line_value_reads_as_the_same_value_in_yaml(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    python = _python_error("checkpointing", "every_n", 0)
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_n=0"))
+    located = f"error: `{KEYS['checkpointing']}.every_n`" + python.removeprefix("`every_n`")
+    assert _error_lines(capsys.readouterr().err) == [located]
+    # A number on the command line is a number, as in YAML.
+    cli = train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_n=2")[1:], run=False)
+    assert cli.trainer.strategy.checkpointing.every_n == 2
+
+
+@pytest.mark.usefixtures("in_process")
+def test_help_names_what_each_field_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match=r"^0$"):
+        train.main(["fit", "--trainer.callbacks.help", "lightning_ckpt_determinism.RecomputationMonitor"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(type: PositiveInt, default: 100)" in text
+    assert "(type: NonNegativeFloat, default: 0.0)" in text
+    assert "(type: NotEmptyStr, default: recompute)" in text
+    assert "--trainer.callbacks.on_divergence {warn,raise,ignore}" in text
 
 
 @pytest.mark.usefixtures("in_process")
@@ -386,3 +461,17 @@ def test_the_monitors_hint_syntax_is_checked_at_fit_start(tmp_path: Path) -> Non
     trainer = pl.Trainer(max_steps=1, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(ValueError, match=r"^`hint_syntax` can be python, yaml, got 'toml'\.$"):
         monitor.on_fit_start(trainer, BrokenModule())
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"].pop("strategy"))
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(config, tmp_path))
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith(
+        "error: `RecomputationMonitor` has nothing to check: no module of GPTModule is checkpointed at fit start"
+        " under SingleDeviceStrategy. Add a checkpointing strategy (e.g."
+    )

@@ -3,6 +3,7 @@ object, read as the package reads it."""
 
 from argparse import ArgumentError
 from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 import torch
@@ -39,6 +40,16 @@ def test_package_message_in_finds_a_validators_message_listed_by_jsonargparse() 
     assert compat.package_message_in(_parse_error(0)) is None  # jsonargparse's own messages never start with a name
 
 
+def test_literal_rejection_reads_the_choices_and_the_value_from_jsonargparses_message() -> None:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--mode", type=Literal["warn", "raise"])
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_object({"mode": "stop"})
+    reason = compat.rejected_value(str(raised.value)).removeprefix("`mode`: ")
+    assert compat.literal_rejection(reason) == (["warn", "raise"], "stop")
+    assert compat.literal_rejection(compat.rejected_value(_parse_error(0))) is None
+
+
 def test_lightnings_error_for_an_unknown_strategy_name_is_recognised() -> None:
     with pytest.raises(ValueError) as raised:
         Trainer(strategy="dpp", accelerator="cpu", logger=False, enable_progress_bar=False)
@@ -60,5 +71,11 @@ def test_a_metrics_states_and_bookkeeping_are_what_an_update_changes() -> None:
 
 
 def test_every_entry_is_pinned_here() -> None:
-    pinned = {"rejected_value", "package_message_in", "is_unknown_strategy_error", "metric_state_names"}
+    pinned = {
+        "rejected_value",
+        "package_message_in",
+        "literal_rejection",
+        "is_unknown_strategy_error",
+        "metric_state_names",
+    }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}

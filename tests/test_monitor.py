@@ -66,6 +66,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
         ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
         ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
+        ({"log_prefix": 5}, r"`log_prefix` must be a non-empty string, got 5\."),
         ({"history_size": 0}, r"`history_size` must be an integer >= 1, got 0\."),
         ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
         ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),
@@ -203,12 +204,34 @@ def test_training_is_bit_identical_with_the_monitor(tmp_path, setup, block):
         assert scaler.state_dict() == other.state_dict()
 
 
-def test_no_checkpointed_module_warns_once_and_checks_nothing(tmp_path):
-    monitor = RecomputationMonitor(every_n_steps=1)
-    with pytest.warns(LightningCkptDeterminismWarning, match="found no checkpointed module in StackModule"):
-        fit(tmp_path, monitor=monitor, checkpointing=False)
+class _StepCounter(pl.Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.steps += 1
+
+
+def test_a_fit_without_a_checkpointed_module_stops_at_fit_start_saying_what_to_add(tmp_path):
+    # It warned and trained unprotected before; a monitor that cannot check stops the fit before its first step.
+    monitor, counter = RecomputationMonitor(every_n_steps=1), _StepCounter()
+    module = StackModule()
+    weights = {key: value.clone() for key, value in module.state_dict().items()}
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[counter, monitor], max_steps=2))
+    with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor` has nothing to check") as raised:
+        trainer.fit(module)
+    message = str(raised.value)
+    assert message.startswith(
+        "`RecomputationMonitor` has nothing to check: no module of StackModule is checkpointed at fit start under"
+        " SingleDeviceStrategy. Add a checkpointing strategy (e.g."
+        " `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[...]))`"
+    )
+    assert "`apply_activation_checkpointing` in `configure_model`" in message
+    assert "\n" not in message
+    assert counter.steps == 0
+    assert trainer.global_step == 0
+    assert all(torch.equal(weights[key], value) for key, value in module.state_dict().items())
     assert list(monitor.history) == []
-    assert monitor.last_checked_step == -1
 
 
 def test_custom_loss_fn_replaces_training_step(tmp_path):

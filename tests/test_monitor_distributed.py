@@ -169,6 +169,17 @@ def test_ddp_raise_mode_stops_every_rank_alike_with_the_finding(ddp):
         assert "Region `model.blocks.1`" in outcome["error"] and "(rank 1)." in outcome["error"]
 
 
+def test_ddp_a_rank_with_nothing_to_check_stops_every_rank_at_fit_start(ddp):
+    rank0, rank1 = result(ddp, "nothing_on_rank_zero", 0), result(ddp, "nothing_on_rank_zero", 1)
+    assert rank0["global_step"] == rank1["global_step"] == 0
+    assert rank0["history"] == rank1["history"] == []
+    assert rank0["error"].startswith(
+        "`RecomputationMonitor` has nothing to check: no module of RankOneCheckpointedModule is checkpointed at fit"
+        " start under DDPStrategy."
+    )
+    assert rank1["error"] == "`RecomputationMonitor` has nothing to check on another rank; see the error it raised."
+
+
 def test_fsdp2_example_config_trains_with_the_monitor(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [

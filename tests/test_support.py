@@ -12,9 +12,9 @@ import lightning_ckpt_determinism
 import lightning_ckpt_determinism.lightning as lightning_layer
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    CheckpointingConfigError,
     DDPCheckpointingStrategy,
     FSDPCheckpointingStrategy,
-    LightningCkptDeterminismWarning,
     ModelParallelCheckpointingStrategy,
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
@@ -103,9 +103,20 @@ def test_the_monitor_asks_a_strategy_for_what_it_declares(tmp_path: Path) -> Non
     assert _RecordingSupport.asked >= 2
 
 
-def test_under_a_strategy_without_support_the_monitor_warns_and_checks_nothing(tmp_path: Path) -> None:
-    with pytest.warns(LightningCkptDeterminismWarning, match=r"not under _UnsupportedStrategy, so no check will run"):
-        monitor = _fit(tmp_path, _UnsupportedStrategy("cpu"))
+def test_under_a_strategy_without_support_the_monitor_stops_the_fit_at_its_start(tmp_path: Path) -> None:
+    # It warned and trained unchecked before: a monitor that cannot check says so before the first step.
+    module, monitor = StackModule(), RecomputationMonitor(every_n_steps=1, sentinel="off")
+    apply_activation_checkpointing(module, CONFIG)
+    strategy = _UnsupportedStrategy("cpu")
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor], max_steps=2))
+    with pytest.raises(
+        CheckpointingConfigError,
+        match=r"^`RecomputationMonitor` cannot check under _UnsupportedStrategy: it runs under single-device, DDP,"
+        r" FSDP and ModelParallel strategies and their subclasses\. Use one of those .*, give the strategy a"
+        r" `monitor_support\(\)` that returns a `StrategySupport`, or remove the monitor\.$",
+    ):
+        trainer.fit(module)
+    assert trainer.global_step == 0
     assert list(monitor.history) == []
     assert monitor.last_report is None
 

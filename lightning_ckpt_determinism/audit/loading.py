@@ -3,7 +3,10 @@ by LightningCLI's own ``fit`` subcommand."""
 
 import argparse
 import contextlib
+import importlib
 import logging
+import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +18,22 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 
 from lightning_ckpt_determinism.audit.arguments import UsageError
-from lightning_ckpt_determinism.config import resolve_class_path
 from lightning_ckpt_determinism.lightning.cli import configuration_error, yaml_error
+from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
-__all__ = ["build", "configs_text", "fit_notes", "one_process_notes", "quiet_lightning", "train_dataloader"]
+__all__ = [
+    "build",
+    "configs_text",
+    "fit_notes",
+    "import_hint",
+    "one_process_notes",
+    "quiet_lightning",
+    "train_dataloader",
+]
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+_MISSING_MODULE = re.compile(r"No module named '([^']+)'")
 
 
 class _ParsedFit(LightningCLI):
@@ -29,6 +41,11 @@ class _ParsedFit(LightningCLI):
     ``fit`` (which LightningCLI calls in place of ``Trainer.fit`` when the CLI defines one) keeps the arguments."""
 
     fit_arguments: dict[str, Any]
+
+    def before_instantiate_classes(self) -> None:
+        # The package's values, checked as `CheckpointingCLI` checks them: the same message, naming the key.
+        super().before_instantiate_classes()
+        check_parsed_config(self.config[self.subcommand])
 
     def fit(self, model: Any, datamodule: Any = None, **arguments: Any) -> None:
         self.fit_arguments = arguments
@@ -44,9 +61,9 @@ def build(args: argparse.Namespace) -> _ParsedFit:
     sections = [_read_config(path) for path in args.config]
     _require_class_paths(args, sections)
     where = configs_text(args.config)
+    model_class = _option_class("--model", args.model)
+    data_class = _option_class("--data", args.data)
     try:
-        model_class = resolve_class_path(args.model) if args.model else None
-        data_class = resolve_class_path(args.data) if args.data else None
         with warnings.catch_warnings():
             # The audit's own command line is not LightningCLI's; `args` is all it should read.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
@@ -62,8 +79,15 @@ def build(args: argparse.Namespace) -> _ParsedFit:
             )
     except Exception as err:
         message = configuration_error(err) or " ".join(str(err).split())
-        raise UsageError(f"{where} cannot be loaded: {message}") from err
+        raise UsageError(f"{where} cannot be loaded: {import_hint(message)}") from err
     strategy = cli.trainer.strategy
+    if cli.config[cli.subcommand].trainer.strategy == "auto":
+        raise UsageError(
+            f"{where} sets no `trainer.strategy`, so nothing is checkpointed; give it one of this package's"
+            " strategies with `checkpointing`, e.g. `class_path:"
+            " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy` with `init_args: {checkpointing:"
+            " {classes: [Block]}}`"
+        )
     if not isinstance(strategy, ActivationCheckpointingMixin):
         raise UsageError(
             f"`trainer.strategy` in {where} is {type(strategy).__name__}, which applies no activation"
@@ -78,6 +102,39 @@ def build(args: argparse.Namespace) -> _ParsedFit:
         )
     cli.model.configure_model()
     return cli
+
+
+def import_hint(message: str) -> str:
+    """``message`` with, when it says a module is missing, where the audit imports from and how to change it.
+
+    Example::
+
+        >>> import_hint("`model`: No module named 'mymodel'")[:67]
+        "`model`: No module named 'mymodel' (the audit imports from the work"
+    """
+    missing = _MISSING_MODULE.search(message)
+    if missing is None:
+        return message
+    return (
+        f"{message} (the audit imports from the working directory {os.getcwd()} and PYTHONPATH: run it from the"
+        f" directory that holds {missing[1].split('.')[0]}, or add that directory to PYTHONPATH)"
+    )
+
+
+def _option_class(option: str, path: str | None) -> type | None:
+    """The class ``--model`` or ``--data`` names, or ``None`` when the option is not given."""
+    if path is None:
+        return None
+    module_path, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_path), name) if module_path else None
+    except AttributeError:
+        found = None
+    except Exception as err:  # the module itself fails to import (a missing module, an error in its code)
+        raise UsageError(f"`{option}` {path!r} cannot be imported: {import_hint(str(err))}") from err
+    if not isinstance(found, type):
+        raise UsageError(f"`{option}` {path!r} names no class; give its dotted path, such as package.module.Class")
+    return found
 
 
 def configs_text(configs: list[Path]) -> str:

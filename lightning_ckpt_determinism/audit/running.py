@@ -178,9 +178,11 @@ def _check_batches(
     # A compiled model compiles through the graph scan from its first pass: the check's scan of a compiler_recompute
     # divergence then reads the graphs the check compiled, and compiles nothing more.
     scan_graphs = scanned(model) if is_compiled(model) else contextlib.nullcontext()
+    # A bar for one batch says nothing and leaves "1/1" in logs; tqdm's `None` hides it off a terminal too.
+    hidden = True if args.batches == 1 else None
     with (
         scan_graphs as scan,
-        tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False) as progress,
+        tqdm(total=args.batches, desc="audit", unit="batch", file=sys.stderr, leave=False, disable=hidden) as progress,
     ):
         for batch_idx, batch in enumerate(loader):
             seen += 1

@@ -3,18 +3,23 @@
 LightningCLI shows a configuration mistake as a traceback of 40 to 80 lines, or as jsonargparse's nested report
 of every alternative it tried. This CLI prints the one line that matters, naming the full key:
 
-- a value that a signature rejects while parsing (``PositiveInt``, a ``Literal``):
-  ``error: `trainer.strategy.checkpointing.every_n`: Not of type PositiveInt: 0 does not conform ...``;
+- a value of ``CheckpointingConfig`` or ``RecomputationMonitor`` that their constructor refuses, with the message
+  it gives in Python and the field named by its key, checked before anything is built:
+  ``error: `trainer.strategy.checkpointing.every_n` must be an integer >= 1, got 0.``;
+- a value outside a ``Literal``, in the same words as the package's choices:
+  ``error: `trainer.callbacks.on_divergence` can be warn, raise, ignore, got 'stop'.``;
+- any other value that a signature rejects while parsing: ``error: `trainer.max_steps`: Expected an int ...``;
 - a ``class_path`` that names nothing: ``error: `model`: module 'examples.gpt' has no attribute 'GPTModul'``;
 - a YAML syntax error in a ``--config`` file, with its place: ``error: run.yaml:3:4: invalid YAML: ...``;
 - a constructor's message that starts with the argument in backticks (every :class:`CheckpointingConfigError`
-  does: an op torch does not know, a strategy without ``checkpointing``) and a ``CheckpointingConfigError`` raised
-  when the strategy sets the model up (a selection that matches no module);
+  does: a strategy without ``checkpointing``) and a ``CheckpointingConfigError`` raised when the strategy sets the
+  model up (a selection that matches no module) or when the fit starts (a monitor with nothing to check);
 - Lightning's own message for a strategy name it does not know (``strategy: dpp``).
 
 Any other error keeps its traceback.
 """
 
+import re
 import sys
 from argparse import ArgumentError
 from itertools import pairwise
@@ -25,13 +30,21 @@ import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_ckpt_determinism._library_compat import is_unknown_strategy_error, package_message_in, rejected_value
+from lightning_ckpt_determinism._library_compat import (
+    is_unknown_strategy_error,
+    literal_rejection,
+    package_message_in,
+    rejected_value,
+)
+from lightning_ckpt_determinism.config import choice_message
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 
 __all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
 
 _CONFIG_OPTIONS = ("--config", "-c")
+_KEY_AND_REASON = re.compile(r"`([^`]+)`: (.*)")
 
 
 class CheckpointingCLI(LightningCLI):
@@ -84,6 +97,11 @@ class CheckpointingCLI(LightningCLI):
             if isinstance(callback, RecomputationMonitor):
                 callback.hint_syntax = "yaml"
         return trainer
+
+    def before_instantiate_classes(self) -> None:
+        """Check the package's values before anything is built, naming each mistake's key."""
+        super().before_instantiate_classes()
+        check_parsed_config(self.config[self.subcommand] if self.subcommand else self.config)
 
 
 def config_file_error(args: Any) -> str | None:
@@ -166,4 +184,15 @@ def configuration_error(err: Exception) -> str | None:
         return package_message
     if is_unknown_strategy_error(err):
         return " ".join(str(err).split())
-    return rejected_value(str(err)) if isinstance(err, ArgumentError) else None
+    return _in_package_words(rejected_value(str(err))) if isinstance(err, ArgumentError) else None
+
+
+def _in_package_words(rejected: str) -> str:
+    """A value outside a ``Literal`` said as the package says it of its own choices (the value as a string, as
+    jsonargparse prints it); anything else as jsonargparse says it."""
+    found = _KEY_AND_REASON.fullmatch(rejected)
+    choice = literal_rejection(found[2]) if found else None
+    if found is None or choice is None:
+        return rejected
+    choices, value = choice
+    return choice_message(found[1], value, choices)

@@ -18,6 +18,7 @@ from lightning_ckpt_determinism.config import (
     PositiveInt,
     check_bool,
     check_choice,
+    check_non_empty_str,
     check_non_negative_float,
     check_positive_int,
 )
@@ -124,8 +125,10 @@ class RecomputationMonitor(Callback):
             timestamp or a stored ``loss.item()``. They are still put back after each check.
 
     Raises:
-        CheckpointingConfigError: If an argument is out of range, or at fit start if the module uses manual
-            optimization and no ``loss_fn`` is given.
+        CheckpointingConfigError: If an argument is out of range; at fit start, before any step, if the module uses
+            manual optimization and no ``loss_fn`` is given, if no module is checkpointed (no checkpointing strategy
+            and no ``apply_activation_checkpointing`` in ``configure_model``), or if the strategy is none the monitor
+            runs under (on every rank alike).
         RecomputationDivergenceError: During training, with ``on_divergence="raise"``, when a check diverges.
 
     Example::
@@ -154,16 +157,14 @@ class RecomputationMonitor(Callback):
         exclude_attributes: list[str] | None = None,
     ) -> None:
         super().__init__()
-        # LightningCLI hands jsonargparse's restricted types; plain ones save, pickle and key the state alike.
+        # The one check of each argument, from Python and LightningCLI alike; plain types save, pickle and key alike.
         self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self.tolerance = check_non_negative_float("tolerance", tolerance)
         self.on_divergence = check_choice("on_divergence", on_divergence, ("warn", "raise", "ignore"))
         if loss_fn is not None and not callable(loss_fn):
             raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         self.loss_fn = loss_fn
-        if not log_prefix:
-            raise CheckpointingConfigError("`log_prefix` must be a non-empty string, got ''.")
-        self.log_prefix = str(log_prefix)
+        self.log_prefix = check_non_empty_str("log_prefix", log_prefix)
         self.attribution = check_choice("attribution", attribution, ("on_divergence", "always", "never"))
         self.calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
         self.reference_regions: int | str | None = check_positive_int(
@@ -230,10 +231,12 @@ class RecomputationMonitor(Callback):
             )
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module)
-        self._enabled = problem is None
-        if problem is not None:
-            rank_zero_warn(problem, category=LightningCkptDeterminismWarning)
-            return
+        # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
+        self._enabled = not agree(trainer.strategy, problem is not None)
+        if not self._enabled:
+            raise CheckpointingConfigError(
+                problem or "`RecomputationMonitor` has nothing to check on another rank; see the error it raised."
+            )
         if self.sentinel != "off":
             self._watch.start(pl_module)
         if not trainer.loggers:

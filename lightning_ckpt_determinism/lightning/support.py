@@ -4,7 +4,8 @@ A strategy says what :class:`~lightning_ckpt_determinism.RecomputationMonitor` n
 :class:`StrategySupport`: the tensors whose ``.grad`` the step fills, whether the next backward writes into the live
 gradients' storage, and how a two-pass check takes gradients. The package's strategies declare theirs
 (``ActivationCheckpointingMixin.monitor_support``); Lightning's stock strategies, with checkpointing applied in
-``configure_model``, get theirs from :func:`stock_support`. A strategy that has none is not monitored.
+``configure_model``, get theirs from :func:`stock_support`. Under a strategy that has none the monitor refuses to
+start (:func:`unmonitored`).
 """
 
 from typing import Any, Literal
@@ -156,8 +157,8 @@ def support_of(strategy: Any) -> StrategySupport | None:
 
 
 def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.LightningModule") -> str | None:
-    """Why the monitor checks nothing in this fit (a strategy without support, a model without a checkpointed
-    module), or ``None`` when it can.
+    """Why the monitor can check nothing in this fit (a strategy without support, a model without a checkpointed
+    module at fit start), as the one-line error it raises, or ``None`` when it can check.
 
     Args:
         support: What :func:`support_of` says of ``strategy``.
@@ -166,18 +167,22 @@ def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.L
 
     Example::
 
-        >>> unmonitored(None, object(), None)[-39:]
-        'not under object, so no check will run.'
+        >>> unmonitored(None, object(), None)[:57]
+        '`RecomputationMonitor` cannot check under object: it runs'
     """
     if support is None:
         return (
-            "`RecomputationMonitor` is tested under single-device, DDP, FSDP and ModelParallel strategies (and their"
-            f" subclasses), not under {type(strategy).__name__}, so no check will run."
+            f"`RecomputationMonitor` cannot check under {type(strategy).__name__}: it runs under single-device, DDP,"
+            " FSDP and ModelParallel strategies and their subclasses. Use one of those (e.g."
+            " `DDPCheckpointingStrategy(checkpointing=CheckpointingConfig(...))`), give the strategy a"
+            " `monitor_support()` that returns a `StrategySupport`, or remove the monitor."
         )
     if not checkpointed_modules(pl_module):
         return (
-            f"`RecomputationMonitor` found no checkpointed module in {type(pl_module).__name__}, so no check will run."
-            " Use a checkpointing strategy (e.g. `SingleDeviceCheckpointingStrategy(checkpointing=...)`) or"
-            " `apply_activation_checkpointing`."
+            f"`RecomputationMonitor` has nothing to check: no module of {type(pl_module).__name__} is checkpointed at"
+            f" fit start under {type(strategy).__name__}. Add a checkpointing strategy (e.g."
+            " `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[...]))`,"
+            " `DDPCheckpointingStrategy`, `FSDPCheckpointingStrategy`, `ModelParallelCheckpointingStrategy`) or call"
+            " `apply_activation_checkpointing` in `configure_model`, or remove the monitor."
         )
     return None
