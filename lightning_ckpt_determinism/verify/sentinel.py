@@ -393,12 +393,17 @@ class _StateWatch:
         self,
         sentinel: "RecomputationSentinel",
         region: str,
-        module: nn.Module,
+        parameters: Sequence[tuple[str, nn.Module, str]],
         exposed: Sequence[tuple[str, torch.Tensor]],
     ) -> None:
         self.sentinel = sentinel
         self.region = region
-        self.versions = [(name, param, version_counter(param)) for name, param in module.named_parameters()]
+        # Read through their owners at each recomputation: FSDP2 swaps the parameter objects in and out.
+        self.versions = [
+            (name, param, version_counter(param))
+            for name, owner, attribute in parameters
+            if (param := getattr(owner, attribute)) is not None
+        ]
         self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
         self.before = self._digests()
 
@@ -423,6 +428,15 @@ class _StateWatch:
                 for name, _ in self.buffers
             ]
             self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
+
+
+def _parameter_places(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """Each parameter of ``module`` as ``(name, owner, attribute)``: ``getattr(owner, attribute)`` is the parameter."""
+    places = []
+    for name, _ in module.named_parameters():
+        path, _, attribute = name.rpartition(".")
+        places.append((name, module.get_submodule(path) if path else module, attribute))
+    return places
 
 
 def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:
@@ -586,6 +600,8 @@ class RecomputationSentinel:
         self._buffers = {
             name: frozenset(storage_pointer(buffer) for buffer in sub.buffers()) for name, sub in regions.items()
         }
+        # Where each region's parameters live (their owner module and attribute), found once.
+        self._parameters = {name: _parameter_places(sub) for name, sub in regions.items()}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._layouts: dict[str, SavedLayout] = {}
@@ -654,7 +670,7 @@ class RecomputationSentinel:
         watch = None
         if not self._paused and name is not None:
             try:
-                watch = _StateWatch(self, name, module, exposed_buffers)
+                watch = _StateWatch(self, name, self._parameters[name], exposed_buffers)
             except Exception as err:
                 self.failed(name, "its parameters and buffers", err)
         try:
