@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, recomputation_sentinel
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    RecomputationSentinel,
+    apply_activation_checkpointing,
+    recomputation_sentinel,
+)
 from lightning_ckpt_determinism.verify.digest import DigestMode
 from lightning_ckpt_determinism.verify.light import SavedLayout
 from tests.helpers import DIM, Stack, batch, step_gradients
@@ -161,3 +166,14 @@ def test_a_call_on_another_code_path_is_compared_where_it_can_and_its_layout_lea
             model(x).sum().backward()
             assert sentinel.settle()["blocks.0"].mismatches == 0
     assert sentinel.report().regions["blocks.0"].compared >= 4
+
+
+def test_exact_keeps_working_for_a_release_with_a_deprecation_warning_and_modes_are_checked() -> None:
+    model = model_with(BranchedBlock())
+    with pytest.warns(FutureWarning, match=r"`exact=` is deprecated .* `mode=\"exact\"`"):
+        assert RecomputationSentinel(model, exact=True).tier == "exact"
+    with pytest.warns(FutureWarning, match="`exact=` is deprecated"), recomputation_sentinel(model, exact=False) as old:
+        assert old.tier == "sampled"
+    assert RecomputationSentinel(model).tier == "light"
+    with pytest.raises(ValueError, match="`mode` can be light, sampled or exact, got 'every'"):
+        RecomputationSentinel(model, mode="every")  # type: ignore[arg-type]

@@ -330,7 +330,7 @@ class RecomputationMonitor(Callback):
         self._watch.step_ended()
         logging = self._watch.metrics_due(trainer)
         step = self._watch.step
-        if logging or self._schedule.last_checked == step or self.on_divergence == "raise":
+        if logging or self._schedule.last_checked == step:
             self._respond(trainer, self._watch.read(trainer))
         if logging:
             self._publish(trainer, pl_module, self._watch.metrics())
