@@ -162,8 +162,10 @@ class CheckResults:
             return
         for logger in trainer.loggers if loggers else []:
             logger.log_metrics(logged, step=step)
+        if pl_module is None:
+            return
         shown = f"{self.log_prefix}/grad_divergence"
-        for name, value in logged.items() if pl_module is not None else []:
+        for name, value in logged.items():
             prog_bar = self.prog_bar and name == shown
             pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
 

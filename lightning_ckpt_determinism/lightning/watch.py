@@ -219,14 +219,14 @@ class SentinelWatch:
             periods: list[dict[str, SentinelRegion]] | None = [sentinel.read(record) for _, record in differed]
         except Exception as err:
             failed, periods = err, None
-        found = gather(strategy, (trainer.global_rank, periods))
-        if any(regions is None for _, regions in found):
+        gathered = gather(strategy, (trainer.global_rank, periods))
+        if any(by_step is None for _, by_step in gathered):
             self._fail(failed)
             return []
         return [
             finding
             for at, (step, _) in enumerate(differed)
-            for finding in self._findings(step, [(rank, periods[at]) for rank, periods in found])
+            for finding in self._findings(step, [(rank, by_step[at]) for rank, by_step in gathered])
         ]
 
     def _findings(self, step: int, found: list[tuple[int, dict[str, SentinelRegion]]]) -> list[SentinelFinding]:
