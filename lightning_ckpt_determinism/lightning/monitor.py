@@ -316,9 +316,9 @@ class RecomputationMonitor(Callback):
         if self.on_divergence != "raise":
             return
         # Before the optimizer steps, so that a step whose recomputation differed never applies its gradients.
-        self._watch.step_ended()
+        self._watch.step_ended(batch_end=False)
         findings = self._watch.read(trainer)
-        if findings:
+        if findings and trainer.loggers:
             self._publish(trainer, None, self._watch.metrics())  # the loggers show the step that raises
         self._respond(trainer, findings)
 
@@ -343,10 +343,10 @@ class RecomputationMonitor(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
-        self._watch.step_ended()
         self._respond(trainer, self._watch.read(trainer), last=True)
-        # Lightning takes no `self.log` here: what is left goes to the loggers only.
-        self._publish(trainer, None, self._watch.metrics(last=True))
+        if trainer.loggers:
+            # Lightning takes no `self.log` here: what is left goes to the loggers only.
+            self._publish(trainer, None, self._watch.metrics(last=True))
         self._watch.stop()
         if self._enabled:
             plan = getattr(trainer.strategy, "checkpointing_plan", None)

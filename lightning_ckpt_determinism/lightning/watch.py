@@ -111,6 +111,8 @@ class SentinelWatch:
         self._entered = contextlib.ExitStack()
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
         self._unlogged: dict[int, _StepCounts] = {}
+        # Training batches since the last logged step (a period that compared nothing still has its 0 to log).
+        self._batches_since_logged = 0
         self._warned: dict[str, int] = {}
         self._logged_step = -1
         self._said_nothing_compared = False
@@ -123,7 +125,7 @@ class SentinelWatch:
         """Enter the sentinel for the fit (every region of ``pl_module`` is watched)."""
         self.stop()
         self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, mode=self.tier))
-        self._pending, self._unlogged = [], {}
+        self._pending, self._unlogged, self._batches_since_logged = [], {}, 0
         self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
         self._exact_from = None
         self._active = True
@@ -166,10 +168,15 @@ class SentinelWatch:
             exact = False
         self.sentinel.next_step("exact" if exact else None)
 
-    def step_ended(self) -> None:
-        """Close what the batch compared into one record, unread (no host read, no collective)."""
+    def step_ended(self, *, batch_end: bool = True) -> None:
+        """Close what was compared since the last call into one record, unread (no host read, no collective).
+
+        Args:
+            batch_end: Whether a training batch ends (``False`` before the optimizer step, under ``"raise"``).
+        """
         if self.sentinel is None or not self._active:
             return
+        self._batches_since_logged += batch_end
         try:
             self._pending.append((self.step, self.sentinel.end_step(), None))
         except Exception as err:
@@ -317,10 +324,10 @@ class SentinelWatch:
         Args:
             last: The fit ends: log what is unlogged, if anything.
         """
-        if self.sentinel is None or not self._active or (last and not self._unlogged):
+        if self.sentinel is None or not self._active or (last and not self._batches_since_logged):
             return None
         self._logged_step = self.step
-        unlogged, self._unlogged = self._unlogged, {}
+        unlogged, self._unlogged, self._batches_since_logged = self._unlogged, {}, 0
         points: list[tuple[int, dict[str, float]]] = []
         since = _StepCounts()
         total = _StepCounts()
