@@ -163,6 +163,22 @@ def test_model_already_checkpointed_by_the_user_is_left_alone(tmp_path: Path) ->
     assert list(checkpointed_modules(module)) == ["model.blocks.0"]
 
 
+def test_a_memory_budget_over_a_model_checkpointed_by_the_user_is_said_to_be_left_unapplied(tmp_path: Path) -> None:
+    recorder = CheckpointedModulesRecorder()
+    module = StackModule()
+    apply_activation_checkpointing(module, CheckpointingConfig(names=["model.blocks.0"]))
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.5)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    with pytest.warns(
+        LightningCkptDeterminismWarning,
+        match=r"leaves them as they are and applies nothing, nor its `memory_budget` \(0\.5\)\.",
+    ):
+        _fit(tmp_path, module, strategy, callbacks=[recorder])
+    # The user's checkpointing runs every step, untouched by a plan, and no plan is claimed.
+    assert recorder.seen == [["model.blocks.0"]] * 4
+    assert strategy.checkpointing_plan is None
+
+
 def test_entry_matching_nothing_warns_at_setup_and_the_rest_applies(tmp_path: Path) -> None:
     recorder = CheckpointedModulesRecorder()
     config = CheckpointingConfig(classes=["DropoutBlock", "Block"])

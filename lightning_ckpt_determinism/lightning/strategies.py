@@ -188,12 +188,16 @@ class ActivationCheckpointingMixin:
             return {}
         already = checkpointed_modules(module)
         if already:
+            budget = self.checkpointing.memory_budget
+            ignored = f", nor its `memory_budget` ({budget!r})" if budget is not None else ""
             rank_zero_warn(
                 f"lightning_ckpt_determinism: {len(already)} modules of {type(module).__name__} are already"
                 f" checkpointed ({_summary(already)}); `{type(self).__name__}` leaves them as they are and applies"
-                " nothing. Remove `apply_activation_checkpointing` from the model to let the strategy apply it.",
+                f" nothing{ignored}. Remove `apply_activation_checkpointing` from the model to let the strategy apply"
+                " it.",
                 category=LightningCkptDeterminismWarning,
             )
+            self._budgeted = None
             return {}
         return select_modules(module, self.checkpointing)
 
