@@ -13,6 +13,7 @@ import contextlib
 import json
 import socket
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -63,7 +64,7 @@ def run_sentinel(size: ModelSize, rounds: int, warmup: int, world_size: int = 2)
     Returns:
         Rank zero's summaries of seconds by variant and the per-round ratios ``"<variant>/off"``.
     """
-    return _spawned(_sentinel_worker, size, rounds, warmup, world_size)
+    return _spawned(partial(_measure_sentinel, size, rounds, warmup), world_size)
 
 
 SENTINEL_READ_EVERY = 10
@@ -84,31 +85,22 @@ def run(size: ModelSize, rounds: int, warmup: int, world_size: int = 2) -> dict[
         checked step over a step, in steps), ``"check without all-reduce/step"`` and ``"capture/step"``; with
         ``"max_grad_divergence"`` over every check (``0.0`` when exact) and ``"world_size"``.
     """
-    return _spawned(_worker, size, rounds, warmup, world_size)
+    return _spawned(partial(_measure, size, rounds, warmup), world_size)
 
 
-def _spawned(worker: Any, size: ModelSize, rounds: int, warmup: int, world_size: int) -> dict[str, Any]:
-    """``worker``'s measures on ``world_size`` spawned processes, as rank zero wrote them."""
+def _spawned(measure: Callable[[], dict[str, Any]], world_size: int) -> dict[str, Any]:
+    """What ``measure`` (picklable: a module-level function or a partial of one) returns on rank zero, run on
+    ``world_size`` spawned processes in one gloo group."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "rank0.json"
-        spawn(worker, args=(world_size, port, size, rounds, warmup, str(out)), nprocs=world_size)
+        spawn(_in_group, args=(world_size, port, str(out), measure), nprocs=world_size)
         return json.loads(out.read_text())
 
 
-def _worker(rank: int, world_size: int, port: int, size: ModelSize, rounds: int, warmup: int, out: str) -> None:
-    _in_group(rank, world_size, port, out, partial(_measure, size, rounds, warmup))
-
-
-def _sentinel_worker(
-    rank: int, world_size: int, port: int, size: ModelSize, rounds: int, warmup: int, out: str
-) -> None:
-    _in_group(rank, world_size, port, out, partial(_measure_sentinel, size, rounds, warmup))
-
-
-def _in_group(rank: int, world_size: int, port: int, out: str, measure: Any) -> None:
+def _in_group(rank: int, world_size: int, port: int, out: str, measure: Callable[[], dict[str, Any]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
