@@ -1,6 +1,8 @@
 """Tiny seeded models shared by the tests, each with one way recomputation can differ from the forward."""
 
+import contextlib
 import gc
+import logging
 import os
 import random
 import socket
@@ -8,7 +10,7 @@ import subprocess
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -796,3 +798,26 @@ def close_process_group() -> None:
     non-zero status after its work is done."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged_lines(*names: str) -> Iterator[list[str]]:
+    """The messages the loggers ``names`` log inside the block, whatever their level and propagation."""
+    lines = _Lines()
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(lines)
+    try:
+        yield lines.lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(lines)

@@ -17,6 +17,7 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
+from tests.helpers import Stack
 
 DIM = 32
 ROWS = 16
@@ -61,26 +62,12 @@ class WideBlock(nn.Module):
         return self.down(torch.tanh(self.up(x)))
 
 
-class Mixed(nn.Module):
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Linear(DIM, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 CONFIG = {"classes": ["CheapBlock", "CostlyBlock", "WideBlock"]}
 
 
-def _mixed(seed: int = 0) -> Mixed:
+def _mixed(seed: int = 0) -> Stack:
     torch.manual_seed(seed)
-    return Mixed([CheapBlock(), CostlyBlock(), CheapBlock(), WideBlock(), CostlyBlock(), CheapBlock()])
+    return Stack([CheapBlock(), CostlyBlock(), CheapBlock(), WideBlock(), CostlyBlock(), CheapBlock()], dim=DIM)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +85,7 @@ def _plan(model: nn.Module, budget: object) -> CheckpointingPlan:
     return plan_activation_checkpointing(model, config, lambda: _closure(model))
 
 
-def _own_measurement(model: Mixed) -> dict[str, tuple[int, int, int]]:
+def _own_measurement(model: Stack) -> dict[str, tuple[int, int, int]]:
     """Per block, measured by the test itself on the plain model: (bytes autograd saves in its forward, as distinct
     storages without parameters; bytes of its input; forward FLOPs)."""
     state = {tensor.untyped_storage().data_ptr() for tensor in model.parameters()}
@@ -189,7 +176,7 @@ def test_budgets_in_units_and_fractions_plan_alike() -> None:
 
 def test_identical_blocks_checkpoint_the_first_k() -> None:
     torch.manual_seed(0)
-    model = Mixed([CheapBlock() for _ in range(5)])
+    model = Stack([CheapBlock() for _ in range(5)], dim=DIM)
     own = _own_measurement(model)
     saving = own["blocks.0"][0] - own["blocks.0"][1]
     plain = sum(entry[0] for entry in own.values())

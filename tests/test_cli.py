@@ -1,6 +1,5 @@
 """Tests for `CheckpointingCLI`: each configuration mistake ends in one short message and exit code 2."""
 
-import logging
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
+from tests.helpers import logged_lines
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
@@ -378,30 +378,15 @@ YAML_HINT = "set `preserve_host_rng: true` under `trainer.strategy.init_args.che
 PYTHON_HINT = "set `preserve_host_rng=True` in the `CheckpointingConfig`, or draw from torch's RNG"
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _said(fit: Callable[[], list[RecomputationMonitor]]) -> tuple[list[RecomputationMonitor], list[str], list[str]]:
     """The monitors ``fit`` ran, its divergence warnings and its fit summaries."""
-    lines = _Lines()
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(lines)
-    try:
-        # The sentinel warns too, at the same step: every warning is recorded, and those of the check are kept.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            monitors = fit()
-    finally:
-        logger.removeHandler(lines)
+    # The sentinel warns too, at the same step: every warning is recorded, and those of the check are kept.
+    with logged_lines("lightning.pytorch") as lines, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitors = fit()
     ours = [str(warning.message) for warning in caught if warning.category is LightningCkptDeterminismWarning]
     warned = [message for message in ours if "recomputation diverged at step 0" in message]
-    return monitors, warned, [line for line in lines.lines if "RecomputationMonitor ran" in line]
+    return monitors, warned, [line for line in lines if "RecomputationMonitor ran" in line]
 
 
 @pytest.mark.usefixtures("in_process")

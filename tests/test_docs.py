@@ -4,7 +4,6 @@ pages equal what the code and the measurements give, and the quick start is what
 import contextlib
 import io
 import json
-import logging
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import lightning_ckpt_determinism
 from docs import generate
 from lightning_ckpt_determinism import CheckpointingCLI, CheckpointingConfig
 from lightning_ckpt_determinism.audit import main as audit_main
+from tests.helpers import logged_lines
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -119,32 +119,18 @@ def test_every_console_block_parses_and_each_audit_prints_what_it_shows(where: s
             assert all(matches(line, actual) for line, actual in zip(shown, printed, strict=True)), printed
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _fit_output(config: Path, root: Path) -> list[str]:
     """What a one-step fit of ``config`` logs and warns."""
     from examples import train
 
-    lines = _Lines()
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning_ckpt_determinism")]
-    for logger in loggers:
-        logger.addHandler(lines)
     argv = ["fit", "--config", str(config), "--trainer.max_steps=1", f"--trainer.default_root_dir={root}"]
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            train.main([*argv, "--trainer.enable_progress_bar=false"])
-    finally:
-        for logger in loggers:
-            logger.removeHandler(lines)
-    return lines.lines + [str(warning.message) for warning in caught]
+    with (
+        logged_lines("lightning.pytorch", "lightning_ckpt_determinism") as lines,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        train.main([*argv, "--trainer.enable_progress_bar=false"])
+    return lines + [str(warning.message) for warning in caught]
 
 
 @pytest.mark.usefixtures("cli_environment")
