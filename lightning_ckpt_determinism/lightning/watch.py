@@ -162,11 +162,9 @@ class SentinelWatch:
         self.step = step
         if self.sentinel is None:
             return
-        exact = self._exact_from is not None and step >= self._exact_from
-        if exact and self._exact_from != step:
-            self._exact_from = None  # a later batch than the escalated step's: back to the tier
-            exact = False
-        self.sentinel.next_step("exact" if exact else None)
+        if self._exact_from is not None and step > self._exact_from:
+            self._exact_from = None  # past the escalated step: back to the tier
+        self.sentinel.next_step("exact" if step == self._exact_from else None)
 
     def step_ended(self, *, batch_end: bool = True) -> None:
         """Close what was compared since the last call into one record, unread (no host read, no collective).
