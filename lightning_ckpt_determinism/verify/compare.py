@@ -2,6 +2,12 @@
 
 NaN in the same place on both sides, or the same infinity, counts as equal; a non-finite value on one side only is an
 infinite difference. DTensors are compared as this rank's local shards, so no comparison runs a collective.
+
+Sparse tensors (COO, CSR, CSC, BSR, BSC: an ``nn.Embedding(sparse=True)`` gives a COO gradient) are compared coalesced,
+on the union of the elements either side specifies; the figures equal those of their dense forms, and no dense copy
+is made (a table's gradient is sparse because its dense form is large). A sparse tensor against a strided one is
+compared densified. Any other layout (nested, MKL-DNN) cannot be compared: :func:`comparable` says so, and the checks
+report it as a finding rather than raise.
 """
 
 import math
@@ -16,12 +22,16 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 __all__ = [
     "NOISE_MARGIN",
     "WORST_PARAMETERS",
+    "all_finite",
+    "comparable",
     "elementwise_difference",
+    "exactly_equal",
     "gradient_divergence",
     "max_abs_difference",
     "pair_difference",
     "relative_divergence",
     "same_values",
+    "uncomparable_gradients",
     "worst_parameters",
 ]
 
@@ -31,6 +41,86 @@ WORST_PARAMETERS = 5
 NOISE_MARGIN = 2.0
 """The noise floor over the divergence of two reference passes: one sample of the noise, which a second draw (the
 checkpointed pass) exceeds about half the time, by a little."""
+
+_SPARSE = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
+
+def comparable(tensor: torch.Tensor | None) -> bool:
+    """Whether the checks can compare ``tensor``: ``None`` (a zero gradient), a strided tensor or a sparse one in any
+    of torch's sparse layouts; not a nested tensor nor one in another layout (MKL-DNN).
+
+    Args:
+        tensor: A gradient (this rank's shard of a DTensor).
+
+    Example::
+
+        >>> comparable(torch.ones(2)), comparable(torch.ones(2).to_sparse())
+        (True, True)
+        >>> comparable(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+        False
+    """
+    return tensor is None or (tensor.layout is torch.strided and not tensor.is_nested) or tensor.layout in _SPARSE
+
+
+def uncomparable_gradients(
+    names: Sequence[str], first: Sequence[torch.Tensor | None], second: Sequence[torch.Tensor | None]
+) -> list[str]:
+    """``"name (layout)"`` for each pair of gradients of which one is not :func:`comparable`.
+
+    Args:
+        names: The parameters' names.
+        first: One pass's gradients, in the order of ``names``.
+        second: The other pass's, alike.
+
+    Example::
+
+        >>> nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        >>> uncomparable_gradients(["a", "b"], [torch.ones(2), nested], [None, None])
+        ['b (nested torch.strided)']
+    """
+    found = []
+    for name, *pair in zip(names, first, second, strict=True):
+        for grad in pair:
+            if grad is not None and not comparable(grad):
+                found.append(f"{name} ({'nested ' if grad.is_nested else ''}{grad.layout})")
+                break
+    return found
+
+
+def exactly_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """``torch.equal`` in every layout :func:`comparable` accepts: sparse tensors by the indices and values of their
+    coalesced forms. ``False`` for a sparse tensor against a strided one, or coalesced forms that specify other
+    elements (an explicit zero on one side only): the figures of :func:`pair_difference` then say what differs.
+
+    Args:
+        first: One tensor.
+        second: The other, of the same shape.
+
+    Example::
+
+        >>> exactly_equal(torch.tensor([0.0, 2.0]).to_sparse(), torch.tensor([0.0, 2.0]).to_sparse())
+        True
+    """
+    if first.layout in _SPARSE and second.layout in _SPARSE:
+        first, second = _coalesced(first), _coalesced(second)
+        return (
+            first.shape == second.shape
+            and torch.equal(first.indices(), second.indices())
+            and torch.equal(first.values(), second.values())
+        )
+    return first.layout is second.layout is torch.strided and torch.equal(first, second)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite; a sparse tensor's once coalesced, as its dense form holds them.
+
+    Example::
+
+        >>> all_finite(torch.tensor([1.0, float("inf")]).to_sparse())
+        False
+    """
+    values = _coalesced(tensor).values() if tensor.layout in _SPARSE else tensor
+    return bool(torch.isfinite(values).all())
 
 
 def gradient_divergence(
@@ -72,19 +162,27 @@ def gradient_divergence(
 
 def pair_difference(position: int, ref: torch.Tensor | None, other: torch.Tensor | None) -> tuple[float, float, float]:
     """``(sum of squared differences, sum of squared finite reference values, max abs difference)`` of one pair,
-    ``None`` counting as zeros.
+    ``None`` counting as zeros; infinite differences for a pair that is not :func:`comparable` (the checks name it).
 
     Raises:
         ValueError: If the pair differs in shape (naming ``position``).
+
+    Example::
+
+        >>> pair_difference(0, torch.tensor([0.0, 3.0, 0.0]).to_sparse(), torch.tensor([0.0, 3.0, 4.0]).to_sparse())
+        (16.0, 9.0, 4.0)
     """
     if ref is None and other is None:
         return 0.0, 0.0, 0.0
+    if not (comparable(ref) and comparable(other)):
+        return math.inf, 0.0, math.inf
     ref_t = torch.zeros_like(other) if ref is None else ref  # type: ignore[arg-type]
     other_t = torch.zeros_like(ref_t) if other is None else other
     if ref_t.shape != other_t.shape:
         raise ValueError(f"Gradient {position} differs in shape: {tuple(ref_t.shape)} and {tuple(other_t.shape)}.")
-    diff = elementwise_difference(ref_t.detach().double(), other_t.detach().double())
-    finite_ref = torch.nan_to_num(ref_t.detach().double(), nan=0.0, posinf=0.0, neginf=0.0)
+    ref_values, other_values = (_comparable(values) for values in _aligned(ref_t, other_t))
+    diff = elementwise_difference(ref_values, other_values)
+    finite_ref = torch.nan_to_num(ref_values, nan=0.0, posinf=0.0, neginf=0.0)
     return float(diff.square().sum()), float(finite_ref.square().sum()), float(diff.max()) if diff.numel() else 0.0
 
 
@@ -144,8 +242,9 @@ def max_abs_difference(expected: Any, actual: Any) -> float:
     if not isinstance(actual, torch.Tensor):
         return math.inf
     expected, actual = local_tensor(expected), local_tensor(actual)
-    if torch.equal(expected, actual):
+    if exactly_equal(expected, actual):
         return 0.0
+    expected, actual = _aligned(expected, actual)
     diff = elementwise_difference(_comparable(expected), _comparable(actual))
     return float(diff.max()) if diff.numel() else 0.0
 
@@ -153,5 +252,28 @@ def max_abs_difference(expected: Any, actual: Any) -> float:
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
+        tensor = torch.view_as_real(tensor.resolve_conj())
     return tensor.to(torch.float64)
+
+
+def _coalesced(tensor: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor in coalesced COO form: each element specified once (a copy; ``tensor`` is left as it is)."""
+    return (tensor if tensor.layout is torch.sparse_coo else tensor.to_sparse_coo()).coalesce()
+
+
+def _aligned(ref: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elements of two tensors of one shape, in one order: strided ones as they are; two sparse ones as their
+    values at the union of the elements either specifies (zero where one does not), so that the figures are those of
+    their dense forms without a dense copy; a sparse one against a strided one, or sparse ones split into sparse and
+    dense dimensions differently, densified."""
+    if ref.layout not in _SPARSE and other.layout not in _SPARSE:
+        return ref.detach(), other.detach()
+    if ref.layout not in _SPARSE or other.layout not in _SPARSE:
+        return ref.detach().to_dense(), other.detach().to_dense()
+    ref, other = _coalesced(ref.detach()), _coalesced(other.detach())
+    if ref.sparse_dim() != other.sparse_dim():
+        return ref.to_dense(), other.to_dense()
+    # `sparse_mask` gathers each side's values at the union's indices (in the union's order) rather than computing
+    # them, so NaN and infinities reach `elementwise_difference` as the gradients hold them.
+    union = (ref + other).coalesce()
+    return ref.sparse_mask(union).values(), other.sparse_mask(union).values()

@@ -24,8 +24,12 @@ from torch import nn
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import (
     NOISE_MARGIN,
+    all_finite,
+    comparable,
+    exactly_equal,
     pair_difference,
     relative_divergence,
+    uncomparable_gradients,
     worst_parameters,
 )
 from lightning_ckpt_determinism.verify.core import (
@@ -40,6 +44,7 @@ from lightning_ckpt_determinism.verify.reports import (
     RecomputationReport,
     attribute_hint,
     buffer_hint,
+    uncomparable_layouts,
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -118,23 +123,26 @@ def compare_gradients(
     counted = [True] * len(names) if counted is None else counted
     unequal = 0
     missing = []
+    odd_layouts = uncomparable_gradients(names, live, reference)
     elements = 0
     non_finite = False
     for name, live_grad, ref_grad, counts in zip(names, live, reference, counted, strict=True):
         if live_grad is None and ref_grad is None:
             continue
-        if ref_grad is None:
-            missing.append(name)
-        elif live_grad is None or not torch.equal(live_grad, ref_grad):
-            unequal += 1
         if counts:
             elements += (live_grad if live_grad is not None else ref_grad).numel()  # type: ignore[union-attr]
-        if skip_non_finite and live_grad is not None and not bool(torch.isfinite(live_grad).all()):
+        if not (comparable(live_grad) and comparable(ref_grad)):
+            continue
+        if ref_grad is None:
+            missing.append(name)
+        elif live_grad is None or not exactly_equal(live_grad, ref_grad):
+            unequal += 1
+        if skip_non_finite and live_grad is not None and not all_finite(live_grad):
             non_finite = True
     states = float(buffers_changed > 0 or attributes_changed > 0)
-    flags = [unequal, len(missing), elements, float(non_finite), states]
+    flags = [unequal, len(missing), elements, float(non_finite), states, len(odd_layouts)]
     reduced = all_reduce(torch.tensor(flags, dtype=torch.float64, device=device), "sum").tolist()
-    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, states_anywhere = reduced
+    unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, states_anywhere, odd_anywhere = reduced
     # The counts themselves are needed only where some rank saw one: never read on a clean check.
     buffers, attributes = buffers_changed, attributes_changed
     if states_anywhere > 0:
@@ -150,6 +158,8 @@ def compare_gradients(
         live="the live step",
         nowhere="in the live step or the reference pass",
     )
+    if error is None and odd_anywhere > 0:
+        error = uncomparable_layouts(odd_layouts)
     if error is not None:
         return GradientComparison(
             math.inf, math.inf, {}, error=error, buffers_changed=buffers, attributes_changed=attributes

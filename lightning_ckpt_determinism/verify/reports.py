@@ -27,6 +27,7 @@ __all__ = [
     "first_line",
     "missing_reference_gradients",
     "no_gradients",
+    "uncomparable_layouts",
 ]
 
 CAUSE_HINTS: Mapping[str, str] = MappingProxyType({cause: cause.hint for cause in Cause})
@@ -113,6 +114,23 @@ def missing_reference_gradients(names: list[str], live: str) -> str:
     """
     shown = f"{names[:3]}{' ...' if len(names) > 3 else ''}" if names else "parameters of another rank"
     return f"the check could not compare gradients: the reference pass gave no gradient for {shown} where {live} did"
+
+
+def uncomparable_layouts(found: list[str]) -> str:
+    """The finding of a check that holds gradients in a layout it cannot compare (nested, MKL-DNN), each in ``found``
+    as ``"name (layout)"``.
+
+    Example::
+
+        >>> uncomparable_layouts(["w (torch.jagged)"])[:77]
+        "the check could not compare gradients: ['w (torch.jagged)'] hold gradients in"
+    """
+    shown = f"{found[:3]}{' ...' if len(found) > 3 else ''}" if found else "parameters of another rank"
+    return (
+        f"the check could not compare gradients: {shown} hold gradients in a layout it cannot compare; it compares"
+        " strided and sparse (COO, CSR, CSC, BSR, BSC) gradients only, so it gives no verdict while these have"
+        " another layout: give them a strided or sparse gradient, or check a model without them"
+    )
 
 
 def first_line(error: BaseException) -> str:

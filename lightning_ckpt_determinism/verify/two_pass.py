@@ -25,7 +25,12 @@ from lightning_ckpt_determinism.config import check_choice, check_non_negative_f
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.cause import Cause
-from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, gradient_divergence, worst_parameters
+from lightning_ckpt_determinism.verify.compare import (
+    NOISE_MARGIN,
+    gradient_divergence,
+    uncomparable_gradients,
+    worst_parameters,
+)
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism.verify.core import (
     CheckScope,
@@ -41,6 +46,7 @@ from lightning_ckpt_determinism.verify.reports import (
     RegionReport,
     attribute_hint,
     describe_error,
+    uncomparable_layouts,
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -290,13 +296,15 @@ def _uncomparable(names: list[str], reference: _Gradients, recomputed: _Gradient
     missing = [
         name for name, ref, other in zip(names, reference, recomputed, strict=True) if ref is None and other is not None
     ]
-    return uncomparable(
+    odd_layouts = uncomparable_gradients(names, reference, recomputed)
+    finding = uncomparable(
         missing,
         missing_anywhere=bool(missing),
         gradients_anywhere=any(grad is not None for grad in (*reference, *recomputed)),
         live="the checkpointed pass",
         nowhere="in either pass; make the loss depend on the module's parameters",
     )
+    return finding if finding is not None or not odd_layouts else uncomparable_layouts(odd_layouts)
 
 
 class _Passes:
