@@ -33,7 +33,7 @@ class TwoRanks:
 
 def test_equal_gradients_compare_with_one_collective_and_give_zero():
     grads = [torch.ones(3), torch.zeros(2)]
-    reduce = TwoRanks([torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0], dtype=torch.float64)])
+    reduce = TwoRanks([torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0, 0.0], dtype=torch.float64)])
     result = compare_gradients(NAMES, grads, [g.clone() for g in grads], all_reduce=reduce)
     assert (result.grad_divergence, result.max_abs_diff, result.error) == (0.0, 0.0, None)
     assert result.per_parameter == {"a": 0.0, "b": 0.0}
@@ -45,7 +45,7 @@ def test_a_difference_on_another_rank_reaches_every_rank():
     # The other rank: one unequal gradient, 3 elements, squared differences 0.25 over a squared norm 25, max 0.5.
     reduce = TwoRanks(
         [
-            torch.tensor([1.0, 0.0, 3.0, 0.0, 0.0], dtype=torch.float64),
+            torch.tensor([1.0, 0.0, 3.0, 0.0, 0.0, 0.0], dtype=torch.float64),
             torch.tensor([0.25, 25.0], dtype=torch.float64),
             torch.tensor([0.5, 0.0], dtype=torch.float64),
         ]
@@ -62,7 +62,7 @@ def test_replicated_values_count_once_in_the_sums():
     assert counted.grad_divergence == pytest.approx(0.1)
     not_here = TwoRanks(
         [
-            torch.tensor([0.0, 0.0, 2.0, 0.0, 0.0], dtype=torch.float64),
+            torch.tensor([0.0, 0.0, 2.0, 0.0, 0.0, 0.0], dtype=torch.float64),
             torch.tensor([0.0, 0.0], dtype=torch.float64),
             torch.tensor([0.0], dtype=torch.float64),
         ]

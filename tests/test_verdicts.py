@@ -362,11 +362,16 @@ def trial(case: Case, mode: str, device: str = "cpu") -> Trial:
                 grads.append([param.grad for param in model.parameters()])
                 optimizer.step()
             gradients_equal &= all(
-                (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                (a is None and b is None) or (a is not None and b is not None and same_tensor(a, b))
                 for a, b in zip(*grads, strict=True)
             )
             sentinel.next_step()
     return Trial(plain, checkpointed, regions, sentinel.report(), checks, gradients_equal)
+
+
+def same_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """``torch.equal`` in one layout; sparse gradients (``nn.Embedding(sparse=True)``) compared by their dense forms."""
+    return first.layout == second.layout and torch.equal(first.to_dense(), second.to_dense())
 
 
 def same_state(first: nn.Module, second: nn.Module) -> bool:

@@ -3,11 +3,11 @@
 NaN in the same place on both sides, or the same infinity, counts as equal; a non-finite value on one side only is an
 infinite difference. DTensors are compared as this rank's local shards, so no comparison runs a collective.
 
-Sparse tensors (COO, CSR, CSC, BSR, BSC: an ``nn.Embedding(sparse=True)`` gives a COO gradient) are compared coalesced,
-on the union of the elements either side specifies; the figures equal those of their dense forms, and no dense copy
-is made (a table's gradient is sparse because its dense form is large). A sparse tensor against a strided one is
-compared densified. Any other layout (nested, MKL-DNN) cannot be compared: :func:`comparable` says so, and the checks
-report it as a finding rather than raise.
+Sparse tensors (COO, CSR, CSC, BSR, BSC: an ``nn.Embedding(sparse=True)`` gives a COO gradient) are compared coalesced
+in float64, on the union of the elements either side specifies: the figures are those of their dense forms, and no
+dense copy is made (a table's gradient is sparse because its dense form is large). A sparse tensor against a strided
+one is compared densified. Any other layout (nested, MKL-DNN) cannot be compared: :func:`comparable` says so, and the
+checks report it as a finding rather than raise.
 """
 
 import math
@@ -256,6 +256,10 @@ def _comparable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.float64)
 
 
+def _widened(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.complex128 if tensor.is_complex() else torch.float64)
+
+
 def _coalesced(tensor: torch.Tensor) -> torch.Tensor:
     """A sparse tensor in coalesced COO form: each element specified once (a copy; ``tensor`` is left as it is)."""
     return (tensor if tensor.layout is torch.sparse_coo else tensor.to_sparse_coo()).coalesce()
@@ -268,9 +272,12 @@ def _aligned(ref: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torc
     dense dimensions differently, densified."""
     if ref.layout not in _SPARSE and other.layout not in _SPARSE:
         return ref.detach(), other.detach()
+    # Widened first: an uncoalesced gradient (an embedding's, a row per lookup) sums its repeated rows in float64,
+    # in whatever order, so two orders of the same rows agree to the last bit of the gradient's own dtype.
+    ref, other = _widened(ref.detach()), _widened(other.detach())
     if ref.layout not in _SPARSE or other.layout not in _SPARSE:
-        return ref.detach().to_dense(), other.detach().to_dense()
-    ref, other = _coalesced(ref.detach()), _coalesced(other.detach())
+        return ref.to_dense(), other.to_dense()
+    ref, other = _coalesced(ref), _coalesced(other)
     if ref.sparse_dim() != other.sparse_dim():
         return ref.to_dense(), other.to_dense()
     # `sparse_mask` gathers each side's values at the union's indices (in the union's order) rather than computing
