@@ -95,6 +95,21 @@ class SometimesBranchBlock(torch.nn.Module):
         return x + torch.tanh(hidden)
 
 
+class SparseTableBlock(torch.nn.Module):
+    """Adds rows of an ``nn.Embedding(sparse=True)``, looked up by ids made from its input and dropped at random: a
+    sparse gradient, which DDP all-reduces itself, outside its buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+        self.table = torch.nn.Embedding(16, DIM, sparse=True)
+        self.dropout = torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x[:, 0].abs() * 4).long().clamp(max=15)
+        return x + torch.tanh(self.linear(x) + self.dropout(self.table(ids)))
+
+
 class BranchingModule(StackModule):
     """Tells its branching block whether the batch is odd, in ``training_step``."""
 
@@ -270,6 +285,11 @@ def main(kind: str, out_dir: Path) -> None:
             branch = partial(SometimesBranchBlock, noisy=noisy)
             options = {"module_class": BranchingModule, "ddp_options": unused}
             run(kind, out_dir, name, "PlainBlock", monitor, branching, {}, branch, **options)  # type: ignore[arg-type]
+        # A sparse gradient (SGD's momentum buffer sparse too), checked every step: bit-identical training.
+        sparse = {"classes": ["PlainBlock", "SparseTableBlock"]}
+        run(kind, out_dir, "sparse_monitored", "PlainBlock", every_step(), sparse, {}, SparseTableBlock)
+        run(kind, out_dir, "sparse_checkpointed", "PlainBlock", None, sparse, {}, SparseTableBlock)
+        run(kind, out_dir, "sparse_plain", "PlainBlock", None, None, {}, SparseTableBlock)
         # Nothing checkpointed on rank 0 only: every rank stops at fit start, none waits for the others.
         monitor = every_step()
         options = {"module_class": RankOneCheckpointedModule}

@@ -68,7 +68,8 @@ def assert_equal_states(first: dict[str, Any], second: dict[str, Any]) -> None:
         if isinstance(value, dict):
             assert_equal_states(value, second[key])
         elif isinstance(value, torch.Tensor):
-            assert torch.equal(value, second[key]), key
+            # Sparse tensors (an embedding's SGD momentum) by layout and dense form.
+            assert value.layout == second[key].layout and torch.equal(value.to_dense(), second[key].to_dense()), key
         else:
             assert value == second[key], key
 
@@ -115,6 +116,20 @@ def test_ddp_gradient_bucket_views_are_checked_and_train_bit_identically(ddp):
         history = result(out_dir, "bucket_view_monitored", rank)["history"]
         assert [(entry["step"], entry["grad_divergence"]) for entry in history] == [(step, 0.0) for step in range(4)]
         assert_equal_states(state(out_dir, "bucket_view_monitored", rank), state(out_dir, "bucket_view_plain", rank))
+
+
+def test_ddp_a_sparse_gradient_is_checked_at_zero_and_trains_bit_identically(ddp):
+    out_dir = ddp
+    for rank in (0, 1):
+        history = result(out_dir, "sparse_monitored", rank)["history"]
+        assert [(entry["step"], entry["grad_divergence"], entry["diverged"]) for entry in history] == [
+            (step, 0.0, False) for step in range(4)
+        ]
+        monitored = state(out_dir, "sparse_monitored", rank)
+        momentum = [value["momentum_buffer"] for value in monitored["optimizer"].values()]
+        assert any(buffer.layout is torch.sparse_coo for buffer in momentum)  # the table trained on sparse gradients
+        assert_equal_states(monitored, state(out_dir, "sparse_checkpointed", rank))
+        assert_equal_states(monitored, state(out_dir, "sparse_plain", rank))
 
 
 def test_ddp_manual_optimization_is_checked_through_the_all_reduce_and_trains_bit_identically(ddp):
