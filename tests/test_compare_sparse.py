@@ -116,6 +116,17 @@ def test_exact_equality_of_a_sparse_pair_is_that_of_its_dense_forms_or_left_to_t
         assert gradient_divergence([ref], [other]) == (0.0, [0.0])
 
 
+@pytest.mark.parametrize(("values", "skipped"), [([[1.0, 2.0], [3.0, 4.0]], False), ([[1.0, INF], [3.0, 4.0]], True)])
+def test_a_non_finite_sparse_live_gradient_is_skipped_as_a_dense_one_is(values, skipped):
+    live = rows([1, 1], values)
+    reference = rows([1], [[4.0, 6.0]])
+    result = compare_gradients(["t"], [live], [reference], skip_non_finite=True)
+    dense = compare_gradients(["t"], [live.to_dense()], [reference.to_dense()], skip_non_finite=True)
+    assert result.skipped is dense.skipped is skipped
+    # Its rows sum to the reference's: nothing differs where it is compared.
+    assert result.grad_divergence == dense.grad_divergence == 0.0
+
+
 def test_setting_sparse_gradients_aside_puts_the_same_tensors_back():
     table = nn.Embedding(6, 2, sparse=True)
     table(torch.tensor([1, 3, 1])).sum().backward()

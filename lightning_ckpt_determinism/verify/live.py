@@ -9,8 +9,10 @@ state after the step back, whatever is raised: training then continues as if no 
 
 Gradients are compared on what this rank holds (whole, replicated or sharded: DTensor gradients are compared shard
 by shard) and the sums are reduced over ranks through the ``all_reduce`` callable the caller gives, so the verdict
-is the same on every rank. A fast path compares every gradient with ``torch.equal`` and reduces one small vector;
-only when something differs are the float64 norms computed.
+is the same on every rank. A fast path compares every gradient with ``torch.equal`` (a sparse one by the indices and
+values of its coalesced form) and reduces one small vector; only when something differs are the float64 norms
+computed. A gradient in a layout the check cannot compare (nested, MKL-DNN) is a finding on every rank, never an
+exception.
 """
 
 import math
