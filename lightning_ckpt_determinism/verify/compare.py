@@ -272,8 +272,8 @@ def _aligned(ref: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torc
     dense dimensions differently, densified."""
     if ref.layout not in _SPARSE and other.layout not in _SPARSE:
         return ref.detach(), other.detach()
-    # Widened first: an uncoalesced gradient (an embedding's, a row per lookup) sums its repeated rows in float64,
-    # in whatever order, so two orders of the same rows agree to the last bit of the gradient's own dtype.
+    # Widened first: an uncoalesced gradient (an embedding's, a row per lookup) sums its repeated rows in float64, so
+    # that the figures do not hang on the order of a sum rounded at the gradient's own precision.
     ref, other = _widened(ref.detach()), _widened(other.detach())
     if ref.layout not in _SPARSE or other.layout not in _SPARSE:
         return ref.to_dense(), other.to_dense()
