@@ -106,6 +106,20 @@ def test_a_check_of_gpt2_called_with_use_cache_finds_nothing(attention: str) -> 
     assert [(region.ops_compared > 0, region.cause) for region in report.regions] == [(True, None)] * 2
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_gpt2_blocks_compiled_one_by_one_drop_the_cache_passed_by_position(attention: str) -> None:
+    # `aot_eager` runs the traced graphs with eager kernels and the same dropout masks: bit-identical to eager.
+    model, layer = build("gpt2", attention)
+    closure = lm_loss(model, token_ids(), attention_mask=padding_mask(True), use_cache=True)
+    plain = gradients(model, closure)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    for block in model.transformer.h:
+        block.compile(backend="aot_eager")
+    checkpointed, messages = recorded(lambda: gradients(model, closure))
+    assert_same(plain, checkpointed)
+    assert messages == [DROPPED.format("GPT2Block", "`use_cache`, `cache`")] * 2
+
+
 def tiny_decision_transformer(attention: str) -> PreTrainedModel:
     torch.manual_seed(0)
     config = DecisionTransformerConfig(
