@@ -9,15 +9,20 @@ cache off in training; so does this package:
   sets it to ``False``, with one info line, until the last such region of that model is removed again;
 - a region that is a transformers layer (its class, or a base of it, comes from ``transformers``), called while
   training with grad enabled, gets ``use_cache=False`` and no cache object (``cache``, ``past_key_values``,
-  ``past_key_value``, ``layer_past``), as transformers' ``GradientCheckpointingLayer`` does, with one warning. Other
-  modules keep their keyword arguments, whatever their names.
+  ``past_key_value``, ``layer_past``), as transformers' ``GradientCheckpointingLayer`` does, with one warning. It
+  does so whether they come as keywords or as positional arguments (transformers 5's ``GPT2Model`` passes its cache
+  to ``GPT2Block`` by position, and an explicit ``use_cache=True`` overrides the config): the positions are read
+  from the layer's ``forward`` signature once, when the region is made. Other modules keep their arguments,
+  whatever their names.
 
 transformers is never imported: its models are recognised by the name and module of a base class.
 """
 
+import inspect
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -26,11 +31,11 @@ from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = [
     "CACHE_ARGUMENTS",
+    "CacheParameters",
     "CacheSwitch",
     "is_transformers_layer",
     "is_transformers_model",
     "switch_off_kv_caches",
-    "without_cache",
 ]
 
 _log = logging.getLogger(__name__)
@@ -152,27 +157,86 @@ def _asks_for_cache(value: Any) -> bool:
     return value is not None and value is not False
 
 
-def without_cache(region_class: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` without a key-value cache: ``use_cache`` false and each cache argument ``None`` (warned once).
+_DROPPED = ("use_cache", *CACHE_ARGUMENTS)
+
+
+@dataclass(frozen=True)
+class CacheParameters:
+    """Where a transformers layer's ``forward`` takes ``use_cache`` and its cache, read once from its signature.
 
     Args:
-        region_class: The region's class name, for the warning.
-        kwargs: The keyword arguments of a region call while training with grad enabled.
+        region_class: The layer's class name, for the warning.
+        positions: The position (among the positional arguments, ``self`` not counted) and name of each of
+            ``use_cache`` and the cache arguments that can be passed by position.
 
     Example::
 
-        >>> without_cache("Block", {"x": 1})
-        {'x': 1}
+        >>> def forward(hidden_states, cache=None, mask=None, *, use_cache=False): ...
+        >>> CacheParameters.of("Block", forward).positions
+        ((1, 'cache'),)
     """
-    dropped = [name for name in ("use_cache", *CACHE_ARGUMENTS) if _asks_for_cache(kwargs.get(name))]
-    if not dropped:
-        return kwargs
-    warnings.warn(
-        f"lightning_ckpt_determinism: checkpointed `{region_class}` regions were called with"
-        f" {', '.join(f'`{name}`' for name in dropped)} while training; they run without a key-value cache (as"
-        " transformers' own gradient checkpointing does), since recomputation would fill it a second time. Pass"
-        " `use_cache=False` in training to silence this.",
-        LightningCkptDeterminismWarning,
-        stacklevel=2,
-    )
-    return {**kwargs, **{name: False if name == "use_cache" else None for name in dropped}}
+
+    region_class: str
+    positions: tuple[tuple[int, str], ...]
+
+    @classmethod
+    def of(cls, region_class: str, forward: Callable[..., Any]) -> "CacheParameters":
+        """The cache parameters of ``forward``; a signature that cannot be read (a builtin, an odd callable) leaves
+        only keywords to look at.
+
+        Args:
+            region_class: The layer's class name, for the warning.
+            forward: The layer's ``forward`` as a region calls it: a bound method, or a function without ``self``.
+                Wrappers made with ``functools.wraps`` (transformers' ``deprecate_kwarg``) are followed.
+        """
+        try:
+            parameters = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):
+            return cls(region_class, ())
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = [parameter.name for parameter in parameters if parameter.kind in by_position]
+        return cls(region_class, tuple((index, name) for index, name in enumerate(positional) if name in _DROPPED))
+
+    def without_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` without a key-value cache: ``use_cache`` false and each cache argument ``None``,
+        by keyword or by position (warned once).
+
+        Args:
+            args: The positional arguments of a region call while training with grad enabled.
+            kwargs: Its keyword arguments.
+
+        Returns:
+            The arguments to call the layer with: the same objects when nothing asked for a cache.
+
+        Example::
+
+            >>> CacheParameters("Block", ((1, "cache"),)).without_cache(("x", None), {"mask": 1})
+            (('x', None), {'mask': 1})
+        """
+        by_keyword = [name for name in _DROPPED if _asks_for_cache(kwargs.get(name))]
+        by_position = [
+            (index, name) for index, name in self.positions if index < len(args) and _asks_for_cache(args[index])
+        ]
+        if not by_keyword and not by_position:
+            return args, kwargs
+        dropped = {*by_keyword, *(name for _, name in by_position)}
+        warnings.warn(
+            f"lightning_ckpt_determinism: checkpointed `{self.region_class}` regions were called with"
+            f" {', '.join(f'`{name}`' for name in _DROPPED if name in dropped)} while training; they run without a"
+            " key-value cache (as transformers' own gradient checkpointing does), since recomputation would fill it a"
+            " second time. Pass `use_cache=False` in training to silence this.",
+            LightningCkptDeterminismWarning,
+            stacklevel=2,
+        )
+        if by_position:
+            listed = list(args)
+            for index, name in by_position:
+                listed[index] = _no_cache(name)
+            args = tuple(listed)
+        if by_keyword:
+            kwargs = {**kwargs, **{name: _no_cache(name) for name in by_keyword}}
+        return args, kwargs
+
+
+def _no_cache(name: str) -> Any:
+    return False if name == "use_cache" else None

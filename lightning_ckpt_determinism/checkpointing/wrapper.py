@@ -42,7 +42,7 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     Reenterable,
     same_context,
 )
-from lightning_ckpt_determinism.checkpointing.kv_cache import CacheSwitch, is_transformers_layer, without_cache
+from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import (
     NestedCheckpoint,
@@ -233,9 +233,11 @@ class CheckpointedForward:
         self._forward_kept: KeptOutputs | None = None
         # The transformers caches turned off while this region exists (see `kv_cache`).
         self.cache_switches: list[CacheSwitch] = []
-        # A transformers layer runs without its key-value cache in training (see `kv_cache`); other modules keep
-        # their keyword arguments.
-        self._drops_cache = is_transformers_layer(module)
+        # A transformers layer runs without its key-value cache in training, passed by keyword or by position (see
+        # `kv_cache`); other modules keep their arguments. Read from the signature here, never per call.
+        self._cache_parameters = (
+            CacheParameters.of(type(module).__name__, module.forward) if is_transformers_layer(module) else None
+        )
         # Whether the first eager forward has looked for another checkpointing around and inside (see `nesting`).
         self._probed = False
         # What the region's first eager checkpointed forward showed (see `profile`); None until it has run.
@@ -264,9 +266,9 @@ class CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs and self._drops_cache and self.module.training and torch.is_grad_enabled():
+        if self._cache_parameters is not None and self.module.training and torch.is_grad_enabled():
             # Also with checkpointing off, so that a check's reference pass runs the same forward.
-            kwargs = without_cache(type(self.module).__name__, kwargs)
+            args, kwargs = self._cache_parameters.without_cache(args, kwargs)
         if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.

@@ -119,7 +119,10 @@ class RecomputationMonitor(Callback):
             ``{log_prefix}/sentinel/regions/{name}/mismatches``; the loggers get each step that had mismatches at
             that step. A mismatch warns, naming the step it happened at (once per region and ``every_n_steps``), or
             raises as ``on_divergence`` says; after a warning the next step digests every element of every saved
-            tensor and is checked in full, with attribution, so that the op and cause are named.
+            tensor and is checked in full, with attribution, so that the op and cause are named. It watches training
+            batches only: a validation loop run with gradients on (an input-gradient metric under
+            ``torch.enable_grad()`` with ``Trainer(inference_mode=False)``) recomputes its regions unwatched, and
+            what that recomputation does is neither counted nor raised.
         exclude_attributes: Attribute names the check never compares (on any module inside a checkpointed
             region): values that legitimately differ between the live step and the reference pass, such as a
             timestamp or a stored ``loss.item()``. They are still put back after each check.

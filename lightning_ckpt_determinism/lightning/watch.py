@@ -10,8 +10,11 @@ something differed are read in detail on every rank, and every rank's details ga
 which it happened. The counts are logged at the logging steps: ``{prefix}/sentinel/compared`` always,
 ``{prefix}/sentinel/mismatches`` when something was compared (a period that compared nothing has no mismatch count
 to show, and the monitor says once why); in the loggers a step that had mismatches gets its own point, at that step.
-The monitor's own check passes are not watched: they rerun the step, they do not train. A failure of the sentinel's
-own bookkeeping stops the sentinel on every rank alike, with one warning, and never the fit.
+Only training batches are watched, from their start to their end: between them the sentinel is paused, so a
+validation loop run with gradients on (an input-gradient metric under ``torch.enable_grad()``, the sanity check
+included), which recomputes its regions in its own backward, neither counts in the metrics nor raises. The
+monitor's own check passes are not watched either: they rerun the step, they do not train. A failure of the
+sentinel's own bookkeeping stops the sentinel on every rank alike, with one warning, and never the fit.
 """
 
 import contextlib
@@ -109,6 +112,9 @@ class SentinelWatch:
         self.prefix = prefix
         self.sentinel: RecomputationSentinel | None = None
         self._entered = contextlib.ExitStack()
+        # The pause held between training batches (see the module's description), lifted while a batch runs.
+        self._between_batches = contextlib.ExitStack()
+        self._is_between_batches = False
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
         self._unlogged: dict[int, _StepCounts] = {}
         # Training batches since the last logged step (a period that compared nothing still has its 0 to log).
@@ -129,10 +135,21 @@ class SentinelWatch:
         self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
         self._exact_from = None
         self._active = True
+        self._pause_between_batches()  # until the first batch starts: the sanity check runs before it
 
     def stop(self) -> None:
         """Leave the sentinel (its report stays readable)."""
+        self._resume()
         self._entered.close()
+
+    def _pause_between_batches(self) -> None:
+        if self.sentinel is not None and self._active and not self._is_between_batches:
+            self._between_batches.enter_context(self.sentinel.paused())
+            self._is_between_batches = True
+
+    def _resume(self) -> None:
+        self._between_batches.close()
+        self._is_between_batches = False
 
     @property
     def report(self) -> SentinelReport | None:
@@ -157,21 +174,25 @@ class SentinelWatch:
         self._exact_from = step
 
     def step_started(self, step: int) -> None:
-        """A training batch starts at global step ``step``: the windows move on (the tier is ``"exact"`` at an
-        escalated step)."""
+        """A training batch starts at global step ``step``: the sentinel watches until it ends, and the windows move
+        on (the tier is ``"exact"`` at an escalated step)."""
         self.step = step
         if self.sentinel is None:
             return
+        self._resume()
         if self._exact_from is not None and step > self._exact_from:
             self._exact_from = None  # past the escalated step: back to the tier
         self.sentinel.next_step("exact" if step == self._exact_from else None)
 
     def step_ended(self, *, batch_end: bool = True) -> None:
-        """Close what was compared since the last call into one record, unread (no host read, no collective).
+        """Close what was compared since the last call into one record, unread (no host read, no collective); at a
+        batch's end, pause the sentinel until the next batch starts.
 
         Args:
             batch_end: Whether a training batch ends (``False`` before the optimizer step, under ``"raise"``).
         """
+        if batch_end:
+            self._pause_between_batches()
         if self.sentinel is None or not self._active:
             return
         self._batches_since_logged += batch_end
