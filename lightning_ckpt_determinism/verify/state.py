@@ -317,6 +317,8 @@ class _PythonState:
         # found on the way.
         self._found: dict[int, Any] = {}
         self.tensors: list[tuple[object, str, torch.Tensor]] = []
+        # An object several modules hold (transformers' `config` on every layer) is copied once.
+        self._objects: dict[int, list[tuple[Any, Any]]] = {}
         for prefix, sub in module.named_modules():
             if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
                 continue
@@ -340,10 +342,13 @@ class _PythonState:
         if isinstance(value, np.ndarray):
             return [(value, value.copy())]
         if _is_object(value):
+            if id(value) in self._objects:
+                return self._objects[id(value)]
             own = vars(value)
             # One level: the object's tensors and arrays by value, the objects it holds by reference.
             self.tensors.extend((value, key, item) for key, item in own.items() if type(item) is torch.Tensor)
             contents = _contents(own) + [(item, item.copy()) for item in own.values() if isinstance(item, np.ndarray)]
+            self._objects[id(value)] = contents
         else:
             contents = _contents(value)
         self._found.update(
