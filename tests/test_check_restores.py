@@ -380,6 +380,7 @@ def test_the_monitor_checking_every_step_changes_no_training(tmp_path, name: str
         assert record.skipped is None
         if case.like_plain:
             assert record.grad_divergence == 0.0, record
-            assert record.diverged == (inside and attribution == "always"), record
+        if not inside:
+            assert not record.diverged, record
     last = monitor.last_report
     assert last is not None and last.cause != "outside_state" and last.not_restored == [], last
