@@ -11,7 +11,6 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import version_counter
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -119,7 +118,6 @@ class StepCapture:
         self._exclude = exclude_attributes
         self.written_parameters = written_parameters
         self._state: StepState | None = None
-        self._versions: list[tuple[str, torch.Tensor, int]] = []
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.loss = float("nan")
@@ -163,11 +161,7 @@ class StepCapture:
 
         A check cannot rerun such a step from where it started; the monitor captures them from the next check on.
         """
-        return [
-            name
-            for name, param, version in self._versions
-            if version_counter(param) != version and name not in self.written_parameters
-        ]
+        return self.state.unrestored_parameters()
 
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh copies of the captured arguments (a step may change its batch in place)."""
@@ -176,7 +170,6 @@ class StepCapture:
     def _run(self, real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
         self._state = StepState(self.pl_module, self._exclude, self.written_parameters)
-        self._versions = [(name, param, version_counter(param)) for name, param in self.pl_module.named_parameters()]
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         output = real(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output

@@ -26,7 +26,8 @@ class CheckScope:
     put back on exit, whatever is raised.
 
     The state is a :class:`~lightning_ckpt_determinism.verify.state.StepState`: random streams, buffers, torchmetrics
-    states, plain Python attributes, training flags and grad mode. The gradients are set aside so that each pass
+    states, plain Python attributes and the objects, arrays and tensors they hold, parameters written in place,
+    training flags and grad mode. The gradients are set aside so that each pass
     starts from none, and given back last, so that a failure to restore the state cannot lose them.
 
     Args:
@@ -37,7 +38,9 @@ class CheckScope:
         clone_gradients: Set copies aside instead of the gradient tensors themselves (DDP with
             ``gradient_as_bucket_view=True``, whose buckets the next backward writes into).
         exclude_attributes: Attribute names the state leaves alone (see :class:`StepState`).
-        written_parameters: Names of parameters the passes write in place: their values are captured too.
+        written_parameters: Names of parameters the passes write in place: their values are captured too. ``None``
+            (the default): every parameter's, each put back only where the passes wrote it (one copy of the
+            parameters, this rank's shards, held while the scope is open).
 
     Example::
 
@@ -59,14 +62,14 @@ class CheckScope:
         set_gradients_aside: bool = True,
         clone_gradients: bool = False,
         exclude_attributes: Iterable[str] = (),
-        written_parameters: Iterable[str] = (),
+        written_parameters: Iterable[str] | None = None,
     ) -> None:
         self._module = module
         self._params = params
         self._set_aside = set_gradients_aside
         self._clone = clone_gradients
         self._exclude = tuple(exclude_attributes)
-        self._written = tuple(written_parameters)
+        self._written = None if written_parameters is None else tuple(written_parameters)
         self._state: StepState | None = None
         self._stash: GradientStash | None = None
 
@@ -95,6 +98,11 @@ class CheckScope:
         """The gradients set aside, as this rank's tensors (shards of sharded ones), in the order of the parameters."""
         grads = self._stash.gradients if self._stash is not None else [None] * len(self._params)
         return [None if grad is None else local_tensor(grad) for grad in grads]
+
+    def unrestored(self) -> list[str]:
+        """The parameters written in place since entry that the scope has no copy of (see
+        :meth:`~lightning_ckpt_determinism.verify.state.StepState.unrestored_parameters`)."""
+        return self._state.unrestored_parameters() if self._state is not None else []
 
     def restore(self) -> None:
         """Put the captured state back (not the gradients: those come back on exit); can be called any number of

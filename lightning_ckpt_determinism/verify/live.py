@@ -202,7 +202,7 @@ def check_live_step(
     live_loss: float = float("nan"),
     exclude_attributes: Iterable[str] = (),
     ignore_attributes: Iterable[str] = (),
-    written_parameters: Iterable[str] = (),
+    written_parameters: Iterable[str] | None = None,
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -239,7 +239,9 @@ def check_live_step(
         exclude_attributes: Attribute names the state after the step leaves alone (see :class:`StepState`).
         ignore_attributes: Attribute names never compared (they are still put back).
         written_parameters: Parameters the step writes in place (captured in ``entry_state`` too): their values
-            after the step are put back after the reference pass, which writes them again.
+            after the step are put back after the reference pass, which writes them again. ``None`` (the default):
+            every parameter's value after the step is copied, and put back where the reference wrote it. A parameter
+            written in place that ``entry_state`` or these have no copy of is reported in ``not_restored``.
         device: Where the reduced tensors live.
 
     Returns:
@@ -264,6 +266,8 @@ def check_live_step(
     named = parameters if parameters is not None else [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names = [name for name, _ in named]
     params = [param for _, param in named]
+    # Written by the live step without a copy at its start: the reference cannot start from their values.
+    not_restored = entry_state.unrestored_parameters()
     with CheckScope(
         module,
         params,
@@ -296,6 +300,7 @@ def check_live_step(
             buffers_changed=len(changed),
             attributes_changed=len(attributes),
         )
+        not_restored += [name for name in after_step.unrestored() if name not in not_restored]
     if comparison.skipped:
         return None
     gradients_diverged = gradients_diverge(comparison.grad_divergence, tolerance, noise_floor, error=comparison.error)
@@ -303,7 +308,7 @@ def check_live_step(
     states = buffers or comparison.attributes_changed > 0
     cause: Cause | None = None
     hint: str | None = None
-    if gradients_diverged and reproducible and losses_differ(reference_loss, live_loss):
+    if gradients_diverged and reproducible and not not_restored and losses_differ(reference_loss, live_loss):
         cause, hint = Cause.OUTSIDE_STATE, Cause.OUTSIDE_STATE.hint
     elif buffers and not gradients_diverged:
         cause, hint = Cause.BUFFER_MUTATION, buffer_hint(changed or ["buffers of another rank"])
@@ -324,6 +329,7 @@ def check_live_step(
         attribute_mutations=attributes,
         cause=cause,
         hint=hint,
+        not_restored=not_restored,
     )
 
 

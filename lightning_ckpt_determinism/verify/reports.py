@@ -254,6 +254,10 @@ class RecomputationReport:
             region is then counted as diverged. ``None`` otherwise.
         hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled kernels for ``"nondeterministic_kernel"``,
             the buffers changed for ``"buffer_mutation"``); ``None`` when ``cause`` is.
+        not_restored: The parameters the step or the check's passes wrote in place that the check had no copy of
+            (they were not among ``written_parameters``), so it could neither start each pass from them nor put
+            them back: training continues from their changed values, and the check gives no ``"outside_state"``
+            for a forward they made differ. Empty when the check put everything back.
 
     Example::
 
@@ -279,3 +283,4 @@ class RecomputationReport:
     compiled: bool = False
     cause: Cause | None = None
     hint: str | None = None
+    not_restored: list[str] = field(default_factory=list)

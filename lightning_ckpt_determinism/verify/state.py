@@ -2,20 +2,33 @@
 
 A :class:`StepState` holds every random stream (torch CPU, the accelerator devices in use, Python, NumPy, and the
 ``torch.Generator``, NumPy ``Generator`` and ``RandomState`` and Python ``random.Random`` objects the modules hold),
-the values of a module's buffers and of the plain tensors its modules hold as attributes (neither parameters nor
-buffers), the states of the torchmetrics metrics inside it, its training flags, grad mode, and the plain Python state
-of the module and its submodules: attributes holding numbers, strings, ``None`` or containers (lists, dicts, sets,
-deques, tuples; each container reached through them, such as the lists of a dict of lists, is copied shallowly and
-restored in place, so references held elsewhere see the restored contents). It never touches ``nn.Module``
-internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``: anything ``nn.Module.__init__``
-sets), tensor subclasses, modules or other objects, nor FSDP's bookkeeping: FSDP1's wrapper modules are skipped
+the values of a module's buffers, of the parameters a step writes in place, and of the plain tensors its modules hold
+as attributes (neither parameters nor buffers), the states of the torchmetrics metrics inside it, its training flags,
+grad mode, and the plain Python state of the module and its submodules: attributes holding numbers, strings,
+``None`` or containers (lists, dicts, sets, deques, tuples; each container reached through them, such as the lists of
+a dict of lists, is copied shallowly and restored in place, so references held elsewhere see the restored contents),
+NumPy arrays (copied, restored in place), and objects of the user's own classes (``self.tracker = Tracker()``): one
+level deep, the object's own attributes are captured as a module's are (its ``__dict__`` copied shallowly and
+restored in place, with the containers, arrays and tensors it holds), while objects it holds in turn are kept by
+reference. Every attribute of these kinds is bound again to the object it held, and one of these kinds that did not
+exist at capture (a generator or a tracker created lazily) is removed.
+
+It never touches ``nn.Module`` internals (``_parameters``, ``_buffers``, ``_modules``, hook dicts, ``training``:
+anything ``nn.Module.__init__`` sets), tensor subclasses, modules, callables (functions, bound methods, the package's
+own region wrappers), objects without a ``__dict__``, nor FSDP's bookkeeping: FSDP1's wrapper modules are skipped
 whole, and the attributes FSDP2's ``fully_shard`` sets on a module (its composable-API state, ``_fsdp_*`` flags) are
 left alone, as are the sharded and unsharded parameters FSDP swaps inside ``_parameters``.
 Metrics are found inside the module tree and in the plain containers of its attributes (``self.metrics = {"mse":
 MeanSquaredError()}``).
+
+Parameters are copied only where asked (``parameters`` of :class:`StepState`: the names a step is known to write, or
+``None`` for every one); the version counter of every parameter is read at capture, so that a parameter written in
+place without a copy is named (:meth:`StepState.unrestored_parameters`) instead of silently left changed. A write
+that bumps no version counter (through ``.data``) is not seen.
 """
 
 import random
+import types
 from collections import deque
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -25,7 +38,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
-from lightning_ckpt_determinism._torch_compat import own_buffers
+from lightning_ckpt_determinism._torch_compat import own_buffers, version_counter
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
@@ -37,14 +50,16 @@ _MISSING = object()
 
 
 class StepState:
-    """Everything a step may change besides gradients and parameters, captured now; :meth:`restore` puts it back.
+    """Everything a step may change besides gradients, captured now; :meth:`restore` puts it back.
 
     Args:
         module: The model whose buffers, metrics, training flags and Python attributes are captured.
         exclude_attributes: Attribute names never captured nor restored on any module (a framework's own
             bookkeeping on the root module, for example).
         parameters: Names of parameters whose values to capture too: those the step writes in place (an
-            ``nn.Embedding`` with ``max_norm`` renormalises its weight in forward).
+            ``nn.Embedding`` with ``max_norm`` renormalises its weight in forward, a forward that decays or clamps a
+            parameter under ``no_grad``); ``None`` for every parameter, each put back only where its version counter
+            moved. Costs one copy of the parameters named.
 
     Example::
 
@@ -59,7 +74,7 @@ class StepState:
     """
 
     def __init__(
-        self, module: nn.Module, exclude_attributes: Iterable[str] = (), parameters: Iterable[str] = ()
+        self, module: nn.Module, exclude_attributes: Iterable[str] = (), parameters: Iterable[str] | None = ()
     ) -> None:
         devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -70,8 +85,7 @@ class StepState:
         self._python = _PythonState(module, frozenset(exclude_attributes))
         self._generators = _GeneratorSnapshot(self._python.generators)
         self._tensors = _TensorAttributes(self._python.tensors)
-        named = dict(module.named_parameters())
-        self._parameters = _TensorAttributes([(module, name, named[name]) for name in parameters if name in named])
+        self._parameters = _ParameterSnapshot(module, parameters)
         self._training = {sub: sub.training for sub in module.modules()}
         self._grad_enabled = torch.is_grad_enabled()
 
@@ -111,12 +125,27 @@ class StepState:
         found = self._python.differing(None if within is None else {id(sub) for sub in within})
         return [name for name in found if name.rsplit(".", 1)[-1] not in ignore]
 
+    def unrestored_parameters(self) -> list[str]:
+        """The names of the parameters written in place since capture (their version counter moved) of which no copy
+        was taken: :meth:`restore` cannot put them back.
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 2)
+            >>> state = StepState(model, parameters=["bias"])
+            >>> with torch.no_grad():
+            ...     _ = model.weight.mul_(0.5), model.bias.mul_(0.5)
+            >>> state.unrestored_parameters()
+            ['weight']
+        """
+        return self._parameters.unrestored()
+
     def restore(self) -> None:
         """Put everything captured back; can be called any number of times."""
         restore_rng(self._rng)
         self._generators.restore()
         self._tensors.restore()
-        self._parameters.restore(rebind=False)
+        self._parameters.restore()
         self._buffers.restore()
         self._metrics.restore()
         self._python.restore()
@@ -152,20 +181,49 @@ class _BufferSnapshot:
 
 
 class _TensorAttributes:
-    """Tensors held as plain attributes (not parameters, not buffers: ``self.running_loss = torch.zeros(())``), as
-    objects and values: a step that updates one in place or rebinds it is put back. Also the parameters a step is
-    known to write in place (``parameters`` of :class:`StepState`), whose values alone are put back."""
+    """Tensors held as plain attributes (not parameters, not buffers: ``self.running_loss = torch.zeros(())``) of a
+    module or of an object it holds, as objects and values: a step that updates one in place or rebinds it is put
+    back."""
 
-    def __init__(self, held: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    def __init__(self, held: list[tuple[object, str, torch.Tensor]]) -> None:
         with torch.no_grad():
             self._entries = [(owner, name, tensor, tensor.detach().clone()) for owner, name, tensor in held]
 
-    def restore(self, *, rebind: bool = True) -> None:
+    def restore(self) -> None:
         with torch.no_grad():
             for owner, name, tensor, value in self._entries:
-                if rebind:
-                    vars(owner)[name] = tensor
+                vars(owner)[name] = tensor
                 tensor.copy_(value)
+
+
+class _ParameterSnapshot:
+    """The version counter of every parameter, and copies of the values of those named (every one for ``None``).
+
+    Named parameters are always put back (they are known to be written); with ``None``, a parameter is put back only
+    where its version counter moved, so that the others keep their versions (autograd and the sentinel read them).
+    """
+
+    def __init__(self, module: nn.Module, names: Iterable[str] | None) -> None:
+        named = dict(module.named_parameters())
+        self._always = names is not None
+        copied = named if names is None else {name: named[name] for name in names if name in named}
+        self._versions = {name: (param, version_counter(param)) for name, param in named.items()}
+        with torch.no_grad():
+            self._copies = {name: param.detach().clone() for name, param in copied.items()}
+
+    def unrestored(self) -> list[str]:
+        return [
+            name
+            for name, (param, version) in self._versions.items()
+            if name not in self._copies and version_counter(param) != version
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, value in self._copies.items():
+                param, version = self._versions[name]
+                if self._always or version_counter(param) != version:
+                    param.copy_(value)
 
 
 class _GeneratorSnapshot:
@@ -247,7 +305,8 @@ def _metrics(module: nn.Module) -> list[Any]:
 
 
 class _PythonState:
-    """The plain attributes of a module and its submodules (metrics excepted: :class:`_MetricSnapshot` has them)."""
+    """The plain attributes of a module and its submodules (metrics excepted: :class:`_MetricSnapshot` has them), and
+    the objects of the user's own classes they hold, one level deep."""
 
     def __init__(self, module: nn.Module, exclude: frozenset[str]) -> None:
         from torchmetrics import Metric
@@ -256,40 +315,56 @@ class _PythonState:
         self._entries: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
         # The random generators held as attributes or in their plain containers, and the tensors held as attributes,
         # found on the way.
-        found: dict[int, Any] = {}
-        self.tensors: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._found: dict[int, Any] = {}
+        self.tensors: list[tuple[object, str, torch.Tensor]] = []
+        # An object several modules hold (transformers' `config` on every layer) is copied once.
+        self._objects: dict[int, list[tuple[Any, Any]]] = {}
         for prefix, sub in module.named_modules():
             if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
                 continue
-            captured = {}
-            for name, value in vars(sub).items():
-                if not self._captures(name):
-                    continue
-                if isinstance(value, _GENERATORS):
-                    found[id(value)] = value
-                elif type(value) is torch.Tensor:
-                    self.tensors.append((sub, name, value))
-                elif _is_plain(value):
-                    contents = _contents(value)
-                    captured[name] = (value, contents)
-                    found.update(
-                        (id(item), item)
-                        for _, copy in contents
-                        for item in _items(copy)
-                        if isinstance(item, _GENERATORS)
-                    )
+            captured = {
+                name: (value, self._capture(sub, name, value))
+                for name, value in vars(sub).items()
+                if self._captures(name) and _is_state(value)
+            }
             self._entries.append((prefix, sub, captured))
-        self.generators = list(found.values())
+        self.generators = list(self._found.values())
+
+    def _capture(self, owner: object, name: str, value: Any) -> list[tuple[Any, Any]]:
+        """The containers and arrays ``value`` (held as ``owner.name``) reaches, with copies; tensors and generators
+        are noted on the way."""
+        if isinstance(value, _GENERATORS):
+            self._found[id(value)] = value
+            return []
+        if type(value) is torch.Tensor:
+            self.tensors.append((owner, name, value))
+            return []
+        if isinstance(value, np.ndarray):
+            return [(value, value.copy())]
+        if _is_object(value):
+            if id(value) in self._objects:
+                return self._objects[id(value)]
+            own = vars(value)
+            # One level: the object's tensors and arrays by value, the objects it holds by reference.
+            self.tensors.extend((value, key, item) for key, item in own.items() if type(item) is torch.Tensor)
+            contents = _contents(own) + [(item, item.copy()) for item in own.values() if isinstance(item, np.ndarray)]
+            self._objects[id(value)] = contents
+        else:
+            contents = _contents(value)
+        self._found.update(
+            (id(item), item) for _, copy in contents for item in _items(copy) if isinstance(item, _GENERATORS)
+        )
+        return contents
 
     def _captures(self, name: str) -> bool:
         return name not in self._exclude and not is_framework_attribute(name)
 
     def _created(self, sub: nn.Module, captured: dict[str, tuple[Any, Any]]) -> list[str]:
-        """Plain attributes the step created: they did not exist at capture."""
+        """Attributes of a captured kind the step created: they did not exist at capture."""
         return [
             name
             for name, value in vars(sub).items()
-            if name not in captured and _is_plain(value) and self._captures(name)
+            if name not in captured and _is_state(value) and self._captures(name)
         ]
 
     def differing(self, within: set[int] | None) -> list[str]:
@@ -308,7 +383,8 @@ class _PythonState:
     def restore(self) -> None:
         for _, sub, captured in self._entries:
             attributes = vars(sub)
-            # Plain attributes the step created did not exist at capture: they go, as they were not there.
+            # Attributes the step created did not exist at capture: they go, as they were not there (a generator
+            # created lazily is created afresh by the next step, as it would have been).
             for name in self._created(sub, captured):
                 del attributes[name]
             for name, (original, contents) in captured.items():
@@ -330,16 +406,64 @@ def _is_plain(value: object) -> bool:
     return isinstance(value, SCALARS) or (isinstance(value, _CONTAINERS) and not isinstance(value, nn.Module))
 
 
+def _is_object(value: object) -> bool:
+    """An object of the user's own kind (``self.tracker = Tracker()``): it keeps its state in a ``__dict__`` and is
+    neither callable (functions, modules, the package's region wrappers, classes) nor a tensor, array or generator."""
+    if callable(value) or isinstance(value, (types.ModuleType, torch.Tensor, np.ndarray, *_GENERATORS)):
+        return False
+    try:
+        return isinstance(vars(value), dict)
+    except TypeError:  # no `__dict__`
+        return False
+
+
+def _is_state(value: object) -> bool:
+    """Whether an attribute's value is of a kind the state captures."""
+    return (
+        _is_plain(value)
+        or type(value) is torch.Tensor
+        or isinstance(value, (np.ndarray, *_GENERATORS))
+        or _is_object(value)
+    )
+
+
 def _changed(attributes: dict[str, Any], name: str, value: Any, contents: list[tuple[Any, Any]]) -> bool:
-    """Whether an attribute captured as ``value`` (with copies of the ``contents`` of its containers) changed."""
+    """Whether an attribute captured as ``value`` (with copies of the ``contents`` it reaches) changed."""
     current = attributes.get(name, _MISSING)
-    if current is not value and not same_item(current, value):
+    if current is not value and not _same_attribute(current, value):
         return True
     return any(not _same_contents(container, copy) for container, copy in contents)
 
 
+def _same_attribute(current: Any, value: Any) -> bool:
+    """Equal values for an attribute bound to another object: generators by their states, objects by their own
+    attributes (a generator or an object created afresh by each pass is the same state)."""
+    if type(current) is not type(value):
+        return False
+    if isinstance(value, _GENERATORS):
+        return _same_nested(_generator_state(current), _generator_state(value))
+    if isinstance(value, np.ndarray):
+        return _same_nested(current, value)
+    if _is_object(value):
+        return _same_contents(vars(current), vars(value))
+    return same_item(current, value)
+
+
+def _same_nested(first: Any, second: Any) -> bool:
+    """Equal generator states or arrays: NumPy's states hold arrays in tuples and dicts, torch's a tensor."""
+    if isinstance(first, np.ndarray) or isinstance(second, np.ndarray):
+        return isinstance(first, np.ndarray) and isinstance(second, np.ndarray) and np.array_equal(first, second)
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(_same_nested(first[key], second[key]) for key in first)
+    if isinstance(first, tuple | list) and isinstance(second, tuple | list):
+        return len(first) == len(second) and all(_same_nested(a, b) for a, b in zip(first, second, strict=True))
+    return same_item(first, second)
+
+
 def _same_contents(container: Any, copy: Any) -> bool:
-    """Whether a container holds what ``copy`` (its shallow copy at capture) held."""
+    """Whether a container or array holds what ``copy`` (its copy at capture, shallow for a container) held."""
+    if isinstance(container, np.ndarray):
+        return _same_nested(container, copy)
     if isinstance(container, dict):
         return container.keys() == copy.keys() and all(same_item(container[key], copy[key]) for key in container)
     if isinstance(container, set):
@@ -369,8 +493,10 @@ def _contents(value: Any) -> list[tuple[Any, Any]]:
 
 
 def _refill(original: Any, copy: Any) -> None:
-    """Give a mutable container its captured contents back, in place."""
-    if isinstance(original, dict):
+    """Give a mutable container or an array its captured contents back, in place."""
+    if isinstance(original, np.ndarray):
+        np.copyto(original, copy)
+    elif isinstance(original, dict):
         original.clear()
         original.update(copy)
     elif isinstance(original, list):

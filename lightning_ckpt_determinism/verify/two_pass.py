@@ -65,17 +65,19 @@ def check_recomputation(
     gradients: Literal["autograd", "backward"] = "autograd",
     agree: Callable[[bool], bool] | None = None,
     exclude_attributes: Iterable[str] = (),
-    written_parameters: Iterable[str] = (),
+    written_parameters: Iterable[str] | None = None,
 ) -> RecomputationReport:
     """Run one step twice, without and with checkpointing, and compare the gradients.
 
     From one state S the reference pass runs ``closure`` under
     :func:`~lightning_ckpt_determinism.checkpointing.checkpointing_disabled` and takes gradients;
     S is restored; the checkpointed pass runs the same way, recomputing inside its backward. S is every random
-    stream (torch's CPU and accelerator RNG, Python's ``random``, NumPy), the buffers, torchmetrics states, training
-    flags, grad mode and the modules' plain Python attributes (counters, flags, lists: see
+    stream (torch's CPU and accelerator RNG, Python's ``random``, NumPy, the generators the modules hold), the
+    buffers, the parameters the forward writes in place, torchmetrics states, training flags, grad mode and the
+    modules' plain Python attributes (counters, flags, lists, NumPy arrays, tensors, the objects of the user's own
+    classes they hold, one level deep; attributes the passes create are removed: see
     :class:`~lightning_ckpt_determinism.verify.state.StepState`). Afterwards all of it is back at S: training
-    continues as if no check had run.
+    continues as if no check had run. What the check could not put back is named in ``not_restored``.
 
     When ``module`` or a submodule is compiled (``torch.compile`` or ``Module.compile()``), both passes run
     compiled; the reference pass runs with ``torch._functorch.config.activation_memory_budget`` at 1.0 at every
@@ -125,8 +127,11 @@ def check_recomputation(
             values that legitimately differ from pass to pass, such as a timestamp. The plain attributes of the
             modules inside checkpointed regions are compared after both passes (``attribute_mutations``).
         written_parameters: Names of parameters ``closure`` writes in place (an ``nn.Embedding`` with ``max_norm``
-            renormalises its weight in forward): their values are captured with the state and put back before each
-            pass and after the check.
+            renormalises its weight in forward, a forward that decays or clamps a parameter under ``no_grad``):
+            their values are captured with the state and put back before each pass and after the check. ``None``
+            (the default): every parameter's value is captured, and put back where the passes wrote it; the check
+            then holds one copy of the parameters while it runs. Naming them saves that copy; a parameter written
+            that is not named is reported in ``not_restored``.
 
     Returns:
         The :class:`RecomputationReport`.
@@ -204,6 +209,7 @@ def _compare(
     # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
     attributes = passes.changed_attributes()
+    not_restored = passes.scope.unrestored()
     eager_diverged = (
         passes.compiled and observer is not None and passes.diverges_eagerly(observer, tolerance, noise_floor)
     )
@@ -224,9 +230,11 @@ def _compare(
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
     kernel = any(region.cause == Cause.NONDETERMINISTIC_KERNEL for region in regions)
-    if verdict.diverged and reproducible and not kernel and losses_differ(reference_loss, checkpointed.loss):
-        # The forward itself differed, before anything was recomputed, and no region's kernel explains it (one that
-        # differs run to run also changes the forward): what the regions saw differ is its echo.
+    outside = not kernel and not not_restored and losses_differ(reference_loss, checkpointed.loss)
+    if verdict.diverged and reproducible and outside:
+        # The forward itself differed, before anything was recomputed, and neither a region's kernel (one that
+        # differs run to run also changes the forward) nor a parameter the check could not put back explains it:
+        # what the regions saw differ is its echo.
         cause = Cause.OUTSIDE_STATE
         regions = [replace(region, diverged=False) for region in regions]
     return RecomputationReport(
@@ -245,6 +253,7 @@ def _compare(
         attribute_mutations=attributes,
         cause=cause,
         hint=None if cause is None else cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL),
+        not_restored=not_restored,
     )
 
 
@@ -325,7 +334,7 @@ class _Passes:
         exclude_attributes: frozenset[str] = frozenset(),
     ) -> None:
         self.module = module
-        self._scope = scope
+        self.scope = scope
         self._exclude = exclude_attributes
         self._after_reference: StepState | None = None
         self.compiled = is_compiled(module)
@@ -420,7 +429,7 @@ class _Passes:
     def _restore(self) -> None:
         # The first pass starts from the state as it was captured; each later one from that state put back.
         if self._ran:
-            self._scope.restore()
+            self.scope.restore()
         self._ran = True
 
 

@@ -1,0 +1,386 @@
+"""The check changes nothing: state a forward changes outside what recomputation replays (an object's counter, a NumPy
+array, a parameter decayed or clamped in place, a generator or an object created lazily, a tensor attribute) is put
+back by ``check_recomputation`` and by the monitor's check of the live step. Each case, with a check before every
+step, trains bit-identically to a twin that runs no check, and no verdict blames ``outside_state`` on state the
+check's own passes advanced."""
+
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    RecomputationMonitor,
+    RecomputationReport,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+)
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from tests.helpers import trainer_kwargs
+from tests.test_verdicts import WIDTH, Around, loss_of, same_state, seeded, tokens
+
+STEPS = 3
+
+
+class Tracker:
+    """A user's object: a counter and what it saw."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seen: list[int] = []
+
+
+class Outside(nn.Module):
+    """A checkpointed block (``body``) between an input scale and a linear head; each subclass computes the scale from
+    state its forward changes outside the region."""
+
+    def __init__(self, body: nn.Module | None = None) -> None:
+        super().__init__()
+        self.body = body if body is not None else Around(nn.Tanh())
+        self.head = nn.Linear(WIDTH, 1)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor | float:
+        return 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x * self.scale(x)))
+
+
+class ObjectCounter(Outside):
+    """Counts its calls in an object of the user's own class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracker = Tracker()
+
+    def scale(self, x: torch.Tensor) -> float:
+        self.tracker.count += 1
+        self.tracker.seen.append(self.tracker.count)
+        return 1.0 + 0.1 * self.tracker.count
+
+
+class LazyObject(Outside):
+    """Creates its tracker at the first call."""
+
+    def scale(self, x: torch.Tensor) -> float:
+        if not hasattr(self, "tracker"):
+            self.tracker = Tracker()
+        self.tracker.count += 1
+        return 1.0 + 0.1 * self.tracker.count
+
+
+class NumpyHistogram(Outside):
+    """Counts its calls in a NumPy array changed in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hist = np.zeros(3)
+
+    def scale(self, x: torch.Tensor) -> float:
+        self.hist[...] += 1
+        return 1.0 + 0.1 * float(self.hist[0])
+
+
+class DecayedParameter(Outside):
+    """Decays a parameter in place under ``no_grad`` before the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.alpha.mul_(0.9)
+        return self.alpha
+
+
+class Clamped(nn.Module):
+    """A region whose gain is clamped in place in its forward (idempotent: recomputation clamps it to the same)."""
+
+    def __init__(self, decay: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.gain = nn.Parameter(torch.linspace(-2.0, 2.0, WIDTH))
+        self.decay = decay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.decay:
+                self.gain.mul_(0.9)
+            else:
+                self.gain.clamp_(-1.0, 1.0)
+        return torch.tanh(self.inp(x) * self.gain)
+
+
+class LazyGenerator(Outside):
+    """Creates a seeded generator at its first call and draws input noise from it."""
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "noise"):
+            self.noise = torch.Generator().manual_seed(7)
+        return 1.0 + torch.rand(x.shape, generator=self.noise)
+
+
+class TensorAttribute(Outside):
+    """Sums its calls in a tensor held as a plain attribute, updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = torch.zeros(())
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        return 1.0 + 0.1 * self.calls
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, and whether its checkpointed copy trains like the plain one (recomputation writes nothing twice)."""
+
+    build: Callable[[], nn.Module]
+    like_plain: bool = True
+
+
+CASES = {
+    "an object's counter": Case(ObjectCounter),
+    "an object created lazily": Case(LazyObject),
+    "a NumPy array changed in place": Case(NumpyHistogram),
+    "a parameter decayed outside a region": Case(DecayedParameter),
+    "a parameter clamped inside a region": Case(lambda: Outside(Clamped())),
+    # Recomputation decays it a second time: the checkpointed model differs from the plain one, with or without a check.
+    "a parameter decayed inside a region": Case(lambda: Outside(Clamped(decay=True)), like_plain=False),
+    "a generator created lazily": Case(LazyGenerator),
+    "a tensor attribute": Case(TensorAttribute),
+}
+
+
+def held_state(model: nn.Module) -> list[object]:
+    """What the forwards changed besides the state dict, as values to compare."""
+    tracker = getattr(model, "tracker", None)
+    noise = getattr(model, "noise", None)
+    return [
+        None if tracker is None else (tracker.count, list(tracker.seen)),
+        getattr(model, "hist", np.zeros(0)).tolist(),
+        None if noise is None else noise.get_state().tolist(),
+        float(getattr(model, "calls", torch.zeros(()))),
+    ]
+
+
+@dataclass
+class Run:
+    model: nn.Module
+    losses: list[float]
+    reports: list[RecomputationReport]
+
+
+def train(case: Case, *, checkpointed: bool, check: bool, **check_kwargs: object) -> Run:
+    """Three SGD steps; with ``check``, ``check_recomputation`` (with attribution) before each."""
+    torch.manual_seed(0)
+    model = case.build()
+    if checkpointed:
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, reports = [], []
+    for step in range(STEPS):
+        x = tokens(step)
+        if check:
+            seeded(step)
+            reports.append(
+                check_recomputation(model, lambda x=x: loss_of(model, x), attribution=True, **check_kwargs)  # type: ignore[arg-type]
+            )
+        seeded(step)
+        optimizer.zero_grad()
+        loss = loss_of(model, x)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return Run(model, losses, reports)
+
+
+def same_run(first: Run, second: Run) -> bool:
+    return (
+        first.losses == second.losses
+        and same_state(first.model, second.model)
+        and held_state(first.model) == held_state(second.model)
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_check_before_every_step_changes_no_training(name: str) -> None:
+    case = CASES[name]
+    checked = train(case, checkpointed=True, check=True)
+    unchecked = train(case, checkpointed=True, check=False)
+    assert same_run(checked, unchecked)
+    if case.like_plain:
+        assert same_run(checked, train(case, checkpointed=False, check=False))
+    for report in checked.reports:
+        assert report.cause != "outside_state", report
+        assert report.not_restored == []
+        if case.like_plain:
+            assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
+
+
+def test_the_state_after_a_check_is_the_state_before_it() -> None:
+    model = ObjectCounter()
+    model.hist = np.arange(3.0)
+    model.running = torch.zeros(2)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    tracker, seen, hist, running = model.tracker, model.tracker.seen, model.hist, model.running
+
+    def closure() -> torch.Tensor:
+        model.hist += 1
+        model.running.add_(1.0)
+        model.tracker = Tracker()  # rebound by the step: the check binds the original again
+        model.created = torch.Generator()
+        return loss_of(model, tokens(0))
+
+    check_recomputation(model, closure)
+    assert model.tracker is tracker and model.tracker.seen is seen and (tracker.count, seen) == (0, [])
+    assert model.hist is hist and hist.tolist() == [0.0, 1.0, 2.0]
+    assert model.running is running and running.tolist() == [0.0, 0.0]
+    assert not hasattr(model, "created")
+
+
+def test_a_parameter_written_without_a_copy_is_named_and_not_blamed_on_outside_state() -> None:
+    case = CASES["a parameter decayed outside a region"]
+    # Told that nothing is written, the check copies nothing: it cannot put `alpha` back, and says so.
+    run = train(case, checkpointed=True, check=True, written_parameters=[])
+    first = run.reports[0]
+    assert first.not_restored == ["alpha"]
+    assert first.diverged and first.cause is None
+    assert not same_run(run, train(case, checkpointed=True, check=False))
+    # Told which, it copies that one only, and training is untouched.
+    named = train(case, checkpointed=True, check=True, written_parameters=["alpha"])
+    assert same_run(named, train(case, checkpointed=True, check=False))
+    assert [report.not_restored for report in named.reports] == [[]] * STEPS
+
+
+class Everything(nn.Module):
+    """Changes every kind of state the check restored before: each random stream, a buffer, a held generator, a tensor
+    attribute, a metric, scalars, a list inside a dict, a training flag and grad mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Around(nn.Dropout(0.3))
+        self.head = nn.Linear(WIDTH, 1)
+        self.register_buffer("seen", torch.zeros(()))
+        self.noise = torch.Generator().manual_seed(5)
+        self.total = torch.zeros(())
+        self.metric = torchmetrics.MeanMetric()
+        self.calls = 0
+        self.log: dict[str, list[float]] = {"scales": []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = random.uniform(0.9, 1.1) * float(np.random.uniform(0.9, 1.1))
+        scale *= 1.0 + float(torch.rand((), generator=self.noise)) + 0.1 * float(torch.rand(()))
+        self.seen += 1
+        self.total.add_(scale)
+        self.calls += 1
+        self.log["scales"].append(scale)
+        out = self.head(self.body(x * scale * (1 + 0.1 * self.seen)))
+        self.metric.update(out.detach().mean())
+        self.head.train(not self.head.training)
+        torch.set_grad_enabled(True)
+        return out
+
+
+def test_every_kind_of_state_restored_before_is_still_restored() -> None:
+    def snapshot(model: Everything) -> list[object]:
+        return [
+            torch.get_rng_state(),
+            random.getstate(),
+            np.random.get_state()[1].tolist(),
+            model.noise.get_state(),
+            model.seen.clone(),
+            model.total.clone(),
+            float(model.metric.compute()) if model.metric.update_count else None,
+            model.calls,
+            list(model.log["scales"]),
+            model.head.training,
+        ]
+
+    torch.manual_seed(0)
+    model = Everything()
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    seeded(0)
+    model(tokens(0))  # the state has values of its own before the check
+    before = snapshot(model)
+    with torch.no_grad():
+        check_recomputation(model, lambda: loss_of(model, tokens(1)), attribution=True)
+        assert not torch.is_grad_enabled()
+    after = snapshot(model)
+    for first, second in zip(before, after, strict=True):
+        assert torch.equal(first, second) if isinstance(first, torch.Tensor) else first == second
+
+
+class CaseModule(pl.LightningModule):
+    """A LightningModule regressing with one case's model under SGD."""
+
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = build()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.model(x)
+        return F.mse_loss(out, y.expand_as(out))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(2)
+        x = torch.randn(4 * STEPS, 6, WIDTH, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(dim=-1, keepdim=True)), batch_size=4)
+
+
+def fit(tmp_path: object, case: Case, monitor: RecomputationMonitor | None) -> CaseModule:
+    pl.seed_everything(0, verbose=False)
+    module = CaseModule(case.build)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.body"]))
+    callbacks = [monitor] if monitor is not None else []
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=callbacks, strategy=strategy, max_steps=STEPS))
+    trainer.fit(module)
+    return module
+
+
+@pytest.mark.parametrize("attribution", ["on_divergence", "always"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_monitor_checking_every_step_changes_no_training(tmp_path, name: str, attribution: str) -> None:
+    # "always": the two-pass engine reruns the step from its captured start, inside the state after the step.
+    case = CASES[name]
+    plain = fit(tmp_path / "plain", case, None)
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel="off", attribution=attribution)  # type: ignore[arg-type]
+    writes = "parameter" in name
+    # A parameter written inside a region is written again by recomputation: attribution names that (a second
+    # decay is a divergence), and training is compared with and without the monitor alike.
+    inside = "inside a region" in name
+    said = "changed parameters in place" + ("|recomputation diverged" if inside else "")
+    learned = pytest.warns(LightningCkptDeterminismWarning, match=said)
+    with learned if writes else contextlib.nullcontext():
+        monitored = fit(tmp_path / "monitored", case, monitor)
+    assert same_state(plain, monitored)
+    assert held_state(plain.model) == held_state(monitored.model)
+    # A parameter written in `training_step` is learned at the first check, which is skipped; the others are checked.
+    checked = list(monitor.history)[1 if writes else 0 :]
+    assert [record.step for record in checked] == list(range(1 if writes else 0, STEPS))
+    for record in checked:
+        assert record.skipped is None
+        if case.like_plain:
+            assert record.grad_divergence == 0.0, record
+        if not inside:
+            assert not record.diverged, record
+    last = monitor.last_report
+    assert last is not None and last.cause != "outside_state" and last.not_restored == [], last
