@@ -15,9 +15,11 @@ hashes. Integer sums are exact and independent of the order of summation, so the
 whatever the thread count, kernel or device; NaN, ``-0.0`` and every other bit pattern are told apart. Nothing larger
 than one tensor's row and column sums is ever held: no full-size temporary on any device. Every single changed word
 changes the digest (``a[r] + b[c]`` is odd, so invertible modulo the wrap), and so do values moved to other rows,
-words moved within a row (the column sums change), a tensor negated or rescaled. What a digest misses: changes that
-cancel in every row sum and every column sum at once (four words of a rectangle changed by ``+d, -d, -d, +d``), and a
-swap of two words that differ in their top bit only.
+words moved within a row (the column sums change), a tensor rescaled, a ``float32`` or ``bfloat16`` one negated. What a
+digest misses: changes that cancel in every row sum and every column sum at once (four words of a rectangle changed by
+``+d, -d, -d, +d``), and the top bit flipped in an even number of 64-bit words, since each flip adds ``2**63`` times an
+odd weight, ``2**63`` modulo the wrap (two ``float64`` values negated; a ``float64`` or complex tensor negated, or a
+complex one conjugated, when it holds an even number of such words).
 
 Every tensor is read through one path (:class:`DigestPlans`): a plan worked out once per shape, strides and dtype
 views the tensor's memory as its word matrix; a tensor that is not laid out as that matrix (permuted, sliced,
@@ -399,13 +401,18 @@ class DigestPlans:
             if parts is None or len(parts) != 1:
                 return None
             data = parts[0]
-        if data.is_conj() or data.is_neg():  # their bits are another tensor's: read the values they show
-            data = data.resolve_conj().resolve_neg()
         key = (data.shape, data.stride(), data.dtype)
-        plan = self._plans.get(key, _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plans[key] = _Plan.of(data)
-        return None if plan is None else plan.read(data, mode)
+        try:
+            plan = self._plans.get(key, _UNPLANNED)
+            if plan is _UNPLANNED:
+                plan = self._plans[key] = _Plan.of(data)
+            return None if plan is None else plan.read(data, mode)
+        except RuntimeError:
+            # A conjugated or negative view refuses to be viewed as words of another dtype: its values are read from
+            # a resolved copy. Asked only here, so that reading an ordinary tensor costs no more than before.
+            if not (data.is_conj() or data.is_neg()):
+                raise
+            return self.read(data.resolve_conj().resolve_neg(), mode)
 
     def digest(self, matrix: torch.Tensor) -> torch.Tensor:
         """The digest of a word matrix (from :meth:`read`), a 0-dimensional ``int64`` tensor on its device.
