@@ -164,7 +164,9 @@ def by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("tier", ["off", *TIERS])
 @pytest.mark.parametrize("where", list(BUILDS))
-def test_a_subclass_input_weight_or_activation_trains_as_torch_checkpoint_and_is_compared(where: str, tier: str) -> None:
+def test_a_subclass_input_weight_or_activation_trains_as_torch_checkpoint_and_is_compared(
+    where: str, tier: str
+) -> None:
     torch.manual_seed(0)
     plain = BUILDS[where]()
     torch.manual_seed(0)
@@ -397,7 +399,7 @@ def test_the_default_monitor_trains_a_model_with_subclass_weights_as_a_plain_twi
         trainer.fit(module)
         assert trainer.global_step == 4
         trained[name] = (module, monitor)
-    (plain, _), (checkpointed, _), (monitored, monitor) = trained["plain"], trained["checkpointed"], trained["monitored"]
+    (plain, _), (checkpointed, _), (monitored, monitor) = (trained[name] for name, _, _ in runs)
     assert isinstance(monitored.model.blocks[0].linear.weight, TwoTensor)
     assert not same_state(plain, initial)  # it trained
     assert same_state(plain, checkpointed) and same_state(plain, monitored)
@@ -436,7 +438,8 @@ def test_a_qlora_block_with_a_torchao_nf4_weight_trains_as_without_checkpointing
             for param in ours.parameters():
                 param.grad = None
             ours(x).sum().backward()
-    trainable = [(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters(), strict=True) if a.requires_grad]
+    pairs = zip(plain.parameters(), ours.parameters(), strict=True)
+    trainable = [(a.grad, b.grad) for a, b in pairs if a.requires_grad]
     assert trainable and all(torch.equal(a, b) for a, b in trainable)  # type: ignore[arg-type]
     report = sentinel.report()
     assert report.compared > 0 and report.mismatches == 0 and report.not_compared == 0

@@ -166,8 +166,7 @@ class FirstForwardProbe:
             if position not in workspaces
             and storage_pointer(tensor) not in state
             and (
-                self._finder.written_after(storage_pointer(tensor), packed_at)
-                or (copy is not None and not _kept(copy))
+                self._finder.written_after(storage_pointer(tensor), packed_at) or (copy is not None and not _kept(copy))
             )
         )
         buffers = frozenset(
