@@ -136,6 +136,22 @@ class CountedScale(nn.Module):
         return self.out(torch.tanh(self.inp(x) * (1 + 0.1 * len(self.calls))))
 
 
+class TwoTensorGain(nn.Module):
+    """Updates a running gain held in a ``TwoTensor`` buffer from its activations, then reads both inner tensors: the
+    region's first call snapshots its buffers (through their inner tensors) to learn which ones to replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("gain", TwoTensor(torch.ones(WIDTH), torch.full((WIDTH,), 2.0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        with torch.no_grad():
+            self.gain.mul_(0.9).add_(0.1 * h.abs().mean(dim=(0, 1)))
+        return torch.tanh(h * Unpair.apply(self.gain))
+
+
 def plain_body() -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
 
@@ -198,6 +214,17 @@ def test_a_clean_subclass_model_is_exact_under_the_sentinel_and_the_check_at_eve
         assert [region.cause for region in report.regions] == [None]
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_subclass_buffer_the_forward_updates_is_replayed_and_trains_as_the_twin(tier: str) -> None:
+    result = trial(Case(lambda: Head(TwoTensorGain())), tier)
+    assert same_state(result.plain, result.checkpointed)
+    assert not same_values([result.plain.body.gain], [TwoTensor(torch.ones(WIDTH), torch.full((WIDTH,), 2.0))])
+    assert result.sentinel.compared > 0 and result.sentinel.mismatches == 0 and result.sentinel.not_compared == 0
+    for report in result.checks:
+        assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
+        assert report.buffer_mutations == []
+
+
 DEFECTS: dict[str, Callable[[], nn.Module]] = {
     # Only the second inner tensor of the saved activations differs: seen only if that inner tensor is read.
     "the second inner tensor of an activation": lambda: Head(TwoActivation(defect=True)),
@@ -224,8 +251,8 @@ def test_a_subclass_in_the_first_checkpointed_forward_never_kills_the_process() 
         "import torch\n"
         "from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing,"
         " recomputation_sentinel\n"
-        "from tests.test_subclasses import BUILDS, gradients\n"
-        "for where, build in BUILDS.items():\n"
+        "from tests.test_subclasses import BUILDS, Head, TwoTensorGain, gradients\n"
+        "for where, build in {**BUILDS, 'buffer': lambda: Head(TwoTensorGain())}.items():\n"
         "    for tier in ('off', 'light', 'sampled', 'exact'):\n"
         "        model = build()\n"
         "        apply_activation_checkpointing(model, CheckpointingConfig(names=['body']))\n"
@@ -239,7 +266,7 @@ def test_a_subclass_in_the_first_checkpointed_forward_never_kills_the_process() 
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:-1] == [
-        f"{where} {tier} trained" for where in BUILDS for tier in ("off", "light", "sampled", "exact")
+        f"{where} {tier} trained" for where in [*BUILDS, "buffer"] for tier in ("off", "light", "sampled", "exact")
     ]
 
 
