@@ -31,8 +31,8 @@ than ``SAMPLE_STRIDE`` words are read whole. A change that touches a whole row (
 flipped route) shows at once, a change of single words (or words moved within a window) when the window comes to them.
 
 A conjugated or negative view (``x.conj()`` of a complex tensor, the negative views torch's complex kernels make) is
-read as the values it shows, resolved into a copy first. A wrapper tensor subclass (a quantized weight, torch's
-``TwoTensor``) is read through the inner tensors that hold its values
+read as the values it shows, from a resolved copy where its bits cannot be viewed as words. A wrapper tensor subclass
+(a quantized weight, torch's ``TwoTensor``) is read through the inner tensors that hold its values
 (:func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`): its digest is their digests weighted by
 their position with the odd row weights, so that a change of any inner tensor, or two inner tensors swapped, changes
 it. What a subclass keeps outside its inner tensors (Python values in its ``__tensor_flatten__`` context) is not
