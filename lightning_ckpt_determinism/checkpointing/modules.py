@@ -1,5 +1,6 @@
 """How the package names and walks a model's modules: region names as configs write them, their buffers, plain
-Python attributes and random generators by name."""
+Python attributes and random generators by name; and where a tensor's values live (a DTensor's shard, a wrapper
+subclass's inner tensors, a storage)."""
 
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = [
     "is_framework_attribute",
     "local_tensor",
     "named_modules",
+    "plain_parts",
     "region_name",
     "scalar_attributes",
     "storage_pointer",
@@ -51,9 +53,42 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The tensors with storage of their own that hold ``tensor``'s values: the tensor itself, this rank's shard of a
+    DTensor, or the inner tensors of a wrapper subclass (``__tensor_flatten__``, torch's protocol for subclasses such
+    as quantized weights: in its order, flattened again where one is a subclass itself); ``None`` for a subclass
+    whose values are nowhere to be read (no storage and no ``__tensor_flatten__``).
+
+    A wrapper subclass has no storage of its own: an op run on it with Python dispatch off (as the package's own
+    reads are) would read no memory, so the package reads its inner tensors instead.
+
+    Args:
+        tensor: The tensor.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> [part.tolist() for part in plain_parts(TwoTensor(torch.zeros(2), torch.ones(2)))]
+        [[0.0, 0.0], [1.0, 1.0]]
+    """
+    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
+        return (tensor,)
+    tensor = local_tensor(tensor)
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return (tensor,) if _own_storage(tensor) is not None else None
+    parts: list[torch.Tensor] = []
+    for name in flatten()[0]:
+        inner = plain_parts(getattr(tensor, name))
+        if inner is None:
+            return None
+        parts.extend(inner)
+    return tuple(parts) or None
+
+
 def storage_pointer(tensor: torch.Tensor) -> int | None:
-    """The address of the storage behind ``tensor`` (this rank's shard of a DTensor), which views of it share; ``None``
-    for a tensor subclass without a storage of its own.
+    """The address of the storage behind ``tensor`` (this rank's shard of a DTensor, the first inner tensor of a
+    wrapper subclass, see :func:`plain_parts`), which views of it share; ``None`` for a subclass without one.
 
     Example::
 
@@ -61,9 +96,18 @@ def storage_pointer(tensor: torch.Tensor) -> int | None:
         >>> storage_pointer(base[1:]) == storage_pointer(base)
         True
     """
+    if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+        parts = plain_parts(tensor)
+        if parts is None:
+            return None
+        tensor = parts[0]
+    return _own_storage(tensor)
+
+
+def _own_storage(tensor: torch.Tensor) -> int | None:
     try:
-        return int(local_tensor(tensor).untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: its storage has no memory
         return None
 
 

@@ -21,7 +21,10 @@ A :class:`FirstForwardProbe` watches a region's first eager checkpointed forward
   the region's modules hold.
 
 Watching costs one copy of the region's saved tensors and one host read, at the first call only. The probe's own ops
-run below every dispatch mode, so that a selective-checkpointing cache never takes them for the model's.
+run below every dispatch mode, so that a selective-checkpointing cache never takes them for the model's; so it reads
+a wrapper tensor subclass (a quantized weight) through its inner tensors
+(:func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`), which hold its values, and leaves out one
+whose values it cannot reach.
 """
 
 from collections.abc import Mapping
@@ -43,7 +46,7 @@ from lightning_ckpt_determinism.checkpointing.equality import same_item, same_va
 from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     generator_slots,
-    local_tensor,
+    plain_parts,
     scalar_attributes,
     storage_pointer,
 )
@@ -118,19 +121,18 @@ class FirstForwardProbe:
         self.module = module
         self.profile: RegionProfile | None = None
         self._task = current_graph_task_id()
-        self._packed: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        self._packed: list[tuple[torch.Tensor, _Snapshot | None, int]] = []
         # Packs and ops in the order they happen: a write to a packed tensor's storage by a later op fills it late.
         self.events = 0
         self._finder = _FirstCallMode(self)
-        self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, _Snapshot | None]] = {}
         self._attributes: dict[tuple[nn.Module, str], Any] = {}
 
     def __enter__(self) -> "FirstForwardProbe":
-        with no_python_dispatch(), torch.no_grad():
-            self._buffers = {
-                name: (owner, key, buffer, local_tensor(buffer).clone())
-                for name, (owner, key, buffer) in buffer_slots(self.module).items()
-            }
+        self._buffers = {
+            name: (owner, key, buffer, _snapshot(buffer))
+            for name, (owner, key, buffer) in buffer_slots(self.module).items()
+        }
         self._attributes = scalar_attributes(self.module)
         self._finder.__enter__()
         return self
@@ -146,11 +148,8 @@ class FirstForwardProbe:
         """Hold a tensor the forward saves, with a copy of its value now (the extractor's hook)."""
         if current_graph_task_id() != self._task:  # a backward run inside the forward compares its own tensors
             return
-        local = local_tensor(tensor)
-        with no_python_dispatch():
-            copy = local.detach().clone() if local.layout == torch.strided and not local.is_meta else None
         self.events += 1
-        self._packed.append((local, copy, self.events))
+        self._packed.append((tensor, _snapshot(tensor), self.events))
 
     def _learned(self) -> RegionProfile:
         workspaces = frozenset(
@@ -167,14 +166,13 @@ class FirstForwardProbe:
             if position not in workspaces
             and storage_pointer(tensor) not in state
             and (
-                self._finder.written_after(storage_pointer(tensor), packed_at)
-                or (copy is not None and not same_values(tensor, copy))
+                self._finder.written_after(storage_pointer(tensor), packed_at) or (copy is not None and not _kept(copy))
             )
         )
         buffers = frozenset(
             name
             for name, (owner, key, buffer, value) in self._buffers.items()
-            if own_buffers(owner).get(key) is not buffer or not same_values(local_tensor(buffer), value)
+            if own_buffers(owner).get(key) is not buffer or (value is not None and not _kept(value))
         )
         attributes = tuple(
             (owner, name)
@@ -189,6 +187,26 @@ class FirstForwardProbe:
             attributes=attributes,
             generators=tuple(generator_slots(self.module)),
         )
+
+
+_Snapshot = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+"""Each plain part of a tensor (:func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`) with a copy
+of its value when it was taken."""
+
+
+def _snapshot(tensor: torch.Tensor) -> _Snapshot | None:
+    """``tensor``'s parts with copies of their values now; ``None`` where a part has no values to copy (another
+    layout, meta) or the tensor's values are out of reach."""
+    parts = plain_parts(tensor)
+    if parts is None or any(part.layout != torch.strided or part.is_meta for part in parts):
+        return None
+    with no_python_dispatch(), torch.no_grad():
+        return tuple((part, part.detach().clone()) for part in parts)
+
+
+def _kept(snapshot: _Snapshot) -> bool:
+    """Whether every part of a snapshot still holds the value copied."""
+    return all(same_values(part, copy) for part, copy in snapshot)
 
 
 class _FirstCallMode(TorchDispatchMode):

@@ -15,9 +15,11 @@ hashes. Integer sums are exact and independent of the order of summation, so the
 whatever the thread count, kernel or device; NaN, ``-0.0`` and every other bit pattern are told apart. Nothing larger
 than one tensor's row and column sums is ever held: no full-size temporary on any device. Every single changed word
 changes the digest (``a[r] + b[c]`` is odd, so invertible modulo the wrap), and so do values moved to other rows,
-words moved within a row (the column sums change), a tensor negated or rescaled. What a digest misses: changes that
-cancel in every row sum and every column sum at once (four words of a rectangle changed by ``+d, -d, -d, +d``), and a
-swap of two words that differ in their top bit only.
+words moved within a row (the column sums change), a tensor rescaled, a ``float32`` or ``bfloat16`` one negated. What a
+digest misses: changes that cancel in every row sum and every column sum at once (four words of a rectangle changed by
+``+d, -d, -d, +d``), and the top bit flipped in an even number of 64-bit words, since each flip adds ``2**63`` times an
+odd weight, ``2**63`` modulo the wrap (two ``float64`` values negated; a ``float64`` or complex tensor negated, or a
+complex one conjugated, when it holds an even number of such words).
 
 Every tensor is read through one path (:class:`DigestPlans`): a plan worked out once per shape, strides and dtype
 views the tensor's memory as its word matrix; a tensor that is not laid out as that matrix (permuted, sliced,
@@ -27,6 +29,14 @@ about ``1 / SAMPLE_STRIDE`` of the last dimension of every row, the window movin
 from step to step, so that every word is read within ``SAMPLE_STRIDE`` steps; tensors whose last dimension is shorter
 than ``SAMPLE_STRIDE`` words are read whole. A change that touches a whole row (a redrawn mask, noise, a scale, a
 flipped route) shows at once, a change of single words (or words moved within a window) when the window comes to them.
+
+A conjugated or negative view (``x.conj()`` of a complex tensor, the negative views torch's complex kernels make) is
+read as the values it shows, from a resolved copy where its bits cannot be viewed as words. A wrapper tensor subclass
+(a quantized weight, torch's ``TwoTensor``) is read through the inner tensors that hold its values
+(:func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`): its digest is their digests weighted by
+their position with the odd row weights, so that a change of any inner tensor, or two inner tensors swapped, changes
+it. What a subclass keeps outside its inner tensors (Python values in its ``__tensor_flatten__`` context) is not
+read; a subclass without inner tensors to read has no digest (:func:`readable` is false).
 
 The attribution observer identifies an op's inputs by a :class:`Fingerprint`: the tensor's metadata and its exact
 digest.
@@ -38,6 +48,7 @@ from typing import Literal
 
 import torch
 
+from lightning_ckpt_determinism.checkpointing.modules import plain_parts
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
@@ -131,8 +142,9 @@ EXACT = DigestMode()
 
 
 def readable(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (this rank's shard of a DTensor) has values a digest can read as bits: strided, not
-    quantized nor meta, elements of 1, 2, 4 or 8 bytes (complex ones as their real pairs).
+    """Whether ``tensor`` has values a digest can read as bits: strided, not quantized nor meta, elements of 1, 2, 4
+    or 8 bytes (complex ones as their real pairs); this rank's shard of a DTensor, and each inner tensor of a wrapper
+    subclass, all on one device (:func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`).
 
     Args:
         tensor: The tensor.
@@ -142,7 +154,13 @@ def readable(tensor: torch.Tensor) -> bool:
         >>> readable(torch.zeros(2, 3)), readable(torch.zeros(2, 2).to_sparse())
         (True, False)
     """
-    data = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+    if type(tensor) is torch.Tensor:
+        return _readable(tensor)
+    parts = plain_parts(tensor)
+    return parts is not None and all(_readable(part) for part in parts) and len({part.device for part in parts}) == 1
+
+
+def _readable(data: torch.Tensor) -> bool:
     if data.layout != torch.strided or data.is_quantized or data.is_meta:
         return False
     size = data.element_size() // 2 if data.is_complex() else data.element_size()
@@ -152,7 +170,7 @@ def readable(tensor: torch.Tensor) -> bool:
 def words(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | None:
     """The ``(rows, columns)`` integer matrix a digest of ``tensor`` (this rank's shard of a DTensor) reads: all of
     its words, or one window of each row; ``None`` for a tensor whose values cannot be read as bits
-    (:func:`readable`).
+    (:func:`readable`) or are held by more than one inner tensor (a wrapper subclass: see :func:`digest`).
 
     Args:
         tensor: The tensor.
@@ -235,12 +253,12 @@ def digests(
         5
     """
     plans = plans or DigestPlans()
-    matrices = [plans.read(tensor, mode) for tensor in tensors]
-    if any(matrix is None for matrix in matrices):
+    found = [plans.digest_of(tensor, mode) for tensor in tensors]
+    if any(one is None for one in found):
         raise ValueError("digests: a tensor has no bits to read (check `readable(tensor)` first)")
-    if not matrices:
+    if not found:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([plans.digest(matrix) for matrix in matrices])  # type: ignore[arg-type]
+    return torch.stack(found)  # type: ignore[arg-type]
 
 
 def digest(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | None:
@@ -255,10 +273,11 @@ def digest(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | Non
 
         >>> digest(torch.zeros(1)) == digest(-torch.zeros(1))  # 0.0 and -0.0 differ in their sign bit
         tensor(False)
+        >>> values = torch.tensor([1 + 2j, 3 - 4j])
+        >>> bool(digest(values.conj()) == digest(values.conj().resolve_conj()))  # the values a conjugate shows
+        True
     """
-    plans = DigestPlans()
-    matrix = plans.read(tensor, mode)
-    return None if matrix is None else plans.digest(matrix)
+    return DigestPlans().digest_of(tensor, mode)
 
 
 @dataclass(frozen=True)
@@ -333,20 +352,67 @@ class DigestPlans:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
-    def read(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
-        """``tensor``'s word matrix (all of it, or the window ``mode`` reads of each row), or ``None`` when it is not
-        :func:`readable`.
+    def digest_of(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
+        """``tensor``'s digest (a 0-dimensional ``int64`` tensor on its device), or ``None`` when it is not
+        :func:`readable`: a wrapper subclass's is its inner tensors' digests, weighted by their position.
 
         Args:
-            tensor: The tensor (this rank's shard of a DTensor is read).
+            tensor: The tensor.
+            mode: What to read of each of its inner tensors (:class:`DigestMode`).
+
+        Example::
+
+            >>> from torch.testing._internal.two_tensor import TwoTensor
+            >>> one, two = torch.zeros(4), torch.ones(4)
+            >>> plans = DigestPlans()
+            >>> bool(plans.digest_of(TwoTensor(one, two), EXACT) == plans.digest_of(TwoTensor(two, one), EXACT))
+            False
+        """
+        if type(tensor) is torch.Tensor:
+            matrix = self.read(tensor, mode)
+            return None if matrix is None else self.digest(matrix)
+        parts = plain_parts(tensor)
+        if parts is None:
+            return None
+        found = []
+        for part in parts:
+            matrix = self.read(part, mode)
+            if matrix is None:
+                return None
+            found.append(self.digest(matrix))
+        if len(found) == 1:
+            return found[0]
+        if len({one.device for one in found}) > 1:
+            return None
+        return self._weighted(torch.stack(found), len(found), 0)
+
+    def read(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
+        """``tensor``'s word matrix (all of it, or the window ``mode`` reads of each row), or ``None`` when it is not
+        :func:`readable` or its values are held by more than one inner tensor (see :meth:`digest_of`).
+
+        Args:
+            tensor: The tensor (this rank's shard of a DTensor, a wrapper subclass's one inner tensor, is read; a
+                conjugated or negative view as the values it shows).
             mode: What to read (:class:`DigestMode`).
         """
-        data = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+        data = tensor
+        if type(data) is not torch.Tensor:
+            parts = plain_parts(data)
+            if parts is None or len(parts) != 1:
+                return None
+            data = parts[0]
         key = (data.shape, data.stride(), data.dtype)
-        plan = self._plans.get(key, _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plans[key] = _Plan.of(data)
-        return None if plan is None else plan.read(data, mode)
+        try:
+            plan = self._plans.get(key, _UNPLANNED)
+            if plan is _UNPLANNED:
+                plan = self._plans[key] = _Plan.of(data)
+            return None if plan is None else plan.read(data, mode)
+        except RuntimeError:
+            # A conjugated or negative view refuses to be viewed as words of another dtype: its values are read from
+            # a resolved copy. Asked only here, so that reading an ordinary tensor costs no more than before.
+            if not (data.is_conj() or data.is_neg()):
+                raise
+            return self.read(data.resolve_conj().resolve_neg(), mode)
 
     def digest(self, matrix: torch.Tensor) -> torch.Tensor:
         """The digest of a word matrix (from :meth:`read`), a 0-dimensional ``int64`` tensor on its device.
@@ -356,6 +422,10 @@ class DigestPlans:
         """
         rows, columns = matrix.shape
         sums = torch.cat([matrix.sum(1, dtype=torch.int64), matrix.sum(0, dtype=torch.int64)])
+        return self._weighted(sums, rows, columns)
+
+    def _weighted(self, sums: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+        """The dot product of ``rows`` row sums then ``columns`` column sums with their weights."""
         key = (rows, columns, sums.device)
         weights = self._weights.get(key)
         if weights is None:
@@ -394,7 +464,7 @@ class _Plan:
     @staticmethod
     def of(tensor: torch.Tensor) -> "_Plan | None":
         """The plan for ``tensor``'s shape, strides and dtype, or ``None`` when it is not :func:`readable`."""
-        if not readable(tensor):
+        if not _readable(tensor):
             return None
         if tensor.is_complex():
             return _ComplexPlan(tensor)

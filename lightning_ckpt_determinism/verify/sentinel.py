@@ -27,9 +27,10 @@ workspaces (an RNN layer's, see :data:`~lightning_ckpt_determinism.checkpointing
 tensors without bits to read and any tensor the sentinel fails to read are left out and counted as not compared;
 a failure of its own is logged once and never reaches training. What it cannot see: compiled regions are
 recomputed by the compiler, which calls no extractor (they count as not compared; regions that graph-break run
-eagerly and are compared); tensor subclasses other than DTensor (whose shard it reads), which it leaves out; writes
-to parameters that bump no version counter; with sampled digests, a change of single elements shows only at the
-steps whose offset reads them.
+eagerly and are compared); Python values a wrapper tensor subclass keeps beside its inner tensors (it reads a
+DTensor's shard, and a wrapper subclass such as a quantized weight through the inner tensors of its
+``__tensor_flatten__``; one with neither is left out, said once per region); writes to parameters that bump no
+version counter; with sampled digests, a change of single elements shows only at the steps whose offset reads them.
 """
 
 import contextlib
@@ -44,7 +45,7 @@ from torch import nn
 
 from lightning_ckpt_determinism._text import describe_saved
 from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch, version_counter, view_base
-from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
+from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Recomputed, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
@@ -233,11 +234,11 @@ class _Call:
             local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
             saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
             saved.producer = tensor.grad_fn.name() if tensor.grad_fn is not None else ""
-            if type(local) is not torch.Tensor or _is_state(tensor, local, self.buffers):
+            if _is_state(tensor, local, self.buffers):
                 return saved
             if self.targets is not None:
                 saved.mode = self.targets[position]
-            self.saved_bytes += local.numel() * local.element_size()
+            self.saved_bytes += local.numel() * local.element_size() if type(local) is torch.Tensor else _bytes(local)
             profile = self.profile
             if profile is not None and position in profile.workspaces:
                 self.not_compared += 1
@@ -255,7 +256,7 @@ class _Call:
         """A learning call notes each comparable activation and holds only the last one and the last floating-point
         one (the targets it digests), so that learning holds no more memory than two tensors."""
         if not readable(local):
-            self.not_compared += 1
+            self._unreadable(local)
             return
         floating = local.dtype.is_floating_point
         self._seen.append((saved.position, floating))
@@ -265,7 +266,7 @@ class _Call:
     def _take(self, saved: _Saved, local: torch.Tensor) -> None:
         found = self._digest(local, saved)
         if found is None:
-            self.not_compared += 1
+            self._unreadable(local)
             return
         saved.slot = len(self._digests)
         self._digests.append(found)
@@ -276,11 +277,19 @@ class _Call:
         plans = self.sentinel.plans
         try:
             with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
+                if type(local) is not torch.Tensor:  # a subclass: its inner tensors
+                    return plans.digest_of(local, saved.mode)
                 matrix = plans.read(local, saved.mode)
                 return None if matrix is None else plans.digest(matrix)
         except Exception as err:
             self.sentinel.failed(self.region, saved.describe(), err)
             return None
+
+    def _unreadable(self, local: torch.Tensor) -> None:
+        """A saved activation without bits to read: counted as not compared (a tensor subclass, said once)."""
+        self.not_compared += 1
+        if type(local) is not torch.Tensor:
+            self.sentinel.unreadable(self.region, local)
 
     def _leave_out(self, saved: _Saved, err: Exception) -> None:
         saved.broken, saved.slot = True, None
@@ -324,8 +333,12 @@ class _Call:
         """
         seen = self._seen
         if self.profile is None:
-            comparable = [(saved, local) for saved, local in held if readable(local)]
-            self.not_compared += len(held) - len(comparable)
+            comparable = []
+            for saved, local in held:
+                if readable(local):
+                    comparable.append((saved, local))
+                else:
+                    self._unreadable(local)
             seen = [(saved.position, local.dtype.is_floating_point) for saved, local in comparable]
             held = comparable
         layout = SavedLayout(
@@ -412,7 +425,7 @@ class _StateWatch:
             return None
         with no_python_dispatch(), torch.no_grad():
             plans = self.sentinel.plans
-            return torch.stack([plans.digest(plans.read(buffer, EXACT)) for _, buffer in self.buffers])  # type: ignore[arg-type]
+            return torch.stack([plans.digest_of(buffer, EXACT) for _, buffer in self.buffers])  # type: ignore[misc]
 
     def done(self) -> None:
         written = [name for name, param, version in self.versions if version_counter(param) != version]
@@ -448,7 +461,20 @@ def _is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int 
     base = view_base(tensor)
     if base is None:
         base = tensor
-    return isinstance(base, nn.Parameter) or (bool(buffers) and storage_pointer(local) in buffers)
+    if isinstance(base, nn.Parameter):
+        return True
+    if not buffers:
+        return False
+    pointer = storage_pointer(local)
+    return pointer is not None and pointer in buffers
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor subclass holds: its inner tensors' (see :func:`plain_parts`), or as its metadata says."""
+    parts = plain_parts(tensor)
+    if parts is None:
+        return tensor.numel() * tensor.element_size()
+    return sum(part.numel() * part.element_size() for part in parts)
 
 
 def _profile(module: nn.Module) -> RegionProfile | None:
@@ -695,6 +721,21 @@ class RecomputationSentinel:
             self._layouts.pop(region, None)
         else:
             self._layouts[region] = layout
+
+    def unreadable(self, region: str, tensor: torch.Tensor) -> None:
+        """``region`` saves a tensor subclass whose values the sentinel cannot read: left out (said once per region
+        and type)."""
+        kind = type(tensor).__qualname__
+        if (region, kind) not in self._failures:
+            self._failures.add((region, kind))
+            _log.warning(
+                "lightning_ckpt_determinism: region `%s` saves a `%s`, a tensor subclass whose values the sentinel"
+                " cannot read (no storage of its own and no `__tensor_flatten__` naming inner tensors, or inner"
+                " tensors without bits to read); such tensors are left out and count as not compared. Training is"
+                " not affected.",
+                region,
+                kind,
+            )
 
     def failed(self, region: str, what: str, err: Exception) -> None:
         """The sentinel could not read ``what`` of ``region``: it is left out (said once per region and tensor)."""
