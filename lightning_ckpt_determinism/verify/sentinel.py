@@ -12,9 +12,12 @@ tensor's position, metadata and the op that produced it. At the region's first u
 is recomputed to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares
 the metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check=
 "default"``) and digests the recomputed tensor. Around each recomputation it also watches the region's state: a
-parameter whose version counter moves (recomputation writes it in place: an ``Embedding`` with ``max_norm``
-renormalises its weight again) and a buffer whose values change where no recompute context puts them back (without
-``protect_buffers``, BatchNorm updates its statistics a second time) are mismatches, with their cause. The
+parameter whose version counter moves (recomputation writes it in place) and a buffer whose values change where no
+recompute context puts them back (without ``protect_buffers``, BatchNorm updates its statistics a second time) are
+mismatches, with their cause. A parameter the region's forward writes in place (its version counter moved across a
+forward) is digested before and after each recomputation from then on, and counts only when its values changed: an
+``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes nothing once its rows
+are within ``max_norm``. The
 comparisons stay on the device, read back later (:meth:`RecomputationSentinel.report`, or
 :meth:`RecomputationSentinel.settle` once per training step, after one comparison for the whole step). Nothing is
 read back to the host inside forward or backward, and the sentinel's own ops run below every dispatch mode, so that a
@@ -387,7 +390,8 @@ class _Call:
 
 class _StateWatch:
     """One recomputation of a region, watched for what it changes: the version counters of the region's parameters,
-    and the digests of the buffers no recompute context puts back."""
+    the digests of the parameters its forward writes in place (a write counts only where it changed values), and
+    the digests of the buffers no recompute context puts back."""
 
     def __init__(
         self,
@@ -395,39 +399,59 @@ class _StateWatch:
         region: str,
         parameters: Sequence[tuple[str, nn.Module, str]],
         exposed: Sequence[tuple[str, torch.Tensor]],
+        forward_written: frozenset[str],
     ) -> None:
         self.sentinel = sentinel
         self.region = region
-        # Read through their owners at each recomputation: FSDP2 swaps the parameter objects in and out.
-        self.versions = [
-            (name, param, version_counter(param))
-            for name, owner, attribute in parameters
-            if (param := getattr(owner, attribute)) is not None
+        self.versions = _versions(parameters)
+        self.parameters = [
+            (name, local_tensor(param))
+            for name, param, _ in self.versions
+            if name in forward_written and readable(param)
         ]
         self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
-        self.before = self._digests()
+        self.parameters_before = self._digests(self.parameters)
+        self.before = self._digests(self.buffers)
 
-    def _digests(self) -> torch.Tensor | None:
-        if not self.buffers:
+    def _digests(self, tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+        if not tensors:
             return None
         with no_python_dispatch(), torch.no_grad():
             plans = self.sentinel.plans
-            return torch.stack([plans.digest(plans.read(buffer, EXACT)) for _, buffer in self.buffers])  # type: ignore[arg-type]
+            return torch.stack([plans.digest(plans.read(tensor, EXACT)) for _, tensor in tensors])  # type: ignore[arg-type]
 
     def done(self) -> None:
-        written = [name for name, param, version in self.versions if version_counter(param) != version]
-        changes = [
-            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE)
-            for name in written
+        digested = {name for name, _ in self.parameters}
+        written = [
+            name for name, param, version in self.versions if version_counter(param) != version and name not in digested
         ]
-        self.sentinel.changed(self.region, changes)
+        self.sentinel.changed(self.region, [self._parameter_change(name) for name in written])
+        if self.parameters_before is not None:
+            after = self._digests(self.parameters)
+            items = [self._parameter_change(name) for name, _ in self.parameters]
+            self.sentinel.state_compared(self.region, items, self.parameters_before, after)  # type: ignore[arg-type]
         if self.before is not None:
-            after = self._digests()
+            after = self._digests(self.buffers)
             items = [
                 _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", Cause.BUFFER_MUTATION)
                 for name, _ in self.buffers
             ]
             self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
+
+    def _parameter_change(self, name: str) -> "_StateChange":
+        return _StateChange(
+            f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE
+        )
+
+
+def _versions(parameters: Sequence[tuple[str, nn.Module, str]]) -> list[tuple[str, torch.Tensor, int]]:
+    """Each parameter with its version counter now, read through its owner: FSDP2 swaps the parameter objects in and
+    out."""
+    return [
+        (name, param, version_counter(param))
+        for name, owner, attribute in parameters
+        if (param := getattr(owner, attribute)) is not None
+    ]
 
 
 def _parameter_places(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
@@ -602,6 +626,8 @@ class RecomputationSentinel:
         }
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters = {name: _parameter_places(sub) for name, sub in regions.items()}
+        # The parameters each region's forward was seen to write in place: digested around its recomputations.
+        self._forward_written: dict[str, frozenset[str]] = {name: frozenset() for name in regions}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._layouts: dict[str, SavedLayout] = {}
@@ -646,6 +672,7 @@ class RecomputationSentinel:
             return
         layout = self._layouts.get(name) if self.mode.tier == "light" else None
         call = _Call(self, name, self._buffers[name], _profile(module), layout)
+        versions = _versions(self._parameters[name])
         self._open.append(call)
         finished = False
         try:
@@ -653,6 +680,9 @@ class RecomputationSentinel:
             finished = True
         finally:
             self._open.pop()
+            written = {parameter for parameter, param, version in versions if version_counter(param) != version}
+            if not written <= self._forward_written[name]:
+                self._forward_written[name] |= written
             if call.saved:
                 call.forward_done(digest=finished, profile=_profile(module))
                 if finished:
@@ -670,7 +700,7 @@ class RecomputationSentinel:
         watch = None
         if not self._paused and name is not None:
             try:
-                watch = _StateWatch(self, name, self._parameters[name], exposed_buffers)
+                watch = _StateWatch(self, name, self._parameters[name], exposed_buffers, self._forward_written[name])
             except Exception as err:
                 self.failed(name, "its parameters and buffers", err)
         try:
