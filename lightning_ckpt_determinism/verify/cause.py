@@ -220,7 +220,8 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             _checkpointing("preserve_host_rng"),
         ),
         Cause.BUFFER_MUTATION: _hints(
-            "Recomputation updates the region's buffers a second time (BatchNorm statistics, counters): set {}.",
+            "Recomputation updates the region's buffers a second time (the running statistics of BatchNorm or"
+            " InstanceNorm, counters): set {}.",
             _checkpointing("protect_buffers"),
         ),
         Cause.SHAPE_CHANGE: _hints(
