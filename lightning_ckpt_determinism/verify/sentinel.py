@@ -14,14 +14,14 @@ the metadata at once (a difference raises torch's ``CheckpointError`` as before,
 "default"``) and digests the recomputed tensor. Around each recomputation it also watches the region's state: a
 parameter whose version counter moves (recomputation writes it in place) and a buffer whose values change where no
 recompute context puts them back (without ``protect_buffers``, BatchNorm updates its statistics a second time) are
-mismatches, with their cause. A parameter the region's forward writes in place (its version counter moved across a
-forward) is digested before and after each recomputation from then on, and counts only when its values changed: an
-``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes nothing once its rows
-are within ``max_norm``. The
-comparisons stay on the device, read back later (:meth:`RecomputationSentinel.report`, or
-:meth:`RecomputationSentinel.settle` once per training step, after one comparison for the whole step). Nothing is
-read back to the host inside forward or backward, and the sentinel's own ops run below every dispatch mode, so that a
-selective-checkpointing cache or a mode of the user's never takes them for the model's.
+mismatches, with their cause. A parameter written in place since the region's forward started (its version counter
+moved: the forward writes it) is digested before and after each recomputation from then on, and counts only when
+its values changed: an ``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes
+nothing once its rows are within ``max_norm``. The comparisons stay on the device, read back later
+(:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step, after one
+comparison for the whole step). Nothing is read back to the host inside forward or backward, and the sentinel's own
+ops run below every dispatch mode, so that a selective-checkpointing cache or a mode of the user's never takes them
+for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
@@ -46,7 +46,13 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._text import describe_saved
-from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch, version_counter, view_base
+from lightning_ckpt_determinism._torch_compat import (
+    is_compiled_module,
+    no_python_dispatch,
+    own_parameters,
+    version_counter,
+    view_base,
+)
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Recomputed, kept_by_torch
@@ -397,13 +403,13 @@ class _StateWatch:
         self,
         sentinel: "RecomputationSentinel",
         region: str,
-        parameters: Sequence[tuple[str, nn.Module, str]],
+        versions: list[tuple[str, torch.Tensor, int]],
         exposed: Sequence[tuple[str, torch.Tensor]],
         forward_written: frozenset[str],
     ) -> None:
         self.sentinel = sentinel
         self.region = region
-        self.versions = _versions(parameters)
+        self.versions = versions
         self.parameters = [
             (name, local_tensor(param))
             for name, param, _ in self.versions
@@ -450,7 +456,7 @@ def _versions(parameters: Sequence[tuple[str, nn.Module, str]]) -> list[tuple[st
     return [
         (name, param, version_counter(param))
         for name, owner, attribute in parameters
-        if (param := getattr(owner, attribute)) is not None
+        if (param := own_parameters(owner).get(attribute)) is not None
     ]
 
 
@@ -626,7 +632,9 @@ class RecomputationSentinel:
         }
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters = {name: _parameter_places(sub) for name, sub in regions.items()}
-        # The parameters each region's forward was seen to write in place: digested around its recomputations.
+        # Each region's parameter versions when its latest forward started, and the parameters seen written in place
+        # since a forward started (by that forward, as a rule): those are digested around its recomputations.
+        self._forward_versions: dict[str, dict[str, int]] = {}
         self._forward_written: dict[str, frozenset[str]] = {name: frozenset() for name in regions}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
@@ -672,7 +680,9 @@ class RecomputationSentinel:
             return
         layout = self._layouts.get(name) if self.mode.tier == "light" else None
         call = _Call(self, name, self._buffers[name], _profile(module), layout)
-        versions = _versions(self._parameters[name])
+        self._forward_versions[name] = {
+            parameter: version for parameter, _, version in _versions(self._parameters[name])
+        }
         self._open.append(call)
         finished = False
         try:
@@ -680,9 +690,6 @@ class RecomputationSentinel:
             finished = True
         finally:
             self._open.pop()
-            written = {parameter for parameter, param, version in versions if version_counter(param) != version}
-            if not written <= self._forward_written[name]:
-                self._forward_written[name] |= written
             if call.saved:
                 call.forward_done(digest=finished, profile=_profile(module))
                 if finished:
@@ -700,7 +707,12 @@ class RecomputationSentinel:
         watch = None
         if not self._paused and name is not None:
             try:
-                watch = _StateWatch(self, name, self._parameters[name], exposed_buffers, self._forward_written[name])
+                versions = _versions(self._parameters[name])
+                since = self._forward_versions.get(name, {})
+                written = {parameter for parameter, _, version in versions if since.get(parameter, version) != version}
+                if not written <= self._forward_written[name]:
+                    self._forward_written[name] |= written
+                watch = _StateWatch(self, name, versions, exposed_buffers, self._forward_written[name])
             except Exception as err:
                 self.failed(name, "its parameters and buffers", err)
         try:
