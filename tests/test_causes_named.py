@@ -20,7 +20,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
-from tests.test_verdicts import WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
+from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
 
 MODES = ["light", "sampled", "exact"]
 
@@ -37,6 +37,20 @@ class Decay(nn.Module):
         with torch.no_grad():
             self.alpha.mul_(0.9)
         return torch.tanh(self.inp(x) * self.alpha)
+
+
+class DecayUnread(nn.Module):
+    """Decays a parameter in place in forward, under ``no_grad``, and never reads it: only the write differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.unread = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.unread.mul_(0.9)
+        return torch.tanh(self.inp(x))
 
 
 class SmallRows(MaxNormEmbedding):
@@ -77,6 +91,28 @@ def test_a_parameter_decayed_in_forward_is_a_parameter_write_not_outside_state(m
         ((region, cause, hint),) = named(report)
         assert (region, cause) == ("body", "parameter_write")
         assert hint is not None and hint.endswith("Written: body.alpha.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sentinel_counts_each_recomputed_write_that_changed_values(mode: str) -> None:
+    result = trial(Case(lambda: Head(DecayUnread())), mode)
+    # Ground truth: the gradients agree, and the checkpointed copy decays the parameter more often than the twin,
+    # which decays it once per step.
+    once_per_step = torch.ones(WIDTH)
+    for _ in range(STEPS):
+        once_per_step.mul_(0.9)
+    assert result.gradients_equal
+    assert torch.equal(result.plain.body.unread, once_per_step)
+    assert bool((result.checkpointed.body.unread < once_per_step).all())
+    found = result.sentinel.regions["body"]
+    # One recomputation a step in training, one in the check's checkpointed pass: the write, and nothing else.
+    assert (found.mismatches, found.first_mismatch, found.cause) == (
+        2 * STEPS,
+        "parameter `body.unread` written in place by recomputation",
+        "parameter_write",
+    )
+    for report in result.checks:
+        assert [(region, cause) for region, cause, _ in named(report)] == [("body", "parameter_write")]
 
 
 def test_a_decay_the_check_puts_back_is_named_by_the_recomputation_that_reads_it() -> None:
