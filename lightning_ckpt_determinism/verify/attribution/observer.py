@@ -15,9 +15,8 @@ forward or of the recomputation that writes one of the region's parameters in pl
 ``embedding_renorm_``) is noted when it changed the parameter's values: a second renormalisation that finds every row
 within ``max_norm`` writes nothing new. A differing op that read one of the region's buffers or parameters with
 other values than in the forward (InstanceNorm's running statistics, which it copies before use; a parameter the
-forward wrote) is noted too, and so are the
-torchmetrics metrics inside the region whose states a recomputation changed (a metric updated in forward is updated
-again).
+forward wrote) is noted too, and so are the torchmetrics metrics inside the region whose states a recomputation
+changed (a metric updated in forward is updated again).
 
 torch checks the version counters of a region's saved inputs before it enters the region's recompute context, so an
 input modified in place after the forward is found by comparing the versions recorded at the forward with the
