@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     RecomputationReport,
+    SentinelReport,
     apply_activation_checkpointing,
     check_recomputation,
     recomputation_sentinel,
@@ -161,10 +162,10 @@ def test_a_renorm_that_changes_no_value_is_no_finding(build: Callable[[], nn.Mod
 
 def _twin_steps(
     build: Callable[[], nn.Module], config: CheckpointingConfig, mode: str, steps: int = 2
-) -> tuple[nn.Module, nn.Module, list[RecomputationReport], bool, int]:
+) -> tuple[nn.Module, nn.Module, list[RecomputationReport], bool, SentinelReport]:
     """``steps`` SGD steps of a plain twin and its checkpointed copy under ``config``, the sentinel on the copy and
     the check (with attribution) before each step: both models, the checks, whether the gradients were equal, and
-    the sentinel's mismatches."""
+    the sentinel's report."""
     torch.manual_seed(0)
     plain = build()
     checkpointed = copy.deepcopy(plain)
@@ -187,7 +188,7 @@ def _twin_steps(
                 optimizer.step()
             equal &= all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
             sentinel.next_step()
-    return plain, checkpointed, checks, equal, sentinel.report().mismatches
+    return plain, checkpointed, checks, equal, sentinel.report()
 
 
 NORMS = {
@@ -202,12 +203,12 @@ NORMS = {
 @pytest.mark.parametrize("mode", MODES)
 def test_every_norm_with_running_statistics_is_a_buffer_mutation_without_protect_buffers(norm: str, mode: str) -> None:
     config = CheckpointingConfig(names=["body"], protect_buffers=False)
-    plain, checkpointed, checks, equal, mismatches = _twin_steps(lambda: Head(NORMS[norm]()), config, mode)
+    plain, checkpointed, checks, equal, sentinel = _twin_steps(lambda: Head(NORMS[norm]()), config, mode)
     statistics = ["body.layer.running_mean", "body.layer.running_var"]
     # Ground truth: the gradients agree, the running statistics of the checkpointed copy moved twice per step.
     assert equal
     assert not all(torch.equal(plain.get_buffer(name), checkpointed.get_buffer(name)) for name in statistics)
-    assert mismatches > 0
+    assert sentinel.mismatches > 0
     for report in checks:
         ((region, cause, hint),) = named(report)
         assert (region, cause) == ("body", "buffer_mutation")
@@ -217,22 +218,26 @@ def test_every_norm_with_running_statistics_is_a_buffer_mutation_without_protect
 
 @pytest.mark.parametrize("norm", list(NORMS))
 def test_every_norm_with_running_statistics_is_exact_with_protect_buffers(norm: str) -> None:
-    plain, checkpointed, checks, equal, mismatches = _twin_steps(
+    plain, checkpointed, checks, equal, sentinel = _twin_steps(
         lambda: Head(NORMS[norm]()), CheckpointingConfig(names=["body"]), "exact"
     )
-    assert equal and same_state(plain, checkpointed) and mismatches == 0
+    assert equal and same_state(plain, checkpointed) and sentinel.mismatches == 0
     assert all(named(report) == [] and not report.diverged for report in checks)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_metric_updated_in_a_region_is_a_metric_update(mode: str) -> None:
-    plain, checkpointed, checks, equal, _ = _twin_steps(
+    plain, checkpointed, checks, equal, sentinel = _twin_steps(
         lambda: Head(Metered()), CheckpointingConfig(names=["body"]), mode
     )
     # Ground truth: the gradients agree, and the checkpointed copy's metric counted every step twice.
     assert equal
     assert float(plain.body.seen.weight) == 2.0
     assert float(checkpointed.body.seen.weight) == 4.0
+    # Both states (the weighted sum and the weight) at every recomputation: the check's and the training step's.
+    found = sentinel.regions["body"]
+    assert (found.mismatches, found.cause) == (2 * 2 * 2, "metric_update")
+    assert found.first_mismatch == "metric `body.seen` (mean_value) updated by recomputation"
     for report in checks:
         assert not report.diverged and report.grad_divergence == 0.0
         ((region, cause, hint),) = named(report)

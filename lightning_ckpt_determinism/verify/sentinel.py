@@ -17,11 +17,12 @@ recompute context puts them back (without ``protect_buffers``, BatchNorm updates
 mismatches, with their cause. A parameter written in place since the region's forward started (its version counter
 moved: the forward writes it) is digested before and after each recomputation from then on, and counts only when
 its values changed: an ``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes
-nothing once its rows are within ``max_norm``. The comparisons stay on the device, read back later
-(:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step, after one
-comparison for the whole step). Nothing is read back to the host inside forward or backward, and the sentinel's own
-ops run below every dispatch mode, so that a selective-checkpointing cache or a mode of the user's never takes them
-for the model's.
+nothing once its rows are within ``max_norm``. The tensor states of the torchmetrics metrics inside a region are
+digested alike: a metric updated in forward is updated again by recomputation. The comparisons stay on the device,
+read back later (:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step,
+after one comparison for the whole step). Nothing is read back to the host inside forward or backward, and the
+sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a mode of the user's never
+takes them for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
@@ -45,6 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._library_compat import metric_state_names
 from lightning_ckpt_determinism._text import describe_saved
 from lightning_ckpt_determinism._torch_compat import (
     is_compiled_module,
@@ -81,14 +83,14 @@ class SentinelRegion:
     Attributes:
         compared: Saved tensors whose recomputation was compared with the forward's.
         mismatches: Those whose recomputation differed, plus the parameters recomputation wrote in place and the
-            buffers whose values it changed.
+            buffers and metric states whose values it changed.
         first_mismatch: The first that differed: its position among the region's saved tensors, the op that
             produced it, its shape and dtype (and what differed, for metadata), or the parameter or buffer and what
             recomputation did to it; ``None`` when none did.
         not_compared: Saved tensors (activations) left out: opaque workspaces, tensors without bits to read, and any
             the sentinel failed to read.
         cause: The cause of ``first_mismatch`` when the sentinel knows it (``"parameter_write"``,
-            ``"buffer_mutation"``); ``None`` for a saved tensor, whose cause a full check names.
+            ``"buffer_mutation"``, ``"metric_update"``); ``None`` for a saved tensor, whose cause a full check names.
 
     Example::
 
@@ -396,8 +398,8 @@ class _Call:
 
 class _StateWatch:
     """One recomputation of a region, watched for what it changes: the version counters of the region's parameters,
-    the digests of the parameters its forward writes in place (a write counts only where it changed values), and
-    the digests of the buffers no recompute context puts back."""
+    the digests of the parameters its forward writes in place (a write counts only where it changed values), of the
+    buffers no recompute context puts back, and of the tensor states of the torchmetrics metrics inside it."""
 
     def __init__(
         self,
@@ -406,6 +408,7 @@ class _StateWatch:
         versions: list[tuple[str, torch.Tensor, int]],
         exposed: Sequence[tuple[str, torch.Tensor]],
         forward_written: frozenset[str],
+        metrics: Sequence[tuple[str, Any, str]] = (),
     ) -> None:
         self.sentinel = sentinel
         self.region = region
@@ -416,8 +419,14 @@ class _StateWatch:
             if name in forward_written and readable(param)
         ]
         self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
+        self.metrics = [(name, metric, state) for name, metric, state in metrics if readable(getattr(metric, state))]
         self.parameters_before = self._digests(self.parameters)
         self.before = self._digests(self.buffers)
+        self.metrics_before = self._digests(self._metric_values())
+
+    def _metric_values(self) -> list[tuple[str, torch.Tensor]]:
+        # Read through the metric at each digest: an update may bind a new tensor (`self.total = self.total + x`).
+        return [(name, local_tensor(getattr(metric, state))) for name, metric, state in self.metrics]
 
     def _digests(self, tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
         if not tensors:
@@ -443,6 +452,13 @@ class _StateWatch:
                 for name, _ in self.buffers
             ]
             self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
+        if self.metrics_before is not None:
+            after = self._digests(self._metric_values())
+            items = [
+                _StateChange(f"metric `{self.region}.{name}` ({state}) updated by recomputation", Cause.METRIC_UPDATE)
+                for name, _, state in self.metrics
+            ]
+            self.sentinel.state_compared(self.region, items, self.metrics_before, after)  # type: ignore[arg-type]
 
     def _parameter_change(self, name: str) -> "_StateChange":
         return _StateChange(
@@ -457,6 +473,20 @@ def _versions(parameters: Sequence[tuple[str, nn.Module, str]]) -> list[tuple[st
         (name, param, version_counter(param))
         for name, owner, attribute in parameters
         if (param := own_parameters(owner).get(attribute)) is not None
+    ]
+
+
+def _metric_states(module: nn.Module) -> list[tuple[str, Any, str]]:
+    """Each tensor state of the torchmetrics metrics inside ``module``, as ``(metric name, metric, state)``: a metric
+    its forward updates, recomputation updates a second time."""
+    from torchmetrics import Metric
+
+    return [
+        (name, metric, state)
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+        for state in metric_state_names(metric)
+        if isinstance(getattr(metric, state), torch.Tensor)
     ]
 
 
@@ -632,6 +662,8 @@ class RecomputationSentinel:
         }
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters = {name: _parameter_places(sub) for name, sub in regions.items()}
+        # The tensor states of the torchmetrics metrics inside each region, found once.
+        self._metrics = {name: _metric_states(sub) for name, sub in regions.items()}
         # Each region's parameter versions when its latest forward started, and the parameters seen written in place
         # since a forward started (by that forward, as a rule): those are digested around its recomputations.
         self._forward_versions: dict[str, dict[str, int]] = {}
@@ -712,7 +744,9 @@ class RecomputationSentinel:
                 written = {parameter for parameter, _, version in versions if since.get(parameter, version) != version}
                 if not written <= self._forward_written[name]:
                     self._forward_written[name] |= written
-                watch = _StateWatch(self, name, versions, exposed_buffers, self._forward_written[name])
+                watch = _StateWatch(
+                    self, name, versions, exposed_buffers, self._forward_written[name], self._metrics[name]
+                )
             except Exception as err:
                 self.failed(name, "its parameters and buffers", err)
         try:
