@@ -4,23 +4,30 @@ running statistics is ``buffer_mutation``; a torchmetrics metric updated inside 
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
     RecomputationReport,
     SentinelReport,
+    SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
     check_recomputation,
     recomputation_sentinel,
 )
 from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
+from tests.helpers import trainer_kwargs
 from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
 
 MODES = ["light", "sampled", "exact"]
@@ -277,3 +284,47 @@ def test_a_differing_op_that_read_changed_state_names_that_state(
         parameter_input=parameter_input,
     )
     assert evidence_cause(divergence) == cause
+
+
+class MeteredModule(pl.LightningModule):
+    """A regression whose checkpointed ``body`` updates a torchmetrics metric in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Head(Metered())
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self.model(batch[0]), torch.zeros(batch[0].shape[0], 6, 1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.cat([tokens(step) for step in range(4)])), batch_size=4)
+
+
+def _fit(tmp_path: Path, monitor: RecomputationMonitor | None) -> MeteredModule:
+    module = MeteredModule()
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.body"]))
+    callbacks = [] if monitor is None else [monitor]
+    pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, strategy=strategy, callbacks=callbacks)).fit(module)
+    return module
+
+
+def test_the_monitor_names_a_metric_update_that_changes_no_gradient_and_changes_nothing_itself(tmp_path: Path) -> None:
+    unmonitored = _fit(tmp_path / "plain", None)
+    monitor = RecomputationMonitor(every_n_steps=50)
+    with pytest.warns(LightningCkptDeterminismWarning, match="^lightning_ckpt_determinism: ") as warned:
+        monitored = _fit(tmp_path / "monitored", monitor)
+    messages = [str(warning.message) for warning in warned]
+    assert any("Cause metric_update" in message for message in messages)  # the sentinel's, at step 0
+    assert any("`model.body` updated a torchmetrics metric a second time" in message for message in messages)
+    # The live check at step 0 compares gradients, buffers and attributes: all agree. The sentinel sees the metric's
+    # states move in recomputation, and the follow-up check it asks for names the region and the cause.
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (1, True)]
+    report = monitor.sentinel_report
+    assert report is not None and report.regions["model.body"].cause == "metric_update"
+    # The checks put the metric back: the monitored run's metric and weights are those of the run without it.
+    assert float(monitored.model.body.seen.weight) == float(unmonitored.model.body.seen.weight) == 6.0
+    assert same_state(monitored.model, unmonitored.model)
