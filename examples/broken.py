@@ -6,8 +6,8 @@ others are plain. Each ``examples/configs/broken_<cause>.yaml`` checkpoints ever
     python -m lightning_ckpt_determinism audit --config examples/configs/broken_<cause>.yaml
 
 Some defects live in the model (host RNG, Python state, a data-dependent shape, a non-deterministic kernel, an
-in-place op on a block's input, a parameter renormalised in place, a list appended to, a global read in
-``training_step``), two in the checkpointing config (dropout with ``preserve_rng_state: false``, BatchNorm with
+in-place op on a block's input, a parameter decayed in place, a list appended to, a metric updated, a global read
+in ``training_step``), two in the checkpointing config (dropout with ``preserve_rng_state: false``, BatchNorm with
 ``protect_buffers: false``). Data are synthetic regression targets made in code.
 """
 
@@ -17,6 +17,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,6 +33,7 @@ Defect = Literal[
     "parameter_write",
     "attribute_mutation",
     "outside_state",
+    "metric_update",
 ]
 
 _accumulation_orders = itertools.count()
@@ -164,17 +166,31 @@ class InPlaceReluBlock(Block):
         return x + torch.tanh(self.linear(self.act(x)))
 
 
-class RenormBlock(Block):
-    """Scales its activation by an embedding row with ``max_norm``: ``nn.Embedding`` renormalises its weight in place
-    at every lookup, so recomputation writes the parameter a second time."""
+class DecayBlock(Block):
+    """Scales its activation by a gain it decays in place in forward, under ``no_grad`` (a decay written by hand):
+    recomputation reads the decayed gain and decays it a second time."""
 
     def __init__(self, dim: int) -> None:
         super().__init__(dim)
-        self.scale = nn.Embedding(1, dim, max_norm=1.0)
+        self.gain = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
-        return x + torch.tanh(self.linear(x)) * self.scale(rows)
+        with torch.no_grad():
+            self.gain.mul_(0.99)
+        return x + torch.tanh(self.linear(x)) * self.gain
+
+
+class MetricBlock(Block):
+    """Counts the rows it sees in a torchmetrics ``SumMetric`` and damps its activation by the count so far:
+    recomputation updates the metric a second time and reads a count that moved on."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.rows = torchmetrics.SumMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.update(torch.full((), float(x.shape[0]), device=x.device))
+        return x + torch.tanh(self.linear(x)) / (1.0 + 0.01 * self.rows.sum_value)
 
 
 class LoggingBlock(Block):
@@ -198,9 +214,10 @@ DEFECTIVE_BLOCKS: dict[str, type[Block]] = {
     "python_state": HistoryBlock,
     "nondeterministic_kernel": UnorderedSumBlock,
     "recompute_error": InPlaceReluBlock,
-    "parameter_write": RenormBlock,
+    "parameter_write": DecayBlock,
     "attribute_mutation": LoggingBlock,
     "outside_state": Block,
+    "metric_update": MetricBlock,
 }
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "module_path_steps",
     "no_python_dispatch",
     "own_buffers",
+    "own_parameters",
     "returned_views",
     "run_and_save_rng_state",
     "run_with_rng_state",
@@ -230,6 +231,14 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     an entry can be swapped without ``register_buffer``'s checks or a ``__setattr__`` hook (>= 1.0)."""
     buffers: dict[str, torch.Tensor | None] = module._buffers
     return buffers
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The parameters a module holds itself (not its submodules'), by key: ``Module._parameters``, read without
+    ``Module.__getattr__``'s slow path, for reads at every region call; FSDP2 swaps its parameters in this dict
+    (>= 1.0)."""
+    parameters: dict[str, nn.Parameter | None] = module._parameters
+    return parameters
 
 
 def compiled_inner(module: OptimizedModule) -> nn.Module:

@@ -325,7 +325,8 @@ def test_forward_copies_are_held_only_until_their_region_is_recomputed():
 
 def test_the_catalogue_has_a_hint_per_cause():
     # The others have tests of their own: buffer_mutation, attribute_mutation, recompute_error and outside_state
-    # here, parameter_write in tests/test_verdicts.py, compiler_recompute in tests/test_compile.py.
+    # here, parameter_write and metric_update in tests/test_causes_named.py, compiler_recompute in
+    # tests/test_compile.py.
     others = {
         "buffer_mutation",
         "attribute_mutation",
@@ -333,6 +334,7 @@ def test_the_catalogue_has_a_hint_per_cause():
         "compiler_recompute",
         "parameter_write",
         "outside_state",
+        "metric_update",
     }
     assert set(CAUSE_HINTS) == {*CATALOGUE, *others}
     assert all(hint.endswith(".") for hint in CAUSE_HINTS.values())

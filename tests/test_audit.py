@@ -33,6 +33,7 @@ BROKEN_REGION = {
     "compiler_recompute": "blocks.1",
     "parameter_write": "blocks.1",
     "attribute_mutation": "blocks.2",
+    "metric_update": "blocks.2",
     "outside_state": None,  # a cause of the whole step: no region carries it
 }
 HEADER = ["region", "verdict", "cause", "max diff", "first divergent op", "hint"]

@@ -27,6 +27,7 @@ STRINGS = [
     "nondeterministic_kernel",
     "recompute_error",
     "compiler_recompute",
+    "metric_update",
 ]
 CONFIG_FIELDS = {
     Cause.RNG_NOT_PRESERVED: "preserve_rng_state",

@@ -507,6 +507,16 @@ def test_version_counters_view_bases_and_own_buffers_are_what_torch_keeps() -> N
     assert norm.running_mean is replacement
 
 
+@pins("own_parameters")
+def test_own_parameters_are_the_dict_getattr_reads() -> None:
+    linear = nn.Linear(2, 2)
+    assert list(compat.own_parameters(linear)) == ["weight", "bias"]
+    assert compat.own_parameters(nn.Sequential(linear)) == {}
+    replacement = nn.Parameter(torch.ones(2, 2))
+    compat.own_parameters(linear)["weight"] = replacement  # the dict itself: the module reads the swap
+    assert linear.weight is replacement
+
+
 @pins("RECOMPILE_LOGGER", "hit_recompile_limit")
 def test_dynamo_reports_a_recompile_limit_through_its_logger_in_the_text_matched(
     fresh_dynamo: None, caplog: pytest.LogCaptureFixture

@@ -174,6 +174,7 @@ class Cause(str, enum.Enum):
     NONDETERMINISTIC_KERNEL = "nondeterministic_kernel"
     RECOMPUTE_ERROR = "recompute_error"
     COMPILER_RECOMPUTE = "compiler_recompute"
+    METRIC_UPDATE = "metric_update"
 
     # Shown as the plain string the reports always held, in text as in the lists and tuples people print.
     def __str__(self) -> str:
@@ -219,7 +220,8 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             _checkpointing("preserve_host_rng"),
         ),
         Cause.BUFFER_MUTATION: _hints(
-            "Recomputation updates the region's buffers a second time (BatchNorm statistics, counters): set {}.",
+            "Recomputation updates the region's buffers a second time (the running statistics of BatchNorm or"
+            " InstanceNorm, counters): set {}.",
             _checkpointing("protect_buffers"),
         ),
         Cause.SHAPE_CHANGE: _hints(
@@ -233,9 +235,11 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             " forward."
         ),
         Cause.PARAMETER_WRITE: _hints(
-            "Recomputation writes a parameter in place a second time (an `nn.Embedding` with `max_norm`"
-            " renormalises its weight again in backward), so the weights drift from training without"
-            " checkpointing: leave that module out of checkpointing, or renormalise outside the checkpointed module."
+            "The region writes a parameter in place in forward (a decay or clamp under `no_grad`, an `nn.Embedding`"
+            " with `max_norm` renormalising rows beyond it): recomputation reads other values than the forward did,"
+            " or writes them a second time, so gradients or weights drift from training without checkpointing. Write"
+            " it outside the checkpointed module (in `training_step` or an optimizer hook), or leave that module out"
+            " of checkpointing."
         ),
         Cause.OUTSIDE_STATE: _hints(
             "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
@@ -270,6 +274,11 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             " or, against the budget's redraws, `torch._inductor.config.fallback_random = True` without"
             " `reorder_for_peak_memory`."
         ),
+        Cause.METRIC_UPDATE: _hints(
+            "Recomputation updates a torchmetrics metric inside the region a second time (its sums and counts"
+            " double): update metrics outside the checkpointed modules (in `training_step`, from the module's"
+            " outputs), or leave that module out of checkpointing."
+        ),
     }
 )
 
@@ -283,8 +292,10 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that region."
         ),
         Cause.BUFFER_MUTATION: (
-            "recomputation updated the region's buffers a second time; the hint names the buffers, and the "
-            "gradients may well be exact."
+            "recomputation updated the region's buffers a second time, or an op it recomputed read a buffer the "
+            "forward had updated (the running statistics of BatchNorm, and of InstanceNorm with "
+            "`track_running_stats`, which copies them first); the hint names the buffers, and the gradients may well "
+            "be exact."
         ),
         Cause.SHAPE_CHANGE: (
             "a recomputed tensor has another shape or dtype than its forward's (torch's metadata error)."
@@ -295,9 +306,11 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "tensors."
         ),
         Cause.PARAMETER_WRITE: (
-            "recomputation wrote a parameter in place (`embedding_renorm_` of an `nn.Embedding` with `max_norm`);"
-            " the sentinel counts it at every step (a version counter that moved across the recomputation), and "
-            "attribution names the parameter."
+            "a parameter of the region changed its values in place in recomputation, or between the forward and "
+            "its recomputation, so that a recomputed op read other values (a decay under `no_grad` in forward, "
+            "`embedding_renorm_` over rows beyond `max_norm`). Attribution names the parameters; the sentinel counts "
+            "each recomputation that changed one. A write that leaves every value as it was (a second renorm of "
+            "rows already within `max_norm`) is none."
         ),
         Cause.OUTSIDE_STATE: (
             "in `RecomputationReport.cause`: the gradients diverged and the step's forward already computed "
@@ -315,6 +328,11 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "on a compiled model, in `RecomputationReport.cause`: the compiled step diverges and the same step "
             "run eagerly does not. The regions whose compiled backward graph draws a random op afresh get it too."
         ),
+        Cause.METRIC_UPDATE: (
+            "the states of a torchmetrics `Metric` inside a region changed in its recomputation: an update in "
+            "forward, made again. The hint names the metrics; the gradients may well be exact, and the check puts "
+            "the metrics back after its own passes."
+        ),
     }
 )
 
@@ -322,6 +340,7 @@ _STATE_CHANGES: Mapping[Cause, str] = MappingProxyType(
     {
         Cause.BUFFER_MUTATION: "updated its buffers a second time in recomputation",
         Cause.ATTRIBUTE_MUTATION: "changed Python attributes a second time in recomputation",
-        Cause.PARAMETER_WRITE: "wrote a parameter in place in recomputation",
+        Cause.PARAMETER_WRITE: "wrote a parameter in place in forward or recomputation",
+        Cause.METRIC_UPDATE: "updated a torchmetrics metric a second time in recomputation",
     }
 )

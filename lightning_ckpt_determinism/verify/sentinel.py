@@ -12,13 +12,17 @@ tensor's position, metadata and the op that produced it. At the region's first u
 is recomputed to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares
 the metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check=
 "default"``) and digests the recomputed tensor. Around each recomputation it also watches the region's state: a
-parameter whose version counter moves (recomputation writes it in place: an ``Embedding`` with ``max_norm``
-renormalises its weight again) and a buffer whose values change where no recompute context puts them back (without
-``protect_buffers``, BatchNorm updates its statistics a second time) are mismatches, with their cause. The
-comparisons stay on the device, read back later (:meth:`RecomputationSentinel.report`, or
-:meth:`RecomputationSentinel.settle` once per training step, after one comparison for the whole step). Nothing is
-read back to the host inside forward or backward, and the sentinel's own ops run below every dispatch mode, so that a
-selective-checkpointing cache or a mode of the user's never takes them for the model's.
+parameter whose version counter moves (recomputation writes it in place) and a buffer whose values change where no
+recompute context puts them back (without ``protect_buffers``, BatchNorm updates its statistics a second time) are
+mismatches, with their cause. A parameter written in place since the region's forward started (its version counter
+moved: the forward writes it) is digested before and after each recomputation from then on, and counts only when
+its values changed: an ``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes
+nothing once its rows are within ``max_norm``. The tensor states of the torchmetrics metrics inside a region are
+digested alike: a metric updated in forward is updated again by recomputation. The comparisons stay on the device,
+read back later (:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step,
+after one comparison for the whole step). Nothing is read back to the host inside forward or backward, and the
+sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a mode of the user's never
+takes them for the model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
@@ -43,8 +47,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism._library_compat import metric_state_names
 from lightning_ckpt_determinism._text import describe_saved
-from lightning_ckpt_determinism._torch_compat import is_compiled_module, no_python_dispatch, version_counter, view_base
+from lightning_ckpt_determinism._torch_compat import (
+    is_compiled_module,
+    no_python_dispatch,
+    own_parameters,
+    version_counter,
+    view_base,
+)
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Recomputed, kept_by_torch
@@ -73,14 +84,14 @@ class SentinelRegion:
     Attributes:
         compared: Saved tensors whose recomputation was compared with the forward's.
         mismatches: Those whose recomputation differed, plus the parameters recomputation wrote in place and the
-            buffers whose values it changed.
+            buffers and metric states whose values it changed.
         first_mismatch: The first that differed: its position among the region's saved tensors, the op that
             produced it, its shape and dtype (and what differed, for metadata), or the parameter or buffer and what
             recomputation did to it; ``None`` when none did.
         not_compared: Saved tensors (activations) left out: opaque workspaces, tensors without bits to read, and any
             the sentinel failed to read.
         cause: The cause of ``first_mismatch`` when the sentinel knows it (``"parameter_write"``,
-            ``"buffer_mutation"``); ``None`` for a saved tensor, whose cause a full check names.
+            ``"buffer_mutation"``, ``"metric_update"``); ``None`` for a saved tensor, whose cause a full check names.
 
     Example::
 
@@ -400,47 +411,96 @@ class _Call:
 
 class _StateWatch:
     """One recomputation of a region, watched for what it changes: the version counters of the region's parameters,
-    and the digests of the buffers no recompute context puts back."""
+    the digests of the parameters its forward writes in place (a write counts only where it changed values), of the
+    buffers no recompute context puts back, and of the tensor states of the torchmetrics metrics inside it."""
 
     def __init__(
         self,
         sentinel: "RecomputationSentinel",
         region: str,
-        parameters: Sequence[tuple[str, nn.Module, str]],
+        versions: list[tuple[str, torch.Tensor, int]],
         exposed: Sequence[tuple[str, torch.Tensor]],
+        forward_written: frozenset[str],
+        metrics: Sequence[tuple[str, Any, str]] = (),
     ) -> None:
         self.sentinel = sentinel
         self.region = region
-        # Read through their owners at each recomputation: FSDP2 swaps the parameter objects in and out.
-        self.versions = [
-            (name, param, version_counter(param))
-            for name, owner, attribute in parameters
-            if (param := getattr(owner, attribute)) is not None
+        self.versions = versions
+        self.parameters = [
+            (name, local_tensor(param))
+            for name, param, _ in self.versions
+            if name in forward_written and readable(param)
         ]
         self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
-        self.before = self._digests()
+        self.metrics = [(name, metric, state) for name, metric, state in metrics if readable(getattr(metric, state))]
+        self.parameters_before = self._digests(self.parameters)
+        self.before = self._digests(self.buffers)
+        self.metrics_before = self._digests(self._metric_values())
 
-    def _digests(self) -> torch.Tensor | None:
-        if not self.buffers:
+    def _metric_values(self) -> list[tuple[str, torch.Tensor]]:
+        # Read through the metric at each digest: an update may bind a new tensor (`self.total = self.total + x`).
+        return [(name, local_tensor(getattr(metric, state))) for name, metric, state in self.metrics]
+
+    def _digests(self, tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+        if not tensors:
             return None
         with no_python_dispatch(), torch.no_grad():
             plans = self.sentinel.plans
-            return torch.stack([plans.digest_of(buffer, EXACT) for _, buffer in self.buffers])  # type: ignore[misc]
+            return torch.stack([plans.digest_of(tensor, EXACT) for _, tensor in tensors])  # type: ignore[misc]
 
     def done(self) -> None:
-        written = [name for name, param, version in self.versions if version_counter(param) != version]
-        changes = [
-            _StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE)
-            for name in written
+        digested = {name for name, _ in self.parameters}
+        written = [
+            name for name, param, version in self.versions if version_counter(param) != version and name not in digested
         ]
-        self.sentinel.changed(self.region, changes)
+        self.sentinel.changed(self.region, [self._parameter_change(name) for name in written])
+        if self.parameters_before is not None:
+            after = self._digests(self.parameters)
+            items = [self._parameter_change(name) for name, _ in self.parameters]
+            self.sentinel.state_compared(self.region, items, self.parameters_before, after)  # type: ignore[arg-type]
         if self.before is not None:
-            after = self._digests()
+            after = self._digests(self.buffers)
             items = [
                 _StateChange(f"buffer `{self.region}.{name}` changed by recomputation", Cause.BUFFER_MUTATION)
                 for name, _ in self.buffers
             ]
             self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
+        if self.metrics_before is not None:
+            after = self._digests(self._metric_values())
+            items = [
+                _StateChange(f"metric `{self.region}.{name}` ({state}) updated by recomputation", Cause.METRIC_UPDATE)
+                for name, _, state in self.metrics
+            ]
+            self.sentinel.state_compared(self.region, items, self.metrics_before, after)  # type: ignore[arg-type]
+
+    def _parameter_change(self, name: str) -> "_StateChange":
+        return _StateChange(
+            f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE
+        )
+
+
+def _versions(parameters: Sequence[tuple[str, nn.Module, str]]) -> list[tuple[str, torch.Tensor, int]]:
+    """Each parameter with its version counter now, read through its owner: FSDP2 swaps the parameter objects in and
+    out."""
+    return [
+        (name, param, version_counter(param))
+        for name, owner, attribute in parameters
+        if (param := own_parameters(owner).get(attribute)) is not None
+    ]
+
+
+def _metric_states(module: nn.Module) -> list[tuple[str, Any, str]]:
+    """Each tensor state of the torchmetrics metrics inside ``module``, as ``(metric name, metric, state)``: a metric
+    its forward updates, recomputation updates a second time."""
+    from torchmetrics import Metric
+
+    return [
+        (name, metric, state)
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+        for state in metric_state_names(metric)
+        if isinstance(getattr(metric, state), torch.Tensor)
+    ]
 
 
 def _parameter_places(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
@@ -628,6 +688,12 @@ class RecomputationSentinel:
         }
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters = {name: _parameter_places(sub) for name, sub in regions.items()}
+        # The tensor states of the torchmetrics metrics inside each region, found once.
+        self._metrics = {name: _metric_states(sub) for name, sub in regions.items()}
+        # Each region's parameter versions when its latest forward started, and the parameters seen written in place
+        # since a forward started (by that forward, as a rule): those are digested around its recomputations.
+        self._forward_versions: dict[str, dict[str, int]] = {}
+        self._forward_written: dict[str, frozenset[str]] = {name: frozenset() for name in regions}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._layouts: dict[str, SavedLayout] = {}
@@ -672,6 +738,9 @@ class RecomputationSentinel:
             return
         layout = self._layouts.get(name) if self.mode.tier == "light" else None
         call = _Call(self, name, self._buffers[name], _profile(module), layout)
+        self._forward_versions[name] = {
+            parameter: version for parameter, _, version in _versions(self._parameters[name])
+        }
         self._open.append(call)
         finished = False
         try:
@@ -696,7 +765,14 @@ class RecomputationSentinel:
         watch = None
         if not self._paused and name is not None:
             try:
-                watch = _StateWatch(self, name, self._parameters[name], exposed_buffers)
+                versions = _versions(self._parameters[name])
+                since = self._forward_versions.get(name, {})
+                written = {parameter for parameter, _, version in versions if since.get(parameter, version) != version}
+                if not written <= self._forward_written[name]:
+                    self._forward_written[name] |= written
+                watch = _StateWatch(
+                    self, name, versions, exposed_buffers, self._forward_written[name], self._metrics[name]
+                )
             except Exception as err:
                 self.failed(name, "its parameters and buffers", err)
         try:

@@ -164,6 +164,9 @@ def check_recomputation(
     names = [region_name(name) for name, _ in named]
     params = [p for _, p in named]
     use_backward = gradients == "backward"
+    if written_parameters is not None:
+        written_parameters = tuple(written_parameters)
+    captured = frozenset(dict(module.named_parameters()) if written_parameters is None else written_parameters)
     with CheckScope(module, params, set_gradients_aside=use_backward, written_parameters=written_parameters) as scope:
         passes = _Passes(
             scope,
@@ -174,7 +177,14 @@ def check_recomputation(
             agree=agree,
             exclude_attributes=frozenset(exclude_attributes),
         )
-        report = _compare(passes, names, tolerance, attribution=attribution, calibrate_noise=calibrate_noise)
+        report = _compare(
+            passes,
+            names,
+            tolerance,
+            attribution=attribution,
+            calibrate_noise=calibrate_noise,
+            captured=captured,
+        )
     return replace(report, checked_regions=regions, compiled=passes.compiled)
 
 
@@ -196,9 +206,16 @@ def _no_region_message(module: nn.Module) -> str:
 
 
 def _compare(
-    passes: "_Passes", names: list[str], tolerance: float, *, attribution: bool, calibrate_noise: bool
+    passes: "_Passes",
+    names: list[str],
+    tolerance: float,
+    *,
+    attribution: bool,
+    calibrate_noise: bool,
+    captured: frozenset[str],
 ) -> RecomputationReport:
-    """The passes a check runs, in order, and the report they give."""
+    """The passes a check runs, in order, and the report they give (``captured``: the parameters written in place
+    whose values the check puts back before each pass)."""
     reference_loss, reference = passes.reference()
     noise_floor, reproducible = 0.0, True
     if calibrate_noise:
@@ -230,13 +247,18 @@ def _compare(
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
     kernel = any(region.cause == Cause.NONDETERMINISTIC_KERNEL for region in regions)
-    outside = not kernel and not not_restored and losses_differ(reference_loss, checkpointed.loss)
-    if verdict.diverged and reproducible and outside:
-        # The forward itself differed, before anything was recomputed, and neither a region's kernel (one that
-        # differs run to run also changes the forward) nor a parameter the check could not put back explains it:
-        # what the regions saw differ is its echo.
-        cause = Cause.OUTSIDE_STATE
-        regions = [replace(region, diverged=False) for region in regions]
+    forward_writes = observer.parameters_written_in_forward() - captured if observer is not None else frozenset()
+    if verdict.diverged and reproducible and not kernel and losses_differ(reference_loss, checkpointed.loss):
+        if forward_writes:
+            # A region's forward wrote parameters the check did not put back: the reference pass wrote them first,
+            # and the checkpointed pass started from its values. The write is the finding, not outside state.
+            regions = _with_forward_writes(regions, forward_writes)
+        elif not not_restored:
+            # The forward itself differed, before anything was recomputed, and neither a region's kernel (one that
+            # differs run to run also changes the forward) nor a parameter the check could not put back explains it:
+            # what the regions saw differ is its echo.
+            cause = Cause.OUTSIDE_STATE
+            regions = [replace(region, diverged=False) for region in regions]
     return RecomputationReport(
         grad_divergence=verdict.divergence,
         max_abs_diff=max(verdict.max_diffs, default=0.0),
@@ -255,6 +277,19 @@ def _compare(
         hint=None if cause is None else cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL),
         not_restored=not_restored,
     )
+
+
+def _with_forward_writes(regions: list[RegionReport], written: frozenset[str]) -> list[RegionReport]:
+    """``regions``, each whose forward wrote one of the ``written`` parameters and has no other cause given
+    ``parameter_write``."""
+    named = []
+    for region in regions:
+        own = sorted(name for name in written if name.startswith(f"{region.name}.") or not region.name)
+        if own and region.cause is None:
+            hint = f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(own)}."
+            region = replace(region, diverged=True, cause=Cause.PARAMETER_WRITE, hint=hint)
+        named.append(region)
+    return named
 
 
 def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list[RegionReport]:

@@ -6,17 +6,25 @@
 3. the op received exactly the inputs it had in the forward (tensor fingerprints and every scalar argument equal)
    and still returned other values: ``nondeterministic_kernel``, the kernel differs from itself (with
    ``calibrate_noise`` the engine also measures how much the whole reference pass differs from itself);
-4. the region read Python's ``random`` or NumPy's global RNG in its forward (their state moved across it) and a
+4. one of the op's inputs is a parameter of the region whose values changed since the forward (written in place
+   in forward, a decay under ``no_grad``): ``parameter_write``; one is a buffer of the region whose values changed
+   (InstanceNorm copies its running statistics before use, so the copy differs, not the buffer's write):
+   ``buffer_mutation``;
+5. the region read Python's ``random`` or NumPy's global RNG in its forward (their state moved across it) and a
    targeted re-check, one more checkpointed pass that replays them for that region only, makes the difference go
    away: ``host_rng``;
-5. otherwise (other inputs, or another sequence of ops: Python state decided them): ``python_state``.
+6. the recomputation changed the states of a torchmetrics metric inside the region (an update in forward, made
+   again): ``metric_update``;
+7. otherwise (other inputs, or another sequence of ops: Python state decided them): ``python_state``.
 
 A region whose recomputation raised without an op having differed first is blamed by the error: torch's
 ``CheckpointError`` about metadata (raised right after the region's recomputation) gives ``shape_change``, its other
 ``CheckpointError`` (another number of tensors saved: control flow changed) ``python_state``, and any other error
 ``recompute_error``, with the error's first line. A region whose recomputation reproduced every compared value but
 changed one of its buffers gets ``buffer_mutation``, with the names of those buffers; one whose recomputation wrote
-a parameter in place (``embedding_renorm_``) gets ``parameter_write``, with the parameters' names, first.
+a parameter in place with other values gets ``parameter_write``, with the parameters' names, first (a write that
+leaves every value as it was, such as a second ``embedding_renorm_`` over rows already within ``max_norm``, is none);
+one whose recomputation updated a metric gets ``metric_update``, with the metrics' names.
 
 When a data-dependent op recomputed other outputs than its forward's (routing flipped), the cause stays that of the
 first op that differed and the hint adds what keeps the routing.
@@ -61,6 +69,10 @@ def evidence_cause(divergence: Divergence) -> Cause | None:
         return Cause.SHAPE_CHANGE
     if divergence.same_inputs:
         return Cause.NONDETERMINISTIC_KERNEL
+    if divergence.parameter_input:
+        return Cause.PARAMETER_WRITE
+    if divergence.buffer_input:
+        return Cause.BUFFER_MUTATION
     return None
 
 
@@ -97,13 +109,18 @@ def call_cause(call: CallEvidence, *, host_rng_explained: bool) -> Cause | None:
         >>> call = CallEvidence("blocks.1", divergence=differed, host_rng_read=True)
         >>> call_cause(call, host_rng_explained=True), call_cause(call, host_rng_explained=False)
         ('host_rng', 'python_state')
+        >>> metered = CallEvidence("blocks.1", divergence=differed, metrics_updated=("mean",))
+        >>> call_cause(metered, host_rng_explained=False)
+        'metric_update'
     """
     if call.divergence is None:
         return None if call.failure is None else failure_cause(call.failure)
     found = evidence_cause(call.divergence)
     if found is not None:
         return found
-    return Cause.HOST_RNG if host_rng_explained and call.host_rng_read else Cause.PYTHON_STATE
+    if host_rng_explained and call.host_rng_read:
+        return Cause.HOST_RNG
+    return Cause.METRIC_UPDATE if call.metrics_updated else Cause.PYTHON_STATE
 
 
 def region_reports(
@@ -146,21 +163,25 @@ def _region_report(
 ) -> RegionReport:
     max_abs_diff = max((call.max_abs_diff for call in calls), default=0.0)
     cause = hint = error = first_op = None
+    written = _names(name, (param for call in calls for param in call.parameters_written))
+    metrics = _names(name, (metric for call in calls for metric in call.metrics_updated))
     for call in calls:
         cause = call_cause(call, host_rng_explained=host_rng_explained)
         if cause is not None:
-            hint = (INPUT_MODIFIED_HINT if call.input_modified else cause.hint) + _routing_hint(call)
+            hint = INPUT_MODIFIED_HINT if call.input_modified else _hint(cause, call, buffers, metrics)
+            hint += _routing_hint(call)
             error = call.error
             if call.divergence is not None:
                 first_op = (call.divergence.op, call.divergence.index)
             else:
                 max_abs_diff = math.inf
             break
-    written = sorted({f"{name}.{param}" for call in calls for param in call.parameters_written})
     if cause is None and written:
         cause, hint = Cause.PARAMETER_WRITE, f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(written)}."
     elif cause is None and buffers:
         cause, hint = Cause.BUFFER_MUTATION, buffer_hint(buffers)
+    elif cause is None and metrics:
+        cause, hint = Cause.METRIC_UPDATE, _metric_hint(metrics)
     return RegionReport(
         name=name,
         ops_compared=sum(call.compared for call in calls),
@@ -174,6 +195,27 @@ def _region_report(
         recomputations=sum(call.recomputations for call in calls),
         data_dependent_ops=_data_dependent_ops(calls),
     )
+
+
+def _names(region: str, names: Iterable[str]) -> list[str]:
+    """``names`` (relative to ``region``) as the model names them, sorted, each once."""
+    return sorted({f"{region}.{name}" if region else name for name in names})
+
+
+def _metric_hint(metrics: list[str]) -> str:
+    return f"{Cause.METRIC_UPDATE.hint} Updated: {', '.join(metrics)}." if metrics else Cause.METRIC_UPDATE.hint
+
+
+def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[str]) -> str:
+    """The hint of a cause a call proved, naming the state behind it where the call knows it."""
+    if cause == Cause.BUFFER_MUTATION and buffers:
+        return buffer_hint(buffers)
+    if cause == Cause.METRIC_UPDATE:
+        return _metric_hint(metrics)
+    if cause == Cause.PARAMETER_WRITE:
+        written = _names(call.region, (*call.parameters_written_in_forward, *call.parameters_written))
+        return f"{cause.hint} Written: {', '.join(written)}." if written else cause.hint
+    return cause.hint
 
 
 def _data_dependent_ops(calls: list[CallEvidence]) -> dict[str, bool]:

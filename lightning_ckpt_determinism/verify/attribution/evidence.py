@@ -32,6 +32,10 @@ class Divergence:
             more ops than the forward ran).
         random: Whether the op draws random numbers.
         same_inputs: Whether the op received exactly the inputs it had in the forward.
+        buffer_input: Whether one of the region's buffers, among the op's inputs, held other values than in the
+            forward (running statistics the forward updated, read again by recomputation).
+        parameter_input: Whether one of the region's parameters, among the op's inputs, held other values than in the
+            forward (a parameter written in place since).
 
     Example::
 
@@ -44,6 +48,8 @@ class Divergence:
     kind: DivergenceKind
     random: bool
     same_inputs: bool
+    buffer_input: bool = False
+    parameter_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,12 @@ class CallEvidence:
         routing_changed: The data-dependent op whose recomputation returned other outputs than its forward's.
         keep_data_dependent: Whether ``keep_data_dependent`` kept such outputs, see :data:`KeepDataDependent`.
         data_dependent_ops: Each data-dependent op its forward ran, with whether its outputs were kept.
-        parameters_written: The parameters (relative to the region) its recomputation wrote in place.
+        parameters_written: The parameters (relative to the region) its recomputation wrote in place, changing
+            their values.
+        parameters_written_in_forward: The parameters (relative to the region) its forward wrote in place, changing
+            their values.
+        metrics_updated: The torchmetrics metrics inside the region (relative to it) whose states its recomputation
+            changed.
 
     Example::
 
@@ -85,3 +96,5 @@ class CallEvidence:
     keep_data_dependent: KeepDataDependent = "off"
     data_dependent_ops: tuple[tuple[str, bool], ...] = ()
     parameters_written: tuple[str, ...] = ()
+    parameters_written_in_forward: tuple[str, ...] = ()
+    metrics_updated: tuple[str, ...] = ()

@@ -10,8 +10,13 @@ Views, ops that return uninitialised memory (``empty_like`` ...) and opaque work
 :data:`~lightning_ckpt_determinism.checkpointing.profile.OPAQUE_WORKSPACES`) are compared by shape only, ops that
 update the region's own buffers are left to the buffer check, and collectives are never recorded nor compared
 (their outputs are filled by other processes; a collective's result is compared where it is consumed). DTensors are
-compared as this rank's local shards. The observer's own failures never reach the pass it observes. A recomputed op
-that writes one of the region's parameters (``embedding_renorm_``) is noted.
+compared as this rank's local shards. The observer's own failures never reach the pass it observes. An op of the
+forward or of the recomputation that writes one of the region's parameters in place (a decay under ``no_grad``,
+``embedding_renorm_``) is noted when it changed the parameter's values: a second renormalisation that finds every row
+within ``max_norm`` writes nothing new. A differing op that read one of the region's buffers or parameters with
+other values than in the forward (InstanceNorm's running statistics, which it copies before use; a parameter the
+forward wrote) is noted too, and so are the torchmetrics metrics inside the region whose states a recomputation
+changed (a metric updated in forward is updated again).
 
 torch checks the version counters of a region's saved inputs before it enters the region's recompute context, so an
 input modified in place after the forward is found by comparing the versions recorded at the forward with the
@@ -26,7 +31,7 @@ import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
+from lightning_ckpt_determinism._library_compat import metric_state_names
 from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
     StopRecomputationError,
@@ -48,6 +54,7 @@ from lightning_ckpt_determinism._torch_compat import (
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
+from lightning_ckpt_determinism.checkpointing.equality import same_item
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
@@ -85,6 +92,8 @@ class _Op:
     outputs: list[Any]
     metadata: list[Any]
     data_dependent: bool = False
+    buffer_inputs: tuple[int, ...] = ()
+    parameter_inputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -100,6 +109,8 @@ class CallRecord:
     module: nn.Module
     ops: list[_Op] = field(default_factory=list)
     buffer_ids: frozenset[int] = frozenset()
+    buffer_storages: frozenset[int | None] = frozenset()
+    parameter_storages: dict[int | None, str] = field(default_factory=dict)
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
@@ -116,6 +127,8 @@ class CallRecord:
     abandoned: str | None = None
     uncomparable: set[str] = field(default_factory=set)
     parameters_written: list[str] = field(default_factory=list)
+    parameters_written_in_forward: list[str] = field(default_factory=list)
+    metrics_updated: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
     def contained(self, stage: str) -> Iterator[None]:
@@ -184,7 +197,18 @@ class CallRecord:
                 ],
                 metadata=[_metadata(value) for value in outputs],
                 data_dependent=is_data_dependent(func, args),
+                buffer_inputs=self._positions(args, kwargs, self.buffer_storages),
+                parameter_inputs=self._positions(args, kwargs, self.parameter_storages.keys()),
             )
+        )
+
+    def _positions(self, args: Any, kwargs: Any, storages: Collection[int | None]) -> tuple[int, ...]:
+        """Where tensors on ``storages`` (the region's buffers or parameters, or views of them) are among an op's
+        arguments, as :meth:`signature` lists them."""
+        return tuple(
+            position
+            for position, leaf in enumerate(_flatten([args, kwargs]))
+            if isinstance(leaf, torch.Tensor) and storage_pointer(leaf) in storages
         )
 
     def compare(self, func: OpOverload, inputs: list[Any] | None, out: Any) -> None:
@@ -211,12 +235,22 @@ class CallRecord:
             if diff > 0.0:
                 kind = "values"
         same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
+        changed = _changed_inputs(recorded, inputs) if kind is not None and inputs is not None else frozenset()
         recorded.outputs, recorded.inputs = [], []
         if kind is None:
             return
         if recorded.data_dependent and self.routing_changed is None:
             self.routing_changed = str(func)
-        self._diverge(index, str(func), kind, random=_is_random(func), same_inputs=same_inputs, diff=diff)
+        self._diverge(
+            index,
+            str(func),
+            kind,
+            random=_is_random(func),
+            same_inputs=same_inputs,
+            diff=diff,
+            buffer_input=any(position in changed for position in recorded.buffer_inputs),
+            parameter_input=any(position in changed for position in recorded.parameter_inputs),
+        )
 
     def release(self) -> None:
         """Drop the recorded copies: they are needed only until this call's recomputation compared them."""
@@ -240,6 +274,8 @@ class CallRecord:
             keep_data_dependent=_keep_data_dependent(self.kept),
             data_dependent_ops=tuple(self.kept.seen) if self.kept is not None else (),
             parameters_written=tuple(self.parameters_written),
+            parameters_written_in_forward=tuple(self.parameters_written_in_forward),
+            metrics_updated=tuple(self.metrics_updated),
         )
 
     def snapshot_buffers(self) -> None:
@@ -266,23 +302,46 @@ class CallRecord:
         return mutated
 
     def _diverge(
-        self, index: int, op: str, kind: DivergenceKind, *, random: bool, same_inputs: bool, diff: float
+        self,
+        index: int,
+        op: str,
+        kind: DivergenceKind,
+        *,
+        random: bool,
+        same_inputs: bool,
+        diff: float,
+        buffer_input: bool = False,
+        parameter_input: bool = False,
     ) -> None:
         self.max_abs_diff = max(self.max_abs_diff, diff)
         if self.divergence is None:
-            self.divergence = Divergence(index, op, kind, random, same_inputs)
+            self.divergence = Divergence(index, op, kind, random, same_inputs, buffer_input, parameter_input)
 
-    def note_writes(self, func: OpOverload, args: Any, kwargs: Any) -> None:
-        """Note the parameters a recomputed op writes in place (``embedding_renorm_`` on a detached weight: known by
-        storage)."""
-        written = written_tensors(func, args, kwargs)
-        if not written:
-            return
-        storages = {storage_pointer(param): name for name, param in self.module.named_parameters()}
-        for tensor in written:
-            name = storages.get(storage_pointer(tensor))
-            if name is not None and name not in self.parameters_written:
-                self.parameters_written.append(name)
+    def parameters_before(self, func: OpOverload, args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor, Any]]:
+        """The region's parameters an op is about to write in place (``embedding_renorm_`` on a detached weight:
+        known by storage), each with the written tensor and a copy of its values."""
+        if not self.parameter_storages:
+            return []
+        written = [
+            (name, tensor)
+            for tensor in written_tensors(func, args, kwargs)
+            if (name := self.parameter_storages.get(storage_pointer(tensor))) is not None
+        ]
+        return [(name, tensor, _recorded(tensor)) for name, tensor in written]
+
+    def note_writes(self, before: list[tuple[str, torch.Tensor, Any]], *, recomputing: bool) -> None:
+        """Note the parameters an op wrote in place with other values than they held (see :meth:`parameters_before`)."""
+        noted = self.parameters_written if recomputing else self.parameters_written_in_forward
+        for name, tensor, value in before:
+            if name not in noted and not same_values(value, local_tensor(tensor)):
+                noted.append(name)
+
+    def start_observing(self) -> None:
+        """Learn, at each forward, where the region's buffers and parameters live (FSDP2 swaps parameters in)."""
+        module = self.module
+        self.buffer_ids = frozenset(id(buffer) for buffer in module.buffers())
+        self.buffer_storages = frozenset(storage_pointer(buffer) for buffer in module.buffers())
+        self.parameter_storages = {storage_pointer(param): name for name, param in module.named_parameters()}
 
     def _writes_buffer(self, func: OpOverload, args: Any, kwargs: Any) -> bool:
         return any(id(tensor) in self.buffer_ids for tensor in written_tensors(func, args, kwargs))
@@ -304,18 +363,20 @@ class _CallMode(TorchDispatchMode):
         if not _observed(func) or call.abandoned is not None:
             return func(*args, **kwargs)
         inputs: list[Any] | None = None
-        if not self.comparing or call.divergence is None:
-            # The observer's own ops must reach no mode below (selective checkpointing would cache them).
-            with disable_current_modes(), call.contained(self.stage):
+        before: list[tuple[str, torch.Tensor, Any]] = []
+        # The observer's own ops must reach no mode below (selective checkpointing would cache them).
+        with disable_current_modes(), call.contained(self.stage):
+            if not self.comparing or call.divergence is None:
                 inputs = call.signature(args, kwargs)
+            before = call.parameters_before(func, args, kwargs)
         out = func(*args, **kwargs)
         if call.abandoned is None:
             with disable_current_modes(), call.contained(self.stage):
                 if self.comparing:
                     call.compare(func, inputs, out)
-                    call.note_writes(func, args, kwargs)
                 else:
                     call.record(func, inputs or [], args, kwargs, out)
+                call.note_writes(before, recomputing=self.comparing)
         return out
 
 
@@ -402,6 +463,14 @@ class Attribution:
             if call.host_rng_read and call.divergence is not None and evidence_cause(call.divergence) is None
         )
 
+    def parameters_written_in_forward(self) -> frozenset[str]:
+        """The parameters (as the model names them) a region's forward wrote in place, changing their values."""
+        return frozenset(
+            f"{call.region}.{name}" if call.region else name
+            for call in self.calls
+            for name in call.parameters_written_in_forward
+        )
+
     def diverging_regions(self) -> frozenset[str]:
         return frozenset(call.region for call in self.calls if call.divergence is not None or call.error)
 
@@ -421,7 +490,7 @@ class Attribution:
     @contextlib.contextmanager
     def _forward(self, call: CallRecord) -> Iterator[None]:
         self.calls.append(call)
-        call.buffer_ids = frozenset(id(buffer) for buffer in call.module.buffers())
+        call.start_observing()
         before = call.host_rng_before = capture_host_rng()
         try:
             with _CallMode(call, comparing=False):
@@ -444,6 +513,7 @@ class Attribution:
         # The recorded copies were released after the first comparison, and a later recomputation replays the same
         # state: it runs unobserved.
         comparing = _CallMode(call, comparing=True) if not call.recomputations else contextlib.nullcontext()
+        metrics = _MetricStates(call.module) if not call.recomputations else None
         try:
             with comparing:
                 yield
@@ -453,10 +523,59 @@ class Attribution:
             call.error = err
             raise
         finally:
+            if metrics is not None:
+                call.metrics_updated = metrics.changed()
             call.recomputations += 1
             call.release()
             if live is not None:
                 restore_host_rng(live)
+
+
+class _MetricStates:
+    """The states of the torchmetrics metrics inside a region, copied when its recomputation starts: a metric updated
+    in forward is updated again by recomputation (torchmetrics states are neither buffers nor replayed)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from torchmetrics import Metric
+
+        self._states = [
+            (name, metric, {state: _state_copy(getattr(metric, state)) for state in metric_state_names(metric)})
+            for name, metric in module.named_modules()
+            if isinstance(metric, Metric)
+        ]
+
+    def changed(self) -> list[str]:
+        """The metrics (their names relative to the region) whose states changed since the copy."""
+        return [
+            name
+            for name, metric, states in self._states
+            if any(not _same_state(value, getattr(metric, state)) for state, value in states.items())
+        ]
+
+
+def _state_copy(value: Any) -> Any:
+    """A metric state as it is now: a tensor's values, a list state's items (the tensors it holds are not written)."""
+    if isinstance(value, torch.Tensor):
+        return local_tensor(value).detach().clone()
+    return list(value) if isinstance(value, list) else value
+
+
+def _same_state(copy: Any, value: Any) -> bool:
+    if isinstance(copy, list) and isinstance(value, list):
+        return len(copy) == len(value) and all(a is b for a, b in zip(copy, value, strict=True))
+    return same_item(copy, local_tensor(value) if isinstance(value, torch.Tensor) else value)
+
+
+def _changed_inputs(recorded: _Op, inputs: list[Any]) -> frozenset[int]:
+    """The positions of the region's buffers and parameters among an op's inputs whose values at recomputation
+    differ from those at the forward."""
+    return frozenset(
+        position
+        for position in (*recorded.buffer_inputs, *recorded.parameter_inputs)
+        if position < min(len(recorded.inputs), len(inputs))
+        and isinstance(recorded.inputs[position], Fingerprint)
+        and not recorded.inputs[position].same_as(inputs[position])
+    )
 
 
 def _failure(error: BaseException | None) -> RecomputeFailure | None:

@@ -1,0 +1,330 @@
+"""Causes that name what happened, each held against a plain twin (the same weights and seeds, trained side by side):
+a parameter written in place in forward is ``parameter_write``, and only when its values changed; every buffer of
+running statistics is ``buffer_mutation``; a torchmetrics metric updated inside a region is ``metric_update``."""
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchmetrics
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    RecomputationReport,
+    SentinelReport,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+    recomputation_sentinel,
+)
+from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause
+from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
+from tests.helpers import trainer_kwargs
+from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
+
+MODES = ["light", "sampled", "exact"]
+
+
+class Decay(nn.Module):
+    """Decays a gain parameter in place in forward, under ``no_grad``, then scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.alpha = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.alpha.mul_(0.9)
+        return torch.tanh(self.inp(x) * self.alpha)
+
+
+class DecayUnread(nn.Module):
+    """Decays a parameter in place in forward, under ``no_grad``, and never reads it: only the write differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.unread = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.unread.mul_(0.9)
+        return torch.tanh(self.inp(x))
+
+
+class SmallRows(MaxNormEmbedding):
+    """An embedding with ``max_norm`` whose rows all start well within it: no renormalisation changes a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.table.weight.mul_(0.01)
+
+
+class Metered(nn.Module):
+    """Updates a torchmetrics mean of its input in forward, before the ops whose outputs backward needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.seen = torchmetrics.MeanMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.update(x.abs().mean())
+        return torch.tanh(self.inp(x))
+
+
+def named(report: RecomputationReport) -> list[tuple[str, str | None, str | None]]:
+    return [(region.name, region.cause, region.hint) for region in report.regions if region.cause is not None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_decayed_in_forward_is_a_parameter_write_not_outside_state(mode: str) -> None:
+    result = trial(Case(lambda: Head(Decay())), mode)
+    # Ground truth: the twin decays once per step, the checkpointed copy reads and writes the decayed gain again.
+    assert not result.gradients_equal
+    assert not same_state(result.plain, result.checkpointed)
+    assert result.sentinel.regions["body"].mismatches > 0
+    for report in result.checks:
+        assert report.diverged and report.cause is None
+        ((region, cause, hint),) = named(report)
+        assert (region, cause) == ("body", "parameter_write")
+        assert hint is not None and hint.endswith("Written: body.alpha.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_sentinel_counts_each_recomputed_write_that_changed_values(mode: str) -> None:
+    result = trial(Case(lambda: Head(DecayUnread())), mode)
+    # Ground truth: the gradients agree, and the checkpointed copy decays the parameter more often than the twin,
+    # which decays it once per step.
+    once_per_step = torch.ones(WIDTH)
+    for _ in range(STEPS):
+        once_per_step.mul_(0.9)
+    assert result.gradients_equal
+    assert torch.equal(result.plain.body.unread, once_per_step)
+    assert bool((result.checkpointed.body.unread < once_per_step).all())
+    found = result.sentinel.regions["body"]
+    # One recomputation a step in training, one in the check's checkpointed pass: the write, and nothing else.
+    assert (found.mismatches, found.first_mismatch, found.cause) == (
+        2 * STEPS,
+        "parameter `body.unread` written in place by recomputation",
+        "parameter_write",
+    )
+    for report in result.checks:
+        assert [(region, cause) for region, cause, _ in named(report)] == [("body", "parameter_write")]
+
+
+def test_a_decay_the_check_puts_back_is_named_by_the_recomputation_that_reads_it() -> None:
+    # As the monitor checks once it learned the write: the gain's value is captured and put back before each pass,
+    # so both passes compute the same loss, and the recomputation alone differs.
+    torch.manual_seed(0)
+    model = Head(Decay())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    x = tokens(0)
+    before = model.body.alpha.detach().clone()
+    report = check_recomputation(
+        model, lambda: F.mse_loss(model(x), torch.zeros(4, 6, 1)), attribution=True, written_parameters=["body.alpha"]
+    )
+    assert report.reference_loss == report.checkpointed_loss
+    assert report.diverged and report.cause is None
+    assert [(region, cause) for region, cause, _ in named(report)] == [("body", "parameter_write")]
+    assert report.regions[0].first_divergent_op == ("aten.mul_.Tensor", 0)
+    assert torch.equal(model.body.alpha, before)
+
+
+def test_the_recomputed_renorm_of_the_zoo_embedding_writes_the_values_it_found() -> None:
+    # With torch's own checkpoint: the forward renormalises the rows it looks up, and the recomputation's renorm
+    # in backward finds them within `max_norm` and leaves every bit as it was.
+    torch.manual_seed(0)
+    model = Head(MaxNormEmbedding())
+    initial = model.body.table.weight.detach().clone()
+    out = model.head(torch.utils.checkpoint.checkpoint(model.body, tokens(0), use_reentrant=False))
+    after_forward = model.body.table.weight.detach().clone()
+    version = model.body.table.weight._version
+    out.sum().backward()
+    assert not torch.equal(initial, after_forward)  # the forward's renorm changed rows
+    assert model.body.table.weight._version > version  # the recomputation wrote the weight again
+    assert torch.equal(model.body.table.weight, after_forward)  # with the same values
+
+
+@pytest.mark.parametrize("build", [MaxNormEmbedding, SmallRows], ids=["renormalised in forward", "within max_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_renorm_that_changes_no_value_is_no_finding(build: Callable[[], nn.Module], mode: str) -> None:
+    result = trial(Case(lambda: Head(build())), mode)
+    assert result.gradients_equal and same_state(result.plain, result.checkpointed)
+    assert result.sentinel.mismatches == 0 and result.sentinel.compared > 0, result.sentinel.regions
+    for report in result.checks:
+        assert (report.diverged, report.grad_divergence, report.cause) == (False, 0.0, None)
+        assert named(report) == []
+
+
+def _twin_steps(
+    build: Callable[[], nn.Module], config: CheckpointingConfig, mode: str, steps: int = 2
+) -> tuple[nn.Module, nn.Module, list[RecomputationReport], bool, SentinelReport]:
+    """``steps`` SGD steps of a plain twin and its checkpointed copy under ``config``, the sentinel on the copy and
+    the check (with attribution) before each step: both models, the checks, whether the gradients were equal, and
+    the sentinel's report."""
+    torch.manual_seed(0)
+    plain = build()
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, config)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (plain, checkpointed)]
+    checks, equal = [], True
+    with recomputation_sentinel(checkpointed, mode=mode) as sentinel:  # type: ignore[arg-type]
+        for step in range(steps):
+            x = tokens(step)
+            checks.append(
+                check_recomputation(
+                    checkpointed, lambda x=x: F.mse_loss(checkpointed(x), torch.zeros(4, 6, 1)), attribution=True
+                )
+            )
+            grads = []
+            for model, optimizer in zip((plain, checkpointed), optimizers, strict=True):
+                optimizer.zero_grad()
+                F.mse_loss(model(x), torch.zeros(4, 6, 1)).backward()
+                grads.append([param.grad for param in model.parameters()])
+                optimizer.step()
+            equal &= all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+            sentinel.next_step()
+    return plain, checkpointed, checks, equal, sentinel.report()
+
+
+NORMS = {
+    "BatchNorm1d": lambda: Channels(nn.BatchNorm1d(6), 3),
+    "InstanceNorm1d": lambda: Channels(nn.InstanceNorm1d(6, affine=True, track_running_stats=True), 3),
+    "InstanceNorm2d": lambda: Channels(nn.InstanceNorm2d(6, track_running_stats=True), 4),
+    "InstanceNorm3d": lambda: Channels(nn.InstanceNorm3d(6, affine=True, track_running_stats=True), 5),
+}
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("mode", MODES)
+def test_every_norm_with_running_statistics_is_a_buffer_mutation_without_protect_buffers(norm: str, mode: str) -> None:
+    config = CheckpointingConfig(names=["body"], protect_buffers=False)
+    plain, checkpointed, checks, equal, sentinel = _twin_steps(lambda: Head(NORMS[norm]()), config, mode)
+    statistics = ["body.layer.running_mean", "body.layer.running_var"]
+    # Ground truth: the gradients agree, the running statistics of the checkpointed copy moved twice per step.
+    assert equal
+    assert not all(torch.equal(plain.get_buffer(name), checkpointed.get_buffer(name)) for name in statistics)
+    assert sentinel.mismatches > 0
+    for report in checks:
+        ((region, cause, hint),) = named(report)
+        assert (region, cause) == ("body", "buffer_mutation")
+        assert hint is not None and "running_mean" in hint
+        assert set(statistics) <= set(report.buffer_mutations)
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_every_norm_with_running_statistics_is_exact_with_protect_buffers(norm: str) -> None:
+    plain, checkpointed, checks, equal, sentinel = _twin_steps(
+        lambda: Head(NORMS[norm]()), CheckpointingConfig(names=["body"]), "exact"
+    )
+    assert equal and same_state(plain, checkpointed) and sentinel.mismatches == 0
+    assert all(named(report) == [] and not report.diverged for report in checks)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_metric_updated_in_a_region_is_a_metric_update(mode: str) -> None:
+    plain, checkpointed, checks, equal, sentinel = _twin_steps(
+        lambda: Head(Metered()), CheckpointingConfig(names=["body"]), mode
+    )
+    # Ground truth: the gradients agree, and the checkpointed copy's metric counted every step twice.
+    assert equal
+    assert float(plain.body.seen.weight) == 2.0
+    assert float(checkpointed.body.seen.weight) == 4.0
+    # Both states (the weighted sum and the weight) at every recomputation: the check's and the training step's.
+    found = sentinel.regions["body"]
+    assert (found.mismatches, found.cause) == (2 * 2 * 2, "metric_update")
+    assert found.first_mismatch == "metric `body.seen` (mean_value) updated by recomputation"
+    for report in checks:
+        assert not report.diverged and report.grad_divergence == 0.0
+        ((region, cause, hint),) = named(report)
+        assert (region, cause) == ("body", "metric_update")
+        assert hint is not None and hint.endswith("Updated: body.seen.")
+
+
+def test_a_metric_update_is_put_back_by_the_check() -> None:
+    torch.manual_seed(0)
+    model = Head(Metered())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    model.body.seen.update(torch.tensor(5.0))
+    report = check_recomputation(model, lambda: F.mse_loss(model(tokens(0)), torch.zeros(4, 6, 1)), attribution=True)
+    assert named(report)[0][1] == "metric_update"
+    assert (float(model.body.seen.mean_value), float(model.body.seen.weight)) == (5.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("parameter_input", "buffer_input", "random", "cause"),
+    [
+        (True, False, False, "parameter_write"),
+        (False, True, False, "buffer_mutation"),
+        (False, False, False, None),
+        (True, True, True, "rng_not_preserved"),
+    ],
+)
+def test_a_differing_op_that_read_changed_state_names_that_state(
+    parameter_input: bool, buffer_input: bool, random: bool, cause: str | None
+) -> None:
+    divergence = Divergence(
+        4,
+        "aten.repeat.default",
+        "values",
+        random=random,
+        same_inputs=False,
+        buffer_input=buffer_input,
+        parameter_input=parameter_input,
+    )
+    assert evidence_cause(divergence) == cause
+
+
+class MeteredModule(pl.LightningModule):
+    """A regression whose checkpointed ``body`` updates a torchmetrics metric in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Head(Metered())
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self.model(batch[0]), torch.zeros(batch[0].shape[0], 6, 1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.cat([tokens(step) for step in range(4)])), batch_size=4)
+
+
+def _fit(tmp_path: Path, monitor: RecomputationMonitor | None) -> MeteredModule:
+    module = MeteredModule()
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.body"]))
+    callbacks = [] if monitor is None else [monitor]
+    pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, strategy=strategy, callbacks=callbacks)).fit(module)
+    return module
+
+
+def test_the_monitor_names_a_metric_update_that_changes_no_gradient_and_changes_nothing_itself(tmp_path: Path) -> None:
+    unmonitored = _fit(tmp_path / "plain", None)
+    monitor = RecomputationMonitor(every_n_steps=50)
+    with pytest.warns(LightningCkptDeterminismWarning, match="^lightning_ckpt_determinism: ") as warned:
+        monitored = _fit(tmp_path / "monitored", monitor)
+    messages = [str(warning.message) for warning in warned]
+    assert any("Cause metric_update" in message for message in messages)  # the sentinel's, at step 0
+    assert any("`model.body` updated a torchmetrics metric a second time" in message for message in messages)
+    # The live check at step 0 compares gradients, buffers and attributes: all agree. The sentinel sees the metric's
+    # states move in recomputation, and the follow-up check it asks for names the region and the cause.
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (1, True)]
+    report = monitor.sentinel_report
+    assert report is not None and report.regions["model.body"].cause == "metric_update"
+    # The checks put the metric back: the monitored run's metric and weights are those of the run without it.
+    assert float(monitored.model.body.seen.weight) == float(unmonitored.model.body.seen.weight) == 6.0
+    assert same_state(monitored.model, unmonitored.model)
