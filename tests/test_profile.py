@@ -106,7 +106,9 @@ def test_the_buffers_and_attributes_a_forward_changes_are_learned_and_generators
     profile = model[0].forward.profile
     assert profile is not None
     assert profile.buffers == frozenset({"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"})
-    assert [(owner is block, name) for owner, name in profile.attributes] == [(True, "calls")]
+    # The count the forward rebound was put back for its recomputation, which counted from where the forward did (the
+    # wrapper finds rebound attributes at each call, `contexts.AttributeReplay`, rather than in the profile).
+    assert block.calls == 1
     assert [name for name, _ in profile.generators] == ["noise"]
 
 

@@ -3,10 +3,12 @@
 torch enters a region's recompute context each time the region is recomputed: twice under a gradient penalty
 (``autograd.grad(..., create_graph=True)`` and then a backward through it) or with ``retain_graph=True``. A
 :class:`Reenterable` enters fresh contexts from factories at each entry, so every recomputation starts from the same
-state: the same host RNG, the same buffer values, attributes and generator states.
+state: the same host RNG, the same buffer values and generator states. (The attributes a forward rebinds are put
+back by the region's call itself, :class:`AttributeReplay`.)
 """
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -15,11 +17,19 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import disable_current_modes, own_buffers, version_counter
-from lightning_ckpt_determinism.checkpointing.modules import generator_slots, scalar_attributes
+from lightning_ckpt_determinism.checkpointing.modules import SCALARS, generator_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
 
-__all__ = ["BufferSlot", "ContextFactory", "ForwardState", "HostRNGReplay", "Reenterable", "same_context"]
+__all__ = [
+    "AttributeReplay",
+    "BufferSlot",
+    "ContextFactory",
+    "ForwardState",
+    "HostRNGReplay",
+    "Reenterable",
+    "same_context",
+]
 
 BufferSlot = tuple[str, nn.Module, str]
 """A buffer of a region: its name relative to the region, the module that holds it and its key there."""
@@ -102,19 +112,19 @@ class HostRNGReplay:
 
 class ForwardState:
     """What one forward of a region saw, put back for each of its recomputations and then returned to its live value:
-    the values of the region's buffers (with ``protect_buffers``), the plain Python attributes its forwards change,
-    and the states of the ``torch.Generator`` objects its modules hold (with ``preserve_rng_state``).
+    the values of the region's buffers (with ``protect_buffers``) and the states of the ``torch.Generator`` objects
+    its modules hold (with ``preserve_rng_state``).
 
     Recomputation gets the buffer objects themselves, holding the values the forward started from (swapped in place
-    without a version bump, and swapped back afterwards, so that what it writes to them is undone). Which buffers and
-    attributes a forward changes comes from the region's profile: before it exists (the region's first forward)
-    every buffer and plain attribute is captured; afterwards only those the profile lists are, and every other buffer
-    is checked at the forward's end by identity and version counter, so that one first changed later (or replaced by
-    assignment) is reported to ``changed`` and captured from the next forward on.
+    without a version bump, and swapped back afterwards, so that what it writes to them is undone). Which buffers a
+    forward changes comes from the region's profile: without one (a learning call) every buffer and generator is
+    captured; otherwise only those the profile lists are, and every other buffer is checked at the forward's end by
+    identity and version counter, so that one first changed later (or replaced by assignment) is reported to
+    ``changed`` and captured from the next forward on.
 
     Args:
         module: The region.
-        profile: What the region's first forward showed; ``None`` while this is that forward.
+        profile: What the region learned about calls like this one; ``None`` for a learning call.
         buffers: The region's buffers, when they are replayed (``protect_buffers``); empty otherwise.
         generators: Replay the generators the region's modules hold.
         changed: Called with the name of each buffer this forward changed that ``profile`` does not list.
@@ -150,7 +160,6 @@ class ForwardState:
         self._changed = changed
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
-        self._attributes: dict[tuple[nn.Module, str], Any] = {}
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     @contextlib.contextmanager
@@ -167,10 +176,6 @@ class ForwardState:
                     self._buffers.append((owner, key, buffer, buffer.detach().clone()))
                 else:
                     self._watched.append((name, owner, key, buffer, version_counter(buffer)))
-        if profile is None:
-            self._attributes = scalar_attributes(self._module)
-        else:
-            self._attributes = {(owner, name): vars(owner).get(name, _MISSING) for owner, name in profile.attributes}
         if self._replays_generators:
             held = generator_slots(self._module) if profile is None else profile.generators
             self._generators = [(generator, generator.get_state()) for _, generator in held]
@@ -189,8 +194,6 @@ class ForwardState:
                 swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
                 buffer.data.copy_(value)
                 own_buffers(owner)[key] = buffer
-        live_attributes = {slot: vars(slot[0]).get(slot[1], _MISSING) for slot in self._attributes}
-        _set_attributes(self._attributes)
         live_generators = [(generator, generator.get_state()) for generator, _ in self._generators]
         for generator, state in self._generators:
             generator.set_state(state)
@@ -199,7 +202,6 @@ class ForwardState:
         finally:
             for generator, state in live_generators:
                 generator.set_state(state)
-            _set_attributes(live_attributes)
             with torch.no_grad(), disable_current_modes():
                 for owner, key, live, buffer, value in reversed(swapped):
                     buffer.data.copy_(value)
@@ -209,9 +211,79 @@ class ForwardState:
 _MISSING = object()
 
 
-def _set_attributes(values: dict[tuple[nn.Module, str], Any]) -> None:
-    for (owner, name), value in values.items():
-        if value is _MISSING:
-            vars(owner).pop(name, None)
-        else:
-            vars(owner)[name] = value
+class AttributeReplay:
+    """The plain attributes one forward of a region rebinds, creates or deletes, put back as the forward found them for
+    each of its recomputations, then returned to their live values.
+
+    A shallow copy of each module's attributes is taken as the forward starts (one dictionary copy per module, cheap
+    enough for every call) and compared by identity with them as it ends, so that what a forward changes is known at
+    that very call, not from a call before: a counter, an attribute created lazily (a ``torch.Generator`` too), one
+    that starts changing after a warm-up. Replayed are attributes the forward created or deleted, and those whose
+    value it started from is immutable (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`) or a
+    generator; a tensor or container it rebinds is not held until the recomputation (that would keep the old value's
+    memory alive), and framework bookkeeping (``training``, hooks, FSDP's flags) is left alone.
+
+    Args:
+        attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> replay = AttributeReplay([vars(layer)])
+        >>> replay.start()
+        >>> layer.calls = getattr(layer, "calls", 0) + 1  # what a forward does
+        >>> replay.end()
+        >>> with replay.replay():
+        ...     hasattr(layer, "calls")  # recomputation starts where the forward started
+        False
+        >>> layer.calls
+        1
+    """
+
+    __slots__ = ("_attributes", "_found", "_started")
+
+    def __init__(self, attributes: Sequence[dict[str, Any]]) -> None:
+        self._attributes = attributes
+        self._started: list[dict[str, Any]] = []
+        self._found: dict[tuple[int, str], Any] = {}
+
+    def start(self) -> None:
+        """The forward starts: a shallow copy of every module's attributes."""
+        self._started = [attributes.copy() for attributes in self._attributes]
+
+    def end(self) -> None:
+        """The forward ended: keep what it rebound, created or deleted, as it was at the start."""
+        found = {}
+        for index, (before, now) in enumerate(zip(self._started, self._attributes, strict=True)):
+            if len(before) == len(now) and all(map(operator.is_, before.values(), now.values())):
+                continue
+            for name in before.keys() | now.keys():
+                value = before.get(name, _MISSING)
+                if value is not now.get(name, _MISSING) and _replayed(name, value):
+                    found[index, name] = value
+        self._started, self._found = [], found
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """The forward's starting values in, the live ones back afterwards, whatever is raised."""
+        if not self._found:
+            yield
+            return
+        live = {(index, name): self._attributes[index].get(name, _MISSING) for index, name in self._found}
+        self._set(self._found)
+        try:
+            yield
+        finally:
+            self._set(live)
+
+    def _set(self, values: dict[tuple[int, str], Any]) -> None:
+        for (index, name), value in values.items():
+            if value is _MISSING:
+                self._attributes[index].pop(name, None)
+            else:
+                self._attributes[index][name] = value
+
+
+def _replayed(name: str, value: Any) -> bool:
+    """Whether an attribute a forward rebound is put back for its recomputation (see :class:`AttributeReplay`)."""
+    return not is_framework_attribute(name) and (value is _MISSING or isinstance(value, (*SCALARS, torch.Generator)))
