@@ -120,7 +120,9 @@ class ForwardState:
     forward changes comes from the region's profile: without one (a learning call) every buffer and generator is
     captured; otherwise only those the profile lists are, and every other buffer is checked at the forward's end by
     identity and version counter, so that one first changed later (or replaced by assignment) is reported to
-    ``changed`` and captured from the next forward on.
+    ``changed`` and captured from the next forward on. That forward's own recomputation starts from the value the
+    forward left, and gives it back afterwards: the buffer is changed once, as without checkpointing, though the
+    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it).
 
     Args:
         module: The region.
@@ -160,6 +162,7 @@ class ForwardState:
         self._changed = changed
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
+        self._late: list[tuple[nn.Module, str]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     @contextlib.contextmanager
@@ -183,6 +186,7 @@ class ForwardState:
         for name, owner, key, buffer, version in self._watched:
             if own_buffers(owner).get(key) is not buffer or version_counter(buffer) != version:
                 self._changed(name)
+                self._late.append((owner, key))
         self._watched = []
 
     @contextlib.contextmanager
@@ -194,6 +198,10 @@ class ForwardState:
                 swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
                 buffer.data.copy_(value)
                 own_buffers(owner)[key] = buffer
+            for owner, key in self._late:
+                live = own_buffers(owner).get(key)
+                if live is not None:
+                    swapped.append((owner, key, live, live, live.detach().clone()))
         live_generators = [(generator, generator.get_state()) for generator, _ in self._generators]
         for generator, state in self._generators:
             generator.set_state(state)
@@ -209,6 +217,8 @@ class ForwardState:
 
 
 _MISSING = object()
+# An attribute whose starting value is not held: recomputation starts from its live value, which it gets back after.
+_LIVE = object()
 
 
 class AttributeReplay:
@@ -220,8 +230,9 @@ class AttributeReplay:
     that very call, not from a call before: a counter, an attribute created lazily (a ``torch.Generator`` too), one
     that starts changing after a warm-up. Replayed are attributes the forward created or deleted, and those whose
     value it started from is immutable (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`) or a
-    generator; a tensor or container it rebinds is not held until the recomputation (that would keep the old value's
-    memory alive), and framework bookkeeping (``training``, hooks, FSDP's flags) is left alone.
+    generator. The value a tensor or container started from is not held until the recomputation (that would keep
+    its memory alive): recomputation starts from the forward's value, and the forward's value is put back after it.
+    Framework bookkeeping (``training``, hooks, FSDP's flags) is left alone.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
@@ -259,8 +270,8 @@ class AttributeReplay:
                 continue
             for name in before.keys() | now.keys():
                 value = before.get(name, _MISSING)
-                if value is not now.get(name, _MISSING) and _replayed(name, value):
-                    found[index, name] = value
+                if value is not now.get(name, _MISSING) and not is_framework_attribute(name):
+                    found[index, name] = value if _held(value) else _LIVE
         self._started, self._found = [], found
 
     @contextlib.contextmanager
@@ -270,7 +281,7 @@ class AttributeReplay:
             yield
             return
         live = {(index, name): self._attributes[index].get(name, _MISSING) for index, name in self._found}
-        self._set(self._found)
+        self._set({at: value for at, value in self._found.items() if value is not _LIVE})
         try:
             yield
         finally:
@@ -284,6 +295,6 @@ class AttributeReplay:
                 self._attributes[index][name] = value
 
 
-def _replayed(name: str, value: Any) -> bool:
-    """Whether an attribute a forward rebound is put back for its recomputation (see :class:`AttributeReplay`)."""
-    return not is_framework_attribute(name) and (value is _MISSING or isinstance(value, (*SCALARS, torch.Generator)))
+def _held(value: Any) -> bool:
+    """Whether the value a forward started from is held for its recomputation (see :class:`AttributeReplay`)."""
+    return value is _MISSING or isinstance(value, (*SCALARS, torch.Generator))

@@ -8,8 +8,9 @@ column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its 
 region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
 it was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
 forward's end for every tensor of a call the region learns from (its first, and the first of each kind of call: see
-the profile's description). A call that saves another number of tensors than its profile (another code path) is not
-compared: what it digested as it went may not be final, so its saved tensors count as not compared. It keeps each
+the profile's description). A call that saves another number of tensors than its profile (another code path) keeps
+what it digested as it went only where the profile of that path says the value was final (all of it counts as not
+compared on a path the region has no profile of yet). It keeps each
 tensor's position, metadata and the op that produced it. At the region's first unpack in backward, once the region
 is recomputed to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares
 the metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check=
@@ -291,9 +292,9 @@ class _Call:
 
     def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
         """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
-        drop them, when it raised, or when the call took another path than the profile it started with, counted as
-        not compared); a call that learned its region's layout, or saved another number of tensors than it, tells
-        the sentinel.
+        drop them, when it raised; a call that took another path than the profile it started with keeps only what
+        was final when digested, the rest counted as not compared); a call that learned its region's layout, or
+        saved another number of tensors than it, tells the sentinel.
 
         Args:
             digest: Whether the forward returned.
@@ -301,13 +302,7 @@ class _Call:
                 call; ``None`` for a path the region does not know).
         """
         if digest and self.profile is not None and (profile is None or profile.saved != self.profile.saved):
-            # Another path than the one its profile was learned on: what it digested as it went may not be final.
-            for saved in self.slotted:
-                saved.slot = None
-            self.not_compared += len(self.slotted) + len(self._held)
-            self.slotted, digest = [], False
-            if self.layout is not None and self.packs != self.layout.saved:
-                self.sentinel.learned(self.region, None)
+            self._another_path(profile)
         if digest:
             left_out = profile.left_out if profile is not None else frozenset()
             held = [(saved, local) for saved, local in self._held if saved.position not in left_out]
@@ -327,6 +322,22 @@ class _Call:
                     self.not_compared += len(self.slotted)
                     self.slotted = []
         self._digests, self._held = [], []
+
+    def _another_path(self, profile: RegionProfile | None) -> None:
+        """The call took another path than the one its profile was learned on: of what it digested as it went, only
+        the tensors its own path's profile says were final when saved are kept (none, on a path without one)."""
+        early = frozenset(range(self.packs)) if profile is None else profile.filled_late | profile.left_out
+        digested = zip(self.slotted, self._digests, strict=True)
+        kept = [(saved, found) for saved, found in digested if saved.position not in early]
+        for saved in self.slotted:
+            saved.slot = None
+        self.not_compared += len(self.slotted) - len(kept)
+        self.slotted, self._digests = [saved for saved, _ in kept], [found for _, found in kept]
+        for slot, saved in enumerate(self.slotted):
+            saved.slot = slot
+        if profile is None:
+            self.not_compared += len(self._held)
+            self._held = []
 
     def _learn(self, held: list[tuple[_Saved, torch.Tensor]]) -> list[tuple[_Saved, torch.Tensor]]:
         """Learn the region's layout from this call, and keep the held activations its targets name.
