@@ -383,3 +383,42 @@ def test_a_tensor_attribute_a_forward_rebinds_keeps_the_forwards_value_and_the_o
     out.backward()
     # The recomputation rebound it too; the forward's value is put back after it, as without checkpointing.
     assert model.body.last is forward_value
+
+
+class LateCount(nn.Module):
+    """Counts its calls in a buffer, in place, from its second call on, and scales by the count: a buffer that starts
+    changing after a warm-up, with nothing before the call to tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            self.count += 1
+        return torch.tanh(self.inp(x) * self.count)
+
+
+@pytest.mark.parametrize("tier", ["sampled", "exact"])
+def test_a_buffer_first_changed_in_place_at_a_later_call_is_changed_once_and_that_call_is_seen(tier: str) -> None:
+    torch.manual_seed(0)
+    plain = Head(LateCount())
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    equal, found = [], []
+    with recomputation_sentinel(model, mode=tier) as sentinel:  # type: ignore[arg-type]
+        for step in range(STEPS):
+            x = tokens(step)
+            grads = [torch.autograd.grad(loss_of(twin, x), list(twin.parameters())) for twin in (plain, model)]
+            equal.append(all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
+            found.append(sentinel.settle()["body"].mismatches)
+            sentinel.next_step()
+            # Changed once per call, as without checkpointing, the call that changed it first included.
+            assert float(model.body.count) == float(plain.body.count) == max(1, step + 1)
+    # The value that call started from is gone before its recomputation: its gradients differ, and the sentinel says
+    # so at that step. From the next call on the buffer is replayed.
+    assert equal == [True, False, True, True]
+    assert [count > 0 for count in found] == [False, True, False, False]
