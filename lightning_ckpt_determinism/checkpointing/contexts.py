@@ -225,22 +225,23 @@ class AttributeReplay:
     """The plain attributes one forward of a region rebinds, creates or deletes, put back as the forward found them for
     each of its recomputations, then returned to their live values.
 
-    A shallow copy of each module's attributes is taken as the forward starts (one dictionary copy per module, cheap
-    enough for every call) and compared by identity with them as it ends, so that what a forward changes is known at
-    that very call, not from a call before: a counter, an attribute created lazily (a ``torch.Generator`` too), one
-    that starts changing after a warm-up. Replayed are attributes the forward created or deleted, and those whose
-    value it started from is immutable (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`) or a
-    generator. The value a tensor or container started from is not held until the recomputation (that would keep
-    its memory alive): recomputation starts from the forward's value, and the forward's value is put back after it.
-    Framework bookkeeping (``training``, hooks, FSDP's flags) is left alone.
+    The values of the modules' own attributes (framework bookkeeping, ``training``, hooks and FSDP's flags, left out)
+    are read as the forward starts and compared by identity as it ends, with how many attributes each module holds:
+    what a forward changes is known at that very call, not from a call before (a counter, an attribute created
+    lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the attributes the
+    forward created or deleted, and those whose value it started from is immutable
+    (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`) or a generator. The value a tensor or a
+    container started from is not held until the recomputation (that would keep its memory alive): recomputation
+    starts from the forward's value, and the forward's value is put back after it.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
+        slots: The attributes to watch, as ``(module index, name)``: every one that is not framework bookkeeping.
 
     Example::
 
         >>> layer = torch.nn.Linear(2, 2)
-        >>> replay = AttributeReplay([vars(layer)])
+        >>> replay = AttributeReplay([vars(layer)], AttributeReplay.slots_of([vars(layer)]))
         >>> replay.start()
         >>> layer.calls = getattr(layer, "calls", 0) + 1  # what a forward does
         >>> replay.end()
@@ -251,35 +252,53 @@ class AttributeReplay:
         1
     """
 
-    __slots__ = ("_attributes", "_found", "_started")
+    __slots__ = ("_attributes", "_found", "_sizes", "_slots", "_values")
 
-    def __init__(self, attributes: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]]) -> None:
         self._attributes = attributes
-        self._started: list[dict[str, Any]] = []
+        self._slots = slots
+        self._sizes: list[int] = []
+        self._values: list[Any] = []
         self._found: dict[tuple[int, str], Any] = {}
 
+    @staticmethod
+    def slots_of(attributes: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
+        """The attributes of these dictionaries an :class:`AttributeReplay` watches (worked out once per layout)."""
+        return [
+            (index, name) for index, held in enumerate(attributes) for name in held if not is_framework_attribute(name)
+        ]
+
     def start(self) -> None:
-        """The forward starts: a shallow copy of every module's attributes."""
-        self._started = [attributes.copy() for attributes in self._attributes]
+        """The forward starts: the watched values, and how many attributes each module holds."""
+        attributes = self._attributes
+        self._sizes = list(map(len, attributes))
+        self._values = [attributes[index].get(name, _MISSING) for index, name in self._slots]
 
     def end(self) -> None:
         """The forward ended: keep what it rebound, created or deleted, as it was at the start."""
-        found = {}
-        for index, (before, now) in enumerate(zip(self._started, self._attributes, strict=True)):
-            if len(before) == len(now) and all(map(operator.is_, before.values(), now.values())):
-                continue
-            for name in before.keys() | now.keys():
-                value = before.get(name, _MISSING)
-                if value is not now.get(name, _MISSING) and not is_framework_attribute(name):
-                    found[index, name] = value if _held(value) else _LIVE
-        self._started, self._found = [], found
+        attributes, found = self._attributes, {}
+        now = [attributes[index].get(name, _MISSING) for index, name in self._slots]
+        # A module holding more or fewer attributes, or one deleted, may hold one the forward created.
+        created = list(map(len, attributes)) != self._sizes
+        if not all(map(operator.is_, self._values, now)):
+            for slot, before, after in zip(self._slots, self._values, now, strict=True):
+                if before is not after:
+                    found[slot] = before if _held(before) else _LIVE
+                    created = created or after is _MISSING
+        if created:
+            watched = set(self._slots)
+            for index, held in enumerate(attributes):
+                for name in held:
+                    if (index, name) not in watched and not is_framework_attribute(name):
+                        found[index, name] = _MISSING
+        self._values, self._found = [], found
+
+    def replay(self) -> AbstractContextManager[None]:
+        """The forward's starting values in, the live ones back afterwards, whatever is raised."""
+        return self._replayed() if self._found else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        """The forward's starting values in, the live ones back afterwards, whatever is raised."""
-        if not self._found:
-            yield
-            return
+    def _replayed(self) -> Iterator[None]:
         live = {(index, name): self._attributes[index].get(name, _MISSING) for index, name in self._found}
         self._set({at: value for at, value in self._found.items() if value is not _LIVE})
         try:

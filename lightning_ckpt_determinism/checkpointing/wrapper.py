@@ -268,6 +268,8 @@ class CheckpointedForward:
         self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
         # The buffers every profile replays: those any call was seen to change.
         self._replayed: frozenset[str] = frozenset()
+        # The attributes each call watches (see `AttributeReplay`), worked out again when the modules' sizes change.
+        self._attribute_slots: tuple[tuple[int, ...], list[tuple[int, str]]] = ((), [])
         # The observers registered on this region, by `observing` and `observing_saved_tensors` on its model: read
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
@@ -319,7 +321,8 @@ class CheckpointedForward:
                 return self._forward_from(flat, num_positional, keys)
             if not fallback:
                 contexts = self._make_contexts(flat)
-                replay = AttributeReplay(tuple(map(vars, self._modules)))
+                attributes = tuple(map(vars, self._modules))
+                replay = AttributeReplay(attributes, AttributeReplay.slots_of(attributes))
                 fallback.append(_EagerCall(self, num_positional, keys, contexts, replay, first=False))
             return fallback[0].run(*flat)
 
@@ -333,7 +336,10 @@ class CheckpointedForward:
             if around is not None:
                 warn_nested(type(self.module).__name__, around, inside=False)
         attributes = tuple(map(vars, self._modules))
-        key = (tuple(module.training for module in self._modules), tuple(map(len, attributes)))
+        sizes = tuple(map(len, attributes))
+        key = (tuple(module.training for module in self._modules), sizes)
+        if self._attribute_slots[0] != sizes:
+            self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
         self.profile = self._profiles.get((key, self._paths.get(key, -1)))
         if self.profile is not None and not self._generators_in_place():
             self._profiles.clear()  # what the profiles replay is stale
@@ -343,7 +349,8 @@ class CheckpointedForward:
         if context_fn is not None and checkpoint_debug_enabled():
             # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
             in_run, context_fn = context_fn(), None
-        call = _EagerCall(self, num_positional, keys, in_run, AttributeReplay(attributes), first=first, key=key)
+        replay = AttributeReplay(attributes, self._attribute_slots[1])
+        call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key)
         return self._checkpoint(call.run, inputs, context_fn)
 
     def _generators_in_place(self) -> bool:
