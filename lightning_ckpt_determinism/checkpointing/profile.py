@@ -64,7 +64,14 @@ __all__ = ["OPAQUE_WORKSPACES", "FirstForwardProbe", "RegionProfile"]
 
 # The ops that hand out uninitialised memory, by packet name.
 _EMPTY_OPS = frozenset(
-    {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"}
+    {
+        "aten.empty",
+        "aten.empty_like",
+        "aten.empty_permuted",
+        "aten.empty_strided",
+        "aten.new_empty",
+        "aten.new_empty_strided",
+    }
 )
 
 OPAQUE_WORKSPACES: Mapping[str, tuple[int, ...]] = MappingProxyType(

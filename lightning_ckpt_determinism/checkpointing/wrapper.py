@@ -32,6 +32,7 @@ passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_deter
 
 import contextlib
 import logging
+import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -93,6 +94,8 @@ _CallKey = tuple[tuple[bool, ...], tuple[int, ...]]
 
 # How many profiles a region keeps (train and eval, a few code paths); the oldest goes first.
 _PROFILES = 8
+
+_TRAINING = operator.attrgetter("training")
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,7 @@ class CheckpointedForward:
                 warn_nested(type(self.module).__name__, around, inside=False)
         attributes = tuple(map(vars, self._modules))
         sizes = tuple(map(len, attributes))
-        key = (tuple(module.training for module in self._modules), sizes)
+        key = (tuple(map(_TRAINING, self._modules)), sizes)
         if self._attribute_slots[0] != sizes:
             self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
         self.profile = self._profiles.get((key, self._paths.get(key, -1)))
