@@ -28,10 +28,13 @@ A :class:`FirstForwardProbe` watches one eager checkpointed forward of a region 
 read before a call, cheaply: the ``training`` flag of each of the region's modules and how many attributes each
 holds (a new attribute, a generator created). It checks at every call that the generators it replays are still the
 ones the modules hold (a generator replaced by a new one makes it forget what it learned), and at each forward's
-end that the call saved as many tensors as the profile it was given (the same code path): a call of a new key is
-probed, and a call whose count matches no profile of its key recomputes to its end, is not compared by the
-sentinel, and makes the next call of its key a learning one. What the region replays only grows: a buffer a later
-forward changes is replayed from the next forward on, and every profile learned later replays it too.
+end that the call saved as many tensors as the profile it was given (the same code path). A call of a new key is
+probed. A call whose count is that of another profile of its key took that profile's path (the sentinel keeps what
+it digested as it went only where that path's values were final when saved); one whose count matches no profile
+recomputes to its end, is not compared, and makes the next call of its key a learning one. What the region replays
+only grows: a buffer a later forward changes in place is replayed from the next forward on (that forward's own
+recomputation changes it no further, but starts from the value the forward left: the sentinel and the check see
+it), and every profile replays it.
 
 Watching costs one copy of the region's saved tensors and one host read, at learning calls only. The probe's own ops
 run below every dispatch mode, so that a selective-checkpointing cache never takes them for the model's.
