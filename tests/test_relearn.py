@@ -341,7 +341,8 @@ def test_a_call_on_another_path_is_probed_at_the_next_call_of_its_kind(monkeypat
     assert (CountingProbe.made, wrapper.profile.filled_late) == (2, frozenset({1}))
 
 
-def test_the_end_marker_recomputes_to_the_end_under_a_global_early_stop() -> None:
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_end_marker_recomputes_to_the_end_whatever_the_global_early_stop(early_stop: bool) -> None:
     torch.manual_seed(0)
     plain = Head(Around(nn.RReLU(), last=True))
     model = copy.deepcopy(plain)
@@ -349,7 +350,7 @@ def test_the_end_marker_recomputes_to_the_end_under_a_global_early_stop() -> Non
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with torch.utils.checkpoint.set_checkpoint_early_stop(True):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
             for step in range(3):
                 grads = []
                 for twin in (plain, model):
