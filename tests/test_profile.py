@@ -106,7 +106,9 @@ def test_the_buffers_and_attributes_a_forward_changes_are_learned_and_generators
     profile = model[0].forward.profile
     assert profile is not None
     assert profile.buffers == frozenset({"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"})
-    assert [(owner is block, name) for owner, name in profile.attributes] == [(True, "calls")]
+    # The count the forward rebound was put back for its recomputation, which counted from where the forward did (the
+    # wrapper finds rebound attributes at each call, `contexts.AttributeReplay`, rather than in the profile).
+    assert block.calls == 1
     assert [name for name, _ in profile.generators] == ["noise"]
 
 
@@ -166,13 +168,12 @@ def test_a_buffer_first_changed_after_the_first_call_is_replayed_from_the_next_f
         assert model[0].forward.profile.buffers == frozenset({"count"})
     (line,) = [record.getMessage() for record in caplog.records if "for the first time" in record.getMessage()]
     assert "region `0` changed its buffer `count` in forward for the first time after its first call" in line
-    # That step's recomputation counted once more; from the next forward on, it sees the count the forward started
-    # from, as without checkpointing.
-    assert (int(model[0].count), int(plain[0].count)) == (2, 1)
-    plain[0].count.copy_(model[0].count)
+    # That step's recomputation started from the count the forward left and gave it back: counted once, as without
+    # checkpointing. From the next forward on, it sees the count the forward started from.
+    assert (int(model[0].count), int(plain[0].count)) == (1, 1)
     expected, got = step(plain, 1), step(model, 1)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
-    assert int(model[0].count) == int(plain[0].count) == 3
+    assert int(model[0].count) == int(plain[0].count) == 2
 
 
 @pytest.mark.parametrize("protect_buffers", [True, False])

@@ -3,10 +3,12 @@
 torch enters a region's recompute context each time the region is recomputed: twice under a gradient penalty
 (``autograd.grad(..., create_graph=True)`` and then a backward through it) or with ``retain_graph=True``. A
 :class:`Reenterable` enters fresh contexts from factories at each entry, so every recomputation starts from the same
-state: the same host RNG, the same buffer values, attributes and generator states.
+state: the same host RNG, the same buffer values and generator states. (The attributes a forward rebinds are put
+back by the region's call itself, :class:`AttributeReplay`.)
 """
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -15,11 +17,19 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import disable_current_modes, own_buffers, version_counter
-from lightning_ckpt_determinism.checkpointing.modules import generator_slots, scalar_attributes
+from lightning_ckpt_determinism.checkpointing.modules import SCALARS, generator_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
 
-__all__ = ["BufferSlot", "ContextFactory", "ForwardState", "HostRNGReplay", "Reenterable", "same_context"]
+__all__ = [
+    "AttributeReplay",
+    "BufferSlot",
+    "ContextFactory",
+    "ForwardState",
+    "HostRNGReplay",
+    "Reenterable",
+    "same_context",
+]
 
 BufferSlot = tuple[str, nn.Module, str]
 """A buffer of a region: its name relative to the region, the module that holds it and its key there."""
@@ -102,19 +112,21 @@ class HostRNGReplay:
 
 class ForwardState:
     """What one forward of a region saw, put back for each of its recomputations and then returned to its live value:
-    the values of the region's buffers (with ``protect_buffers``), the plain Python attributes its forwards change,
-    and the states of the ``torch.Generator`` objects its modules hold (with ``preserve_rng_state``).
+    the values of the region's buffers (with ``protect_buffers``) and the states of the ``torch.Generator`` objects
+    its modules hold (with ``preserve_rng_state``).
 
     Recomputation gets the buffer objects themselves, holding the values the forward started from (swapped in place
-    without a version bump, and swapped back afterwards, so that what it writes to them is undone). Which buffers and
-    attributes a forward changes comes from the region's profile: before it exists (the region's first forward)
-    every buffer and plain attribute is captured; afterwards only those the profile lists are, and every other buffer
-    is checked at the forward's end by identity and version counter, so that one first changed later (or replaced by
-    assignment) is reported to ``changed`` and captured from the next forward on.
+    without a version bump, and swapped back afterwards, so that what it writes to them is undone). Which buffers a
+    forward changes comes from the region's profile: without one (a learning call) every buffer and generator is
+    captured; otherwise only those the profile lists are, and every other buffer is checked at the forward's end by
+    identity and version counter, so that one first changed later (or replaced by assignment) is reported to
+    ``changed`` and captured from the next forward on. That forward's own recomputation starts from the value the
+    forward left, and gives it back afterwards: the buffer is changed once, as without checkpointing, though the
+    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it).
 
     Args:
         module: The region.
-        profile: What the region's first forward showed; ``None`` while this is that forward.
+        profile: What the region learned about calls like this one; ``None`` for a learning call.
         buffers: The region's buffers, when they are replayed (``protect_buffers``); empty otherwise.
         generators: Replay the generators the region's modules hold.
         changed: Called with the name of each buffer this forward changed that ``profile`` does not list.
@@ -150,7 +162,7 @@ class ForwardState:
         self._changed = changed
         self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
-        self._attributes: dict[tuple[nn.Module, str], Any] = {}
+        self._late: list[tuple[nn.Module, str]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     @contextlib.contextmanager
@@ -167,10 +179,6 @@ class ForwardState:
                     self._buffers.append((owner, key, buffer, buffer.detach().clone()))
                 else:
                     self._watched.append((name, owner, key, buffer, version_counter(buffer)))
-        if profile is None:
-            self._attributes = scalar_attributes(self._module)
-        else:
-            self._attributes = {(owner, name): vars(owner).get(name, _MISSING) for owner, name in profile.attributes}
         if self._replays_generators:
             held = generator_slots(self._module) if profile is None else profile.generators
             self._generators = [(generator, generator.get_state()) for _, generator in held]
@@ -178,6 +186,7 @@ class ForwardState:
         for name, owner, key, buffer, version in self._watched:
             if own_buffers(owner).get(key) is not buffer or version_counter(buffer) != version:
                 self._changed(name)
+                self._late.append((owner, key))
         self._watched = []
 
     @contextlib.contextmanager
@@ -189,8 +198,10 @@ class ForwardState:
                 swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
                 buffer.data.copy_(value)
                 own_buffers(owner)[key] = buffer
-        live_attributes = {slot: vars(slot[0]).get(slot[1], _MISSING) for slot in self._attributes}
-        _set_attributes(self._attributes)
+            for owner, key in self._late:
+                live = own_buffers(owner).get(key)
+                if live is not None:
+                    swapped.append((owner, key, live, live, live.detach().clone()))
         live_generators = [(generator, generator.get_state()) for generator, _ in self._generators]
         for generator, state in self._generators:
             generator.set_state(state)
@@ -199,7 +210,6 @@ class ForwardState:
         finally:
             for generator, state in live_generators:
                 generator.set_state(state)
-            _set_attributes(live_attributes)
             with torch.no_grad(), disable_current_modes():
                 for owner, key, live, buffer, value in reversed(swapped):
                     buffer.data.copy_(value)
@@ -207,11 +217,103 @@ class ForwardState:
 
 
 _MISSING = object()
+# An attribute whose starting value is not held: recomputation starts from its live value, which it gets back after.
+_LIVE = object()
 
 
-def _set_attributes(values: dict[tuple[nn.Module, str], Any]) -> None:
-    for (owner, name), value in values.items():
-        if value is _MISSING:
-            vars(owner).pop(name, None)
-        else:
-            vars(owner)[name] = value
+class AttributeReplay:
+    """The plain attributes one forward of a region rebinds, creates or deletes, put back as the forward found them for
+    each of its recomputations, then returned to their live values.
+
+    The values of the modules' own attributes (framework bookkeeping, ``training``, hooks and FSDP's flags, left out)
+    are read as the forward starts and compared by identity as it ends, with how many attributes each module holds:
+    what a forward changes is known at that very call, not from a call before (a counter, an attribute created
+    lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the attributes the
+    forward created or deleted, and those whose value it started from is immutable
+    (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`) or a generator. The value a tensor or a
+    container started from is not held until the recomputation (that would keep its memory alive): recomputation
+    starts from the forward's value, and the forward's value is put back after it.
+
+    Args:
+        attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
+        slots: The attributes to watch, as ``(module index, name)``: every one that is not framework bookkeeping.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> replay = AttributeReplay([vars(layer)], AttributeReplay.slots_of([vars(layer)]))
+        >>> replay.start()
+        >>> layer.calls = getattr(layer, "calls", 0) + 1  # what a forward does
+        >>> replay.end()
+        >>> with replay.replay():
+        ...     hasattr(layer, "calls")  # recomputation starts where the forward started
+        False
+        >>> layer.calls
+        1
+    """
+
+    __slots__ = ("_attributes", "_found", "_sizes", "_slots", "_values")
+
+    def __init__(self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]]) -> None:
+        self._attributes = attributes
+        self._slots = slots
+        self._sizes: list[int] = []
+        self._values: list[Any] = []
+        self._found: dict[tuple[int, str], Any] = {}
+
+    @staticmethod
+    def slots_of(attributes: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
+        """The attributes of these dictionaries an :class:`AttributeReplay` watches (worked out once per layout)."""
+        return [
+            (index, name) for index, held in enumerate(attributes) for name in held if not is_framework_attribute(name)
+        ]
+
+    def start(self) -> None:
+        """The forward starts: the watched values, and how many attributes each module holds."""
+        attributes = self._attributes
+        self._sizes = list(map(len, attributes))
+        self._values = [attributes[index].get(name, _MISSING) for index, name in self._slots]
+
+    def end(self) -> None:
+        """The forward ended: keep what it rebound, created or deleted, as it was at the start."""
+        attributes, found = self._attributes, {}
+        now = [attributes[index].get(name, _MISSING) for index, name in self._slots]
+        # A module holding more or fewer attributes, or one deleted, may hold one the forward created.
+        created = list(map(len, attributes)) != self._sizes
+        if not all(map(operator.is_, self._values, now)):
+            for slot, before, after in zip(self._slots, self._values, now, strict=True):
+                if before is not after:
+                    found[slot] = before if _held(before) else _LIVE
+                    created = created or after is _MISSING
+        if created:
+            watched = set(self._slots)
+            for index, held in enumerate(attributes):
+                for name in held:
+                    if (index, name) not in watched and not is_framework_attribute(name):
+                        found[index, name] = _MISSING
+        self._values, self._found = [], found
+
+    def replay(self) -> AbstractContextManager[None]:
+        """The forward's starting values in, the live ones back afterwards, whatever is raised."""
+        return self._replayed() if self._found else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _replayed(self) -> Iterator[None]:
+        live = {(index, name): self._attributes[index].get(name, _MISSING) for index, name in self._found}
+        self._set({at: value for at, value in self._found.items() if value is not _LIVE})
+        try:
+            yield
+        finally:
+            self._set(live)
+
+    def _set(self, values: dict[tuple[int, str], Any]) -> None:
+        for (index, name), value in values.items():
+            if value is _MISSING:
+                self._attributes[index].pop(name, None)
+            else:
+                self._attributes[index][name] = value
+
+
+def _held(value: Any) -> bool:
+    """Whether the value a forward started from is held for its recomputation (see :class:`AttributeReplay`)."""
+    return value is _MISSING or isinstance(value, (*SCALARS, torch.Generator))

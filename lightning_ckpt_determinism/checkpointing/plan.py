@@ -4,9 +4,9 @@ The region wrapper (:mod:`~lightning_ckpt_determinism.checkpointing.wrapper`) bu
 wraps a module, and every call reads it: the eager path for the contexts it composes, the path ``torch.compile``
 traces for the ``context_fn`` it hands the compiler
 (:func:`~lightning_ckpt_determinism.checkpointing.compiled.region_contexts`, which skips the options named by
-:attr:`RegionPlan.eager_only`). What a region's first forward shows (its
-:class:`~lightning_ckpt_determinism.checkpointing.profile.RegionProfile`, and whether it ran a data-dependent op) is
-learned afterwards; the plan's methods take it as an argument.
+:attr:`RegionPlan.eager_only`). What a region's calls show (the
+:class:`~lightning_ckpt_determinism.checkpointing.profile.RegionProfile` of calls like the one under way, and whether
+its first forward ran a data-dependent op) is learned afterwards; the plan's methods take it as an argument.
 """
 
 from dataclasses import dataclass
@@ -116,13 +116,13 @@ class RegionPlan:
         return eager_only_options(self.config, self.protect_buffers)
 
     def replays_state(self, profile: RegionProfile | None) -> bool:
-        """Whether a forward's state must be captured for its recomputation (see
+        """Whether a forward's buffers or generators must be captured for its recomputation (see
         :class:`~lightning_ckpt_determinism.checkpointing.contexts.ForwardState`).
 
         Args:
-            profile: What the region's first forward showed; ``None`` before it ran.
+            profile: What the region learned about calls like the one under way; ``None`` for a learning call.
         """
-        if profile is None or self.protect_buffers or profile.attributes:
+        if profile is None or self.protect_buffers:
             return True
         return self.generators and bool(profile.generators)
 
@@ -139,7 +139,7 @@ class RegionPlan:
         when it has ``save_ops``, and no context otherwise).
 
         Args:
-            profile: What the region's first forward showed; ``None`` before it ran.
+            profile: What the region learned about calls like the one under way; ``None`` for a learning call.
             data_dependent: Whether that forward ran a data-dependent op.
             observed: Whether an observer is registered on the region.
         """

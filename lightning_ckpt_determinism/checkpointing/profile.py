@@ -1,6 +1,7 @@
-"""What a region's first checkpointed forward shows about it, learned once and kept by the region's wrapper.
+"""What a region's checkpointed calls show about it, learned from one call and kept by the region's wrapper for the
+calls that look like it.
 
-A :class:`FirstForwardProbe` watches a region's first eager checkpointed forward and gives its
+A :class:`FirstForwardProbe` watches one eager checkpointed forward of a region (a learning call) and gives its
 :class:`RegionProfile`:
 
 - **Saved tensors filled late.** An op packs every tensor it saves before it runs: ``rrelu_with_noise`` packs its
@@ -9,18 +10,33 @@ A :class:`FirstForwardProbe` watches a region's first eager checkpointed forward
   it was packed, or when its values at the forward's end differ from a copy taken when it was packed (for a kernel
   that writes without declaring it). The schema is the reliable witness: an uninitialised ``noise`` may hold, by
   the allocator's reuse, the very values the op then writes. The sentinel reads those positions at the forward's
-  end, and the region's recomputation runs to its end (torch's early stop off, as for the first call itself), so
-  that it fills them again before they are unpacked.
+  end, and the region's recomputation runs to its end, so that it fills them again before they are unpacked.
+- **Saved tensors never written.** A declared write need not happen: in eval mode ``rrelu_with_noise`` saves its
+  ``noise`` and never fills it (its backward never reads it). The probe fills every floating-point tensor an
+  ``empty`` op makes with NaN (what torch's deterministic mode puts in uninitialised memory); a saved tensor still
+  all NaN at the forward's end was never written, holds nothing to compare, and is left out like a workspace.
 - **Opaque workspaces.** The outputs of the ops in :data:`OPAQUE_WORKSPACES` are found among the saved tensors: bytes
   a kernel keeps for its own backward and leaves partly unwritten, which differ between identical forwards while the
   gradients do not. The sentinel leaves them out.
 - **State the forward changes.** The buffers (compared by value: BatchNorm updates its running statistics without a
-  version bump) and the plain Python attributes (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`)
-  of the region's modules whose values the forward changed, which recomputation replays
+  version bump) of the region's modules whose values the forward changed, which recomputation replays
   (:class:`~lightning_ckpt_determinism.checkpointing.contexts.ForwardState`), and the ``torch.Generator`` objects
-  the region's modules hold.
+  the region's modules hold. (The plain attributes a forward rebinds are found at every call, by the wrapper.)
 
-Watching costs one copy of the region's saved tensors and one host read, at the first call only. The probe's own ops
+**What is learned again, and when.** A profile is valid for calls like the one it was learned from. The wrapper
+(:class:`~lightning_ckpt_determinism.checkpointing.wrapper.CheckpointedForward`) keys its profiles by what it can
+read before a call, cheaply: the ``training`` flag of each of the region's modules and how many attributes each
+holds (a new attribute, a generator created). It checks at every call that the generators it replays are still the
+ones the modules hold (a generator replaced by a new one makes it forget what it learned), and at each forward's
+end that the call saved as many tensors as the profile it was given (the same code path). A call of a new key is
+probed. A call whose count is that of another profile of its key took that profile's path (the sentinel keeps what
+it digested as it went only where that path's values were final when saved); one whose count matches no profile
+recomputes to its end, is not compared, and makes the next call of its key a learning one. What the region replays
+only grows: a buffer a later forward changes in place is replayed from the next forward on (that forward's own
+recomputation changes it no further, but starts from the value the forward left: the sentinel and the check see
+it), and every profile replays it.
+
+Watching costs one copy of the region's saved tensors and one host read, at learning calls only. The probe's own ops
 run below every dispatch mode, so that a selective-checkpointing cache never takes them for the model's; so it reads
 a wrapper tensor subclass (a quantized weight) through its inner tensors
 (:func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`), which hold its values, and leaves out one
@@ -42,18 +58,27 @@ from lightning_ckpt_determinism._torch_compat import (
     own_buffers,
     written_tensors,
 )
-from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
+from lightning_ckpt_determinism.checkpointing.equality import same_values
 from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     generator_slots,
     plain_parts,
-    scalar_attributes,
     storage_pointer,
 )
 
 __all__ = ["OPAQUE_WORKSPACES", "FirstForwardProbe", "RegionProfile"]
 
-_MISSING = object()
+# The ops that hand out uninitialised memory, by packet name.
+_EMPTY_OPS = frozenset(
+    {
+        "aten.empty",
+        "aten.empty_like",
+        "aten.empty_permuted",
+        "aten.empty_strided",
+        "aten.new_empty",
+        "aten.new_empty_strided",
+    }
+)
 
 OPAQUE_WORKSPACES: Mapping[str, tuple[int, ...]] = MappingProxyType(
     {
@@ -72,33 +97,42 @@ that is one of them is not compared by the sentinel (it counts as not compared).
 
 @dataclass(frozen=True, eq=False)
 class RegionProfile:
-    """What a region's first checkpointed forward showed.
+    """What one checkpointed forward of a region showed, valid for the calls that look like it (see the module's
+    description).
 
     Attributes:
         saved: How many tensors the forward saved for backward.
         filled_late: Positions among them whose values changed after they were saved (read at the forward's end).
         workspaces: Positions that are opaque workspaces (see :data:`OPAQUE_WORKSPACES`), never compared.
+        unwritten: Positions no op wrote (a declared write that did not happen), never compared.
         buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
-            wrapper adds those it sees changed later.
-        attributes: The plain Python attributes the forward changed, as ``(module, name)``, replayed in recomputation.
+            wrapper adds those it sees changed later, and those other calls of the region changed.
         generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
 
     Example::
 
         >>> RegionProfile(saved=3).filled_late
         frozenset()
+        >>> sorted(RegionProfile(saved=3, workspaces=frozenset({0}), unwritten=frozenset({2})).left_out)
+        [0, 2]
     """
 
     saved: int
     filled_late: frozenset[int] = frozenset()
     workspaces: frozenset[int] = frozenset()
+    unwritten: frozenset[int] = frozenset()
     buffers: frozenset[str] = frozenset()
-    attributes: tuple[tuple[nn.Module, str], ...] = ()
     generators: tuple[tuple[str, torch.Generator], ...] = ()
+
+    @property
+    def left_out(self) -> frozenset[int]:
+        """The positions the sentinel never compares: opaque workspaces and tensors no op wrote."""
+        return self.workspaces | self.unwritten
 
 
 class FirstForwardProbe:
-    """Watches one region call's forward (the region's first) and gives its :class:`RegionProfile`.
+    """Watches one region call's forward (a learning call: the region's first, or the first that looks unlike those it
+    learned from) and gives its :class:`RegionProfile`.
 
     Enter it around the forward, with the saved-tensor extractor handing it each saved tensor
     (:class:`~lightning_ckpt_determinism.checkpointing.saved.InRegionCall`); :attr:`profile` is set when the forward
@@ -126,14 +160,12 @@ class FirstForwardProbe:
         self.events = 0
         self._finder = _FirstCallMode(self)
         self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, _Snapshot | None]] = {}
-        self._attributes: dict[tuple[nn.Module, str], Any] = {}
 
     def __enter__(self) -> "FirstForwardProbe":
         self._buffers = {
             name: (owner, key, buffer, _snapshot(buffer))
             for name, (owner, key, buffer) in buffer_slots(self.module).items()
         }
-        self._attributes = scalar_attributes(self.module)
         self._finder.__enter__()
         return self
 
@@ -142,7 +174,7 @@ class FirstForwardProbe:
         if exc_type is None:
             with no_python_dispatch(), torch.no_grad():
                 self.profile = self._learned()
-        self._packed, self._buffers, self._attributes = [], {}, {}
+        self._packed, self._buffers = [], {}
 
     def packed(self, tensor: torch.Tensor) -> None:
         """Hold a tensor the forward saves, with a copy of its value now (the extractor's hook)."""
@@ -160,10 +192,18 @@ class FirstForwardProbe:
         # Parameters and buffers are state, not activations: BatchNorm saves its running statistics and its kernel
         # then updates them, but its backward in training never reads them (and the sentinel leaves state out).
         state = {storage_pointer(tensor) for tensor in (*self.module.parameters(), *self.module.buffers())}
+        unwritten = frozenset(
+            position
+            for position, (tensor, _, _) in enumerate(self._packed)
+            if type(tensor) is torch.Tensor  # a subclass is never read with Python dispatch off
+            and storage_pointer(tensor) in self._finder.uninitialised
+            and bool(tensor.isnan().all())
+        )
         filled_late = frozenset(
             position
             for position, (tensor, copy, packed_at) in enumerate(self._packed)
             if position not in workspaces
+            and position not in unwritten
             and storage_pointer(tensor) not in state
             and (
                 self._finder.written_after(storage_pointer(tensor), packed_at) or (copy is not None and not _kept(copy))
@@ -174,17 +214,12 @@ class FirstForwardProbe:
             for name, (owner, key, buffer, value) in self._buffers.items()
             if own_buffers(owner).get(key) is not buffer or (value is not None and not _kept(value))
         )
-        attributes = tuple(
-            (owner, name)
-            for (owner, name), value in self._attributes.items()
-            if not same_item(vars(owner).get(name, _MISSING), value)
-        )
         return RegionProfile(
             saved=len(self._packed),
             filled_late=filled_late,
             workspaces=workspaces,
+            unwritten=unwritten,
             buffers=buffers,
-            attributes=attributes,
             generators=tuple(generator_slots(self.module)),
         )
 
@@ -210,13 +245,15 @@ def _kept(snapshot: _Snapshot) -> bool:
 
 
 class _FirstCallMode(TorchDispatchMode):
-    """Notes, for the probe of a first call, the storages every op writes (by its schema) with when it ran, and the
-    storage of every output of the ops in :data:`OPAQUE_WORKSPACES`."""
+    """Notes, for the probe of a learning call, the storages every op writes (by its schema) with when it ran, the
+    storage of every output of the ops in :data:`OPAQUE_WORKSPACES`, and the floating-point tensors the ``empty`` ops
+    hand out, which it fills with NaN."""
 
     def __init__(self, probe: FirstForwardProbe) -> None:
         super().__init__()
         self.probe = probe
         self.storages: set[int] = set()
+        self.uninitialised: set[int] = set()
         self._writes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -227,7 +264,15 @@ class _FirstCallMode(TorchDispatchMode):
             storage = storage_pointer(tensor)
             if storage is not None:
                 self._writes[storage] = self.probe.events
-        positions = OPAQUE_WORKSPACES.get(str(func.overloadpacket))
+        name = str(func.overloadpacket)
+        if name in _EMPTY_OPS and type(out) is torch.Tensor and out.is_floating_point() and not out.is_meta:
+            # Uninitialised memory may hold anything; NaN tells, at the forward's end, whether an op wrote it.
+            with no_python_dispatch(), torch.no_grad():
+                out.detach().fill_(float("nan"))
+            storage = storage_pointer(out)
+            if storage is not None:
+                self.uninitialised.add(storage)
+        positions = OPAQUE_WORKSPACES.get(name)
         if positions is not None and isinstance(out, (tuple, list)):
             for position in positions:
                 storage = storage_pointer(out[position]) if position < len(out) else None

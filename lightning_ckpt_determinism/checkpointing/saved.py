@@ -71,13 +71,14 @@ class SavedTensorProbe(Protocol):
 
 
 class _Call:
-    """The region call whose forward runs now, as the extractor needs it."""
+    """The region call whose forward runs now, as the extractor needs it, with how many tensors it saved so far."""
 
-    __slots__ = ("observer", "probe", "task")
+    __slots__ = ("observer", "packs", "probe", "task")
 
     def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
         self.probe = probe
         self.observer = observer
+        self.packs = 0
         # A backward run inside the forward (a gradient penalty) compares tensors of other calls: not this call's.
         self.task = current_graph_task_id()
 
@@ -89,10 +90,11 @@ _CURRENT: ContextVar[_Call | None] = ContextVar("lightning_ckpt_determinism_regi
 
 
 class InRegionCall:
-    """Say, inside this block, which region call's forward runs: its probe and its saved-tensor observer.
+    """Say, inside this block, which region call's forward runs: its probe and its saved-tensor observer; count the
+    tensors it saves (:attr:`saved`), which tell the region whether the call took the path its profile was learned on.
 
     A region call inside another one's forward enters its own block, so that the outer call's probe and observer
-    never see what the inner region saves.
+    never see what the inner region saves, nor count it.
 
     Args:
         probe: The probe learning from this call's forward, or ``None``.
@@ -109,13 +111,23 @@ class InRegionCall:
         ...     _ = _default(torch.ones(1))
         >>> count.saved
         1
+        >>> call = InRegionCall(None, None)
+        >>> with call:
+        ...     _ = _default(torch.ones(1)), _default(torch.ones(1))
+        >>> call.saved
+        2
     """
 
     __slots__ = ("_call", "_token")
 
     def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
-        self._call = _Call(probe, observer) if probe is not None or observer is not None else None
+        self._call = _Call(probe, observer)
         self._token: Token[_Call | None] | None = None
+
+    @property
+    def saved(self) -> int:
+        """How many tensors the call's forward saved inside this block."""
+        return self._call.packs
 
     def __enter__(self) -> None:
         self._token = _CURRENT.set(self._call)
@@ -200,6 +212,7 @@ def _extract(tensor: torch.Tensor, *, strict: bool) -> Any:
     call = _CURRENT.get()
     task = current_graph_task_id()
     if call is not None and call.task == task:
+        call.packs += 1
         if call.probe is not None:
             call.probe.packed(tensor)
         if call.observer is not None:

@@ -12,6 +12,17 @@ dispatch modes. The guard (:mod:`~lightning_ckpt_determinism.checkpointing.routi
 checkpointed forward and stays on only where that forward ran a data-dependent op: a region without routing pays
 nothing.
 
+What a region learns from its calls (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) is kept by key: each
+call reads the ``training`` flags of the region's modules and how many attributes each holds, checks that the
+generators it replays are still in place, and after its forward that it saved as many tensors as its profile says;
+a call unlike those learned from is probed, or recomputed to its end and learned from at the next call. A call whose
+saved tensors include one filled late is recomputed to its end by an end marker: one more tensor saved after the
+forward, whose holder dies at once, so that torch's early stop (which ends a recomputation once it has saved as many
+tensors as the forward) stops only after the region's last op. Every other call keeps torch's early stop, as a
+hand-written checkpoint does, also a learning one (a recomputation that saves more tensors than its forward trains as
+under torch). The attributes each forward rebinds are found at that call and put back for its recomputation
+(:class:`~lightning_ckpt_determinism.checkpointing.contexts.AttributeReplay`).
+
 The traced path (under ``torch.compile``) reads only state dynamo can guard on (the plan, and the one process-wide
 switch, :mod:`~lightning_ckpt_determinism.checkpointing.switch`, never a ContextVar), never passes
 ``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops``, eager-only
@@ -21,6 +32,7 @@ passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_deter
 
 import contextlib
 import logging
+import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -33,9 +45,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled, own_buffers
+from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled, disable_current_modes, own_buffers
 from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
+    AttributeReplay,
     ContextFactory,
     ForwardState,
     HostRNGReplay,
@@ -75,6 +88,14 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _ContextPair = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
+
+# A call's key: the `training` flag of each of the region's modules, and how many attributes each holds.
+_CallKey = tuple[tuple[bool, ...], tuple[int, ...]]
+
+# How many profiles a region keeps (train and eval, a few code paths); the oldest goes first.
+_PROFILES = 8
+
+_TRAINING = operator.attrgetter("training")
 
 
 @dataclass(frozen=True)
@@ -240,8 +261,20 @@ class CheckpointedForward:
         )
         # Whether the first eager forward has looked for another checkpointing around and inside (see `nesting`).
         self._probed = False
-        # What the region's first eager checkpointed forward showed (see `profile`); None until it has run.
+        # What the region learned about calls like the one under way (or the last one; see `profile`): None before
+        # a learning call's forward ends, and after a call whose path matched no profile.
         self.profile: RegionProfile | None = None
+        # The region's modules, whose modes and attributes key its profiles.
+        self._modules = tuple(module.modules())
+        # Profiles by key and saved-tensor count, and each key's count at its last call (its path, expected next).
+        self._profiles: dict[tuple[_CallKey, int], RegionProfile] = {}
+        self._paths: dict[_CallKey, int] = {}
+        # The generators the profiles replay, where they are held: one replaced makes the region learn again.
+        self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
+        # The buffers every profile replays: those any call was seen to change.
+        self._replayed: frozenset[str] = frozenset()
+        # The attributes each call watches (see `AttributeReplay`), worked out again when the modules' sizes change.
+        self._attribute_slots: tuple[tuple[int, ...], list[tuple[int, str]]] = ((), [])
         # The observers registered on this region, by `observing` and `observing_saved_tensors` on its model: read
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
@@ -251,6 +284,7 @@ class CheckpointedForward:
         state = self.__dict__.copy()
         # Learned again after loading: it holds generators and module references of this process.
         state["profile"] = None
+        state["_profiles"], state["_paths"], state["_generators"], state["_replayed"] = {}, {}, (), frozenset()
         state["region_observer"] = state["saved_observer"] = None
         return state
 
@@ -291,7 +325,10 @@ class CheckpointedForward:
                     flat = mark_region_inputs(flat)
                 return self._forward_from(flat, num_positional, keys)
             if not fallback:
-                fallback.append(_EagerCall(self, num_positional, keys, self._make_contexts(flat), first=False))
+                contexts = self._make_contexts(flat)
+                attributes = tuple(map(vars, self._modules))
+                replay = AttributeReplay(attributes, AttributeReplay.slots_of(attributes))
+                fallback.append(_EagerCall(self, num_positional, keys, contexts, replay, first=False))
             return fallback[0].run(*flat)
 
         return run
@@ -303,32 +340,68 @@ class CheckpointedForward:
             around = checkpoint_around(sys._getframe(), _REGION_CALL)
             if around is not None:
                 warn_nested(type(self.module).__name__, around, inside=False)
+        attributes = tuple(map(vars, self._modules))
+        sizes = tuple(map(len, attributes))
+        key = (tuple(map(_TRAINING, self._modules)), sizes)
+        if self._attribute_slots[0] != sizes:
+            self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
+        self.profile = self._profiles.get((key, self._paths.get(key, -1)))
+        if self.profile is not None and not self._generators_in_place():
+            self._profiles.clear()  # what the profiles replay is stale
+            self.profile = None
         context_fn = self._context_fn(inputs)
         in_run = None
         if context_fn is not None and checkpoint_debug_enabled():
             # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
             in_run, context_fn = context_fn(), None
-        learning = self.profile is None
-        call = _EagerCall(self, num_positional, keys, in_run, first=first, learning=learning)
-        # The first call, and regions holding a saved tensor filled after it was saved, recompute to the end, so that
-        # the op filling it runs again (a global `set_checkpoint_early_stop(True)` overrides this).
-        full = learning or (self.profile is not None and bool(self.profile.filled_late))
-        return self._checkpoint(call.run, inputs, context_fn, early_stop=False if full else None)
+        replay = AttributeReplay(attributes, self._attribute_slots[1])
+        call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key)
+        return self._checkpoint(call.run, inputs, context_fn)
+
+    def _generators_in_place(self) -> bool:
+        """Whether the modules still hold the generators the profiles replay (none was replaced by a new one)."""
+        return all(held.get(name) is generator for held, name, generator in self._generators)
+
+    def _path_taken(self, key: _CallKey, saved: int, learned: RegionProfile | None) -> bool:
+        """A forward of ``key`` saved ``saved`` tensors (and a probe ``learned`` its profile): the profile of the path
+        it took becomes the region's :attr:`profile` (``None`` for a path no profile knows); whether its recomputation
+        must run to its end (a saved tensor filled late, or a path not known)."""
+        if learned is not None:
+            self._replay_buffers(learned.buffers)
+            self._profiles.pop((key, saved), None)
+            self._profiles[key, saved] = replace(learned, buffers=self._replayed)
+            while len(self._profiles) > _PROFILES:
+                del self._profiles[next(iter(self._profiles))]
+            self._generators = tuple(
+                (vars(owner), name, value)
+                for owner in self._modules
+                for name, value in vars(owner).items()
+                if isinstance(value, torch.Generator)
+            )
+        self._paths[key] = saved
+        self.profile = self._profiles.get((key, saved))
+        return self.profile is None or bool(self.profile.filled_late)
+
+    def _replay_buffers(self, names: frozenset[str]) -> None:
+        """Every profile, and the call under way, replays ``names`` too: what the region replays only grows."""
+        if names <= self._replayed:
+            return
+        replayed = self._replayed = self._replayed | names
+        self._profiles = {at: replace(profile, buffers=replayed) for at, profile in self._profiles.items()}
+        if self.profile is not None:
+            self.profile = replace(self.profile, buffers=replayed)
 
     def _checkpoint(
         self,
         run: Callable[..., Any],
         inputs: tuple[Any, ...],
         context_fn: Callable[[], _ContextPair] | None,
-        early_stop: bool | None = None,
     ) -> Any:
-        """torch's non-reentrant checkpoint of ``run``; ``context_fn`` and ``early_stop`` only when given, so that
-        torch's defaults are taken by leaving them out."""
+        """torch's non-reentrant checkpoint of ``run``; ``context_fn`` only when given, so that torch's default is
+        taken by leaving it out."""
         options: dict[str, Any] = {}
         if context_fn is not None:
             options["context_fn"] = context_fn
-        if early_stop is not None:
-            options["early_stop"] = early_stop
         return checkpoint(
             run,
             *inputs,
@@ -351,21 +424,21 @@ class CheckpointedForward:
         those no forward was seen to change (which recomputation gets as they are)."""
         replayed: frozenset[str] = frozenset()
         if self.config.protect_buffers:
-            if self.profile is None:
+            if not self._profiles:  # a learning call replays every buffer
                 return []
-            replayed = self.profile.buffers
+            replayed = self._replayed
         buffers = ((name, own_buffers(owner).get(key)) for name, owner, key in self.plan.buffer_slots)
         return [(name, buffer) for name, buffer in buffers if buffer is not None and name not in replayed]
 
     def _buffer_changed(self, name: str) -> None:
-        if self.profile is not None and name not in self.profile.buffers:
+        if name not in self._replayed:
             _log.info(
                 "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward for the first time after"
                 " its first call; its recomputation replays it from the next forward on.",
                 self.region,
                 name,
             )
-            self.profile = replace(self.profile, buffers=self.profile.buffers | {name})
+            self._replay_buffers(frozenset({name}))
 
     def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
         """The ``context_fn`` of an eager call, as the plan says: the package's contexts, torch's selective pair alone
@@ -457,11 +530,13 @@ class _EagerCall:
         keys: The keywords.
         contexts: The forward and recompute contexts the call enters itself (under torch's checkpoint debug mode, and
             for a region dynamo could not trace), or ``None`` when torch enters them through ``context_fn``.
+        attributes: The attributes the forward rebinds, put back for each recomputation.
         first: Whether this is the region's first eager call, which looks for checkpointing nested inside.
-        learning: Whether its forward learns the region's profile.
+        key: The call's key, by which the region keeps what it learns (``None``: the call neither learns nor
+            checks its path, as for a region dynamo could not trace).
     """
 
-    __slots__ = ("_contexts", "_first", "_keys", "_learning", "_num_positional", "_runs", "_wrapper")
+    __slots__ = ("_attributes", "_contexts", "_first", "_full", "_key", "_keys", "_num_positional", "_runs", "_wrapper")
 
     def __init__(
         self,
@@ -469,16 +544,19 @@ class _EagerCall:
         num_positional: int,
         keys: tuple[str, ...],
         contexts: _ContextPair | None,
+        attributes: AttributeReplay,
         *,
         first: bool,
-        learning: bool = False,
+        key: _CallKey | None = None,
     ) -> None:
         self._wrapper = wrapper
         self._num_positional = num_positional
         self._keys = keys
         self._contexts = contexts
+        self._attributes = attributes
         self._first = first
-        self._learning = learning
+        self._key = key
+        self._full = False
         self._runs = 0
 
     def run(self, *flat: Any) -> Any:
@@ -490,21 +568,38 @@ class _EagerCall:
         if self._contexts is not None:
             entered = self._contexts[0] if forward else self._contexts[1]
         if not forward:
-            with entered:
-                return wrapper._forward_from(flat, self._num_positional, self._keys)
+            with entered, self._attributes.replay():
+                out = wrapper._forward_from(flat, self._num_positional, self._keys)
+            if self._full:
+                _mark_end()
+            return out
         nested: AbstractContextManager[list[NestedCheckpoint]] = (
             checkpoints_inside(_REGION_CALL) if self._first else contextlib.nullcontext([])
         )
-        probe = FirstForwardProbe(wrapper.module) if self._learning else None
+        learning = self._key is not None and wrapper.profile is None
+        probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, nested as inside:
-            with InRegionCall(probe, wrapper.saved_observer), probe if probe is not None else contextlib.nullcontext():
+            region_call = InRegionCall(probe, wrapper.saved_observer)
+            self._attributes.start()
+            with region_call, probe if probe is not None else contextlib.nullcontext():
                 out = wrapper._forward_from(flat, self._num_positional, self._keys)
-            if probe is not None and probe.profile is not None and wrapper.profile is None:
-                # Before the saved-tensor observer's forward context ends, which reads it.
-                wrapper.profile = probe.profile
+            self._attributes.end()
+            if self._key is not None:
+                # Before the saved-tensor observer's forward context ends, which reads the profile of the path taken.
+                self._full = wrapper._path_taken(self._key, region_call.saved, None if probe is None else probe.profile)
         if inside:
             warn_nested(type(wrapper.module).__name__, inside[0], inside=True)
+        if self._full:
+            _mark_end()
         return out
+
+
+def _mark_end() -> None:
+    """Save one more tensor at the region's end, whose holder dies at once: torch's early stop ends a recomputation
+    once it has saved as many tensors as its forward, so it then stops only after the region's last op. Its own
+    region call and below every dispatch mode, so that no observer, probe or selective-checkpointing cache sees it."""
+    with InRegionCall(None, None), disable_current_modes():
+        torch.empty(0, requires_grad=True).sin()
 
 
 _REGION_CALL = CheckpointedForward._checkpoint.__code__

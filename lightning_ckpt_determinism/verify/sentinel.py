@@ -7,7 +7,10 @@ it each tensor it saves, before the op that saves it has run. The sentinel diges
 column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its value is final: at once where the
 region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
 it was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
-forward's end for every tensor of a call made before the profile exists (the region's first call). It keeps each
+forward's end for every tensor of a call the region learns from (its first, and the first of each kind of call: see
+the profile's description). A call that saves another number of tensors than its profile (another code path) keeps
+what it digested as it went only where the profile of that path says the value was final (all of it counts as not
+compared on a path the region has no profile of yet). It keeps each
 tensor's position, metadata and the op that produced it. At the region's first unpack in backward, once the region
 is recomputed to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares
 the metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check=
@@ -28,13 +31,14 @@ What it compares: activations. Parameters and buffers, which torch saves by refe
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are
 recognised by their storage and left out of the saved tensors (their writes are watched as above). Opaque
 workspaces (an RNN layer's, see :data:`~lightning_ckpt_determinism.checkpointing.profile.OPAQUE_WORKSPACES`),
-tensors without bits to read and any tensor the sentinel fails to read are left out and counted as not compared;
-a failure of its own is logged once and never reaches training. What it cannot see: compiled regions are
-recomputed by the compiler, which calls no extractor (they count as not compared; regions that graph-break run
-eagerly and are compared); Python values a wrapper tensor subclass keeps beside its inner tensors (it reads a
-DTensor's shard, and a wrapper subclass such as a quantized weight through the inner tensors of its
-``__tensor_flatten__``; one with neither is left out, said once per region); writes to parameters that bump no
-version counter; with sampled digests, a change of single elements shows only at the steps whose offset reads them.
+saved tensors no op wrote (eval-mode ``rrelu_with_noise``'s ``noise``), tensors without bits to read and any tensor
+the sentinel fails to read are left out and counted as not compared; a failure of its own is logged once and never
+reaches training. What it cannot see: compiled regions are recomputed by the compiler, which calls no extractor
+(they count as not compared; regions that graph-break run eagerly and are compared); Python values a wrapper tensor
+subclass keeps beside its inner tensors (it reads a DTensor's shard, and a wrapper subclass such as a quantized
+weight through the inner tensors of its ``__tensor_flatten__``; one with neither is left out, said once per region);
+writes to parameters that bump no version counter; with sampled digests, a change of single elements shows only at
+the steps whose offset reads them.
 """
 
 import contextlib
@@ -251,7 +255,7 @@ class _Call:
                 saved.mode = self.targets[position]
             self.saved_bytes += local.numel() * local.element_size() if type(local) is torch.Tensor else _bytes(local)
             profile = self.profile
-            if profile is not None and position in profile.workspaces:
+            if profile is not None and position in profile.left_out:
                 self.not_compared += 1
             elif self.learning and profile is not None:
                 self._roll(saved, local)
@@ -309,16 +313,20 @@ class _Call:
 
     def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
         """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
-        drop them, when it raised); a call that learned its region's layout, or saved another number of tensors
-        than it, tells the sentinel.
+        drop them, when it raised; a call that took another path than the profile it started with keeps only what
+        was final when digested, the rest counted as not compared); a call that learned its region's layout, or
+        saved another number of tensors than it, tells the sentinel.
 
         Args:
             digest: Whether the forward returned.
-            profile: The region's profile now (learned during this forward when it is the region's first).
+            profile: The profile of the path the call took (learned during this forward when it is a learning
+                call; ``None`` for a path the region does not know).
         """
+        if digest and self.profile is not None and (profile is None or profile.saved != self.profile.saved):
+            self._another_path(profile)
         if digest:
-            workspaces = profile.workspaces if profile is not None else frozenset()
-            held = [(saved, local) for saved, local in self._held if saved.position not in workspaces]
+            left_out = profile.left_out if profile is not None else frozenset()
+            held = [(saved, local) for saved, local in self._held if saved.position not in left_out]
             self.not_compared += len(self._held) - len(held)
             if self.learning:
                 held = self._learn(held)
@@ -335,6 +343,22 @@ class _Call:
                     self.not_compared += len(self.slotted)
                     self.slotted = []
         self._digests, self._held = [], []
+
+    def _another_path(self, profile: RegionProfile | None) -> None:
+        """The call took another path than the one its profile was learned on: of what it digested as it went, only
+        the tensors its own path's profile says were final when saved are kept (none, on a path without one)."""
+        early = frozenset(range(self.packs)) if profile is None else profile.filled_late | profile.left_out
+        digested = zip(self.slotted, self._digests, strict=True)
+        kept = [(saved, found) for saved, found in digested if saved.position not in early]
+        for saved in self.slotted:
+            saved.slot = None
+        self.not_compared += len(self.slotted) - len(kept)
+        self.slotted, self._digests = [saved for saved, _ in kept], [found for _, found in kept]
+        for slot, saved in enumerate(self.slotted):
+            saved.slot = slot
+        if profile is None:
+            self.not_compared += len(self._held)
+            self._held = []
 
     def _learn(self, held: list[tuple[_Saved, torch.Tensor]]) -> list[tuple[_Saved, torch.Tensor]]:
         """Learn the region's layout from this call, and keep the held activations its targets name.

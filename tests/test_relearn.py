@@ -1,0 +1,425 @@
+"""A region's profile learned at any call, not only its first: each model below behaves differently at a later call
+than at its first (another code path, another mode, a new attribute or generator, state that starts changing), and
+is held against a plain twin (the same weights and seeds, trained side by side) under the sentinel, in every tier,
+and the check before every step. The later calls are the ones that matter: every step must be bit-identical."""
+
+import copy
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    RecomputationReport,
+    SentinelReport,
+    apply_activation_checkpointing,
+    check_recomputation,
+    recomputation_sentinel,
+)
+from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
+from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe
+from tests.test_verdicts import WIDTH, Around, Channels, Head, Recurrent, loss_of, same_state, seeded, tokens
+
+TIERS = ["light", "sampled", "exact"]
+STEPS = 4
+
+
+class LaterRReLU(nn.Module):
+    """Ends in tanh at its first call and in RReLU from the second on (a branch on a call counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.act = nn.RReLU()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.inp(x)
+        return self.act(h) if self.calls > 1 else torch.tanh(h)
+
+
+class LaterLSTM(nn.Module):
+    """A linear layer at its first call, an LSTM from the second on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.rnn = Recurrent(nn.LSTM(WIDTH, WIDTH, batch_first=True))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.tanh(self.inp(x))
+        return self.rnn(h) if self.calls > 1 else h
+
+
+class LazyCounter(nn.Module):
+    """Creates its call counter at its first call, and scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return torch.tanh(self.inp(x) * (1.0 + 0.1 * self.calls))
+
+
+class WarmedUpScale(nn.Module):
+    """A scale it leaves alone for two calls and halves at every call after: an attribute that starts changing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 2:
+            self.scale = self.scale * 0.5
+        return torch.tanh(self.inp(x) * self.scale)
+
+
+class LazyGenerator(nn.Module):
+    """Creates the ``torch.Generator`` it draws noise from at its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "noise"):
+            self.noise = torch.Generator().manual_seed(3)
+        h = self.inp(x)
+        return torch.tanh(h * (1 + torch.rand(h.shape, generator=self.noise)))
+
+
+class HeldNoise(nn.Module):
+    """Draws noise from the ``torch.Generator`` it holds (which the test replaces by a new one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.noise = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return torch.tanh(h * (1 + torch.rand(h.shape, generator=self.noise)))
+
+
+@dataclass
+class Twins:
+    """Steps of a plain twin and its checkpointed copy: the sentinel on the copy, the check before each step."""
+
+    plain: nn.Module
+    checkpointed: nn.Module
+    equal_steps: list[bool]
+    sentinel: SentinelReport
+    checks: list[RecomputationReport]
+
+
+def twins(
+    build: Callable[[], nn.Module],
+    tier: str,
+    before: Callable[[nn.Module, int], None] = lambda model, step: None,
+    *,
+    check: bool = True,
+) -> Twins:
+    """``STEPS`` steps of ``build()`` and its copy with the model's ``body`` checkpointed; ``before`` sets both up
+    before each step (a mode, a new generator)."""
+    torch.manual_seed(0)
+    plain = build()
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, CheckpointingConfig(names=["body"]))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (plain, checkpointed)]
+    equal_steps, checks = [], []
+    with recomputation_sentinel(checkpointed, mode=tier) as sentinel:  # type: ignore[arg-type]
+        for step in range(STEPS):
+            for model in (plain, checkpointed):
+                before(model, step)
+            x = tokens(step)
+            if check:
+                seeded(step)
+                checks.append(check_recomputation(checkpointed, lambda x=x: loss_of(checkpointed, x), attribution=True))
+            grads = []
+            for model, optimizer in zip((plain, checkpointed), optimizers, strict=True):
+                seeded(step)
+                optimizer.zero_grad()
+                loss_of(model, x).backward()
+                grads.append([param.grad for param in model.parameters()])
+                optimizer.step()
+            equal_steps.append(
+                all(
+                    (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                    for a, b in zip(*grads, strict=True)
+                )
+            )
+            sentinel.next_step()
+    return Twins(plain, checkpointed, equal_steps, sentinel.report(), checks)
+
+
+def assert_exact(result: Twins) -> None:
+    assert result.equal_steps == [True] * STEPS
+    assert same_state(result.plain, result.checkpointed)
+    assert result.sentinel.mismatches == 0, result.sentinel.regions
+    assert result.sentinel.compared > 0
+    for report in result.checks:
+        assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None), report
+        assert [region.cause for region in report.regions] == [None]
+
+
+def training_from(step: int) -> Callable[[nn.Module, int], None]:
+    """Eval mode (gradients on) before ``step``, training mode from it on."""
+    return lambda model, at: model.train(at >= step)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_rrelu_last_only_from_the_second_call_recomputes_to_its_end(tier: str) -> None:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    # Uninitialised memory is NaN under deterministic algorithms: a noise the recomputation does not fill shows.
+    torch.use_deterministic_algorithms(True)
+    try:
+        result = twins(lambda: Head(LaterRReLU()), tier)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_rrelu_last_first_called_in_eval_mode_recomputes_to_its_end_in_training(tier: str) -> None:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        result = twins(lambda: Head(Around(nn.RReLU(), last=True)), tier, training_from(1))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_rrelu_in_eval_mode_leaves_its_unwritten_noise_out(tier: str) -> None:
+    result = twins(lambda: Head(Around(nn.RReLU())), tier, lambda model, step: model.eval())
+    assert_exact(result)
+    # Its noise, saved and never written in eval mode, is left out at every call: one per call, two calls a step
+    # (the check's checkpointed pass and the training step's).
+    assert result.sentinel.not_compared >= 2 * STEPS
+    profile = result.checkpointed.body.forward.profile
+    assert profile.unwritten == frozenset({1}) and profile.filled_late == frozenset()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_lstm_first_run_at_a_later_call_has_its_workspace_left_out(tier: str) -> None:
+    result = twins(lambda: Head(LaterLSTM()), tier)
+    assert_exact(result)
+    assert len(result.checkpointed.body.forward.profile.workspaces) == 1
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_batchnorm_first_called_in_eval_mode_updates_its_statistics_once_per_training_step(tier: str) -> None:
+    result = twins(lambda: Head(Channels(nn.BatchNorm1d(6), 3)), tier, training_from(1))
+    assert_exact(result)
+    norm = result.checkpointed.body.layer
+    assert int(norm.num_batches_tracked) == STEPS - 1
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_attribute_created_at_the_first_call_is_replayed(tier: str) -> None:
+    result = twins(lambda: Head(LazyCounter()), tier)
+    assert_exact(result)
+    assert result.checkpointed.body.calls == result.plain.body.calls == STEPS
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_attribute_that_starts_changing_after_a_warm_up_is_replayed_at_that_call(tier: str) -> None:
+    result = twins(lambda: Head(WarmedUpScale()), tier)
+    assert_exact(result)
+    assert result.checkpointed.body.scale == result.plain.body.scale == 0.5 ** (STEPS - 2)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_generator_created_at_the_first_call_is_replayed(tier: str) -> None:
+    # Without the check: what a check leaves of a generator created during its own passes is not this file's topic.
+    result = twins(lambda: Head(LazyGenerator()), tier, check=False)
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_generator_replaced_by_a_new_one_is_replayed(tier: str) -> None:
+    def replace_generator(model: nn.Module, step: int) -> None:
+        model.body.noise = torch.Generator().manual_seed(10 + step)
+
+    result = twins(lambda: Head(HeldNoise()), tier, replace_generator)
+    assert_exact(result)
+
+
+def save_2_tensors(x: torch.Tensor) -> torch.Tensor:
+    return x.sin().exp()
+
+
+def save_3_tensors(x: torch.Tensor) -> torch.Tensor:
+    return x.sin().exp().sin()
+
+
+class MoreInRecomputation(nn.Module):
+    """torch's ``test_checkpoint_detects_non_determinism`` case as a module: its first run in a step saves two
+    tensors, every later run (the recomputation) three, the first two of them the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs[0] += 1
+        return save_2_tensors(x) if self.runs[0] == 1 else save_3_tensors(x)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_recomputation_that_saves_more_tensors_trains_as_under_torch_at_every_call(tier: str) -> None:
+    torch.manual_seed(0)
+    region = MoreInRecomputation()
+    ours = nn.Sequential(MoreInRecomputation())
+    apply_activation_checkpointing(ours, CheckpointingConfig(names=["0"]))
+    with recomputation_sentinel(ours, mode=tier) as sentinel:  # type: ignore[arg-type]
+        for step in range(STEPS):
+            x = tokens(step).requires_grad_()
+            expected = torch.autograd.grad(save_2_tensors(x).sum(), x)[0]
+            region.runs[0] = ours[0].runs[0] = 0
+            by_torch = torch.autograd.grad(checkpoint(region, x, use_reentrant=False).sum(), x)[0]
+            got = torch.autograd.grad(ours(x).sum(), x)[0]
+            # torch's early stop ends the recomputation once it saved as many tensors as the forward.
+            assert ours[0].runs[0] == 2
+            assert torch.equal(by_torch, expected) and torch.equal(got, expected)
+            sentinel.next_step()
+    report = sentinel.report()
+    assert report.mismatches == 0
+    assert report.compared >= (STEPS if tier == "light" else 2 * STEPS)
+
+
+class CountingProbe(FirstForwardProbe):
+    made = 0
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        CountingProbe.made += 1
+
+
+def test_calls_like_a_learned_one_are_not_probed_and_each_kind_is_probed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wrapper_module, "FirstForwardProbe", CountingProbe)
+    CountingProbe.made = 0
+    torch.manual_seed(0)
+    model = Head(Channels(nn.BatchNorm1d(6), 3))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    for step in range(6):
+        loss_of(model, tokens(step)).backward()
+    assert CountingProbe.made == 1
+    for step in range(6):
+        model.train(step % 2 == 0)  # train and eval alternate: one profile each, both kept
+        loss_of(model, tokens(step)).backward()
+    assert CountingProbe.made == 2
+
+
+def test_a_call_on_another_path_is_probed_at_the_next_call_of_its_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wrapper_module, "FirstForwardProbe", CountingProbe)
+    CountingProbe.made = 0
+    torch.manual_seed(0)
+    model = Head(LaterRReLU())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    wrapper = model.body.forward
+    loss_of(model, tokens(0)).backward()
+    assert (CountingProbe.made, wrapper.profile.filled_late) == (1, frozenset())
+    loss_of(model, tokens(1)).backward()  # RReLU for the first time: a path no profile knows, recomputed to its end
+    assert (CountingProbe.made, wrapper.profile) == (1, None)
+    for step in range(2, 5):
+        loss_of(model, tokens(step)).backward()
+    assert (CountingProbe.made, wrapper.profile.filled_late) == (2, frozenset({1}))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_end_marker_recomputes_to_the_end_whatever_the_global_early_stop(early_stop: bool) -> None:
+    torch.manual_seed(0)
+    plain = Head(Around(nn.RReLU(), last=True))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            for step in range(3):
+                grads = []
+                for twin in (plain, model):
+                    torch.manual_seed(step)
+                    grads.append(torch.autograd.grad(loss_of(twin, tokens(step)), list(twin.parameters())))
+                assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+                assert not any(grad.isnan().any() for grad in grads[1])
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def test_a_tensor_attribute_a_forward_rebinds_keeps_the_forwards_value_and_the_old_one_is_not_held() -> None:
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(WIDTH, WIDTH)
+            self.last = torch.zeros(())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            self.last = h.detach().sum()
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    model = Head(Cached())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    old = weakref.ref(model.body.last)
+    out = loss_of(model, tokens(0))
+    assert old() is None  # not kept alive until the recomputation
+    forward_value = model.body.last
+    out.backward()
+    # The recomputation rebound it too; the forward's value is put back after it, as without checkpointing.
+    assert model.body.last is forward_value
+
+
+class LateCount(nn.Module):
+    """Counts its calls in a buffer, in place, from its second call on, and scales by the count: a buffer that starts
+    changing after a warm-up, with nothing before the call to tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            self.count += 1
+        return torch.tanh(self.inp(x) * self.count)
+
+
+@pytest.mark.parametrize("tier", ["sampled", "exact"])
+def test_a_buffer_first_changed_in_place_at_a_later_call_is_changed_once_and_that_call_is_seen(tier: str) -> None:
+    torch.manual_seed(0)
+    plain = Head(LateCount())
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    equal, found = [], []
+    with recomputation_sentinel(model, mode=tier) as sentinel:  # type: ignore[arg-type]
+        for step in range(STEPS):
+            x = tokens(step)
+            grads = [torch.autograd.grad(loss_of(twin, x), list(twin.parameters())) for twin in (plain, model)]
+            equal.append(all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
+            found.append(sentinel.settle()["body"].mismatches)
+            sentinel.next_step()
+            # Changed once per call, as without checkpointing, the call that changed it first included.
+            assert float(model.body.count) == float(plain.body.count) == max(1, step + 1)
+    # The value that call started from is gone before its recomputation: its gradients differ, and the sentinel says
+    # so at that step. From the next call on the buffer is replayed.
+    assert equal == [True, False, True, True]
+    assert [count > 0 for count in found] == [False, True, False, False]
