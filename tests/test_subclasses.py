@@ -472,3 +472,43 @@ def test_a_qlora_block_with_a_torchao_nf4_weight_trains_as_without_checkpointing
     assert report.compared > 0 and report.mismatches == 0 and report.not_compared == 0
     checked = check_recomputation(ours, lambda: ours(x).sum())
     assert (checked.diverged, checked.grad_divergence, checked.error) == (False, 0.0, None)
+
+
+class SecondScaled(nn.Module):
+    """Linear, a scale counted in a list (not replayed) on the second inner tensor only, tanh and linear: with
+    ``TwoTensor`` weights, recomputation changes the second inner tensor of the weights' gradients and nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(1)
+        h = self.inp(x)
+        scale = TwoTensor(torch.ones(WIDTH), torch.full((WIDTH,), 1 + 0.1 * len(self.calls)))
+        return self.out(torch.tanh(h * scale))
+
+
+def test_the_check_compares_every_inner_tensor_of_a_subclass_gradient() -> None:
+    torch.manual_seed(0)
+    model = two_tensor_weights(Head(SecondScaled()))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    x = tokens(0)
+
+    def loss() -> torch.Tensor:
+        out = model(x)
+        return F.mse_loss(out, torch.zeros_like(out))
+
+    report = check_recomputation(model, loss)
+    # Ground truth: the two passes' gradients, read inner tensor by inner tensor. `torch.equal` on a `TwoTensor`
+    # reads its first inner tensor only, where the two passes agree.
+    model.body.calls.clear()
+    reference = gradients(model, lambda m, x: m.head(m.body.forward.plain_forward(x)))
+    model.body.calls.clear()
+    recomputed = gradients(model, lambda m, x: m(x))
+    firsts = [values(grad)[0] for grad in reference], [values(grad)[0] for grad in recomputed]
+    assert all(torch.equal(a, b) for a, b in zip(*firsts, strict=True))
+    assert not same_values(reference, recomputed)
+    assert report.diverged and report.grad_divergence > 0.0, report

@@ -7,7 +7,8 @@ Sparse tensors (COO, CSR, CSC, BSR, BSC: an ``nn.Embedding(sparse=True)`` gives 
 in float64, on the union of the elements either side specifies: the figures are those of their dense forms, and no
 dense copy is made (a table's gradient is sparse because its dense form is large). A sparse tensor against a strided
 one is compared densified. Any other layout (nested, MKL-DNN) cannot be compared: :func:`comparable` says so, and the
-checks report it as a finding rather than raise.
+checks report it as a finding rather than raise. A wrapper tensor subclass (the gradient of a weight held as one)
+is compared through its inner tensors, pair by pair, since its own ops may read only some of them.
 """
 
 import math
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt_determinism.checkpointing.equality import same_values
+from lightning_ckpt_determinism.checkpointing.modules import plain_parts
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
@@ -101,6 +103,9 @@ def exactly_equal(first: torch.Tensor, second: torch.Tensor) -> bool:
         >>> exactly_equal(torch.tensor([0.0, 2.0]).to_sparse(), torch.tensor([0.0, 2.0]).to_sparse())
         True
     """
+    parts = _paired_parts(first, second)
+    if parts is not None:
+        return all(exactly_equal(one, other) for one, other in parts)
     if first.layout in _SPARSE and second.layout in _SPARSE:
         first, second = _coalesced(first), _coalesced(second)
         return (
@@ -119,6 +124,9 @@ def all_finite(tensor: torch.Tensor) -> bool:
         >>> all_finite(torch.tensor([1.0, float("inf")]).to_sparse())
         False
     """
+    parts = _paired_parts(tensor, tensor)
+    if parts is not None:
+        return all(all_finite(part) for part, _ in parts)
     values = _coalesced(tensor).values() if tensor.layout in _SPARSE else tensor
     return bool(torch.isfinite(values).all())
 
@@ -180,6 +188,10 @@ def pair_difference(position: int, ref: torch.Tensor | None, other: torch.Tensor
     other_t = torch.zeros_like(ref_t) if other is None else other
     if ref_t.shape != other_t.shape:
         raise ValueError(f"Gradient {position} differs in shape: {tuple(ref_t.shape)} and {tuple(other_t.shape)}.")
+    parts = _paired_parts(ref_t, other_t)
+    if parts is not None:
+        figures = [pair_difference(position, one, other) for one, other in parts]
+        return sum(f[0] for f in figures), sum(f[1] for f in figures), max(f[2] for f in figures)
     ref_values, other_values = (_comparable(values) for values in _aligned(ref_t, other_t))
     diff = elementwise_difference(ref_values, other_values)
     finite_ref = torch.nan_to_num(ref_values, nan=0.0, posinf=0.0, neginf=0.0)
@@ -247,6 +259,19 @@ def max_abs_difference(expected: Any, actual: Any) -> float:
     expected, actual = _aligned(expected, actual)
     diff = elementwise_difference(_comparable(expected), _comparable(actual))
     return float(diff.max()) if diff.numel() else 0.0
+
+
+def _paired_parts(first: torch.Tensor, second: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The inner tensors of two wrapper subclasses of one kind, pair by pair (see
+    :func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`), or ``None`` for plain tensors and for
+    subclasses whose values are out of reach, which are compared through their own ops. A subclass's own ops need not
+    read every inner tensor: ``torch.equal`` on torch's ``TwoTensor`` reads its first one only."""
+    if type(first) is torch.Tensor or type(second) is torch.Tensor or type(first) is not type(second):
+        return None
+    first_parts, second_parts = plain_parts(first), plain_parts(second)
+    if first_parts is None or second_parts is None or len(first_parts) != len(second_parts) or len(first_parts) < 2:
+        return None
+    return list(zip(first_parts, second_parts, strict=True))
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:
