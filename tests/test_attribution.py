@@ -135,16 +135,16 @@ def test_the_same_model_without_the_defect_reports_nothing(cause):
 
 
 def test_ops_are_aligned_on_what_both_passes_ran():
-    # Dropout on the CPU: t, addmm, relu, empty_like (never compared as values), bernoulli_, div_, mul, add. A
-    # region's first call recomputes to its end (torch's early stop off while the region's profile is learned): all
-    # eight are compared.
+    # Dropout on the CPU: t, addmm, relu, empty_like (never compared as values), bernoulli_, div_, mul, add. Every
+    # call keeps torch's early stop, the region's first one too (as torch does): recomputation stops after div_ (the
+    # last tensor backward needs), so mul and add are not compared.
     model, report = attributed(DropoutBlock, preserve_rng_state=False)
     region = only_finding(report)
     assert region.first_divergent_op == ("aten.bernoulli_.float", 4)
-    assert region.ops_compared == 8
+    assert region.ops_compared == 6
     assert region.max_abs_diff == 2.0  # a kept element scaled by 1 / (1 - p) against a dropped one
-    assert [r.ops_compared for r in report.regions] == [4, 8, 4]
-    # Later calls stop after div_ (the last tensor backward needs), so mul and add are not compared.
+    assert [r.ops_compared for r in report.regions] == [3, 6, 3]
+    # A later call compares the same ops.
     x, y = batch()
     report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
     assert only_finding(report).ops_compared == 6
@@ -169,10 +169,10 @@ def test_shape_change_names_the_region_torch_failed_in():
         ("aten.slice.Tensor", 1),
         math.inf,
     )
-    # Backward stopped at the failure: the block before it was never recomputed. The block after it, at its first
-    # call, was recomputed to its end: t, addmm, tanh, add.
+    # Backward stopped at the failure: the block before it was never recomputed. The block after it was recomputed up
+    # to its last saved tensor (torch's early stop, at every call): t, addmm, tanh.
     assert report.regions[0].ops_compared == 0
-    assert report.regions[2].ops_compared == 4
+    assert report.regions[2].ops_compared == 3
 
 
 def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
@@ -187,7 +187,7 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
     region = only_finding(report)
     assert region == RegionReport(
         name="blocks.1",
-        ops_compared=7,  # the region's first call is recomputed to its end
+        ops_compared=6,  # up to the region's last saved tensor (torch's early stop, at every call)
         max_abs_diff=0.0,
         first_divergent_op=None,
         diverged=True,
@@ -268,9 +268,8 @@ def test_a_module_called_twice_is_one_region_with_every_call_compared():
     x, y = batch()
     report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
     (region,) = report.regions
-    # The first call is recomputed to its end (8 ops), the second, once the region's profile is known, up to its last
-    # saved tensor (6 ops).
-    assert (region.name, region.ops_compared, region.cause) == ("1", 14, "rng_not_preserved")
+    # Each call is recomputed up to its last saved tensor (torch's early stop, the first call too): 6 ops each.
+    assert (region.name, region.ops_compared, region.cause) == ("1", 12, "rng_not_preserved")
 
 
 def test_attribution_leaves_every_stream_and_the_next_step_as_without_it():
