@@ -2,7 +2,6 @@
 metric under ``torch.enable_grad()``) recomputes its checkpointed regions in its own backward, and what that
 recomputation does is neither counted in the sentinel's training metrics nor raised."""
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from lightning_ckpt_determinism import (
     recomputation_sentinel,
 )
 from tests.helpers import DIM, ArmedBlock, StackModule, trainer_kwargs
+from tests.test_monitor_sentinel import logged
 
 TIERS = ["light", "sampled", "exact"]
 # The armed block counts its training calls in a list, which recomputation repeats: the checks leave it out.
@@ -97,11 +97,6 @@ def fit(
     trainer = pl.Trainer(**kwargs)
     trainer.fit(module)
     return trainer
-
-
-def logged(tmp_path: Path, key: str) -> list[tuple[int, float]]:
-    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
-        return [(int(row["step"]), float(row[key])) for row in csv.DictReader(file) if row.get(key)]
 
 
 def weights(module: StackModule) -> dict[str, Any]:

@@ -23,7 +23,18 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe
-from tests.test_verdicts import WIDTH, Around, Channels, Head, Recurrent, loss_of, same_state, seeded, tokens
+from tests.test_verdicts import (
+    WIDTH,
+    Around,
+    Channels,
+    Head,
+    HeldGenerator,
+    Recurrent,
+    loss_of,
+    same_state,
+    seeded,
+    tokens,
+)
 
 TIERS = ["light", "sampled", "exact"]
 STEPS = 4
@@ -97,19 +108,6 @@ class LazyGenerator(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(self, "noise"):
             self.noise = torch.Generator().manual_seed(3)
-        h = self.inp(x)
-        return torch.tanh(h * (1 + torch.rand(h.shape, generator=self.noise)))
-
-
-class HeldNoise(nn.Module):
-    """Draws noise from the ``torch.Generator`` it holds (which the test replaces by a new one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(WIDTH, WIDTH)
-        self.noise = torch.Generator().manual_seed(3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         return torch.tanh(h * (1 + torch.rand(h.shape, generator=self.noise)))
 
@@ -254,7 +252,7 @@ def test_a_generator_replaced_by_a_new_one_is_replayed(tier: str) -> None:
     def replace_generator(model: nn.Module, step: int) -> None:
         model.body.noise = torch.Generator().manual_seed(10 + step)
 
-    result = twins(lambda: Head(HeldNoise()), tier, replace_generator)
+    result = twins(lambda: Head(HeldGenerator()), tier, replace_generator)
     assert_exact(result)
 
 

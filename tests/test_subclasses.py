@@ -123,17 +123,23 @@ class TwoActivation(nn.Module):
 
 class CountedScale(nn.Module):
     """Linear, tanh and linear, scaled by a call count kept in a list (not replayed): a defect on whatever tensors
-    flow through it."""
+    flow through it. With ``second_only`` the scale is a ``TwoTensor`` that scales the second inner tensor alone: with
+    ``TwoTensor`` weights, recomputation then changes the second inner tensor of the weights' gradients and nothing
+    else."""
 
-    def __init__(self) -> None:
+    def __init__(self, second_only: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
         self.out = nn.Linear(WIDTH, WIDTH)
         self.calls: list[int] = []
+        self.second_only = second_only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(1)
-        return self.out(torch.tanh(self.inp(x) * (1 + 0.1 * len(self.calls))))
+        scale: Any = 1 + 0.1 * len(self.calls)
+        if self.second_only:
+            scale = TwoTensor(torch.ones(WIDTH), torch.full((WIDTH,), scale))
+        return self.out(torch.tanh(self.inp(x) * scale))
 
 
 class TwoTensorGain(nn.Module):
@@ -474,26 +480,9 @@ def test_a_qlora_block_with_a_torchao_nf4_weight_trains_as_without_checkpointing
     assert (checked.diverged, checked.grad_divergence, checked.error) == (False, 0.0, None)
 
 
-class SecondScaled(nn.Module):
-    """Linear, a scale counted in a list (not replayed) on the second inner tensor only, tanh and linear: with
-    ``TwoTensor`` weights, recomputation changes the second inner tensor of the weights' gradients and nothing else."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(WIDTH, WIDTH)
-        self.out = nn.Linear(WIDTH, WIDTH)
-        self.calls: list[int] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.append(1)
-        h = self.inp(x)
-        scale = TwoTensor(torch.ones(WIDTH), torch.full((WIDTH,), 1 + 0.1 * len(self.calls)))
-        return self.out(torch.tanh(h * scale))
-
-
 def test_the_check_compares_every_inner_tensor_of_a_subclass_gradient() -> None:
     torch.manual_seed(0)
-    model = two_tensor_weights(Head(SecondScaled()))
+    model = two_tensor_weights(Head(CountedScale(second_only=True)))
     apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
     x = tokens(0)
 
