@@ -180,17 +180,31 @@ class DecayBlock(Block):
         return x + torch.tanh(self.linear(x)) * self.gain
 
 
+class RowCount(torchmetrics.Metric):
+    """How many rows it was updated with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("rows", torch.zeros(()), dist_reduce_fx="sum")
+
+    def update(self, x: torch.Tensor) -> None:
+        self.rows += x.shape[0]
+
+    def compute(self) -> torch.Tensor:
+        return self.rows
+
+
 class MetricBlock(Block):
-    """Counts the rows it sees in a torchmetrics ``SumMetric`` and damps its activation by the count so far:
-    recomputation updates the metric a second time and reads a count that moved on."""
+    """Counts the rows it sees in a torchmetrics metric and damps its activation by the count so far: recomputation
+    updates the metric a second time and reads a count that moved on."""
 
     def __init__(self, dim: int) -> None:
         super().__init__(dim)
-        self.rows = torchmetrics.SumMetric()
+        self.seen = RowCount()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.rows.update(torch.full((), float(x.shape[0]), device=x.device))
-        return x + torch.tanh(self.linear(x)) / (1.0 + 0.01 * self.rows.sum_value)
+        self.seen.update(x)
+        return x + torch.tanh(self.linear(x)) / (1.0 + 0.01 * self.seen.rows)
 
 
 class LoggingBlock(Block):
