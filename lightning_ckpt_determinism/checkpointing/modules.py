@@ -20,7 +20,6 @@ __all__ = [
     "named_modules",
     "plain_parts",
     "region_name",
-    "scalar_attributes",
     "storage_pointer",
 ]
 
@@ -171,28 +170,6 @@ def is_framework_attribute(name: str) -> bool:
         (True, False)
     """
     return name in MODULE_INTERNALS or name.startswith(_FRAMEWORK_PREFIXES)
-
-
-def scalar_attributes(module: nn.Module) -> dict[tuple[nn.Module, str], Any]:
-    """The plain Python attributes of ``module`` and its submodules holding a :data:`SCALARS` value, by owner and
-    name (framework bookkeeping left out).
-
-    Args:
-        module: The root module.
-
-    Example::
-
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> layer.calls = 0
-        >>> [(name, value) for (_, name), value in scalar_attributes(layer).items()]
-        [('in_features', 2), ('out_features', 2), ('calls', 0)]
-    """
-    return {
-        (owner, name): value
-        for owner in module.modules()
-        for name, value in vars(owner).items()
-        if isinstance(value, SCALARS) and not is_framework_attribute(name)
-    }
 
 
 def generator_slots(module: nn.Module) -> list[tuple[str, torch.Generator]]:

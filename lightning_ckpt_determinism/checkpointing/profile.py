@@ -44,7 +44,7 @@ whose values it cannot reach.
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -108,6 +108,7 @@ class RegionProfile:
         buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
             wrapper adds those it sees changed later, and those other calls of the region changed.
         generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
+        left_out: The positions the sentinel never compares: ``workspaces`` and ``unwritten`` together.
 
     Example::
 
@@ -123,11 +124,11 @@ class RegionProfile:
     unwritten: frozenset[int] = frozenset()
     buffers: frozenset[str] = frozenset()
     generators: tuple[tuple[str, torch.Generator], ...] = ()
+    # Worked out once: the sentinel asks for each tensor it digests.
+    left_out: frozenset[int] = field(init=False)
 
-    @property
-    def left_out(self) -> frozenset[int]:
-        """The positions the sentinel never compares: opaque workspaces and tensors no op wrote."""
-        return self.workspaces | self.unwritten
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "left_out", self.workspaces | self.unwritten)
 
 
 class FirstForwardProbe:

@@ -124,9 +124,9 @@ def all_finite(tensor: torch.Tensor) -> bool:
         >>> all_finite(torch.tensor([1.0, float("inf")]).to_sparse())
         False
     """
-    parts = _paired_parts(tensor, tensor)
+    parts = _inner_parts(tensor)
     if parts is not None:
-        return all(all_finite(part) for part, _ in parts)
+        return all(all_finite(part) for part in parts)
     values = _coalesced(tensor).values() if tensor.layout in _SPARSE else tensor
     return bool(torch.isfinite(values).all())
 
@@ -261,17 +261,25 @@ def max_abs_difference(expected: Any, actual: Any) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
+def _inner_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """A wrapper subclass's inner tensors, when it has several (see
+    :func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`); ``None`` for a plain tensor and for a
+    subclass whose values are out of reach, which is compared through its own ops. A subclass's own ops need not read
+    every inner tensor: ``torch.equal`` on torch's ``TwoTensor`` reads its first one only."""
+    if type(tensor) is torch.Tensor:
+        return None
+    parts = plain_parts(tensor)
+    return parts if parts is not None and len(parts) > 1 else None
+
+
 def _paired_parts(first: torch.Tensor, second: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The inner tensors of two wrapper subclasses of one kind, pair by pair (see
-    :func:`~lightning_ckpt_determinism.checkpointing.modules.plain_parts`), or ``None`` for plain tensors and for
-    subclasses whose values are out of reach, which are compared through their own ops. A subclass's own ops need not
-    read every inner tensor: ``torch.equal`` on torch's ``TwoTensor`` reads its first one only."""
-    if type(first) is torch.Tensor or type(second) is torch.Tensor or type(first) is not type(second):
+    """The inner tensors of two wrapper subclasses of one kind, pair by pair (see :func:`_inner_parts`)."""
+    if type(first) is not type(second):
         return None
-    first_parts, second_parts = plain_parts(first), plain_parts(second)
-    if first_parts is None or second_parts is None or len(first_parts) != len(second_parts) or len(first_parts) < 2:
+    ones, others = _inner_parts(first), _inner_parts(second)
+    if ones is None or others is None or len(ones) != len(others):
         return None
-    return list(zip(first_parts, second_parts, strict=True))
+    return list(zip(ones, others, strict=True))
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:

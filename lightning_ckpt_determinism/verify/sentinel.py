@@ -68,6 +68,7 @@ from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.light import SavedLayout
+from lightning_ckpt_determinism.verify.state import named_metrics
 
 __all__ = [
     "RecomputationSentinel",
@@ -516,12 +517,9 @@ def _versions(parameters: Sequence[tuple[str, nn.Module, str]]) -> list[tuple[st
 def _metric_states(module: nn.Module) -> list[tuple[str, Any, str]]:
     """Each tensor state of the torchmetrics metrics inside ``module``, as ``(metric name, metric, state)``: a metric
     its forward updates, recomputation updates a second time."""
-    from torchmetrics import Metric
-
     return [
         (name, metric, state)
-        for name, metric in module.named_modules()
-        if isinstance(metric, Metric)
+        for name, metric in named_metrics(module)
         for state in metric_state_names(metric)
         if isinstance(getattr(metric, state), torch.Tensor)
     ]

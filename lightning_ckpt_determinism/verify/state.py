@@ -43,7 +43,7 @@ from lightning_ckpt_determinism.checkpointing.equality import same_item, same_va
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
 
-__all__ = ["StepState"]
+__all__ = ["StepState", "named_metrics"]
 
 _CONTAINERS = (list, dict, set, tuple, deque)
 _MISSING = object()
@@ -288,11 +288,30 @@ def _copy_state(value: object) -> object:
     return value
 
 
+def named_metrics(module: nn.Module) -> list[tuple[str, Any]]:
+    """The torchmetrics metrics among ``module`` and its submodules, by dotted name: a region's, whose states its
+    forward may update (recomputation then updates them again).
+
+    Args:
+        module: The module.
+
+    Example::
+
+        >>> from torchmetrics import MeanMetric
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), MeanMetric())
+        >>> [name for name, _ in named_metrics(model)]
+        ['1']
+    """
+    from torchmetrics import Metric
+
+    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, Metric)]
+
+
 def _metrics(module: nn.Module) -> list[Any]:
     """The torchmetrics metrics of a module: its submodules, and those held in plain containers of its attributes."""
     from torchmetrics import Metric
 
-    found = {id(sub): sub for sub in module.modules() if isinstance(sub, Metric)}
+    found = {id(sub): sub for _, sub in named_metrics(module)}
     for sub in module.modules():
         # nn.Module's own dicts (`_modules`, `_parameters`, hooks) hold no metric the walk of submodules missed.
         for name, value in vars(sub).items():

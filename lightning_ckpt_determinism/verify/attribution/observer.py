@@ -72,6 +72,7 @@ from lightning_ckpt_determinism.verify.compare import max_abs_difference, same_v
 from lightning_ckpt_determinism.verify.digest import Fingerprint, fingerprint
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
+from lightning_ckpt_determinism.verify.state import named_metrics
 
 __all__ = ["COLLECTIVE_NAMESPACES", "Attribution", "CallRecord"]
 
@@ -536,12 +537,9 @@ class _MetricStates:
     in forward is updated again by recomputation (torchmetrics states are neither buffers nor replayed)."""
 
     def __init__(self, module: nn.Module) -> None:
-        from torchmetrics import Metric
-
         self._states = [
             (name, metric, {state: _state_copy(getattr(metric, state)) for state in metric_state_names(metric)})
-            for name, metric in module.named_modules()
-            if isinstance(metric, Metric)
+            for name, metric in named_metrics(module)
         ]
 
     def changed(self) -> list[str]:
