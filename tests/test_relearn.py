@@ -6,7 +6,6 @@ and the check before every step. The later calls are the ones that matter: every
 import copy
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,10 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
-    RecomputationReport,
-    SentinelReport,
     apply_activation_checkpointing,
-    check_recomputation,
     recomputation_sentinel,
 )
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
@@ -26,14 +22,16 @@ from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe
 from tests.test_verdicts import (
     WIDTH,
     Around,
+    Case,
     Channels,
     Head,
     HeldGenerator,
     Recurrent,
+    Trial,
     loss_of,
     same_state,
-    seeded,
     tokens,
+    trial,
 )
 
 TIERS = ["light", "sampled", "exact"]
@@ -112,58 +110,14 @@ class LazyGenerator(nn.Module):
         return torch.tanh(h * (1 + torch.rand(h.shape, generator=self.noise)))
 
 
-@dataclass
-class Twins:
-    """Steps of a plain twin and its checkpointed copy: the sentinel on the copy, the check before each step."""
-
-    plain: nn.Module
-    checkpointed: nn.Module
-    equal_steps: list[bool]
-    sentinel: SentinelReport
-    checks: list[RecomputationReport]
-
-
 def twins(
-    build: Callable[[], nn.Module],
-    tier: str,
-    before: Callable[[nn.Module, int], None] = lambda model, step: None,
-    *,
-    check: bool = True,
-) -> Twins:
-    """``STEPS`` steps of ``build()`` and its copy with the model's ``body`` checkpointed; ``before`` sets both up
-    before each step (a mode, a new generator)."""
-    torch.manual_seed(0)
-    plain = build()
-    checkpointed = copy.deepcopy(plain)
-    apply_activation_checkpointing(checkpointed, CheckpointingConfig(names=["body"]))
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (plain, checkpointed)]
-    equal_steps, checks = [], []
-    with recomputation_sentinel(checkpointed, mode=tier) as sentinel:  # type: ignore[arg-type]
-        for step in range(STEPS):
-            for model in (plain, checkpointed):
-                before(model, step)
-            x = tokens(step)
-            if check:
-                seeded(step)
-                checks.append(check_recomputation(checkpointed, lambda x=x: loss_of(checkpointed, x), attribution=True))
-            grads = []
-            for model, optimizer in zip((plain, checkpointed), optimizers, strict=True):
-                seeded(step)
-                optimizer.zero_grad()
-                loss_of(model, x).backward()
-                grads.append([param.grad for param in model.parameters()])
-                optimizer.step()
-            equal_steps.append(
-                all(
-                    (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                    for a, b in zip(*grads, strict=True)
-                )
-            )
-            sentinel.next_step()
-    return Twins(plain, checkpointed, equal_steps, sentinel.report(), checks)
+    build: Callable[[], nn.Module], tier: str, before: Callable[[nn.Module, int], object] = lambda model, step: None
+) -> Trial:
+    """``STEPS`` steps of ``build()`` and its copy with the model's ``body`` checkpointed, the check before each."""
+    return trial(Case(build), tier, steps=STEPS, before=before)
 
 
-def assert_exact(result: Twins) -> None:
+def assert_exact(result: Trial) -> None:
     assert result.equal_steps == [True] * STEPS
     assert same_state(result.plain, result.checkpointed)
     assert result.sentinel.mismatches == 0, result.sentinel.regions

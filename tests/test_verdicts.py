@@ -318,14 +318,19 @@ ZOO: dict[str, Case] = {
 
 @dataclass
 class Trial:
-    """Three steps of a plain twin and its checkpointed copy, the sentinel on the copy, the check before each step."""
+    """Steps of a plain twin and its checkpointed copy, the sentinel on the copy, the check before each step."""
 
     plain: nn.Module
     checkpointed: nn.Module
     regions: list[str]
     sentinel: SentinelReport
     checks: list[RecomputationReport]
-    gradients_equal: bool
+    equal_steps: list[bool]
+
+    @property
+    def gradients_equal(self) -> bool:
+        """Whether the twins' gradients were bit-identical at every step."""
+        return all(self.equal_steps)
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +343,16 @@ def seeded(step: int) -> None:
     np.random.seed(step)
 
 
-def trial(case: Case, mode: str, device: str = "cpu") -> Trial:
+def trial(
+    case: Case,
+    mode: str,
+    device: str = "cpu",
+    *,
+    steps: int = STEPS,
+    before: Callable[[nn.Module, int], object] = lambda model, step: None,
+) -> Trial:
+    """``steps`` steps of ``case``'s model and its checkpointed copy; ``before`` sets both up before each step (a
+    mode, a new generator)."""
     torch.manual_seed(0)
     plain = case.build().to(device)
     checkpointed = copy.deepcopy(plain)
@@ -346,10 +360,11 @@ def trial(case: Case, mode: str, device: str = "cpu") -> Trial:
     regions = apply_activation_checkpointing(checkpointed, config)
     assert regions
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (plain, checkpointed)]
-    checks = []
-    gradients_equal = True
+    checks, equal_steps = [], []
     with recomputation_sentinel(checkpointed, mode=mode) as sentinel:  # type: ignore[arg-type]
-        for step in range(STEPS):
+        for step in range(steps):
+            for model in (plain, checkpointed):
+                before(model, step)
             x = tokens(step).to(device)
             seeded(step)
             checks.append(check_recomputation(checkpointed, lambda x=x: loss_of(checkpointed, x), attribution=True))
@@ -360,12 +375,14 @@ def trial(case: Case, mode: str, device: str = "cpu") -> Trial:
                 loss_of(model, x).backward()
                 grads.append([param.grad for param in model.parameters()])
                 optimizer.step()
-            gradients_equal &= all(
-                (a is None and b is None) or (a is not None and b is not None and same_tensor(a, b))
-                for a, b in zip(*grads, strict=True)
+            equal_steps.append(
+                all(
+                    (a is None and b is None) or (a is not None and b is not None and same_tensor(a, b))
+                    for a, b in zip(*grads, strict=True)
+                )
             )
             sentinel.next_step()
-    return Trial(plain, checkpointed, regions, sentinel.report(), checks, gradients_equal)
+    return Trial(plain, checkpointed, regions, sentinel.report(), checks, equal_steps)
 
 
 def same_tensor(first: torch.Tensor, second: torch.Tensor) -> bool:
