@@ -141,13 +141,15 @@ def returned_views(func: OpOverload) -> list[bool]:
     return [ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns]
 
 
-def current_graph_task_id() -> int:
-    """The id of the backward (graph task) running now, ``-1`` outside any (``torch._C``, >= 2.1)."""
-    return int(torch._C._current_graph_task_id())
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""The id of the backward (graph task) running now, ``-1`` outside any (``torch._C``, >= 2.1): torch's own function,
+not wrapped, since the extractor asks it for every saved tensor."""
 
 
 def determinism_checks() -> dict[str, Callable[..., Any]]:
-    """torch's registry of ``determinism_check`` names for non-reentrant checkpointing (>= 2.1)."""
+    """torch's registry of ``determinism_check`` names for non-reentrant checkpointing (>= 2.1). The package adds its
+    two names when it wraps its first region; it waits for a public registration API of torch's to do it without this
+    private dictionary."""
     return _allowed_determinism_checks_to_fns
 
 

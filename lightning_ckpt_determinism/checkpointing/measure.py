@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, tree_leaves
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
-from lightning_ckpt_determinism.checkpointing.saved import SavedTensorObserver, kept_by_torch
+from lightning_ckpt_determinism.checkpointing.saved import Extractor, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.config import resolve_ops
 
@@ -195,12 +195,15 @@ class _RegionMeter:
             return contextlib.nullcontext()
         return self._inner.region_recompute(region, module, exposed_buffers)
 
-    def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any:
-        # Held only until the forward ends, as autograd holds it anyway.
-        self._saved.append(tensor)
-        if self._inner is not None:
-            return self._inner.extract(tensor, strict=strict)
-        return kept_by_torch(tensor, strict=strict)
+    def extractor(self) -> Extractor:
+        inner = self._inner.extractor() if self._inner is not None else None
+
+        def extract(tensor: torch.Tensor, strict: bool) -> Any:
+            # Held only until the forward ends, as autograd holds it anyway.
+            self._saved.append(tensor)
+            return inner(tensor, strict) if inner is not None else kept_by_torch(tensor, strict=strict)
+
+        return extract
 
 
 def _state_storages(module: nn.Module) -> frozenset[int | None]:

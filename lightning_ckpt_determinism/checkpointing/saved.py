@@ -20,7 +20,7 @@ extractor.
 """
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
 from typing import Any, Protocol
@@ -32,23 +32,31 @@ from lightning_ckpt_determinism._torch_compat import current_graph_task_id, dete
 
 __all__ = [
     "DETERMINISM_CHECKS",
+    "Extractor",
     "InRegionCall",
     "Recomputed",
     "SavedTensorObserver",
     "SavedTensorProbe",
     "kept_by_torch",
-    "probing_now",
+    "register_determinism_checks",
 ]
+
+
+Extractor = Callable[[torch.Tensor, bool], Any]
+"""What one region call's observer does with each tensor its forward saves: ``extract(tensor, strict)`` gives the
+value torch keeps, ``strict`` telling whether the region's ``determinism_check`` is ``"default"`` (a difference of
+metadata must raise torch's error) or ``"none"``."""
 
 
 class SavedTensorObserver(Protocol):
     """What :func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing_saved_tensors` plugs into one model's
     eagerly checkpointed regions.
 
-    ``region_forward`` is entered around each region call's forward; ``extract`` is the extractor torch calls for each
-    tensor that forward saves, with ``strict`` telling whether the region's ``determinism_check`` is ``"default"`` (a
-    difference of metadata must raise torch's error) or ``"none"``. What it returns is compared with a
-    :class:`Recomputed` after the recomputation.
+    ``region_forward`` is entered around each region call's forward. Inside it, when the call starts, ``extractor``
+    gives what handles each tensor that forward saves (an :data:`Extractor`; ``None`` keeps torch's own metadata):
+    asked once per region call, so that each decision the observer can make per call (which tensors it reads) is
+    made once, not per tensor. What the extractor returns is compared with a :class:`Recomputed` after the
+    recomputation.
 
     ``region_recompute`` is entered around each recomputation of an eagerly checkpointed region, inside its recompute
     contexts, with the buffers whose live values that recomputation could change (those no recompute context puts
@@ -61,7 +69,7 @@ class SavedTensorObserver(Protocol):
         self, region: str, module: nn.Module, exposed_buffers: Sequence[tuple[str, torch.Tensor]]
     ) -> AbstractContextManager[None]: ...
 
-    def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any: ...
+    def extractor(self) -> Extractor | None: ...
 
 
 class SavedTensorProbe(Protocol):
@@ -71,13 +79,14 @@ class SavedTensorProbe(Protocol):
 
 
 class _Call:
-    """The region call whose forward runs now, as the extractor needs it, with how many tensors it saved so far."""
+    """The region call whose forward runs now, as the extractor needs it: what learns from and what handles each tensor
+    it saves, decided when the call starts, and how many tensors it saved so far."""
 
-    __slots__ = ("observer", "packs", "probe", "task")
+    __slots__ = ("extract", "packs", "probe", "task")
 
     def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
         self.probe = probe
-        self.observer = observer
+        self.extract = None if observer is None else observer.extractor()
         self.packs = 0
         # A backward run inside the forward (a gradient penalty) compares tensors of other calls: not this call's.
         self.task = current_graph_task_id()
@@ -93,6 +102,7 @@ class InRegionCall:
     """Say, inside this block, which region call's forward runs: its probe and its saved-tensor observer; count the
     tensors it saves (:attr:`saved`), which tell the region whether the call took the path its profile was learned on.
 
+    Create it inside the observer's ``region_forward`` block: it asks the observer for the call's extractor at once.
     A region call inside another one's forward enters its own block, so that the outer call's probe and observer
     never see what the inner region saves, nor count it.
 
@@ -137,27 +147,17 @@ class InRegionCall:
             _CURRENT.reset(self._token)
 
 
-def probing_now() -> bool:
-    """Whether a probe learns from the region call whose forward runs now.
-
-    Example::
-
-        >>> probing_now()
-        False
-    """
-    call = _CURRENT.get()
-    return call is not None and call.probe is not None
-
-
-class Recomputed:
-    """What the extractor gives for a recomputed tensor: the tensor, for the comparison torch runs at once.
+class Recomputed(weakref.ref):  # type: ignore[type-arg]
+    """What the extractor gives for a recomputed tensor: a weak reference to it, called to get it, for the comparison
+    torch runs at once.
 
     What an observer kept at the forward compares itself with it (torch puts the saved value on the left of ``!=``);
     torch's own metadata, kept where no observer watched the forward, compares here. It holds the tensor weakly:
     torch keeps the extractor's value of a tensor packed in a region's forward while a backward runs inside it
     (``autograd.grad(..., create_graph=True)``), and a strong reference there would close a cycle through autograd's
     C++ nodes (frame, tensor, its ``grad_fn``, the saved holder, the hook, the frame) that Python's collector cannot
-    break. At a real comparison the recomputed tensor is alive, held by torch's frame.
+    break. At a real comparison the recomputed tensor is alive, held by torch's frame. A weak reference itself, so
+    that making one per recomputed tensor costs one allocation.
 
     Args:
         tensor: The recomputed tensor.
@@ -165,17 +165,15 @@ class Recomputed:
     Example::
 
         >>> kept = {"shape": torch.Size([2]), "dtype": torch.float32, "device": torch.device("cpu")}
-        >>> Recomputed(torch.ones(2)) != kept
-        False
+        >>> recomputed = torch.ones(2)
+        >>> Recomputed(recomputed) != kept, Recomputed(recomputed)() is recomputed
+        (False, True)
     """
 
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = weakref.ref(tensor)
+    __slots__ = ()
 
     def __ne__(self, other: object) -> bool:
-        tensor = self.tensor()
+        tensor = self()
         return other is not None and tensor is not None and _metadata(tensor) != other
 
     def __eq__(self, other: object) -> bool:
@@ -184,7 +182,7 @@ class Recomputed:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        tensor = self.tensor()
+        tensor = self()
         return repr(_metadata(tensor)) if tensor is not None else "<freed>"
 
 
@@ -208,29 +206,44 @@ def kept_by_torch(tensor: torch.Tensor, *, strict: bool) -> Any:
     return _metadata(tensor) if strict else None
 
 
-def _extract(tensor: torch.Tensor, *, strict: bool) -> Any:
-    call = _CURRENT.get()
-    task = current_graph_task_id()
-    if call is not None and call.task == task:
-        call.packs += 1
-        if call.probe is not None:
-            call.probe.packed(tensor)
-        if call.observer is not None:
-            return call.observer.extract(tensor, strict=strict)
-    elif task != -1:  # a comparison after a recomputation: what the forward kept compares itself with it
-        return Recomputed(tensor)
-    return kept_by_torch(tensor, strict=strict)
+def _extractor(strict: bool) -> Callable[[torch.Tensor], Any]:
+    """The extractor torch calls for each saved tensor of a region whose ``determinism_check`` is ``"default"``
+    (``strict``) or ``"none"``, and for each recomputed one at the comparison: a few lookups and a branch per tensor,
+    since what a call does with its tensors was decided when it started."""
+
+    def extract(tensor: torch.Tensor) -> Any:
+        call = _CURRENT.get()
+        if call is not None and call.task == current_graph_task_id():
+            call.packs += 1
+            if call.probe is not None:
+                call.probe.packed(tensor)
+            if call.extract is not None:
+                return call.extract(tensor, strict)
+        elif current_graph_task_id() != -1:  # a comparison after a recomputation: the kept value compares with it
+            return Recomputed(tensor)
+        return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+
+    return extract
 
 
-def _default(tensor: torch.Tensor) -> Any:
-    return _extract(tensor, strict=True)
-
-
-def _none(tensor: torch.Tensor) -> Any:
-    return _extract(tensor, strict=False)
-
+_default = _extractor(strict=True)
+_none = _extractor(strict=False)
 
 DETERMINISM_CHECKS = {"default": "lightning_ckpt_determinism", "none": "lightning_ckpt_determinism_none"}
 """The name a region passes to torch for each ``CheckpointingConfig.determinism_check``."""
 
-determinism_checks().update({DETERMINISM_CHECKS["default"]: _default, DETERMINISM_CHECKS["none"]: _none})
+
+def register_determinism_checks() -> None:
+    """Register the package's two ``determinism_check`` names in torch's registry, once: the first region wrapped (or
+    loaded) does it, never the import. torch has no public way to add a name yet (see
+    :func:`~lightning_ckpt_determinism._torch_compat.determinism_checks`).
+
+    Example::
+
+        >>> register_determinism_checks()
+        >>> DETERMINISM_CHECKS["default"] in determinism_checks()
+        True
+    """
+    registry = determinism_checks()
+    if registry.get(DETERMINISM_CHECKS["default"]) is not _default:
+        registry.update({DETERMINISM_CHECKS["default"]: _default, DETERMINISM_CHECKS["none"]: _none})

@@ -66,7 +66,12 @@ from lightning_ckpt_determinism.checkpointing.nesting import (
 from lightning_ckpt_determinism.checkpointing.plan import RegionPlan
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
-from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS, InRegionCall, SavedTensorObserver
+from lightning_ckpt_determinism.checkpointing.saved import (
+    DETERMINISM_CHECKS,
+    InRegionCall,
+    SavedTensorObserver,
+    register_determinism_checks,
+)
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
 
@@ -289,6 +294,7 @@ class CheckpointedForward:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        register_determinism_checks()  # a region loaded in a fresh process
         self.__dict__.update(state)
         self.config = _shared_configs.setdefault(self.config, self.config)
         self.plan = replace(self.plan, config=self.config)
@@ -674,6 +680,7 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
         ['']
     """
     if not is_checkpointed(module):
+        register_determinism_checks()
         module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
         RecompileLimitFilter(__file__, CheckpointedForward.__name__).install()
 

@@ -62,7 +62,7 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.saved import Recomputed, kept_by_torch
+from lightning_ckpt_determinism.checkpointing.saved import Extractor, Recomputed, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, readable
@@ -165,7 +165,7 @@ class _Saved:
         if self.broken:
             return False
         if isinstance(other, Recomputed):
-            tensor = other.tensor()
+            tensor = other()
             return tensor is not None and self.call.recomputed(self, tensor)
         # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
         return self.strict and self.metadata() != other
@@ -238,11 +238,12 @@ class _Call:
         self._recomputed: list[tuple[int, torch.Tensor]] = []
 
     def save(self, tensor: torch.Tensor, strict: bool) -> Any:
-        """Keep ``tensor``'s metadata, and its digest once its value is final (or, for a tensor the light tier does
-        not digest at this call, what torch's own extractor keeps)."""
+        """Keep ``tensor``'s metadata, and its digest once its value is final; a tensor the light tier does not digest
+        at this call gets what torch's own extractor keeps, at the cost of a count and a lookup."""
         position = self.packs
-        self.packs += 1
-        if self.targets is not None and position not in self.targets:
+        self.packs = position + 1
+        targets = self.targets
+        if targets is not None and position not in targets:
             return kept_by_torch(tensor, strict=strict)
         saved = _Saved(self, position, strict=strict)
         self.saved.append(saved)
@@ -806,12 +807,12 @@ class RecomputationSentinel:
                 except Exception as err:
                     self.failed(watch.region, "its parameters and buffers", err)
 
-    def extract(self, tensor: torch.Tensor, *, strict: bool) -> Any:
-        """torch's ``determinism_check`` extractor for a tensor the forward of one of this model's regions saves: a
-        kept value, digested once final, that compares itself with the recomputed tensor after the recomputation."""
+    def extractor(self) -> Extractor | None:
+        """What handles each tensor the region call starting now saves (the saved-tensor observer hook): that call's
+        :meth:`_Call.save`, or ``None`` (torch's own metadata) while paused."""
         if self._paused or not self._open:
-            return kept_by_torch(tensor, strict=strict)
-        return self._open[-1].save(tensor, strict)
+            return None
+        return self._open[-1].save
 
     def learned(self, region: str, layout: SavedLayout | None) -> None:
         """A call learned ``region``'s layout (``None``: a call did not match it, and the next call learns it)."""

@@ -1,0 +1,161 @@
+"""What one saved tensor costs: its pack at the forward and its comparison after the recomputation, per path.
+
+torch's non-reentrant checkpoint calls a Python metadata extractor on every tensor a region saves, and again on each
+recomputed tensor, which it compares with the first (``determinism_check="default"``); ``"none"`` calls an extractor
+that returns nothing. The package replaces that extractor; the sentinel reads through it. This benchmark times one
+checkpointed region that saves ``N`` small tensors (a chain of ``sin``, each saving its input) for two values of
+``N``, forward and backward, and reports the slope: the microseconds each further saved tensor costs, so that
+nothing a region call pays once (the wrapper, the sentinel's per-call work, the light tier's own digests) counts.
+Each path's cost over torch's ``"none"`` is what its extractor adds per tensor:
+
+- ``torch default``: torch's own extractor (shape, dtype and device, compared after the recomputation);
+- ``package, sentinel off``: a region checkpointed by the package, no sentinel;
+- ``light, not digested``: the sentinel's light tier, for the tensors it does not digest at this call (all but
+  three);
+- ``sampled`` and ``exact``, each tensor digested: through a window of each row, and every word.
+
+``python -m benchmarks.saved_tensors --rounds 31`` prints the table; the variants run interleaved, round-robin.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from benchmarks.common import interleaved_times
+from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
+from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
+
+SHAPE = (4, 64)
+"""Each saved tensor: 4 rows of 64 ``float32`` (the sampled window reads 2 of each row's 32 words)."""
+
+
+class Chain(nn.Module):
+    """``length`` ``sin`` ops in a row: each saves its input for backward."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.length):
+            x = x.sin()
+        return x
+
+
+class Region(nn.Module):
+    """One checkpointed ``Chain``, by hand (``check`` is torch's ``determinism_check``) or by the package."""
+
+    def __init__(self, length: int, check: str | None) -> None:
+        super().__init__()
+        self.chain = Chain(length)
+        self.check = check
+        if check is None:
+            apply_activation_checkpointing(self, CheckpointingConfig(classes=["Chain"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check is None:
+            return self.chain(x)
+        return checkpoint(self.chain, x, use_reentrant=False, determinism_check=self.check)
+
+
+def _step(region: Region, x: torch.Tensor) -> None:
+    region(x).sum().backward()
+
+
+def _watched(region: Region, sentinel: RecomputationSentinel, x: torch.Tensor) -> None:
+    """One step under the sentinel as the monitor runs it: windows moved on, the step closed, read if it differed."""
+    with observing_saved_tensors(sentinel, region):
+        sentinel.next_step()
+        _step(region, x)
+        record = sentinel.end_step()
+        sentinel.read(record, clean=not bool(record.mismatch_counts("cpu").any()))
+
+
+PATHS = ("torch none", "torch default", "package, sentinel off", "light, not digested", "sampled", "exact")
+
+
+def _functions(length: int, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    functions: dict[str, Callable[[], object]] = {
+        "torch none": partial(_step, Region(length, "none"), x),
+        "torch default": partial(_step, Region(length, "default"), x),
+        "package, sentinel off": partial(_step, Region(length, None), x),
+    }
+    for tier, name in (("light", "light, not digested"), ("sampled", "sampled"), ("exact", "exact")):
+        region = Region(length, None)
+        functions[name] = partial(_watched, region, RecomputationSentinel(region, mode=tier), x)  # type: ignore[arg-type]
+    return functions
+
+
+def per_tensor(rounds: int, short: int = 32, long: int = 160) -> dict[str, dict[str, float]]:
+    """Microseconds per saved tensor on each path: the slope between regions saving ``short`` and ``long`` tensors.
+
+    Args:
+        rounds: Interleaved rounds of each variant (their medians are taken).
+        short: Tensors the shorter region saves.
+        long: Tensors the longer region saves.
+
+    Returns:
+        By path: ``"us"`` (a saved tensor's time, forward, recomputation and backward of its ``sin`` included) and
+        ``"over none"`` (what the path adds to torch's ``"none"``, the extractor's share).
+    """
+    x = torch.randn(SHAPE, requires_grad=True)
+    with _threads(1):
+        functions = {
+            f"{name} @ {length}": function
+            for length in (short, long)
+            for name, function in _functions(length, x).items()
+        }
+        times = interleaved_times(functions, rounds, warmup=3, device=torch.device("cpu"))
+    medians = {name: sorted(samples)[len(samples) // 2] for name, samples in times.items()}
+    slopes = {
+        name: (medians[f"{name} @ {long}"] - medians[f"{name} @ {short}"]) / (long - short) * 1e6 for name in PATHS
+    }
+    return {name: {"us": slope, "over none": slope - slopes["torch none"]} for name, slope in slopes.items()}
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def table(found: dict[str, dict[str, Any]]) -> str:
+    """The figures of :func:`per_tensor` as a Markdown table, each path's extractor share also over torch's default."""
+    default = found["torch default"]["over none"]
+    lines = [
+        "| path | µs per saved tensor | over torch `none` | / torch `default`'s share |",
+        "|---|---|---|---|",
+    ]
+    for name, row in found.items():
+        share = row["over none"] / default if name != "torch none" and default > 0 else float("nan")
+        lines.append(f"| {name} | {row['us']:.2f} | {row['over none']:.2f} | {share:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print what one saved tensor costs on each path.
+
+    Example::
+
+        python -m benchmarks.saved_tensors --rounds 31
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.saved_tensors", description=main.__doc__)
+    parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds of each variant")
+    args = parser.parse_args(argv)
+    print(table(per_tensor(args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
