@@ -3,8 +3,10 @@
 import gc
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -12,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from examples.gpt import GPT
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,30 @@ def interleaved_times(
             if index >= warmup:
                 times[name].append(elapsed)
     return times
+
+
+class Regions:
+    """A model's region wrappers, found once, and a block that plugs one saved-tensor observer into them: the monitor
+    registers its sentinel once per fit, so an interleaved benchmark that switches observers between variants must
+    not walk the model at every step either.
+
+    Args:
+        model: The model, its regions checkpointed.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._wrappers = [sub.__dict__["forward"] for sub in checkpointed_modules(model).values()]
+
+    @contextmanager
+    def observed_by(self, observer: Any) -> Iterator[None]:
+        """Plug ``observer`` into every region inside this block."""
+        for wrapper in self._wrappers:
+            wrapper.saved_observer = observer
+        try:
+            yield
+        finally:
+            for wrapper in self._wrappers:
+                wrapper.saved_observer = None
 
 
 def summary(samples: Sequence[float]) -> dict[str, float]:

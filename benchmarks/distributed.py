@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import (
     ModelSize,
+    Regions,
     Variant,
     build_model,
     interleaved_times,
@@ -37,7 +38,6 @@ from benchmarks.common import (
     train_step,
 )
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
-from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.live import check_live_step
 from lightning_ckpt_determinism.verify.sentinel import SentinelStep
@@ -123,10 +123,11 @@ def _measure_sentinel(size: ModelSize, rounds: int, warmup: int) -> dict[str, An
     tiers = {"light": "light", "sampled": "sampled", "exact": "exact", "light, read every step": "light"}
     sentinels = {name: RecomputationSentinel(model, mode=tier) for name, tier in tiers.items()}  # type: ignore[arg-type]
     pending: dict[str, list[SentinelStep]] = {name: [] for name in sentinels}
+    regions = Regions(model)
 
     def watched(name: str) -> None:
         sentinel = sentinels[name]
-        with observing_saved_tensors(sentinel, model):
+        with regions.observed_by(sentinel):
             sentinel.next_step()
             step()
             pending[name].append(sentinel.end_step())

@@ -28,9 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.common import interleaved_times
+from benchmarks.common import Regions, interleaved_times
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
-from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 
 SHAPE = (4, 64)
 """Each saved tensor: 4 rows of 64 ``float32`` (the sampled window reads 2 of each row's 32 words)."""
@@ -69,9 +68,9 @@ def _step(region: Region, x: torch.Tensor) -> None:
     region(x).sum().backward()
 
 
-def _watched(region: Region, sentinel: RecomputationSentinel, x: torch.Tensor) -> None:
+def _watched(regions: Regions, sentinel: RecomputationSentinel, region: Region, x: torch.Tensor) -> None:
     """One step under the sentinel as the monitor runs it: windows moved on, the step closed, read if it differed."""
-    with observing_saved_tensors(sentinel, region):
+    with regions.observed_by(sentinel):
         sentinel.next_step()
         _step(region, x)
         record = sentinel.end_step()
@@ -81,16 +80,19 @@ def _watched(region: Region, sentinel: RecomputationSentinel, x: torch.Tensor) -
 PATHS = ("torch none", "torch default", "package, sentinel off", "light, not digested", "sampled", "exact")
 
 
-def _functions(length: int, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+def _functions(length: int, x: torch.Tensor) -> tuple[dict[str, Callable[[], object]], dict[str, Any]]:
+    """Each path's step for a region saving ``length`` tensors, and the sentinel of each tier's path."""
     functions: dict[str, Callable[[], object]] = {
         "torch none": partial(_step, Region(length, "none"), x),
         "torch default": partial(_step, Region(length, "default"), x),
         "package, sentinel off": partial(_step, Region(length, None), x),
     }
+    sentinels = {}
     for tier, name in (("light", "light, not digested"), ("sampled", "sampled"), ("exact", "exact")):
         region = Region(length, None)
-        functions[name] = partial(_watched, region, RecomputationSentinel(region, mode=tier), x)  # type: ignore[arg-type]
-    return functions
+        sentinel = sentinels[name] = RecomputationSentinel(region, mode=tier)  # type: ignore[arg-type]
+        functions[name] = partial(_watched, Regions(region), sentinel, region, x)
+    return functions, sentinels
 
 
 def per_tensor(rounds: int, short: int = 32, long: int = 160) -> dict[str, dict[str, float]]:
@@ -102,22 +104,28 @@ def per_tensor(rounds: int, short: int = 32, long: int = 160) -> dict[str, dict[
         long: Tensors the longer region saves.
 
     Returns:
-        By path: ``"us"`` (a saved tensor's time, forward, recomputation and backward of its ``sin`` included) and
-        ``"over none"`` (what the path adds to torch's ``"none"``, the extractor's share).
+        By path: ``"us"`` (a saved tensor's time, forward, recomputation and backward of its ``sin`` included),
+        ``"over none"`` (what the path adds to torch's ``"none"``, the extractor's share) and, for the sentinel's
+        tiers, ``"compared"`` (the tensors it compared per step of the longer region).
     """
     x = torch.randn(SHAPE, requires_grad=True)
+    functions: dict[str, Callable[[], object]] = {}
+    sentinels: dict[str, RecomputationSentinel] = {}
+    for length in (short, long):
+        made, sentinels = _functions(length, x)
+        functions.update({f"{name} @ {length}": function for name, function in made.items()})
     with _threads(1):
-        functions = {
-            f"{name} @ {length}": function
-            for length in (short, long)
-            for name, function in _functions(length, x).items()
-        }
         times = interleaved_times(functions, rounds, warmup=3, device=torch.device("cpu"))
     medians = {name: sorted(samples)[len(samples) // 2] for name, samples in times.items()}
     slopes = {
         name: (medians[f"{name} @ {long}"] - medians[f"{name} @ {short}"]) / (long - short) * 1e6 for name in PATHS
     }
-    return {name: {"us": slope, "over none": slope - slopes["torch none"]} for name, slope in slopes.items()}
+    found: dict[str, dict[str, float]] = {
+        name: {"us": slope, "over none": slope - slopes["torch none"]} for name, slope in slopes.items()
+    }
+    for name, sentinel in sentinels.items():
+        found[name]["compared"] = sentinel.report().compared / (rounds + 3)
+    return found
 
 
 @contextmanager

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.common import (
     ModelSize,
+    Regions,
     Variant,
     build_model,
     interleaved_times,
@@ -38,7 +39,6 @@ from benchmarks.common import (
 )
 from benchmarks.monitor import _fit, _step_peak_bytes
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, RecomputationSentinel
-from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.verify import digest as digest_module
 
 TIERS = ("light", "sampled", "exact")
@@ -106,19 +106,16 @@ def _fits(size: ModelSize, device: torch.device, rounds: int, steps: int) -> dic
     return {"times": times, "mismatches": mismatches, "size": {"dim": size.dim, "dropout": size.dropout}}
 
 
-def _watched(model: torch.nn.Module, sentinel: RecomputationSentinel, step: Callable[[], object]) -> None:
+def _watched(
+    regions: Regions, sentinel: RecomputationSentinel, step: Callable[[], object], device: torch.device
+) -> None:
     """One training step under ``sentinel``, as the monitor runs it: the windows moved on, the step's comparisons
     closed on the device, read back only when something differed."""
-    with observing_saved_tensors(sentinel, model):
+    with regions.observed_by(sentinel):
         sentinel.next_step()
         step()
         record = sentinel.end_step()
-        sentinel.read(record, clean=not bool(record.mismatch_counts(_device_of(model)).any()))
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    """Where ``model``'s parameters are."""
-    return next(model.parameters()).device
+        sentinel.read(record, clean=not bool(record.mismatch_counts(device).any()))
 
 
 def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
@@ -128,14 +125,15 @@ def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) 
     step = partial(train_step, model, optimizer, inputs, targets)
     sentinels = {tier: RecomputationSentinel(model, mode=tier) for tier in TIERS}  # type: ignore[arg-type]
     constant = RecomputationSentinel(model, mode="light")
+    regions = Regions(model)
 
     def hooks_only() -> None:
         with _constant_digests(device):
-            _watched(model, constant, step)
+            _watched(regions, constant, step, device)
 
     functions: dict[str, Callable[[], object]] = {
         "step": step,
-        **{tier: partial(_watched, model, sentinel, step) for tier, sentinel in sentinels.items()},
+        **{tier: partial(_watched, regions, sentinel, step, device) for tier, sentinel in sentinels.items()},
         "light hooks only": hooks_only,
     }
     times = interleaved_times(functions, rounds, warmup, device)
@@ -155,13 +153,14 @@ def _peaks(size: ModelSize, device: torch.device) -> dict[str, float]:
     step = partial(train_step, model, optimizer, inputs, targets)
     step()  # optimizer states and the regions' profiles exist before any measured step
     plain = _step_peak_bytes(step, device)
+    regions = Regions(model)
     peaks = {}
     for tier in TIERS:
         sentinel = RecomputationSentinel(model, mode=tier)  # type: ignore[arg-type]
-        first = _step_peak_bytes(partial(_watched, model, sentinel, step), device)
+        first = _step_peak_bytes(partial(_watched, regions, sentinel, step, device), device)
         if tier == "light":
             peaks["light, its first step"] = first / plain
-        peaks[tier] = _step_peak_bytes(partial(_watched, model, sentinel, step), device) / plain
+        peaks[tier] = _step_peak_bytes(partial(_watched, regions, sentinel, step, device), device) / plain
     return peaks
 
 
@@ -173,16 +172,20 @@ def _constant_digests(device: torch.device) -> Iterator[None]:
     def constant_read(self: Any, tensor: torch.Tensor, mode: Any) -> torch.Tensor:
         return constant
 
-    def constant_digest(self: Any, matrix: torch.Tensor) -> torch.Tensor:
-        return constant
+    def constant_sums(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return constant, constant
+
+    def constant_combined(self: Any, found: Any) -> torch.Tensor:
+        return constant.expand(len(found))
 
     plans = digest_module.DigestPlans
-    real = plans.read, plans.digest
-    plans.read, plans.digest = constant_read, constant_digest  # type: ignore[method-assign]
+    real = plans.read, plans.sums, plans.combined
+    plans.read, plans.sums, plans.combined = constant_read, staticmethod(constant_sums), constant_combined  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        plans.read, plans.digest = real  # type: ignore[method-assign]
+        plans.read, plans.combined = real[0], real[2]  # type: ignore[method-assign]
+        plans.sums = staticmethod(real[1])  # type: ignore[method-assign,assignment]
 
 
 @contextmanager

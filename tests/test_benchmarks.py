@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import compiled, memory, moe, monitor
+from benchmarks import compiled, memory, moe, monitor, saved_tensors
 from benchmarks.common import ModelSize
 from benchmarks.run import main
 
@@ -273,3 +273,14 @@ def test_the_moe_benchmark_holds_the_routing_outputs_more_with_the_guard_and_no_
     assert held[moe.NONE] > held[moe.KEPT] > held[moe.RECOMPUTED]
     assert held[moe.KEPT] - held[moe.RECOMPUTED] == result["routing_bytes"]
     assert all(_sane_summary(stats) for stats in result["variants"].values())
+
+
+def test_one_saved_tensor_is_timed_on_every_path_and_each_tier_reads_what_it_promises() -> None:
+    found = saved_tensors.per_tensor(rounds=1, short=4, long=12)
+    assert list(found) == list(saved_tensors.PATHS)
+    assert all(math.isfinite(row["us"]) and math.isfinite(row["over none"]) for row in found.values())
+    assert found["torch none"]["over none"] == 0.0
+    # Per step of the longer region: the light tier three of its 12 tensors at most, the others every one.
+    assert 0 < found["light, not digested"]["compared"] <= 3
+    assert found["sampled"]["compared"] == found["exact"]["compared"] == 12
+    assert "| light, not digested |" in saved_tensors.table(found)

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 from lightning_ckpt_determinism.verify.digest import (
     EXACT,
@@ -72,6 +73,21 @@ def test_digests_are_the_documented_integer_formula_on_any_bits(name: str, mode:
     found = digests([tensor, tensor.clone()], mode)
     assert found.dtype == torch.int64
     assert found.tolist() == [formula(tensor, mode)] * 2
+
+
+@pytest.mark.parametrize("mode", [EXACT, DigestMode("sampled", 3)], ids=["exact", "window 3"])
+def test_digests_weighted_together_are_each_tensors_formula(mode: DigestMode) -> None:
+    plans = DigestPlans()
+    tensors = [TENSORS[name]() for name in TENSORS]
+    pair = TwoTensor(bit_patterns((3, 20), torch.float32), bit_patterns((3, 20), torch.float32) + 1)
+    found: list = [plans.sums(plans.read(tensor, mode)) for tensor in tensors]  # type: ignore[arg-type]
+    found.insert(2, plans.digest_of(pair, mode))  # a wrapper subclass's digest, given whole
+    expected = [formula(tensor, mode) for tensor in tensors]
+    expected.insert(2, plans.digest_of(pair, mode).item())  # type: ignore[union-attr]
+    for _ in range(2):  # the second time from the joined weights made the first
+        together = plans.combined(found)
+        assert together.dtype == torch.int64 and together.tolist() == expected
+    assert plans.combined(found[:1]).tolist() == expected[:1]
 
 
 def layouts(values: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -177,6 +193,9 @@ def test_cuda_digests_are_those_of_the_cpu() -> None:
         on_cuda = digests([tensor.cuda() for tensor in tensors], mode)
         assert on_cuda.device.type == "cuda"
         assert on_cuda.cpu().tolist() == digests(tensors, mode).tolist()
+        plans = DigestPlans()
+        together = plans.combined([plans.sums(plans.read(tensor.cuda(), mode)) for tensor in tensors])  # type: ignore[arg-type]
+        assert together.device.type == "cuda" and together.cpu().tolist() == digests(tensors, mode).tolist()
 
 
 def test_a_digest_mode_names_its_tier_and_keeps_it_from_step_to_step() -> None:

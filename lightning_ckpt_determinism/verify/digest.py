@@ -59,6 +59,7 @@ __all__ = [
     "DigestPlans",
     "DigestTier",
     "Fingerprint",
+    "Sums",
     "column_weights",
     "digest",
     "digests",
@@ -78,6 +79,10 @@ SAMPLE_STRIDE = 16
 DigestTier = Literal["exact", "sampled", "light"]
 """How much of each tensor a digest reads: every word (``"exact"``), or one window of each row (``"sampled"``, and
 ``"light"``, whose reader, the sentinel, also digests only a few of a region's saved tensors)."""
+
+
+Sums = tuple[torch.Tensor, torch.Tensor]
+"""A word matrix's row sums and column sums (:meth:`DigestPlans.sums`)."""
 
 
 @dataclass(frozen=True)
@@ -351,6 +356,7 @@ class DigestPlans:
     def __init__(self) -> None:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._combinations: dict[tuple[tuple[tuple[int, int] | None, ...], torch.device], tuple[torch.Tensor, ...]] = {}
 
     def digest_of(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
         """``tensor``'s digest (a 0-dimensional ``int64`` tensor on its device), or ``None`` when it is not
@@ -424,16 +430,87 @@ class DigestPlans:
         sums = torch.cat([matrix.sum(1, dtype=torch.int64), matrix.sum(0, dtype=torch.int64)])
         return self._weighted(sums, rows, columns)
 
+    @staticmethod
+    def sums(matrix: torch.Tensor) -> Sums:
+        """A word matrix's row sums and column sums, in 64-bit integers: what :meth:`combined` weights into its digest
+        together with others (two reductions; the weighting is left for many at once).
+
+        Args:
+            matrix: The words, from :meth:`read`.
+
+        Example::
+
+            >>> DigestPlans.sums(torch.tensor([[1, 2], [3, 4]]))
+            (tensor([3, 7]), tensor([4, 6]))
+        """
+        return matrix.sum(1, dtype=torch.int64), matrix.sum(0, dtype=torch.int64)
+
+    def combined(self, found: Sequence[Sums | torch.Tensor]) -> torch.Tensor:
+        """The digests of several tensors, from each one's :meth:`sums` (or its digest, for a wrapper subclass, from
+        :meth:`digest_of`), as one ``int64`` vector on their device: the same values as :meth:`digest` of each, in
+        three kernels for all of them (their sums joined, weighted, and added up tensor by tensor).
+
+        Args:
+            found: Each tensor's sums or digest, all on one device, at least one.
+
+        Example::
+
+            >>> plans = DigestPlans()
+            >>> matrices = [torch.arange(6).view(2, 3), torch.arange(8).view(4, 2)]
+            >>> together = plans.combined([plans.sums(matrix) for matrix in matrices])
+            >>> together.tolist() == [plans.digest(matrix).item() for matrix in matrices]
+            True
+        """
+        parts: list[torch.Tensor] = []
+        shapes: list[tuple[int, int] | None] = []
+        for entry in found:
+            if isinstance(entry, tuple):
+                parts.extend(entry)
+                shapes.append((len(entry[0]), len(entry[1])))
+            else:
+                parts.append(entry.view(1))
+                shapes.append(None)
+        device = parts[0].device
+        weights, owners = self._combination(tuple(shapes), device)
+        weighted = torch.cat(parts).mul_(weights)
+        return torch.zeros(len(shapes), dtype=torch.int64, device=device).index_add_(0, owners, weighted)
+
+    def _combination(
+        self, shapes: tuple[tuple[int, int] | None, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights of joined sums (each matrix's row then column weights; ``1`` for a digest given whole) and the
+        index of the tensor each belongs to, made once per sequence of shapes and device."""
+        key = (shapes, device)
+        made = self._combinations.get(key)
+        if made is None:
+            if len(self._combinations) >= _COMBINATIONS:
+                self._combinations.clear()  # shapes that vary from call to call (sequence lengths) bound the cache
+            weights = [
+                self._weights_of(*shape, device)
+                if shape is not None
+                else torch.ones(1, dtype=torch.int64, device=device)
+                for shape in shapes
+            ]
+            owners = torch.cat(
+                [torch.full((len(one),), owner, dtype=torch.int64, device=device) for owner, one in enumerate(weights)]
+            )
+            made = self._combinations[key] = (torch.cat(weights), owners)
+        return made
+
     def _weighted(self, sums: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
         """The dot product of ``rows`` row sums then ``columns`` column sums with their weights."""
-        key = (rows, columns, sums.device)
-        weights = self._weights.get(key)
-        if weights is None:
-            weights = torch.cat([row_weights(rows, sums.device), column_weights(columns, sums.device)])
-            self._weights[key] = weights
+        weights = self._weights_of(rows, columns, sums.device)
         if sums.device.type == "cpu":
             return torch.dot(sums, weights)
         return (sums * weights).sum()  # integer dot products are CPU-only
+
+    def _weights_of(self, rows: int, columns: int, device: torch.device) -> torch.Tensor:
+        """The weights of ``rows`` row sums then ``columns`` column sums, made once per count and device."""
+        key = (rows, columns, device)
+        weights = self._weights.get(key)
+        if weights is None:
+            weights = self._weights[key] = torch.cat([row_weights(rows, device), column_weights(columns, device)])
+        return weights
 
 
 class _Plan:
@@ -504,6 +581,9 @@ class _ComplexPlan(_Plan):
 
 
 _UNPLANNED = object.__new__(_Plan)
+
+# The sequences of shapes whose joined weights are kept (a region call's digested tensors, by tier and step).
+_COMBINATIONS = 256
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
 # 64-bit integers.

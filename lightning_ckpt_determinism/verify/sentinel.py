@@ -62,10 +62,10 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.saved import Extractor, Recomputed, kept_by_torch
+from lightning_ckpt_determinism.checkpointing.saved import Extractor, Recomputed
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
 from lightning_ckpt_determinism.verify.cause import Cause
-from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, readable
+from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, Sums, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.light import SavedLayout
 from lightning_ckpt_determinism.verify.state import named_metrics
@@ -233,9 +233,10 @@ class _Call:
         self.forward: torch.Tensor | None = None
         self.comparisons: list[tuple[list[int], torch.Tensor]] = []
         self.metadata_mismatches: list[str] = []
-        self._digests: list[torch.Tensor] = []
+        # Each digested tensor's row and column sums (a subclass's digest), weighted into digests together.
+        self._digests: list[Sums | torch.Tensor] = []
         self._held: list[tuple[_Saved, torch.Tensor]] = []
-        self._recomputed: list[tuple[int, torch.Tensor]] = []
+        self._recomputed: list[tuple[int, Sums | torch.Tensor]] = []
 
     def save(self, tensor: torch.Tensor, strict: bool) -> Any:
         """Keep ``tensor``'s metadata, and its digest once its value is final; a tensor the light tier does not digest
@@ -244,7 +245,7 @@ class _Call:
         self.packs = position + 1
         targets = self.targets
         if targets is not None and position not in targets:
-            return kept_by_torch(tensor, strict=strict)
+            return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
         saved = _Saved(self, position, strict=strict)
         self.saved.append(saved)
         try:
@@ -289,15 +290,16 @@ class _Call:
         self._digests.append(found)
         self.slotted.append(saved)
 
-    def _digest(self, local: torch.Tensor, saved: _Saved) -> torch.Tensor | None:
-        """``local``'s digest in ``saved``'s mode, or ``None`` for a tensor without bits to read (or unreadable)."""
+    def _digest(self, local: torch.Tensor, saved: _Saved) -> Sums | torch.Tensor | None:
+        """``local``'s row and column sums in ``saved``'s mode (a subclass's digest), weighted with the call's others
+        once they are all taken; ``None`` for a tensor without bits to read (or unreadable)."""
         plans = self.sentinel.plans
         try:
             with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
                 if type(local) is not torch.Tensor:  # a subclass: its inner tensors
                     return plans.digest_of(local, saved.mode)
                 matrix = plans.read(local, saved.mode)
-                return None if matrix is None else plans.digest(matrix)
+                return None if matrix is None else plans.sums(matrix)
         except Exception as err:
             self.sentinel.failed(self.region, saved.describe(), err)
             return None
@@ -339,7 +341,7 @@ class _Call:
             if self._digests:
                 try:
                     with no_python_dispatch():
-                        self.forward = torch.stack(self._digests)
+                        self.forward = self.sentinel.plans.combined(self._digests)
                 except Exception as err:
                     self.sentinel.failed(self.region, "the forward's digests", err)
                     self.not_compared += len(self.slotted)
@@ -411,13 +413,14 @@ class _Call:
         return False
 
     def recomputation_done(self) -> None:
-        """Stack this recomputation's digests (also reached later, when the last tensor's holder was freed)."""
+        """Weight this recomputation's sums into its digests (also reached later, when the last tensor's holder was
+        freed)."""
         if self._recomputed:
             slots = [slot for slot, _ in self._recomputed]
             found = [digest for _, digest in self._recomputed]
             try:
                 with no_python_dispatch():
-                    self.comparisons.append((slots, torch.stack(found)))
+                    self.comparisons.append((slots, self.sentinel.plans.combined(found)))
             except Exception as err:
                 self.sentinel.failed(self.region, "the recomputation's digests", err)
                 self.not_compared += len(slots)
@@ -505,13 +508,13 @@ class _StateWatch:
         )
 
 
-def _versions(parameters: Sequence[tuple[str, nn.Module, str]]) -> list[tuple[str, torch.Tensor, int]]:
-    """Each parameter with its version counter now, read through its owner: FSDP2 swaps the parameter objects in and
-    out."""
+def _versions(parameters: Sequence[tuple[str, dict[str, Any], str]]) -> list[tuple[str, torch.Tensor, int]]:
+    """Each parameter with its version counter now, read through its owner's own parameters: FSDP2 swaps the parameter
+    objects in and out."""
     return [
         (name, param, version_counter(param))
-        for name, owner, attribute in parameters
-        if (param := own_parameters(owner).get(attribute)) is not None
+        for name, owned, attribute in parameters
+        if (param := owned.get(attribute)) is not None
     ]
 
 
@@ -526,12 +529,13 @@ def _metric_states(module: nn.Module) -> list[tuple[str, Any, str]]:
     ]
 
 
-def _parameter_places(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """Each parameter of ``module`` as ``(name, owner, attribute)``: ``getattr(owner, attribute)`` is the parameter."""
+def _parameter_places(module: nn.Module) -> list[tuple[str, dict[str, Any], str]]:
+    """Each parameter of ``module`` as ``(name, its owner's own parameters, attribute)``: the dict's ``attribute`` is
+    the parameter (the dict stays the owner's when FSDP2 swaps its entries)."""
     places = []
     for name, _ in module.named_parameters():
         path, _, attribute = name.rpartition(".")
-        places.append((name, module.get_submodule(path) if path else module, attribute))
+        places.append((name, own_parameters(module.get_submodule(path) if path else module), attribute))
     return places
 
 
