@@ -356,7 +356,9 @@ class DigestPlans:
     def __init__(self) -> None:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-        self._combinations: dict[tuple[tuple[tuple[int, int] | None, ...], torch.device], tuple[torch.Tensor, ...]] = {}
+        self._combinations: dict[
+            tuple[tuple[tuple[int, int] | None, ...], torch.device], tuple[torch.Tensor, torch.Tensor]
+        ] = {}
 
     def digest_of(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
         """``tensor``'s digest (a 0-dimensional ``int64`` tensor on its device), or ``None`` when it is not
