@@ -74,7 +74,7 @@ def _watched(regions: Regions, sentinel: RecomputationSentinel, region: Region, 
         sentinel.next_step()
         _step(region, x)
         record = sentinel.end_step()
-        sentinel.read(record, clean=not bool(record.mismatch_counts("cpu").any()))
+        sentinel.read(record, clean=not bool(record.mismatch_counts(x.device).any()))
 
 
 PATHS = ("torch none", "torch default", "package, sentinel off", "light, not digested", "sampled", "exact")
@@ -95,27 +95,31 @@ def _functions(length: int, x: torch.Tensor) -> tuple[dict[str, Callable[[], obj
     return functions, sentinels
 
 
-def per_tensor(rounds: int, short: int = 32, long: int = 160) -> dict[str, dict[str, float]]:
+def per_tensor(
+    rounds: int, short: int = 32, long: int = 160, device: torch.device | None = None
+) -> dict[str, dict[str, float]]:
     """Microseconds per saved tensor on each path: the slope between regions saving ``short`` and ``long`` tensors.
 
     Args:
         rounds: Interleaved rounds of each variant (their medians are taken).
         short: Tensors the shorter region saves.
         long: Tensors the longer region saves.
+        device: Where the tensors are (the CPU by default).
 
     Returns:
         By path: ``"us"`` (a saved tensor's time, forward, recomputation and backward of its ``sin`` included),
         ``"over none"`` (what the path adds to torch's ``"none"``, the extractor's share) and, for the sentinel's
         tiers, ``"compared"`` (the tensors it compared per step of the longer region).
     """
-    x = torch.randn(SHAPE, requires_grad=True)
+    device = device or torch.device("cpu")
+    x = torch.randn(SHAPE, device=device, requires_grad=True)
     functions: dict[str, Callable[[], object]] = {}
     sentinels: dict[str, RecomputationSentinel] = {}
     for length in (short, long):
         made, sentinels = _functions(length, x)
         functions.update({f"{name} @ {length}": function for name, function in made.items()})
     with _threads(1):
-        times = interleaved_times(functions, rounds, warmup=3, device=torch.device("cpu"))
+        times = interleaved_times(functions, rounds, warmup=3, device=device)
     medians = {name: sorted(samples)[len(samples) // 2] for name, samples in times.items()}
     slopes = {
         name: (medians[f"{name} @ {long}"] - medians[f"{name} @ {short}"]) / (long - short) * 1e6 for name in PATHS
@@ -160,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="python -m benchmarks.saved_tensors", description=main.__doc__)
     parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds of each variant")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    print(table(per_tensor(args.rounds)))
+    print(table(per_tensor(args.rounds, device=torch.device(args.device))))
     return 0
 
 

@@ -141,6 +141,7 @@ class RegionPlan:
         Args:
             profile: What the region learned about calls like the one under way; ``None`` for a learning call.
             data_dependent: Whether that forward ran a data-dependent op.
-            observed: Whether an observer is registered on the region.
+            observed: Whether an observer of the ops (attribution's) is registered on the region; the saved-tensor
+                observer is entered by the call itself and composes nothing.
         """
         return self.host_rng or observed or self.guards(data_dependent) or self.replays_state(profile)

@@ -449,7 +449,8 @@ class CheckpointedForward:
     def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
         """The ``context_fn`` of an eager call, as the plan says: the package's contexts, torch's selective pair alone
         (the form `torch.compile` accepts), or none."""
-        observed = self.region_observer is not None or self.saved_observer is not None
+        # The saved-tensor observer is entered by the call itself (`_EagerCall.run`), so it composes nothing here.
+        observed = self.region_observer is not None
         if self.plan.composes_contexts(self.profile, self.data_dependent, observed):
             return partial(self._make_contexts, inputs)
         if self.plan.save_ops:
@@ -470,8 +471,8 @@ class CheckpointedForward:
 
     def _make_contexts(self, inputs: tuple[Any, ...]) -> tuple[Reenterable, Reenterable]:
         """One eager call's forward and recompute contexts, in the order the plan composes them: host RNG, the
-        forward's state, selective checkpointing, the data-dependent guard, then the observers registered on the
-        region."""
+        forward's state, selective checkpointing, the data-dependent guard, then the op observer registered on the
+        region (the saved-tensor observer's contexts the call enters itself, innermost)."""
         plan, profile = self.plan, self.profile
         forward: list[ContextFactory] = []
         recompute: list[ContextFactory] = []
@@ -508,13 +509,11 @@ class CheckpointedForward:
             observe_forward, observe_recompute = observer.contexts(RegionCall(self.region, self.module, inputs, kept))
             forward.append(observe_forward)
             recompute.append(observe_recompute)
-        if self.saved_observer is not None:
-            forward.append(self._saved_forward)
-            recompute.append(self._saved_recompute)
         return Reenterable(forward), Reenterable(recompute)
 
     def _saved_forward(self) -> AbstractContextManager[Any]:
-        """The saved-tensor observer's context around this call's forward."""
+        """The saved-tensor observer's context around this call's forward (the call enters it inside every recompute
+        context, so that it sees the forward as they leave it)."""
         saved = self.saved_observer
         return contextlib.nullcontext() if saved is None else saved.region_forward(self.region, self.module)
 
@@ -574,7 +573,7 @@ class _EagerCall:
         if self._contexts is not None:
             entered = self._contexts[0] if forward else self._contexts[1]
         if not forward:
-            with entered, self._attributes.replay():
+            with entered, wrapper._saved_recompute(), self._attributes.replay():
                 out = wrapper._forward_from(flat, self._num_positional, self._keys)
             if self._full:
                 _mark_end()
@@ -584,7 +583,7 @@ class _EagerCall:
         )
         learning = self._key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
-        with entered, nested as inside:
+        with entered, wrapper._saved_forward(), nested as inside:
             region_call = InRegionCall(probe, wrapper.saved_observer)
             self._attributes.start()
             with region_call, probe if probe is not None else contextlib.nullcontext():
