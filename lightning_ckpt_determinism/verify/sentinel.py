@@ -455,11 +455,11 @@ class _StateWatch:
         self.sentinel = sentinel
         self.region = region
         self.versions = versions
-        self.parameters = [
-            (name, local_tensor(param))
-            for name, param, _ in self.versions
-            if name in forward_written and readable(param)
-        ]
+        self.parameters = (
+            [(name, local_tensor(param)) for name, param, _ in versions if name in forward_written and readable(param)]
+            if forward_written
+            else []
+        )
         self.buffers = [(name, local_tensor(buffer)) for name, buffer in exposed if readable(buffer)]
         self.metrics = [(name, metric, state) for name, metric, state in metrics if readable(getattr(metric, state))]
         self.parameters_before = self._digests(self.parameters)
@@ -482,7 +482,8 @@ class _StateWatch:
         written = [
             name for name, param, version in self.versions if version_counter(param) != version and name not in digested
         ]
-        self.sentinel.changed(self.region, [self._parameter_change(name) for name in written])
+        if written:
+            self.sentinel.changed(self.region, [self._parameter_change(name) for name in written])
         if self.parameters_before is not None:
             after = self._digests(self.parameters)
             items = [self._parameter_change(name) for name, _ in self.parameters]
@@ -766,7 +767,9 @@ class RecomputationSentinel:
         layout = self._layouts.get(name) if self.mode.tier == "light" else None
         call = _Call(self, name, self._buffers[name], _profile(module), layout)
         self._forward_versions[name] = {
-            parameter: version for parameter, _, version in _versions(self._parameters[name])
+            parameter: version_counter(param)
+            for parameter, owned, attribute in self._parameters[name]
+            if (param := owned.get(attribute)) is not None
         }
         self._open.append(call)
         finished = False
