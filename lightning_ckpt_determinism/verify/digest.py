@@ -562,12 +562,10 @@ class _Plan:
             data = data.clone(memory_format=torch.contiguous_format)
         elif self.flatten:
             data = data.view(-1)
-        if data.dtype != self.element:
-            data = data.view(self.element)
-        if self.per_word > 1:
+        if self.widen:  # one 1- or 2-byte element to a word: sign-extended
+            data = data.view(self.element).to(torch.int32)
+        elif data.dtype != self.word:  # one view, however many elements make a word
             data = data.view(self.word)
-        elif self.widen:
-            data = data.to(torch.int32)
         window = mode.window(self.windows)
         if window is None:
             return data.view(self.rows, self.columns)
