@@ -118,7 +118,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def interleaved_times(
-    functions: Mapping[str, Callable[[], object]], rounds: int, warmup: int, device: torch.device
+    functions: Mapping[str, Callable[[], object]],
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Time each function once per round, round-robin, rotating the order every round.
 
@@ -131,6 +135,8 @@ def interleaved_times(
         rounds: Timed rounds.
         warmup: Untimed rounds first (allocator, kernels, optimizer state).
         device: Synchronized before and after each call.
+        clock: What measures a call: wall time by default; ``time.thread_time`` counts only this thread's CPU time,
+            which other processes on the machine do not inflate (for work that runs on this thread alone).
 
     Returns:
         Seconds per call, by name, one entry per timed round.
@@ -142,10 +148,10 @@ def interleaved_times(
         gc.collect(1)  # the young generations, where a step's garbage cycles are, outside the timed calls
         for name in names[shift:] + names[:shift]:
             synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             functions[name]()
             synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if index >= warmup:
                 times[name].append(elapsed)
     return times

@@ -14,11 +14,14 @@ Each path's cost over torch's ``"none"`` is what its extractor adds per tensor:
   three);
 - ``sampled`` and ``exact``, each tensor digested: through a window of each row, and every word.
 
-``python -m benchmarks.saved_tensors --rounds 31`` prints the table; the variants run interleaved, round-robin.
+``python -m benchmarks.saved_tensors --rounds 41`` prints the table; the variants run interleaved, round-robin, with
+one torch thread, each timed by this thread's CPU time on the CPU (so that other processes do not inflate it) and by
+the wall clock, synchronized, on CUDA.
 """
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -119,7 +122,9 @@ def per_tensor(
         made, sentinels = _functions(length, x)
         functions.update({f"{name} @ {length}": function for name, function in made.items()})
     with _threads(1):
-        times = interleaved_times(functions, rounds, warmup=3, device=device)
+        # On the CPU with one torch thread the work runs on this thread: its CPU time is what it costs.
+        clock = time.thread_time if device.type == "cpu" else time.perf_counter
+        times = interleaved_times(functions, rounds, warmup=3, device=device, clock=clock)
     medians = {name: sorted(samples)[len(samples) // 2] for name, samples in times.items()}
     slopes = {
         name: (medians[f"{name} @ {long}"] - medians[f"{name} @ {short}"]) / (long - short) * 1e6 for name in PATHS
