@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -40,8 +40,9 @@ from benchmarks.common import (
 from benchmarks.monitor import _fit, _step_peak_bytes
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, RecomputationSentinel
 from lightning_ckpt_determinism.verify import digest as digest_module
+from lightning_ckpt_determinism.verify.sentinel import SentinelMode
 
-TIERS = ("light", "sampled", "exact")
+TIERS = get_args(SentinelMode)
 MODES = ("off", "off again", *TIERS)
 THREADS = 2
 

@@ -175,5 +175,5 @@ def test_exact_keeps_working_for_a_release_with_a_deprecation_warning_and_modes_
     with pytest.warns(FutureWarning, match="`exact=` is deprecated"), recomputation_sentinel(model, exact=False) as old:
         assert old.tier == "sampled"
     assert RecomputationSentinel(model).tier == "light"
-    with pytest.raises(ValueError, match="`mode` can be light, sampled or exact, got 'every'"):
+    with pytest.raises(ValueError, match="`mode` can be light, sampled, exact, got 'every'"):
         RecomputationSentinel(model, mode="every")  # type: ignore[arg-type]

@@ -44,11 +44,12 @@ digest.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts
+from lightning_ckpt_determinism.config import choice_message
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
@@ -76,9 +77,10 @@ ROW_ELEMENTS = 16
 SAMPLE_STRIDE = 16
 """A sampled digest reads a window of about one word in this many of each row's last dimension."""
 
-DigestTier = Literal["exact", "sampled", "light"]
-"""How much of each tensor a digest reads: every word (``"exact"``), or one window of each row (``"sampled"``, and
-``"light"``, whose reader, the sentinel, also digests only a few of a region's saved tensors)."""
+DigestTier = Literal["light", "sampled", "exact"]
+"""How much of each tensor a digest reads: one window of each row (``"light"``, whose reader, the sentinel, also
+digests only a few of a region's saved tensors, and ``"sampled"``), or every word (``"exact"``). The one list of the
+sentinel's tiers: every other place reads it with ``typing.get_args``."""
 
 
 Sums = tuple[torch.Tensor, torch.Tensor]
@@ -113,8 +115,8 @@ class DigestMode:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        if self.tier not in ("exact", "sampled", "light"):
-            raise ValueError(f"`tier` can be exact, sampled or light, got {self.tier!r}.")
+        if self.tier not in get_args(DigestTier):
+            raise ValueError(choice_message("tier", self.tier, get_args(DigestTier)))
 
     def window(self, windows: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
         """The window ``(start, width)`` of each row this mode reads, or ``None`` for the whole row.

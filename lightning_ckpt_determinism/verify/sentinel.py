@@ -46,7 +46,7 @@ import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 from torch import nn
@@ -64,8 +64,9 @@ from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storag
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.saved import Extractor, Recomputed
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, observing_saved_tensors
+from lightning_ckpt_determinism.config import choice_message
 from lightning_ckpt_determinism.verify.cause import Cause
-from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, Sums, readable
+from lightning_ckpt_determinism.verify.digest import EXACT, DigestMode, DigestPlans, DigestTier, Sums, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.light import SavedLayout
 from lightning_ckpt_determinism.verify.state import named_metrics
@@ -572,9 +573,10 @@ def _profile(module: nn.Module) -> RegionProfile | None:
 
 _Entry = tuple[str, list[Any]]
 
-SentinelMode = Literal["light", "sampled", "exact"]
+SentinelMode = DigestTier
 """What the sentinel digests: a few saved tensors per region call with a window of each row (``"light"``), every
-saved tensor with a window of each row (``"sampled"``), or every element of every saved tensor (``"exact"``)."""
+saved tensor with a window of each row (``"sampled"``), or every element of every saved tensor (``"exact"``): the
+digests' tiers (:data:`~lightning_ckpt_determinism.verify.digest.DigestTier`)."""
 
 
 class SentinelStep:
@@ -983,8 +985,8 @@ def _tier(mode: str, exact: bool | None, *, stacklevel: int) -> SentinelMode:
             stacklevel=stacklevel,
         )
         return "exact" if exact else "sampled"
-    if mode not in ("light", "sampled", "exact"):
-        raise ValueError(f"`mode` can be light, sampled or exact, got {mode!r}.")
+    if mode not in get_args(SentinelMode):
+        raise ValueError(choice_message("mode", mode, get_args(SentinelMode)))
     return mode  # type: ignore[return-value]
 
 
