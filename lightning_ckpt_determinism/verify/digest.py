@@ -469,13 +469,13 @@ class DigestPlans:
             only = found[0]
             if not isinstance(only, tuple):
                 return only.view(1)
-            return self._weighted(torch.cat(only), len(only[0]), len(only[1])).view(1)
+            return self._weighted(torch.cat(only), only[0].shape[0], only[1].shape[0]).view(1)
         parts: list[torch.Tensor] = []
         shapes: list[tuple[int, int] | None] = []
         for entry in found:
             if isinstance(entry, tuple):
                 parts.extend(entry)
-                shapes.append((len(entry[0]), len(entry[1])))
+                shapes.append((entry[0].shape[0], entry[1].shape[0]))
             else:
                 parts.append(entry.view(1))
                 shapes.append(None)
