@@ -1,0 +1,354 @@
+"""One region call as the sentinel sees it: the tensors its forward saves, kept as digests once their values are
+final, and their comparison with the recomputation's (see the package's description)."""
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism._text import describe_saved
+from lightning_ckpt_determinism._torch_compat import no_python_dispatch, view_base
+from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
+from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
+from lightning_ckpt_determinism.checkpointing.saved import Recomputed
+from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Sums, readable
+from lightning_ckpt_determinism.verify.gradients import local_tensor
+from lightning_ckpt_determinism.verify.sentinel.light import SavedLayout
+
+__all__ = ["CallOwner", "KeptTensor", "RegionCall"]
+
+
+class CallOwner(Protocol):
+    """What a :class:`RegionCall` needs of the sentinel that made it."""
+
+    mode: DigestMode
+    plans: DigestPlans
+
+    def failed(self, region: str, what: str, err: Exception) -> None: ...
+
+    def unreadable(self, region: str, tensor: torch.Tensor) -> None: ...
+
+    def learned(self, region: str, layout: SavedLayout | None) -> None: ...
+
+    def comparing(self, call: "RegionCall") -> None: ...
+
+    def compared(self, call: "RegionCall") -> None: ...
+
+
+class KeptTensor:
+    """What torch keeps of one saved tensor at the forward, and compares with ``!=`` after the recomputation.
+
+    ``slot`` is its place among the call's digests: ``None`` for a parameter, a buffer or a tensor left out. ``mode``
+    is what its digests read (the light tier's rotating tensor reads another window than the call's others).
+    """
+
+    __slots__ = ("broken", "call", "device", "dtype", "mode", "position", "producer", "shape", "slot", "strict")
+
+    cause = None
+
+    def __init__(self, call: "RegionCall", position: int, *, strict: bool) -> None:
+        self.call = call
+        self.position = position
+        self.strict = strict
+        self.slot: int | None = None
+        self.shape: torch.Size | None = None
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.mode = call.mode
+        self.producer = ""
+        # The sentinel failed to keep it: never compared, and never a reason for torch to raise.
+        self.broken = False
+
+    def __ne__(self, other: object) -> bool:
+        if self.broken:
+            return False
+        if isinstance(other, Recomputed):
+            tensor = other()
+            return tensor is not None and self.call.recomputed(self, tensor)
+        # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
+        return self.strict and self.metadata() != other
+
+    def __eq__(self, other: object) -> bool:
+        return not self.__ne__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.metadata())
+
+    def metadata(self) -> dict[str, Any]:
+        return {"shape": self.shape, "dtype": self.dtype, "device": self.device}
+
+    def describe(self) -> str:
+        return describe_saved(self.position, self.producer or None, self.shape, self.dtype)
+
+
+class RegionCall:
+    """One forward of one region: its saved tensors' digests and, after each recomputation, the digests to compare.
+
+    Which saved tensors it digests: every one, or under the light tier the targets of the region's
+    :class:`~lightning_ckpt_determinism.verify.sentinel.light.SavedLayout` (``targets``); a call of a region without
+    a layout yet looks at every saved tensor, learns the layout at its forward's end and digests that step's
+    targets. Each digested tensor's row and column sums are taken once its value is final (see the package's
+    description); the forward's are weighted into one vector of digests when the region's forward ends, the
+    recomputation's at the comparison of the last of them. The others are given back as torch's own extractor would
+    keep them.
+    """
+
+    def __init__(
+        self,
+        sentinel: "CallOwner",
+        region: str,
+        buffers: frozenset[int | None],
+        profile: RegionProfile | None,
+        layout: SavedLayout | None,
+    ) -> None:
+        self.sentinel = sentinel
+        self.region = region
+        self.buffers = buffers
+        self.profile = profile
+        self.mode = sentinel.mode
+        self.layout = layout
+        self.targets = None if layout is None else layout.targets(self.mode)
+        # Light without a layout: the layout is learned from this call, at its forward's end.
+        self.learning = layout is None and self.mode.tier == "light"
+        self._seen: list[tuple[int, bool]] = []
+        self.packs = 0
+        self.saved: list[KeptTensor] = []
+        self.slotted: list[KeptTensor] = []
+        self.saved_bytes = 0
+        self.not_compared = 0 if layout is None else layout.left_out
+        self.forward: torch.Tensor | None = None
+        self.comparisons: list[tuple[list[int], torch.Tensor]] = []
+        self.metadata_mismatches: list[str] = []
+        # Each digested tensor's row and column sums (a subclass's digest), weighted into digests together.
+        self._digests: list[Sums | torch.Tensor] = []
+        self._held: list[tuple[KeptTensor, torch.Tensor]] = []
+        self._recomputed: list[tuple[int, Sums | torch.Tensor]] = []
+
+    def save(self, tensor: torch.Tensor, strict: bool) -> Any:
+        """Keep ``tensor``'s metadata, and its digest once its value is final; a tensor the light tier does not digest
+        at this call gets what torch's own extractor keeps, at the cost of a count and a lookup."""
+        position = self.packs
+        self.packs = position + 1
+        targets = self.targets
+        if targets is not None and position not in targets:
+            return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+        saved = KeptTensor(self, position, strict=strict)
+        self.saved.append(saved)
+        try:
+            local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+            saved.shape, saved.dtype, saved.device = local.shape, local.dtype, local.device
+            saved.producer = tensor.grad_fn.name() if tensor.grad_fn is not None else ""
+            if is_state(tensor, local, self.buffers):
+                return saved
+            if self.targets is not None:
+                saved.mode = self.targets[position]
+            self.saved_bytes += (
+                local.numel() * local.element_size() if type(local) is torch.Tensor else held_bytes(local)
+            )
+            profile = self.profile
+            if profile is not None and position in profile.left_out:
+                self.not_compared += 1
+            elif self.learning and profile is not None:
+                self._roll(saved, local)
+            elif profile is None or position in profile.filled_late:
+                self._held.append((saved, local))  # read when the forward ends, once the op saving it has run
+            else:
+                self._take(saved, local)
+        except Exception as err:  # the sentinel's own failure stops it observing this tensor, never the step
+            self._leave_out(saved, err)
+        return saved
+
+    def _roll(self, saved: KeptTensor, local: torch.Tensor) -> None:
+        """A learning call notes each comparable activation and holds only the last one and the last floating-point
+        one (the targets it digests), so that learning holds no more memory than two tensors."""
+        if not readable(local):
+            self._unreadable(local)
+            return
+        floating = local.dtype.is_floating_point
+        self._seen.append((saved.position, floating))
+        kept = [] if floating else [entry for entry in self._held if entry[1].dtype.is_floating_point]
+        self._held = [*kept, (saved, local)]
+
+    def _take(self, saved: KeptTensor, local: torch.Tensor) -> None:
+        found = self._digest(local, saved)
+        if found is None:
+            self._unreadable(local)
+            return
+        saved.slot = len(self._digests)
+        self._digests.append(found)
+        self.slotted.append(saved)
+
+    def _digest(self, local: torch.Tensor, saved: KeptTensor) -> Sums | torch.Tensor | None:
+        """``local``'s row and column sums in ``saved``'s mode (a subclass's digest), weighted with the call's others
+        once they are all taken; ``None`` for a tensor without bits to read (or unreadable)."""
+        plans = self.sentinel.plans
+        try:
+            with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
+                if type(local) is not torch.Tensor:  # a subclass: its inner tensors
+                    return plans.digest_of(local, saved.mode)
+                matrix = plans.read(local, saved.mode)
+                return None if matrix is None else plans.sums(matrix)
+        except Exception as err:
+            self.sentinel.failed(self.region, saved.describe(), err)
+            return None
+
+    def _unreadable(self, local: torch.Tensor) -> None:
+        """A saved activation without bits to read: counted as not compared (a tensor subclass, said once)."""
+        self.not_compared += 1
+        if type(local) is not torch.Tensor:
+            self.sentinel.unreadable(self.region, local)
+
+    def _leave_out(self, saved: KeptTensor, err: Exception) -> None:
+        saved.broken, saved.slot = True, None
+        self.not_compared += 1
+        self.sentinel.failed(self.region, f"saved tensor {saved.position}", err)
+
+    def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
+        """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
+        drop them, when it raised; a call that took another path than the profile it started with keeps only what
+        was final when digested, the rest counted as not compared); a call that learned its region's layout, or
+        saved another number of tensors than it, tells the sentinel.
+
+        Args:
+            digest: Whether the forward returned.
+            profile: The profile of the path the call took (learned during this forward when it is a learning
+                call; ``None`` for a path the region does not know).
+        """
+        if digest and self.profile is not None and (profile is None or profile.saved != self.profile.saved):
+            self._another_path(profile)
+        if digest:
+            left_out = profile.left_out if profile is not None else frozenset()
+            held = [(saved, local) for saved, local in self._held if saved.position not in left_out]
+            self.not_compared += len(self._held) - len(held)
+            if self.learning:
+                held = self._learn(held)
+            elif self.layout is not None and self.packs != self.layout.saved:
+                self.sentinel.learned(self.region, None)  # another code path: its layout is learned again
+            for saved, local in held:
+                self._take(saved, local)
+            if self._digests:
+                try:
+                    with no_python_dispatch():
+                        self.forward = self.sentinel.plans.combined(self._digests)
+                except Exception as err:
+                    self.sentinel.failed(self.region, "the forward's digests", err)
+                    self.not_compared += len(self.slotted)
+                    self.slotted = []
+        self._digests, self._held = [], []
+
+    def _another_path(self, profile: RegionProfile | None) -> None:
+        """The call took another path than the one its profile was learned on: of what it digested as it went, only
+        the tensors its own path's profile says were final when saved are kept (none, on a path without one)."""
+        early = frozenset(range(self.packs)) if profile is None else profile.filled_late | profile.left_out
+        digested = zip(self.slotted, self._digests, strict=True)
+        kept = [(saved, found) for saved, found in digested if saved.position not in early]
+        for saved in self.slotted:
+            saved.slot = None
+        self.not_compared += len(self.slotted) - len(kept)
+        self.slotted, self._digests = [saved for saved, _ in kept], [found for _, found in kept]
+        for slot, saved in enumerate(self.slotted):
+            saved.slot = slot
+        if profile is None:
+            self.not_compared += len(self._held)
+            self._held = []
+
+    def _learn(self, held: list[tuple[KeptTensor, torch.Tensor]]) -> list[tuple[KeptTensor, torch.Tensor]]:
+        """Learn the region's layout from this call, and keep the held activations its targets name.
+
+        The region's first call (no profile yet) held every activation, read off here; a later one noted them as
+        they came and held only the last and the last floating-point one.
+        """
+        seen = self._seen
+        if self.profile is None:
+            comparable = []
+            for saved, local in held:
+                if readable(local):
+                    comparable.append((saved, local))
+                else:
+                    self._unreadable(local)
+            seen = [(saved.position, local.dtype.is_floating_point) for saved, local in comparable]
+            held = comparable
+        layout = SavedLayout(
+            saved=self.packs,
+            compared=tuple(position for position, _ in seen),
+            floating=tuple(position for position, floating in seen if floating),
+            left_out=self.not_compared,
+        )
+        self.sentinel.learned(self.region, layout)
+        targets = layout.targets(self.mode)
+        for saved, _ in held:
+            saved.mode = targets.get(saved.position, self.mode)
+        return [(saved, local) for saved, local in held if saved.position in targets]
+
+    def recomputed(self, saved: KeptTensor, tensor: torch.Tensor) -> bool:
+        """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
+        digests (stacked at the call's last tensor) at the step's end."""
+        self.sentinel.comparing(self)
+        local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+        if (local.shape, local.dtype, local.device) != (saved.shape, saved.dtype, saved.device):
+            if saved.strict:
+                return True  # torch raises its CheckpointError, naming the metadata
+            recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"
+            self.metadata_mismatches.append(f"{saved.describe()} was recomputed as {recomputed_as}")
+        elif saved.slot is not None and self.forward is not None:
+            found = self._digest(local, saved)
+            if found is None:
+                self.not_compared += 1
+            else:
+                self._recomputed.append((saved.slot, found))
+        if saved is self.saved[-1]:
+            self.recomputation_done()
+        return False
+
+    def recomputation_done(self) -> None:
+        """Weight this recomputation's sums into its digests (also reached later, when the last tensor's holder was
+        freed)."""
+        if self._recomputed:
+            slots = [slot for slot, _ in self._recomputed]
+            found = [digest for _, digest in self._recomputed]
+            try:
+                with no_python_dispatch():
+                    self.comparisons.append((slots, self.sentinel.plans.combined(found)))
+            except Exception as err:
+                self.sentinel.failed(self.region, "the recomputation's digests", err)
+                self.not_compared += len(slots)
+        self._recomputed = []
+        self.sentinel.compared(self)
+
+    def pairs(self) -> Iterator[tuple[list[Any], torch.Tensor, torch.Tensor]]:
+        """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones."""
+        forward = self.forward
+        if forward is None:  # nothing digested, so no slots
+            return
+        for slots, recomputed in self.comparisons:
+            items: list[Any] = [self.slotted[slot] for slot in slots]
+            every = len(slots) == len(forward) and slots == list(range(len(slots)))
+            yield items, forward if every else forward[torch.tensor(slots, device=forward.device)], recomputed
+
+
+def is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:
+    """Whether a saved tensor is a parameter or a buffer, or a view of one (``addmm`` saves ``weight.t()``).
+
+    A parameter is known by the tensor it views (FSDP2 swaps in unsharded parameters at each forward, so their
+    storage moves); a buffer by its storage, which stays.
+    """
+    base = view_base(tensor)
+    if base is None:
+        base = tensor
+    if isinstance(base, nn.Parameter):
+        return True
+    if not buffers:
+        return False
+    pointer = storage_pointer(local)
+    return pointer is not None and pointer in buffers
+
+
+def held_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor subclass holds: its inner tensors' (see :func:`plain_parts`), or as its metadata says."""
+    parts = plain_parts(tensor)
+    if parts is None:
+        return tensor.numel() * tensor.element_size()
+    return sum(part.numel() * part.element_size() for part in parts)

@@ -1,0 +1,333 @@
+"""The sentinel of one module's checkpointed regions: the saved-tensor observer the regions call, which opens a
+:class:`~lightning_ckpt_determinism.verify.sentinel.calls.RegionCall` for each forward, watches each recomputation's
+state, and closes each step (see the package's description)."""
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, get_args
+
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism._torch_compat import is_compiled_module, version_counter
+from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
+from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
+from lightning_ckpt_determinism.checkpointing.saved import Extractor
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.config import choice_message
+from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, DigestTier
+from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
+from lightning_ckpt_determinism.verify.sentinel.light import SavedLayout
+from lightning_ckpt_determinism.verify.sentinel.report import SentinelRegion, SentinelReport, StateChange, added
+from lightning_ckpt_determinism.verify.sentinel.state import (
+    StateWatch,
+    metric_states,
+    parameter_places,
+    parameter_versions,
+)
+from lightning_ckpt_determinism.verify.sentinel.step import SentinelStep
+
+__all__ = ["RecomputationSentinel", "SentinelMode", "tier_of"]
+
+_log = logging.getLogger("lightning_ckpt_determinism.verify.sentinel")
+
+SentinelMode = DigestTier
+"""What the sentinel digests: a few saved tensors per region call with a window of each row (``"light"``), every
+saved tensor with a window of each row (``"sampled"``), or every element of every saved tensor (``"exact"``): the
+digests' tiers (:data:`~lightning_ckpt_determinism.verify.digest.DigestTier`)."""
+
+
+class RecomputationSentinel:
+    """The sentinel of one module's checkpointed regions: see
+    :func:`~lightning_ckpt_determinism.verify.sentinel.recomputation_sentinel`.
+
+    Args:
+        module: The model; regions are named relative to it.
+        mode: What to digest (:data:`SentinelMode`).
+        exact: Deprecated: ``True`` means ``mode="exact"``, ``False`` means ``mode="sampled"``.
+
+    Raises:
+        ValueError: If ``mode`` is not one of :data:`SentinelMode`.
+    """
+
+    def __init__(self, module: nn.Module, *, mode: SentinelMode = "light", exact: bool | None = None) -> None:
+        self.tier: SentinelMode = tier_of(mode, exact, stacklevel=3)
+        regions = checkpointed_modules(module)
+        self._names = list(regions)
+        self._name_of = {id(sub): name for name, sub in regions.items()}
+        self._compiled = compiled_regions(module)
+        # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
+        # themselves): known once.
+        self._buffers = {
+            name: frozenset(storage_pointer(buffer) for buffer in sub.buffers()) for name, sub in regions.items()
+        }
+        # Where each region's parameters live (their owner module and attribute), found once.
+        self._parameters = {name: parameter_places(sub) for name, sub in regions.items()}
+        # The tensor states of the torchmetrics metrics inside each region, found once.
+        self._metrics = {name: metric_states(sub) for name, sub in regions.items()}
+        # Each region's parameter versions when its latest forward started, and the parameters seen written in place
+        # since a forward started (by that forward, as a rule): those are digested around its recomputations.
+        self._forward_versions: dict[str, dict[str, int]] = {}
+        self._forward_written: dict[str, frozenset[str]] = {name: frozenset() for name in regions}
+        self._totals = {name: SentinelRegion() for name in self._names}
+        self._saved_bytes: dict[str, int] = {}
+        self._layouts: dict[str, SavedLayout] = {}
+        # What every digest of a step reads, made once per step: a call's reads at its forward and at its
+        # recomputation take it from the call, so the two read the same words.
+        self.mode = DigestMode(self.tier)
+        self.plans = DigestPlans()
+        self._open: list[RegionCall] = []
+        self._step = SentinelStep(self)
+        self._unread: list[SentinelStep] = []
+        self._recomputing: RegionCall | None = None
+        self._paused = 0
+        self._failures: set[tuple[str, str]] = set()
+
+    @property
+    def regions(self) -> list[str]:
+        """The checkpointed regions, in module order."""
+        return list(self._names)
+
+    @property
+    def compiled(self) -> list[str]:
+        """The regions inside compiled modules, which the compiler recomputes out of the sentinel's sight."""
+        return list(self._compiled)
+
+    @property
+    def saved_bytes(self) -> dict[str, int]:
+        """The bytes each region saved for backward at its first observed forward (parameters and buffers left out):
+        what the region holds when it runs without checkpointing."""
+        return dict(self._saved_bytes)
+
+    @property
+    def offset(self) -> int:
+        """The window sampled digests read this step (see :meth:`next_step`)."""
+        return self.mode.offset
+
+    @contextlib.contextmanager
+    def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
+        """Entered around each forward of an eagerly checkpointed region (the saved-tensor observer hook)."""
+        name = self._name_of.get(id(module))
+        if self._paused or name is None:
+            yield
+            return
+        layout = self._layouts.get(name) if self.mode.tier == "light" else None
+        call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
+        self._forward_versions[name] = {
+            parameter: version_counter(param)
+            for parameter, owned, attribute in self._parameters[name]
+            if (param := owned.get(attribute)) is not None
+        }
+        self._open.append(call)
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            self._open.pop()
+            if call.saved:
+                call.forward_done(digest=finished, profile=region_profile(module))
+                if finished:
+                    self._saved_bytes.setdefault(name, call.saved_bytes)
+                    self._step.calls.append(call)
+                    self._step.updated()
+
+    @contextlib.contextmanager
+    def region_recompute(
+        self, region: str, module: nn.Module, exposed_buffers: Sequence[tuple[str, torch.Tensor]]
+    ) -> Iterator[None]:
+        """Entered around each recomputation of an eagerly checkpointed region (the saved-tensor observer hook):
+        what it writes to the region's parameters and to ``exposed_buffers`` is a mismatch."""
+        name = self._name_of.get(id(module))
+        watch = None
+        if not self._paused and name is not None:
+            try:
+                versions = parameter_versions(self._parameters[name])
+                since = self._forward_versions.get(name, {})
+                written = {parameter for parameter, _, version in versions if since.get(parameter, version) != version}
+                if not written <= self._forward_written[name]:
+                    self._forward_written[name] |= written
+                watch = StateWatch(
+                    self, name, versions, exposed_buffers, self._forward_written[name], self._metrics[name]
+                )
+            except Exception as err:
+                self.failed(name, "its parameters and buffers", err)
+        try:
+            yield
+        finally:
+            if watch is not None:
+                try:
+                    watch.done()
+                except Exception as err:
+                    self.failed(watch.region, "its parameters and buffers", err)
+
+    def extractor(self) -> Extractor | None:
+        """What handles each tensor the region call starting now saves (the saved-tensor observer hook): that call's
+        :meth:`RegionCall.save`, or ``None`` (torch's own metadata) while paused."""
+        if self._paused or not self._open:
+            return None
+        return self._open[-1].save
+
+    def learned(self, region: str, layout: SavedLayout | None) -> None:
+        """A call learned ``region``'s layout (``None``: a call did not match it, and the next call learns it)."""
+        if layout is None:
+            self._layouts.pop(region, None)
+        else:
+            self._layouts[region] = layout
+
+    def unreadable(self, region: str, tensor: torch.Tensor) -> None:
+        """``region`` saves a tensor subclass whose values the sentinel cannot read: left out (said once per region
+        and type)."""
+        kind = type(tensor).__qualname__
+        if (region, kind) not in self._failures:
+            self._failures.add((region, kind))
+            _log.warning(
+                "lightning_ckpt_determinism: region `%s` saves a `%s`, a tensor subclass whose values the sentinel"
+                " cannot read (no storage of its own and no `__tensor_flatten__` naming inner tensors, or inner"
+                " tensors without bits to read); such tensors are left out and count as not compared. Training is"
+                " not affected.",
+                region,
+                kind,
+            )
+
+    def failed(self, region: str, what: str, err: Exception) -> None:
+        """The sentinel could not read ``what`` of ``region``: it is left out (said once per region and tensor)."""
+        if (region, what) not in self._failures:
+            self._failures.add((region, what))
+            _log.warning(
+                "lightning_ckpt_determinism: the sentinel could not read %s of region `%s` (%s: %s); it is left out and"
+                " counts as not compared. Training is not affected.",
+                what,
+                region,
+                type(err).__name__,
+                err,
+            )
+
+    def changed(self, region: str, changes: list[StateChange]) -> None:
+        """A recomputation of ``region`` changed these parameters (known on the host)."""
+        self._step.changes.extend((region, change) for change in changes)
+        self._step.updated()
+
+    def state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None:
+        """A recomputation of ``region`` left these buffers' digests ``after`` (compared on the device)."""
+        self._step.state_pairs.append((region, items, before, after))
+        self._step.updated()
+
+    def comparing(self, call: RegionCall) -> None:
+        """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested."""
+        if self._recomputing is not None and self._recomputing is not call:
+            self._recomputing.recomputation_done()
+        self._recomputing = call
+
+    def compared(self, call: RegionCall) -> None:
+        """``call``'s recomputation is digested."""
+        if self._recomputing is call:
+            self._recomputing = None
+        self._step.updated()
+
+    def next_step(self, tier: SentinelMode | None = None) -> None:
+        """Move the windows on, so that every element (and, in the light tier, every saved tensor) comes round.
+
+        Args:
+            tier: What the next step digests, if not the sentinel's own tier (the monitor escalates a step to
+                ``"exact"`` after a finding).
+        """
+        self.mode = DigestMode(tier or self.tier, self.mode.offset + 1)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Digest nothing inside this block (a check's own passes rerun the step, not the training)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def end_step(self) -> SentinelStep:
+        """Close the comparisons made since the last call into one :class:`SentinelStep`, unread (nothing is read
+        back from the device): the monitor calls it at every training batch's end.
+
+        Example::
+
+            >>> sentinel = RecomputationSentinel(torch.nn.Linear(2, 2))
+            >>> sentinel.read(sentinel.end_step())
+            {}
+        """
+        if self._recomputing is not None:
+            self._recomputing.recomputation_done()
+        step, self._step = self._step, SentinelStep(self)
+        self._unread.append(step)
+        return step
+
+    def read(self, step: SentinelStep, *, clean: bool = False) -> dict[str, SentinelRegion]:
+        """What ``step`` found by region, added to the report (once: a step read again gives the same).
+
+        Args:
+            step: A step from :meth:`end_step`.
+            clean: The caller knows that nothing differed (every rank's :meth:`SentinelStep.mismatch_counts` was
+                zero): no comparison is read back.
+        """
+        if step.read is not None:
+            return step.read
+        found = step.read = step.regions(clean=clean)
+        self._unread = [other for other in self._unread if other is not step]
+        self._totals = added(self._totals, found)
+        return found
+
+    def settle(self) -> dict[str, SentinelRegion]:
+        """Close and read what was compared since the last :meth:`end_step`, and return it by region."""
+        return self.read(self.end_step())
+
+    def report(self) -> SentinelReport:
+        """Everything compared since the block was entered (works after it exited too), the steps not read yet and
+        the step under way included; it marks nothing read.
+
+        Example::
+
+            >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+            >>> from lightning_ckpt_determinism.verify.sentinel import recomputation_sentinel
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Dropout(0.5))
+            >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1", "2"]))
+            >>> with recomputation_sentinel(model, mode="exact") as sentinel:
+            ...     model(torch.ones(2, 4)).sum().backward()
+            >>> sentinel.report().compared, sentinel.report().mismatches
+            (2, 0)
+        """
+        if self._recomputing is not None:
+            self._recomputing.recomputation_done()
+        regions = self._totals
+        for step in [*self._unread, self._step]:
+            regions = added(regions, step.regions(clean=False))
+        compared = sum(region.compared for region in regions.values())
+        mismatches = sum(region.mismatches for region in regions.values())
+        not_compared = sum(region.not_compared for region in regions.values())
+        return SentinelReport(compared, mismatches, dict(regions), list(self._compiled), not_compared)
+
+
+def tier_of(mode: str, exact: bool | None, *, stacklevel: int) -> SentinelMode:
+    """The tier ``mode`` names, or the one the deprecated ``exact`` names (with a warning pointing ``stacklevel``
+    frames up)."""
+    if exact is not None:
+        warnings.warn(
+            '`exact=` is deprecated and will be removed in the next release: pass `mode="exact"` (for `exact=True`)'
+            ' or `mode="sampled"` (for `exact=False`).',
+            FutureWarning,
+            stacklevel=stacklevel,
+        )
+        return "exact" if exact else "sampled"
+    if mode not in get_args(SentinelMode):
+        raise ValueError(choice_message("mode", mode, get_args(SentinelMode)))
+    return mode  # type: ignore[return-value]
+
+
+def compiled_regions(module: nn.Module) -> list[str]:
+    """The checkpointed regions inside a compiled module (``torch.compile`` or ``Module.compile()``)."""
+    inside = {id(sub) for compiled in module.modules() if is_compiled_module(compiled) for sub in compiled.modules()}
+    return [name for name, sub in checkpointed_modules(module).items() if id(sub) in inside]
+
+
+def region_profile(module: nn.Module) -> RegionProfile | None:
+    """The profile the region's wrapper learned, or ``None`` before its first checkpointed forward."""
+    return getattr(module.__dict__.get("forward"), "profile", None)
