@@ -1,5 +1,5 @@
-"""The sentinel's light tier (`lightning_ckpt_determinism.verify.sentinel.light`): what it must see at the step of a defect,
-and what within its rotation, held against the exact tier as ground truth."""
+"""The sentinel's light tier (`lightning_ckpt_determinism.verify.sentinel.light`): what it must see at the step of a
+defect, and what within its rotation, held against the exact tier as ground truth."""
 
 import numpy as np
 import pytest
