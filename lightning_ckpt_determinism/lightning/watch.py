@@ -3,19 +3,20 @@
 The sentinel (:func:`~lightning_ckpt_determinism.recomputation_sentinel`) is entered when the fit starts and left
 when it ends. Each training batch's comparisons stay on the device, closed into one record per batch
 (:meth:`SentinelWatch.step_ended`): no host read and no collective per step. They are read
-(:meth:`SentinelWatch.read`) at Lightning's logging steps (``log_every_n_steps``), at the monitor's check steps and
-at the fit's end, and, with ``on_divergence="raise"``, at every step before the optimizer steps: every record since
-the last read is reduced over ranks in one small all-reduce and read back to the host once; only the steps where
-something differed are read in detail on every rank, and every rank's details gathered. A finding keeps the step at
-which it happened. The counts are logged at the logging steps (and shown in ``trainer.callback_metrics`` at check
-steps and epoch ends too, :meth:`SentinelWatch.so_far`): ``{prefix}/sentinel/compared`` and
-``{prefix}/sentinel/compared_per_step`` always, ``{prefix}/sentinel/mismatches`` when something was compared (a period that compared nothing has no mismatch count
-to show, and the monitor says once why); in the loggers a step that had mismatches gets its own point, at that step.
-Only training batches are watched, from their start to their end: between them the sentinel is paused, so a
-validation loop run with gradients on (an input-gradient metric under ``torch.enable_grad()``, the sanity check
-included), which recomputes its regions in its own backward, neither counts in the metrics nor raises. The
-monitor's own check passes are not watched either: they rerun the step, they do not train. A failure of the
-sentinel's own bookkeeping stops the sentinel on every rank alike, with one warning, and never the fit.
+(:meth:`SentinelWatch.read`) at Lightning's logging steps (``log_every_n_steps``), at the monitor's check steps, at
+epoch ends and at the fit's end, and, with ``on_divergence="raise"``, at every step before the optimizer steps:
+every record since the last read is reduced over ranks in one small all-reduce and read back to the host once; only
+the steps where something differed are read in detail on every rank, and every rank's details gathered. A finding
+keeps the step at which it happened. The counts are logged at the logging steps (and shown in
+``trainer.callback_metrics`` at check steps and epoch ends too, :meth:`SentinelWatch.so_far`):
+``{prefix}/sentinel/compared`` and ``{prefix}/sentinel/compared_per_step`` always, ``{prefix}/sentinel/mismatches``
+when something was compared (a period that compared nothing has no mismatch count to show, and the monitor says once
+why); in the loggers a step that had mismatches gets its own point, at that step. Only training batches are watched,
+from their start to their end: between them the sentinel is paused, so a validation loop run with gradients on (an
+input-gradient metric under ``torch.enable_grad()``, the sanity check included), which recomputes its regions in its
+own backward, neither counts in the metrics nor raises. The monitor's own check passes are not watched either: they
+rerun the step, they do not train. A failure of the sentinel's own bookkeeping stops the sentinel on every rank
+alike, with one warning, and never the fit.
 """
 
 import contextlib
