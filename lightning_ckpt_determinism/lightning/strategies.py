@@ -15,6 +15,7 @@ from lightning_ckpt_determinism.checkpointing import (
     remove_activation_checkpointing,
     select_modules,
 )
+from lightning_ckpt_determinism.checkpointing.auto import auto_layers
 from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, check_budget_device
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected
 from lightning_ckpt_determinism.checkpointing.wrapper import routes
@@ -213,11 +214,15 @@ class ActivationCheckpointingMixin:
         """
         if not selected:
             return
-        checkpoint_selected(root if root is not None else self.lightning_module, selected, self.checkpointing)  # type: ignore[attr-defined]
+        root = root if root is not None else self.lightning_module  # type: ignore[attr-defined]
+        checkpoint_selected(root, selected, self.checkpointing)
         self._applied_checkpointing.update(selected)
+        chose = (
+            f", chosen by `classes: auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
+        )
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
-            f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"
+            f" ({_summary(selected)}{chose}); every_n={self.checkpointing.every_n},"
             f" save_ops={self.checkpointing.save_ops or 'none'}."
         )
 
