@@ -61,7 +61,8 @@ def test_a_single_class_name_is_still_refused_and_auto_is_not_a_class_name() -> 
 def test_auto_from_yaml_names_its_choice_in_the_setup_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(
-        "trainer:\n  accelerator: cpu\n  max_steps: 2\n  logger: false\n  enable_checkpointing: false\n"
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 2\n  logger: false\n"
+        "  enable_checkpointing: false\n"
         "  enable_progress_bar: false\n  enable_model_summary: false\n"
         "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
         "    init_args:\n      checkpointing:\n        classes: auto\n"

@@ -31,6 +31,7 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_ckpt_determinism._library_compat import (
+    class_refusing,
     is_unknown_strategy_error,
     literal_rejection,
     package_message_in,
@@ -40,6 +41,7 @@ from lightning_ckpt_determinism.config import choice_message
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
+from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
 __all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
 
@@ -184,7 +186,25 @@ def configuration_error(err: Exception) -> str | None:
         return package_message
     if is_unknown_strategy_error(err):
         return " ".join(str(err).split())
+    stock = _stock_strategy_given_checkpointing(str(err))
+    if stock is not None:
+        return stock
     return _in_package_words(rejected_value(str(err))) if isinstance(err, ArgumentError) else None
+
+
+def _stock_strategy_given_checkpointing(text: str) -> str | None:
+    """One line for a stock Lightning strategy given ``checkpointing``, naming the package's strategy to use."""
+    refused = class_refusing(text)
+    if refused is None or refused[1].split(".")[0] != "checkpointing":
+        return None
+    name = registered_name(refused[0].rsplit(".", 1)[-1])
+    if name is None:
+        return None
+    ours = REGISTERED[name].__name__
+    return (
+        f"`trainer.strategy`: {refused[0]} takes no `checkpointing`; use `class_path:"
+        f" lightning_ckpt_determinism.{ours}` with the same `init_args`, or `strategy: {name}` for `classes: auto`."
+    )
 
 
 def _in_package_words(rejected: str) -> str:
