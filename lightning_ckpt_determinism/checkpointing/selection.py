@@ -1,5 +1,6 @@
 """Which submodules a config selects (classes, name globs, ``every_n``), the diagnostics of a miss, and applying it."""
 
+import difflib
 import fnmatch
 import warnings
 from collections.abc import Mapping
@@ -149,8 +150,20 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
         f" classes={_classes_shown(module, config)},"
         f" names={config.names}. The model's module classes are {class_names}; its module names include"
         f" {sample}. Names are relative to the module the config is applied to (the LightningModule under a"
-        " strategy)."
+        f" strategy).{_did_you_mean(class_entries(config), class_names)}"
     )
+
+
+def _did_you_mean(entries: list[str], class_names: list[str]) -> str:
+    """`` Did you mean 'ConvBlock' for 'ConvBlok'?`` for each bare class name close to one of the model's."""
+    close = [
+        (entry, found[0])
+        for entry in entries
+        if "." not in entry and entry not in class_names
+        for found in [difflib.get_close_matches(entry, class_names, n=1)]
+        if found
+    ]
+    return "".join(f" Did you mean {right!r} for {wrong!r}?" for wrong, right in close)
 
 
 def _classes_shown(module: nn.Module, config: CheckpointingConfig) -> str:
@@ -170,7 +183,7 @@ def _warn_unused_entries(
     if unused:
         warnings.warn(
             f"lightning_ckpt_determinism: `CheckpointingConfig` entries {unused} match no module of"
-            f" {type(module).__name__}; check their spelling.",
+            f" {type(module).__name__}; check their spelling.{_did_you_mean(unused, sorted(seen_class_names))}",
             LightningCkptDeterminismWarning,
             stacklevel=3,
         )

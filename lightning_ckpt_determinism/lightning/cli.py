@@ -19,6 +19,7 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 Any other error keeps its traceback.
 """
 
+import os
 import re
 import sys
 from argparse import ArgumentError
@@ -38,12 +39,15 @@ from lightning_ckpt_determinism._library_compat import (
     rejected_value,
 )
 from lightning_ckpt_determinism.config import choice_message
-from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
-__all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
+__all__ = ["TRACEBACK_VARIABLE", "CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
+
+TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
+"""Set to ``1`` to see the traceback of a fit that ``on_divergence: raise`` stopped, rather than its one line."""
 
 _CONFIG_OPTIONS = ("--config", "-c")
 _KEY_AND_REASON = re.compile(r"`([^`]+)`: (.*)")
@@ -62,7 +66,9 @@ class CheckpointingCLI(LightningCLI):
         **kwargs: Passed to ``LightningCLI``; ``parser_kwargs`` gets ``exit_on_error=False`` unless it says otherwise.
 
     Raises:
-        SystemExit: With code 2 after printing the error, for a configuration error.
+        SystemExit: With code 2 after printing the error, for a configuration error; with code 1 after printing its
+            one line (step, region, cause), for a fit that ``on_divergence: raise`` stopped (set the environment
+            variable ``LIGHTNING_CKPT_DETERMINISM_TRACEBACK=1`` for the traceback instead).
 
     Example::
 
@@ -87,6 +93,12 @@ class CheckpointingCLI(LightningCLI):
                 raise
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
+        except RecomputationDivergenceError as err:
+            # A finding, not a crash: its message names the step, region and cause; the traceback adds nothing.
+            if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+                raise
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            sys.exit(1)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """The Trainer, as ``LightningCLI`` builds it, with its monitors' hints in YAML form.
