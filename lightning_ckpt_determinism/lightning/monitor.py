@@ -379,8 +379,10 @@ class RecomputationMonitor(Callback):
         step = self._watch.step
         checked = {record.step for record in self.history if record.diverged and self.attribution != "never"}
         named = bool(findings) and all(finding.step in checked for finding in findings)
-        if named:
+        if named and all(finding.step in self._results.warned_steps for finding in findings):
             then = "The check of that step names the cause (see its warning)."
+        elif named:
+            then = "The check of that step names the cause (in `history` and the fit's summary)."
         elif last:
             then = "The fit ended before a check could name the cause: run the audit on this config to name it."
         else:

@@ -220,10 +220,17 @@ class ActivationCheckpointingMixin:
         chose = (
             f", chosen by `classes: auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
         )
+        # Under a budget every match is checkpointed for the first batch's measurement only: say the plan is to come.
+        pending = (
+            f" The memory_budget's plan is pending: the first batch measures these {len(selected)} checkpointed, and"
+            " from the second the plan keeps some of them plain (its own line says which)."
+            if self.checkpointing.memory_budget is not None
+            else ""
+        )
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
             f" ({_summary(selected)}{chose}); every_n={self.checkpointing.every_n},"
-            f" save_ops={self.checkpointing.save_ops or 'none'}."
+            f" save_ops={self.checkpointing.save_ops or 'none'}.{pending}"
         )
 
 
