@@ -14,6 +14,7 @@ __all__ = [
     "METRIC_BOOKKEEPING",
     "class_refusing",
     "is_unknown_strategy_error",
+    "list_expected",
     "literal_rejection",
     "metric_state_names",
     "package_message_in",
@@ -29,6 +30,8 @@ _PARSER_KEY = re.compile(r'( *)Parser key "([^"]+)":(.*)')
 _PACKAGE_MESSAGE = re.compile(r"^ *- (`.+)$", re.MULTILINE)
 # jsonargparse's reason for a class that has no such argument (4.x), with the class path it tried.
 _REFUSED_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*Option '([^']+)' is not accepted")
+# jsonargparse's reason for a single value where a list is expected (4.x).
+_LIST_EXPECTED = re.compile(r"Expected a <class 'list'>(?:, got|\. Got value:) (.*)")
 # jsonargparse's reason for a value a `Literal` refuses.
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
 
@@ -110,6 +113,22 @@ def class_refusing(text: str) -> tuple[str, str] | None:
     """
     found = _REFUSED_OPTION.search(text)
     return None if found is None else (found[1], found[2])
+
+
+def list_expected(reason: str) -> str | None:
+    """The value of jsonargparse's reason for a single value given where a list is expected (4.x: ``Expected a
+    <class 'list'>, got Block``), or ``None`` for another reason.
+
+    Args:
+        reason: Why jsonargparse refused a value, as :func:`rejected_value` gives it after the key.
+
+    Example::
+
+        >>> list_expected("Expected a <class 'list'>, got ConvBlock")
+        'ConvBlock'
+    """
+    found = _LIST_EXPECTED.fullmatch(reason)
+    return None if found is None else found[1]
 
 
 def is_unknown_strategy_error(err: BaseException) -> bool:

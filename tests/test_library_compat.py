@@ -72,6 +72,16 @@ def test_a_class_given_an_argument_it_does_not_take_is_read_with_its_path_and_th
     assert compat.class_refusing(_parse_error(0)) is None
 
 
+def test_a_single_value_where_a_list_is_expected_is_read_with_the_value() -> None:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--classes", type=list[str])
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_object({"classes": "ConvBlock"})
+    reason = compat.rejected_value(str(raised.value)).removeprefix("`classes`: ")
+    assert compat.list_expected(reason) == "ConvBlock"
+    assert compat.list_expected(compat.rejected_value(_parse_error(0))) is None
+
+
 def test_a_metrics_states_and_bookkeeping_are_what_an_update_changes() -> None:
     metric = MeanMetric()
     names = compat.metric_state_names(metric)
@@ -93,5 +103,6 @@ def test_every_entry_is_pinned_here() -> None:
         "is_unknown_strategy_error",
         "metric_state_names",
         "class_refusing",
+        "list_expected",
     }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}

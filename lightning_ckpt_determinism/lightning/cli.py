@@ -34,6 +34,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_ckpt_determinism._library_compat import (
     class_refusing,
     is_unknown_strategy_error,
+    list_expected,
     literal_rejection,
     package_message_in,
     rejected_value,
@@ -223,6 +224,9 @@ def _in_package_words(rejected: str) -> str:
     """A value outside a ``Literal`` said as the package says it of its own choices (the value as a string, as
     jsonargparse prints it); anything else as jsonargparse says it."""
     found = _KEY_AND_REASON.fullmatch(rejected)
+    single = list_expected(found[2]) if found else None
+    if found is not None and single is not None:
+        return f"`{found[1]}` must be a list, got {single}; write [{single}]."
     choice = literal_rejection(found[2]) if found else None
     if found is None or choice is None:
         return rejected
