@@ -526,3 +526,20 @@ def test_a_single_class_where_a_list_is_expected_is_one_line_with_the_yaml_fix(
     assert _error_lines(capsys.readouterr().err) == [
         "error: `trainer.strategy.checkpointing.classes` must be a list, got DropoutBlock; write [DropoutBlock]."
     ]
+
+
+def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "option.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        clases: [DropoutBlock]\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.strategy.checkpointing`: Option 'clases' is not accepted; did you mean `classes`?"
+    ]

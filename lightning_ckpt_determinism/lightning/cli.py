@@ -19,6 +19,8 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 Any other error keeps its traceback.
 """
 
+import difflib
+import inspect
 import os
 import re
 import sys
@@ -39,7 +41,7 @@ from lightning_ckpt_determinism._library_compat import (
     package_message_in,
     rejected_value,
 )
-from lightning_ckpt_determinism.config import choice_message
+from lightning_ckpt_determinism.config import choice_message, resolve_class_path
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
@@ -202,7 +204,22 @@ def configuration_error(err: Exception) -> str | None:
     stock = _stock_strategy_given_checkpointing(str(err))
     if stock is not None:
         return stock
-    return _in_package_words(rejected_value(str(err))) if isinstance(err, ArgumentError) else None
+    if not isinstance(err, ArgumentError):
+        return None
+    return _in_package_words(rejected_value(str(err))) + _option_meant(str(err))
+
+
+def _option_meant(text: str) -> str:
+    """``; did you mean `classes`?`` for an option a class does not take that is close to one it takes."""
+    refused = class_refusing(text)
+    if refused is None:
+        return ""
+    try:
+        accepted = list(inspect.signature(resolve_class_path(refused[0])).parameters)
+    except (CheckpointingConfigError, TypeError, ValueError):
+        return ""
+    close = difflib.get_close_matches(refused[1].split(".")[0], accepted, n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _stock_strategy_given_checkpointing(text: str) -> str | None:
