@@ -461,6 +461,12 @@ def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
         "error: `RecomputationMonitor` has nothing to check: no module of GPTModule is checkpointed at fit start"
         " under SingleDeviceStrategy. Add a checkpointing strategy (e.g."
     )
+    # The fix as the YAML writes it.
+    assert line.endswith(
+        " `strategy: single_device_checkpointing` or `ddp_checkpointing`, which checkpoint `classes: auto`, or"
+        " `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy` with `init_args: {checkpointing:"
+        " {classes: [Block]}}`) under `trainer`, or remove the monitor."
+    )
 
 
 def _raising_config(tmp_path: Path) -> Path:

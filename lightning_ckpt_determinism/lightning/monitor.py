@@ -234,7 +234,7 @@ class RecomputationMonitor(Callback):
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
             )
         self._support = support_of(trainer.strategy)
-        problem = unmonitored(self._support, trainer.strategy, pl_module)
+        problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
         if not self._enabled:
