@@ -249,7 +249,7 @@ def test_a_command_line_override_is_named_by_its_full_key(tmp_path: Path, capsys
     with pytest.raises(SystemExit, match=r"^2$"):
         train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_nn=2"))
     assert _error_lines(capsys.readouterr().err) == [
-        "error: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted"
+        "error: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted; did you mean `every_n`?"
     ]
 
 
