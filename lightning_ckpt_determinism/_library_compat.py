@@ -12,7 +12,9 @@ from typing import Any
 
 __all__ = [
     "METRIC_BOOKKEEPING",
+    "class_refusing",
     "is_unknown_strategy_error",
+    "list_expected",
     "literal_rejection",
     "metric_state_names",
     "package_message_in",
@@ -26,6 +28,10 @@ METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache", "_is_synce
 _PARSER_KEY = re.compile(r'( *)Parser key "([^"]+)":(.*)')
 # The package's messages start with the argument they are about, in backticks; jsonargparse's never do.
 _PACKAGE_MESSAGE = re.compile(r"^ *- (`.+)$", re.MULTILINE)
+# jsonargparse's reason for a class that has no such argument (4.x), with the class path it tried.
+_REFUSED_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*Option '([^']+)' is not accepted")
+# jsonargparse's reason for a single value where a list is expected (4.x).
+_LIST_EXPECTED = re.compile(r"Expected a <class 'list'>(?:, got|\. Got value:) (.*)")
 # jsonargparse's reason for a value a `Literal` refuses.
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
 
@@ -91,6 +97,38 @@ def literal_rejection(reason: str) -> tuple[list[Any], str] | None:
     except (SyntaxError, ValueError):
         return None
     return choices, found[2]
+
+
+def class_refusing(text: str) -> tuple[str, str] | None:
+    """The class path and the option of jsonargparse's error for a class given an argument it does not take
+    (4.x: ``Problem with given class_path 'x.Y': Option 'z' is not accepted``), or ``None`` for another error.
+
+    Args:
+        text: The message of jsonargparse's ``ArgumentError``.
+
+    Example::
+
+        >>> class_refusing("Problem with given class_path 'a.B':\\n  Option 'checkpointing.classes' is not accepted")
+        ('a.B', 'checkpointing.classes')
+    """
+    found = _REFUSED_OPTION.search(text)
+    return None if found is None else (found[1], found[2])
+
+
+def list_expected(reason: str) -> str | None:
+    """The value of jsonargparse's reason for a single value given where a list is expected (4.x: ``Expected a
+    <class 'list'>, got Block``), or ``None`` for another reason.
+
+    Args:
+        reason: Why jsonargparse refused a value, as :func:`rejected_value` gives it after the key.
+
+    Example::
+
+        >>> list_expected("Expected a <class 'list'>, got ConvBlock")
+        'ConvBlock'
+    """
+    found = _LIST_EXPECTED.fullmatch(reason)
+    return None if found is None else found[1]
 
 
 def is_unknown_strategy_error(err: BaseException) -> bool:

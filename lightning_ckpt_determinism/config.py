@@ -24,6 +24,7 @@ from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacke
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 __all__ = [
+    "AUTO_CLASSES",
     "CheckpointingConfig",
     "NonNegativeFloat",
     "NotEmptyStr",
@@ -35,11 +36,15 @@ __all__ = [
     "check_non_negative_float",
     "check_positive_int",
     "choice_message",
+    "class_entries",
     "class_name",
     "parse_memory_budget",
     "resolve_class_path",
     "resolve_ops",
 ]
+
+AUTO_CLASSES = "auto"
+"""``CheckpointingConfig(classes="auto")``: the model's transformer layers, chosen at setup."""
 
 
 def _handed_over(base: type, convert: Callable[[str], Any] | None) -> Callable[[Any], Any]:
@@ -300,7 +305,11 @@ class CheckpointingConfig:
             in Python, as the class itself (``[GPT2Block]``), matched with ``isinstance`` and stored as its dotted
             path so that the config saves and pickles. A class that cannot be imported by its path (one defined
             inside a function) is matched in this process but cannot be pickled, which ``strategy="ddp_spawn"``
-            needs: it is warned once.
+            needs: it is warned once. ``"auto"`` (not a list: YAML ``classes: auto``) chooses a model's transformer
+            layers: transformers' ``GradientCheckpointingLayer`` subclasses where the model has them (what
+            ``gradient_checkpointing_enable()`` checkpoints), else the modules of its largest ``nn.ModuleList`` of one
+            class (:func:`~lightning_ckpt_determinism.checkpointing.auto.auto_layers`); the setup line names the
+            choice.
         names: ``fnmatch`` globs over module names relative to the module the config is applied to (the
             LightningModule under a strategy), e.g. ``"model.blocks.*"`` or ``"encoder.layers.3"``.
         every_n: Checkpoint every n-th matched module in module order (the n-th, 2n-th, ...). ``1`` checkpoints
@@ -354,7 +363,7 @@ class CheckpointingConfig:
         2
     """
 
-    classes: list[str | type] = field(default_factory=list)
+    classes: list[str | type] | Literal["auto"] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     every_n: PositiveInt = 1
     save_ops: list[str] = field(default_factory=list)
@@ -368,10 +377,11 @@ class CheckpointingConfig:
     def __post_init__(self) -> None:
         for name in ("classes", "names", "save_ops"):
             value = getattr(self, name)
-            if isinstance(value, str):
+            if isinstance(value, str) and not (name == "classes" and value == AUTO_CLASSES):
                 # `list("Block")` would silently select classes named "B", "l", ...
                 raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
-        object.__setattr__(self, "classes", _class_entries(self.classes))
+        if self.classes != AUTO_CLASSES:
+            object.__setattr__(self, "classes", _class_entries(self.classes))
         for name in ("names", "save_ops"):
             value = getattr(self, name)
             wrong = [entry for entry in value if not isinstance(entry, str)]
@@ -393,8 +403,8 @@ class CheckpointingConfig:
         # A plain int saves to YAML and pickles anywhere, whatever subclass of int was given.
         object.__setattr__(self, "every_n", check_positive_int("every_n", self.every_n))
         check_choice("determinism_check", self.determinism_check, ("default", "none"))
-        for path in self.classes:
-            if isinstance(path, str) and "." in path:
+        for path in class_entries(self):
+            if "." in path:
                 resolve_class_path(path)
         resolve_ops(self.save_ops)
         object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, self.every_n))
@@ -502,6 +512,21 @@ class _HeldClass(str):
             " the class cannot be imported by its path in another process. Define it at module level, or give"
             f" its name {self.cls.__name__!r} as a string."
         )
+
+
+def class_entries(config: CheckpointingConfig) -> list[str]:
+    """The names and paths of ``config.classes``; none for ``classes: auto``.
+
+    Args:
+        config: The config.
+
+    Example::
+
+        >>> class_entries(CheckpointingConfig(classes="auto")), class_entries(CheckpointingConfig(classes=["Block"]))
+        ([], ['Block'])
+    """
+    # The entries as stored (a class given in Python stays held by its path's entry).
+    return [] if config.classes == AUTO_CLASSES else [entry for entry in config.classes if isinstance(entry, str)]
 
 
 def _class_entries(value: Any) -> list[str]:

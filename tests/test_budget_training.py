@@ -84,6 +84,13 @@ def test_a_fit_with_a_budget_checkpoints_the_plan_from_the_second_step_bit_ident
     assert [entry.flops for entry in plan.candidates] == [entry.flops for entry in expected.candidates]
     assert plan.kept_bytes == expected.kept_bytes
     assert f"lightning_ckpt_determinism: {plan.summary()}." in caplog.text
+    # The setup line, before the plan, says the 6 checkpointed are for the measurement and a plan is to come.
+    (setup,) = {r.getMessage() for r in caplog.records if "activation checkpointing (non-reentrant)" in r.getMessage()}
+    assert "applied to 6 modules" in setup
+    assert setup.endswith(
+        "The memory_budget's plan is pending: the first batch measures these 6 checkpointed, and from the second the"
+        " plan keeps some of them plain (its own line says which)."
+    )
     _, plain = _fit(tmp_path / "plain")
     for (name, weight), plain_weight in zip(module.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(weight, plain_weight), name

@@ -22,6 +22,7 @@ from lightning_ckpt_determinism import (
     CheckpointingConfig,
     CheckpointingConfigError,
     LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
@@ -248,7 +249,7 @@ def test_a_command_line_override_is_named_by_its_full_key(tmp_path: Path, capsys
     with pytest.raises(SystemExit, match=r"^2$"):
         train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_nn=2"))
     assert _error_lines(capsys.readouterr().err) == [
-        "error: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted"
+        "error: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted; did you mean `every_n`?"
     ]
 
 
@@ -460,3 +461,91 @@ def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
         "error: `RecomputationMonitor` has nothing to check: no module of GPTModule is checkpointed at fit start"
         " under SingleDeviceStrategy. Add a checkpointing strategy (e.g."
     )
+    # The fix as the YAML writes it.
+    assert line.endswith(
+        " `strategy: single_device_checkpointing` or `ddp_checkpointing`, which checkpoint `classes: auto`, or"
+        " `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy` with `init_args: {checkpointing:"
+        " {classes: [Block]}}`) under `trainer`, or remove the monitor."
+    )
+
+
+def _raising_config(tmp_path: Path) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    config = tmp_path / "raise.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 4\n  logger: false\n"
+        "  enable_checkpointing: false\n  enable_progress_bar: false\n  enable_model_summary: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n        preserve_rng_state: false\n"
+        "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
+        "      init_args:\n        on_divergence: raise\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    return config
+
+
+def test_a_fit_stopped_by_on_divergence_raise_is_one_line_and_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LIGHTNING_CKPT_DETERMINISM_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit, match=r"^1$"):
+        CheckpointingCLI(args=["fit", "--config", str(_raising_config(tmp_path))])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: lightning_ckpt_determinism: ")
+    assert "at step 0" in line and "model.blocks.0" in line and "rng_not_preserved" in line
+    assert "preserve_rng_state: true" in line  # the fix as the YAML writes it
+    # The traceback, when asked for.
+    monkeypatch.setenv("LIGHTNING_CKPT_DETERMINISM_TRACEBACK", "1")
+    with pytest.raises(RecomputationDivergenceError, match="at step 0"):
+        CheckpointingCLI(args=["fit", "--config", str(_raising_config(tmp_path / "again"))])
+
+
+def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "misspelt.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        classes: [DropoutBlok]\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: `CheckpointingConfig` matches no module of StackModule: classes=['DropoutBlok']")
+    assert line.endswith(" Did you mean 'DropoutBlock' for 'DropoutBlok'?")
+
+
+def test_a_single_class_where_a_list_is_expected_is_one_line_with_the_yaml_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "single.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        classes: DropoutBlock\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.strategy.checkpointing.classes` must be a list, got DropoutBlock; write [DropoutBlock]."
+    ]
+
+
+def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "option.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        clases: [DropoutBlock]\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.strategy.checkpointing`: Option 'clases' is not accepted; did you mean `classes`?"
+    ]

@@ -57,6 +57,31 @@ def test_lightnings_error_for_an_unknown_strategy_name_is_recognised() -> None:
     assert not compat.is_unknown_strategy_error(ValueError("dropout probability has to be between 0 and 1"))
 
 
+def test_a_class_given_an_argument_it_does_not_take_is_read_with_its_path_and_the_option() -> None:
+    from lightning.pytorch.strategies import Strategy
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=str | Strategy)
+    given = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"checkpointing": {"classes": []}}}
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_object({"strategy": given})
+    assert compat.class_refusing(str(raised.value)) == (
+        "lightning.pytorch.strategies.DDPStrategy",
+        "checkpointing.classes",
+    )
+    assert compat.class_refusing(_parse_error(0)) is None
+
+
+def test_a_single_value_where_a_list_is_expected_is_read_with_the_value() -> None:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--classes", type=list[str])
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_object({"classes": "ConvBlock"})
+    reason = compat.rejected_value(str(raised.value)).removeprefix("`classes`: ")
+    assert compat.list_expected(reason) == "ConvBlock"
+    assert compat.list_expected(compat.rejected_value(_parse_error(0))) is None
+
+
 def test_a_metrics_states_and_bookkeeping_are_what_an_update_changes() -> None:
     metric = MeanMetric()
     names = compat.metric_state_names(metric)
@@ -77,5 +102,7 @@ def test_every_entry_is_pinned_here() -> None:
         "literal_rejection",
         "is_unknown_strategy_error",
         "metric_state_names",
+        "class_refusing",
+        "list_expected",
     }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}

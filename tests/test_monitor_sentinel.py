@@ -260,3 +260,73 @@ def test_auto_reference_regions_read_the_cuda_free_memory(tmp_path: Path) -> Non
     saved = list(monitor._watch.saved_bytes.values())
     assert regions_that_fit(saved, free) == 3  # a GPU holds a tiny model's activations many times over
     assert [entry.checked_regions for entry in monitor.history] == [None, None]
+
+
+def early_stopped(tmp_path: Path, module: StackModule, on_divergence: str) -> pl.Trainer:
+    """docs/large-runs.md's setup: `EarlyStopping` on the sentinel's mismatches, 8 steps an epoch, logged every 50."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    pl.seed_everything(0, verbose=False)
+    monitor = RecomputationMonitor(every_n_steps=100, on_divergence=on_divergence, exclude_attributes=ARMED_COUNT)  # type: ignore[arg-type]
+    stopping = EarlyStopping(monitor=METRIC, divergence_threshold=0.0, strict=True, check_on_train_epoch_end=True)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=24, strategy=strategy, callbacks=[monitor, stopping], log_every_n_steps=50)
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def test_early_stopping_on_the_sentinels_mismatches_works_with_epochs_shorter_than_the_logging_interval(
+    tmp_path: Path,
+) -> None:
+    clean = early_stopped(tmp_path / "clean", StackModule(block="PlainBlock", n=3), "warn")
+    assert clean.global_step == 24 and not clean.should_stop
+    assert float(clean.callback_metrics[METRIC]) == 0.0
+    # The defect at step 5 is read at the first epoch's end (step 7), and EarlyStopping stops there.
+    broken = early_stopped(tmp_path / "broken", armed_module(step=5), "ignore")
+    assert broken.should_stop and broken.global_step == 8
+    assert float(broken.callback_metrics[METRIC]) == 1.0
+
+
+def test_the_sentinels_counts_are_in_callback_metrics_from_the_first_step(tmp_path: Path) -> None:
+    seen: list[float] = []
+
+    class Reader(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:
+                seen.append(float(trainer.callback_metrics[METRIC]))
+
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    callbacks = [RecomputationMonitor(every_n_steps=100), Reader()]
+    pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=callbacks, log_every_n_steps=50)).fit(
+        StackModule(block="PlainBlock")
+    )
+    assert seen == [0.0]
+
+
+def test_compared_per_step_is_the_same_whatever_the_logging_interval(tmp_path: Path) -> None:
+    # The sampled tier compares every saved tensor every step: the same count at each step of a plain model.
+    runs = {}
+    for every in (1, 4):
+        pl.seed_everything(0, verbose=False)
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+        kwargs = trainer_kwargs(
+            tmp_path / str(every),
+            max_steps=8,
+            strategy=strategy,
+            callbacks=[RecomputationMonitor(every_n_steps=100, sentinel="sampled")],
+            logger=CSVLogger(tmp_path / str(every)),
+            log_every_n_steps=every,
+        )
+        pl.Trainer(**kwargs).fit(StackModule(block="PlainBlock"))
+        runs[every] = (
+            logged(tmp_path / str(every), "recompute/sentinel/compared"),
+            logged(tmp_path / str(every), "recompute/sentinel/compared_per_step"),
+        )
+    (each, each_per_step), (fourth, fourth_per_step) = runs[1], runs[4]
+    per_step = each[0][1]
+    assert per_step > 0 and each == [(step, per_step) for step in range(8)] and each_per_step == each
+    assert fourth == [(3, 4 * per_step), (7, 4 * per_step)]
+    assert fourth_per_step == [(3, per_step), (7, per_step)]

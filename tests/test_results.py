@@ -2,6 +2,8 @@
 
 import warnings
 
+import pytest
+
 from lightning_ckpt_determinism import LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.results import CheckResults
 
@@ -31,3 +33,14 @@ def test_skipped_checks_are_kept_and_counted_and_a_fit_starts_afresh() -> None:
     assert results.summary.skipped == 0
     assert len(results.history) == 2
     assert "ran 0 periodic checks this fit (the first step, then every 1 steps)" in results.text(None)
+
+
+def test_a_rate_limited_warning_is_said_not_shown_so_nothing_points_to_it() -> None:
+    results = CheckResults(history_size=4, log_prefix="recompute", every_n_steps=3, on_divergence="warn")
+    with pytest.warns(LightningCkptDeterminismWarning, match="first"):
+        assert results.warn_once("kind", "first") is True
+    results.checks = 2  # within every_n_steps checks of the last warning: held back
+    assert results.warn_once("kind", "again") is False
+    results.checks = 3
+    with pytest.warns(LightningCkptDeterminismWarning, match="recurs"):
+        assert results.warn_once("kind", "recurs") is True

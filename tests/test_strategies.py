@@ -13,7 +13,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from examples.broken import SyntheticRegression
@@ -327,3 +330,51 @@ def test_mixin_rejects_a_config_matching_nothing_on_a_strategy_that_never_calls_
     with pytest.raises(ValueError, match="`CheckpointingConfig` matches no module of ConfiguredStackModule"):
         _fit(tmp_path, ConfiguredStackModule(), strategy, max_steps=2, callbacks=[recorder])
     assert recorder.seen == []
+
+
+class _FakeGPUAccelerator(CPUAccelerator):
+    """An accelerator that chooses ``cuda:<index>`` for the Trainer's ``devices``, constructible on a CPU machine."""
+
+    @staticmethod
+    def parse_devices(devices: object) -> list[int]:
+        return list(range(devices)) if isinstance(devices, int) else list(devices)  # type: ignore[call-overload]
+
+    @staticmethod
+    def get_parallel_devices(devices: list[int]) -> list[torch.device]:
+        return [torch.device("cuda", index) for index in devices]
+
+
+@pytest.mark.parametrize(("devices", "expected"), [(1, "cuda:0"), ([3], "cuda:3")])
+def test_the_single_device_strategy_follows_the_trainers_accelerator_and_devices(
+    tmp_path: Path, devices: object, expected: str
+) -> None:
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]))
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path, accelerator=_FakeGPUAccelerator(), devices=devices, strategy=strategy)
+    )
+    assert trainer.strategy is strategy and strategy.root_device == torch.device(expected)
+    # On the CPU, and with a device given, as Lightning's own SingleDeviceStrategy.
+    cpu = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]))
+    pl.Trainer(**trainer_kwargs(tmp_path, strategy=cpu))
+    assert cpu.root_device == SingleDeviceStrategy(device="cpu").root_device
+    given = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]), device="cpu")
+    pl.Trainer(**trainer_kwargs(tmp_path, accelerator="auto", strategy=given))
+    assert given.root_device == torch.device("cpu")
+    contradicted = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["X"]), device="cpu")
+    with pytest.raises(MisconfigurationException, match="CPU parallel_devices set through SingleDeviceCheckpointing"):
+        pl.Trainer(**trainer_kwargs(tmp_path, accelerator="gpu", strategy=contradicted))
+
+
+def test_the_single_device_strategy_from_yaml_without_a_device_follows_the_accelerator(tmp_path: Path) -> None:
+    from lightning_ckpt_determinism import CheckpointingCLI
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "trainer:\n  accelerator:\n    class_path: tests.test_strategies._FakeGPUAccelerator\n  devices: [2]\n"
+        "  logger: false\n  enable_checkpointing: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        classes: [PlainBlock]\n"
+        "model:\n  class_path: tests.helpers.StackModule\n  init_args:\n    block: PlainBlock\n"
+    )
+    cli = CheckpointingCLI(args=["--config", str(config)], run=False)
+    assert cli.trainer.strategy.root_device == torch.device("cuda", 2)

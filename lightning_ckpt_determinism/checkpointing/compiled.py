@@ -21,7 +21,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism._torch_compat import RECOMPILE_LOGGER, hit_recompile_limit
 from lightning_ckpt_determinism.checkpointing.routing import CompiledPolicy
-from lightning_ckpt_determinism.config import CheckpointingConfig, class_name, resolve_ops
+from lightning_ckpt_determinism.config import AUTO_CLASSES, CheckpointingConfig, class_name, resolve_ops
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = ["ContextPairFn", "RecompileLimitFilter", "eager_only_options", "region_contexts"]
@@ -98,7 +98,8 @@ def eager_only_options(config: CheckpointingConfig, protect_buffers: bool) -> tu
 
 def _selection(config: CheckpointingConfig) -> str:
     """What a config selects, as a note names it: ``classes ['Block']``, ``names ['model.blocks.*']``."""
-    parts = [f"classes {[class_name(entry) for entry in config.classes]}"] if config.classes else []
+    entries = config.classes if config.classes == AUTO_CLASSES else [class_name(entry) for entry in config.classes]
+    parts = [f"classes {entries}"] if config.classes else []
     parts += [f"names {config.names}"] if config.names else []
     return " and ".join(parts)
 

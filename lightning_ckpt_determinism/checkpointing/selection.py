@@ -1,15 +1,23 @@
 """Which submodules a config selects (classes, name globs, ``every_n``), the diagnostics of a miss, and applying it."""
 
+import difflib
 import fnmatch
 import warnings
 from collections.abc import Mapping
 
 from torch import nn
 
+from lightning_ckpt_determinism.checkpointing.auto import auto_layers
 from lightning_ckpt_determinism.checkpointing.kv_cache import switch_off_kv_caches
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, is_checkpointed
-from lightning_ckpt_determinism.config import CheckpointingConfig, class_name, resolve_class_path
+from lightning_ckpt_determinism.config import (
+    AUTO_CLASSES,
+    CheckpointingConfig,
+    class_entries,
+    class_name,
+    resolve_class_path,
+)
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_selected", "select_modules"]
@@ -38,7 +46,8 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         >>> list(select_modules(model, CheckpointingConfig(classes=["Linear"], every_n=2)))
         ['1', '3']
     """
-    paths = [entry for entry in config.classes if isinstance(entry, str)]  # the config stores classes as paths
+    paths = class_entries(config)  # the config stores classes as paths
+    chosen = set(auto_layers(module).names) if config.classes == AUTO_CLASSES else set()
     bare_names = {path for path in paths if "." not in path}
     classes = tuple(resolve_class_path(path) for path in paths if "." in path)
     wrapped_names = [name for name, sub in named_modules(module) if is_checkpointed(sub)]
@@ -48,7 +57,7 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
             return True
         if any(wrapped.startswith(name + ".") for wrapped in wrapped_names):
             return False
-        if isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
+        if name in chosen or isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
             return True
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
 
@@ -138,11 +147,29 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
     sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
     return (
         f"`CheckpointingConfig` matches no module of {type(module).__name__}:"
-        f" classes={[class_name(entry) for entry in config.classes]},"
+        f" classes={_classes_shown(module, config)},"
         f" names={config.names}. The model's module classes are {class_names}; its module names include"
         f" {sample}. Names are relative to the module the config is applied to (the LightningModule under a"
-        " strategy)."
+        f" strategy).{_did_you_mean(class_entries(config), class_names)}"
     )
+
+
+def _did_you_mean(entries: list[str], class_names: list[str]) -> str:
+    """`` Did you mean 'ConvBlock' for 'ConvBlok'?`` for each bare class name close to one of the model's."""
+    close = [
+        (entry, found[0])
+        for entry in entries
+        if "." not in entry and entry not in class_names
+        for found in [difflib.get_close_matches(entry, class_names, n=1)]
+        if found
+    ]
+    return "".join(f" Did you mean {right!r} for {wrong!r}?" for wrong, right in close)
+
+
+def _classes_shown(module: nn.Module, config: CheckpointingConfig) -> str:
+    if config.classes == AUTO_CLASSES:
+        return f"auto (found {auto_layers(module).reason})"
+    return str([class_name(entry) for entry in config.classes])
 
 
 def _warn_unused_entries(
@@ -156,7 +183,7 @@ def _warn_unused_entries(
     if unused:
         warnings.warn(
             f"lightning_ckpt_determinism: `CheckpointingConfig` entries {unused} match no module of"
-            f" {type(module).__name__}; check their spelling.",
+            f" {type(module).__name__}; check their spelling.{_did_you_mean(unused, sorted(seen_class_names))}",
             LightningCkptDeterminismWarning,
             stacklevel=3,
         )

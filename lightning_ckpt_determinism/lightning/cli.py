@@ -19,6 +19,9 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 Any other error keeps its traceback.
 """
 
+import difflib
+import inspect
+import os
 import re
 import sys
 from argparse import ArgumentError
@@ -31,17 +34,23 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_ckpt_determinism._library_compat import (
+    class_refusing,
     is_unknown_strategy_error,
+    list_expected,
     literal_rejection,
     package_message_in,
     rejected_value,
 )
-from lightning_ckpt_determinism.config import choice_message
-from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.config import choice_message, resolve_class_path
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
+from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
-__all__ = ["CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
+__all__ = ["TRACEBACK_VARIABLE", "CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
+
+TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
+"""Set to ``1`` to see the traceback of a fit that ``on_divergence: raise`` stopped, rather than its one line."""
 
 _CONFIG_OPTIONS = ("--config", "-c")
 _KEY_AND_REASON = re.compile(r"`([^`]+)`: (.*)")
@@ -60,7 +69,9 @@ class CheckpointingCLI(LightningCLI):
         **kwargs: Passed to ``LightningCLI``; ``parser_kwargs`` gets ``exit_on_error=False`` unless it says otherwise.
 
     Raises:
-        SystemExit: With code 2 after printing the error, for a configuration error.
+        SystemExit: With code 2 after printing the error, for a configuration error; with code 1 after printing its
+            one line (step, region, cause), for a fit that ``on_divergence: raise`` stopped (set the environment
+            variable ``LIGHTNING_CKPT_DETERMINISM_TRACEBACK=1`` for the traceback instead).
 
     Example::
 
@@ -85,6 +96,12 @@ class CheckpointingCLI(LightningCLI):
                 raise
             print(f"error: {message}", file=sys.stderr)
             sys.exit(2)
+        except RecomputationDivergenceError as err:
+            # A finding, not a crash: its message names the step, region and cause; the traceback adds nothing.
+            if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
+                raise
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            sys.exit(1)
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """The Trainer, as ``LightningCLI`` builds it, with its monitors' hints in YAML form.
@@ -184,13 +201,49 @@ def configuration_error(err: Exception) -> str | None:
         return package_message
     if is_unknown_strategy_error(err):
         return " ".join(str(err).split())
-    return _in_package_words(rejected_value(str(err))) if isinstance(err, ArgumentError) else None
+    stock = _stock_strategy_given_checkpointing(str(err))
+    if stock is not None:
+        return stock
+    if not isinstance(err, ArgumentError):
+        return None
+    return _in_package_words(rejected_value(str(err))) + _option_meant(str(err))
+
+
+def _option_meant(text: str) -> str:
+    """``; did you mean `classes`?`` for an option a class does not take that is close to one it takes."""
+    refused = class_refusing(text)
+    if refused is None:
+        return ""
+    try:
+        accepted = list(inspect.signature(resolve_class_path(refused[0])).parameters)
+    except (CheckpointingConfigError, TypeError, ValueError):
+        return ""
+    close = difflib.get_close_matches(refused[1].split(".")[0], accepted, n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _stock_strategy_given_checkpointing(text: str) -> str | None:
+    """One line for a stock Lightning strategy given ``checkpointing``, naming the package's strategy to use."""
+    refused = class_refusing(text)
+    if refused is None or refused[1].split(".")[0] != "checkpointing":
+        return None
+    name = registered_name(refused[0].rsplit(".", 1)[-1])
+    if name is None:
+        return None
+    ours = REGISTERED[name].__name__
+    return (
+        f"`trainer.strategy`: {refused[0]} takes no `checkpointing`; use `class_path:"
+        f" lightning_ckpt_determinism.{ours}` with the same `init_args`, or `strategy: {name}` for `classes: auto`."
+    )
 
 
 def _in_package_words(rejected: str) -> str:
     """A value outside a ``Literal`` said as the package says it of its own choices (the value as a string, as
     jsonargparse prints it); anything else as jsonargparse says it."""
     found = _KEY_AND_REASON.fullmatch(rejected)
+    single = list_expected(found[2]) if found else None
+    if found is not None and single is not None:
+        return f"`{found[1]}` must be a list, got {single}; write [{single}]."
     choice = literal_rejection(found[2]) if found else None
     if found is None or choice is None:
         return rejected

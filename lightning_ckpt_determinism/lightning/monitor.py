@@ -115,7 +115,8 @@ class RecomputationMonitor(Callback):
             Lightning's logging steps (``log_every_n_steps``), at check steps and at the fit's end, so a finding is
             read at most ``min(log_every_n_steps, every_n_steps)`` steps after it happened (with
             ``on_divergence="raise"``, at every step before the optimizer step: one small all-reduce and host read
-            per step). It logs ``{log_prefix}/sentinel/compared``, ``{log_prefix}/sentinel/mismatches`` and
+            per step); the counts are in ``trainer.callback_metrics`` from the first step and at every epoch end.
+            It logs ``{log_prefix}/sentinel/compared``, ``.../compared_per_step``, ``.../mismatches`` and
             ``{log_prefix}/sentinel/regions/{name}/mismatches``; the loggers get each step that had mismatches at
             that step. A mismatch warns, naming the step it happened at (once per region and ``every_n_steps``), or
             raises as ``on_divergence`` says; after a warning the next step digests every element of every saved
@@ -233,7 +234,7 @@ class RecomputationMonitor(Callback):
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
             )
         self._support = support_of(trainer.strategy)
-        problem = unmonitored(self._support, trainer.strategy, pl_module)
+        problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
         if not self._enabled:
@@ -333,10 +334,15 @@ class RecomputationMonitor(Callback):
         self._watch.step_ended()
         logging = self._watch.metrics_due(trainer)
         step = self._watch.step
-        if logging or self._schedule.last_checked == step:
+        # Read at epoch ends and check steps too, so that `EarlyStopping` and `ModelCheckpoint` find the counts in
+        # `trainer.callback_metrics` from the first step (checked) and at every epoch end, however short the epoch.
+        shown = self._schedule.last_checked == step or trainer.is_last_batch or trainer.global_step == trainer.max_steps
+        if logging or shown:
             self._respond(trainer, self._watch.read(trainer))
         if logging:
             self._publish(trainer, pl_module, self._watch.metrics())
+        elif shown:
+            self._results.publish(trainer, pl_module, self._watch.so_far(), step, loggers=False)
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -373,8 +379,10 @@ class RecomputationMonitor(Callback):
         step = self._watch.step
         checked = {record.step for record in self.history if record.diverged and self.attribution != "never"}
         named = bool(findings) and all(finding.step in checked for finding in findings)
-        if named:
+        if named and all(finding.step in self._results.warned_steps for finding in findings):
             then = "The check of that step names the cause (see its warning)."
+        elif named:
+            then = "The check of that step names the cause (in `history` and the fit's summary)."
         elif last:
             then = "The fit ended before a check could name the cause: run the audit on this config to name it."
         else:

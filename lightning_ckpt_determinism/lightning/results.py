@@ -68,6 +68,8 @@ class CheckResults:
         self.syntax: Syntax = "python"
         # The check count at which each kind of finding last warned.
         self._warned: dict[str, int] = {}
+        # The steps whose check warned this fit (a rate-limited one did not): only those may be pointed to.
+        self.warned_steps: set[int] = set()
 
     def start_fit(self, syntax: Syntax = "python") -> None:
         """A fit starts: its summary is empty, and every kind of finding warns at once.
@@ -76,6 +78,7 @@ class CheckResults:
             syntax: How the fit's warnings and summary spell the settings their hints name.
         """
         self.summary, self._warned, self.syntax = FitSummary(), {}, syntax
+        self.warned_steps = set()
 
     def skipped(self, step: int, reason: str) -> None:
         """Keep a check of ``step`` skipped for ``reason``.
@@ -136,7 +139,8 @@ class CheckResults:
         message = respelt(divergence_message(step, findings, report, self.attribution), self.syntax)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
-        self.warn_once(warning_key(findings), message)
+        if self.warn_once(warning_key(findings), message):
+            self.warned_steps.add(step)
 
     def publish(
         self,
@@ -169,18 +173,23 @@ class CheckResults:
             prog_bar = self.prog_bar and name == shown
             pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
 
-    def warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> bool:
         """Warn on rank zero when a kind of finding first shows, and again when it recurs ``every_n_steps`` checks
         later; the metrics carry every check's numbers.
 
         Args:
             key: The kind of finding.
             message: The warning.
+
+        Returns:
+            Whether it warned.
         """
         last = self._warned.get(key)
         if last is None or self.checks - last >= self.every_n_steps:
             self._warned[key] = self.checks
             rank_zero_warn(message, category=LightningCkptDeterminismWarning)
+            return True
+        return False
 
     def text(self, sentinel: SentinelReport | None, plan: CheckpointingPlan | None = None) -> str:
         """The fit's summary paragraph, with what ``sentinel`` compared and the ``memory_budget`` plan the fit ran.

@@ -4,6 +4,7 @@ from collections import Counter
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -14,6 +15,7 @@ from lightning_ckpt_determinism.checkpointing import (
     remove_activation_checkpointing,
     select_modules,
 )
+from lightning_ckpt_determinism.checkpointing.auto import auto_layers
 from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, check_budget_device
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected
 from lightning_ckpt_determinism.checkpointing.wrapper import routes
@@ -212,12 +214,23 @@ class ActivationCheckpointingMixin:
         """
         if not selected:
             return
-        checkpoint_selected(root if root is not None else self.lightning_module, selected, self.checkpointing)  # type: ignore[attr-defined]
+        root = root if root is not None else self.lightning_module  # type: ignore[attr-defined]
+        checkpoint_selected(root, selected, self.checkpointing)
         self._applied_checkpointing.update(selected)
+        chose = (
+            f", chosen by `classes: auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
+        )
+        # Under a budget every match is checkpointed for the first batch's measurement only: say the plan is to come.
+        pending = (
+            f" The memory_budget's plan is pending: the first batch measures these {len(selected)} checkpointed, and"
+            " from the second the plan keeps some of them plain (its own line says which)."
+            if self.checkpointing.memory_budget is not None
+            else ""
+        )
         rank_zero_info(
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
-            f" ({_summary(selected)}); every_n={self.checkpointing.every_n},"
-            f" save_ops={self.checkpointing.save_ops or 'none'}."
+            f" ({_summary(selected)}{chose}); every_n={self.checkpointing.every_n},"
+            f" save_ops={self.checkpointing.save_ops or 'none'}.{pending}"
         )
 
 
@@ -242,7 +255,10 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
 
     Args:
         checkpointing: Which submodules to checkpoint and how; ``None`` (YAML ``null``) is rejected with an error.
-        device: The device to train on.
+        device: The device to train on; ``None`` (the default) follows the Trainer's accelerator and ``devices``, as
+            Lightning's own ``SingleDeviceStrategy`` is chosen: ``cuda:0`` under ``accelerator="gpu"`` (or ``"auto"``
+            on a CUDA machine), ``cuda:1`` with ``devices=[1]``, the CPU under ``accelerator="cpu"``. Before the
+            Trainer connects it, the strategy reports the CPU.
         **kwargs: The remaining arguments of :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     Example::
@@ -254,8 +270,21 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
 
     _monitor_support = StrategySupport
 
-    def __init__(self, checkpointing: CheckpointingConfig | None, device: str = "cpu", **kwargs: Any) -> None:
-        super().__init__(checkpointing=checkpointing, device=device, **kwargs)
+    def __init__(self, checkpointing: CheckpointingConfig | None, device: str | None = None, **kwargs: Any) -> None:
+        super().__init__(checkpointing=checkpointing, device="cpu" if device is None else device, **kwargs)
+        self._device_given = device is not None
+
+    # Lightning's Trainer gives a strategy with `parallel_devices` the devices it chose from `accelerator` and
+    # `devices` when the strategy has none of its own: the first of them is the device, unless one was given.
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The device given, or none before the Trainer chooses it (then the Trainer's choice)."""
+        return [self.root_device] if self._device_given else []
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[Any]) -> None:
+        if devices and not self._device_given:
+            self._root_device = torch.device(devices[0])
 
 
 class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # type: ignore[misc]

@@ -156,7 +156,9 @@ def support_of(strategy: Any) -> StrategySupport | None:
     return declared() if callable(declared) else stock_support(strategy)
 
 
-def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.LightningModule") -> str | None:
+def unmonitored(
+    support: StrategySupport | None, strategy: Any, pl_module: "pl.LightningModule", syntax: str = "python"
+) -> str | None:
     """Why the monitor can check nothing in this fit (a strategy without support, a model without a checkpointed
     module at fit start), as the one-line error it raises, or ``None`` when it can check.
 
@@ -164,6 +166,7 @@ def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.L
         support: What :func:`support_of` says of ``strategy``.
         strategy: The Trainer's strategy.
         pl_module: The LightningModule.
+        syntax: ``"yaml"`` to write the fix as YAML does (under ``CheckpointingCLI``), else ``"python"``.
 
     Example::
 
@@ -178,10 +181,18 @@ def unmonitored(support: StrategySupport | None, strategy: Any, pl_module: "pl.L
             " `monitor_support()` that returns a `StrategySupport`, or remove the monitor."
         )
     if not checkpointed_modules(pl_module):
-        return (
+        nothing = (
             f"`RecomputationMonitor` has nothing to check: no module of {type(pl_module).__name__} is checkpointed at"
             f" fit start under {type(strategy).__name__}. Add a checkpointing strategy (e.g."
-            " `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[...]))`,"
+        )
+        if syntax == "yaml":
+            return (
+                f"{nothing} `strategy: single_device_checkpointing` or `ddp_checkpointing`, which checkpoint"
+                " `classes: auto`, or `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy` with"
+                " `init_args: {checkpointing: {classes: [Block]}}`) under `trainer`, or remove the monitor."
+            )
+        return (
+            f"{nothing} `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[...]))`,"
             " `DDPCheckpointingStrategy`, `FSDPCheckpointingStrategy`, `ModelParallelCheckpointingStrategy`) or call"
             " `apply_activation_checkpointing` in `configure_model`, or remove the monitor."
         )

@@ -3,18 +3,20 @@
 The sentinel (:func:`~lightning_ckpt_determinism.recomputation_sentinel`) is entered when the fit starts and left
 when it ends. Each training batch's comparisons stay on the device, closed into one record per batch
 (:meth:`SentinelWatch.step_ended`): no host read and no collective per step. They are read
-(:meth:`SentinelWatch.read`) at Lightning's logging steps (``log_every_n_steps``), at the monitor's check steps and
-at the fit's end, and, with ``on_divergence="raise"``, at every step before the optimizer steps: every record since
-the last read is reduced over ranks in one small all-reduce and read back to the host once; only the steps where
-something differed are read in detail on every rank, and every rank's details gathered. A finding keeps the step at
-which it happened. The counts are logged at the logging steps: ``{prefix}/sentinel/compared`` always,
-``{prefix}/sentinel/mismatches`` when something was compared (a period that compared nothing has no mismatch count
-to show, and the monitor says once why); in the loggers a step that had mismatches gets its own point, at that step.
-Only training batches are watched, from their start to their end: between them the sentinel is paused, so a
-validation loop run with gradients on (an input-gradient metric under ``torch.enable_grad()``, the sanity check
-included), which recomputes its regions in its own backward, neither counts in the metrics nor raises. The
-monitor's own check passes are not watched either: they rerun the step, they do not train. A failure of the
-sentinel's own bookkeeping stops the sentinel on every rank alike, with one warning, and never the fit.
+(:meth:`SentinelWatch.read`) at Lightning's logging steps (``log_every_n_steps``), at the monitor's check steps, at
+epoch ends and at the fit's end, and, with ``on_divergence="raise"``, at every step before the optimizer steps:
+every record since the last read is reduced over ranks in one small all-reduce and read back to the host once; only
+the steps where something differed are read in detail on every rank, and every rank's details gathered. A finding
+keeps the step at which it happened. The counts are logged at the logging steps (and shown in
+``trainer.callback_metrics`` at check steps and epoch ends too, :meth:`SentinelWatch.so_far`):
+``{prefix}/sentinel/compared`` and ``{prefix}/sentinel/compared_per_step`` always, ``{prefix}/sentinel/mismatches``
+when something was compared (a period that compared nothing has no mismatch count to show, and the monitor says once
+why); in the loggers a step that had mismatches gets its own point, at that step. Only training batches are watched,
+from their start to their end: between them the sentinel is paused, so a validation loop run with gradients on (an
+input-gradient metric under ``torch.enable_grad()``, the sanity check included), which recomputes its regions in its
+own backward, neither counts in the metrics nor raises. The monitor's own check passes are not watched either: they
+rerun the step, they do not train. A failure of the sentinel's own bookkeeping stops the sentinel on every rank
+alike, with one warning, and never the fit.
 """
 
 import contextlib
@@ -335,7 +337,8 @@ class SentinelWatch:
         """The metrics of every step read since the last logged one, logged at the current step (or, at the fit's
         end with ``last``, what is still unlogged); ``None`` when there is nothing to log.
 
-        ``{prefix}/sentinel/compared`` counts the saved tensors compared; ``{prefix}/sentinel/mismatches`` the
+        ``{prefix}/sentinel/compared`` counts the saved tensors compared (``compared_per_step`` the same per
+        training step, alike whatever the logging interval); ``{prefix}/sentinel/mismatches`` the
         mismatches, summed over ranks, given only when something was compared or differed;
         ``{prefix}/sentinel/regions/<name>/mismatches`` for each region that had any. The loggers get a point at
         each step that had mismatches (counting the steps since the previous point) and one at the current step.
@@ -345,29 +348,44 @@ class SentinelWatch:
         """
         if self.sentinel is None or not self._active or (last and not self._batches_since_logged):
             return None
+        first = since_step = self._logged_step
         self._logged_step = self.step
         unlogged, self._unlogged, self._batches_since_logged = self._unlogged, {}, 0
         points: list[tuple[int, dict[str, float]]] = []
         since = _StepCounts()
-        total = _StepCounts()
         for step in sorted(unlogged):
-            counts = unlogged[step]
-            for into in (since, total):
-                into.compared += counts.compared
-                for name, count in counts.mismatches.items():
-                    into.mismatches[name] = into.mismatches.get(name, 0) + count
-            if counts.mismatches:
-                points.append((step, self._values(since)))
-                since = _StepCounts()
+            _add(since, unlogged[step])
+            if unlogged[step].mismatches:
+                points.append((step, self._values(since, step - since_step)))
+                since, since_step = _StepCounts(), step
         if not points or points[-1][0] != self.step:
-            points.append((self.step, self._values(since)))
+            points.append((self.step, self._values(since, self.step - since_step)))
+        total = self._total(unlogged)
         if not total.compared and not total.mismatches:
             self._nothing_compared()
-        return SentinelMetrics(points, self._values(total))
+        return SentinelMetrics(points, self._values(total, self.step - first))
 
-    def _values(self, counts: _StepCounts) -> dict[str, float]:
+    def so_far(self) -> dict[str, float] | None:
+        """What ``trainer.callback_metrics`` gets between logging steps (at check steps and epoch ends): the counts
+        of every step read since the last logged one, leaving them for the loggers' next point; ``None`` when there
+        is nothing to show."""
+        if self.sentinel is None or not self._active:
+            return None
+        return self._values(self._total(self._unlogged), self.step - self._logged_step)
+
+    @staticmethod
+    def _total(unlogged: dict[int, _StepCounts]) -> _StepCounts:
+        total = _StepCounts()
+        for counts in unlogged.values():
+            _add(total, counts)
+        return total
+
+    def _values(self, counts: _StepCounts, steps: int) -> dict[str, float]:
         mismatches = sum(counts.mismatches.values())
-        values = {f"{self.prefix}/sentinel/compared": float(counts.compared)}
+        values = {
+            f"{self.prefix}/sentinel/compared": float(counts.compared),
+            f"{self.prefix}/sentinel/compared_per_step": counts.compared / max(steps, 1),
+        }
         if counts.compared or mismatches:
             values[f"{self.prefix}/sentinel/mismatches"] = float(mismatches)
         for name, count in counts.mismatches.items():
@@ -395,3 +413,9 @@ class SentinelWatch:
             " for them; the periodic check still compares gradients.",
             category=LightningCkptDeterminismWarning,
         )
+
+
+def _add(into: _StepCounts, counts: _StepCounts) -> None:
+    into.compared += counts.compared
+    for name, count in counts.mismatches.items():
+        into.mismatches[name] = into.mismatches.get(name, 0) + count
