@@ -33,6 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from benchmarks.common import Regions, interleaved_times
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
+from lightning_ckpt_determinism._torch_compat import determinism_checks
+from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS, InRegionCall
 
 SHAPE = (4, 64)
 """Each saved tensor: 4 rows of 64 ``float32`` (the sampled window reads 2 of each row's 32 words)."""
@@ -147,6 +149,70 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def extractor_ns(repeats: int = 20000) -> dict[str, dict[str, float]]:
+    """Nanoseconds of the extractor alone for a tensor no observer digests: torch's own, the package's with the
+    sentinel off, and the package's inside a light-tier call for a tensor it does not digest; at the pack (inside a
+    region call's forward) and at the comparison after the recomputation (``kept != extract(recomputed)``, run inside a
+    backward, where torch runs it). Timed by this thread's CPU time, best of five.
+
+    Args:
+        repeats: Calls per timing.
+    """
+    x = torch.randn(SHAPE)
+    region = Region(4, None)  # wrapping the first region registers the package's extractors
+    torch_extract = determinism_checks()["default"]
+    package_extract = determinism_checks()[DETERMINISM_CHECKS["default"]]
+    found = {
+        "torch default": {"pack": _ns(lambda: torch_extract(x), repeats)},
+        "package, sentinel off": {},
+        "light, not digested": {},
+    }
+    with InRegionCall(None, None):
+        found["package, sentinel off"]["pack"] = _ns(lambda: package_extract(x), repeats)
+    sentinel = RecomputationSentinel(region, mode="light")
+    regions = Regions(region)
+    for _ in range(2):  # the region's profile and light layout are learned
+        _watched(regions, sentinel, region, x.requires_grad_())
+    with regions.observed_by(sentinel), sentinel.region_forward("chain", region.chain), InRegionCall(None, sentinel):
+        # Past the layout's four positions: tensors the call does not digest.
+        found["light, not digested"]["pack"] = _ns(lambda: package_extract(x), repeats)
+    kept = torch_extract(x)
+    found["torch default"]["comparison"] = _in_backward(lambda: _ns(lambda: kept != torch_extract(x), repeats))
+    compared = _in_backward(lambda: _ns(lambda: kept != package_extract(x), repeats))
+    found["package, sentinel off"]["comparison"] = found["light, not digested"]["comparison"] = compared
+    return found
+
+
+def _ns(function: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(5):
+        started = time.thread_time()
+        for _ in range(repeats):
+            function()
+        best = min(best, time.thread_time() - started)
+    return best / repeats * 1e9
+
+
+def _in_backward(function: Callable[[], float]) -> float:
+    """``function``'s value, run inside a backward (where torch compares a recomputed tensor)."""
+    leaf = torch.ones(1, requires_grad=True)
+    found: list[float] = []
+    through = leaf * 1
+    through.register_hook(lambda grad: found.append(function()))
+    through.sum().backward()
+    return found[0]
+
+
+def extractor_table(found: dict[str, dict[str, float]]) -> str:
+    """The figures of :func:`extractor_ns` as a Markdown table, each path's pack and comparison over torch's."""
+    base = sum(found["torch default"].values())
+    lines = ["| extractor path | pack ns | comparison ns | both / torch's |", "|---|---|---|---|"]
+    for name, row in found.items():
+        both = row["pack"] + row["comparison"]
+        lines.append(f"| {name} | {row['pack']:.0f} | {row['comparison']:.0f} | {both / base:.2f} |")
+    return "\n".join(lines)
+
+
 def table(found: dict[str, dict[str, Any]]) -> str:
     """The figures of :func:`per_tensor` as a Markdown table, each path's extractor share also over torch's default."""
     default = found["torch default"]["over none"]
@@ -172,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     print(table(per_tensor(args.rounds, device=torch.device(args.device))))
+    if args.device == "cpu":
+        print()
+        print(extractor_table(extractor_ns()))
     return 0
 
 

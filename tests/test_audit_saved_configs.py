@@ -99,5 +99,5 @@ def test_an_unknown_override_is_a_one_line_usage_error(capsys: pytest.CaptureFix
     assert code == 2
     assert err.splitlines() == [
         f"lightning-ckpt-determinism audit: error: {CLEAN} cannot be loaded:"
-        " `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted"
+        " `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted; did you mean `every_n`?"
     ]
