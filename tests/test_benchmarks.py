@@ -17,6 +17,7 @@ from benchmarks.common import ModelSize
 from benchmarks.run import main
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 STEP_VARIANTS = ["none", "hand-written", "package", "package +host_rng"]
 
 

@@ -143,6 +143,7 @@ def distributed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_figures(
     distributed: list[dict[str, Any]], kind: str
@@ -159,6 +160,7 @@ def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_fi
         assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_measure_their_shards_and_apply_one_plan(distributed: list[dict[str, Any]]) -> None:
     ranks = [found["tp"] for found in distributed]
     assert ranks[0] == ranks[1]

@@ -437,6 +437,7 @@ def test_a_model_compiled_in_configure_model_trains_bit_identically_with_the_sen
     assert all(torch.equal(weights["sampled"][name], value) for name, value in weights["off"].items())
 
 
+@pytest.mark.slow
 def test_compile_with_ddp_trains_with_the_monitor_at_zero(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=240)

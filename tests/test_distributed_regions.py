@@ -15,6 +15,7 @@ import pytest
 from tests.helpers import REPO, launch_ranks
 
 SCRIPT = REPO / "tests" / "distributed_regions_script.py"
+pytestmark = pytest.mark.slow
 BLOCKS = ["SyncNormBlock", "AllToAllBlock"]
 REGIONS = [f"model.blocks.{index}" for index in range(3)]
 BLOCKS_OF_A_STACK = ["blocks.0", "blocks.1", "blocks.2"]

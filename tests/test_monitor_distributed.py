@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "distributed_monitor_script.py"
+pytestmark = pytest.mark.slow
 KINDS = ["ddp", "fsdp2"]
 
 

@@ -288,6 +288,7 @@ def test_fsdp_strategy_trains_checkpointed_on_one_gpu(tmp_path: Path) -> None:
 # DDP: two CPU processes.
 
 
+@pytest.mark.slow
 def test_ddp_strategy_trains_checkpointed_on_two_processes_and_equals_unchecked_ddp(tmp_path: Path) -> None:
     # A clean launch: no rank, world or seed left in the environment by this process or its own launcher.
     launch_vars = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"}
