@@ -7,11 +7,15 @@ Each entry has a test pinned to the installed version (``tests/test_library_comp
 
 import ast
 import re
+from collections.abc import Callable
 from itertools import takewhile
 from typing import Any
 
+from torch import nn
+
 __all__ = [
     "METRIC_BOOKKEEPING",
+    "ModelSetupHook",
     "class_refusing",
     "is_unknown_strategy_error",
     "list_expected",
@@ -34,6 +38,33 @@ _REFUSED_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*Option
 _LIST_EXPECTED = re.compile(r"Expected a <class 'list'>(?:, got|\. Got value:) (.*)")
 # jsonargparse's reason for a value a `Literal` refuses.
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
+
+
+class ModelSetupHook:
+    """Lightning's protected ``Strategy._setup_model(model)`` (Lightning 2.0 to 2.6: where ``setup`` hands the model
+    to the strategy's wrapper, DDP's or FSDP's), reached as the package's own hook ``_around_setup_model``.
+
+    Put it among the bases before the Lightning strategy; a subclass overrides ``_around_setup_model(model, setup)``,
+    where ``setup`` is the strategy's own ``_setup_model``, and returns what the strategy should hold. Strategies that
+    never call ``_setup_model`` (``ModelParallelStrategy``) never call the hook.
+
+    Example::
+
+        >>> class Base:
+        ...     def _setup_model(self, model):
+        ...         return ("wrapped", model)
+        >>> class Hooked(ModelSetupHook, Base):
+        ...     def _around_setup_model(self, model, setup):
+        ...         return setup(f"prepared {model}")
+        >>> Hooked()._setup_model("model")
+        ('wrapped', 'prepared model')
+    """
+
+    def _around_setup_model(self, model: nn.Module, setup: Callable[[nn.Module], nn.Module]) -> nn.Module:
+        return setup(model)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return self._around_setup_model(model, super()._setup_model)  # type: ignore[misc]
 
 
 def metric_state_names(metric: Any) -> list[str]:

@@ -3,13 +3,14 @@ object, read as the package reads it."""
 
 from argparse import ArgumentError
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
 from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torchmetrics import MeanMetric
 
 from lightning_ckpt_determinism import _library_compat as compat
@@ -104,5 +105,22 @@ def test_every_entry_is_pinned_here() -> None:
         "metric_state_names",
         "class_refusing",
         "list_expected",
+        "ModelSetupHook",
     }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}
+
+
+@pytest.mark.parametrize("strategy", [DDPStrategy, FSDPStrategy])
+def test_the_model_setup_hook_is_handed_the_lightning_strategys_own_setup_model(strategy: type) -> None:
+    handed = []
+
+    class Probe(compat.ModelSetupHook, strategy):  # type: ignore[misc, valid-type]
+        def _around_setup_model(self, model: torch.nn.Module, setup: Any) -> torch.nn.Module:
+            handed.append(setup)
+            return model
+
+    probe = Probe()
+    model = torch.nn.Linear(1, 1)
+    assert probe._setup_model(model) is model
+    (setup,) = handed
+    assert setup.__self__ is probe and setup.__func__ is strategy._setup_model

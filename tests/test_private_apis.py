@@ -45,7 +45,7 @@ def _offences(path: Path, root: Path = PACKAGE.parent) -> list[str]:
             receiver = node.value
             own = isinstance(receiver, ast.Name) and receiver.id in ("self", "cls")
             rooted_in_library = _root(receiver) in LIBRARIES
-            if rooted_in_library or (not own and node.attr in TORCH_PRIVATE):
+            if rooted_in_library or _is_super(receiver) or (not own and node.attr in TORCH_PRIVATE):
                 found.append(f"{where}: .{node.attr}")
     return found
 
@@ -58,6 +58,12 @@ def _is_reflection(node: ast.Call) -> bool:
     target, name = node.args[0], node.args[1]
     own = isinstance(target, ast.Name) and target.id in ("self", "cls")
     return not own and isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value)
+
+
+def _is_super(node: ast.expr) -> bool:
+    """``super()``: a private name reached through it is a base class's, and the package's classes that call one
+    derive from a library's (a strategy's ``super()._setup_model(model)``)."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
 
 
 def _root(node: ast.expr) -> str | None:
@@ -81,6 +87,8 @@ def test_the_walk_finds_each_kind_of_private_use(tmp_path: Path) -> None:
         "y = owner._buffers\n"
         "z = self._buffers\n"
         "w = getattr(module, '_orig_mod', None)\n"
+        "v = super()._setup_model(model)\n"
+        "u = super().__init__()\n"
     )
     offences = sorted(offence.split(":", 1)[1] for offence in _offences(source, tmp_path))
     assert offences == [
@@ -92,4 +100,5 @@ def test_the_walk_finds_each_kind_of_private_use(tmp_path: Path) -> None:
         "4: ._version",
         "5: ._buffers",
         "7: getattr(..., '_orig_mod')",
+        "8: ._setup_model",
     ]

@@ -7,6 +7,12 @@ nesting depth. It changes only inside :func:`~lightning_ckpt_determinism.checkpo
 Everything else a region reads belongs to its wrapper (its plan, its profile, the observers registered on its model),
 and the region call whose forward runs now is context-local
 (:class:`~lightning_ckpt_determinism.checkpointing.saved.InRegionCall`).
+
+Threads: one training thread per model. The counters here and on each wrapper (``plain_depth``, the profiles, the
+observers' counts) are plain Python values, changed without a lock by the training thread, or by autograd's backward
+thread (which recomputes) while the training thread waits in ``backward``. Two threads that train models of one
+process at once are not supported while either runs a check: the switch is process-wide, so the other thread's
+regions would run plainly too.
 """
 
 __all__: list[str] = []

@@ -143,6 +143,8 @@ def checkpointing_disabled() -> Iterator[None]:
 
     The recomputation check uses it for its reference pass. It nests and is restored whatever is raised. A
     compiled model compiles one more graph the first time it runs inside this block, and reuses both afterwards.
+    It is process-wide, for one training thread (the thread contract of
+    :mod:`~lightning_ckpt_determinism.checkpointing.switch`): a region another thread runs meanwhile runs plainly too.
 
     Example::
 

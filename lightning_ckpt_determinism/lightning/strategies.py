@@ -1,6 +1,7 @@
 """Apply activation checkpointing inside any Lightning strategy, in the order that strategy needs."""
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -10,6 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_ckpt_determinism._library_compat import ModelSetupHook
 from lightning_ckpt_determinism.checkpointing import (
     checkpointed_modules,
     remove_activation_checkpointing,
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class ActivationCheckpointingMixin:
+class ActivationCheckpointingMixin(ModelSetupHook):
     """Adds non-reentrant activation checkpointing of configured submodules to a Lightning strategy.
 
     Put it first among the bases: ``class MyStrategy(ActivationCheckpointingMixin, DDPStrategy)``. The config is
@@ -118,18 +120,18 @@ class ActivationCheckpointingMixin:
             # the user's `configure_model` has wrapped the model already, so it is final once their setup returns.
             self.apply_checkpointing(self.select_for_checkpointing(self.lightning_module))  # type: ignore[attr-defined]
 
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def _around_setup_model(self, model: nn.Module, setup: Callable[[nn.Module], nn.Module]) -> nn.Module:
         self._model_set_up = True
         selected = self.select_for_checkpointing(self.lightning_module)  # type: ignore[attr-defined]
         if self._checkpoint_after_wrapping:
             # The wrapper (FSDP) must own the modules before their forward is checkpointed; they were selected
             # above, while their names were still those of the LightningModule.
-            model = super()._setup_model(model)  # type: ignore[misc]
+            model = setup(model)
             self.apply_checkpointing(selected)
             return model
         # Before the wrapper (DDP) registers its hooks on the model.
         self.apply_checkpointing(selected)
-        return super()._setup_model(model)  # type: ignore[misc]
+        return setup(model)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
