@@ -239,6 +239,40 @@ def test_a_checkpointed_region_past_the_recompile_limit_is_warned() -> None:
     assert backend.calls == 2  # the last two blocks ran eagerly
 
 
+_FILTER_LIFETIME = """
+import gc, logging
+import torch
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+from lightning_ckpt_determinism import remove_activation_checkpointing
+from lightning_ckpt_determinism._torch_compat import RECOMPILE_LOGGER
+
+def filters():
+    return [type(each).__name__ for each in logging.getLogger(RECOMPILE_LOGGER).filters]
+
+seen = [filters()]
+models = [torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh()) for _ in range(2)]
+for model in models:
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["Linear"]))
+seen.append(filters())
+for model in list(models):
+    remove_activation_checkpointing(model)
+    models.remove(model)
+    gc.collect()
+    seen.append(filters())
+print(seen)
+"""
+
+
+def test_the_recompile_limit_filter_is_on_dynamos_logger_only_while_a_region_exists() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", _FILTER_LIFETIME], cwd=REPO, env=env, check=True, capture_output=True, text=True
+    )
+    # Not at import; one for both models' regions; still there while the second model's region lives.
+    filters = ["RecompileLimitFilter"]
+    assert done.stdout.strip() == str([[], filters, filters, []])
+
+
 class GraphBreakingBatchNormBlock(BatchNormBlock):
     """A BatchNorm block dynamo cannot trace whole: torch's checkpoint runs it eagerly."""
 

@@ -107,9 +107,11 @@ def _selection(config: CheckpointingConfig) -> str:
 class RecompileLimitFilter(logging.Filter):
     """Warns when dynamo reports that a checkpointed region hit its recompile limit: its later calls run eagerly.
 
-    Dynamo says so only through its ``torch._dynamo.convert_frame`` logger, never through ``warnings``. This filter
-    lets every record through and holds no state of its own (Python's warning registry shows the warning once);
-    :meth:`install` adds it to that logger once.
+    Dynamo says so only through its ``torch._dynamo.convert_frame`` logger, never through ``warnings``, and before
+    the region's own code runs, so no context of the package can hold the filter: it sits on that logger while a
+    checkpointed region exists. :meth:`serve` adds it with the first region and takes it off when the last region
+    it serves is collected (unwrapped and released). It lets every record through, and Python's warning registry
+    shows the warning once.
 
     Args:
         source: The file of the region wrapper's code, which dynamo names as the frame that hit the limit.
@@ -119,6 +121,7 @@ class RecompileLimitFilter(logging.Filter):
     def __init__(self, source: str, wrapper: str) -> None:
         super().__init__()
         self._marks = (source, wrapper)
+        self._regions: list[weakref.ref[object]] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -134,11 +137,28 @@ class RecompileLimitFilter(logging.Filter):
             )
         return True
 
-    def install(self) -> None:
-        """Add this filter to dynamo's logger unless one like it is there."""
+    @classmethod
+    def serve(cls, region: object, source: str, wrapper: str) -> None:
+        """Have the filter on dynamo's logger (one for every region) as long as ``region`` lives.
+
+        Args:
+            region: The region's wrapper.
+            source: See the class.
+            wrapper: See the class.
+        """
         logger = logging.getLogger(RECOMPILE_LOGGER)
-        if not any(isinstance(existing, RecompileLimitFilter) for existing in logger.filters):
-            logger.addFilter(self)
+        found = next((each for each in logger.filters if isinstance(each, RecompileLimitFilter)), None)
+        if found is None:
+            found = cls(source, wrapper)
+            logger.addFilter(found)
+        found._regions.append(weakref.ref(region))
+        weakref.finalize(region, found._released)
+
+    def _released(self) -> None:
+        # Called as a region is collected, when weak references to it already read None.
+        self._regions = [region for region in self._regions if region() is not None]
+        if not self._regions:
+            logging.getLogger(RECOMPILE_LOGGER).removeFilter(self)
 
 
 def _rank_zero() -> bool:

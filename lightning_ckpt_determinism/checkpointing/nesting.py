@@ -6,8 +6,9 @@ transformers' ``gradient_checkpointing_enable()``, torch's ``CheckpointWrapper``
 ``torch.distributed.algorithms._checkpoint``), torch's composable ``checkpoint(module)``, or a
 ``torch.utils.checkpoint.checkpoint`` call in the forward.
 
-The probe runs once per region, in its first eager forward with grad enabled: it looks for a checkpoint call among
-the frames above the region's call (a checkpoint around it), and a profile function (``sys.setprofile``, only while
+The probe (:func:`probing_for_nesting`) is the package's only frame inspection, and it is active only inside its
+block: once per region, around its first eager forward with grad enabled, it looks for a checkpoint call among the
+frames above the region's call (a checkpoint around it), and a profile function (``sys.setprofile``, set only while
 that forward runs and only if no profiler is set) catches a checkpoint entered inside it.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 from lightning_ckpt_determinism._torch_compat import checkpoint_codes
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
-__all__ = ["NestedCheckpoint", "checkpoint_around", "checkpoints_inside", "warn_nested"]
+__all__ = ["probing_for_nesting"]
 
 # Frames of these files are torch's checkpoint machinery or its dynamo wrappers, never the caller.
 _MACHINERY = tuple(
@@ -79,15 +80,32 @@ def _caller(frame: FrameType | None) -> FrameType | None:
     return frame
 
 
-def checkpoint_around(region_call: FrameType, region_code: CodeType) -> NestedCheckpoint | None:
-    """The checkpoint call among the frames above ``region_call``, if there is one.
+@contextmanager
+def probing_for_nesting(region_class: str, region_code: CodeType) -> Iterator[None]:
+    """Look for another checkpointing around and inside the block, a region's first eager forward, and warn once of
+    each kind found: one around it at once, one inside it when the block ends.
 
     Args:
-        region_call: The frame of the region's own call.
-        region_code: The code of the package's region call.
+        region_class: The region's class name, as the warnings name it.
+        region_code: The code of the package's region call (the frame in the stack above the block whose callers are
+            "around").
     """
+    around = _checkpoint_around(sys._getframe(), region_code)
+    if around is not None:
+        _warn_nested(region_class, around, inside=False)
+    with _checkpoints_inside(region_code) as inside:
+        yield
+    if inside:
+        _warn_nested(region_class, inside[0], inside=True)
+
+
+def _checkpoint_around(frame: FrameType | None, region_code: CodeType) -> NestedCheckpoint | None:
+    """The checkpoint call among the frames above the region's own call (the first frame of ``region_code`` from
+    ``frame`` outwards), if there is one."""
+    while frame is not None and frame.f_code is not region_code:
+        frame = frame.f_back
     codes = checkpoint_codes()
-    frame = region_call.f_back
+    frame = None if frame is None else frame.f_back
     while frame is not None:
         if frame.f_code in codes:
             return NestedCheckpoint(_caller(frame), region_code)
@@ -96,12 +114,8 @@ def checkpoint_around(region_call: FrameType, region_code: CodeType) -> NestedCh
 
 
 @contextmanager
-def checkpoints_inside(region_code: CodeType) -> Iterator[list[NestedCheckpoint]]:
-    """Collect the checkpoint calls entered inside this block (in this thread); nothing if a profiler is set.
-
-    Args:
-        region_code: The code of the package's region call.
-    """
+def _checkpoints_inside(region_code: CodeType) -> Iterator[list[NestedCheckpoint]]:
+    """Collect the checkpoint calls entered inside this block (in this thread); nothing if a profiler is set."""
     found: list[NestedCheckpoint] = []
     if sys.getprofile() is not None:
         yield found
@@ -119,7 +133,7 @@ def checkpoints_inside(region_code: CodeType) -> Iterator[list[NestedCheckpoint]
         sys.setprofile(None)
 
 
-def warn_nested(region_class: str, nested: NestedCheckpoint, *, inside: bool) -> None:
+def _warn_nested(region_class: str, nested: NestedCheckpoint, *, inside: bool) -> None:
     """Warn once that regions of ``region_class`` have ``nested`` inside (or around) them.
 
     Args:

@@ -33,7 +33,6 @@ passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_deter
 import contextlib
 import logging
 import operator
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -57,12 +56,7 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
 )
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
-from lightning_ckpt_determinism.checkpointing.nesting import (
-    NestedCheckpoint,
-    checkpoint_around,
-    checkpoints_inside,
-    warn_nested,
-)
+from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
 from lightning_ckpt_determinism.checkpointing.plan import RegionPlan
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
@@ -252,13 +246,12 @@ class CheckpointedForward:
         self.config = _shared_configs.setdefault(config, config)
         self.previous_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         self.plan = RegionPlan.of(module, self.config)
+        RecompileLimitFilter.serve(self, __file__, CheckpointedForward.__name__)
         # An instance attribute rather than a context variable: `torch.compile` can guard on it.
         self.plain_depth = 0
         # Whether a data-dependent op ran in the region's first checkpointed forward (None: none has finished yet).
         # Eager calls guard the region while it is None or True, so that the first forward is already guarded.
         self.data_dependent: bool | None = None
-        # The eager call whose forward runs now, which takes the size rule's limit from the region's inputs.
-        self._forward_kept: KeptOutputs | None = None
         # The transformers caches turned off while this region exists (see `kv_cache`).
         self.cache_switches: list[CacheSwitch] = []
         # A transformers layer runs without its key-value cache in training, passed by keyword or by position (see
@@ -300,6 +293,7 @@ class CheckpointedForward:
         self.__dict__.update(state)
         self.config = _shared_configs.setdefault(self.config, self.config)
         self.plan = replace(self.plan, config=self.config)
+        RecompileLimitFilter.serve(self, __file__, CheckpointedForward.__name__)
 
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward, not checkpointed."""
@@ -343,11 +337,7 @@ class CheckpointedForward:
 
     def _eager_call(self, inputs: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
         first = not self._probed
-        if first:
-            self._probed = True
-            around = checkpoint_around(sys._getframe(), _REGION_CALL)
-            if around is not None:
-                warn_nested(type(self.module).__name__, around, inside=False)
+        self._probed = True
         attributes = tuple(map(vars, self._modules))
         sizes = tuple(map(len, attributes))
         key = (tuple(map(_TRAINING, self._modules)), sizes)
@@ -420,11 +410,7 @@ class CheckpointedForward:
         )
 
     def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
-        """The plain forward of the region's flattened inputs; an eager forward first gives the data-dependent
-        guard its size limit."""
-        if self._forward_kept is not None and not torch.compiler.is_compiling():
-            self._forward_kept.note_inputs(flat)
-            self._forward_kept = None
+        """The plain forward of the region's flattened inputs."""
         return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
 
     def _exposed_buffers(self) -> list[tuple[str, torch.Tensor]]:
@@ -467,10 +453,6 @@ class CheckpointedForward:
         if found or self.data_dependent is None:
             self.data_dependent = found
 
-    def _enter_forward(self, kept: KeptOutputs) -> AbstractContextManager[Any]:
-        self._forward_kept = kept
-        return kept.forward()
-
     def _make_contexts(self, inputs: tuple[Any, ...]) -> tuple[Reenterable, Reenterable]:
         """One eager call's forward and recompute contexts, in the order the plan composes them: host RNG, the
         forward's state, selective checkpointing, the data-dependent guard, then the op observer registered on the
@@ -502,7 +484,7 @@ class CheckpointedForward:
         if guarded or observer is not None:
             # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the
             # guard it only logs, for the observer, which data-dependent ops run.
-            forward.append(partial(self._enter_forward, kept))
+            forward.append(partial(_kept_forward, kept, inputs))
             if guarded:
                 recompute.append(kept.recompute)
         if observer is not None:
@@ -538,7 +520,7 @@ class _EagerCall:
         contexts: The forward and recompute contexts the call enters itself (under torch's checkpoint debug mode, and
             for a region dynamo could not trace), or ``None`` when torch enters them through ``context_fn``.
         attributes: The attributes the forward rebinds, put back for each recomputation.
-        first: Whether this is the region's first eager call, which looks for checkpointing nested inside.
+        first: Whether this is the region's first eager call, which looks for checkpointing around and inside it.
         key: The call's key, by which the region keeps what it learns (``None``: the call neither learns nor
             checks its path, as for a region dynamo could not trace).
     """
@@ -580,12 +562,11 @@ class _EagerCall:
             if self._full:
                 _mark_end()
             return out
-        nested: AbstractContextManager[list[NestedCheckpoint]] = (
-            checkpoints_inside(_REGION_CALL) if self._first else contextlib.nullcontext([])
-        )
+        region_class = type(wrapper.module).__name__
+        nested = probing_for_nesting(region_class, _REGION_CALL) if self._first else contextlib.nullcontext()
         learning = self._key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
-        with entered, wrapper._saved_forward(), nested as inside:
+        with entered, wrapper._saved_forward(), nested:
             region_call = InRegionCall(probe, wrapper.saved_observer)
             self._attributes.start()
             with region_call, probe if probe is not None else contextlib.nullcontext():
@@ -594,11 +575,15 @@ class _EagerCall:
             if self._key is not None:
                 # Before the saved-tensor observer's forward context ends, which reads the profile of the path taken.
                 self._full = wrapper._path_taken(self._key, region_call.saved, None if probe is None else probe.profile)
-        if inside:
-            warn_nested(type(wrapper.module).__name__, inside[0], inside=True)
         if self._full:
             _mark_end()
         return out
+
+
+def _kept_forward(kept: KeptOutputs, inputs: tuple[Any, ...]) -> AbstractContextManager[Any]:
+    """The data-dependent guard's forward context of one call, its size limit taken from that call's inputs."""
+    kept.note_inputs(inputs)
+    return kept.forward()
 
 
 def _mark_end() -> None:
@@ -683,7 +668,6 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
     if not is_checkpointed(module):
         register_determinism_checks()
         module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
-        RecompileLimitFilter(__file__, CheckpointedForward.__name__).install()
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:
