@@ -14,7 +14,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -25,6 +25,7 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError, Lightnin
 
 __all__ = [
     "AUTO_CLASSES",
+    "RECOMPUTE_SWITCHES",
     "CheckpointingConfig",
     "NonNegativeFloat",
     "NotEmptyStr",
@@ -391,7 +392,7 @@ class CheckpointingConfig:
                     f"`{name}` must be a list of strings, got the entry {wrong[0]!r} ({type(wrong[0]).__name__});"
                     " write names as globs and ops as 'aten.mm'."
                 )
-        for name in ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent"):
+        for name in RECOMPUTE_SWITCHES:
             check_bool(name, getattr(self, name))
         for name in ("names", "save_ops"):
             object.__setattr__(self, name, list(getattr(self, name)))
@@ -412,6 +413,17 @@ class CheckpointingConfig:
     def __hash__(self) -> int:
         # By value, as `==` compares: equal configs checkpoint alike (and share their compiled graphs' notes).
         return hash(tuple(tuple(value) if isinstance(value, list) else value for value in astuple(self)))
+
+
+RECOMPUTE_SWITCHES = tuple(entry.name for entry in fields(CheckpointingConfig) if entry.type in (bool, "bool"))
+"""The switches of :class:`CheckpointingConfig`, its ``bool`` fields, each turning a recompute context on or off:
+checked alike here, and spelt alike by the hints that name them (:mod:`~lightning_ckpt_determinism.verify.cause`).
+
+Example::
+
+    >>> RECOMPUTE_SWITCHES
+    ('preserve_rng_state', 'preserve_host_rng', 'protect_buffers', 'keep_data_dependent')
+"""
 
 
 def resolve_class_path(path: str) -> type:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+from lightning_ckpt_determinism.config import RECOMPUTE_SWITCHES
+
 __all__ = ["Cause", "Hints", "Setting", "Syntax", "respelt"]
 
 Syntax = Literal["python", "yaml", "audit"]
@@ -101,14 +103,13 @@ def _switch(field: str, value: bool) -> Setting:
     return Setting(python=f"`{field}={value}`", yaml=f"`{field}: {str(value).lower()}`")
 
 
-_CHECKPOINTING_SWITCHES = ("preserve_rng_state", "preserve_host_rng", "protect_buffers", "keep_data_dependent")
 # Every setting a hint or a message names, longest Python spelling first: a switch's short spelling is part of its
 # long one, which goes first.
 _SETTINGS = tuple(
     sorted(
         [
-            *(_checkpointing(field) for field in _CHECKPOINTING_SWITCHES),
-            *(_switch(field, value) for field in _CHECKPOINTING_SWITCHES for value in (True, False)),
+            *(_checkpointing(field) for field in RECOMPUTE_SWITCHES),
+            *(_switch(field, value) for field in RECOMPUTE_SWITCHES for value in (True, False)),
             _CALIBRATE_NOISE,
             _DETERMINISTIC,
         ],
