@@ -8,8 +8,10 @@ gives the message, which ``CheckpointingCLI`` prefixes with the field's key. myp
 """
 
 import contextlib
+import difflib
 import importlib
 import pickle
+import pkgutil
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,6 +41,7 @@ __all__ = [
     "choice_message",
     "class_entries",
     "class_name",
+    "class_path_meant",
     "parse_memory_budget",
     "resolve_class_path",
     "resolve_ops",
@@ -456,22 +459,53 @@ def resolve_class_path(path: str) -> type:
         except ImportError as err:
             failed = failed or err
             continue
-        try:
-            for part in parts[cut:]:
+        for depth, part in enumerate(parts[cut:], start=cut):
+            try:
                 found = getattr(found, part)
-        except AttributeError as err:
-            raise _not_importable(path, err) from err
+            except AttributeError as err:
+                raise _not_importable(path, err, _path_meant(found, parts, depth)) from err
         if not isinstance(found, type):
             raise CheckpointingConfigError(f"`classes` entry {path!r} is not a class, got {type(found).__name__}.")
         return found
     raise _not_importable(path, failed) from failed
 
 
-def _not_importable(path: str, err: Exception | None) -> CheckpointingConfigError:
+def _not_importable(path: str, err: Exception | None, meant: str | None = None) -> CheckpointingConfigError:
+    did_you_mean = "" if meant is None else f" Did you mean {meant!r}?"
     return CheckpointingConfigError(
-        f"`classes` entry {path!r} cannot be imported ({err or 'not a dotted path'}). Use a bare class name such as"
-        f" {path.rpartition('.')[2]!r} or a dotted path to an importable class."
+        f"`classes` entry {path!r} cannot be imported ({err or 'not a dotted path'}).{did_you_mean} Use a bare class"
+        f" name such as {path.rpartition('.')[2]!r} or a dotted path to an importable class."
     )
+
+
+def class_path_meant(module: str, attribute: str) -> str | None:
+    """The dotted path meant where ``module`` has no attribute ``attribute`` (a misspelt class path): the closest of
+    its public names and, for a package, of its modules; ``None`` if none is close or ``module`` does not import.
+
+    Args:
+        module: The module, as a dotted name.
+        attribute: The name it does not have.
+
+    Example::
+
+        >>> class_path_meant("torch.nn", "Linaer")
+        'torch.nn.Linear'
+    """
+    try:
+        holder = importlib.import_module(module)
+    except ImportError:
+        return None
+    parts = module.split(".")
+    return _path_meant(holder, [*parts, attribute], len(parts))
+
+
+def _path_meant(holder: Any, parts: list[str], depth: int) -> str | None:
+    """The dotted path meant where ``holder`` has no attribute ``parts[depth]``: the closest of its public names and,
+    for a package, of its modules, with the rest of the path kept."""
+    names = [name for name in dir(holder) if not name.startswith("_")]
+    names += [module.name for module in pkgutil.iter_modules(getattr(holder, "__path__", None) or [])]
+    close = difflib.get_close_matches(parts[depth], names, n=1)
+    return ".".join([*parts[:depth], close[0], *parts[depth + 1 :]]) if close else None
 
 
 def class_name(entry: str | type) -> str:

@@ -106,7 +106,8 @@ MISTAKES = {
         "checkpointing",
         "classes",
         ["NoSuchBlock"],
-        "`CheckpointingConfig` matches no module of GPTModule: classes=['NoSuchBlock'], names=[].",
+        "`trainer.strategy.checkpointing`: `CheckpointingConfig` matches no module of GPTModule:"
+        " classes=['NoSuchBlock'], names=[].",
     ),
 }
 
@@ -279,7 +280,7 @@ def test_values_parsed_into_restricted_types_train_save_and_load_as_plain_ones(t
     assert loaded["callbacks"][monitor.state_key]["last_checked_step"] == 1
 
 
-def _run_subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _run_subprocess(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PL_GLOBAL_SEED", None)
     return subprocess.run(
@@ -288,7 +289,7 @@ def _run_subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
 
@@ -326,7 +327,9 @@ def _edited(tmp_path: Path, edit: Any) -> Path:
 def test_an_unknown_class_path_names_the_missing_attribute(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _edited(tmp_path, lambda config: config["model"].update(class_path="examples.gpt.GPTModul"))
     line = _cli_error(capsys, _argv(config, tmp_path))
-    assert line == "error: `model`: module 'examples.gpt' has no attribute 'GPTModul'"
+    assert line == (
+        "error: `model`: module 'examples.gpt' has no attribute 'GPTModul'; did you mean `examples.gpt.GPTModule`?"
+    )
 
 
 @pytest.mark.usefixtures("in_process")
@@ -337,7 +340,8 @@ def test_a_misspelt_strategy_class_gets_its_own_line(tmp_path: Path, capsys: pyt
     line = _cli_error(capsys, _argv(_edited(tmp_path, misspell), tmp_path))
     assert line == (
         "error: `trainer.strategy`: module 'lightning_ckpt_determinism' has no attribute"
-        " 'SingleDeviceCheckpointingStrateg'"
+        " 'SingleDeviceCheckpointingStrateg'; did you mean"
+        " `lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`?"
     )
 
 
@@ -469,6 +473,21 @@ def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
     )
 
 
+@pytest.mark.slow
+def test_a_spawned_process_stopped_by_a_configuration_mistake_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    def spawn_without_checkpointing(config: dict[str, Any]) -> None:
+        config["trainer"].update(strategy="ddp_spawn", devices=2, max_steps=1, default_root_dir=str(tmp_path))
+
+    result = _run_subprocess(_argv(_edited(tmp_path, spawn_without_checkpointing), tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    (line,) = _error_lines(result.stderr)
+    assert line.startswith(
+        "error: `RecomputationMonitor` has nothing to check: no module of GPTModule is checkpointed at fit start"
+        " under DDPStrategy. Add a checkpointing strategy (e.g."
+    ), result.stderr
+
+
 def _raising_config(tmp_path: Path) -> Path:
     tmp_path.mkdir(exist_ok=True)
     config = tmp_path / "raise.yaml"
@@ -500,6 +519,26 @@ def test_a_fit_stopped_by_on_divergence_raise_is_one_line_and_exit_1(
         CheckpointingCLI(args=["fit", "--config", str(_raising_config(tmp_path / "again"))])
 
 
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("entry", "meant"),
+    [
+        ("tests.helpers.DropoutBlok", "tests.helpers.DropoutBlock"),
+        ("tests.helprs.DropoutBlock", "tests.helpers.DropoutBlock"),
+        ("torch.nn.TransformerEncoderLayr", "torch.nn.TransformerEncoderLayer"),
+    ],
+)
+def test_a_misspelt_class_path_is_one_line_with_the_path_it_meant(
+    entry: str, meant: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def misspell(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"]["init_args"]["checkpointing"]["classes"] = [entry]
+
+    line = _cli_error(capsys, _argv(_edited(tmp_path, misspell), tmp_path))
+    assert line.startswith(f"error: `trainer.strategy.checkpointing.classes` entry {entry!r} cannot be imported (")
+    assert f"). Did you mean {meant!r}? Use a bare class name" in line
+
+
 def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -513,7 +552,10 @@ def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
     with pytest.raises(SystemExit, match=r"^2$"):
         CheckpointingCLI(args=["fit", "--config", str(config)])
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: `CheckpointingConfig` matches no module of StackModule: classes=['DropoutBlok']")
+    assert line.startswith(
+        "error: `trainer.strategy.checkpointing`: `CheckpointingConfig` matches no module of StackModule:"
+        " classes=['DropoutBlok']"
+    )
     assert line.endswith(" Did you mean 'DropoutBlock' for 'DropoutBlok'?")
 
 

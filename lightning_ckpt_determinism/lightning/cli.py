@@ -32,7 +32,9 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import LightningCLI
+from torch.multiprocessing import ProcessRaisedException
 
+from lightning_ckpt_determinism import errors
 from lightning_ckpt_determinism._library_compat import (
     class_refusing,
     is_unknown_strategy_error,
@@ -41,7 +43,7 @@ from lightning_ckpt_determinism._library_compat import (
     package_message_in,
     rejected_value,
 )
-from lightning_ckpt_determinism.config import choice_message, resolve_class_path
+from lightning_ckpt_determinism.config import choice_message, class_path_meant, resolve_class_path
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
@@ -54,6 +56,11 @@ TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
 
 _CONFIG_OPTIONS = ("--config", "-c")
 _KEY_AND_REASON = re.compile(r"`([^`]+)`: (.*)")
+_WHOLE_CONFIG, _WHOLE_CONFIG_KEY = "`CheckpointingConfig` ", "`trainer.strategy.checkpointing`"
+# Python's words for a class path whose module has no such name, as jsonargparse passes them on.
+_NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+# The package's error that ended a spawned process, last in the traceback text its parent receives.
+_PACKAGE_ERROR = re.compile(r"^lightning_ckpt_determinism\.errors\.(\w+): (.*)\Z", re.MULTILINE | re.DOTALL)
 
 
 class CheckpointingCLI(LightningCLI):
@@ -90,18 +97,12 @@ class CheckpointingCLI(LightningCLI):
             if file_error is not None:
                 raise CheckpointingConfigError(file_error)
             super().__init__(*args, **kwargs)
-        except (ArgumentError, ValueError) as err:
-            message = configuration_error(err)
-            if message is None:
+        except (ArgumentError, ValueError, RecomputationDivergenceError, ProcessRaisedException) as err:
+            said = _one_line(err)
+            if said is None:
                 raise
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
-        except RecomputationDivergenceError as err:
-            # A finding, not a crash: its message names the step, region and cause; the traceback adds nothing.
-            if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):
-                raise
-            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-            sys.exit(1)
+            print(f"error: {said[0]}", file=sys.stderr)
+            sys.exit(said[1])
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """The Trainer, as ``LightningCLI`` builds it, with its monitors' hints in YAML form.
@@ -119,6 +120,25 @@ class CheckpointingCLI(LightningCLI):
         """Check the package's values before anything is built, naming each mistake's key."""
         super().before_instantiate_classes()
         check_parsed_config(self.config[self.subcommand] if self.subcommand else self.config)
+
+
+def _one_line(err: Exception) -> tuple[str, int] | None:
+    """The line to print for ``err`` and the exit status (2: a configuration mistake, 1: a finding that stopped the
+    fit), or ``None`` to let it raise. A spawned process's error is read from the text its parent receives."""
+    if isinstance(err, ProcessRaisedException):
+        child = _PACKAGE_ERROR.search(str(err))
+        kind = None if child is None else getattr(errors, child[1], None)
+        if child is None or not isinstance(kind, type):
+            return None
+        if issubclass(kind, CheckpointingConfigError):
+            return " ".join(child[2].split()), 2
+        err = kind(child[2]) if issubclass(kind, RecomputationDivergenceError) else err
+    if isinstance(err, RecomputationDivergenceError):
+        # A finding, not a crash: its message names the step, region and cause; the traceback adds nothing.
+        wanted = os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0")
+        return None if wanted else (" ".join(str(err).split()), 1)
+    message = configuration_error(err)
+    return None if message is None else (message, 2)
 
 
 def config_file_error(args: Any) -> str | None:
@@ -195,7 +215,8 @@ def configuration_error(err: Exception) -> str | None:
         True
     """
     if isinstance(err, CheckpointingConfigError):
-        return str(err)
+        # A mistake of the config as a whole found when the strategy sets the model up, named by the config's key.
+        return f"{_WHOLE_CONFIG_KEY}: {err}" if str(err).startswith(_WHOLE_CONFIG) else str(err)
     package_message = package_message_in(str(err))
     if package_message is not None:
         return package_message
@@ -206,7 +227,14 @@ def configuration_error(err: Exception) -> str | None:
         return stock
     if not isinstance(err, ArgumentError):
         return None
-    return _in_package_words(rejected_value(str(err))) + _option_meant(str(err))
+    return _in_package_words(rejected_value(str(err))) + _option_meant(str(err)) + _class_path_meant(str(err))
+
+
+def _class_path_meant(text: str) -> str:
+    """``; did you mean `module.Class`?`` for a ``class_path`` whose module has no such name but a close one."""
+    missing = _NO_ATTRIBUTE.search(text)
+    meant = None if missing is None else class_path_meant(missing[1], missing[2])
+    return f"; did you mean `{meant}`?" if meant else ""
 
 
 def _option_meant(text: str) -> str:
