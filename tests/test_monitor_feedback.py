@@ -149,3 +149,23 @@ def test_a_forward_that_differs_before_any_recomputation_blames_state_outside_th
     assert len(report.regions) == 4 and not any(region.diverged for region in report.regions)
     messages = [str(warning.message) for warning in caught if "recomputation diverged" in str(warning.message)]
     assert len(messages) == 1 and "Region `" not in messages[0]
+
+
+def test_the_sentinel_points_to_a_checks_warning_only_when_that_warning_was_shown(tmp_path: Path) -> None:
+    # Dropout redrawn in recomputation: every step differs; the check at step 4 repeats step 0's finding and its
+    # warning is held back (a finding warns again only `every_n_steps` checks later).
+    monitor = RecomputationMonitor(every_n_steps=4)
+    with pytest.warns(LightningCkptDeterminismWarning) as record:
+        fit(tmp_path, monitor, max_steps=6, config={"preserve_rng_state": False})
+    messages = [str(warning.message) for warning in record]
+    checks = [message for message in messages if "recomputation diverged at step" in message]
+    sentinel = {
+        step: message
+        for message in messages
+        for step in (0, 4)
+        if f"recompute other values than its forward at step {step}:" in message
+    }
+    assert [record.step for record in monitor.history if record.diverged] == [0, 4]
+    assert len(checks) == 1 and "at step 0:" in checks[0]
+    assert sentinel[0].endswith("The check of that step names the cause (see its warning).")
+    assert sentinel[4].endswith("The check of that step names the cause (in `history` and the fit's summary).")
