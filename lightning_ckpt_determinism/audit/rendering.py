@@ -7,6 +7,7 @@ from typing import Any
 from lightning_ckpt_determinism._text import aligned
 from lightning_ckpt_determinism.verify.cause import Cause, respelt
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan
+from lightning_ckpt_determinism.verify.core import step_cause
 from lightning_ckpt_determinism.verify.outcome import Verdict, region_outcome, report_diverged, worse
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 
@@ -103,10 +104,6 @@ def shortfall_note(checked: int, seen: int, asked: int) -> str:
     return f"note: checked {_batches(checked)}: the training data has only {seen}{no_loss} (asked for {asked})"
 
 
-# Causes of a whole step, which no region carries: the compiler's recomputation, state outside the regions.
-_STEP_CAUSES = (Cause.COMPILER_RECOMPUTE, Cause.OUTSIDE_STATE)
-
-
 def _batches(count: int) -> str:
     return f"{count} batch{'es' if count != 1 else ''}"
 
@@ -140,7 +137,7 @@ def footer(
             f"result: {len(diverged_regions)} of {len(summaries)} checkpointed regions diverged:"
             f" {', '.join(diverged_regions)}"
         )
-    elif (blamed := next((report for report in reports if report.cause in _STEP_CAUSES), None)) is not None:
+    elif (blamed := next((report for report in reports if step_cause(report) is not None), None)) is not None:
         lines.append(f"result: diverged: {blamed.cause}: {respelt(blamed.hint or '', 'audit')}")
     elif diverged(reports):
         lines.append(

@@ -26,9 +26,8 @@ from lightning_ckpt_determinism.lightning.step import (
     training_step_loss,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
-from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled import is_compiled
-from lightning_ckpt_determinism.verify.core import CheckScope
+from lightning_ckpt_determinism.verify.core import CheckScope, with_attribution
 from lightning_ckpt_determinism.verify.live import check_live_step
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
@@ -52,7 +51,7 @@ class CheckSettings:
     calibrate_noise: bool
     loss_fn: LossFn | None
     internals: frozenset[str]
-    ignore_attributes: frozenset[str] = frozenset()
+    exclude_attributes: frozenset[str] = frozenset()
 
 
 class StepCheck:
@@ -109,17 +108,7 @@ class StepCheck:
         report = replace(report, checked_regions=checked, compiled=is_compiled(self.pl_module))
         if report.diverged and report.error is None and settings.attribution == "on_divergence":
             # Decided alike on every rank: the comparison's figures are reduced over ranks.
-            attributed = self._two_pass(attribution=True)
-            report = replace(
-                report,
-                regions=attributed.regions,
-                buffer_mutations=attributed.buffer_mutations or report.buffer_mutations,
-                # The live check's `outside_state` is provisional: attribution may find a kernel that differs run
-                # to run, which changes the forward as well.
-                cause=attributed.cause if report.cause == Cause.OUTSIDE_STATE else attributed.cause or report.cause,
-                hint=attributed.hint if report.cause == Cause.OUTSIDE_STATE else attributed.hint or report.hint,
-                error=attributed.error,
-            )
+            report = with_attribution(report, self._two_pass(attribution=True))
         return report
 
     def _live(
@@ -148,8 +137,8 @@ class StepCheck:
             calibrate_noise=settings.calibrate_noise,
             skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
             live_loss=capture.loss,
-            exclude_attributes=settings.internals,
-            ignore_attributes=settings.ignore_attributes,
+            exclude_attributes=settings.exclude_attributes,
+            internal_attributes=settings.internals,
             written_parameters=capture.written_parameters,
             device=strategy.root_device,
         )
@@ -178,7 +167,7 @@ class StepCheck:
             pl_module,
             holders,
             clone_gradients=self.support.writes_into_bucket_views(),
-            exclude_attributes=settings.internals,
+            internal_attributes=settings.internals,
             written_parameters=capture.written_parameters,
         ):
             capture.state.restore()
@@ -191,6 +180,6 @@ class StepCheck:
                     calibrate_noise=settings.calibrate_noise,
                     gradients=self.support.two_pass_gradients(),
                     agree=lambda decision: agree(strategy, decision),
-                    exclude_attributes=settings.ignore_attributes,
+                    exclude_attributes=settings.exclude_attributes,
                     written_parameters=capture.written_parameters,
                 )

@@ -101,7 +101,7 @@ class StepCapture:
     Args:
         pl_module: The LightningModule.
         batch_idx: The index of the step's batch.
-        exclude_attributes: Attributes the state never captures (Lightning's own bookkeeping).
+        internal_attributes: Attributes the state never captures nor restores (Lightning's own bookkeeping).
         written_parameters: Parameters an earlier step wrote in place in ``training_step``: their values are captured
             with the state, so that a check can rerun the step from where it started.
     """
@@ -110,12 +110,12 @@ class StepCapture:
         self,
         pl_module: "pl.LightningModule",
         batch_idx: int,
-        exclude_attributes: frozenset[str],
+        internal_attributes: frozenset[str],
         written_parameters: frozenset[str] = frozenset(),
     ) -> None:
         self.pl_module = pl_module
         self.batch_idx = batch_idx
-        self._exclude = exclude_attributes
+        self._internal = internal_attributes
         self.written_parameters = written_parameters
         self._state: StepState | None = None
         self.args: tuple[Any, ...] = ()
@@ -169,7 +169,7 @@ class StepCapture:
 
     def _run(self, real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
-        self._state = StepState(self.pl_module, self._exclude, self.written_parameters)
+        self._state = StepState(self.pl_module, self._internal, self.written_parameters)
         self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         output = real(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output

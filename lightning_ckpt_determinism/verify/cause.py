@@ -203,6 +203,19 @@ class Cause(str, enum.Enum):
         return _WHEN[self]
 
     @property
+    def blames(self) -> Literal["region", "step"]:
+        """What the cause blames: ``"step"`` for a cause of the whole step that no one region's recomputation
+        explains (``RecomputationReport.cause``: state outside the regions, the compiler's own recomputation),
+        ``"region"`` for the others, which a region's report carries.
+
+        Example::
+
+            >>> Cause.OUTSIDE_STATE.blames, Cause.HOST_RNG.blames
+            ('step', 'region')
+        """
+        return "step" if self in _STEP_CAUSES else "region"
+
+    @property
     def state_change(self) -> str | None:
         """What recomputation did to the region's state, for the causes that change state rather than values;
         ``None`` for the others."""
@@ -336,6 +349,9 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
         ),
     }
 )
+
+# The causes of a whole step (see `Cause.blames`).
+_STEP_CAUSES = frozenset({Cause.OUTSIDE_STATE, Cause.COMPILER_RECOMPUTE})
 
 _STATE_CHANGES: Mapping[Cause, str] = MappingProxyType(
     {

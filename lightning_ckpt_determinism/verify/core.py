@@ -1,24 +1,54 @@
-"""What both check engines do alike: set a step's state and gradients aside, decide the verdict, name what could not
-be compared.
+"""What both check engines do alike: set a step's state and gradients aside, calibrate the noise, decide the
+verdict and the step's cause, assemble the report, name what could not be compared.
 
 The two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) and the live-step engine
 (:func:`~lightning_ckpt_determinism.verify.live.check_live_step`) differ in which passes they run; the state they put
-back, the rule that calls a divergence and the findings of a check that compared nothing are the same, and live here
-once.
+back, the rule that calls a divergence, the noise floor, the step's cause (:func:`step_report`), the findings of a
+check that compared nothing, and how the monitor joins a live report with its attribution (:func:`with_attribution`)
+are the same, and live here once. The monitor and the audit read a report's cause through :func:`step_cause` and
+:func:`blame`.
 """
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.verify.cause import Cause
+from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, worst_parameters
 from lightning_ckpt_determinism.verify.gradients import GradientStash, local_tensor
-from lightning_ckpt_determinism.verify.reports import missing_reference_gradients, no_gradients
+from lightning_ckpt_determinism.verify.outcome import diverging
+from lightning_ckpt_determinism.verify.reports import (
+    COMPILED_NOISE_NOTE,
+    RecomputationReport,
+    RegionReport,
+    attribute_hint,
+    buffer_hint,
+    missing_reference_gradients,
+    no_gradients,
+)
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["CheckScope", "gradients_diverge", "losses_differ", "region_modules", "uncomparable"]
+__all__ = [
+    "Calibration",
+    "CheckScope",
+    "StepEvidence",
+    "blame",
+    "calibrate",
+    "gradients_diverge",
+    "losses_differ",
+    "region_modules",
+    "step_cause",
+    "step_report",
+    "uncomparable",
+    "with_attribution",
+]
+
+_G = TypeVar("_G")
 
 
 class CheckScope:
@@ -37,7 +67,8 @@ class CheckScope:
             ``torch.autograd.grad`` never touches ``.grad``).
         clone_gradients: Set copies aside instead of the gradient tensors themselves (DDP with
             ``gradient_as_bucket_view=True``, whose buckets the next backward writes into).
-        exclude_attributes: Attribute names the state leaves alone (see :class:`StepState`).
+        internal_attributes: Attribute names the state never captures nor restores (a framework's own bookkeeping,
+            see :class:`StepState`). Not ``exclude_attributes``, which everywhere names attributes never compared.
         written_parameters: Names of parameters the passes write in place: their values are captured too. ``None``
             (the default): every parameter's, each put back only where the passes wrote it (one copy of the
             parameters, this rank's shards, held while the scope is open).
@@ -61,20 +92,20 @@ class CheckScope:
         *,
         set_gradients_aside: bool = True,
         clone_gradients: bool = False,
-        exclude_attributes: Iterable[str] = (),
+        internal_attributes: Iterable[str] = (),
         written_parameters: Iterable[str] | None = None,
     ) -> None:
         self._module = module
         self._params = params
         self._set_aside = set_gradients_aside
         self._clone = clone_gradients
-        self._exclude = tuple(exclude_attributes)
+        self._internal = tuple(internal_attributes)
         self._written = None if written_parameters is None else tuple(written_parameters)
         self._state: StepState | None = None
         self._stash: GradientStash | None = None
 
     def __enter__(self) -> "CheckScope":
-        self._state = StepState(self._module, self._exclude, self._written)
+        self._state = StepState(self._module, self._internal, self._written)
         if self._set_aside:
             self._stash = GradientStash(self._params, clone=self._clone)
         return self
@@ -188,3 +219,245 @@ def region_modules(module: nn.Module) -> list[nn.Module]:
         ['Sequential', 'Tanh']
     """
     return [sub for region in checkpointed_modules(module).values() for sub in region.modules()]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a second reference pass of a step says about its noise.
+
+    Attributes:
+        noise_floor: :data:`~lightning_ckpt_determinism.verify.compare.NOISE_MARGIN` times the divergence of the
+            two reference passes' gradients (``0.0`` when not calibrated).
+        reproducible: Whether the two reference passes computed the same loss: when they did not, a loss that
+            differs between the checked passes says nothing about state outside the regions.
+    """
+
+    noise_floor: float = 0.0
+    reproducible: bool = True
+
+
+def calibrate(
+    loss: float,
+    gradients: _G,
+    rerun: Callable[[], tuple[float, _G]],
+    divergence: Callable[[_G, _G], float],
+) -> Calibration:
+    """Run the reference pass once more and measure the noise floor against the first.
+
+    Args:
+        loss: The first reference pass's loss.
+        gradients: Its gradients.
+        rerun: Runs the reference pass again from the same state; returns its loss and gradients.
+        divergence: The relative divergence of the second pass's gradients from the first's (reduced over ranks
+            where the engine compares shards).
+
+    Example::
+
+        >>> calibrate(1.0, 2.0, lambda: (1.0, 2.5), lambda first, again: abs(again - first) / first)
+        Calibration(noise_floor=0.5, reproducible=True)
+    """
+    again_loss, again = rerun()
+    return Calibration(NOISE_MARGIN * divergence(gradients, again), reproducible=not losses_differ(loss, again_loss))
+
+
+@dataclass(frozen=True)
+class StepEvidence:
+    """What a check's passes showed of one step: what :func:`step_report` decides the step's cause from.
+
+    Attributes:
+        gradients_diverged: The verdict on the gradients (:func:`gradients_diverge`).
+        reference_loss: The reference pass's loss.
+        checkpointed_loss: The checkpointed (or live) pass's loss; ``nan`` when it raised.
+        calibration: The noise floor and whether the reference passes agree (:func:`calibrate`).
+        not_restored: Parameters written in place that the check had no copy of.
+        regions: The regions' reports (attribution); empty without.
+        step_cause: A cause of the whole step found already (a compiled step's: the compiler's recomputation, or
+            kernels that differ run to run).
+        forward_writes: Parameters a region's forward wrote that the check did not put back (attribution).
+        step_buffers: Buffers that differ after the passes where no region report places them (the live engine
+            compares the whole step's; a placeholder names another rank's); empty when they agree.
+        step_attributes: Region attributes that differ likewise.
+    """
+
+    gradients_diverged: bool
+    reference_loss: float
+    checkpointed_loss: float
+    calibration: Calibration = Calibration()
+    not_restored: Sequence[str] = ()
+    regions: Sequence[RegionReport] = ()
+    step_cause: Cause | None = None
+    forward_writes: frozenset[str] = frozenset()
+    step_buffers: Sequence[str] = ()
+    step_attributes: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class _Decision:
+    cause: Cause | None
+    hint: str | None
+    regions: list[RegionReport] = field(default_factory=list)
+
+
+def _decide(evidence: StepEvidence) -> _Decision:
+    """The step's cause, its hint and the regions as the cause leaves them: the one rule of both engines."""
+    regions = list(evidence.regions)
+    cause = evidence.step_cause
+    # A region's kernel that differs run to run also changes the forward: the forward's loss then says nothing.
+    kernel = any(region.cause == Cause.NONDETERMINISTIC_KERNEL for region in regions)
+    forward_differed = losses_differ(evidence.reference_loss, evidence.checkpointed_loss)
+    if evidence.gradients_diverged and evidence.calibration.reproducible and not kernel and forward_differed:
+        if evidence.forward_writes:
+            # A region's forward wrote parameters the check did not put back: the reference pass wrote them first,
+            # and the checkpointed pass started from its values. The write is the finding, not outside state.
+            regions = _with_forward_writes(regions, evidence.forward_writes)
+        elif not evidence.not_restored:
+            # The forward itself differed, before anything was recomputed, and no parameter the check could not put
+            # back explains it: what the regions saw differ is its echo.
+            cause = Cause.OUTSIDE_STATE
+            regions = [replace(region, diverged=False) for region in regions]
+    elif cause is None and not evidence.gradients_diverged and evidence.step_buffers:
+        return _Decision(Cause.BUFFER_MUTATION, buffer_hint(list(evidence.step_buffers)), regions)
+    elif cause is None and not evidence.gradients_diverged and evidence.step_attributes:
+        return _Decision(Cause.ATTRIBUTE_MUTATION, attribute_hint(list(evidence.step_attributes)), regions)
+    if cause is None:
+        return _Decision(None, None, regions)
+    return _Decision(cause, cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL), regions)
+
+
+def _with_forward_writes(regions: list[RegionReport], written: frozenset[str]) -> list[RegionReport]:
+    """``regions``, each whose forward wrote one of the ``written`` parameters and has no other cause given
+    ``parameter_write``."""
+    named = []
+    for region in regions:
+        own = sorted(name for name in written if name.startswith(f"{region.name}.") or not region.name)
+        if own and region.cause is None:
+            hint = f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(own)}."
+            region = replace(region, diverged=True, cause=Cause.PARAMETER_WRITE, hint=hint)
+        named.append(region)
+    return named
+
+
+def step_report(
+    evidence: StepEvidence,
+    *,
+    grad_divergence: float,
+    max_abs_diff: float,
+    per_parameter: dict[str, float],
+    error: str | None,
+    tolerance: float,
+    buffer_mutations: list[str],
+    attribute_mutations: list[str],
+) -> RecomputationReport:
+    """The report of one check, its cause decided from ``evidence`` by the one rule of both engines.
+
+    The step diverged when its gradients did or step-level state differs. Its cause, in order: ``"outside_state"``
+    when the gradients diverged, the reference passes agree on the loss (with ``calibrate_noise``), no region blames
+    a kernel that differs run to run, the checked passes computed other losses, and every parameter written in place
+    was put back (a region's forward write the check did not put back is that region's ``"parameter_write"``
+    instead); else a cause of the whole step found already; else, where the gradients agree, ``"buffer_mutation"``
+    or ``"attribute_mutation"`` for step-level state that differs.
+
+    Args:
+        evidence: What the passes showed.
+        grad_divergence: The gradients' relative L2 divergence.
+        max_abs_diff: Their largest absolute difference.
+        per_parameter: The largest difference per parameter name.
+        error: Why the gradients could not be compared; ``None`` when they were.
+        tolerance: The tolerance the verdict used.
+        buffer_mutations: The report's ``buffer_mutations``.
+        attribute_mutations: The report's ``attribute_mutations``.
+
+    Example::
+
+        >>> evidence = StepEvidence(gradients_diverged=True, reference_loss=1.0, checkpointed_loss=1.5)
+        >>> report = step_report(evidence, grad_divergence=0.1, max_abs_diff=0.2, per_parameter={"w": 0.2},
+        ...                      error=None, tolerance=0.0, buffer_mutations=[], attribute_mutations=[])
+        >>> report.diverged, report.cause, report.worst_parameters
+        (True, 'outside_state', [('w', 0.2)])
+    """
+    decision = _decide(evidence)
+    return RecomputationReport(
+        grad_divergence=grad_divergence,
+        max_abs_diff=max_abs_diff,
+        diverged=evidence.gradients_diverged or bool(evidence.step_buffers) or bool(evidence.step_attributes),
+        tolerance=tolerance,
+        per_parameter=per_parameter,
+        worst_parameters=worst_parameters(per_parameter),
+        error=error,
+        reference_loss=evidence.reference_loss,
+        checkpointed_loss=evidence.checkpointed_loss,
+        noise_floor=evidence.calibration.noise_floor,
+        regions=decision.regions,
+        buffer_mutations=buffer_mutations,
+        attribute_mutations=attribute_mutations,
+        cause=decision.cause,
+        hint=decision.hint,
+        not_restored=list(evidence.not_restored),
+    )
+
+
+def with_attribution(live: RecomputationReport, attributed: RecomputationReport) -> RecomputationReport:
+    """A live step's report joined with the two-pass attribution of the same step: the attribution's regions, and
+    its cause where it gives one. A live cause that blames the whole step is provisional (attribution may find a
+    kernel that differs run to run, which changes the forward as well) and gives way to the attribution's verdict.
+
+    Args:
+        live: The live check's report.
+        attributed: The attributed two-pass check's report of the same step.
+
+    Example::
+
+        >>> live = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, cause=Cause.OUTSIDE_STATE, hint="h")
+        >>> attributed = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, regions=[RegionReport("a")])
+        >>> joined = with_attribution(live, attributed)
+        >>> joined.cause, [region.name for region in joined.regions]
+        (None, ['a'])
+    """
+    provisional = live.cause is not None and Cause(live.cause).blames == "step"
+    return replace(
+        live,
+        regions=attributed.regions,
+        buffer_mutations=attributed.buffer_mutations or live.buffer_mutations,
+        cause=attributed.cause if provisional else attributed.cause or live.cause,
+        hint=attributed.hint if provisional else attributed.hint or live.hint,
+        error=attributed.error,
+    )
+
+
+def step_cause(report: RecomputationReport) -> Cause | None:
+    """The report's cause when it blames the whole step rather than a region (see :attr:`Cause.blames`).
+
+    Args:
+        report: A check's report.
+
+    Example::
+
+        >>> report = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, cause="outside_state")
+        >>> step_cause(report)
+        'outside_state'
+    """
+    cause = None if report.cause is None else Cause(report.cause)
+    return cause if cause is not None and cause.blames == "step" else None
+
+
+def blame(report: RecomputationReport) -> tuple[Cause | None, str | None]:
+    """What a check blames, as ``(cause, region name)``: a cause of the whole step with no region; else the cause
+    and name of the region that diverged most; else the report's own cause (a step-level state change) with no
+    region; ``(None, None)`` when nothing is blamed.
+
+    Args:
+        report: A check's report.
+
+    Example::
+
+        >>> region = RegionReport("blocks.1", diverged=True, cause="host_rng", max_abs_diff=0.5)
+        >>> blame(RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, regions=[region]))
+        ('host_rng', 'blocks.1')
+    """
+    whole = step_cause(report)
+    if whole is not None:
+        return whole, None
+    worst = diverging(report.regions)
+    if worst and worst[0].cause is not None:
+        return Cause(worst[0].cause), worst[0].name
+    return (None if report.cause is None else Cause(report.cause)), None

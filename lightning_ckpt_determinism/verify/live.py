@@ -23,31 +23,26 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import (
-    NOISE_MARGIN,
     all_finite,
     comparable,
     exactly_equal,
     pair_difference,
     relative_divergence,
     uncomparable_gradients,
-    worst_parameters,
 )
 from lightning_ckpt_determinism.verify.core import (
+    Calibration,
     CheckScope,
+    StepEvidence,
+    calibrate,
     gradients_diverge,
-    losses_differ,
     region_modules,
+    step_report,
     uncomparable,
 )
 from lightning_ckpt_determinism.verify.gradients import counted_here, take_gradients
-from lightning_ckpt_determinism.verify.reports import (
-    RecomputationReport,
-    attribute_hint,
-    buffer_hint,
-    uncomparable_layouts,
-)
+from lightning_ckpt_determinism.verify.reports import RecomputationReport, uncomparable_layouts
 from lightning_ckpt_determinism.verify.state import StepState
 
 __all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
@@ -201,7 +196,7 @@ def check_live_step(
     skip_non_finite: bool = False,
     live_loss: float = float("nan"),
     exclude_attributes: Iterable[str] = (),
-    ignore_attributes: Iterable[str] = (),
+    internal_attributes: Iterable[str] = (),
     written_parameters: Iterable[str] | None = None,
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
@@ -236,8 +231,10 @@ def check_live_step(
         skip_non_finite: Return ``None`` when the live gradients hold inf or NaN on any rank (a GradScaler skips
             that step).
         live_loss: The live step's loss, reported as ``checkpointed_loss``.
-        exclude_attributes: Attribute names the state after the step leaves alone (see :class:`StepState`).
-        ignore_attributes: Attribute names never compared (they are still put back).
+        exclude_attributes: Attribute names never compared on any module (they are still put back), as in
+            :func:`~lightning_ckpt_determinism.check_recomputation`: values that legitimately differ.
+        internal_attributes: Attribute names the state after the step never captures nor restores (a framework's
+            own bookkeeping; see :class:`StepState`).
         written_parameters: Parameters the step writes in place (captured in ``entry_state`` too): their values
             after the step are put back after the reference pass, which writes them again. ``None`` (the default):
             every parameter's value after the step is copied, and put back where the reference wrote it. A parameter
@@ -272,7 +269,7 @@ def check_live_step(
         module,
         params,
         clone_gradients=clone_gradients,
-        exclude_attributes=exclude_attributes,
+        internal_attributes=internal_attributes,
         written_parameters=written_parameters,
     ) as after_step:
         live = after_step.gradients
@@ -281,14 +278,20 @@ def check_live_step(
         # The buffers after the reference (every region plain) against those after the live step: a recomputation
         # that updates them a second time (BatchNorm without `protect_buffers`) changes no gradient but shows here.
         changed = after_step.state.differing_buffers()
-        attributes = after_step.state.differing_attributes(region_modules(module), frozenset(ignore_attributes))
-        noise_floor = 0.0
-        reproducible = True
+        attributes = after_step.state.differing_attributes(region_modules(module), frozenset(exclude_attributes))
+        calibration = Calibration()
         if calibrate_noise:
-            again, second = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
-            reproducible = not losses_differ(reference_loss, again)
-            noise = compare_gradients(names, second, first, all_reduce=all_reduce, counted=counted, device=device)
-            noise_floor = NOISE_MARGIN * noise.grad_divergence
+            calibration = calibrate(
+                reference_loss,
+                first,
+                lambda: _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients),
+                lambda once, again: (
+                    compare_gradients(
+                        names, again, once, all_reduce=all_reduce, counted=counted, device=device
+                    ).grad_divergence
+                ),
+            )
+        noise_floor = calibration.noise_floor
         comparison = compare_gradients(
             names,
             live,
@@ -303,33 +306,27 @@ def check_live_step(
         not_restored += [name for name in after_step.unrestored() if name not in not_restored]
     if comparison.skipped:
         return None
-    gradients_diverged = gradients_diverge(comparison.grad_divergence, tolerance, noise_floor, error=comparison.error)
-    buffers = comparison.buffers_changed > 0
-    states = buffers or comparison.attributes_changed > 0
-    cause: Cause | None = None
-    hint: str | None = None
-    if gradients_diverged and reproducible and not not_restored and losses_differ(reference_loss, live_loss):
-        cause, hint = Cause.OUTSIDE_STATE, Cause.OUTSIDE_STATE.hint
-    elif buffers and not gradients_diverged:
-        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(changed or ["buffers of another rank"])
-    elif states and not gradients_diverged:
-        cause, hint = Cause.ATTRIBUTE_MUTATION, attribute_hint(attributes or ["attributes of another rank"])
-    return RecomputationReport(
-        grad_divergence=comparison.grad_divergence,
-        max_abs_diff=comparison.max_abs_diff,
-        diverged=gradients_diverged or states,
-        tolerance=tolerance,
-        per_parameter=comparison.per_parameter,
-        worst_parameters=worst_parameters(comparison.per_parameter),
-        error=comparison.error,
+    evidence = StepEvidence(
+        gradients_diverged=gradients_diverge(
+            comparison.grad_divergence, tolerance, noise_floor, error=comparison.error
+        ),
         reference_loss=reference_loss,
         checkpointed_loss=live_loss,
-        noise_floor=noise_floor,
+        calibration=calibration,
+        not_restored=not_restored,
+        # The counts are the most over ranks; the names this rank's own.
+        step_buffers=(changed or ["buffers of another rank"]) if comparison.buffers_changed else [],
+        step_attributes=(attributes or ["attributes of another rank"]) if comparison.attributes_changed else [],
+    )
+    return step_report(
+        evidence,
+        grad_divergence=comparison.grad_divergence,
+        max_abs_diff=comparison.max_abs_diff,
+        per_parameter=comparison.per_parameter,
+        error=comparison.error,
+        tolerance=tolerance,
         buffer_mutations=changed,
         attribute_mutations=attributes,
-        cause=cause,
-        hint=hint,
-        not_restored=not_restored,
     )
 
 

@@ -54,8 +54,9 @@ class StepState:
 
     Args:
         module: The model whose buffers, metrics, training flags and Python attributes are captured.
-        exclude_attributes: Attribute names never captured nor restored on any module (a framework's own
-            bookkeeping on the root module, for example).
+        internal_attributes: Attribute names never captured nor restored on any module (a framework's own
+            bookkeeping on the root module, for example). Not ``exclude_attributes``, which everywhere names
+            attributes a check never compares (and still puts back).
         parameters: Names of parameters whose values to capture too: those the step writes in place (an
             ``nn.Embedding`` with ``max_norm`` renormalises its weight in forward, a forward that decays or clamps a
             parameter under ``no_grad``); ``None`` for every parameter, each put back only where its version counter
@@ -74,7 +75,7 @@ class StepState:
     """
 
     def __init__(
-        self, module: nn.Module, exclude_attributes: Iterable[str] = (), parameters: Iterable[str] | None = ()
+        self, module: nn.Module, internal_attributes: Iterable[str] = (), parameters: Iterable[str] | None = ()
     ) -> None:
         devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -82,7 +83,7 @@ class StepState:
         self._rng = capture_rng(devices)
         self._buffers = _BufferSnapshot(module)
         self._metrics = _MetricSnapshot(module)
-        self._python = _PythonState(module, frozenset(exclude_attributes))
+        self._python = _PythonState(module, frozenset(internal_attributes))
         self._generators = _GeneratorSnapshot(self._python.generators)
         self._tensors = _TensorAttributes(self._python.tensors)
         self._parameters = _ParameterSnapshot(module, parameters)

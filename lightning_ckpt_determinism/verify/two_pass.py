@@ -25,23 +25,20 @@ from lightning_ckpt_determinism.config import check_choice, check_non_negative_f
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.cause import Cause
-from lightning_ckpt_determinism.verify.compare import (
-    NOISE_MARGIN,
-    gradient_divergence,
-    uncomparable_gradients,
-    worst_parameters,
-)
+from lightning_ckpt_determinism.verify.compare import gradient_divergence, uncomparable_gradients
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
 from lightning_ckpt_determinism.verify.core import (
+    Calibration,
     CheckScope,
+    StepEvidence,
+    calibrate,
     gradients_diverge,
-    losses_differ,
     region_modules,
+    step_report,
     uncomparable,
 )
 from lightning_ckpt_determinism.verify.gradients import take_gradients
 from lightning_ckpt_determinism.verify.reports import (
-    COMPILED_NOISE_NOTE,
     RecomputationReport,
     RegionReport,
     attribute_hint,
@@ -217,11 +214,12 @@ def _compare(
     """The passes a check runs, in order, and the report they give (``captured``: the parameters written in place
     whose values the check puts back before each pass)."""
     reference_loss, reference = passes.reference()
-    noise_floor, reproducible = 0.0, True
+    calibration = Calibration()
     if calibrate_noise:
-        again_loss, again = passes.reference()
-        noise_floor = NOISE_MARGIN * gradient_divergence(reference, again)[0]
-        reproducible = not losses_differ(reference_loss, again_loss)
+        calibration = calibrate(
+            reference_loss, reference, passes.reference, lambda once, again: gradient_divergence(once, again)[0]
+        )
+    noise_floor = calibration.noise_floor
     observer = Attribution(passes.module) if attribution else None
     # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
@@ -245,51 +243,26 @@ def _compare(
         compiler_only = observer is not None and verdict.diverged and not eager_diverged
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
-    regions = _with_attributes(regions, attributes)
-    kernel = any(region.cause == Cause.NONDETERMINISTIC_KERNEL for region in regions)
-    forward_writes = observer.parameters_written_in_forward() - captured if observer is not None else frozenset()
-    if verdict.diverged and reproducible and not kernel and losses_differ(reference_loss, checkpointed.loss):
-        if forward_writes:
-            # A region's forward wrote parameters the check did not put back: the reference pass wrote them first,
-            # and the checkpointed pass started from its values. The write is the finding, not outside state.
-            regions = _with_forward_writes(regions, forward_writes)
-        elif not not_restored:
-            # The forward itself differed, before anything was recomputed, and neither a region's kernel (one that
-            # differs run to run also changes the forward) nor a parameter the check could not put back explains it:
-            # what the regions saw differ is its echo.
-            cause = Cause.OUTSIDE_STATE
-            regions = [replace(region, diverged=False) for region in regions]
-    return RecomputationReport(
-        grad_divergence=verdict.divergence,
-        max_abs_diff=max(verdict.max_diffs, default=0.0),
-        diverged=verdict.diverged,
-        tolerance=tolerance,
-        per_parameter=verdict.per_parameter,
-        worst_parameters=worst_parameters(verdict.per_parameter),
-        error=verdict.error,
+    evidence = StepEvidence(
+        gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
         checkpointed_loss=checkpointed.loss,
-        noise_floor=noise_floor,
-        regions=regions,
+        calibration=calibration,
+        not_restored=not_restored,
+        regions=_with_attributes(regions, attributes),
+        step_cause=cause,
+        forward_writes=observer.parameters_written_in_forward() - captured if observer is not None else frozenset(),
+    )
+    return step_report(
+        evidence,
+        grad_divergence=verdict.divergence,
+        max_abs_diff=max(verdict.max_diffs, default=0.0),
+        per_parameter=verdict.per_parameter,
+        error=verdict.error,
+        tolerance=tolerance,
         buffer_mutations=buffers,
         attribute_mutations=attributes,
-        cause=cause,
-        hint=None if cause is None else cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL),
-        not_restored=not_restored,
     )
-
-
-def _with_forward_writes(regions: list[RegionReport], written: frozenset[str]) -> list[RegionReport]:
-    """``regions``, each whose forward wrote one of the ``written`` parameters and has no other cause given
-    ``parameter_write``."""
-    named = []
-    for region in regions:
-        own = sorted(name for name in written if name.startswith(f"{region.name}.") or not region.name)
-        if own and region.cause is None:
-            hint = f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(own)}."
-            region = replace(region, diverged=True, cause=Cause.PARAMETER_WRITE, hint=hint)
-        named.append(region)
-    return named
 
 
 def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list[RegionReport]:
