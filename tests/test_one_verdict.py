@@ -1,0 +1,134 @@
+"""One verdict: the same defect gets the same cause and the same region through ``check_recomputation`` and through
+the monitor's check of the live step, and both are the defect's own (ground truth: the block built with it)."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from examples.broken import DEFECTIVE_BLOCKS, BrokenModule
+from lightning_ckpt_determinism import (
+    Cause,
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    RecomputationReport,
+    RegionReport,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+)
+from lightning_ckpt_determinism.verify.core import blame, step_cause, with_attribution
+
+DIM = 16
+DEFECTIVE = 1
+# The checkpointing settings that make a cause of the config (not of the model) show.
+SETTINGS = {
+    Cause.RNG_NOT_PRESERVED: {"preserve_rng_state": False},
+    Cause.BUFFER_MUTATION: {"protect_buffers": False},
+}
+# The causes only one engine can give, and why.
+ONE_ENGINE = {
+    # A kernel that differs run to run differs by chance: neither engine can be held to give it on a given step.
+    Cause.NONDETERMINISTIC_KERNEL: "by chance",
+    # Recomputation raises in the live step's own backward: training stops before the monitor checks anything.
+    Cause.SHAPE_CHANGE: "the live step raises",
+    Cause.RECOMPUTE_ERROR: "the live step raises",
+}
+# Every cause the example zoo builds a defect for, less those.
+CAUSES = [cause for cause in Cause if cause.value in DEFECTIVE_BLOCKS and cause not in ONE_ENGINE]
+
+
+def _config(cause: Cause) -> CheckpointingConfig:
+    return CheckpointingConfig(classes=["Block"], **SETTINGS.get(cause, {}))
+
+
+def _model(cause: Cause) -> BrokenModule:
+    torch.manual_seed(0)
+    return BrokenModule(defect=cause.value, blocks=3, defective_block=DEFECTIVE, dim=DIM)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, DIM, generator=generator), torch.randn(8, 1, generator=generator)
+
+
+def _seed_host_rng() -> None:
+    np.random.seed(2)
+    torch.manual_seed(3)
+
+
+def _two_pass(cause: Cause) -> RecomputationReport:
+    model = _model(cause)
+    apply_activation_checkpointing(model, _config(cause))
+    x, y = _batch()
+    _seed_host_rng()
+
+    def closure() -> torch.Tensor:
+        # The step's own loss; `outside_state`'s defect is in `training_step`, which logs (a no-op without a
+        # Trainer).
+        if cause == Cause.OUTSIDE_STATE:
+            return model.training_step((x, y), 0)
+        return F.mse_loss(model(x), y)
+
+    return check_recomputation(model, closure, attribution=True)
+
+
+def _monitored(cause: Cause) -> RecomputationReport:
+    model = _model(cause)
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off")
+    trainer = Trainer(
+        # A parameter written in `training_step` skips the first check, which copies it from then on.
+        max_steps=2 if cause == Cause.PARAMETER_WRITE else 1,
+        accelerator="cpu",
+        devices=1,
+        strategy=SingleDeviceCheckpointingStrategy(checkpointing=_config(cause)),
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    _seed_host_rng()
+    skipped = cause == Cause.PARAMETER_WRITE
+    with pytest.warns(LightningCkptDeterminismWarning, match="skipped") if skipped else contextlib.nullcontext():
+        trainer.fit(model, DataLoader(TensorDataset(*_batch()), batch_size=8))
+    assert monitor.last_report is not None
+    return monitor.last_report
+
+
+@pytest.mark.parametrize("cause", CAUSES, ids=str)
+def test_both_engines_blame_the_defect_with_the_same_cause_and_region(cause: Cause) -> None:
+    expected = (cause, None if cause.blames == "step" else f"blocks.{DEFECTIVE}")
+    two_pass = _two_pass(cause)
+    monitored = _monitored(cause)
+    assert blame(two_pass) == expected
+    assert blame(monitored) == expected
+    # Whatever the engine, a step's cause blames no region.
+    for report in (two_pass, monitored):
+        assert (step_cause(report) is not None) == (cause.blames == "step")
+        assert not [region.name for region in report.regions if region.diverged] or cause.blames == "region"
+
+
+def test_only_the_step_causes_blame_the_step() -> None:
+    assert {cause for cause in Cause if cause.blames == "step"} == {Cause.OUTSIDE_STATE, Cause.COMPILER_RECOMPUTE}
+
+
+def test_a_provisional_step_cause_gives_way_to_the_attributions_and_a_region_cause_stays() -> None:
+    live = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, cause=Cause.OUTSIDE_STATE, hint="outside")
+    region = RegionReport("blocks.1", diverged=True, cause=Cause.NONDETERMINISTIC_KERNEL, max_abs_diff=0.5)
+    attributed = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, regions=[region])
+    joined = with_attribution(live, attributed)
+    assert (joined.cause, joined.hint, blame(joined)) == (None, None, (Cause.NONDETERMINISTIC_KERNEL, "blocks.1"))
+    buffers = RecomputationReport(0.0, 0.0, diverged=True, tolerance=0.0, cause=Cause.BUFFER_MUTATION, hint="b")
+    kept = with_attribution(buffers, RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0))
+    assert (kept.cause, kept.hint, blame(kept)) == (Cause.BUFFER_MUTATION, "b", (Cause.BUFFER_MUTATION, None))
+
+
+def test_every_cause_is_held_to_one_verdict_or_says_why_not() -> None:
+    # The compiled-only cause has its defect in a compiled config, not in the eager zoo.
+    assert set(Cause) - set(CAUSES) - set(ONE_ENGINE) == {Cause.COMPILER_RECOMPUTE}
