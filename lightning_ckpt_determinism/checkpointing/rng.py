@@ -11,7 +11,6 @@ import torch
 
 __all__ = [
     "HostRNGState",
-    "RNGState",
     "capture_host_rng",
     "capture_rng",
     "replaying_host_rng",

@@ -78,7 +78,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["COLLECTIVE_NAMESPACES", "Attribution", "CallRecord"]
+__all__ = ["Attribution", "CallRecord"]
 
 _log = logging.getLogger(__name__)
 
