@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from benchmarks.common import (
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.live import check_live_step
-from lightning_ckpt_determinism.verify.sentinel import SentinelStep
+from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelStep
 from lightning_ckpt_determinism.verify.state import StepState
 
 STEP = "step"
@@ -120,8 +120,11 @@ def _measure_sentinel(size: ModelSize, rounds: int, warmup: int) -> dict[str, An
     optimizer = make_optimizer(model)
     inputs, targets = make_batch(size, device)
     step = partial(train_step, ddp, optimizer, inputs, targets)
-    tiers = {"light": "light", "sampled": "sampled", "exact": "exact", "light, read every step": "light"}
-    sentinels = {name: RecomputationSentinel(model, mode=tier) for name, tier in tiers.items()}  # type: ignore[arg-type]
+    tiers: dict[str, SentinelMode] = {
+        **{tier: tier for tier in get_args(SentinelMode)},
+        "light, read every step": "light",
+    }
+    sentinels = {name: RecomputationSentinel(model, mode=tier) for name, tier in tiers.items()}
     pending: dict[str, list[SentinelStep]] = {name: [] for name in sentinels}
     regions = Regions(model)
 

@@ -8,10 +8,13 @@ equal what this writes, so the pages cannot drift from the code or from the meas
 import json
 import re
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from lightning_ckpt_determinism import CAUSE_HINTS, Cause
+from lightning_ckpt_determinism.verify.digest import DigestTier
 from lightning_ckpt_determinism.verify.reports import INPUT_MODIFIED_HINT, ROUTING_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +22,7 @@ CONFIGS = ROOT / "examples" / "configs"
 CAUSES_PAGE = ROOT / "docs" / "causes.md"
 PERFORMANCE_PAGE = ROOT / "docs" / "performance.md"
 BENCHMARK = ROOT / "docs" / "benchmark-cpu.json"
+TIERS = get_args(DigestTier)
 TABLES = re.compile(r"(<!-- tables: begin -->\n).*?(<!-- tables: end -->)", re.DOTALL)
 
 
@@ -153,36 +157,47 @@ def performance_tables(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _tiers(cell: Callable[[str], str]) -> str:
+    """One cell per sentinel tier, in :data:`~lightning_ckpt_determinism.verify.digest.DigestTier`'s order."""
+    return " | ".join(cell(tier) for tier in TIERS)
+
+
 def _sentinel_table(result: dict[str, Any]) -> list[str]:
-    """The sentinel's rows: each configuration's whole-fit ratios, its peak memory, its step under DDP."""
+    """The sentinel's rows: each configuration's whole-fit ratios, its peak memory, its step under DDP; a column per
+    tier, the default's (``"light"``) with its spread."""
     sentinel, ddp = result["sentinel"], result["sentinel_ddp"]
     steps = sentinel["steps_per_fit"]
+
+    def ratio(ratios: dict[str, Any], tier: str) -> str:
+        return _spread(ratios[f"{tier}/off"]) if tier == "light" else f"{ratios[f'{tier}/off']['median']:.3f}"
+
     lines = [
-        "| the sentinel, whole fits / `off` | `light` | `sampled` | `exact` | `off` again (noise) | goal for `light` |",
-        "|---|---|---|---|---|---|",
+        f"| the sentinel, whole fits / `off` | {_tiers(lambda tier: f'`{tier}`')} | `off` again (noise)"
+        " | goal for `light` |",
+        "|---" * (len(TIERS) + 3) + "|",
     ]
     for name, config in sentinel["configs"].items():
         ratios = config["ratios"]
         lines.append(
-            f"| {name} ({steps[str(config['size']['dim'])]} steps) | {_spread(ratios['light/off'])}"
-            f" | {ratios['sampled/off']['median']:.3f} | {ratios['exact/off']['median']:.3f}"
+            f"| {name} ({steps[str(config['size']['dim'])]} steps) | {_tiers(partial(ratio, ratios))}"
             f" | {ratios['off again/off']['median']:.3f} | {_goal(result, f'sentinel light/off fit time, {name}')} |"
         )
     peaks, parts = sentinel["peak/step"], sentinel["breakdown"]
+
+    def peak(tier: str) -> str:
+        first = f" ({peaks['light, its first step']:.3f} at its first step)" if tier == "light" else ""
+        return f"{peaks[tier]:.3f}{first}"
+
     lines += [
         f"| one step without Lightning (width {result['size']['dim']}) / without |"
-        f" {parts['light/step']['median']:.3f} | {parts['sampled/step']['median']:.3f}"
-        f" | {parts['exact/step']['median']:.3f} | | |",
-        f"| digests a step | {parts['digests_per_step']['light']:.0f} | {parts['digests_per_step']['sampled']:.0f}"
-        f" | {parts['digests_per_step']['exact']:.0f} | | |",
-        f"| peak memory of a step / without | {peaks['light']:.3f} ({peaks['light, its first step']:.3f} at its"
-        f" first step) | {peaks['sampled']:.3f} | {peaks['exact']:.3f} | |"
+        f" {_tiers(lambda tier: format(parts[tier + '/step']['median'], '.3f'))} | | |",
+        f"| digests a step | {_tiers(lambda tier: format(parts['digests_per_step'][tier], '.0f'))} | | |",
+        f"| peak memory of a step / without | {_tiers(peak)} | |"
         f" {_goal(result, 'sentinel light peak memory/without')} |",
         f"| one DDP step, {ddp['world_size']} processes, counts read every {ddp['read_every']} steps / without |"
-        f" {_spread(ddp['ratios']['light/off'])} | {ddp['ratios']['sampled/off']['median']:.3f}"
-        f" | {ddp['ratios']['exact/off']['median']:.3f} | | |",
+        f" {_tiers(partial(ratio, ddp['ratios']))} | | |",
         "| the same, read every step (`on_divergence: raise`) |"
-        f" {ddp['ratios']['light, read every step/off']['median']:.3f} | | | | |",
+        f" {ddp['ratios']['light, read every step/off']['median']:.3f} |{' |' * (len(TIERS) + 1)}",
         "",
     ]
     return lines

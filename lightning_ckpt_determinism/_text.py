@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["aligned", "describe_saved", "ordinal"]
+__all__ = ["aligned", "describe_saved"]
 
 
 def aligned(rows: Sequence[Sequence[str]]) -> list[str]:

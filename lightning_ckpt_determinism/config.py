@@ -34,7 +34,6 @@ __all__ = [
     "PositiveInt",
     "check_bool",
     "check_choice",
-    "check_memory_budget",
     "check_non_empty_str",
     "check_non_negative_float",
     "check_positive_int",

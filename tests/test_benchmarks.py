@@ -7,7 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import torch
@@ -15,9 +15,11 @@ import torch
 from benchmarks import compiled, memory, moe, monitor, saved_tensors
 from benchmarks.common import ModelSize
 from benchmarks.run import main
+from lightning_ckpt_determinism.verify.digest import DigestTier
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+TIERS = get_args(DigestTier)
 STEP_VARIANTS = ["none", "hand-written", "package", "package +host_rng"]
 
 
@@ -146,15 +148,15 @@ def test_the_sentinel_is_measured_in_whole_fits_with_its_breakdown(tiny: tuple[d
         "width 32, no dropout",
     ]
     for config in found["configs"].values():
-        assert list(config["fit_s"]) == ["off", "off again", "light", "sampled", "exact"]
+        assert list(config["fit_s"]) == ["off", "off again", *TIERS]
         assert all(_sane_summary(stats) and stats["n"] == 1 for stats in config["fit_s"].values())
-        assert list(config["ratios"]) == ["off again/off", "light/off", "sampled/off", "exact/off"]
+        assert list(config["ratios"]) == ["off again/off", *(f"{tier}/off" for tier in TIERS)]
         assert all(math.isfinite(stats["median"]) for stats in config["ratios"].values())
         assert config["mismatches"] == 0
-    assert set(found["peak/step"]) == {"light, its first step", "light", "sampled", "exact"}
+    assert set(found["peak/step"]) == {"light, its first step", *TIERS}
     assert all(value > 0 for value in found["peak/step"].values())
     breakdown = found["breakdown"]
-    assert all(_sane_summary(breakdown[name]) for name in ("step", "light", "sampled", "exact", "light hooks only"))
+    assert all(_sane_summary(breakdown[name]) for name in ("step", *TIERS, "light hooks only"))
     digests = breakdown["digests_per_step"]
     assert 0 < digests["light"] < digests["sampled"] == digests["exact"]
     assert found["threads"] == 2
@@ -165,7 +167,7 @@ def test_the_sentinel_under_ddp_is_measured_on_two_processes(tiny: tuple[dict[st
     result, printed = tiny
     ddp = result["sentinel_ddp"]
     assert ddp["world_size"] == 2
-    names = ["light", "sampled", "exact", "light, read every step"]
+    names = [*TIERS, "light, read every step"]
     assert all(_sane_summary(ddp[name]) and ddp[name]["n"] == 3 for name in ["off", *names])
     assert list(ddp["ratios"]) == [f"{name}/off" for name in names]
     assert "4b. Sentinel under DDP" in printed

@@ -14,7 +14,8 @@ from lightning_ckpt_determinism.verify.cause import respelt
 from lightning_ckpt_determinism.verify.outcome import region_outcome, worse
 from lightning_ckpt_determinism.verify.reports import COMPILED_NOISE_NOTE, ROUTING_HINT, buffer_hint
 
-# The strings reports, metrics, JSON files and configs held before causes were a type, in the catalogue's order.
+# The strings reports, metrics, JSON files and configs held before causes were a type, in the catalogue's order: each
+# stays its member's value. A cause added since is checked from `Cause` alone.
 STRINGS = [
     "rng_not_preserved",
     "host_rng",
@@ -39,9 +40,10 @@ CAUSES_PAGE = Path(__file__).resolve().parents[1] / "docs" / "causes.md"
 
 
 def test_the_values_are_the_strings_reports_always_held() -> None:
-    assert [cause.value for cause in Cause] == STRINGS
-    assert all(Cause(text) is cause and cause == text for text, cause in zip(STRINGS, Cause, strict=True))
-    assert list(CAUSE_HINTS) == STRINGS
+    assert [cause.value for cause in Cause if cause.value in STRINGS] == STRINGS
+    assert all(Cause(text).value == text for text in STRINGS)
+    assert all(Cause(cause.value) is cause and cause == cause.name.lower() for cause in Cause)
+    assert list(CAUSE_HINTS) == [cause.value for cause in Cause]
 
 
 @pytest.mark.parametrize("cause", list(Cause), ids=str)
@@ -100,7 +102,8 @@ def test_a_cause_round_trips_through_json_as_its_string() -> None:
     text = json.dumps(asdict(region))
     assert json.loads(text)["cause"] == "host_rng"
     assert Cause(json.loads(text)["cause"]) is Cause.HOST_RNG
-    assert json.dumps({cause: cause for cause in Cause}) == json.dumps({text: text for text in STRINGS})
+    names = [cause.name.lower() for cause in Cause]
+    assert json.dumps({cause: cause for cause in Cause}) == json.dumps(dict(zip(names, names, strict=True)))
 
 
 def test_a_cause_prints_pickles_and_formats_as_its_string() -> None:

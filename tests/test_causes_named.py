@@ -5,6 +5,7 @@ running statistics is ``buffer_mutation``; a torchmetrics metric updated inside 
 import copy
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 import lightning.pytorch as pl
 import pytest
@@ -27,10 +28,11 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
+from lightning_ckpt_determinism.verify.digest import DigestTier
 from tests.helpers import trainer_kwargs
 from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
 
-MODES = ["light", "sampled", "exact"]
+MODES = get_args(DigestTier)
 
 
 class Decay(nn.Module):

@@ -3,7 +3,7 @@ metric under ``torch.enable_grad()``) recomputes its checkpointed regions in its
 recomputation does is neither counted in the sentinel's training metrics nor raised."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import lightning.pytorch as pl
 import pytest
@@ -20,10 +20,11 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     recomputation_sentinel,
 )
+from lightning_ckpt_determinism.verify.digest import DigestTier
 from tests.helpers import DIM, ArmedBlock, StackModule, trainer_kwargs
 from tests.test_monitor_sentinel import logged
 
-TIERS = ["light", "sampled", "exact"]
+TIERS = get_args(DigestTier)
 # The armed block counts its training calls in a list, which recomputation repeats: the checks leave it out.
 COUNTS = ["calls", "eval_calls"]
 

@@ -3,7 +3,7 @@
 import csv
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import lightning.pytorch as pl
 import pytest
@@ -21,6 +21,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.lightning.reference import plain_regions, regions_that_fit
+from lightning_ckpt_determinism.verify.digest import DigestTier
 from tests.helpers import ArmedBlock, StackModule, trainer_kwargs
 
 METRIC = "recompute/sentinel/mismatches"
@@ -54,7 +55,7 @@ def armed_module(step: int = 5) -> StackModule:
     return module
 
 
-@pytest.mark.parametrize("sentinel", ["light", "sampled", "exact"])
+@pytest.mark.parametrize("sentinel", get_args(DigestTier))
 def test_a_clean_fit_logs_zero_mismatches_at_every_step(tmp_path: Path, sentinel: str) -> None:
     monitor = RecomputationMonitor(every_n_steps=50, sentinel=sentinel)  # type: ignore[arg-type]
     fit(tmp_path, monitor, StackModule(block="DropoutBlock"))
@@ -64,7 +65,7 @@ def test_a_clean_fit_logs_zero_mismatches_at_every_step(tmp_path: Path, sentinel
     assert all(region.compared >= 12 for region in report.regions.values())
 
 
-@pytest.mark.parametrize("sentinel", ["light", "sampled", "exact"])
+@pytest.mark.parametrize("sentinel", get_args(DigestTier))
 def test_the_default_monitor_trains_a_model_whose_saved_tensors_have_odd_strides(tmp_path: Path, sentinel: str) -> None:
     monitor = RecomputationMonitor() if sentinel == "light" else RecomputationMonitor(sentinel=sentinel)  # type: ignore[arg-type]
     trainer = fit(tmp_path, monitor, StackModule(block="AttentionPoolBlock"))

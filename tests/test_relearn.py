@@ -6,6 +6,7 @@ and the check before every step. The later calls are the ones that matter: every
 import copy
 import weakref
 from collections.abc import Callable
+from typing import get_args
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe
+from lightning_ckpt_determinism.verify.digest import DigestTier
 from tests.test_verdicts import (
     WIDTH,
     Around,
@@ -34,7 +36,7 @@ from tests.test_verdicts import (
     trial,
 )
 
-TIERS = ["light", "sampled", "exact"]
+TIERS = get_args(DigestTier)
 STEPS = 4
 
 

@@ -3,7 +3,7 @@ the forward's through digests, without Lightning."""
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     recomputation_sentinel,
 )
-from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE
+from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestTier
 from tests.helpers import (
     BatchNormBlock,
     CounterScaleBlock,
@@ -37,7 +37,7 @@ from tests.helpers import (
 )
 
 REGIONS = ["blocks.0", "blocks.1", "blocks.2"]
-MODES = ["light", "sampled", "exact"]
+MODES = get_args(DigestTier)
 
 
 def checkpointed(model: nn.Module, **config: Any) -> nn.Module:

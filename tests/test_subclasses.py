@@ -7,7 +7,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import lightning.pytorch as pl
 import pytest
@@ -25,11 +25,11 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     recomputation_sentinel,
 )
-from lightning_ckpt_determinism.verify.digest import EXACT, DigestPlans, digest, fingerprint, row_weights
+from lightning_ckpt_determinism.verify.digest import EXACT, DigestPlans, DigestTier, digest, fingerprint, row_weights
 from tests.helpers import REPO, StackModule, trainer_kwargs
 from tests.test_verdicts import STEPS, WIDTH, Case, Head, tokens, trial
 
-TIERS = ["light", "sampled", "exact"]
+TIERS = get_args(DigestTier)
 
 
 def values(tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -259,7 +259,7 @@ def test_a_subclass_in_the_first_checkpointed_forward_never_kills_the_process() 
         " recomputation_sentinel\n"
         "from tests.test_subclasses import BUILDS, Head, TwoTensorGain, gradients\n"
         "for where, build in {**BUILDS, 'buffer': lambda: Head(TwoTensorGain())}.items():\n"
-        "    for tier in ('off', 'light', 'sampled', 'exact'):\n"
+        f"    for tier in {('off', *TIERS)!r}:\n"
         "        model = build()\n"
         "        apply_activation_checkpointing(model, CheckpointingConfig(names=['body']))\n"
         "        if tier == 'off':\n"
@@ -272,7 +272,7 @@ def test_a_subclass_in_the_first_checkpointed_forward_never_kills_the_process() 
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:-1] == [
-        f"{where} {tier} trained" for where in [*BUILDS, "buffer"] for tier in ("off", "light", "sampled", "exact")
+        f"{where} {tier} trained" for where in [*BUILDS, "buffer"] for tier in ("off", *TIERS)
     ]
 
 

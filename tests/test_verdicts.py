@@ -7,7 +7,7 @@ recomputation writes and side effects the package does not replay."""
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     recomputation_sentinel,
 )
+from lightning_ckpt_determinism.verify.digest import DigestTier
 
 WIDTH = 8
 STEPS = 3
@@ -395,7 +396,7 @@ def same_state(first: nn.Module, second: nn.Module) -> bool:
     return one.keys() == other.keys() and all(torch.equal(one[key], other[key]) for key in one)
 
 
-@pytest.mark.parametrize("mode", ["light", "sampled", "exact"])
+@pytest.mark.parametrize("mode", get_args(DigestTier))
 @pytest.mark.parametrize("name", list(ZOO))
 def test_every_case_is_exact_or_names_its_region_and_cause(name: str, mode: str) -> None:
     case = ZOO[name]

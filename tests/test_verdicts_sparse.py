@@ -5,6 +5,7 @@ checkpoint, and the default ``RecomputationMonitor`` against a twin trained with
 
 import copy
 import math
+from typing import get_args
 
 import lightning.pytorch as pl
 import pytest
@@ -22,6 +23,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
 )
 from lightning_ckpt_determinism.verify.compare import gradient_divergence
+from lightning_ckpt_determinism.verify.digest import DigestTier
 from tests.helpers import trainer_kwargs
 from tests.test_verdicts import STEPS, WIDTH, Around, Case, Head, same_state, tokens, trial
 
@@ -70,7 +72,7 @@ def table_of(model: nn.Module) -> nn.Embedding:
     return next(sub for sub in model.modules() if isinstance(sub, nn.Embedding))
 
 
-@pytest.mark.parametrize("mode", ["light", "sampled", "exact"])
+@pytest.mark.parametrize("mode", get_args(DigestTier))
 @pytest.mark.parametrize("name", list(SPARSE_ZOO))
 def test_a_sparse_gradient_trains_exactly_with_nothing_from_the_sentinel_nor_the_check(name, mode):
     result = trial(SPARSE_ZOO[name], mode)

@@ -22,15 +22,7 @@ from lightning_ckpt_determinism.lightning.cli import configuration_error, yaml_e
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
-__all__ = [
-    "build",
-    "configs_text",
-    "fit_notes",
-    "import_hint",
-    "one_process_notes",
-    "quiet_lightning",
-    "train_dataloader",
-]
+__all__ = ["build", "configs_text", "fit_notes", "one_process_notes", "quiet_lightning", "train_dataloader"]
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 _MISSING_MODULE = re.compile(r"No module named '([^']+)'")

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
 
-__all__ = ["AutoChoice", "auto_layers"]
+__all__ = ["auto_layers"]
 
 # Matched by name through the class's bases, so that the choice needs no transformers import.
 _TRANSFORMERS_LAYER = "GradientCheckpointingLayer"

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_ckpt_determinism._torch_compat import disable_current_modes, own_buffers, version_counter
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, generator_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
+from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, replaying_host_rng
 
 __all__ = [
     "AttributeReplay",
@@ -102,12 +102,8 @@ class HostRNGReplay:
     def replay(self) -> Iterator[None]:
         if self._state is None:
             raise RuntimeError("lightning_ckpt_determinism: recomputation ran before the forward it replays.")
-        live = capture_host_rng()
-        restore_host_rng(self._state)
-        try:
+        with replaying_host_rng(self._state):
             yield
-        finally:
-            restore_host_rng(live)
 
 
 class ForwardState:

@@ -29,14 +29,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
-__all__ = [
-    "CACHE_ARGUMENTS",
-    "CacheParameters",
-    "CacheSwitch",
-    "is_transformers_layer",
-    "is_transformers_model",
-    "switch_off_kv_caches",
-]
+__all__ = ["CacheParameters", "CacheSwitch", "is_transformers_layer", "is_transformers_model", "switch_off_kv_caches"]
 
 _log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from torch import nn
 from lightning_ckpt_determinism._torch_compat import OptimizedModule, own_buffers
 
 __all__ = [
-    "MODULE_INTERNALS",
     "SCALARS",
     "buffer_slots",
     "generator_slots",

@@ -1,14 +1,23 @@
 """Capture and restore every random stream a training step can draw from."""
 
+import contextlib
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["HostRNGState", "RNGState", "capture_host_rng", "capture_rng", "restore_host_rng", "restore_rng"]
+__all__ = [
+    "HostRNGState",
+    "capture_host_rng",
+    "capture_rng",
+    "replaying_host_rng",
+    "restore_host_rng",
+    "restore_rng",
+    "same_host_rng",
+]
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,54 @@ def restore_host_rng(state: HostRNGState) -> None:
     """
     random.setstate(state.python)
     np.random.set_state(state.numpy)
+
+
+@contextlib.contextmanager
+def replaying_host_rng(state: HostRNGState) -> Iterator[None]:
+    """Run the block with the host's random streams at ``state``, then put the live ones back: the one host-RNG
+    replay, for a region's recomputation and for attribution's.
+
+    Args:
+        state: A snapshot from :func:`capture_host_rng`.
+
+    Example::
+
+        >>> state = capture_host_rng()
+        >>> drawn = random.random()
+        >>> with replaying_host_rng(state):
+        ...     random.random() == drawn
+        True
+        >>> live = capture_host_rng()
+        >>> with replaying_host_rng(state):
+        ...     _ = random.random()
+        >>> same_host_rng(live, capture_host_rng())
+        True
+    """
+    live = capture_host_rng()
+    restore_host_rng(state)
+    try:
+        yield
+    finally:
+        restore_host_rng(live)
+
+
+def same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
+    """Whether two snapshots of the host's random streams are equal (nothing drew from them in between).
+
+    Args:
+        before: A snapshot from :func:`capture_host_rng`.
+        after: Another.
+
+    Example::
+
+        >>> before = capture_host_rng()
+        >>> same_host_rng(before, capture_host_rng()), (random.random(), same_host_rng(before, capture_host_rng()))[1]
+        (True, False)
+    """
+    numpy_same = before.numpy[0] == after.numpy[0] and all(
+        np.array_equal(a, b) for a, b in zip(before.numpy[1:], after.numpy[1:], strict=True)
+    )
+    return bool(before.python == after.python and numpy_same)
 
 
 def capture_rng(devices: Iterable[torch.device] = ()) -> RNGState:

@@ -36,7 +36,6 @@ __all__ = [
     "InRegionCall",
     "Recomputed",
     "SavedTensorObserver",
-    "SavedTensorProbe",
     "kept_by_torch",
     "register_determinism_checks",
 ]

@@ -72,7 +72,6 @@ from lightning_ckpt_determinism.config import CheckpointingConfig
 __all__ = [
     "CheckpointedForward",
     "RegionCall",
-    "RegionObserver",
     "checkpoint_module",
     "checkpointed_modules",
     "checkpointing_disabled",

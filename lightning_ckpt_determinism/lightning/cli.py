@@ -49,7 +49,7 @@ from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
-__all__ = ["TRACEBACK_VARIABLE", "CheckpointingCLI", "config_file_error", "configuration_error", "yaml_error"]
+__all__ = ["CheckpointingCLI", "configuration_error", "yaml_error"]
 
 TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
 """Set to ``1`` to see the traceback of a fit that ``on_divergence: raise`` stopped, rather than its one line."""

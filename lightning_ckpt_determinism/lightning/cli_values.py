@@ -20,7 +20,7 @@ from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 
-__all__ = ["check_parsed_config", "located"]
+__all__ = ["check_parsed_config"]
 
 _LEADING_NAME = re.compile(r"^`([^`]+)`")
 # jsonargparse fills in every field of a dataclass it parses: a namespace with exactly these keys is a config.

@@ -13,16 +13,7 @@ from lightning_ckpt_determinism.verify.outcome import diverging, region_outcome,
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
-__all__ = [
-    "CheckRecord",
-    "Findings",
-    "FitSummary",
-    "RankFindings",
-    "divergence_message",
-    "metrics",
-    "reduce_findings",
-    "warning_key",
-]
+__all__ = ["CheckRecord", "Findings", "FitSummary", "divergence_message", "metrics", "reduce_findings", "warning_key"]
 
 _LOGGED_REGIONS = 5
 _NAMED_REGIONS = 3

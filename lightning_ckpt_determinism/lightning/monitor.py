@@ -2,7 +2,7 @@
 
 import contextlib
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -37,7 +37,7 @@ from lightning_ckpt_determinism.lightning.watch import SentinelFinding, Sentinel
 from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
-from lightning_ckpt_determinism.verify.sentinel import SentinelReport
+from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
 
 __all__ = ["RecomputationMonitor"]
 
@@ -157,7 +157,7 @@ class RecomputationMonitor(Callback):
         attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
         calibrate_noise: bool = False,
         reference_regions: PositiveInt | Literal["auto"] | None = "auto",
-        sentinel: Literal["light", "sampled", "exact", "off"] = "light",
+        sentinel: Literal[SentinelMode, "off"] = "light",
         prog_bar: bool = False,
         exclude_attributes: list[str] | None = None,
     ) -> None:
@@ -175,7 +175,7 @@ class RecomputationMonitor(Callback):
         self.reference_regions: int | str | None = check_positive_int(
             "reference_regions", reference_regions, optional=True, choices=("auto",)
         )
-        self.sentinel = check_choice("sentinel", sentinel, ("light", "sampled", "exact", "off"))
+        self.sentinel = check_choice("sentinel", sentinel, (*get_args(SentinelMode), "off"))
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.exclude_attributes = _attribute_names(exclude_attributes)
         # How hints name settings: "python", or "yaml" where the run is YAML-driven (`CheckpointingCLI` says so).

@@ -20,7 +20,6 @@ __all__ = [
     "lightning_internals",
     "live_reference",
     "logging_suppressed",
-    "loss_of",
     "training_step_arguments",
     "training_step_loss",
 ]

@@ -5,7 +5,6 @@ This layer imports no Lightning: it runs on plain PyTorch (and the checkpointing
 
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import gradient_divergence
-from lightning_ckpt_determinism.verify.live import GradientComparison, check_live_step, compare_gradients
 from lightning_ckpt_determinism.verify.reports import CAUSE_HINTS, RecomputationReport, RegionReport
 from lightning_ckpt_determinism.verify.sentinel import (
     RecomputationSentinel,
@@ -13,22 +12,17 @@ from lightning_ckpt_determinism.verify.sentinel import (
     SentinelReport,
     recomputation_sentinel,
 )
-from lightning_ckpt_determinism.verify.state import StepState
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
 
 __all__ = [
     "CAUSE_HINTS",
     "Cause",
-    "GradientComparison",
     "RecomputationReport",
     "RecomputationSentinel",
     "RegionReport",
     "SentinelRegion",
     "SentinelReport",
-    "StepState",
-    "check_live_step",
     "check_recomputation",
-    "compare_gradients",
     "gradient_divergence",
     "recomputation_sentinel",
 ]

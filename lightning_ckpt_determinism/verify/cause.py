@@ -15,7 +15,7 @@ from typing import Literal
 
 from lightning_ckpt_determinism.config import RECOMPUTE_SWITCHES
 
-__all__ = ["Cause", "Hints", "Setting", "Syntax", "respelt"]
+__all__ = ["Cause", "Syntax", "respelt"]
 
 Syntax = Literal["python", "yaml", "audit"]
 """Where a hint is shown: Python code, a LightningCLI YAML, or the audit (a YAML and the audit's own flags)."""

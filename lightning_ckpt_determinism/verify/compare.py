@@ -23,10 +23,8 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
     "NOISE_MARGIN",
-    "WORST_PARAMETERS",
     "all_finite",
     "comparable",
-    "elementwise_difference",
     "exactly_equal",
     "gradient_divergence",
     "max_abs_difference",

@@ -54,19 +54,16 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
     "EXACT",
-    "ROW_ELEMENTS",
     "SAMPLE_STRIDE",
     "DigestMode",
     "DigestPlans",
     "DigestTier",
     "Fingerprint",
     "Sums",
-    "column_weights",
     "digest",
     "digests",
     "fingerprint",
     "readable",
-    "row_sums",
     "row_weights",
     "words",
 ]

@@ -8,7 +8,7 @@ from typing import Literal
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 
-__all__ = ["RegionOutcome", "Verdict", "diverging", "region_outcome", "report_diverged", "worse"]
+__all__ = ["Verdict", "diverging", "region_outcome", "report_diverged", "worse"]
 
 Verdict = Literal["diverged", "noise", "unchecked", "ok"]
 """A region's verdict: ``"diverged"`` (its difference counts), ``"noise"`` (it differed, within the noise floor),

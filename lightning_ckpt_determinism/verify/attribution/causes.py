@@ -47,7 +47,7 @@ from lightning_ckpt_determinism.verify.reports import (
     buffer_hint,
 )
 
-__all__ = ["call_cause", "evidence_cause", "failure_cause", "region_reports"]
+__all__ = ["evidence_cause", "region_reports"]
 
 
 def evidence_cause(divergence: Divergence) -> Cause | None:

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointError
@@ -57,7 +56,12 @@ from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
 from lightning_ckpt_determinism.checkpointing.equality import same_item
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
-from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, restore_host_rng
+from lightning_ckpt_determinism.checkpointing.rng import (
+    HostRNGState,
+    capture_host_rng,
+    replaying_host_rng,
+    same_host_rng,
+)
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
 from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause, region_reports
@@ -74,7 +78,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["COLLECTIVE_NAMESPACES", "Attribution", "CallRecord"]
+__all__ = ["Attribution", "CallRecord"]
 
 _log = logging.getLogger(__name__)
 
@@ -500,36 +504,32 @@ class Attribution:
             call.error = err
             raise
         finally:
-            call.host_rng_read = not _same_host_rng(before, capture_host_rng())
+            call.host_rng_read = not same_host_rng(before, capture_host_rng())
             call.snapshot_buffers()
 
     @contextlib.contextmanager
     def _recompute(self, call: CallRecord) -> Iterator[None]:
         """Entered at each recomputation of ``call``: the first is compared with the forward, later ones only run."""
         self._last_recomputed = call
-        live = None
-        if self._replay_host_rng is not None and call.host_rng_before is not None:
-            live = capture_host_rng()
-            restore_host_rng(call.host_rng_before)
-        # The recorded copies were released after the first comparison, and a later recomputation replays the same
-        # state: it runs unobserved.
-        comparing = _CallMode(call, comparing=True) if not call.recomputations else contextlib.nullcontext()
-        metrics = _MetricStates(call.module) if not call.recomputations else None
-        try:
-            with comparing:
-                yield
-        except StopRecomputationError:
-            raise
-        except BaseException as err:
-            call.error = err
-            raise
-        finally:
-            if metrics is not None:
-                call.metrics_updated = metrics.changed()
-            call.recomputations += 1
-            call.release()
-            if live is not None:
-                restore_host_rng(live)
+        replayed = call.host_rng_before if self._replay_host_rng is not None else None
+        with replaying_host_rng(replayed) if replayed is not None else contextlib.nullcontext():
+            # The recorded copies were released after the first comparison, and a later recomputation replays the
+            # same state: it runs unobserved.
+            comparing = _CallMode(call, comparing=True) if not call.recomputations else contextlib.nullcontext()
+            metrics = _MetricStates(call.module) if not call.recomputations else None
+            try:
+                with comparing:
+                    yield
+            except StopRecomputationError:
+                raise
+            except BaseException as err:
+                call.error = err
+                raise
+            finally:
+                if metrics is not None:
+                    call.metrics_updated = metrics.changed()
+                call.recomputations += 1
+                call.release()
 
 
 class _MetricStates:
@@ -622,10 +622,3 @@ def _returns_views(func: OpOverload, count: int) -> list[bool]:
         return flags
     # One list return (``split``, ``unbind``) flattens into several tensors.
     return [any(flags)] * count
-
-
-def _same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
-    numpy_same = before.numpy[0] == after.numpy[0] and all(
-        np.array_equal(a, b) for a, b in zip(before.numpy[1:], after.numpy[1:], strict=True)
-    )
-    return bool(before.python == after.python and numpy_same)

@@ -59,7 +59,7 @@ from lightning_ckpt_determinism._torch_compat import (
     set_dynamo_context,
 )
 
-__all__ = ["GraphScan", "RandomRedraw", "find_redraws", "scanned"]
+__all__ = ["GraphScan", "scanned"]
 
 _Compiler = Callable[..., Any]
 

@@ -16,24 +16,25 @@ from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Su
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.light import SavedLayout
 
-__all__ = ["CallOwner", "KeptTensor", "RegionCall"]
+__all__ = ["KeptTensor", "RegionCall"]
 
 
 class CallOwner(Protocol):
-    """What a :class:`RegionCall` needs of the sentinel that made it."""
+    """What a :class:`RegionCall` needs of the sentinel that made it: its hooks are private, called by the sentinel's
+    own modules only."""
 
     mode: DigestMode
     plans: DigestPlans
 
-    def failed(self, region: str, what: str, err: Exception) -> None: ...
+    def _failed(self, region: str, what: str, err: Exception) -> None: ...
 
-    def unreadable(self, region: str, tensor: torch.Tensor) -> None: ...
+    def _unreadable(self, region: str, tensor: torch.Tensor) -> None: ...
 
-    def learned(self, region: str, layout: SavedLayout | None) -> None: ...
+    def _learned(self, region: str, layout: SavedLayout | None) -> None: ...
 
-    def comparing(self, call: "RegionCall") -> None: ...
+    def _comparing(self, call: "RegionCall") -> None: ...
 
-    def compared(self, call: "RegionCall") -> None: ...
+    def _compared(self, call: "RegionCall") -> None: ...
 
 
 class KeptTensor:
@@ -192,19 +193,19 @@ class RegionCall:
                 matrix = plans.read(local, saved.mode)
                 return None if matrix is None else plans.sums(matrix)
         except Exception as err:
-            self.sentinel.failed(self.region, saved.describe(), err)
+            self.sentinel._failed(self.region, saved.describe(), err)
             return None
 
     def _unreadable(self, local: torch.Tensor) -> None:
         """A saved activation without bits to read: counted as not compared (a tensor subclass, said once)."""
         self.not_compared += 1
         if type(local) is not torch.Tensor:
-            self.sentinel.unreadable(self.region, local)
+            self.sentinel._unreadable(self.region, local)
 
     def _leave_out(self, saved: KeptTensor, err: Exception) -> None:
         saved.broken, saved.slot = True, None
         self.not_compared += 1
-        self.sentinel.failed(self.region, f"saved tensor {saved.position}", err)
+        self.sentinel._failed(self.region, f"saved tensor {saved.position}", err)
 
     def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
         """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
@@ -226,7 +227,7 @@ class RegionCall:
             if self.learning:
                 held = self._learn(held)
             elif self.layout is not None and self.packs != self.layout.saved:
-                self.sentinel.learned(self.region, None)  # another code path: its layout is learned again
+                self.sentinel._learned(self.region, None)  # another code path: its layout is learned again
             for saved, local in held:
                 self._take(saved, local)
             if self._digests:
@@ -234,7 +235,7 @@ class RegionCall:
                     with no_python_dispatch():
                         self.forward = self.sentinel.plans.combined(self._digests)
                 except Exception as err:
-                    self.sentinel.failed(self.region, "the forward's digests", err)
+                    self.sentinel._failed(self.region, "the forward's digests", err)
                     self.not_compared += len(self.slotted)
                     self.slotted = []
         self._digests, self._held = [], []
@@ -277,7 +278,7 @@ class RegionCall:
             floating=tuple(position for position, floating in seen if floating),
             left_out=self.not_compared,
         )
-        self.sentinel.learned(self.region, layout)
+        self.sentinel._learned(self.region, layout)
         targets = layout.targets(self.mode)
         for saved, _ in held:
             saved.mode = targets.get(saved.position, self.mode)
@@ -286,7 +287,7 @@ class RegionCall:
     def recomputed(self, saved: KeptTensor, tensor: torch.Tensor) -> bool:
         """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
         digests (stacked at the call's last tensor) at the step's end."""
-        self.sentinel.comparing(self)
+        self.sentinel._comparing(self)
         local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
         if (local.shape, local.dtype, local.device) != (saved.shape, saved.dtype, saved.device):
             if saved.strict:
@@ -313,10 +314,10 @@ class RegionCall:
                 with no_python_dispatch():
                     self.comparisons.append((slots, self.sentinel.plans.combined(found)))
             except Exception as err:
-                self.sentinel.failed(self.region, "the recomputation's digests", err)
+                self.sentinel._failed(self.region, "the recomputation's digests", err)
                 self.not_compared += len(slots)
         self._recomputed = []
-        self.sentinel.compared(self)
+        self.sentinel._compared(self)
 
     def pairs(self) -> Iterator[tuple[list[Any], torch.Tensor, torch.Tensor]]:
         """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones."""

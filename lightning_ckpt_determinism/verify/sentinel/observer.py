@@ -153,7 +153,7 @@ class RecomputationSentinel:
                     self, name, versions, exposed_buffers, self._forward_written[name], self._metrics[name]
                 )
             except Exception as err:
-                self.failed(name, "its parameters and buffers", err)
+                self._failed(name, "its parameters and buffers", err)
         try:
             yield
         finally:
@@ -161,7 +161,7 @@ class RecomputationSentinel:
                 try:
                     watch.done()
                 except Exception as err:
-                    self.failed(watch.region, "its parameters and buffers", err)
+                    self._failed(watch.region, "its parameters and buffers", err)
 
     def extractor(self) -> Extractor | None:
         """What handles each tensor the region call starting now saves (the saved-tensor observer hook): that call's
@@ -170,14 +170,14 @@ class RecomputationSentinel:
             return None
         return self._open[-1].save
 
-    def learned(self, region: str, layout: SavedLayout | None) -> None:
+    def _learned(self, region: str, layout: SavedLayout | None) -> None:
         """A call learned ``region``'s layout (``None``: a call did not match it, and the next call learns it)."""
         if layout is None:
             self._layouts.pop(region, None)
         else:
             self._layouts[region] = layout
 
-    def unreadable(self, region: str, tensor: torch.Tensor) -> None:
+    def _unreadable(self, region: str, tensor: torch.Tensor) -> None:
         """``region`` saves a tensor subclass whose values the sentinel cannot read: left out (said once per region
         and type)."""
         kind = type(tensor).__qualname__
@@ -192,7 +192,7 @@ class RecomputationSentinel:
                 kind,
             )
 
-    def failed(self, region: str, what: str, err: Exception) -> None:
+    def _failed(self, region: str, what: str, err: Exception) -> None:
         """The sentinel could not read ``what`` of ``region``: it is left out (said once per region and tensor)."""
         if (region, what) not in self._failures:
             self._failures.add((region, what))
@@ -205,23 +205,23 @@ class RecomputationSentinel:
                 err,
             )
 
-    def changed(self, region: str, changes: list[StateChange]) -> None:
+    def _changed(self, region: str, changes: list[StateChange]) -> None:
         """A recomputation of ``region`` changed these parameters (known on the host)."""
         self._step.changes.extend((region, change) for change in changes)
         self._step.updated()
 
-    def state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None:
+    def _state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None:
         """A recomputation of ``region`` left these buffers' digests ``after`` (compared on the device)."""
         self._step.state_pairs.append((region, items, before, after))
         self._step.updated()
 
-    def comparing(self, call: RegionCall) -> None:
+    def _comparing(self, call: RegionCall) -> None:
         """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested."""
         if self._recomputing is not None and self._recomputing is not call:
             self._recomputing.recomputation_done()
         self._recomputing = call
 
-    def compared(self, call: RegionCall) -> None:
+    def _compared(self, call: RegionCall) -> None:
         """``call``'s recomputation is digested."""
         if self._recomputing is call:
             self._recomputing = None

@@ -15,17 +15,18 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.report import StateChange
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["StateOwner", "StateWatch", "metric_states", "parameter_places", "parameter_versions"]
+__all__ = ["StateWatch", "metric_states", "parameter_places", "parameter_versions"]
 
 
 class StateOwner(Protocol):
-    """What a :class:`StateWatch` needs of the sentinel that made it."""
+    """What a :class:`StateWatch` needs of the sentinel that made it: its hooks are private, called by the sentinel's
+    own modules only."""
 
     plans: DigestPlans
 
-    def changed(self, region: str, changes: list[StateChange]) -> None: ...
+    def _changed(self, region: str, changes: list[StateChange]) -> None: ...
 
-    def state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None: ...
+    def _state_compared(self, region: str, items: list[Any], before: torch.Tensor, after: torch.Tensor) -> None: ...
 
 
 class StateWatch:
@@ -73,25 +74,25 @@ class StateWatch:
             name for name, param, version in self.versions if version_counter(param) != version and name not in digested
         ]
         if written:
-            self.sentinel.changed(self.region, [self._parameter_change(name) for name in written])
+            self.sentinel._changed(self.region, [self._parameter_change(name) for name in written])
         if self.parameters_before is not None:
             after = self._digests(self.parameters)
             items = [self._parameter_change(name) for name, _ in self.parameters]
-            self.sentinel.state_compared(self.region, items, self.parameters_before, after)  # type: ignore[arg-type]
+            self.sentinel._state_compared(self.region, items, self.parameters_before, after)  # type: ignore[arg-type]
         if self.before is not None:
             after = self._digests(self.buffers)
             items = [
                 StateChange(f"buffer `{self.region}.{name}` changed by recomputation", Cause.BUFFER_MUTATION)
                 for name, _ in self.buffers
             ]
-            self.sentinel.state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
+            self.sentinel._state_compared(self.region, items, self.before, after)  # type: ignore[arg-type]
         if self.metrics_before is not None:
             after = self._digests(self._metric_values())
             items = [
                 StateChange(f"metric `{self.region}.{name}` ({state}) updated by recomputation", Cause.METRIC_UPDATE)
                 for name, _, state in self.metrics
             ]
-            self.sentinel.state_compared(self.region, items, self.metrics_before, after)  # type: ignore[arg-type]
+            self.sentinel._state_compared(self.region, items, self.metrics_before, after)  # type: ignore[arg-type]
 
     def _parameter_change(self, name: str) -> "StateChange":
         return StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE)

@@ -8,7 +8,7 @@ from lightning_ckpt_determinism._torch_compat import no_python_dispatch
 from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
 from lightning_ckpt_determinism.verify.sentinel.report import SentinelRegion, StateChange
 
-__all__ = ["SentinelStep", "StepOwner"]
+__all__ = ["SentinelStep"]
 
 
 class StepOwner(Protocol):
