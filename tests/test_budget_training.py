@@ -136,6 +136,13 @@ def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
         _fit(tmp_path, _strategy("auto"))
 
 
+def test_op_granularity_is_a_one_line_error_at_setup_before_a_step_runs(tmp_path: Path) -> None:
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.5, budget_granularity="op")
+    with pytest.raises(CheckpointingConfigError, match=r"^`budget_granularity`='op' cannot be planned yet") as raised:
+        _fit(tmp_path, SingleDeviceCheckpointingStrategy(checkpointing=config))
+    assert "\n" not in str(raised.value)
+
+
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("budget")

@@ -30,6 +30,7 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError, Lightnin
 __all__ = [
     "CheckpointingPlan",
     "check_budget_device",
+    "check_granularity",
     "choose_checkpointed",
     "format_bytes",
     "plan_activation_checkpointing",
@@ -170,6 +171,7 @@ def plan_activation_checkpointing(
         >>> plan.apply(model)
         ['0', '1']
     """
+    check_granularity(config)
     if config.memory_budget is None:
         raise CheckpointingConfigError(
             "`memory_budget` is None: `plan_activation_checkpointing` plans within a budget; give one such as"
@@ -192,6 +194,26 @@ def plan_activation_checkpointing(
         for module in added.values():
             remove_activation_checkpointing(module)
     return plan_from_figures(meter.figures(), config)
+
+
+def check_granularity(config: CheckpointingConfig) -> None:
+    """Refuse ``budget_granularity="op"``, whose planner is not built yet, before anything is measured.
+
+    Args:
+        config: The config to plan with.
+
+    Raises:
+        CheckpointingConfigError: If ``config.budget_granularity`` is not ``"module"``.
+
+    Example::
+
+        >>> check_granularity(CheckpointingConfig(classes=["Block"], memory_budget="50%"))
+    """
+    if config.budget_granularity != "module":
+        raise CheckpointingConfigError(
+            f"`budget_granularity`={config.budget_granularity!r} cannot be planned yet: this version plans whole"
+            " modules only; set `budget_granularity` to 'module'."
+        )
 
 
 def check_budget_device(config: CheckpointingConfig, device: torch.device) -> None:

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import tree_leaves
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_from_figures
+from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, check_granularity, plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
 from lightning_ckpt_determinism.checkpointing.wrapper import remove_activation_checkpointing
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -42,6 +42,9 @@ class BudgetedCheckpointing:
     Args:
         config: The strategy's config, with its ``memory_budget``.
 
+    Raises:
+        CheckpointingConfigError: If ``config.budget_granularity`` cannot be planned yet (``"op"``).
+
     Example::
 
         >>> budgeted = BudgetedCheckpointing(CheckpointingConfig(classes=["Block"], memory_budget="1GiB"))
@@ -50,6 +53,7 @@ class BudgetedCheckpointing:
     """
 
     def __init__(self, config: CheckpointingConfig) -> None:
+        check_granularity(config)
         self.config = config
         self.plan: CheckpointingPlan | None = None
         self._meter: ActivationMeter | None = None
