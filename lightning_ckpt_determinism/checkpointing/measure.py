@@ -43,7 +43,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, tree_leaves
-from lightning_ckpt_determinism.checkpointing.cost import op_cost
+from lightning_ckpt_determinism.checkpointing.cost import op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.saved import Extractor, SavedTensorObserver, kept_by_torch
@@ -62,6 +62,7 @@ class OpFigures:
         op: Its overload, as ``str(func)`` writes it (``"aten.mm.default"``).
         bytes: The bytes of the storages it allocates (0 for views, in-place ops and outputs kept anyway).
         cost: Its recompute cost, in the byte-equivalents of the roofline model.
+        flops: The FLOPs ``torch.utils.flop_counter`` counts for it.
 
     Example::
 
@@ -73,6 +74,7 @@ class OpFigures:
     op: str
     bytes: int
     cost: int
+    flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ def _added(before: list[OpFigures] | None, call: list[OpFigures]) -> list[OpFigu
     if before is None or [(entry.index, entry.op) for entry in before] != [(entry.index, entry.op) for entry in call]:
         return None
     return [
-        OpFigures(entry.index, entry.op, entry.bytes + other.bytes, entry.cost + other.cost)
+        OpFigures(entry.index, entry.op, entry.bytes + other.bytes, entry.cost + other.cost, entry.flops + other.flops)
         for entry, other in zip(before, call, strict=True)
     ]
 
@@ -291,7 +293,8 @@ class _OpCalls:
         own = bool(tensors) and len(fresh) == len({*map(_storage_of, tensors)}) and not (fresh.keys() & self._seen)
         size = sum(fresh.values()) if own and not kept else 0
         self._seen.update(fresh)
-        self.figures.append(OpFigures(len(self.figures), str(func), size, op_cost(func, args, kwargs, out)))
+        cost, flops = op_cost(func, args, kwargs, out), op_flops(func, args, kwargs, out)
+        self.figures.append(OpFigures(len(self.figures), str(func), size, cost, flops))
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:
