@@ -20,8 +20,9 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
 - **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position among
   the calls torch's selective checkpointing sees (``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out) and its
   overload, with the bytes of the storages it allocates and its recompute cost in the roofline model of
-  :mod:`~lightning_ckpt_determinism.checkpointing.cost`. A call whose output is a view or an in-place update of a
-  tensor that exists already (a region input, an earlier output, the model's state), or that the region keeps anyway
+  :mod:`~lightning_ckpt_determinism.checkpointing.cost`. A call whose output aliases a tensor that exists already
+  (its schema says so, as for views, in-place and ``out=`` ops, or it shares a storage with the op's arguments or the
+  model's state), or that the region keeps anyway
   (``save_ops``, data-dependent outputs), has no bytes of its own to keep: it is listed with 0 bytes and cannot be
   chosen. The region's ``cost`` is the sum over all its calls. A region called several times adds up each position's
   figures; calls that ran different op sequences leave it without op figures (it is then planned whole).
@@ -121,7 +122,7 @@ class _Tally:
         # The op calls, added up over the region's calls; None once two calls ran different sequences.
         self.ops: list[OpFigures] | None = []
         # The inputs of the call about to run (from the forward pre-hook): their bytes and the size rule's limit.
-        self.pending: tuple[int, Any, list[Any]] = (0, 0, [])
+        self.pending: tuple[int, Any] = (0, 0)
 
 
 class ActivationMeter:
@@ -185,8 +186,7 @@ class ActivationMeter:
 
     def _inputs(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         inputs = (*args, *kwargs.values())
-        leaves = tree_leaves(inputs)
-        self._tallies[name].pending = (self.activation_bytes(leaves), input_limit(inputs), leaves)
+        self._tallies[name].pending = (self.activation_bytes(tree_leaves(inputs)), input_limit(inputs))
 
     def activation_bytes(self, tensors: Sequence[Any], state: frozenset[int | None] = frozenset()) -> int:
         """The bytes of the distinct storages behind the tensors among ``tensors`` (this rank's shards of DTensors),
@@ -218,13 +218,10 @@ class _RegionMeter:
 
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
-        inputs_bytes, limit, inputs = self._tally.pending
-        self._tally.pending = (0, 0, [])
+        inputs_bytes, limit = self._tally.pending
         # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
         state = _state_storages(module)
         calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
-        if calls is not None:
-            calls.note_inputs(inputs)
         kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, calls)
         flops = FlopCounterMode(display=False)
         inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
@@ -279,20 +276,20 @@ class _OpCalls:
 
     def __init__(self, state: frozenset[int | None]) -> None:
         self.figures: list[OpFigures] = []
-        # Storages that exist before or apart from an op's output: state, the region's inputs, earlier outputs.
-        self._seen: set[int | None] = set(state)
-
-    def note_inputs(self, inputs: Sequence[Any]) -> None:
-        self._seen.update(_storages(inputs))
+        self._state = state
 
     def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool) -> None:
         if func in SAC_IGNORED_OPS:
             return
         tensors = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         fresh = _storages(tensors)
-        own = bool(tensors) and len(fresh) == len({*map(_storage_of, tensors)}) and not (fresh.keys() & self._seen)
+        # An output of its own: no alias in the op's schema (views, in-place and out= ops have one), and no storage
+        # shared with the op's arguments (alive now, so no address is reused) or the model's state.
+        aliases = any(ret.alias_info is not None for ret in func._schema.returns)
+        shared = fresh.keys() & (_storages(tree_leaves((args, kwargs))).keys() | self._state)
+        whole = len(fresh) == len({*map(_storage_of, tensors)})
+        own = bool(tensors) and whole and not aliases and not shared
         size = sum(fresh.values()) if own and not kept else 0
-        self._seen.update(fresh)
         cost, flops = op_cost(func, args, kwargs, out), op_flops(func, args, kwargs, out)
         self.figures.append(OpFigures(len(self.figures), str(func), size, cost, flops))
 
