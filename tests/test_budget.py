@@ -271,23 +271,6 @@ def test_planning_without_a_budget_or_with_auto_off_cuda_is_a_one_line_error(bud
     assert checkpointed_modules(model) == {}
 
 
-def test_op_granularity_is_refused_before_the_closure_runs_and_leaves_the_model_as_it_was() -> None:
-    model = _mixed()
-    ran: list[int] = []
-    with pytest.raises(
-        CheckpointingConfigError,
-        match=r"^`budget_granularity`='op' cannot be planned yet: this version plans whole modules only; set"
-        r" `budget_granularity` to 'module'\.$",
-    ):
-        plan_activation_checkpointing(
-            model,
-            CheckpointingConfig(**CONFIG, memory_budget=0.5, budget_granularity="op"),  # type: ignore[arg-type]
-            lambda: ran.append(1),
-        )
-    assert ran == []
-    assert checkpointed_modules(model) == {}
-
-
 def test_save_ops_and_kept_routing_count_as_kept_when_checkpointed() -> None:
     plain = _mixed()
     kept = plan_activation_checkpointing(

@@ -136,11 +136,36 @@ def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
         _fit(tmp_path, _strategy("auto"))
 
 
-def test_op_granularity_is_a_one_line_error_at_setup_before_a_step_runs(tmp_path: Path) -> None:
-    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.5, budget_granularity="op")
-    with pytest.raises(CheckpointingConfigError, match=r"^`budget_granularity`='op' cannot be planned yet") as raised:
-        _fit(tmp_path, SingleDeviceCheckpointingStrategy(checkpointing=config))
-    assert "\n" not in str(raised.value)
+def test_a_fit_at_op_granularity_keeps_the_plans_op_outputs_and_trains_bit_identical_to_a_plain_fit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.8, budget_granularity="op")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    _, module = _fit(tmp_path, strategy, callbacks=[monitor])
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    assert any(plan.saved_ops.values())
+    assert set(plan.saved_ops) == set(plan.checkpointed)
+    # The plan is what planning in plain PyTorch gives for the first batch.
+    twin = _mixed()
+    x, y = next(iter(module.train_dataloader()))
+    expected = plan_activation_checkpointing(
+        twin,
+        CheckpointingConfig(**CONFIG, memory_budget=0.8, budget_granularity="op"),
+        lambda: F.mse_loss(twin(x), y).backward(),
+    )
+    assert {name.removeprefix("model."): calls for name, calls in plan.saved_ops.items()} == expected.saved_ops
+    assert plan.kept_bytes == expected.kept_bytes <= plan.budget_bytes
+    assert f"lightning_ckpt_determinism: {plan.summary()}." in caplog.text
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0] * 4
+    report = monitor.sentinel_report
+    assert report is not None
+    assert report.mismatches == 0 < report.compared
+    _, plain = _fit(tmp_path / "plain")
+    for (name, weight), plain_weight in zip(module.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(weight, plain_weight), name
+    assert checkpointed_modules(module) == {}
 
 
 @pytest.fixture(scope="module")
