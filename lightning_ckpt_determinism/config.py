@@ -358,8 +358,8 @@ class CheckpointingConfig:
             thinned by ``every_n``, which a budget cannot be combined with.
         budget_granularity: What a ``memory_budget`` chooses between: ``"module"`` (whole candidates, plain or
             checkpointed) or ``"op"`` (for each candidate, plain or checkpointed keeping a chosen set of its op
-            outputs). Op granularity is accepted and saved with the config, but its planner is not built yet:
-            planning with it raises a one-line error before anything is measured. Needs a ``memory_budget``.
+            outputs, chosen per op call with the least recompute cost in a roofline model; eager regions only, a
+            compiled region is checkpointed whole). Needs a ``memory_budget``.
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but
