@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -16,6 +17,7 @@ from lightning_ckpt_determinism import (
     CheckpointingConfig,
     CheckpointingPlan,
     LightningCkptDeterminismWarning,
+    apply_activation_checkpointing,
     plan_activation_checkpointing,
 )
 from lightning_ckpt_determinism.checkpointing.budget import plan_from_figures
@@ -53,7 +55,8 @@ class _Ops(TorchDispatchMode):
             return out
         outputs = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         pointers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in outputs}
-        inputs = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+        arguments = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        inputs = {tensor.untyped_storage().data_ptr() for tensor in arguments}
         fresh = not func.is_view and not func._schema.is_mutable and not (pointers.keys() & (inputs | self.state))
         tensors = [leaf for leaf in tree_leaves((args, kwargs, out)) if isinstance(leaf, torch.Tensor)]
         moved = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
@@ -94,9 +97,7 @@ def _options(plain: int, inputs: int, calls: list[tuple[str, int, int]]) -> list
     found = [(plain, 0, (-1,))]
     for count in range(len(choosable) + 1):
         for subset in itertools.combinations(choosable, count):
-            found.append(
-                (inputs + sum(calls[i][1] for i in subset), total - sum(calls[i][2] for i in subset), subset)
-            )
+            found.append((inputs + sum(calls[i][1] for i in subset), total - sum(calls[i][2] for i in subset), subset))
     return found
 
 
@@ -111,7 +112,10 @@ def _brute_force(figures: dict[str, tuple[int, int, list[tuple[str, int, int]]]]
     return best
 
 
-def _cost_and_bytes(plan: CheckpointingPlan, figures: dict[str, tuple[int, int, list[tuple[str, int, int]]]]) -> tuple[int, int]:
+Figures = dict[str, tuple[int, int, list[tuple[str, int, int]]]]
+
+
+def _cost_and_bytes(plan: CheckpointingPlan, figures: Figures) -> tuple[int, int]:
     """The plan's recompute cost and kept bytes, from the test's own figures."""
     cost = kept = 0
     for name, (plain, inputs, calls) in figures.items():
@@ -255,3 +259,46 @@ def test_the_op_plan_is_a_table_and_a_line() -> None:
     for name, calls in plan.saved_ops.items():
         (row,) = [line for line in lines[2:] if line.startswith(name + " ")]
         assert row.endswith(f"checkpoint, keeping {len(calls)} ops")
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to every op output's storage (parameters left out), to sum those still alive later."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self._excluded = excluded
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self._excluded:
+                storage = leaf.untyped_storage()
+                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def held(self) -> int:
+        return sum(size for ref, size in self._storages.values() if not ref.expired())
+
+
+def _held_after_forward(model: nn.Module) -> int:
+    """The bytes of op outputs the loss's graph holds alive after one forward."""
+    x, y = _batch()
+    with _LiveStorages({parameter.untyped_storage().data_ptr() for parameter in model.parameters()}) as live:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    held = live.held()
+    del loss
+    return held
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.6, 0.7, 0.9])
+def test_the_bytes_a_step_under_the_plan_holds_equal_the_planned_bytes(fraction: float) -> None:
+    model = _small()
+    plan = _plan(model, fraction)
+    model.zero_grad(set_to_none=True)
+    plan.apply(model)
+    # Against every block checkpointed keeping nothing, which holds their checkpointed bytes and the rest alike.
+    every = _small()
+    apply_activation_checkpointing(every, CheckpointingConfig(**CONFIG))  # type: ignore[arg-type]
+    least = sum(entry.checkpointed_bytes for entry in plan.candidates)
+    assert _held_after_forward(model) - _held_after_forward(every) == plan.kept_bytes - least

@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, tree_leaves
+from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves
 from lightning_ckpt_determinism.checkpointing.cost import op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
@@ -285,7 +285,7 @@ class _OpCalls:
         fresh = _storages(tensors)
         # An output of its own: no alias in the op's schema (views, in-place and out= ops have one), and no storage
         # shared with the op's arguments (alive now, so no address is reused) or the model's state.
-        aliases = any(ret.alias_info is not None for ret in func._schema.returns)
+        aliases = returns_alias(func)
         shared = fresh.keys() & (_storages(tree_leaves((args, kwargs))).keys() | self._state)
         whole = len(fresh) == len({*map(_storage_of, tensors)})
         own = bool(tensors) and whole and not aliases and not shared

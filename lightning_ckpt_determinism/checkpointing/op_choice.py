@@ -1,4 +1,4 @@
-"""The exact choice at op granularity: for each candidate, plain, or checkpointed keeping a chosen set of its op outputs.
+"""The exact choice at op granularity: each candidate plain, or checkpointed keeping a chosen set of its op outputs.
 
 A candidate checkpointed while keeping the outputs of op calls ``S`` keeps its checkpointed bytes (inputs, and what
 ``save_ops`` and ``keep_data_dependent`` keep) plus the bytes of ``S``, and recomputes every op call not in ``S``;
