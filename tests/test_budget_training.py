@@ -251,6 +251,40 @@ def test_a_compiled_model_is_measured_eagerly_and_compiles_once_with_the_plan(tm
     assert direct.counter.frame_count == compiled_once
 
 
+class CompiledInPlaceModule(CompiledMixedModule):
+    """`CompiledMixedModule` whose model is compiled in place (``Module.compile``), as the strategy can see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.compile(backend=self.counter)
+        self._compiled = self.model
+
+
+def test_a_compiled_model_at_op_granularity_checkpoints_its_regions_whole_with_one_note(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    module = CompiledInPlaceModule()
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.8, budget_granularity="op")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy)).fit(module)  # type: ignore[arg-type]
+    plan = strategy.checkpointing_plan
+    assert plan is not None and any(plan.saved_ops.values())
+    note = "compiled regions keep none of the planned op outputs"
+    assert [note in record.getMessage() for record in caplog.records].count(True) == 1
+    compiled_once = module.frames[2]
+    assert compiled_once > 0 and module.frames[3] == compiled_once
+    # As many frames as a compiled fit that checkpoints the plan's modules whole from its start: the same graphs.
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    direct = CompiledInPlaceModule()
+    fixed = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=list(plan.checkpointed)))
+    pl.Trainer(**trainer_kwargs(tmp_path / "direct", strategy=fixed)).fit(direct)  # type: ignore[arg-type]
+    torch._dynamo.reset()
+    assert direct.counter.frame_count == compiled_once
+
+
 class GrowingBatchesModule(MixedModule):
     """`MixedModule` whose third and fourth batches are twice as large as the measured first one."""
 
