@@ -193,6 +193,19 @@ def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_fi
 
 
 @pytest.mark.slow
+def test_ddp_ranks_at_op_granularity_plan_alike_from_the_largest_op_figures(distributed: list[dict[str, Any]]) -> None:
+    ranks = [found["ddp_op"] for found in distributed]
+    assert ranks[0]["saved_ops"] == ranks[1]["saved_ops"]
+    assert ranks[0]["op_figures"] == ranks[1]["op_figures"]
+    # Rank 1's batches are larger: every op's figures are its, rank 0's own are smaller.
+    assert ranks[0]["op_figures"] == ranks[1]["own_op_figures"] != ranks[0]["own_op_figures"]
+    assert all(entry for entry in ranks[0]["op_figures"])
+    planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
+    for rank in ranks:
+        assert rank["steps"][1:] == [planned, planned]
+
+
+@pytest.mark.slow
 def test_tensor_parallel_ranks_measure_their_shards_and_apply_one_plan(distributed: list[dict[str, Any]]) -> None:
     ranks = [found["tp"] for found in distributed]
     assert ranks[0] == ranks[1]

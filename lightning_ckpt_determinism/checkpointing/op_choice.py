@@ -16,7 +16,7 @@ optimum costs with the budget lowered by the sum of the bands, which the choice 
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
@@ -72,11 +72,14 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
         {'a': (0,)}
     """
     ran = [entry for entry in figures if entry.calls]
-    options: dict[RegionFigures, list[tuple[int, int, tuple[int, ...] | None]]] = {}
+    # Identical candidates (equal figures under other names) share one frontier.
+    frontiers: dict[RegionFigures, list[tuple[int, int, tuple[int, ...] | None]]] = {}
     for entry in ran:
-        if entry not in options:
-            options[entry] = _options(entry, budget_bytes)
-    least = [min(point[0] for point in options[entry]) for entry in ran]
+        key = replace(entry, name="")
+        if key not in frontiers:
+            frontiers[key] = _options(entry, budget_bytes)
+    options = {entry.name: frontiers[replace(entry, name="")] for entry in ran}
+    least = [min(point[0] for point in options[entry.name]) for entry in ran]
     rest = [sum(least[index:]) for index in range(len(ran) + 1)]
     if rest[0] > budget_bytes:
         return None
@@ -87,7 +90,7 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
         combined: list[_Point] = [
             (point[0] + size, point[1] + cost, (point, option))
             for point in frontier
-            for option, (size, cost, _) in enumerate(options[entry])
+            for option, (size, cost, _) in enumerate(options[entry.name])
             if point[0] + size <= room
         ]
         frontier = _pareto(combined)
@@ -100,7 +103,7 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
     for entry in reversed(ran):
         assert point[2] is not None  # one step back per candidate
         point, option = point[2]
-        chosen = options[entry][option][2]
+        chosen = options[entry.name][option][2]
         if chosen is not None:
             kept[entry.name] = chosen
     order = [entry.name for entry in figures]
