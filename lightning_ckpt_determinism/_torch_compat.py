@@ -69,6 +69,7 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "returned_views",
+    "returns_alias",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
@@ -140,6 +141,12 @@ def returned_views(func: OpOverload) -> list[bool]:
     """For each return of an op, whether its schema declares it a view of an argument (``Tensor(a)``, not written),
     read from ``OpOverload._schema`` (>= 1.13)."""
     return [ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns]
+
+
+def returns_alias(func: OpOverload) -> bool:
+    """Whether any return of an op aliases an argument by its schema (a view, an in-place or ``out=`` op), read from
+    ``OpOverload._schema`` (>= 1.13)."""
+    return any(ret.alias_info is not None for ret in func._schema.returns)
 
 
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id

@@ -27,6 +27,7 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError, Lightnin
 
 __all__ = [
     "AUTO_CLASSES",
+    "BUDGET_GRANULARITIES",
     "RECOMPUTE_SWITCHES",
     "CheckpointingConfig",
     "NonNegativeFloat",
@@ -237,6 +238,9 @@ def parse_memory_budget(value: object) -> int | float | str | None:
     return float(value)
 
 
+BUDGET_GRANULARITIES = ("module", "op")
+"""What ``CheckpointingConfig.budget_granularity`` takes: the units a ``memory_budget`` chooses between."""
+
 _BUDGET_FORMS = "give bytes (1073741824, '512MiB', '2GB'), a fraction in (0, 1] (0.5, '50%'), 'auto' or None."
 
 
@@ -351,12 +355,17 @@ class CheckpointingConfig:
             checkpointed, in the first training step and apply the plan from the second one on;
             ``plan_activation_checkpointing`` does the same in plain PyTorch. ``None`` checkpoints every match,
             thinned by ``every_n``, which a budget cannot be combined with.
+        budget_granularity: What a ``memory_budget`` chooses between: ``"module"`` (whole candidates, plain or
+            checkpointed) or ``"op"`` (for each candidate, plain or checkpointed keeping a chosen set of its op
+            outputs, chosen per op call with the least recompute cost in a roofline model; eager regions only, a
+            compiled region is checkpointed whole). Needs a ``memory_budget``.
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but
             strings (``classes`` also takes classes), a switch is not a bool, ``every_n < 1``, a class path or op
             cannot be found, ``determinism_check`` is not one torch knows, or ``memory_budget`` is not a size (or
-            comes with ``every_n > 1``).
+            comes with ``every_n > 1``), or ``budget_granularity`` is neither ``"module"`` nor ``"op"`` (or is
+            ``"op"`` without a ``memory_budget``).
 
     Example::
 
@@ -376,6 +385,7 @@ class CheckpointingConfig:
     determinism_check: Literal["default", "none"] = "default"
     keep_data_dependent: bool = True
     memory_budget: int | str | float | None = None
+    budget_granularity: Literal["module", "op"] = "module"
 
     def __post_init__(self) -> None:
         for name in ("classes", "names", "save_ops"):
@@ -411,6 +421,12 @@ class CheckpointingConfig:
                 resolve_class_path(path)
         resolve_ops(self.save_ops)
         object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, self.every_n))
+        check_choice("budget_granularity", self.budget_granularity, BUDGET_GRANULARITIES)
+        if self.budget_granularity != "module" and self.memory_budget is None:
+            raise CheckpointingConfigError(
+                f"`budget_granularity`={self.budget_granularity!r} chooses what to keep under a memory budget; set"
+                " `memory_budget` (e.g. '50%') or leave `budget_granularity` at 'module'."
+            )
 
     def __hash__(self) -> int:
         # By value, as `==` compares: equal configs checkpoint alike (and share their compiled graphs' notes).

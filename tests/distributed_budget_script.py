@@ -59,7 +59,11 @@ def _figures(plan: CheckpointingPlan) -> list[list[int]]:
     return [[entry.plain_bytes, entry.checkpointed_bytes, entry.flops] for entry in plan.candidates]
 
 
-def fit(module: RankSizedModule, strategy: Any, out_dir: Path) -> dict[str, Any]:
+def _op_figures(plan: CheckpointingPlan) -> list[list[list[Any]]]:
+    return [[[op.index, op.op, op.bytes, op.cost] for op in entry.ops] for entry in plan.candidates]
+
+
+def fit(module: RankSizedModule, strategy: Any, out_dir: Path, granularity: str = "module") -> dict[str, Any]:
     trainer = pl.Trainer(
         **trainer_kwargs(out_dir, max_steps=3, strategy=strategy, devices=2, use_distributed_sampler=False)  # type: ignore[arg-type]
     )
@@ -68,13 +72,15 @@ def fit(module: RankSizedModule, strategy: Any, out_dir: Path) -> dict[str, Any]
     assert plan is not None
     twin = _mixed()
     x, y = next(iter(module.train_dataloader()))
-    own = plan_activation_checkpointing(
-        twin, CheckpointingConfig(**CONFIG, memory_budget=BUDGET), lambda: F.mse_loss(twin(x), y).backward()
-    )
+    config = CheckpointingConfig(**CONFIG, memory_budget=BUDGET, budget_granularity=granularity)  # type: ignore[arg-type]
+    own = plan_activation_checkpointing(twin, config, lambda: F.mse_loss(twin(x), y).backward())
     return {
         "checkpointed": plan.checkpointed,
         "figures": _figures(plan),
         "own_figures": _figures(own),
+        "op_figures": _op_figures(plan),
+        "own_op_figures": _op_figures(own),
+        "saved_ops": {name: [list(call) for call in calls] for name, calls in plan.saved_ops.items()},
         "steps": module.checkpointed,
     }
 
@@ -109,6 +115,10 @@ def main(out_dir: Path) -> None:
         checkpointing=config, data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
     )
     found["fsdp2"] = fit(ShardedRankSizedModule(), fsdp2, out_dir)
+    pl.seed_everything(0, verbose=False)
+    op_config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=BUDGET, budget_granularity="op")
+    ddp_op = DDPCheckpointingStrategy(checkpointing=op_config, process_group_backend="gloo")
+    found["ddp_op"] = fit(RankSizedModule(), ddp_op, out_dir, "op")
     pl.seed_everything(0, verbose=False)
     found["tp"] = fit_tensor_parallel(out_dir)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))

@@ -136,6 +136,38 @@ def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
         _fit(tmp_path, _strategy("auto"))
 
 
+def test_a_fit_at_op_granularity_keeps_the_plans_op_outputs_and_trains_bit_identical_to_a_plain_fit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.8, budget_granularity="op")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    _, module = _fit(tmp_path, strategy, callbacks=[monitor])
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    assert any(plan.saved_ops.values())
+    assert set(plan.saved_ops) == set(plan.checkpointed)
+    # The plan is what planning in plain PyTorch gives for the first batch.
+    twin = _mixed()
+    x, y = next(iter(module.train_dataloader()))
+    expected = plan_activation_checkpointing(
+        twin,
+        CheckpointingConfig(**CONFIG, memory_budget=0.8, budget_granularity="op"),
+        lambda: F.mse_loss(twin(x), y).backward(),
+    )
+    assert {name.removeprefix("model."): calls for name, calls in plan.saved_ops.items()} == expected.saved_ops
+    assert plan.kept_bytes == expected.kept_bytes <= plan.budget_bytes
+    assert f"lightning_ckpt_determinism: {plan.summary()}." in caplog.text
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0] * 4
+    report = monitor.sentinel_report
+    assert report is not None
+    assert report.mismatches == 0 < report.compared
+    _, plain = _fit(tmp_path / "plain")
+    for (name, weight), plain_weight in zip(module.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(weight, plain_weight), name
+    assert checkpointed_modules(module) == {}
+
+
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_dir = tmp_path_factory.mktemp("budget")
@@ -158,6 +190,19 @@ def test_ranks_with_batches_of_their_own_size_apply_one_plan_from_the_largest_fi
     assert 0 < len(planned) < 6
     for rank in ranks:
         assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_at_op_granularity_plan_alike_from_the_largest_op_figures(distributed: list[dict[str, Any]]) -> None:
+    ranks = [found["ddp_op"] for found in distributed]
+    assert ranks[0]["saved_ops"] == ranks[1]["saved_ops"]
+    assert ranks[0]["op_figures"] == ranks[1]["op_figures"]
+    # Rank 1's batches are larger: every op's figures are its, rank 0's own are smaller.
+    assert ranks[0]["op_figures"] == ranks[1]["own_op_figures"] != ranks[0]["own_op_figures"]
+    assert all(entry for entry in ranks[0]["op_figures"])
+    planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
+    for rank in ranks:
+        assert rank["steps"][1:] == [planned, planned]
 
 
 @pytest.mark.slow
@@ -214,6 +259,40 @@ def test_a_compiled_model_is_measured_eagerly_and_compiles_once_with_the_plan(tm
     direct = CompiledMixedModule()
     names = [name.removeprefix("model.") for name in plan.checkpointed]
     fixed = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=[f"model.{n}" for n in names]))
+    pl.Trainer(**trainer_kwargs(tmp_path / "direct", strategy=fixed)).fit(direct)  # type: ignore[arg-type]
+    torch._dynamo.reset()
+    assert direct.counter.frame_count == compiled_once
+
+
+class CompiledInPlaceModule(CompiledMixedModule):
+    """`CompiledMixedModule` whose model is compiled in place (``Module.compile``), as the strategy can see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.compile(backend=self.counter)
+        self._compiled = self.model
+
+
+def test_a_compiled_model_at_op_granularity_checkpoints_its_regions_whole_with_one_note(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    module = CompiledInPlaceModule()
+    config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.8, budget_granularity="op")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy)).fit(module)  # type: ignore[arg-type]
+    plan = strategy.checkpointing_plan
+    assert plan is not None and any(plan.saved_ops.values())
+    note = "compiled regions keep none of the planned op outputs"
+    assert [note in record.getMessage() for record in caplog.records].count(True) == 1
+    compiled_once = module.frames[2]
+    assert compiled_once > 0 and module.frames[3] == compiled_once
+    # As many frames as a compiled fit that checkpoints the plan's modules whole from its start: the same graphs.
+    torch._dynamo.reset()
+    pl.seed_everything(0)
+    direct = CompiledInPlaceModule()
+    fixed = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=list(plan.checkpointed)))
     pl.Trainer(**trainer_kwargs(tmp_path / "direct", strategy=fixed)).fit(direct)  # type: ignore[arg-type]
     torch._dynamo.reset()
     assert direct.counter.frame_count == compiled_once

@@ -177,6 +177,7 @@ BOTH_ROUTES = [
     ("checkpointing", "every_n", "two"),
     ("checkpointing", "determinism_check", "strict"),
     ("checkpointing", "memory_budget", "lots"),
+    ("checkpointing", "budget_granularity", "layer"),
     ("checkpointing", "save_ops", ["aten.nosuchop"]),
     ("monitor", "every_n_steps", 0),
     ("monitor", "tolerance", -1),

@@ -143,6 +143,17 @@ def test_returned_views_are_the_returns_the_schema_marks_aliased_and_not_written
     assert compat.returned_views(aten.max.dim) == [False, False]
 
 
+@pins("returns_alias")
+def test_returns_alias_is_any_return_the_schema_marks_aliased_written_or_not() -> None:
+    aten = torch.ops.aten
+    assert compat.returns_alias(aten.view.default)
+    assert compat.returns_alias(aten.t.default)
+    assert compat.returns_alias(aten.add_.Tensor)
+    assert compat.returns_alias(aten.add.out)
+    assert not compat.returns_alias(aten.add.Tensor)
+    assert not compat.returns_alias(aten.native_layer_norm.default)
+
+
 @pins("current_graph_task_id")
 def test_the_graph_task_id_is_minus_one_outside_backward_and_one_per_backward_inside() -> None:
     x = torch.ones(2, requires_grad=True)

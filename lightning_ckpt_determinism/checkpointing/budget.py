@@ -9,21 +9,32 @@ are searched branch and bound, which is exact and quick for the handful of disti
 FLOPs (FLOPs are 0 for regions made only of elementwise ops and norms) goes to fewer checkpointed modules, then to
 fewer bytes kept. A candidate whose checkpointing would keep more than it saves stays plain.
 
+With ``budget_granularity="op"`` the meter also measures each op call of each candidate (bytes it allocates, recompute
+cost in a roofline model, :mod:`~lightning_ckpt_determinism.checkpointing.cost`), and the choice is, per candidate,
+plain or checkpointed keeping a chosen set of its op outputs, exactly, with the least recompute cost
+(:mod:`~lightning_ckpt_determinism.checkpointing.op_choice`); :attr:`CheckpointingPlan.saved_ops` lists the kept
+calls and :meth:`CheckpointingPlan.apply` hands them to each region's selective-checkpointing policy.
+
 The plan holds for batches like the measured one: bytes scale with the batch, so a larger batch keeps more.
 """
 
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_ckpt_determinism._text import aligned
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
+from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected, select_modules
-from lightning_ckpt_determinism.checkpointing.wrapper import is_checkpointed, remove_activation_checkpointing
+from lightning_ckpt_determinism.checkpointing.wrapper import (
+    is_checkpointed,
+    keep_op_calls,
+    remove_activation_checkpointing,
+)
 from lightning_ckpt_determinism.config import CheckpointingConfig, parse_memory_budget
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
@@ -49,6 +60,13 @@ class CheckpointingPlan:
         budget_bytes: The budget, in bytes.
         recomputed_flops_share: The share of the candidates' forward FLOPs that the plan recomputes (0 when they
             count none).
+        saved_ops: At ``budget_granularity="op"``, each checkpointed module that ran with the op calls whose outputs
+            it keeps: (position among its op calls, overload); empty at module granularity.
+        recompute_share: The share of the candidates' recompute cost that the plan recomputes, in the plan's cost
+            model: forward FLOPs at module granularity, the roofline cost at op granularity.
+        slack_bytes: 0 when the plan is proved optimal; else it costs at most the optimum at the budget lowered by
+            this many bytes (an op-granularity search too large to run exactly, see
+            :mod:`~lightning_ckpt_determinism.checkpointing.op_choice`).
 
     Example::
 
@@ -65,10 +83,14 @@ class CheckpointingPlan:
     kept_bytes: int
     budget_bytes: int
     recomputed_flops_share: float
+    saved_ops: dict[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    recompute_share: float = 0.0
+    slack_bytes: int = 0
 
     def apply(self, model: nn.Module) -> list[str]:
         """Checkpoint exactly :attr:`checkpointed` among the config's candidates of ``model``, with the config's other
-        fields; candidates checkpointed before and not planned are made plain again.
+        fields, each keeping the op calls :attr:`saved_ops` lists for it; candidates checkpointed before and not
+        planned are made plain again.
 
         Args:
             model: The model planned for (or a twin with the same module names).
@@ -90,6 +112,8 @@ class CheckpointingPlan:
                 remove_activation_checkpointing(module)
         chosen = {name: module for name, module in candidates.items() if name in self.checkpointed}
         checkpoint_selected(model, chosen, self.config)
+        for name, module in chosen.items():
+            keep_op_calls(module, self.saved_ops.get(name, ()))
         return list(chosen)
 
     def summary(self) -> str:
@@ -105,10 +129,15 @@ class CheckpointingPlan:
         """
         plain = sum(figures.plain_bytes for figures in self.candidates)
         names = ", ".join(self.checkpointed) or "none"
+        if self.config.budget_granularity == "op":
+            kept = sum(map(len, self.saved_ops.values()))
+            recomputing = f"{self.recompute_share:.0%} of their recompute cost (keeping {kept} op outputs in them)"
+        else:
+            recomputing = f"{self.recomputed_flops_share:.0%} of their forward FLOPs"
         return (
             f"memory budget {format_bytes(self.budget_bytes)}: checkpointing {len(self.checkpointed)} of"
             f" {len(self.candidates)} modules ({names}), keeping {format_bytes(self.kept_bytes)} of"
-            f" {format_bytes(plain)}, recomputing {self.recomputed_flops_share:.0%} of their forward FLOPs"
+            f" {format_bytes(plain)}, recomputing {recomputing}"
         )
 
     def __str__(self) -> str:
@@ -118,6 +147,8 @@ class CheckpointingPlan:
                 choice = "checkpoint (did not run)"
             else:
                 choice = "checkpoint" if figures.name in self.checkpointed else "plain"
+                if figures.name in self.saved_ops:
+                    choice += f", keeping {len(self.saved_ops[figures.name])} ops"
             rows.append(
                 (
                     figures.name,
@@ -185,7 +216,13 @@ def plan_activation_checkpointing(
     added = {name: module for name, module in candidates.items() if not is_checkpointed(module)}
     checkpoint_selected(model, added, config)
     try:
-        meter = ActivationMeter(model, candidates, config.save_ops, keep_data_dependent=config.keep_data_dependent)
+        meter = ActivationMeter(
+            model,
+            candidates,
+            config.save_ops,
+            keep_data_dependent=config.keep_data_dependent,
+            ops=config.budget_granularity == "op",
+        )
         with meter.measuring():
             closure()
     finally:
@@ -242,27 +279,69 @@ def plan_from_figures(
         budget_bytes = auto_bytes
     else:
         raise CheckpointingConfigError(f"`memory_budget` must be bytes or a fraction here, got {budget!r}.")
+    if config.budget_granularity == "op":
+        return _op_plan(figures, config, budget_bytes)
     chosen = choose_checkpointed(figures, budget_bytes)
     if chosen is None:
-        least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
-        warnings.warn(
-            f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({format_bytes(budget_bytes)})"
-            f" cannot be met: the matched modules keep at least {least} bytes ({format_bytes(least)}) for backward."
-            " Checkpointing all of them.",
-            LightningCkptDeterminismWarning,
-            stacklevel=2,
-        )
+        _warn_unmet(figures, budget_bytes)
         chosen = {entry.name for entry in figures}
     kept = sum(entry.checkpointed_bytes if entry.name in chosen else entry.plain_bytes for entry in figures)
     flops = sum(entry.flops for entry in figures)
     recomputed = sum(entry.flops for entry in figures if entry.name in chosen)
+    share = recomputed / flops if flops else 0.0
     return CheckpointingPlan(
         config=config,
         candidates=tuple(figures),
         checkpointed=[entry.name for entry in figures if entry.name in chosen],
         kept_bytes=kept,
         budget_bytes=budget_bytes,
-        recomputed_flops_share=recomputed / flops if flops else 0.0,
+        recomputed_flops_share=share,
+        recompute_share=share,
+    )
+
+
+def _warn_unmet(figures: Sequence[RegionFigures], budget_bytes: int) -> None:
+    least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
+    warnings.warn(
+        f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({format_bytes(budget_bytes)})"
+        f" cannot be met: the matched modules keep at least {least} bytes ({format_bytes(least)}) for backward."
+        " Checkpointing all of them.",
+        LightningCkptDeterminismWarning,
+        stacklevel=3,
+    )
+
+
+def _op_plan(figures: Sequence[RegionFigures], config: CheckpointingConfig, budget_bytes: int) -> CheckpointingPlan:
+    """The op-granularity plan (see :mod:`~lightning_ckpt_determinism.checkpointing.op_choice`)."""
+    choice = choose_kept_ops(figures, budget_bytes)
+    if choice is None:
+        _warn_unmet(figures, budget_bytes)
+        kept: dict[str, tuple[int, ...]] = {entry.name: () for entry in figures}
+        kept_bytes = sum(entry.checkpointed_bytes for entry in figures)
+        cost = sum(entry.cost for entry in figures)
+        slack = 0
+    else:
+        kept, kept_bytes, cost, slack = choice.kept, choice.kept_bytes, choice.cost, choice.slack_bytes
+    total_cost = sum(entry.cost for entry in figures)
+    flops = sum(entry.flops for entry in figures)
+    recomputed_flops = 0
+    saved_ops: dict[str, tuple[tuple[int, str], ...]] = {}
+    for entry in figures:
+        if entry.name in kept:
+            calls = set(kept[entry.name])
+            saved = [op for op in entry.ops if op.index in calls]
+            saved_ops[entry.name] = tuple((op.index, op.op) for op in saved)
+            recomputed_flops += max(0, entry.flops - sum(op.flops for op in saved))
+    return CheckpointingPlan(
+        config=config,
+        candidates=tuple(figures),
+        checkpointed=list(kept),
+        kept_bytes=kept_bytes,
+        budget_bytes=budget_bytes,
+        recomputed_flops_share=recomputed_flops / flops if flops else 0.0,
+        saved_ops=saved_ops,
+        recompute_share=cost / total_cost if total_cost else 0.0,
+        slack_bytes=slack,
     )
 
 

@@ -17,6 +17,15 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
   and one forward timed per region on a busy device is noise. Its blind spot: it counts matrix products,
   convolutions and CUDA's fused attention only; elementwise ops, norms, softmax and attention on the CPU count 0, so a
   region made only of those looks free to recompute.
+- **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position among
+  the calls torch's selective checkpointing sees (``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out) and its
+  overload, with the bytes of the storages it allocates and its recompute cost in the roofline model of
+  :mod:`~lightning_ckpt_determinism.checkpointing.cost`. A call whose output aliases a tensor that exists already
+  (its schema says so, as for views, in-place and ``out=`` ops, or it shares a storage with the op's arguments or the
+  model's state), or that the region keeps anyway
+  (``save_ops``, data-dependent outputs), has no bytes of its own to keep: it is listed with 0 bytes and cannot be
+  chosen. The region's ``cost`` is the sum over all its calls. A region called several times adds up each position's
+  figures; calls that ran different op sequences leave it without op figures (it is then planned whole).
 
 A region called several times in the step adds up its calls. The meter registers on each region as its saved-tensor
 observer and hands every tensor on to the observer registered there before (the monitor's sentinel), so both see the
@@ -31,16 +40,42 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, tree_leaves
+from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves
+from lightning_ckpt_determinism.checkpointing.cost import op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.saved import Extractor, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.config import resolve_ops
 
-__all__ = ["ActivationMeter", "RegionFigures"]
+__all__ = ["ActivationMeter", "OpFigures", "RegionFigures"]
+
+
+@dataclass(frozen=True)
+class OpFigures:
+    """One op call of a region's forward: which call, what keeping its output costs, and what recomputing it costs.
+
+    Attributes:
+        index: Its position among the region's op calls that selective checkpointing sees.
+        op: Its overload, as ``str(func)`` writes it (``"aten.mm.default"``).
+        bytes: The bytes of the storages it allocates (0 for views, in-place ops and outputs kept anyway).
+        cost: Its recompute cost, in the byte-equivalents of the roofline model.
+        flops: The FLOPs ``torch.utils.flop_counter`` counts for it.
+
+    Example::
+
+        >>> OpFigures(3, "aten.mm.default", bytes=4096, cost=8192).op
+        'aten.mm.default'
+    """
+
+    index: int
+    op: str
+    bytes: int
+    cost: int
+    flops: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +89,8 @@ class RegionFigures:
             ``keep_data_dependent`` keep.
         flops: Its forward FLOPs, which checkpointing spends again in backward.
         calls: How many times it ran; a region that did not run has only zeros.
+        cost: Its forward's recompute cost in the roofline model (0 unless op calls were measured).
+        ops: Its op calls (empty unless measured), which op granularity chooses from.
 
     Example::
 
@@ -66,6 +103,8 @@ class RegionFigures:
     checkpointed_bytes: int
     flops: int
     calls: int
+    cost: int = 0
+    ops: tuple[OpFigures, ...] = ()
 
     @property
     def saving(self) -> int:
@@ -76,10 +115,12 @@ class RegionFigures:
 class _Tally:
     """One region's running totals."""
 
-    __slots__ = ("calls", "checkpointed", "flops", "pending", "plain")
+    __slots__ = ("calls", "checkpointed", "cost", "flops", "ops", "pending", "plain")
 
     def __init__(self) -> None:
-        self.plain = self.checkpointed = self.flops = self.calls = 0
+        self.plain = self.checkpointed = self.flops = self.calls = self.cost = 0
+        # The op calls, added up over the region's calls; None once two calls ran different sequences.
+        self.ops: list[OpFigures] | None = []
         # The inputs of the call about to run (from the forward pre-hook): their bytes and the size rule's limit.
         self.pending: tuple[int, Any] = (0, 0)
 
@@ -92,6 +133,7 @@ class ActivationMeter:
         regions: The checkpointed regions to measure, by name.
         save_ops: The config's ``save_ops``, whose outputs a checkpointed region keeps.
         keep_data_dependent: The config's ``keep_data_dependent``.
+        ops: Whether to measure each op call too (for ``budget_granularity="op"``).
 
     Example::
 
@@ -113,8 +155,10 @@ class ActivationMeter:
         save_ops: Sequence[str] = (),
         *,
         keep_data_dependent: bool = True,
+        ops: bool = False,
     ) -> None:
         self._regions = dict(regions)
+        self._ops = ops
         self._state = _state_storages(model)
         self._save_ops = frozenset(resolve_ops(list(save_ops)))
         self._keep = keep_data_dependent
@@ -134,7 +178,9 @@ class ActivationMeter:
     def figures(self) -> list[RegionFigures]:
         """The figures of each region, in the order the regions were given."""
         return [
-            RegionFigures(name, tally.plain, tally.checkpointed, tally.flops, tally.calls)
+            RegionFigures(
+                name, tally.plain, tally.checkpointed, tally.flops, tally.calls, tally.cost, tuple(tally.ops or ())
+            )
             for name, tally in self._tallies.items()
         ]
 
@@ -173,12 +219,13 @@ class _RegionMeter:
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
         inputs_bytes, limit = self._tally.pending
-        kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit)
+        # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
+        state = _state_storages(module)
+        calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
+        kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, calls)
         flops = FlopCounterMode(display=False)
         inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
         self._saved = []
-        # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
-        state = _state_storages(module)
         with inner, flops, kept:
             yield
         tally = self._tally
@@ -186,6 +233,9 @@ class _RegionMeter:
         tally.plain += self._meter.activation_bytes(self._saved, state)
         tally.checkpointed += inputs_bytes + self._meter.activation_bytes(kept.outputs)
         tally.flops += int(flops.get_total_flops())
+        if calls is not None:
+            tally.cost += sum(call.cost for call in calls.figures)
+            tally.ops = _added(tally.ops, calls.figures) if tally.calls > 1 else calls.figures
         self._saved = []
 
     def region_recompute(
@@ -211,21 +261,74 @@ def _state_storages(module: nn.Module) -> frozenset[int | None]:
     return frozenset(storage_pointer(tensor) for tensor in (*module.parameters(), *module.buffers()))
 
 
+def _added(before: list[OpFigures] | None, call: list[OpFigures]) -> list[OpFigures] | None:
+    """Two calls' op figures added position by position; ``None`` when they ran different op sequences."""
+    if before is None or [(entry.index, entry.op) for entry in before] != [(entry.index, entry.op) for entry in call]:
+        return None
+    return [
+        OpFigures(entry.index, entry.op, entry.bytes + other.bytes, entry.cost + other.cost, entry.flops + other.flops)
+        for entry, other in zip(before, call, strict=True)
+    ]
+
+
+class _OpCalls:
+    """One forward's op calls, as selective checkpointing counts them, with the bytes each allocates and its cost."""
+
+    def __init__(self, state: frozenset[int | None]) -> None:
+        self.figures: list[OpFigures] = []
+        self._state = state
+
+    def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool) -> None:
+        if func in SAC_IGNORED_OPS:
+            return
+        tensors = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        fresh = _storages(tensors)
+        # An output of its own: no alias in the op's schema (views, in-place and out= ops have one), and no storage
+        # shared with the op's arguments (alive now, so no address is reused) or the model's state.
+        aliases = returns_alias(func)
+        shared = fresh.keys() & (_storages(tree_leaves((args, kwargs))).keys() | self._state)
+        whole = len(fresh) == len({*map(_storage_of, tensors)})
+        own = bool(tensors) and whole and not aliases and not shared
+        size = sum(fresh.values()) if own and not kept else 0
+        cost, flops = op_cost(func, args, kwargs, out), op_flops(func, args, kwargs, out)
+        self.figures.append(OpFigures(len(self.figures), str(func), size, cost, flops))
+
+
+def _storage_of(tensor: torch.Tensor) -> int | None:
+    local = local_tensor(tensor)
+    return storage_pointer(local) if type(local) is torch.Tensor else None
+
+
+def _storages(values: Sequence[Any]) -> dict[int | None, int]:
+    """The distinct storages behind the plain tensors among ``values``, with their bytes."""
+    found: dict[int | None, int] = {}
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            local = local_tensor(value)
+            if type(local) is torch.Tensor and storage_pointer(local) is not None:
+                found[storage_pointer(local)] = local.untyped_storage().nbytes()
+    return found
+
+
 class _KeptOps(TorchDispatchMode):
     """Notes the outputs a checkpointed region keeps from its forward: ``save_ops``, and data-dependent outputs by
-    ``keep_data_dependent``'s size rule."""
+    ``keep_data_dependent``'s size rule; and, when given ``calls``, each op call."""
 
-    def __init__(self, save_ops: frozenset[Any], keep: bool, limit: Any) -> None:
+    def __init__(self, save_ops: frozenset[Any], keep: bool, limit: Any, calls: _OpCalls | None = None) -> None:
         super().__init__()
         self._save_ops = save_ops
         self._keep = keep
         self._limit = limit
+        self._calls = calls
         self.outputs: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in self._save_ops or (
+        kept = func in self._save_ops or (
             self._keep and is_data_dependent(func, args) and fits_size_rule(out, self._limit)
-        ):
+        )
+        if kept:
             self.outputs.extend(tree_leaves(out))
+        if self._calls is not None:
+            self._calls.note(func, args, kwargs or {}, out, kept)
         return out

@@ -33,6 +33,7 @@ passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_deter
 import contextlib
 import logging
 import operator
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -68,6 +69,7 @@ from lightning_ckpt_determinism.checkpointing.saved import (
 )
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = [
     "CheckpointedForward",
@@ -76,6 +78,7 @@ __all__ = [
     "checkpointed_modules",
     "checkpointing_disabled",
     "is_checkpointed",
+    "keep_op_calls",
     "observing",
     "observing_saved_tensors",
     "remove_activation_checkpointing",
@@ -278,6 +281,11 @@ class CheckpointedForward:
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
         self.saved_observer: SavedTensorObserver | None = None
+        # The op calls whose outputs an eager forward keeps (a `budget_granularity="op"` plan), by position: their
+        # overloads, checked at each call. Traced calls keep none (the compiled graph holds no per-call policy).
+        self.kept_calls: dict[int, str] = {}
+        # Whether a call ran another op than the plan says at a kept position (said once per region).
+        self.said_mismatch = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -440,12 +448,31 @@ class CheckpointedForward:
         observed = self.region_observer is not None
         if self.plan.composes_contexts(self.profile, self.data_dependent, observed):
             return partial(self._make_contexts, inputs)
-        if self.plan.save_ops:
-            return partial(create_selective_checkpoint_contexts, self._save_ops_policy)
+        if self.plan.save_ops or self.kept_calls:
+            return self._selective_pair
         return None
+
+    def _selective_pair(self) -> _ContextPair:
+        """torch's selective-checkpointing pair for one call: ``save_ops``, and the kept op calls counted afresh."""
+        policy = _KeptCallsPolicy(self) if self.kept_calls else self._save_ops_policy
+        return create_selective_checkpoint_contexts(policy)
 
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def kept_call_differs(self, position: int, expected: str, found: Any) -> None:
+        """A call ran ``found`` at ``position``, where the plan keeps ``expected``: it recomputes the rest of that
+        call; said once per region."""
+        if not self.said_mismatch:
+            self.said_mismatch = True
+            warnings.warn(
+                f"lightning_ckpt_determinism: region `{self.region}` ran {found} as its op call {position}, where"
+                f" the `budget_granularity`='op' plan keeps the output of {expected}: its calls that differ from the"
+                " measured one recompute those ops instead (exact, at more recompute cost). Plan again on batches"
+                " that take the same path.",
+                LightningCkptDeterminismWarning,
+                stacklevel=2,
+            )
 
     def _found_data_dependent(self, found: bool) -> None:
         # A later forward that shows routing (one observed by a check) turns a dropped guard back on.
@@ -468,8 +495,8 @@ class CheckpointedForward:
             state = ForwardState(self.module, profile, slots, generators=plan.generators, changed=self._buffer_changed)
             forward.append(state.capture)
             recompute.append(state.replay)
-        if plan.save_ops:
-            sac_forward, sac_recompute = create_selective_checkpoint_contexts(self._save_ops_policy)
+        if plan.save_ops or self.kept_calls:
+            sac_forward, sac_recompute = self._selective_pair()
             forward.append(partial(same_context, sac_forward))
             recompute.append(partial(same_context, sac_recompute))
         guarded = plan.guards(self.data_dependent)
@@ -506,6 +533,30 @@ class CheckpointedForward:
         if saved is None:
             return contextlib.nullcontext()
         return saved.region_recompute(self.region, self.module, self._exposed_buffers())
+
+
+class _KeptCallsPolicy:
+    """The selective-checkpointing policy of one forward with kept op calls: counts the calls it is asked about (as
+    the meter counted them) and keeps those the plan names, if they are the op the plan measured there."""
+
+    def __init__(self, wrapper: CheckpointedForward) -> None:
+        self._wrapper = wrapper
+        self._position = 0
+        self._differed = False
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        position = self._position
+        self._position += 1
+        if op in self._wrapper.plan.save_ops:
+            return CheckpointPolicy.MUST_SAVE
+        expected = self._wrapper.kept_calls.get(position)
+        if expected is None or self._differed:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if str(op) != expected:
+            self._differed = True
+            self._wrapper.kept_call_differs(position, expected, op)
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
 
 class _EagerCall:
@@ -667,6 +718,30 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
     if not is_checkpointed(module):
         register_determinism_checks()
         module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
+
+
+def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]]) -> None:
+    """Make the checkpointed ``module``'s eager forwards keep the outputs of ``calls`` (position among the op calls
+    selective checkpointing sees, overload name) and recompute its other ops; no calls keeps none.
+
+    A call whose op at a kept position is not the one named recomputes from there on, with one warning per region.
+    Compiled calls keep none of them.
+
+    Args:
+        module: A checkpointed module.
+        calls: The op calls to keep, as ``CheckpointingPlan.saved_ops`` lists them.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> layer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Sequential"]))
+        >>> keep_op_calls(layer, [(1, "aten.addmm.default")])
+        >>> layer(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    """
+    wrapper = module.__dict__["forward"]
+    wrapper.kept_calls = dict(calls)
+    wrapper.said_mismatch = False
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:

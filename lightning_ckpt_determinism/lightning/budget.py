@@ -23,12 +23,13 @@ from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import tree_leaves
 from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_from_figures
-from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
-from lightning_ckpt_determinism.checkpointing.wrapper import remove_activation_checkpointing
+from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, OpFigures, RegionFigures
+from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls, remove_activation_checkpointing
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.parallel import all_reduce
 from lightning_ckpt_determinism.lightning.reference import MEMORY_MARGIN
+from lightning_ckpt_determinism.verify.compiled import is_compiled
 
 __all__ = ["LARGER_BATCH", "BudgetedCheckpointing", "auto_budget"]
 
@@ -81,7 +82,11 @@ class BudgetedCheckpointing:
         if self._meter is None:
             config = self.config
             self._meter = ActivationMeter(
-                root, regions, config.save_ops, keep_data_dependent=config.keep_data_dependent
+                root,
+                regions,
+                config.save_ops,
+                keep_data_dependent=config.keep_data_dependent,
+                ops=config.budget_granularity == "op",
             )
             self._measured_batch_bytes = _tensor_bytes(batch)
             if config.memory_budget == "auto":
@@ -99,7 +104,15 @@ class BudgetedCheckpointing:
         plain = [name for name in regions if name not in plan.checkpointed]
         for name in plain:
             remove_activation_checkpointing(regions[name])
+        for name in plan.checkpointed:
+            if name in regions:
+                keep_op_calls(regions[name], plan.saved_ops.get(name, ()))
         rank_zero_info(f"lightning_ckpt_determinism: {plan.summary()}.")
+        if any(plan.saved_ops.values()) and is_compiled(root):
+            rank_zero_info(
+                "lightning_ckpt_determinism: compiled regions keep none of the planned op outputs (a compiled graph"
+                " holds no per-call policy): they are checkpointed whole, as at `budget_granularity`='module'."
+            )
         return plain
 
     def _compare_batch(self, batch: Any) -> None:
@@ -173,14 +186,32 @@ def _tensor_bytes(batch: Any) -> int:
 
 
 def _reduced(strategy: Any, figures: list[RegionFigures]) -> list[RegionFigures]:
-    """Each figure's maximum over ranks (one collective on several processes)."""
+    """Each figure's maximum over ranks (one collective on several processes). Op calls are measured on each rank
+    apart and are not reduced: a region keeps its op figures only where every rank measured the same number of
+    calls (one more collective), and then each op's figures are their maximum over ranks too."""
     local = torch.tensor(
-        [[entry.plain_bytes, entry.checkpointed_bytes, entry.flops, entry.calls] for entry in figures],
+        [[entry.plain_bytes, entry.checkpointed_bytes, entry.flops, entry.calls, entry.cost] for entry in figures],
         dtype=torch.int64,
         device=strategy.root_device,
     )
-    reduced = all_reduce(strategy)(local, "max").tolist()
+    reduce = all_reduce(strategy)
+    reduced = reduce(local, "max").tolist()
+    ops = _reduced_ops(reduce, figures, strategy.root_device)
     return [
-        RegionFigures(entry.name, int(plain), int(kept), int(flops), int(calls))
-        for entry, (plain, kept, flops, calls) in zip(figures, reduced, strict=True)
+        RegionFigures(entry.name, int(plain), int(kept), int(flops), int(calls), int(cost), kept_ops)
+        for entry, (plain, kept, flops, calls, cost), kept_ops in zip(figures, reduced, ops, strict=True)
     ]
+
+
+def _reduced_ops(reduce: Any, figures: list[RegionFigures], device: torch.device) -> list[tuple[OpFigures, ...]]:
+    """Each region's op figures, their maximum over ranks where every rank measured as many op calls; else none."""
+    if not any(entry.ops for entry in figures):
+        return [() for _ in figures]
+    counts = torch.tensor([[len(entry.ops), -len(entry.ops)] for entry in figures], dtype=torch.int64, device=device)
+    most, least = reduce(counts, "max").t().tolist()
+    agreed = [entry.ops if high == -low else () for entry, high, low in zip(figures, most, least, strict=True)]
+    flat = [[op.bytes, op.cost, op.flops] for ops in agreed for op in ops]
+    if not flat:
+        return [() for _ in figures]
+    values = iter(reduce(torch.tensor(flat, dtype=torch.int64, device=device), "max").tolist())
+    return [tuple(OpFigures(op.index, op.op, *map(int, next(values))) for op in ops) for ops in agreed]

@@ -1,0 +1,304 @@
+"""Tests for `budget_granularity="op"`: the op plan equals a brute-force optimum over the test's own measurement of
+every op call, stays within its budget, never costs more as the budget grows, and trains bit-identically."""
+
+import itertools
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    CheckpointingPlan,
+    LightningCkptDeterminismWarning,
+    apply_activation_checkpointing,
+    plan_activation_checkpointing,
+)
+from lightning_ckpt_determinism.checkpointing.budget import plan_from_figures
+from lightning_ckpt_determinism.checkpointing.measure import OpFigures, RegionFigures
+from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
+from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
+from tests.helpers import Stack
+from tests.test_budget import CONFIG, DIM, CheapBlock, CostlyBlock, WideBlock, _batch, _closure
+
+# The cost model's documented ratio of FLOP rate to bandwidth: 100 TFLOP/s over 2 TB/s.
+FLOPS_PER_BYTE = 50
+
+
+def _small(seed: int = 0) -> Stack:
+    torch.manual_seed(seed)
+    return Stack([CheapBlock(), CostlyBlock(), CheapBlock(), WideBlock()], dim=DIM)
+
+
+def _plan(model: nn.Module, budget: object, granularity: str = "op") -> CheckpointingPlan:
+    config = CheckpointingConfig(**CONFIG, memory_budget=budget, budget_granularity=granularity)  # type: ignore[arg-type]
+    return plan_activation_checkpointing(model, config, lambda: _closure(model))
+
+
+class _Ops(TorchDispatchMode):
+    """The test's own record of a plain forward's op calls: (overload, bytes of fresh storages, roofline cost)."""
+
+    def __init__(self, state: set[int]) -> None:
+        super().__init__()
+        self.state = state
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.detach.default:
+            return out
+        outputs = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        pointers = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in outputs}
+        arguments = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        inputs = {tensor.untyped_storage().data_ptr() for tensor in arguments}
+        fresh = not func.is_view and not func._schema.is_mutable and not (pointers.keys() & (inputs | self.state))
+        tensors = [leaf for leaf in tree_leaves((args, kwargs, out)) if isinstance(leaf, torch.Tensor)]
+        moved = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        flops = 0
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2:]
+            flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        cost = 0 if func._schema.returns and func.is_view else max(math.ceil(flops / FLOPS_PER_BYTE), moved)
+        self.calls.append((str(func), sum(pointers.values()) if fresh else 0, cost))
+        return out
+
+
+def _own_measurement(model: Stack) -> dict[str, tuple[int, int, list[tuple[str, int, int]]]]:
+    """Per block, on the plain model: (bytes autograd saves, bytes of its input, its op calls)."""
+    state = {tensor.untyped_storage().data_ptr() for tensor in model.parameters()}
+    figures = {}
+    x = model.inp(_batch()[0])
+    for index, block in enumerate(model.blocks):
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() not in state:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        ops = _Ops(state)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), ops:
+            out = block(x)
+        figures[f"blocks.{index}"] = (sum(storages.values()), x.untyped_storage().nbytes(), ops.calls)
+        x = out
+    return figures
+
+
+def _options(plain: int, inputs: int, calls: list[tuple[str, int, int]]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Every option of one block: plain (index tuple ``(-1,)``), or checkpointed keeping any subset of its calls."""
+    total = sum(cost for _, _, cost in calls)
+    choosable = [index for index, (_, size, cost) in enumerate(calls) if size and cost]
+    found = [(plain, 0, (-1,))]
+    for count in range(len(choosable) + 1):
+        for subset in itertools.combinations(choosable, count):
+            found.append((inputs + sum(calls[i][1] for i in subset), total - sum(calls[i][2] for i in subset), subset))
+    return found
+
+
+def _brute_force(figures: dict[str, tuple[int, int, list[tuple[str, int, int]]]], budget: int) -> int | None:
+    """The least recompute cost within ``budget`` over every combination of every block's options."""
+    options = [_options(*entry) for entry in figures.values()]
+    best = None
+    for combination in itertools.product(*options):
+        if sum(size for size, _, _ in combination) <= budget:
+            cost = sum(cost for _, cost, _ in combination)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+Figures = dict[str, tuple[int, int, list[tuple[str, int, int]]]]
+
+
+def _cost_and_bytes(plan: CheckpointingPlan, figures: Figures) -> tuple[int, int]:
+    """The plan's recompute cost and kept bytes, from the test's own figures."""
+    cost = kept = 0
+    for name, (plain, inputs, calls) in figures.items():
+        if name not in plan.checkpointed:
+            kept += plain
+            continue
+        saved = {index for index, _ in plan.saved_ops[name]}
+        kept += inputs + sum(calls[index][1] for index in saved)
+        cost += sum(call[2] for index, call in enumerate(calls) if index not in saved)
+    return cost, kept
+
+
+def test_the_op_measurement_equals_the_tests_own() -> None:
+    own = _own_measurement(_small())
+    plan = _plan(_small(), 1.0)
+    for entry in plan.candidates:
+        plain, inputs, calls = own[entry.name]
+        assert (entry.plain_bytes, entry.checkpointed_bytes) == (plain, inputs)
+        assert [(op.op, op.bytes, op.cost) for op in entry.ops] == calls
+        assert [op.index for op in entry.ops] == list(range(len(calls)))
+        assert entry.cost == sum(cost for _, _, cost in calls)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0])
+def test_the_op_plan_is_the_brute_force_optimum_of_the_tests_own_measurement(fraction: float) -> None:
+    own = _own_measurement(_small())
+    plan = _plan(_small(), fraction)
+    best = _brute_force(own, plan.budget_bytes)
+    assert best is not None
+    cost, kept = _cost_and_bytes(plan, own)
+    assert cost == best
+    assert kept == plan.kept_bytes <= plan.budget_bytes
+    assert plan.slack_bytes == 0
+    total = sum(call[2] for _, _, calls in own.values() for call in calls)
+    assert plan.recompute_share == pytest.approx(cost / total)
+
+
+def test_a_sweep_of_20_budgets_never_costs_more_as_the_budget_grows_and_never_beats_module_granularity() -> None:
+    figures = _plan(_small(), 1.0).candidates
+    least = sum(entry.checkpointed_bytes for entry in figures)
+    plain = sum(entry.plain_bytes for entry in figures)
+    costs = []
+    for step in range(20):
+        budget = least + (plain - least) * step // 19
+        config = CheckpointingConfig(**CONFIG, memory_budget=budget, budget_granularity="op")
+        plan = plan_from_figures(figures, config)
+        assert plan.kept_bytes <= budget
+        cost = round(plan.recompute_share * sum(entry.cost for entry in figures))
+        costs.append(cost)
+        # Module granularity's plan is one of op granularity's options: its cost in the same model is never lower.
+        module_plan = plan_from_figures(figures, CheckpointingConfig(**CONFIG, memory_budget=budget))
+        assert cost <= sum(entry.cost for entry in figures if entry.name in module_plan.checkpointed)
+    inversions = sum(later > earlier for earlier, later in itertools.pairwise(costs))
+    assert inversions == 0
+    assert costs[0] > costs[-1] == 0
+
+
+def test_identical_blocks_share_one_frontier_and_the_choice_is_exact_over_copies() -> None:
+    ops = (OpFigures(0, "aten.mm.default", 30, 20), OpFigures(1, "aten.sin.default", 10, 12))
+    figures = [RegionFigures(f"b{index}", 100, 10, 0, 1, 40, ops) for index in range(3)]
+    # Budget 90: three checkpointed (30) plus 60 bytes of outputs. The three sins (30 bytes, 36 back) and one mm
+    # (30 bytes, 20 back) save 56; two mm save 40, and two mm with one sin need 70 bytes.
+    choice = choose_kept_ops(figures, 90)
+    assert choice is not None
+    assert (choice.kept_bytes, choice.cost) == (90, 3 * 40 - 56)
+    assert sorted(choice.kept.values()) == [(0, 1), (1,), (1,)]
+    assert choose_kept_ops(figures, 29) is None
+
+
+def test_the_plan_applied_keeps_its_op_outputs_and_gradients_equal_a_plain_twins() -> None:
+    model = _small()
+    plan = _plan(model, 0.75)
+    kept_sins = sum(op == "aten.sin.default" for calls in plan.saved_ops.values() for _, op in calls)
+    assert kept_sins > 0
+    assert plan.apply(model) == plan.checkpointed
+    twin = _small()
+    model.zero_grad(set_to_none=True)
+    sins = _sins_recomputed(model)
+    _closure(twin)
+    for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad), name
+    # The same regions keeping nothing recompute the kept sins too.
+    for name in plan.checkpointed:
+        keep_op_calls(model.get_submodule(name), ())
+    model.zero_grad(set_to_none=True)
+    assert _sins_recomputed(model) == sins + kept_sins
+
+
+def _sins_recomputed(model: nn.Module) -> int:
+    """How many `aten.sin` calls the backward of one step runs (recomputation; sin's own backward runs cos)."""
+    x, y = _batch()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.count += func is torch.ops.aten.sin.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        loss.backward()
+    return Count.count
+
+
+def test_an_op_call_unlike_the_plans_recomputes_with_one_warning_and_stays_exact() -> None:
+    model = _small()
+    plan = _plan(model, 0.85)
+    plan.apply(model)
+    name = plan.checkpointed[0]
+    keep_op_calls(model.get_submodule(name), [(1, "aten.cos.default")])
+    model.zero_grad(set_to_none=True)
+    twin = _small()
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"ran aten\.addmm\.default as its op call 1") as caught:
+        _closure(model)
+        _closure(model)
+    assert len([w for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]) == 1
+    _closure(twin)
+    _closure(twin)
+    for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_module_granularity_plans_keep_no_op_outputs_and_share_the_flop_model() -> None:
+    plan = _plan(_small(), 0.6, "module")
+    assert plan.saved_ops == {}
+    assert plan.recompute_share == plan.recomputed_flops_share
+    assert all(entry.ops == () for entry in plan.candidates)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        str(plan)
+
+
+def test_the_op_plan_is_a_table_and_a_line() -> None:
+    plan = _plan(_small(), 0.85)
+    text = str(plan)
+    lines = text.splitlines()
+    assert lines[0] == plan.summary()
+    assert "of their recompute cost (keeping" in lines[0]
+    assert lines[1].split() == ["module", "plain", "checkpointed", "forward", "FLOPs", "plan"]
+    for name, calls in plan.saved_ops.items():
+        (row,) = [line for line in lines[2:] if line.startswith(name + " ")]
+        assert row.endswith(f"checkpoint, keeping {len(calls)} ops")
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weak references to every op output's storage (parameters left out), to sum those still alive later."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self._excluded = excluded
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self._excluded:
+                storage = leaf.untyped_storage()
+                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def held(self) -> int:
+        return sum(size for ref, size in self._storages.values() if not ref.expired())
+
+
+def _held_after_forward(model: nn.Module) -> int:
+    """The bytes of op outputs the loss's graph holds alive after one forward."""
+    x, y = _batch()
+    with _LiveStorages({parameter.untyped_storage().data_ptr() for parameter in model.parameters()}) as live:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+    held = live.held()
+    del loss
+    return held
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.6, 0.7, 0.9])
+def test_the_bytes_a_step_under_the_plan_holds_equal_the_planned_bytes(fraction: float) -> None:
+    model = _small()
+    plan = _plan(model, fraction)
+    model.zero_grad(set_to_none=True)
+    plan.apply(model)
+    # Against every block checkpointed keeping nothing, which holds their checkpointed bytes and the rest alike.
+    every = _small()
+    apply_activation_checkpointing(every, CheckpointingConfig(**CONFIG))  # type: ignore[arg-type]
+    least = sum(entry.checkpointed_bytes for entry in plan.candidates)
+    assert _held_after_forward(model) - _held_after_forward(every) == plan.kept_bytes - least
