@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import tree_leaves
 
-__all__ = ["BANDWIDTH", "FLOPS_PER_BYTE", "FLOP_RATE", "op_cost", "op_flops"]
+__all__ = ["op_cost", "op_flops"]
 
 FLOP_RATE = 100e12
 """The FLOP rate the cost model assumes, in FLOP/s (a data-centre GPU's dense 16-bit rate, in round figures)."""

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 
-__all__ = ["MAX_POINTS", "OpChoice", "choose_kept_ops"]
+__all__ = ["choose_kept_ops"]
 
 MAX_POINTS = 20_000
 """The most points a frontier keeps before it is thinned (see the module's text)."""

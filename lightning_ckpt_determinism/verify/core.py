@@ -40,7 +40,6 @@ __all__ = [
     "blame",
     "calibrate",
     "gradients_diverge",
-    "losses_differ",
     "region_modules",
     "step_cause",
     "step_report",
