@@ -39,7 +39,7 @@ from benchmarks.common import (
 )
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
 from lightning_ckpt_determinism.verify.compiled import reference_pass
-from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.live_step import check_live_step
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelStep
 from lightning_ckpt_determinism.verify.state import StepState
 

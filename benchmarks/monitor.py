@@ -49,7 +49,7 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
 )
 from lightning_ckpt_determinism.verify.compiled import reference_pass
-from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.live_step import check_live_step
 from lightning_ckpt_determinism.verify.state import StepState
 
 _BATCHES_PER_EPOCH = 64

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from benchmarks.common import Regions, interleaved_times
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
 from lightning_ckpt_determinism._torch_compat import determinism_checks
-from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS, InRegionCall
+from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS, InRegionCall
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode
 
 SHAPE = (4, 64)

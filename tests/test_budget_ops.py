@@ -20,7 +20,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     plan_activation_checkpointing,
 )
-from lightning_ckpt_determinism.checkpointing.budget import plan_from_figures
+from lightning_ckpt_determinism.checkpointing.budget_plan import plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import OpFigures, RegionFigures
 from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls

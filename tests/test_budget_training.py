@@ -20,9 +20,9 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
-from lightning_ckpt_determinism.checkpointing.budget import plan_from_figures
+from lightning_ckpt_determinism.checkpointing.budget_plan import plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
-from lightning_ckpt_determinism.lightning.budget import auto_budget
+from lightning_ckpt_determinism.lightning.fit_budget import auto_budget
 from tests.helpers import REPO, launch_ranks, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, ROWS, _mixed
 

@@ -26,8 +26,8 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     recomputation_sentinel,
 )
-from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
+from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
 from tests.helpers import trainer_kwargs
 from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial

@@ -16,7 +16,7 @@ from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_che
 from lightning_ckpt_determinism.lightning.parallel import all_reduce
 from lightning_ckpt_determinism.verify.compare import exactly_equal, gradient_divergence
 from lightning_ckpt_determinism.verify.gradients import GradientStash
-from lightning_ckpt_determinism.verify.live import GradientComparison, compare_gradients
+from lightning_ckpt_determinism.verify.live_step import GradientComparison, compare_gradients
 
 NAN, INF = math.nan, math.inf
 

@@ -33,7 +33,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism import config as config_module
 from lightning_ckpt_determinism.checkpointing import select_modules
-from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
+from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS
 from lightning_ckpt_determinism.config import parse_memory_budget, resolve_class_path, resolve_ops
 from tests.helpers import (
     REPO,

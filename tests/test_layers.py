@@ -21,7 +21,7 @@ WITHOUT_LIGHTNING = textwrap.dedent(
 
     from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, check_recomputation
     from lightning_ckpt_determinism.checkpointing import checkpointed_modules, checkpointing_disabled
-    from lightning_ckpt_determinism.verify.live import check_live_step
+    from lightning_ckpt_determinism.verify.live_step import check_live_step
     from lightning_ckpt_determinism.verify.state import StepState
 
 

@@ -1,4 +1,5 @@
-"""Tests for the live-step engine (`lightning_ckpt_determinism.verify.live`) and the state it captures and restores."""
+"""Tests for the live-step engine (`lightning_ckpt_determinism.verify.live_step`) and the state it captures and
+restores."""
 
 import math
 from collections import defaultdict, deque
@@ -11,7 +12,7 @@ from torch.nn import functional as F
 
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, checkpointing_disabled
 from lightning_ckpt_determinism.verify.gradients import GradientStash
-from lightning_ckpt_determinism.verify.live import check_live_step, compare_gradients
+from lightning_ckpt_determinism.verify.live_step import check_live_step, compare_gradients
 from lightning_ckpt_determinism.verify.state import StepState
 from tests.helpers import BatchNormBlock, DropoutBlock, NumpyNoiseBlock, batch, make_stack
 

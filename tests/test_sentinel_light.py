@@ -1,5 +1,5 @@
-"""The sentinel's light tier (`lightning_ckpt_determinism.verify.sentinel.light`): what it must see at the step of a
-defect, and what within its rotation, held against the exact tier as ground truth."""
+"""The sentinel's light tier (`lightning_ckpt_determinism.verify.sentinel.light_layout`): what it must see at the step
+of a defect, and what within its rotation, held against the exact tier as ground truth."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from lightning_ckpt_determinism import (
     recomputation_sentinel,
 )
 from lightning_ckpt_determinism.verify.digest import DigestMode
-from lightning_ckpt_determinism.verify.sentinel.light import SavedLayout
+from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 from tests.helpers import DIM, Stack, batch, step_gradients
 
 STEPS = 6

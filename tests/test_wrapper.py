@@ -28,7 +28,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapping_module
-from lightning_ckpt_determinism.checkpointing.saved import DETERMINISM_CHECKS
+from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS
 from tests.helpers import (
     DIM,
     BatchNormBlock,

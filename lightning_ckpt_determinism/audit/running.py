@@ -26,7 +26,6 @@ import torch
 from tqdm import tqdm
 
 from lightning_ckpt_determinism.audit.arguments import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, PROGRAM, UsageError, parser
-from lightning_ckpt_determinism.audit.budget import trade_off_table
 from lightning_ckpt_determinism.audit.files import finite, json_target, replace_atomically
 from lightning_ckpt_determinism.audit.loading import (
     build,
@@ -46,7 +45,8 @@ from lightning_ckpt_determinism.audit.rendering import (
     summarize,
     table,
 )
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_activation_checkpointing
+from lightning_ckpt_determinism.audit.trade_off import trade_off_table
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, plan_activation_checkpointing
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,

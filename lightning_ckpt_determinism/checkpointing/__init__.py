@@ -3,7 +3,7 @@
 This layer imports neither Lightning nor any check: it runs on plain PyTorch, eagerly or under ``torch.compile``.
 """
 
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_activation_checkpointing
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, plan_activation_checkpointing
 from lightning_ckpt_determinism.checkpointing.selection import apply_activation_checkpointing, select_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import (
     checkpoint_module,

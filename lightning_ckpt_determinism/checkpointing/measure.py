@@ -4,11 +4,10 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
 :meth:`ActivationMeter.measuring` and gives one :class:`RegionFigures` per region:
 
 - **Plain bytes**: what the region would keep for backward without checkpointing, on this rank (a DTensor counts its
-  local shard). Every tensor a checkpointed forward
-  saves reaches the package's ``determinism_check`` extractor (:mod:`~lightning_ckpt_determinism.checkpointing.saved`)
-  exactly as autograd would save it without checkpointing; the meter adds up the bytes of their distinct storages,
-  leaving out the model's parameters and buffers (state, not activations). A view keeps its whole storage alive, so
-  the whole storage counts.
+  local shard). Every tensor a checkpointed forward saves reaches the package's ``determinism_check`` extractor
+  (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`) exactly as autograd would save it without
+  checkpointing; the meter adds up the bytes of their distinct storages, leaving out the model's parameters and
+  buffers (state, not activations). A view keeps its whole storage alive, so the whole storage counts.
 - **Checkpointed bytes**: what the region keeps when checkpointed: the distinct storages of its tensor inputs (torch
   holds them for the recomputation), plus the outputs of the ops ``save_ops`` names and the data-dependent outputs
   ``keep_data_dependent`` keeps by its size rule (:mod:`~lightning_ckpt_determinism.checkpointing.routing`).
@@ -45,9 +44,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves
 from lightning_ckpt_determinism.checkpointing.cost import op_cost, op_flops
+from lightning_ckpt_determinism.checkpointing.determinism_check import Extractor, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
-from lightning_ckpt_determinism.checkpointing.saved import Extractor, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.config import resolve_ops
 

@@ -136,8 +136,8 @@ class FirstForwardProbe:
     learned from) and gives its :class:`RegionProfile`.
 
     Enter it around the forward, with the saved-tensor extractor handing it each saved tensor
-    (:class:`~lightning_ckpt_determinism.checkpointing.saved.InRegionCall`); :attr:`profile` is set when the forward
-    returns, and stays ``None`` when it raised.
+    (:class:`~lightning_ckpt_determinism.checkpointing.determinism_check.InRegionCall`); :attr:`profile` is set when
+    the forward returns, and stays ``None`` when it raised.
 
     Args:
         module: The region.

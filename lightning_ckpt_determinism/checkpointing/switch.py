@@ -6,7 +6,7 @@ fails on the checkpoint call), and a check switches every region of the process 
 nesting depth. It changes only inside :func:`~lightning_ckpt_determinism.checkpointing.wrapper.checkpointing_disabled`.
 Everything else a region reads belongs to its wrapper (its plan, its profile, the observers registered on its model),
 and the region call whose forward runs now is context-local
-(:class:`~lightning_ckpt_determinism.checkpointing.saved.InRegionCall`).
+(:class:`~lightning_ckpt_determinism.checkpointing.determinism_check.InRegionCall`).
 
 Threads: one training thread per model. The counters here and on each wrapper (``plain_depth``, the profiles, the
 observers' counts) are plain Python values, changed without a lock by the training thread, or by autograd's backward

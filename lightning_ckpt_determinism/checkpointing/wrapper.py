@@ -2,7 +2,7 @@
 
 Wrapping sets an instance-level ``forward`` on each selected module, so the module object, its parameters, its
 buffers and every ``state_dict`` key stay exactly as they were. Which contexts a region's recomputation composes is
-decided once, by its :class:`~lightning_ckpt_determinism.checkpointing.plan.RegionPlan`: host-RNG replay, the
+decided once, by its :class:`~lightning_ckpt_determinism.checkpointing.region_plan.RegionPlan`: host-RNG replay, the
 forward's state (buffers, attributes, generators), the selective-op policy, the guard that keeps data-dependent
 outputs (routing) from the forward, and the observers registered on the region's model (:func:`observing`,
 :func:`observing_saved_tensors`), which plug in as contexts of the same call. Each recompute context can be
@@ -26,8 +26,9 @@ under torch). The attributes each forward rebinds are found at that call and put
 The traced path (under ``torch.compile``) reads only state dynamo can guard on (the plan, and the one process-wide
 switch, :mod:`~lightning_ckpt_determinism.checkpointing.switch`, never a ContextVar), never passes
 ``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops``, eager-only
-options or ``keep_data_dependent``: see :mod:`~lightning_ckpt_determinism.checkpointing.compiled`. Every region
-passes the package's own ``determinism_check`` name (:mod:`~lightning_ckpt_determinism.checkpointing.saved`).
+options or ``keep_data_dependent``: see :mod:`~lightning_ckpt_determinism.checkpointing.compile_context`. Every
+region passes the package's own ``determinism_check`` name
+(:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`).
 """
 
 import contextlib
@@ -46,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled, disable_current_modes, own_buffers
-from lightning_ckpt_determinism.checkpointing.compiled import RecompileLimitFilter
+from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
     AttributeReplay,
     ContextFactory,
@@ -55,18 +56,18 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     Reenterable,
     same_context,
 )
-from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
-from lightning_ckpt_determinism.checkpointing.modules import named_modules
-from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
-from lightning_ckpt_determinism.checkpointing.plan import RegionPlan
-from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
-from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
-from lightning_ckpt_determinism.checkpointing.saved import (
+from lightning_ckpt_determinism.checkpointing.determinism_check import (
     DETERMINISM_CHECKS,
     InRegionCall,
     SavedTensorObserver,
     register_determinism_checks,
 )
+from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
+from lightning_ckpt_determinism.checkpointing.modules import named_modules
+from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
+from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
+from lightning_ckpt_determinism.checkpointing.region_plan import RegionPlan
+from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning

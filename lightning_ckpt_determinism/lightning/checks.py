@@ -1,6 +1,6 @@
 """The step adapter: run a check of the live Lightning step with the engine its settings call for.
 
-By default the live-step engine (:func:`~lightning_ckpt_determinism.verify.live.check_live_step`) compares the
+By default the live-step engine (:func:`~lightning_ckpt_determinism.verify.live_step.check_live_step`) compares the
 live, checkpointed gradients with one reference pass through the strategy's own wrapper; a divergence is then rerun
 with attribution by the two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) from the step's
 captured state, whose regions and cause join the live report. ``attribution="always"`` and a ``loss_fn`` under
@@ -28,7 +28,7 @@ from lightning_ckpt_determinism.lightning.step import (
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.core import CheckScope, with_attribution
-from lightning_ckpt_determinism.verify.live import check_live_step
+from lightning_ckpt_determinism.verify.live_step import check_live_step
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
 

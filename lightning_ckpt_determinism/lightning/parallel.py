@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt_determinism.verify.live import AllReduce
+from lightning_ckpt_determinism.verify.live_step import AllReduce
 
 __all__ = ["agree", "all_reduce", "gather"]
 

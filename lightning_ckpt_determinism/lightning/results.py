@@ -5,7 +5,7 @@ from collections import deque
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.findings import (
     CheckRecord,

@@ -18,7 +18,7 @@ from lightning_ckpt_determinism.checkpointing import (
     select_modules,
 )
 from lightning_ckpt_determinism.checkpointing.auto import auto_layers
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, check_budget_device
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, check_budget_device
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected
 from lightning_ckpt_determinism.checkpointing.wrapper import routes
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -27,7 +27,7 @@ from lightning_ckpt_determinism.errors import (
     CheckpointingTypeError,
     LightningCkptDeterminismWarning,
 )
-from lightning_ckpt_determinism.lightning.budget import BudgetedCheckpointing
+from lightning_ckpt_determinism.lightning.fit_budget import BudgetedCheckpointing
 from lightning_ckpt_determinism.lightning.fit_warnings import formatting_warnings, warnings_formatted
 from lightning_ckpt_determinism.lightning.notes import show_notes
 from lightning_ckpt_determinism.lightning.support import DDPSupport, FSDPSupport, StrategySupport, stock_support

@@ -2,8 +2,8 @@
 verdict and the step's cause, assemble the report, name what could not be compared.
 
 The two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) and the live-step engine
-(:func:`~lightning_ckpt_determinism.verify.live.check_live_step`) differ in which passes they run; the state they put
-back, the rule that calls a divergence, the noise floor, the step's cause (:func:`step_report`), the findings of a
+(:func:`~lightning_ckpt_determinism.verify.live_step.check_live_step`) differ in which passes they run; the state they
+put back, the rule that calls a divergence, the noise floor, the step's cause (:func:`step_report`), the findings of a
 check that compared nothing, and how the monitor joins a live report with its attribution (:func:`with_attribution`)
 are the same, and live here once. The monitor and the audit read a report's cause through :func:`step_cause` and
 :func:`blame`.

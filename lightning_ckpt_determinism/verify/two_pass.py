@@ -99,7 +99,7 @@ def check_recomputation(
     reference pass holds anyway) plus small fingerprints of op inputs, and the Python-level observation makes that
     pass several times slower. When a region differs in a way only host RNG could explain, one more checkpointed
     pass replays host RNG for it to confirm. Nothing of this outlives the call. How causes are decided is
-    described in :mod:`lightning_ckpt_determinism.verify.attribution.causes`.
+    described in :mod:`lightning_ckpt_determinism.verify.attribution.region_cause`.
 
     Args:
         module: The model; its parameters that require grad are compared.

@@ -1,8 +1,8 @@
 """What attribution's observer found in one call of a region: the frozen evidence the cause rules read.
 
 The observer (:mod:`~lightning_ckpt_determinism.verify.attribution.observer`) produces it; the rules
-(:mod:`~lightning_ckpt_determinism.verify.attribution.causes`) decide a cause from it alone, so neither imports the
-other's internals.
+(:mod:`~lightning_ckpt_determinism.verify.attribution.region_cause`) decide a cause from it alone, so neither imports
+the other's internals.
 """
 
 from dataclasses import dataclass

@@ -24,7 +24,7 @@ inputs' versions when the pass failed. A region's buffers are compared at the en
 the region's last forward. A region recomputed more than once in a pass (a gradient penalty, ``retain_graph=True``)
 is compared at its first recomputation; the later ones replay the same state, are counted, and are not compared.
 Each call ends as a :class:`~lightning_ckpt_determinism.verify.attribution.evidence.CallEvidence`; how the evidence
-becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.causes`.
+becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.region_cause`.
 """
 
 import contextlib
@@ -64,7 +64,6 @@ from lightning_ckpt_determinism.checkpointing.rng import (
 )
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
-from lightning_ckpt_determinism.verify.attribution.causes import evidence_cause, region_reports
 from lightning_ckpt_determinism.verify.attribution.evidence import (
     CallEvidence,
     Divergence,
@@ -72,6 +71,7 @@ from lightning_ckpt_determinism.verify.attribution.evidence import (
     KeepDataDependent,
     RecomputeFailure,
 )
+from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause, region_reports
 from lightning_ckpt_determinism.verify.compare import max_abs_difference, same_values
 from lightning_ckpt_determinism.verify.digest import Fingerprint, fingerprint
 from lightning_ckpt_determinism.verify.gradients import local_tensor

@@ -2,10 +2,10 @@
 forward's, through digests, on every step.
 
 Inside :func:`recomputation_sentinel` the sentinel is torch's ``determinism_check`` extractor for every eagerly
-checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.saved`). At the region's forward, torch hands
-it each tensor it saves, before the op that saves it has run. The sentinel digests each on its device (a row and a
-column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its value is final: at once where the
-region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
+checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`). At the region's forward,
+torch hands it each tensor it saves, before the op that saves it has run. The sentinel digests each on its device (a
+row and a column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its value is final: at once where
+the region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
 it was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
 forward's end for every tensor of a call the region learns from (its first, and the first of each kind of call: see
 the profile's description). A call that saves another number of tensors than its profile (another code path) keeps

@@ -9,12 +9,12 @@ from torch import nn
 
 from lightning_ckpt_determinism._text import describe_saved
 from lightning_ckpt_determinism._torch_compat import no_python_dispatch, view_base
+from lightning_ckpt_determinism.checkpointing.determinism_check import Recomputed
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.saved import Recomputed
 from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Sums, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
-from lightning_ckpt_determinism.verify.sentinel.light import SavedLayout
+from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
 __all__ = ["KeptTensor", "RegionCall"]
 
@@ -89,8 +89,8 @@ class RegionCall:
     """One forward of one region: its saved tensors' digests and, after each recomputation, the digests to compare.
 
     Which saved tensors it digests: every one, or under the light tier the targets of the region's
-    :class:`~lightning_ckpt_determinism.verify.sentinel.light.SavedLayout` (``targets``); a call of a region without
-    a layout yet looks at every saved tensor, learns the layout at its forward's end and digests that step's
+    :class:`~lightning_ckpt_determinism.verify.sentinel.light_layout.SavedLayout` (``targets``); a call of a region
+    without a layout yet looks at every saved tensor, learns the layout at its forward's end and digests that step's
     targets. Each digested tensor's row and column sums are taken once its value is final (see the package's
     description); the forward's are weighted into one vector of digests when the region's forward ends, the
     recomputation's at the comparison of the last of them. The others are given back as torch's own extractor would

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import is_compiled_module, version_counter
+from lightning_ckpt_determinism.checkpointing.determinism_check import Extractor
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
-from lightning_ckpt_determinism.checkpointing.saved import Extractor
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.config import choice_message
 from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, DigestTier
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
-from lightning_ckpt_determinism.verify.sentinel.light import SavedLayout
+from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 from lightning_ckpt_determinism.verify.sentinel.report import SentinelRegion, SentinelReport, StateChange, added
 from lightning_ckpt_determinism.verify.sentinel.state import (
     StateWatch,

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import tree_leaves
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, plan_from_figures
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, OpFigures, RegionFigures
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls, remove_activation_checkpointing
 from lightning_ckpt_determinism.config import CheckpointingConfig

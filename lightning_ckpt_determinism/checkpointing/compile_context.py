@@ -80,7 +80,7 @@ def region_contexts(
 
 def eager_only_options(config: CheckpointingConfig, protect_buffers: bool) -> tuple[str, ...]:
     """The options of ``config`` a compiled region goes without: the compiler replays torch's RNG and updates buffers
-    once (see :attr:`~lightning_ckpt_determinism.checkpointing.plan.RegionPlan.eager_only`).
+    once (see :attr:`~lightning_ckpt_determinism.checkpointing.region_plan.RegionPlan.eager_only`).
 
     Args:
         config: The region's config.

@@ -2,7 +2,7 @@
 recompute, for each number of checkpointed candidates, then the plan for the budget."""
 
 from lightning_ckpt_determinism._text import aligned
-from lightning_ckpt_determinism.checkpointing.budget import CheckpointingPlan, format_bytes
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, format_bytes
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 
 __all__ = ["trade_off", "trade_off_table"]

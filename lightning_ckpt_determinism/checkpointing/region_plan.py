@@ -3,7 +3,7 @@
 The region wrapper (:mod:`~lightning_ckpt_determinism.checkpointing.wrapper`) builds one :class:`RegionPlan` when it
 wraps a module, and every call reads it: the eager path for the contexts it composes, the path ``torch.compile``
 traces for the ``context_fn`` it hands the compiler
-(:func:`~lightning_ckpt_determinism.checkpointing.compiled.region_contexts`, which skips the options named by
+(:func:`~lightning_ckpt_determinism.checkpointing.compile_context.region_contexts`, which skips the options named by
 :attr:`RegionPlan.eager_only`). What a region's calls show (the
 :class:`~lightning_ckpt_determinism.checkpointing.profile.RegionProfile` of calls like the one under way, and whether
 its first forward ran a data-dependent op) is learned afterwards; the plan's methods take it as an argument.
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_ckpt_determinism.checkpointing.compiled import ContextPairFn, eager_only_options, region_contexts
+from lightning_ckpt_determinism.checkpointing.compile_context import ContextPairFn, eager_only_options, region_contexts
 from lightning_ckpt_determinism.checkpointing.contexts import BufferSlot
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
