@@ -25,8 +25,7 @@ from lightning_ckpt_determinism.config import (
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
 from lightning_ckpt_determinism.lightning.findings import CheckRecord
-from lightning_ckpt_determinism.lightning.fit_warnings import formatting_warnings, warnings_formatted
-from lightning_ckpt_determinism.lightning.notes import show_notes
+from lightning_ckpt_determinism.lightning.fit_output import FitOutput
 from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.lightning.reference import free_memory, reference_subset
 from lightning_ckpt_determinism.lightning.results import CheckResults
@@ -204,8 +203,8 @@ class RecomputationMonitor(Callback):
         self._written_parameters: set[str] = set()
         # Whether this fit said that no module is checkpointed (a memory budget's plan may leave every one plain).
         self._said_nothing_to_check = False
-        # The Trainer whose fit formats the package's warnings for this monitor (see `fit_warnings`).
-        self._warnings_trainer: pl.Trainer | None = None
+        # The package's warnings and notes while this monitor's fit lasts (see `fit_output`).
+        self._fit_output = FitOutput()
 
     @property
     @override
@@ -225,9 +224,7 @@ class RecomputationMonitor(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
-        show_notes()
-        self._warnings_trainer = trainer
-        formatting_warnings(trainer)
+        self._fit_output.hold(trainer)
         self._said_nothing_to_check = False
         self._internals = lightning_internals()
         self._schedule.start_fit()
@@ -353,7 +350,7 @@ class RecomputationMonitor(Callback):
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._disarm()
         self._watch.stop()
-        self._warnings_formatted()
+        self._fit_output.release()
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -366,12 +363,7 @@ class RecomputationMonitor(Callback):
         if self._enabled:
             plan = getattr(trainer.strategy, "checkpointing_plan", None)
             rank_zero_info(self._results.text(self._watch.report, plan))
-        self._warnings_formatted()
-
-    def _warnings_formatted(self) -> None:
-        if self._warnings_trainer is not None:
-            warnings_formatted(self._warnings_trainer)
-            self._warnings_trainer = None
+        self._fit_output.release()
 
     @override
     def state_dict(self) -> dict[str, Any]:

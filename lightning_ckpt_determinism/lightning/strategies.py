@@ -28,8 +28,7 @@ from lightning_ckpt_determinism.errors import (
     LightningCkptDeterminismWarning,
 )
 from lightning_ckpt_determinism.lightning.fit_budget import BudgetedCheckpointing
-from lightning_ckpt_determinism.lightning.fit_warnings import formatting_warnings, warnings_formatted
-from lightning_ckpt_determinism.lightning.notes import show_notes
+from lightning_ckpt_determinism.lightning.fit_output import FitOutput
 from lightning_ckpt_determinism.lightning.support import DDPSupport, FSDPSupport, StrategySupport, stock_support
 
 __all__ = [
@@ -98,8 +97,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         self._applied_checkpointing: dict[str, nn.Module] = {}
         self._model_set_up = False
         self._budgeted: BudgetedCheckpointing | None = None
-        # The Trainer whose run formats the package's warnings for this strategy (see `fit_warnings`).
-        self._warnings_trainer: pl.Trainer | None = None
+        # The package's warnings and notes while this strategy's run lasts (see `fit_output`).
+        self._fit_output = FitOutput()
         # Training batches started this fit: at the second, the regions that route are named.
         self._batches_started = 0
         super().__init__(*args, **kwargs)
@@ -113,9 +112,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._model_set_up = False
         self._batches_started = 0
-        show_notes()
-        self._warnings_trainer = trainer
-        formatting_warnings(trainer)
+        self._fit_output.hold(trainer)
         if self.checkpointing.memory_budget is not None:
             check_budget_device(self.checkpointing, self.root_device)  # type: ignore[attr-defined]
             self._budgeted = BudgetedCheckpointing(self.checkpointing)
@@ -164,9 +161,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         for module in self._applied_checkpointing.values():
             remove_activation_checkpointing(module)
         self._applied_checkpointing = {}
-        if self._warnings_trainer is not None:
-            warnings_formatted(self._warnings_trainer)
-            self._warnings_trainer = None
+        self._fit_output.release()
         super().teardown()  # type: ignore[misc]
 
     def monitor_support(self) -> StrategySupport | None:
