@@ -2,6 +2,7 @@
 the monitor's check of the live step, and both are the defect's own (ground truth: the block built with it)."""
 
 import contextlib
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
 )
 from lightning_ckpt_determinism.verify.core import blame, step_cause, with_attribution
+from lightning_ckpt_determinism.verify.reports import attribute_hint
 
 DIM = 16
 DEFECTIVE = 1
@@ -62,7 +64,7 @@ def _seed_host_rng() -> None:
     torch.manual_seed(3)
 
 
-def _two_pass(cause: Cause) -> RecomputationReport:
+def _two_pass(cause: Cause, attribution: bool = True) -> RecomputationReport:
     model = _model(cause)
     apply_activation_checkpointing(model, _config(cause))
     x, y = _batch()
@@ -75,12 +77,14 @@ def _two_pass(cause: Cause) -> RecomputationReport:
             return model.training_step((x, y), 0)
         return F.mse_loss(model(x), y)
 
-    return check_recomputation(model, closure, attribution=True)
+    return check_recomputation(model, closure, attribution=attribution)
 
 
-def _monitored(cause: Cause) -> RecomputationReport:
+def _monitored(
+    cause: Cause, attribution: Literal["on_divergence", "always", "never"] = "on_divergence"
+) -> RecomputationReport:
     model = _model(cause)
-    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off")
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off", attribution=attribution)
     trainer = Trainer(
         # A parameter written in `training_step` skips the first check, which copies it from then on.
         max_steps=2 if cause == Cause.PARAMETER_WRITE else 1,
@@ -112,6 +116,29 @@ def test_both_engines_blame_the_defect_with_the_same_cause_and_region(cause: Cau
     for report in (two_pass, monitored):
         assert (step_cause(report) is not None) == (cause.blames == "step")
         assert not [region.name for region in report.regions if region.diverged] or cause.blames == "region"
+
+
+def test_with_attribution_off_both_engines_give_the_step_its_attribute_mutation() -> None:
+    # Ground truth: block 1 appends its batch size to `batch_sizes` in forward, and recomputation appends again;
+    # without attribution no region report places the attribute, so the step carries the cause.
+    two_pass = _two_pass(Cause.ATTRIBUTE_MUTATION, attribution=False)
+    monitored = _monitored(Cause.ATTRIBUTE_MUTATION, attribution="never")
+    found = [
+        (report.diverged, report.cause, report.hint, report.attribute_mutations, report.regions, blame(report))
+        for report in (two_pass, monitored)
+    ]
+    hint = attribute_hint([f"blocks.{DEFECTIVE}.batch_sizes"])
+    expected = (
+        True,
+        Cause.ATTRIBUTE_MUTATION,
+        hint,
+        [f"blocks.{DEFECTIVE}.batch_sizes"],
+        [],
+        (Cause.ATTRIBUTE_MUTATION, None),
+    )
+    assert found == [expected, expected]
+    # The gradients are exact: the attribute is the whole finding.
+    assert (two_pass.grad_divergence, monitored.grad_divergence) == (0.0, 0.0)
 
 
 def test_only_the_step_causes_blame_the_step() -> None:

@@ -219,7 +219,8 @@ class RecomputationReport:
             checkpointed pass failed or produced a non-finite value the reference did not.
         max_abs_diff: Largest absolute difference of any gradient element.
         diverged: Whether ``grad_divergence`` exceeds both the tolerance and the noise floor, or the checkpointed
-            pass raised. Buffer mutations, which change no gradient, show in ``regions`` and ``buffer_mutations``.
+            pass raised, or state that changes no gradient differs where no region report places it (``cause``
+            says which). Buffer mutations found with attribution show in ``regions`` and ``buffer_mutations``.
         tolerance: The tolerance the verdict used.
         per_parameter: Largest absolute gradient difference for each parameter, by parameter name.
         worst_parameters: The parameters with the largest differences, worst first (at most five, only those
@@ -248,7 +249,8 @@ class RecomputationReport:
             op instead of replaying the forward's draw get this cause in ``regions`` too), or
             ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. From the live
             step's check: ``"buffer_mutation"`` when the gradients agree but buffers differ from the reference's
-            (``buffer_mutations`` names them), else ``"attribute_mutation"`` when attributes do. From either check:
+            (``buffer_mutations`` names them). From either check: ``"attribute_mutation"`` when the gradients agree
+            but attributes differ and no region report places them (without attribution);
             ``"outside_state"`` when the gradients diverged and the reference pass's loss differs from the
             checkpointed one, which recomputation cannot explain (the forward ran before anything was recomputed); no
             region is then counted as diverged. ``None`` otherwise.

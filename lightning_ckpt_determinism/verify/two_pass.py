@@ -243,15 +243,20 @@ def _compare(
         compiler_only = observer is not None and verdict.diverged and not eager_diverged
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
+    regions = _with_attributes(regions, attributes)
+    placed = {name for region in regions for name in region.attribute_mutations}
     evidence = StepEvidence(
         gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
         checkpointed_loss=checkpointed.loss,
         calibration=calibration,
         not_restored=not_restored,
-        regions=_with_attributes(regions, attributes),
+        regions=regions,
         step_cause=cause,
         forward_writes=observer.parameters_written_in_forward() - captured if observer is not None else frozenset(),
+        # Without attribution no region report places the attributes that differ: they are the step's, as in the
+        # live engine.
+        step_attributes=[name for name in attributes if name not in placed],
     )
     return step_report(
         evidence,
