@@ -152,15 +152,18 @@ def _application_without_logging() -> Iterator[None]:
 
 
 def _fit(tmp_path: Path, part: str, fails_at: int | None, during: LoggerDuringFit) -> None:
+    """A fit with the package's strategy, its monitor (on a model checkpointed by hand), or both."""
     callbacks: list[pl.Callback] = [during] + ([FailsAtStep(fails_at)] if fails_at is not None else [])
     module = NotingModule(block="PlainBlock")
-    if part == "strategy":
-        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]))
-        trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=callbacks, strategy=strategy)
-    else:
-        apply_activation_checkpointing(module, CheckpointingConfig(classes=["PlainBlock"]))
+    config = CheckpointingConfig(classes=["PlainBlock"])
+    kwargs = trainer_kwargs(tmp_path, max_steps=2)
+    if part != "strategy":
         callbacks.append(RecomputationMonitor())
-        trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=2), callbacks=callbacks)
+    if part == "monitor":
+        apply_activation_checkpointing(module, config)
+    else:
+        kwargs["strategy"] = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    trainer = pl.Trainer(**kwargs, callbacks=callbacks)
     if fails_at is None:
         trainer.fit(module)
         return
@@ -168,7 +171,7 @@ def _fit(tmp_path: Path, part: str, fails_at: int | None, during: LoggerDuringFi
         trainer.fit(module)
 
 
-@pytest.mark.parametrize("part", ["strategy", "monitor"])
+@pytest.mark.parametrize("part", ["strategy", "monitor", "both"])
 @pytest.mark.parametrize("fails_at", [None, 1])
 def test_a_fit_shows_the_package_notes_on_stderr_and_puts_the_logger_back(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], part: str, fails_at: int | None
@@ -179,7 +182,8 @@ def test_a_fit_shows_the_package_notes_on_stderr_and_puts_the_logger_back(
         _fit(tmp_path, part, fails_at, during)
         after = _logger_state()
         logging.getLogger("lightning_ckpt_determinism.x").info("note after the fit")
-    # During the fit: one handler of the package's own, INFO shown, nothing passed on to the root.
+    # During the fit: one handler of the package's own (one for the strategy and the monitor together), INFO shown,
+    # nothing passed on to the root.
     assert during.seen == (len(before[0]) + 1, logging.INFO, False)
     assert after == before
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note ")]
@@ -206,5 +210,5 @@ def _notes_expected(part: str, fails_at: int | None) -> list[str]:
     """The `training_step` calls of a fit: steps 0 and 1, or step 0 alone when the fit fails at step 1; the monitor
     checks step 0, whose reference pass calls `training_step` again."""
     steps = [0, 1] if fails_at is None else [0]
-    calls = [0, *steps] if part == "monitor" else steps
+    calls = [0, *steps] if part != "strategy" else steps
     return [f"note at step {step}" for step in calls]
