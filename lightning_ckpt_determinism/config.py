@@ -27,6 +27,7 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError, Lightnin
 
 __all__ = [
     "AUTO_CLASSES",
+    "BUDGET_COSTS",
     "BUDGET_GRANULARITIES",
     "RECOMPUTE_SWITCHES",
     "CheckpointingConfig",
@@ -241,6 +242,9 @@ def parse_memory_budget(value: object) -> int | float | str | None:
 BUDGET_GRANULARITIES = ("module", "op")
 """What ``CheckpointingConfig.budget_granularity`` takes: the units a ``memory_budget`` chooses between."""
 
+BUDGET_COSTS = ("roofline", "calibrated", "flops")
+"""What ``CheckpointingConfig.budget_cost`` takes: the cost models a ``memory_budget`` plans its recomputation in."""
+
 _BUDGET_FORMS = "give bytes (1073741824, '512MiB', '2GB'), a fraction in (0, 1] (0.5, '50%'), 'auto' or None."
 
 
@@ -359,13 +363,22 @@ class CheckpointingConfig:
             checkpointed) or ``"op"`` (for each candidate, plain or checkpointed keeping a chosen set of its op
             outputs, chosen per op call with the least recompute cost in a roofline model; eager regions only, a
             compiled region is checkpointed whole). Needs a ``memory_budget``.
+        budget_cost: The recompute cost a ``memory_budget`` minimises, at either granularity: ``"roofline"`` (each op
+            call costs ``max(FLOPs / FLOP rate, bytes moved / bandwidth)`` at fixed rates, 100 TFLOP/s and 2 TB/s, so
+            that elementwise ops, norms and softmax count; plans are the same from run to run and machine to
+            machine), ``"calibrated"`` (the same at the two rates measured once on the device by a short calibration,
+            a matrix product and a large copy; timings are noise, so a plan may differ from run to run; under a
+            strategy the ranks' rates are reduced to their minimum, so that every rank plans alike) or ``"flops"``
+            (the FLOP count alone, as module granularity counted before: elementwise ops cost 0). Needs a
+            ``memory_budget``.
 
     Raises:
         CheckpointingConfigError: If nothing can be selected, a list field is given a string or holds anything but
             strings (``classes`` also takes classes), a switch is not a bool, ``every_n < 1``, a class path or op
             cannot be found, ``determinism_check`` is not one torch knows, or ``memory_budget`` is not a size (or
             comes with ``every_n > 1``), or ``budget_granularity`` is neither ``"module"`` nor ``"op"`` (or is
-            ``"op"`` without a ``memory_budget``).
+            ``"op"`` without a ``memory_budget``), or ``budget_cost`` is not one of its choices (or is not the default
+            without a ``memory_budget``).
 
     Example::
 
@@ -386,6 +399,7 @@ class CheckpointingConfig:
     keep_data_dependent: bool = True
     memory_budget: int | str | float | None = None
     budget_granularity: Literal["module", "op"] = "module"
+    budget_cost: Literal["roofline", "calibrated", "flops"] = "roofline"
 
     def __post_init__(self) -> None:
         for name in ("classes", "names", "save_ops"):
@@ -426,6 +440,12 @@ class CheckpointingConfig:
             raise CheckpointingConfigError(
                 f"`budget_granularity`={self.budget_granularity!r} chooses what to keep under a memory budget; set"
                 " `memory_budget` (e.g. '50%') or leave `budget_granularity` at 'module'."
+            )
+        check_choice("budget_cost", self.budget_cost, BUDGET_COSTS)
+        if self.budget_cost != "roofline" and self.memory_budget is None:
+            raise CheckpointingConfigError(
+                f"`budget_cost`={self.budget_cost!r} is the recompute cost a memory budget minimises; set"
+                " `memory_budget` (e.g. '50%') or leave `budget_cost` at 'roofline'."
             )
 
     def __hash__(self) -> int:

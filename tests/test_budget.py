@@ -143,13 +143,14 @@ def test_the_measurement_equals_the_tests_own() -> None:
 
 @pytest.mark.parametrize("fraction", [0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95, 1.0])
 def test_the_plan_is_the_brute_force_optimum_of_the_tests_own_measurement(fraction: float) -> None:
+    # The test's own measurement counts FLOPs: `budget_cost="flops"` (the roofline's is in tests/test_budget_cost.py).
     own = _own_measurement(_mixed())
     plain = sum(entry[0] for entry in own.values())
     budget = int(fraction * plain)
     (flops, count, kept), optima = _brute_force(own, budget)
     model = _mixed()
     plan = plan_activation_checkpointing(
-        model, CheckpointingConfig(**CONFIG, memory_budget=budget), lambda: _closure(model)
+        model, CheckpointingConfig(**CONFIG, memory_budget=budget, budget_cost="flops"), lambda: _closure(model)
     )
     assert set(plan.checkpointed) in optima
     assert plan.kept_bytes == kept <= plan.budget_bytes == budget

@@ -36,17 +36,24 @@ def _small(seed: int = 0) -> Stack:
     return Stack([CheapBlock(), CostlyBlock(), CheapBlock(), WideBlock()], dim=DIM)
 
 
-def _plan(model: nn.Module, budget: object, granularity: str = "op") -> CheckpointingPlan:
-    config = CheckpointingConfig(**CONFIG, memory_budget=budget, budget_granularity=granularity)  # type: ignore[arg-type]
+def _plan(model: nn.Module, budget: object, granularity: str = "op", cost: str = "roofline") -> CheckpointingPlan:
+    config = CheckpointingConfig(
+        **CONFIG,  # type: ignore[arg-type]
+        memory_budget=budget,  # type: ignore[arg-type]
+        budget_granularity=granularity,  # type: ignore[arg-type]
+        budget_cost=cost,  # type: ignore[arg-type]
+    )
     return plan_activation_checkpointing(model, config, lambda: _closure(model))
 
 
 class _Ops(TorchDispatchMode):
-    """The test's own record of a plain forward's op calls: (overload, bytes of fresh storages, roofline cost)."""
+    """The test's own record of a plain forward's op calls: (overload, bytes of fresh storages, roofline cost at
+    ``flops_per_byte``, or the FLOPs alone when it is ``None``)."""
 
-    def __init__(self, state: set[int]) -> None:
+    def __init__(self, state: set[int], flops_per_byte: float | None = FLOPS_PER_BYTE) -> None:
         super().__init__()
         self.state = state
+        self.flops_per_byte = flops_per_byte
         self.calls: list[tuple[str, int, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -64,13 +71,20 @@ class _Ops(TorchDispatchMode):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             a, b = args[-2:]
             flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        cost = 0 if func._schema.returns and func.is_view else max(math.ceil(flops / FLOPS_PER_BYTE), moved)
+        if self.flops_per_byte is None:
+            cost = flops
+        else:
+            view = func._schema.returns and func.is_view
+            cost = 0 if view else max(math.ceil(flops / self.flops_per_byte), moved)
         self.calls.append((str(func), sum(pointers.values()) if fresh else 0, cost))
         return out
 
 
-def _own_measurement(model: Stack) -> dict[str, tuple[int, int, list[tuple[str, int, int]]]]:
-    """Per block, on the plain model: (bytes autograd saves, bytes of its input, its op calls)."""
+def _own_measurement(
+    model: Stack, flops_per_byte: float | None = FLOPS_PER_BYTE
+) -> dict[str, tuple[int, int, list[tuple[str, int, int]]]]:
+    """Per block, on the plain model: (bytes autograd saves, bytes of its input, its op calls, costed at
+    ``flops_per_byte`` or by FLOPs alone)."""
     state = {tensor.untyped_storage().data_ptr() for tensor in model.parameters()}
     figures = {}
     x = model.inp(_batch()[0])
@@ -82,7 +96,7 @@ def _own_measurement(model: Stack) -> dict[str, tuple[int, int, list[tuple[str, 
                 storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
             return tensor
 
-        ops = _Ops(state)
+        ops = _Ops(state, flops_per_byte)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), ops:
             out = block(x)
         figures[f"blocks.{index}"] = (sum(storages.values()), x.untyped_storage().nbytes(), ops.calls)
@@ -240,7 +254,7 @@ def test_an_op_call_unlike_the_plans_recomputes_with_one_warning_and_stays_exact
 
 
 def test_module_granularity_plans_keep_no_op_outputs_and_share_the_flop_model() -> None:
-    plan = _plan(_small(), 0.6, "module")
+    plan = _plan(_small(), 0.6, "module", "flops")
     assert plan.saved_ops == {}
     assert plan.recompute_share == plan.recomputed_flops_share
     assert all(entry.ops == () for entry in plan.candidates)

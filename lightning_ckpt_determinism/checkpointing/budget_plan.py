@@ -2,15 +2,17 @@
 
 :func:`plan_activation_checkpointing` runs one step with every candidate (every module the config matches)
 checkpointed, measures each with :class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter` (bytes kept
-with and without checkpointing, forward FLOPs; see there for what FLOPs leave out), and chooses exactly: the set to
-checkpoint keeps the candidates' total within the budget with the fewest FLOPs recomputed. Identical blocks measure
+with and without checkpointing, forward FLOPs, recompute cost), and chooses exactly: the set to checkpoint keeps the
+candidates' total within the budget with the least recompute cost, in the model ``budget_cost`` names: a roofline cost
+per op call at fixed rates (the default) or at rates calibrated on the device, or the FLOP count alone
+(:mod:`~lightning_ckpt_determinism.checkpointing.cost`). Identical blocks measure
 alike and form one group, whose choice is how many of them to checkpoint (the first ones in module order); the groups
 are searched branch and bound, which is exact and quick for the handful of distinct regions real models have. A tie in
-FLOPs (FLOPs are 0 for regions made only of elementwise ops and norms) goes to fewer checkpointed modules, then to
+cost (FLOPs are 0 for regions made only of elementwise ops and norms) goes to fewer checkpointed modules, then to
 fewer bytes kept. A candidate whose checkpointing would keep more than it saves stays plain.
 
 With ``budget_granularity="op"`` the meter also measures each op call of each candidate (bytes it allocates, recompute
-cost in a roofline model, :mod:`~lightning_ckpt_determinism.checkpointing.cost`), and the choice is, per candidate,
+cost), and the choice is, per candidate,
 plain or checkpointed keeping a chosen set of its op outputs, exactly, with the least recompute cost
 (:mod:`~lightning_ckpt_determinism.checkpointing.op_choice`); :attr:`CheckpointingPlan.saved_ops` lists the kept
 calls and :meth:`CheckpointingPlan.apply` hands them to each region's selective-checkpointing policy.
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._text import aligned
+from lightning_ckpt_determinism.checkpointing.calibration import rates_for
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, RegionFigures
 from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected, select_modules
@@ -62,8 +65,8 @@ class CheckpointingPlan:
             count none).
         saved_ops: At ``budget_granularity="op"``, each checkpointed module that ran with the op calls whose outputs
             it keeps: (position among its op calls, overload); empty at module granularity.
-        recompute_share: The share of the candidates' recompute cost that the plan recomputes, in the plan's cost
-            model: forward FLOPs at module granularity, the roofline cost at op granularity.
+        recompute_share: The share of the candidates' recompute cost that the plan recomputes, in the cost model
+            ``config.budget_cost`` names (roofline by default; forward FLOPs for ``"flops"``).
         slack_bytes: 0 when the plan is proved optimal; else it costs at most the optimum at the budget lowered by
             this many bytes (an op-granularity search too large to run exactly, see
             :mod:`~lightning_ckpt_determinism.checkpointing.op_choice`).
@@ -165,15 +168,19 @@ def plan_activation_checkpointing(
     model: nn.Module, config: CheckpointingConfig, closure: Callable[[], object]
 ) -> CheckpointingPlan:
     """Measure every module ``config`` matches in one step of ``closure`` and plan which to checkpoint within
-    ``config.memory_budget``, with the least recomputation.
+    ``config.memory_budget``, with the least recomputation in the cost model ``config.budget_cost`` names.
 
     ``closure`` runs once, with every candidate checkpointed (those checkpointed already stay so, the others are
     checkpointed for the step and made plain again afterwards); its own effects (gradients, buffers, random streams)
     stay, as after a training step. Per candidate it measures the activation bytes it keeps without checkpointing,
     the bytes it keeps checkpointed (its inputs, and what ``save_ops`` and ``keep_data_dependent`` keep) and its
     forward FLOPs (``torch.utils.flop_counter``: matrix products, convolutions and CUDA's fused attention; elementwise
-    ops, norms, softmax and attention on the CPU count 0), see
-    :mod:`~lightning_ckpt_determinism.checkpointing.measure`. A candidate that did not run stays checkpointed. A budget
+    ops, norms, softmax and attention on the CPU count 0) and its recompute cost (a roofline cost per op call, or
+    its FLOPs), see :mod:`~lightning_ckpt_determinism.checkpointing.measure`. With ``budget_cost="calibrated"`` the
+    rates are measured on the model's device in the dtype of its first floating parameter
+    (:mod:`~lightning_ckpt_determinism.checkpointing.calibration`), in this process alone: ranks that plan with this
+    function in a hand-written distributed loop may measure different rates (the strategies agree on them). A
+    candidate that did not run stays checkpointed. A budget
     that cannot be met plans to checkpoint every candidate and warns once with the least figure achievable.
 
     Args:
@@ -213,6 +220,8 @@ def plan_activation_checkpointing(
             " allocated its state; here give bytes ('512MiB') or a fraction (0.5) instead."
         )
     candidates = select_modules(model, config)
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
+    rates = rates_for(config, parameter.device, parameter.dtype)
     added = {name: module for name, module in candidates.items() if not is_checkpointed(module)}
     checkpoint_selected(model, added, config)
     try:
@@ -222,6 +231,7 @@ def plan_activation_checkpointing(
             config.save_ops,
             keep_data_dependent=config.keep_data_dependent,
             ops=config.budget_granularity == "op",
+            rates=rates,
         )
         with meter.measuring():
             closure()
@@ -281,23 +291,28 @@ def plan_from_figures(
         raise CheckpointingConfigError(f"`memory_budget` must be bytes or a fraction here, got {budget!r}.")
     if config.budget_granularity == "op":
         return _op_plan(figures, config, budget_bytes)
-    chosen = choose_checkpointed(figures, budget_bytes)
+    costs = [entry.flops if config.budget_cost == "flops" else entry.cost for entry in figures]
+    chosen = choose_checkpointed(figures, budget_bytes, costs)
     if chosen is None:
         _warn_unmet(figures, budget_bytes)
         chosen = {entry.name for entry in figures}
     kept = sum(entry.checkpointed_bytes if entry.name in chosen else entry.plain_bytes for entry in figures)
-    flops = sum(entry.flops for entry in figures)
-    recomputed = sum(entry.flops for entry in figures if entry.name in chosen)
-    share = recomputed / flops if flops else 0.0
     return CheckpointingPlan(
         config=config,
         candidates=tuple(figures),
         checkpointed=[entry.name for entry in figures if entry.name in chosen],
         kept_bytes=kept,
         budget_bytes=budget_bytes,
-        recomputed_flops_share=share,
-        recompute_share=share,
+        recomputed_flops_share=_share([entry.flops for entry in figures], figures, chosen),
+        recompute_share=_share(costs, figures, chosen),
     )
+
+
+def _share(costs: Sequence[int], figures: Sequence[RegionFigures], chosen: set[str]) -> float:
+    """The share of ``costs`` (one per candidate) that the chosen candidates recompute; 0 when they are all 0."""
+    total = sum(costs)
+    recomputed = sum(cost for cost, entry in zip(costs, figures, strict=True) if entry.name in chosen)
+    return recomputed / total if total else 0.0
 
 
 def _warn_unmet(figures: Sequence[RegionFigures], budget_bytes: int) -> None:
@@ -345,9 +360,11 @@ def _op_plan(figures: Sequence[RegionFigures], config: CheckpointingConfig, budg
     )
 
 
-def choose_checkpointed(figures: Sequence[RegionFigures], budget_bytes: int) -> set[str] | None:
-    """The candidates to checkpoint so that the total kept is at most ``budget_bytes`` with the fewest FLOPs
-    recomputed (then the fewest modules, then the fewest bytes); ``None`` when no choice fits.
+def choose_checkpointed(
+    figures: Sequence[RegionFigures], budget_bytes: int, costs: Sequence[int] | None = None
+) -> set[str] | None:
+    """The candidates to checkpoint so that the total kept is at most ``budget_bytes`` with the least recompute
+    cost (then the fewest modules, then the fewest bytes); ``None`` when no choice fits.
 
     Candidates that did not run are always checkpointed. Candidates with equal figures form a group of which the
     first k in order are checkpointed; the search over the groups' k is exhaustive with bounds, so the choice is exact.
@@ -355,6 +372,7 @@ def choose_checkpointed(figures: Sequence[RegionFigures], budget_bytes: int) -> 
     Args:
         figures: Each candidate's figures, in module order.
         budget_bytes: The most the candidates may keep.
+        costs: Each candidate's recompute cost, in order; their forward FLOPs by default.
 
     Example::
 
@@ -364,11 +382,13 @@ def choose_checkpointed(figures: Sequence[RegionFigures], budget_bytes: int) -> 
     """
     forced = {entry.name for entry in figures if entry.calls == 0}
     groups: dict[tuple[int, int, int], list[str]] = {}
-    for entry in figures:
+    if costs is None:
+        costs = [entry.flops for entry in figures]
+    for entry, cost in zip(figures, costs, strict=True):
         if entry.calls and entry.saving > 0:
-            groups.setdefault((entry.saving, entry.flops, entry.checkpointed_bytes), []).append(entry.name)
+            groups.setdefault((entry.saving, cost, entry.checkpointed_bytes), []).append(entry.name)
     need = sum(entry.plain_bytes for entry in figures) - budget_bytes
-    # Cheapest FLOPs per byte saved first: the bound then finds a good choice early.
+    # Cheapest recompute per byte saved first: the bound then finds a good choice early.
     order = sorted(groups, key=lambda key: (key[1] / key[0], -key[0]))
     counts = _least_recompute([(key[0], key[1], len(groups[key])) for key in order], need)
     if counts is None:
@@ -380,8 +400,8 @@ def choose_checkpointed(figures: Sequence[RegionFigures], budget_bytes: int) -> 
 
 
 def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int] | None:
-    """How many of each group (bytes saved, FLOPs, size) to checkpoint to save at least ``need`` bytes, ordered by
-    (FLOPs, count, -saved); ``None`` if even all of them save less."""
+    """How many of each group (bytes saved, recompute cost, size) to checkpoint to save at least ``need`` bytes,
+    ordered by (cost, count, -saved); ``None`` if even all of them save less."""
     reachable = [0] * (len(groups) + 1)
     for index in range(len(groups) - 1, -1, -1):
         saving, _, size = groups[index]

@@ -16,14 +16,17 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
   and one forward timed per region on a busy device is noise. Its blind spot: it counts matrix products,
   convolutions and CUDA's fused attention only; elementwise ops, norms, softmax and attention on the CPU count 0, so a
   region made only of those looks free to recompute.
+- **Recompute cost**: the sum of the cost of each op call the forward runs (those torch's selective checkpointing
+  sees, ``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out), in the cost model of
+  :mod:`~lightning_ckpt_determinism.checkpointing.cost` at the meter's ``rates``: a roofline cost per op, which counts
+  the memory traffic of elementwise ops, norms and softmax, or the FLOP count alone.
 - **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position among
-  the calls torch's selective checkpointing sees (``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out) and its
-  overload, with the bytes of the storages it allocates and its recompute cost in the roofline model of
-  :mod:`~lightning_ckpt_determinism.checkpointing.cost`. A call whose output aliases a tensor that exists already
+  the calls torch's selective checkpointing sees and its overload, with the bytes of the storages it allocates and
+  its recompute cost. A call whose output aliases a tensor that exists already
   (its schema says so, as for views, in-place and ``out=`` ops, or it shares a storage with the op's arguments or the
   model's state), or that the region keeps anyway
   (``save_ops``, data-dependent outputs), has no bytes of its own to keep: it is listed with 0 bytes and cannot be
-  chosen. The region's ``cost`` is the sum over all its calls. A region called several times adds up each position's
+  chosen. A region called several times adds up each position's
   figures; calls that ran different op sequences leave it without op figures (it is then planned whole).
 
 A region called several times in the step adds up its calls. The meter registers on each region as its saved-tensor
@@ -43,7 +46,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves
-from lightning_ckpt_determinism.checkpointing.cost import op_cost, op_flops
+from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates, op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.determinism_check import Extractor, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
@@ -61,7 +64,7 @@ class OpFigures:
         index: Its position among the region's op calls that selective checkpointing sees.
         op: Its overload, as ``str(func)`` writes it (``"aten.mm.default"``).
         bytes: The bytes of the storages it allocates (0 for views, in-place ops and outputs kept anyway).
-        cost: Its recompute cost, in the byte-equivalents of the roofline model.
+        cost: Its recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs).
         flops: The FLOPs ``torch.utils.flop_counter`` counts for it.
 
     Example::
@@ -88,7 +91,7 @@ class RegionFigures:
             ``keep_data_dependent`` keep.
         flops: Its forward FLOPs, which checkpointing spends again in backward.
         calls: How many times it ran; a region that did not run has only zeros.
-        cost: Its forward's recompute cost in the roofline model (0 unless op calls were measured).
+        cost: Its forward's recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs).
         ops: Its op calls (empty unless measured), which op granularity chooses from.
 
     Example::
@@ -133,6 +136,8 @@ class ActivationMeter:
         save_ops: The config's ``save_ops``, whose outputs a checkpointed region keeps.
         keep_data_dependent: The config's ``keep_data_dependent``.
         ops: Whether to measure each op call too (for ``budget_granularity="op"``).
+        rates: The rates of the roofline cost model
+            (:data:`~lightning_ckpt_determinism.checkpointing.cost.ROOFLINE` by default); ``None`` for the FLOP count.
 
     Example::
 
@@ -155,9 +160,11 @@ class ActivationMeter:
         *,
         keep_data_dependent: bool = True,
         ops: bool = False,
+        rates: Rates | None = ROOFLINE,
     ) -> None:
         self._regions = dict(regions)
         self._ops = ops
+        self._rates = rates
         self._state = _state_storages(model)
         self._save_ops = frozenset(resolve_ops(list(save_ops)))
         self._keep = keep_data_dependent
@@ -221,7 +228,7 @@ class _RegionMeter:
         # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
         state = _state_storages(module)
         calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
-        kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, calls)
+        kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, self._meter._rates, calls)
         flops = FlopCounterMode(display=False)
         inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
         self._saved = []
@@ -232,8 +239,8 @@ class _RegionMeter:
         tally.plain += self._meter.activation_bytes(self._saved, state)
         tally.checkpointed += inputs_bytes + self._meter.activation_bytes(kept.outputs)
         tally.flops += int(flops.get_total_flops())
+        tally.cost += kept.cost
         if calls is not None:
-            tally.cost += sum(call.cost for call in calls.figures)
             tally.ops = _added(tally.ops, calls.figures) if tally.calls > 1 else calls.figures
         self._saved = []
 
@@ -277,9 +284,7 @@ class _OpCalls:
         self.figures: list[OpFigures] = []
         self._state = state
 
-    def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool) -> None:
-        if func in SAC_IGNORED_OPS:
-            return
+    def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool, cost: int) -> None:
         tensors = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         fresh = _storages(tensors)
         # An output of its own: no alias in the op's schema (views, in-place and out= ops have one), and no storage
@@ -289,8 +294,7 @@ class _OpCalls:
         whole = len(fresh) == len({*map(_storage_of, tensors)})
         own = bool(tensors) and whole and not aliases and not shared
         size = sum(fresh.values()) if own and not kept else 0
-        cost, flops = op_cost(func, args, kwargs, out), op_flops(func, args, kwargs, out)
-        self.figures.append(OpFigures(len(self.figures), str(func), size, cost, flops))
+        self.figures.append(OpFigures(len(self.figures), str(func), size, cost, op_flops(func, args, kwargs, out)))
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:
@@ -311,15 +315,20 @@ def _storages(values: Sequence[Any]) -> dict[int | None, int]:
 
 class _KeptOps(TorchDispatchMode):
     """Notes the outputs a checkpointed region keeps from its forward: ``save_ops``, and data-dependent outputs by
-    ``keep_data_dependent``'s size rule; and, when given ``calls``, each op call."""
+    ``keep_data_dependent``'s size rule; adds up the op calls' recompute cost at ``rates``; and, when given
+    ``calls``, notes each op call."""
 
-    def __init__(self, save_ops: frozenset[Any], keep: bool, limit: Any, calls: _OpCalls | None = None) -> None:
+    def __init__(
+        self, save_ops: frozenset[Any], keep: bool, limit: Any, rates: Rates | None, calls: _OpCalls | None = None
+    ) -> None:
         super().__init__()
         self._save_ops = save_ops
         self._keep = keep
         self._limit = limit
+        self._rates = rates
         self._calls = calls
         self.outputs: list[Any] = []
+        self.cost = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -328,6 +337,9 @@ class _KeptOps(TorchDispatchMode):
         )
         if kept:
             self.outputs.extend(tree_leaves(out))
-        if self._calls is not None:
-            self._calls.note(func, args, kwargs or {}, out, kept)
+        if func not in SAC_IGNORED_OPS:
+            cost = op_cost(func, args, kwargs or {}, out, self._rates)
+            self.cost += cost
+            if self._calls is not None:
+                self._calls.note(func, args, kwargs or {}, out, kept, cost)
         return out

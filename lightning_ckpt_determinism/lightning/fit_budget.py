@@ -7,7 +7,9 @@ recomputes its regions out of the meter's sight, and compiles from the second ba
 budget costs it no recompile. When the second batch starts, each rank's figures are reduced by their maximum through
 the strategy, so that every rank (DDP, FSDP, tensor parallelism) plans from the same figures and applies the same
 plan, before any forward of that batch: the candidates the plan leaves plain are made plain. Rank zero logs the plan
-in one line. The plan holds for batches like the measured one: a later batch whose tensors are more than 10 % larger
+in one line. With ``budget_cost="calibrated"``, each rank calibrates its device's two rates when the first batch
+starts, and the rates are reduced to their minimum through the strategy before the batch is measured, so that the
+ranks' recompute costs, and so their plans, agree. The plan holds for batches like the measured one: a later batch whose tensors are more than 10 % larger
 (from which the regions' inputs are computed) is said once.
 """
 
@@ -23,6 +25,8 @@ from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import tree_leaves
 from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, plan_from_figures
+from lightning_ckpt_determinism.checkpointing.calibration import rates_for
+from lightning_ckpt_determinism.checkpointing.cost import Rates
 from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, OpFigures, RegionFigures
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls, remove_activation_checkpointing
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -87,6 +91,7 @@ class BudgetedCheckpointing:
                 config.save_ops,
                 keep_data_dependent=config.keep_data_dependent,
                 ops=config.budget_granularity == "op",
+                rates=_agreed_rates(strategy, root, config),
             )
             self._measured_batch_bytes = _tensor_bytes(batch)
             if config.memory_budget == "auto":
@@ -178,6 +183,29 @@ def auto_budget(
     kept = sum(entry.checkpointed_bytes for entry in figures)
     others = max(0, step_peak_bytes - kept)
     return max(0, math.floor(free_bytes * (1.0 - margin)) - others)
+
+
+def _agreed_rates(strategy: Any, root: nn.Module, config: CheckpointingConfig) -> Rates | None:
+    """The rates ``config.budget_cost`` names; calibrated ones are each rank's own, reduced to the least over ranks
+    (one collective on several processes), on every rank alike."""
+    rates = rates_for(config, strategy.root_device, _compute_dtype(strategy, root))
+    if config.budget_cost != "calibrated" or rates is None:
+        return rates
+    local = torch.tensor([-rates.flop_rate, -rates.bandwidth], dtype=torch.float64, device=strategy.root_device)
+    least = all_reduce(strategy)(local, "max").tolist()
+    return Rates(flop_rate=-least[0], bandwidth=-least[1])
+
+
+def _compute_dtype(strategy: Any, root: nn.Module) -> torch.dtype:
+    """The dtype matrix products run in: the precision plugin's 16-bit type under mixed or true 16-bit precision,
+    else the dtype of the first floating parameter."""
+    precision = str(getattr(getattr(strategy, "precision_plugin", None), "precision", ""))
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    parameter = next((p for p in root.parameters() if p.is_floating_point()), None)
+    return parameter.dtype if parameter is not None else torch.float32
 
 
 def _tensor_bytes(batch: Any) -> int:
