@@ -2,9 +2,9 @@
 ranks' calibrations give different rates on purpose, and a plain DDP fit beside it.
 
 Run by ``tests/test_budget_cost.py``, which starts both ranks itself (see ``tests/distributed_budget_script.py``).
-Usage: ``python tests/distributed_calibrated_budget_script.py OUT_DIR``. Each rank writes ``OUT_DIR/rank{N}.json``,
-per granularity: the plan it applied, the plans plain PyTorch gives on the largest rank's batch at the rank's own rates and at the
-least rates, which blocks each step checkpointed, and whether the trained weights equal the plain fit's.
+Usage: ``python tests/distributed_calibrated_budget_script.py OUT_DIR``. Each rank writes ``OUT_DIR/rank{N}.json``, per
+granularity: the plan it applied, the plans plain PyTorch gives on the largest rank's batch at the rank's own rates and
+at the least rates, which blocks each step checkpointed, and whether the trained weights equal the plain fit's.
 """
 
 import json
@@ -85,7 +85,9 @@ def main(out_dir: Path) -> None:
         saved = {name.removeprefix("model."): [list(call) for call in calls] for name, calls in plan.saved_ops.items()}
         found[granularity] = {
             "plan": [checkpointed, saved],
-            "figures": [[entry.cost, [[op.index, op.op, op.bytes, op.cost] for op in entry.ops]] for entry in plan.candidates],
+            "figures": [
+                [entry.cost, [[op.index, op.op, op.bytes, op.cost] for op in entry.ops]] for entry in plan.candidates
+            ],
             "own_plan": _own_plan(RATES[rank], granularity),
             "least_plan": _own_plan(LEAST, granularity),
             "steps": module.checkpointed,

@@ -4,8 +4,8 @@ by hand; the calibration measures positive rates, once; ranks that calibrate dif
 import itertools
 import json
 import math
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +63,7 @@ def _module_brute_force(figures: Figures, budget: int) -> int:
 
 
 @pytest.mark.parametrize("fraction", [0.4, 0.6, 0.85])
-def test_flops_plans_the_brute_force_optimum_of_a_flop_only_cost_where_elementwise_ops_are_free(fraction: float) -> None:
+def test_flops_plans_the_brute_force_optimum_of_a_flop_only_cost_elementwise_ops_free(fraction: float) -> None:
     own = _own_measurement(_small(), flops_per_byte=None)
     plan = _plan(_small(), fraction, cost="flops")
     cost, kept = _cost_and_bytes(plan, own)
@@ -138,7 +138,7 @@ def test_the_roofline_cost_is_the_larger_of_the_two_times_in_byte_equivalents() 
     assert op_cost(mm, (a, b), {}, a @ b, Rates(1e12, 1e12)) == flops
     assert op_cost(mm, (a, b), {}, a @ b, None) == flops
     assert roofline_cost(101, 0, Rates(2.0, 1.0)) == 51
-    assert ROOFLINE == Rates(100e12, 2e12)
+    assert Rates(100e12, 2e12) == ROOFLINE
 
 
 def test_the_calibration_measures_positive_finite_rates_once_per_device() -> None:

@@ -178,6 +178,7 @@ BOTH_ROUTES = [
     ("checkpointing", "determinism_check", "strict"),
     ("checkpointing", "memory_budget", "lots"),
     ("checkpointing", "budget_granularity", "layer"),
+    ("checkpointing", "budget_cost", "fast"),
     ("checkpointing", "save_ops", ["aten.nosuchop"]),
     ("monitor", "every_n_steps", 0),
     ("monitor", "tolerance", -1),

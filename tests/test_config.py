@@ -427,6 +427,55 @@ def test_bad_budget_granularities_are_one_line_errors_naming_the_field(kwargs: d
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("cost", ["roofline", "calibrated", "flops"])
+def test_lightning_cli_yaml_and_python_take_each_budget_cost(
+    cost: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setattr(sys, "argv", ["examples/train.py"])
+    config = yaml.safe_load(GPT_CONFIG.read_text())
+    checkpointing = config["trainer"]["strategy"]["init_args"]["checkpointing"]
+    checkpointing.update(memory_budget="50%", budget_cost=cost)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = CheckpointingCLI(subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(path)], run=False)
+    from_yaml = cli.trainer.strategy.checkpointing
+    from_python = CheckpointingConfig(classes=from_yaml.classes, memory_budget="50%", budget_cost=cost)  # type: ignore[arg-type]
+    assert from_yaml.budget_cost == from_python.budget_cost == cost
+    assert from_yaml == from_python
+    assert pickle.loads(pickle.dumps(from_python)) == from_python
+
+
+def test_budget_cost_defaults_to_roofline_and_its_type_lists_the_choices() -> None:
+    assert CheckpointingConfig(classes=["Block"]).budget_cost == "roofline"
+    fields = {field.name: field.type for field in dataclasses.fields(CheckpointingConfig)}
+    assert typing.get_args(fields["budget_cost"]) == config_module.BUDGET_COSTS == ("roofline", "calibrated", "flops")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"budget_cost": "fast", "memory_budget": "50%"},
+            r"^`budget_cost` can be roofline, calibrated, flops, got 'fast'\.$",
+        ),
+        (
+            {"budget_cost": None, "memory_budget": "50%"},
+            r"^`budget_cost` can be roofline, calibrated, flops, got None\.$",
+        ),
+        (
+            {"budget_cost": "flops"},
+            r"^`budget_cost`='flops' is the recompute cost a memory budget minimises; set `memory_budget`"
+            r" \(e\.g\. '50%'\) or leave `budget_cost` at 'roofline'\.$",
+        ),
+    ],
+)
+def test_bad_budget_costs_are_one_line_errors_naming_the_field(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointingConfigError, match=message) as raised:
+        CheckpointingConfig(classes=["Block"], **kwargs)  # type: ignore[arg-type]
+    assert "\n" not in str(raised.value)
+
+
 # Classes given as objects.
 
 

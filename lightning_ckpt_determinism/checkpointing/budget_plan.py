@@ -1,21 +1,20 @@
 """A memory budget: which of the matched modules to checkpoint, measured on the model, with the least recomputation.
 
-:func:`plan_activation_checkpointing` runs one step with every candidate (every module the config matches)
-checkpointed, measures each with :class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter` (bytes kept
-with and without checkpointing, forward FLOPs, recompute cost), and chooses exactly: the set to checkpoint keeps the
-candidates' total within the budget with the least recompute cost, in the model ``budget_cost`` names: a roofline cost
-per op call at fixed rates (the default) or at rates calibrated on the device, or the FLOP count alone
-(:mod:`~lightning_ckpt_determinism.checkpointing.cost`). Identical blocks measure
-alike and form one group, whose choice is how many of them to checkpoint (the first ones in module order); the groups
-are searched branch and bound, which is exact and quick for the handful of distinct regions real models have. A tie in
-cost (FLOPs are 0 for regions made only of elementwise ops and norms) goes to fewer checkpointed modules, then to
-fewer bytes kept. A candidate whose checkpointing would keep more than it saves stays plain.
+:func:`plan_activation_checkpointing` runs one step with every candidate (every module the config matches) checkpointed,
+measures each with :class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter` (bytes kept with and
+without checkpointing, forward FLOPs, recompute cost), and chooses exactly: the set to checkpoint keeps the candidates'
+total within the budget with the least recompute cost, in the model ``budget_cost`` names: a roofline cost per op call
+at fixed rates (the default) or at rates calibrated on the device, or the FLOP count alone
+(:mod:`~lightning_ckpt_determinism.checkpointing.cost`). Identical blocks measure alike and form one group, whose choice
+is how many of them to checkpoint (the first ones in module order); the groups are searched branch and bound, which is
+exact and quick for the handful of distinct regions real models have. A tie in cost (with ``budget_cost="flops"``, regions
+made only of elementwise ops and norms cost 0) goes to fewer checkpointed modules, then to fewer bytes kept. A candidate whose
+checkpointing would keep more than it saves stays plain.
 
 With ``budget_granularity="op"`` the meter also measures each op call of each candidate (bytes it allocates, recompute
-cost), and the choice is, per candidate,
-plain or checkpointed keeping a chosen set of its op outputs, exactly, with the least recompute cost
-(:mod:`~lightning_ckpt_determinism.checkpointing.op_choice`); :attr:`CheckpointingPlan.saved_ops` lists the kept
-calls and :meth:`CheckpointingPlan.apply` hands them to each region's selective-checkpointing policy.
+cost), and the choice is, per candidate, plain or checkpointed keeping a chosen set of its op outputs, exactly, with the
+least recompute cost (:mod:`~lightning_ckpt_determinism.checkpointing.op_choice`); :attr:`CheckpointingPlan.saved_ops`
+lists the kept calls and :meth:`CheckpointingPlan.apply` hands them to each region's selective-checkpointing policy.
 
 The plan holds for batches like the measured one: bytes scale with the batch, so a larger batch keeps more.
 """

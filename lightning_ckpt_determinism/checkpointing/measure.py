@@ -20,14 +20,13 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
   sees, ``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out), in the cost model of
   :mod:`~lightning_ckpt_determinism.checkpointing.cost` at the meter's ``rates``: a roofline cost per op, which counts
   the memory traffic of elementwise ops, norms and softmax, or the FLOP count alone.
-- **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position among
-  the calls torch's selective checkpointing sees and its overload, with the bytes of the storages it allocates and
-  its recompute cost. A call whose output aliases a tensor that exists already
-  (its schema says so, as for views, in-place and ``out=`` ops, or it shares a storage with the op's arguments or the
-  model's state), or that the region keeps anyway
-  (``save_ops``, data-dependent outputs), has no bytes of its own to keep: it is listed with 0 bytes and cannot be
-  chosen. A region called several times adds up each position's
-  figures; calls that ran different op sequences leave it without op figures (it is then planned whole).
+- **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position
+  among the calls torch's selective checkpointing sees and its overload, with the bytes of the storages it allocates and
+  its recompute cost. A call whose output aliases a tensor that exists already (its schema says so, as for views,
+  in-place and ``out=`` ops, or it shares a storage with the op's arguments or the model's state), or that the region
+  keeps anyway (``save_ops``, data-dependent outputs), has no bytes of its own to keep: it is listed with 0 bytes and
+  cannot be chosen. A region called several times adds up each position's figures; calls that ran different op sequences
+  leave it without op figures (it is then planned whole).
 
 A region called several times in the step adds up its calls. The meter registers on each region as its saved-tensor
 observer and hands every tensor on to the observer registered there before (the monitor's sentinel), so both see the

@@ -1,16 +1,16 @@
 """A ``memory_budget`` under a strategy: the first training batch measures, the second one on runs the plan.
 
 Every candidate the strategy checkpointed is measured while the first training batch runs
-(:class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter`), in eager mode: a compiled model runs
-that batch uncompiled (``torch.compiler.set_stance("force_eager")``, for that batch only), since the compiler
-recomputes its regions out of the meter's sight, and compiles from the second batch on, with the plan in place, so the
-budget costs it no recompile. When the second batch starts, each rank's figures are reduced by their maximum through
-the strategy, so that every rank (DDP, FSDP, tensor parallelism) plans from the same figures and applies the same
-plan, before any forward of that batch: the candidates the plan leaves plain are made plain. Rank zero logs the plan
-in one line. With ``budget_cost="calibrated"``, each rank calibrates its device's two rates when the first batch
-starts, and the rates are reduced to their minimum through the strategy before the batch is measured, so that the
-ranks' recompute costs, and so their plans, agree. The plan holds for batches like the measured one: a later batch whose tensors are more than 10 % larger
-(from which the regions' inputs are computed) is said once.
+(:class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter`), in eager mode: a compiled model runs that
+batch uncompiled (``torch.compiler.set_stance("force_eager")``, for that batch only), since the compiler recomputes its
+regions out of the meter's sight, and compiles from the second batch on, with the plan in place, so the budget costs it
+no recompile. When the second batch starts, each rank's figures are reduced by their maximum through the strategy, so
+that every rank (DDP, FSDP, tensor parallelism) plans from the same figures and applies the same plan, before any
+forward of that batch: the candidates the plan leaves plain are made plain. Rank zero logs the plan in one line. With
+``budget_cost="calibrated"``, each rank calibrates its device's two rates when the first batch starts, and the rates are
+reduced to their minimum through the strategy before the batch is measured, so that the ranks' recompute costs, and so
+their plans, agree. The plan holds for batches like the measured one: a later batch whose tensors are more than 10 %
+larger (from which the regions' inputs are computed) is said once.
 """
 
 import contextlib
