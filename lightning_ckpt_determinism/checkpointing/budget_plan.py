@@ -73,7 +73,7 @@ class CheckpointingPlan:
     Example::
 
         >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=100)
-        >>> figures = [RegionFigures("0", 80, 10, 5, 1), RegionFigures("1", 80, 10, 1, 1)]
+        >>> figures = [RegionFigures("0", 80, 10, 5, 1, cost=50), RegionFigures("1", 80, 10, 1, 1, cost=10)]
         >>> plan = plan_from_figures(figures, config)
         >>> plan.checkpointed, plan.kept_bytes
         (['1'], 90)

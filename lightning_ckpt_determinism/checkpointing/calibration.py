@@ -1,15 +1,17 @@
 """The two rates of the roofline cost model measured on the device: ``budget_cost="calibrated"``.
 
-:func:`measure_rates` times a square matrix product (the FLOP rate: ``2 n³`` FLOPs over its time) and a copy of a
-large tensor (the memory bandwidth: the bytes read plus the bytes written over its time) on the device, in the dtype
-the model computes in, each the best of a few repeats after a warm-up run, so that a cold cache or a passing
-interruption does not count. It takes a few milliseconds on a GPU (a 4096² product, a 256 MiB copy) and some tens on
-a CPU (512², 32 MiB). The rates are measured once per device and dtype in a process, and the process keeps them
-(:func:`measure_rates` is cached; ``measure_rates.cache_clear()`` measures again).
+:func:`measure_rates` times a square matrix product (the FLOP rate: ``2 n³`` FLOPs over its time) and a copy of a large
+tensor (the memory bandwidth: the bytes read plus the bytes written over its time) on the device, in the dtype the model
+computes in, each the best of a few repeats after a warm-up run, so that a cold cache or a passing interruption does not
+count. On a GPU it runs a 4096² product and a 256 MiB copy (tens of milliseconds at most, from the sizes; not timed
+yet), on a CPU 512² and 32 MiB (0.03 to 0.2 s on a shared 2-core machine). The rates are measured once per device and
+dtype in a process, and the process keeps them (:func:`measure_rates` is cached; ``measure_rates.cache_clear()``
+measures again).
 
-Timings are noise: two runs, or two ranks, measure somewhat different rates, and so may plan differently. Under a
-strategy the ranks' rates are reduced to their minimum before planning, so that every rank plans alike; a run with
-``budget_cost="roofline"`` (fixed rates) plans the same on every run and machine.
+Timings are noise: two runs, or two ranks, measure different rates (three runs on a shared 2-core CPU measured 17 to 196
+GFLOP/s), and so may plan differently. Under a strategy the ranks' rates are reduced to their minimum before planning,
+so that every rank plans alike; a run with ``budget_cost="roofline"`` (fixed rates) plans the same on every run and
+machine.
 
 Example::
 
@@ -27,12 +29,12 @@ import torch
 from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates
 from lightning_ckpt_determinism.config import CheckpointingConfig
 
-__all__ = ["REPEATS", "measure_rates", "rates_for"]
+__all__ = ["measure_rates", "rates_for"]
 
-REPEATS = 5
+_REPEATS = 5
 """How many timed runs each measurement takes the best of."""
 
-# (matrix side, bytes copied) per device type: a few milliseconds on a GPU, some tens on a CPU.
+# (matrix side, bytes copied) per device type: large enough to reach a GPU's rates, small enough for a CPU.
 _SIZES = {"cuda": (4096, 256 * 2**20)}
 _OTHER_SIZES = (512, 32 * 2**20)
 
@@ -86,10 +88,10 @@ def rates_for(config: CheckpointingConfig, device: torch.device, dtype: torch.dt
 
 
 def _best_time(device: torch.device, run: Callable[[], object]) -> float:
-    """The least of :data:`REPEATS` timings of ``run`` on ``device`` in seconds, after one untimed warm-up run."""
+    """The least of ``_REPEATS`` timings of ``run`` on ``device`` in seconds, after one untimed warm-up run."""
     run()
     best = float("inf")
-    for _ in range(REPEATS):
+    for _ in range(_REPEATS):
         _synchronize(device)
         start = time.perf_counter()
         run()
