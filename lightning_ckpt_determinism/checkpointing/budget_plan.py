@@ -7,9 +7,9 @@ total within the budget with the least recompute cost, in the model ``budget_cos
 at fixed rates (the default) or at rates calibrated on the device, or the FLOP count alone
 (:mod:`~lightning_ckpt_determinism.checkpointing.cost`). Identical blocks measure alike and form one group, whose choice
 is how many of them to checkpoint (the first ones in module order); the groups are searched branch and bound, which is
-exact and quick for the handful of distinct regions real models have. A tie in cost (with ``budget_cost="flops"``, regions
-made only of elementwise ops and norms cost 0) goes to fewer checkpointed modules, then to fewer bytes kept. A candidate whose
-checkpointing would keep more than it saves stays plain.
+exact and quick for the handful of distinct regions real models have. A tie in cost (with ``budget_cost="flops"``,
+regions made only of elementwise ops and norms cost 0) goes to fewer checkpointed modules, then to fewer bytes kept. A
+candidate whose checkpointing would keep more than it saves stays plain.
 
 With ``budget_granularity="op"`` the meter also measures each op call of each candidate (bytes it allocates, recompute
 cost), and the choice is, per candidate, plain or checkpointed keeping a chosen set of its op outputs, exactly, with the
