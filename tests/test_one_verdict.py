@@ -24,7 +24,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
 )
 from lightning_ckpt_determinism.verify.core import blame, step_cause, with_attribution
-from lightning_ckpt_determinism.verify.reports import attribute_hint
+from lightning_ckpt_determinism.verify.reports import attribute_hint, buffer_hint
 
 DIM = 16
 DEFECTIVE = 1
@@ -45,13 +45,14 @@ ONE_ENGINE = {
 CAUSES = [cause for cause in Cause if cause.value in DEFECTIVE_BLOCKS and cause not in ONE_ENGINE]
 
 
-def _config(cause: Cause) -> CheckpointingConfig:
-    return CheckpointingConfig(classes=["Block"], **SETTINGS.get(cause, {}))
+def _config(cause: Cause | None) -> CheckpointingConfig:
+    return CheckpointingConfig(classes=["Block"], **SETTINGS.get(cause, {}) if cause is not None else {})
 
 
-def _model(cause: Cause) -> BrokenModule:
+def _model(cause: Cause | None) -> BrokenModule:
+    # `None`: the zoo's standard blocks only.
     torch.manual_seed(0)
-    return BrokenModule(defect=cause.value, blocks=3, defective_block=DEFECTIVE, dim=DIM)
+    return BrokenModule(defect=None if cause is None else cause.value, blocks=3, defective_block=DEFECTIVE, dim=DIM)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +65,11 @@ def _seed_host_rng() -> None:
     torch.manual_seed(3)
 
 
-def _two_pass(cause: Cause, attribution: bool = True) -> RecomputationReport:
+def _two_pass(
+    cause: Cause | None, attribution: bool = True, config: CheckpointingConfig | None = None
+) -> RecomputationReport:
     model = _model(cause)
-    apply_activation_checkpointing(model, _config(cause))
+    apply_activation_checkpointing(model, config or _config(cause))
     x, y = _batch()
     _seed_host_rng()
 
@@ -81,7 +84,9 @@ def _two_pass(cause: Cause, attribution: bool = True) -> RecomputationReport:
 
 
 def _monitored(
-    cause: Cause, attribution: Literal["on_divergence", "always", "never"] = "on_divergence"
+    cause: Cause | None,
+    attribution: Literal["on_divergence", "always", "never"] = "on_divergence",
+    config: CheckpointingConfig | None = None,
 ) -> RecomputationReport:
     model = _model(cause)
     monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off", attribution=attribution)
@@ -90,7 +95,7 @@ def _monitored(
         max_steps=2 if cause == Cause.PARAMETER_WRITE else 1,
         accelerator="cpu",
         devices=1,
-        strategy=SingleDeviceCheckpointingStrategy(checkpointing=_config(cause)),
+        strategy=SingleDeviceCheckpointingStrategy(checkpointing=config or _config(cause)),
         callbacks=[monitor],
         logger=False,
         enable_checkpointing=False,
@@ -139,6 +144,50 @@ def test_with_attribution_off_both_engines_give_the_step_its_attribute_mutation(
     assert found == [expected, expected]
     # The gradients are exact: the attribute is the whole finding.
     assert (two_pass.grad_divergence, monitored.grad_divergence) == (0.0, 0.0)
+
+
+def test_with_attribution_off_both_engines_give_the_step_its_buffer_mutation() -> None:
+    # Ground truth: block 1's BatchNorm, its buffers not protected, updates its statistics again when recomputed;
+    # without attribution no region report places the buffers, so the step carries the cause.
+    two_pass = _two_pass(Cause.BUFFER_MUTATION, attribution=False)
+    monitored = _monitored(Cause.BUFFER_MUTATION, attribution="never")
+    found = [
+        (report.diverged, report.cause, report.hint, report.buffer_mutations, report.regions, blame(report))
+        for report in (two_pass, monitored)
+    ]
+    buffers = [f"blocks.{DEFECTIVE}.norm.{name}" for name, _ in torch.nn.BatchNorm1d(DIM).named_buffers()]
+    expected = (True, Cause.BUFFER_MUTATION, buffer_hint(buffers), buffers, [], (Cause.BUFFER_MUTATION, None))
+    assert found == [expected, expected]
+    # The gradients are exact: the buffers are the whole finding.
+    assert (two_pass.grad_divergence, monitored.grad_divergence) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("cause", "config"),
+    [
+        # BatchNorm in training mode inside every region, its buffers protected (the default).
+        (Cause.BUFFER_MUTATION, CheckpointingConfig(classes=["Block"])),
+        # The same BatchNorm outside the regions, buffers not protected: nothing recomputes it.
+        (Cause.BUFFER_MUTATION, CheckpointingConfig(names=["blocks.0", "blocks.2"], protect_buffers=False)),
+        # The zoo's standard blocks, with and without protected buffers.
+        (None, CheckpointingConfig(classes=["Block"])),
+        (None, CheckpointingConfig(classes=["Block"], protect_buffers=False)),
+    ],
+    ids=["batchnorm-protected", "batchnorm-outside-unprotected", "standard-protected", "standard-unprotected"],
+)
+def test_a_standard_layer_gives_no_buffer_mutation_through_either_engine(
+    cause: Cause | None, config: CheckpointingConfig
+) -> None:
+    # Ground truth: each pass updates every buffer once, as a step without checkpointing does.
+    reports = [
+        _two_pass(cause, attribution=False, config=config),
+        _two_pass(cause, attribution=True, config=config),
+        _monitored(cause, attribution="never", config=config),
+        _monitored(cause, config=config),
+    ]
+    found = [(report.diverged, report.cause, report.buffer_mutations, report.grad_divergence) for report in reports]
+    assert found == [(False, None, [], 0.0)] * len(reports)
+    assert not [region.name for report in reports for region in report.regions if region.buffer_mutations]
 
 
 def test_only_the_step_causes_blame_the_step() -> None:

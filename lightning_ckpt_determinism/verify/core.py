@@ -273,8 +273,9 @@ class StepEvidence:
         step_cause: A cause of the whole step found already (a compiled step's: the compiler's recomputation, or
             kernels that differ run to run).
         forward_writes: Parameters a region's forward wrote that the check did not put back (attribution).
-        step_buffers: Buffers that differ after the passes where no region report places them (the live engine
-            compares the whole step's; a placeholder names another rank's); empty when they agree.
+        step_buffers: Buffers that differ after the passes where no region report places them (both engines
+            compare every buffer after the checked pass with its value after the reference pass; a placeholder of
+            the live engine names another rank's); empty when they agree.
         step_attributes: Region attributes that differ likewise.
     """
 

@@ -219,8 +219,9 @@ class RecomputationReport:
             checkpointed pass failed or produced a non-finite value the reference did not.
         max_abs_diff: Largest absolute difference of any gradient element.
         diverged: Whether ``grad_divergence`` exceeds both the tolerance and the noise floor, or the checkpointed
-            pass raised, or state that changes no gradient differs where no region report places it (``cause``
-            says which). Buffer mutations found with attribution show in ``regions`` and ``buffer_mutations``.
+            pass raised, or state that changes no gradient (buffers, attributes) differs where no region report
+            places it (``cause`` says which). Buffer mutations that ``check_recomputation``'s attribution places in
+            a region show in ``regions`` and ``buffer_mutations`` without making the step diverge.
         tolerance: The tolerance the verdict used.
         per_parameter: Largest absolute gradient difference for each parameter, by parameter name.
         worst_parameters: The parameters with the largest differences, worst first (at most five, only those
@@ -234,8 +235,10 @@ class RecomputationReport:
             non-deterministic kernels alone produce, with a margin; ``0.0`` otherwise.
         regions: With ``attribution``, one :class:`RegionReport` per checkpointed region in module order: where
             recomputation differed from the forward, at which op, and why; empty otherwise.
-        buffer_mutations: With ``attribution``, the names of the buffers recomputation changed (relative to the
-            checked module), whether or not that changed a gradient.
+        buffer_mutations: The names of the buffers recomputation changed (relative to the checked module),
+            whether or not that changed a gradient: those that ended the checked (live or checkpointed) pass
+            otherwise than the reference pass, and with ``attribution`` those a region's recomputation changed from
+            its forward's values (see ``regions``).
         attribute_mutations: The names of the plain Python attributes of the modules inside checkpointed regions
             (relative to the checked module) that ended the checkpointed step otherwise than the reference pass: a
             forward's side effect that recomputation repeats (a list appended to), which the package does not replay.
@@ -247,10 +250,10 @@ class RecomputationReport:
             ``"compiler_recompute"`` when the divergence repeats from the same state (the compiler's recomputation
             differs, where no eager comparison can see it; the regions whose compiled backward graphs redraw a random
             op instead of replaying the forward's draw get this cause in ``regions`` too), or
-            ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. From the live
-            step's check: ``"buffer_mutation"`` when the gradients agree but buffers differ from the reference's
-            (``buffer_mutations`` names them). From either check: ``"attribute_mutation"`` when the gradients agree
-            but attributes differ and no region report places them (without attribution);
+            ``"nondeterministic_kernel"`` when the compiled passes differ from themselves run to run. From either
+            check: ``"buffer_mutation"`` when the gradients agree but buffers differ from the reference's and no
+            region report places them (without attribution; ``buffer_mutations`` names them), else
+            ``"attribute_mutation"`` when attributes do;
             ``"outside_state"`` when the gradients diverged and the reference pass's loss differs from the
             checkpointed one, which recomputation cannot explain (the forward ran before anything was recomputed); no
             region is then counted as diverged. ``None`` otherwise.

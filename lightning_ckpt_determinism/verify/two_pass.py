@@ -86,6 +86,12 @@ def check_recomputation(
     instead of replaying its forward's draw: those regions get the cause, with a hint naming the op. Inductor and
     the ``aot_autograd`` backends (``aot_eager`` ...) are scanned; with another backend no region is named.
 
+    After the checkpointed pass every buffer is compared with its value after the reference pass (one
+    ``torch.equal`` each), as the live step's check compares them: a buffer that recomputation updated a second time
+    (BatchNorm with ``protect_buffers=False``) is named in ``buffer_mutations`` even where the gradients are exact.
+    Without attribution it makes the step diverge with cause ``"buffer_mutation"``; with attribution, the region
+    report that places it names it instead, and the step diverges only where one is not placed.
+
     An exception raised by the checkpointed pass (torch's ``CheckpointError`` when a recomputed shape differs,
     for example) is reported as a divergence; one raised by the reference pass is re-raised, since it is not
     about recomputation. A check that finds nothing to compare (no gradient reached any parameter, or the
@@ -106,7 +112,8 @@ def check_recomputation(
         closure: Computes and returns a scalar loss from ``module``.
         tolerance: Largest ``grad_divergence`` (relative L2) that still counts as equal.
         attribution: Compare, op by op, every tensor each checkpointed region recomputes with the one its forward
-            produced, and fill ``regions`` and ``buffer_mutations`` with where and why they differ.
+            produced, and fill ``regions`` with where and why they differ (a region whose recomputation changed its
+            buffers names them in its report).
         calibrate_noise: Run the reference pass twice and take twice their divergence as the noise floor: the
             verdict then asks for a divergence above both ``tolerance`` and the noise floor, so that
             non-deterministic kernels (GPU atomics) are not reported as recomputation bugs. Python state that a
@@ -223,6 +230,7 @@ def _compare(
     observer = Attribution(passes.module) if attribution else None
     # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
+    changed_buffers = passes.changed_buffers()
     attributes = passes.changed_attributes()
     not_restored = passes.scope.unrestored()
     eager_diverged = (
@@ -245,6 +253,9 @@ def _compare(
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
     placed = {name for region in regions for name in region.attribute_mutations}
+    # Buffers that differ and no region report places (all of them without attribution) are the step's, as in
+    # the live engine.
+    step_buffers = _unplaced_buffers(changed_buffers, regions)
     evidence = StepEvidence(
         gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
@@ -257,6 +268,7 @@ def _compare(
         # Without attribution no region report places the attributes that differ: they are the step's, as in the
         # live engine.
         step_attributes=[name for name in attributes if name not in placed],
+        step_buffers=step_buffers,
     )
     return step_report(
         evidence,
@@ -265,9 +277,16 @@ def _compare(
         per_parameter=verdict.per_parameter,
         error=verdict.error,
         tolerance=tolerance,
-        buffer_mutations=buffers,
+        buffer_mutations=buffers + step_buffers,
         attribute_mutations=attributes,
     )
+
+
+def _unplaced_buffers(changed: list[str], regions: list[RegionReport]) -> list[str]:
+    """The buffers in ``changed`` (as the module names them) that no region report names among its
+    ``buffer_mutations`` (as configs name them, a root region's with a leading dot)."""
+    placed = {name.lstrip(".") for region in regions for name in region.buffer_mutations}
+    return [name for name in changed if region_name(name) not in placed]
 
 
 def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list[RegionReport]:
@@ -362,6 +381,14 @@ class _Passes:
         if self._after_reference is None:
             self._after_reference = StepState(self.module)
         return taken
+
+    def changed_buffers(self) -> list[str]:
+        """The buffers that now differ from their values after the first reference pass, as the live engine
+        compares them (call it right after a checkpointed pass): recomputation that updates a buffer a second time
+        (BatchNorm without ``protect_buffers``) changes no gradient but shows here."""
+        if self._after_reference is None:
+            return []
+        return self._after_reference.differing_buffers()
 
     def changed_attributes(self) -> list[str]:
         """The plain attributes of the modules inside regions that now differ from their values after the first
