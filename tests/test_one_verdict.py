@@ -117,6 +117,12 @@ def test_both_engines_blame_the_defect_with_the_same_cause_and_region(cause: Cau
     monitored = _monitored(cause)
     assert blame(two_pass) == expected
     assert blame(monitored) == expected
+    # The same report-level verdict: a state change the twin would not have is a divergence in both engines.
+    assert (two_pass.diverged, two_pass.cause, two_pass.buffer_mutations) == (
+        monitored.diverged,
+        monitored.cause,
+        monitored.buffer_mutations,
+    )
     # Whatever the engine, a step's cause blames no region.
     for report in (two_pass, monitored):
         assert (step_cause(report) is not None) == (cause.blames == "step")

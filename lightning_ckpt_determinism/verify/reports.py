@@ -219,9 +219,9 @@ class RecomputationReport:
             checkpointed pass failed or produced a non-finite value the reference did not.
         max_abs_diff: Largest absolute difference of any gradient element.
         diverged: Whether ``grad_divergence`` exceeds both the tolerance and the noise floor, or the checkpointed
-            pass raised, or state that changes no gradient (buffers, attributes) differs where no region report
-            places it (``cause`` says which). Buffer mutations that ``check_recomputation``'s attribution places in
-            a region show in ``regions`` and ``buffer_mutations`` without making the step diverge.
+            pass raised, or state that changes no gradient (buffers, attributes) ended the checked pass otherwise
+            than the reference pass: a plain twin would not have it (``cause`` says which where nothing else
+            explains the step, and with attribution ``regions`` say where). Both engines decide it alike.
         tolerance: The tolerance the verdict used.
         per_parameter: Largest absolute gradient difference for each parameter, by parameter name.
         worst_parameters: The parameters with the largest differences, worst first (at most five, only those

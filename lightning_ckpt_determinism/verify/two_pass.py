@@ -252,10 +252,6 @@ def _compare(
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
-    placed = {name for region in regions for name in region.attribute_mutations}
-    # Buffers that differ and no region report places (all of them without attribution) are the step's, as in
-    # the live engine.
-    step_buffers = _unplaced_buffers(changed_buffers, regions)
     evidence = StepEvidence(
         gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
@@ -265,10 +261,10 @@ def _compare(
         regions=regions,
         step_cause=cause,
         forward_writes=observer.parameters_written_in_forward() - captured if observer is not None else frozenset(),
-        # Without attribution no region report places the attributes that differ: they are the step's, as in the
-        # live engine.
-        step_attributes=[name for name in attributes if name not in placed],
-        step_buffers=step_buffers,
+        # Buffers and attributes that ended the passes differently are the step's state change, as in the live
+        # engine; the region reports, with attribution, say where.
+        step_attributes=attributes,
+        step_buffers=changed_buffers,
     )
     return step_report(
         evidence,
@@ -277,16 +273,9 @@ def _compare(
         per_parameter=verdict.per_parameter,
         error=verdict.error,
         tolerance=tolerance,
-        buffer_mutations=buffers + step_buffers,
+        buffer_mutations=buffers or changed_buffers,
         attribute_mutations=attributes,
     )
-
-
-def _unplaced_buffers(changed: list[str], regions: list[RegionReport]) -> list[str]:
-    """The buffers in ``changed`` (as the module names them) that no region report names among its
-    ``buffer_mutations`` (as configs name them, a root region's with a leading dot)."""
-    placed = {name.lstrip(".") for region in regions for name in region.buffer_mutations}
-    return [name for name in changed if region_name(name) not in placed]
 
 
 def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list[RegionReport]:
