@@ -20,10 +20,11 @@ the wall clock, synchronized, on CUDA.
 """
 
 import argparse
+import contextvars
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, get_args
 
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from benchmarks.common import Regions, interleaved_times
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
 from lightning_ckpt_determinism._torch_compat import determinism_checks
-from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS, InRegionCall
+from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS, InRegionCall, recomputing
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode
 
 SHAPE = (4, 64)
@@ -152,48 +153,82 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def extractor_ns(repeats: int = 20000) -> dict[str, dict[str, float]]:
+def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, float]]:
     """Nanoseconds of the extractor alone for a tensor no observer digests: torch's own, the package's with the
     sentinel off, and the package's inside a light-tier call for a tensor it does not digest; at the pack (inside a
-    region call's forward) and at the comparison after the recomputation (``kept != extract(recomputed)``, run inside a
-    backward, where torch runs it). Timed by this thread's CPU time, best of five.
+    region call's forward) and at the comparison after the recomputation (``kept != extract(recomputed)``, the value
+    that path kept on the left, run inside a backward after the package was told of the recomputation, where torch
+    runs it). Each timing is ``repeats`` calls, by this thread's CPU time; the six run round-robin for ``rounds``
+    rounds, and each one's median is taken.
 
     Args:
+        rounds: Interleaved rounds.
         repeats: Calls per timing.
     """
     x = torch.randn(SHAPE)
     region = Region(4, None)  # wrapping the first region registers the package's extractors
     torch_extract = determinism_checks()["default"]
     package_extract = determinism_checks()[DETERMINISM_CHECKS["default"]]
-    found = {
-        "torch default": {"pack": _ns(lambda: torch_extract(x), repeats)},
-        "package, sentinel off": {},
-        "light, not digested": {},
-    }
-    with InRegionCall(None, None):
-        found["package, sentinel off"]["pack"] = _ns(lambda: package_extract(x), repeats)
     sentinel = RecomputationSentinel(region, mode="light")
     regions = Regions(region)
     for _ in range(2):  # the region's profile and light layout are learned
         _watched(regions, sentinel, region, x.requires_grad_())
-    with regions.observed_by(sentinel), sentinel.region_forward("chain", region.chain), InRegionCall(None, sentinel):
-        # Past the layout's four positions: tensors the call does not digest.
-        found["light, not digested"]["pack"] = _ns(lambda: package_extract(x), repeats)
-    kept = torch_extract(x)
-    found["torch default"]["comparison"] = _in_backward(lambda: _ns(lambda: kept != torch_extract(x), repeats))
-    compared = _in_backward(lambda: _ns(lambda: kept != package_extract(x), repeats))
-    found["package, sentinel off"]["comparison"] = found["light, not digested"]["comparison"] = compared
+    x = x.detach()
+    # A light-tier call left open for every round in a context of its own, past the layout's positions: the tensors
+    # it packs from there on are ones the call does not digest.
+    light, opened = contextvars.Context(), ExitStack()
+    for block in (regions.observed_by(sentinel), sentinel.region_forward("chain", region.chain)):
+        light.run(opened.enter_context, block)
+    light.run(opened.enter_context, InRegionCall(None, sentinel))
+    light.run(lambda: [package_extract(x) for _ in range(8)])
+    kept = {"torch default": torch_extract(x), "package, sentinel off": package_extract(x), "light, not digested": 0}
+    kept["light, not digested"] = light.run(package_extract, x)
+
+    def packs(extract: Callable[[torch.Tensor], object]) -> float:
+        return _ns(lambda: extract(x), repeats)
+
+    def plain_pack() -> float:
+        with InRegionCall(None, None):
+            return packs(package_extract)
+
+    def comparison(name: str, extract: Callable[[torch.Tensor], object], observed: bool | None) -> float:
+        def timed() -> float:
+            if observed is not None:  # the package's comparisons follow a recomputation, which says whose they are
+                recomputing(observed=observed)
+            return _ns(lambda: kept[name] != extract(x), repeats)
+
+        return contextvars.Context().run(_in_backward, timed)
+
+    timings: dict[tuple[str, str], Callable[[], float]] = {
+        ("torch default", "pack"): partial(packs, torch_extract),
+        ("package, sentinel off", "pack"): partial(contextvars.Context().run, plain_pack),
+        ("light, not digested", "pack"): partial(light.run, packs, package_extract),
+        ("torch default", "comparison"): partial(comparison, "torch default", torch_extract, None),
+        ("package, sentinel off", "comparison"): partial(comparison, "package, sentinel off", package_extract, False),
+        ("light, not digested", "comparison"): partial(comparison, "light, not digested", package_extract, True),
+    }
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in timings}
+    try:
+        for index in range(rounds + 2):
+            keys = list(timings)
+            shift = index % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                elapsed = timings[key]()
+                if index >= 2:
+                    samples[key].append(elapsed)
+    finally:
+        light.run(opened.close)
+    found: dict[str, dict[str, float]] = {name: {} for name in kept}
+    for (name, phase), values in samples.items():
+        found[name][phase] = sorted(values)[len(values) // 2]
     return found
 
 
 def _ns(function: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        started = time.thread_time()
-        for _ in range(repeats):
-            function()
-        best = min(best, time.thread_time() - started)
-    return best / repeats * 1e9
+    started = time.thread_time_ns()
+    for _ in range(repeats):
+        function()
+    return (time.thread_time_ns() - started) / repeats
 
 
 def _in_backward(function: Callable[[], float]) -> float:

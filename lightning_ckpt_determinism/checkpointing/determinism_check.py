@@ -13,17 +13,19 @@ its forward runs (:class:`InRegionCall`): its probe, while one learns what the r
 (:mod:`~lightning_ckpt_determinism.checkpointing.profile`), and the saved-tensor observer registered on that region
 (:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing_saved_tensors`, on one model's own regions).
 Where neither is set they behave exactly as torch's (shapes, dtypes and devices compared, or nothing); where an
-observer is, it gives what is kept at the forward, and the recomputed tensor reaches what it kept as a
-:class:`Recomputed`. The traced path under ``torch.compile`` passes
-the same constant name, so dynamo guards on nothing more; the compiler recomputes compiled regions itself and calls no
-extractor.
+observer is, its plan says which tensors it handles and gives what is kept of them at the forward, and the recomputed
+tensor reaches what it kept (:func:`recomputed_tensor`). Each recomputation says whose tensors torch compares next
+(:func:`recomputing`), so that the comparisons of a call no observer watched cost what torch's own do, plus a context
+lookup. The traced path under ``torch.compile`` passes the same constant name, so dynamo guards on nothing more; the
+compiler recomputes compiled regions itself and calls no extractor.
 """
 
+import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar, Token
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -32,19 +34,51 @@ from lightning_ckpt_determinism._torch_compat import current_graph_task_id, dete
 
 __all__ = [
     "DETERMINISM_CHECKS",
+    "EVERY_POSITION",
     "Extractor",
     "InRegionCall",
     "Recomputed",
+    "SavedPlan",
     "SavedTensorObserver",
     "kept_by_torch",
+    "recomputed_tensor",
+    "recomputing",
     "register_determinism_checks",
 ]
 
 
-Extractor = Callable[[torch.Tensor, bool], Any]
-"""What one region call's observer does with each tensor its forward saves: ``extract(tensor, strict)`` gives the
-value torch keeps, ``strict`` telling whether the region's ``determinism_check`` is ``"default"`` (a difference of
-metadata must raise torch's error) or ``"none"``."""
+Extractor = Callable[[torch.Tensor, int, bool], Any]
+"""What one region call's observer does with a tensor its forward saves: ``extract(tensor, position, strict)`` gives
+the value torch keeps, ``position`` being the tensor's place among those the call saved and ``strict`` telling whether
+the region's ``determinism_check`` is ``"default"`` (a difference of metadata must raise torch's error) or
+``"none"``."""
+
+EVERY_POSITION: Container[int] = range(sys.maxsize)
+"""The positions of a :class:`SavedPlan` whose extractor handles every saved tensor."""
+
+
+class SavedPlan(NamedTuple):
+    """What one region call's observer does with the tensors its forward saves, decided when the call starts: its
+    extractor handles the tensors at ``positions``, and the others keep what torch's own extractor keeps, at the cost of
+    an index and a branch.
+
+    Attributes:
+        extract: Handles each tensor at one of ``positions``.
+        positions: The positions ``extract`` handles (:data:`EVERY_POSITION`: all of them).
+
+    Example::
+
+        >>> class ReadsTheSecond:
+        ...     def extractor(self):
+        ...         return SavedPlan(lambda tensor, position, strict: f"read {position}", positions=frozenset({1}))
+        >>> with InRegionCall(None, ReadsTheSecond()):  # type: ignore[arg-type]
+        ...     kept = [_default(torch.ones(1)) for _ in range(3)]
+        >>> kept[1], kept[2]["shape"]
+        ('read 1', torch.Size([1]))
+    """
+
+    extract: Extractor
+    positions: Container[int] = EVERY_POSITION
 
 
 class SavedTensorObserver(Protocol):
@@ -52,10 +86,10 @@ class SavedTensorObserver(Protocol):
     eagerly checkpointed regions.
 
     ``region_forward`` is entered around each region call's forward. Inside it, when the call starts, ``extractor``
-    gives what handles each tensor that forward saves (an :data:`Extractor`; ``None`` keeps torch's own metadata):
-    asked once per region call, so that each decision the observer can make per call (which tensors it reads) is
-    made once, not per tensor. What the extractor returns is compared with a :class:`Recomputed` after the
-    recomputation.
+    gives what handles the tensors that forward saves (a :class:`SavedPlan`; ``None`` keeps torch's own metadata for
+    every one): asked once per region call, so that each decision the observer can make per call (which tensors it
+    reads) is made once, not per tensor. What the plan's extractor returns is compared after the recomputation with
+    the extractor's value of the recomputed tensor, which :func:`recomputed_tensor` turns into that tensor.
 
     ``region_recompute`` is entered around each recomputation of an eagerly checkpointed region, inside its recompute
     contexts, with the buffers whose live values that recomputation could change (those no recompute context puts
@@ -68,7 +102,7 @@ class SavedTensorObserver(Protocol):
         self, region: str, module: nn.Module, exposed_buffers: Sequence[tuple[str, torch.Tensor]]
     ) -> AbstractContextManager[None]: ...
 
-    def extractor(self) -> Extractor | None: ...
+    def extractor(self) -> SavedPlan | None: ...
 
 
 class SavedTensorProbe(Protocol):
@@ -78,32 +112,56 @@ class SavedTensorProbe(Protocol):
 
 
 class _Call:
-    """The region call whose forward runs now, as the extractor needs it: what learns from and what handles each tensor
-    it saves, decided when the call starts, and how many tensors it saved so far."""
+    """One region call as the extractor sees it. While its forward runs: what learns from and what handles each tensor
+    it saves, decided when the call starts, and how many tensors it saved so far; ``fast`` says that the extractor
+    counts a tensor and follows the plan without asking torch which backward runs (no probe learns from the call, and
+    no backward ran inside its forward since its last tensor, see :func:`recomputing`). After its recomputation, where
+    torch compares its tensors (``comparing``): the value the extractor gave last and a weak reference to the tensor it
+    was given, so that a value an observer kept finds the recomputed tensor (:func:`recomputed_tensor`).
 
-    __slots__ = ("extract", "packs", "probe", "task")
+    One class for both, so that each attribute the extractor reads is read from one type (Python specialises such
+    reads).
+    """
 
-    def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
+    __slots__ = ("comparing", "extract", "fast", "packs", "positions", "probe", "task", "tensor", "value")
+
+    def __init__(self, probe: SavedTensorProbe | None, plan: SavedPlan | None, *, comparing: bool = False) -> None:
         self.probe = probe
-        self.extract = None if observer is None else observer.extractor()
+        self.extract: Extractor | None = None if plan is None else plan.extract
+        self.positions: Container[int] = frozenset() if plan is None else plan.positions
         self.packs = 0
         # A backward run inside the forward (a gradient penalty) compares tensors of other calls: not this call's.
         self.task = current_graph_task_id()
+        self.fast = probe is None and not comparing
+        self.comparing = comparing
+        self.value: object = self  # never an extractor value
+        self.tensor: Callable[[], torch.Tensor | None] = _gone
 
+
+def _gone() -> None:
+    return None
+
+
+# The comparisons of a call no observer watched, shared: the extractor gives torch's metadata and notes nothing.
+_PLAIN = _Call(None, None, comparing=True)
+# Where no region call is current (nor was recomputed) in this context: the extractor asks torch which backward runs.
+_NONE = _Call(None, None)
+_NONE.fast = False
 
 # The one piece of state the package keeps besides the checkpointing switch: the eager region call whose forward runs
-# now. torch calls the extractor with the tensor alone, so the wrapper says which call it is. Context-local, so that
-# threads never see each other's calls, and read only by eager calls (dynamo never traces it).
-_CURRENT: ContextVar[_Call | None] = ContextVar("lightning_ckpt_determinism_region_call", default=None)
+# now, or, after a recomputation, whose tensors torch compares. torch calls the extractor with the tensor alone, so the
+# wrapper says which call it is. Context-local, so that threads never see each other's calls (autograd's device
+# threads recompute and compare in their own context), and read only by eager calls (dynamo never traces it).
+_CURRENT: ContextVar[_Call] = ContextVar("lightning_ckpt_determinism_region_call", default=_NONE)
 
 
 class InRegionCall:
     """Say, inside this block, which region call's forward runs: its probe and its saved-tensor observer; count the
     tensors it saves (:attr:`saved`), which tell the region whether the call took the path its profile was learned on.
 
-    Create it inside the observer's ``region_forward`` block: it asks the observer for the call's extractor at once.
-    A region call inside another one's forward enters its own block, so that the outer call's probe and observer
-    never see what the inner region saves, nor count it.
+    Create it inside the observer's ``region_forward`` block: it asks the observer for the call's plan at once. A region
+    call inside another one's forward enters its own block, so that the outer call's probe and observer never see what
+    the inner region saves, nor count it.
 
     Args:
         probe: The probe learning from this call's forward, or ``None``.
@@ -130,13 +188,19 @@ class InRegionCall:
     __slots__ = ("_call", "_token")
 
     def __init__(self, probe: SavedTensorProbe | None, observer: SavedTensorObserver | None) -> None:
-        self._call = _Call(probe, observer)
-        self._token: Token[_Call | None] | None = None
+        self._call = _Call(probe, None if observer is None else observer.extractor())
+        self._token: Token[_Call] | None = None
 
     @property
     def saved(self) -> int:
         """How many tensors the call's forward saved inside this block."""
         return self._call.packs
+
+    @property
+    def observed(self) -> bool:
+        """Whether the observer handles some of the call's tensors (it gave a plan), so that their comparisons after a
+        recomputation find the recomputed tensors (:func:`recomputing`)."""
+        return self._call.extract is not None
 
     def __enter__(self) -> None:
         self._token = _CURRENT.set(self._call)
@@ -146,8 +210,55 @@ class InRegionCall:
             _CURRENT.reset(self._token)
 
 
+def recomputing(*, observed: bool) -> None:
+    """A region call is recomputed now, and torch compares its tensors once the recomputation ends: say whether an
+    observer kept them (``observed``). The extractor gives torch's own metadata at those comparisons, and for a call
+    an observer watched also notes the tensor it was given (weakly), for :func:`recomputed_tensor`.
+
+    Called at each recomputation of an eager region call. Where a region call's forward runs in this context (a backward
+    inside it, as a gradient penalty runs), that call asks torch which backward runs at its next tensor instead, and
+    the comparisons meanwhile get a :class:`Recomputed`.
+
+    Args:
+        observed: Whether the recomputed call's forward had a saved-tensor observer.
+
+    Example::
+
+        >>> recomputing(observed=False)
+        >>> _default(torch.ones(2))["shape"]
+        torch.Size([2])
+    """
+    state = _CURRENT.get()
+    if state is not _NONE and not state.comparing:
+        state.fast = False
+    else:
+        _CURRENT.set(_Call(None, None, comparing=True) if observed else _PLAIN)
+
+
+def recomputed_tensor(value: object) -> torch.Tensor | None:
+    """The recomputed tensor whose extractor value ``value`` is, where torch compares it with what an observer kept at
+    the forward (the saved value's ``__ne__`` gets ``value``); ``None`` for a value from elsewhere, or for a tensor
+    freed since.
+
+    Args:
+        value: What the extractor gave for a recomputed tensor.
+
+    Example::
+
+        >>> recomputed_tensor({"shape": torch.Size([2])}) is None
+        True
+    """
+    state = _CURRENT.get()
+    if state.comparing and state.value is value:
+        return state.tensor()
+    if isinstance(value, Recomputed):
+        return value()
+    return None
+
+
 class Recomputed(weakref.ref):  # type: ignore[type-arg]
-    """What the extractor gives for a recomputed tensor: a weak reference to it, called to get it, for the comparison
+    """What the extractor gives for a recomputed tensor where a backward runs inside a region call's forward (or no
+    recomputation said whose tensors torch compares): a weak reference to it, called to get it, for the comparison
     torch runs at once.
 
     What an observer kept at the forward compares itself with it (torch puts the saved value on the left of ``!=``);
@@ -211,22 +322,48 @@ def kept_by_torch(tensor: torch.Tensor, *, strict: bool) -> Any:
 
 def _extractor(strict: bool) -> Callable[[torch.Tensor], Any]:
     """The extractor torch calls for each saved tensor of a region whose ``determinism_check`` is ``"default"``
-    (``strict``) or ``"none"``, and for each recomputed one at the comparison: a few lookups and a branch per tensor,
-    since what a call does with its tensors was decided when it started."""
+    (``strict``) or ``"none"``, and for each recomputed one at the comparison.
+
+    What a call does with its tensors was decided when it started, so a tensor no observer reads costs a context
+    lookup, a count and a branch more than torch's own extractor at the forward, and a context lookup more at the
+    comparison of a call no observer watched. Learning calls, and a call whose forward ran a backward (whose
+    comparisons reach the extractor while the call is current), ask torch which backward runs (:func:`_asked`).
+    """
+    get, ref = _CURRENT.get, weakref.ref
 
     def extract(tensor: torch.Tensor) -> Any:
-        call = _CURRENT.get()
-        if call is not None and call.task == current_graph_task_id():
-            call.packs += 1
-            if call.probe is not None:
-                call.probe.packed(tensor)
-            if call.extract is not None:
-                return call.extract(tensor, strict)
-        elif current_graph_task_id() != -1:  # a comparison after a recomputation: the kept value compares with it
-            return Recomputed(tensor)
-        return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+        call = get()
+        if call is _PLAIN:
+            return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+        if call.fast:
+            position = call.packs
+            call.packs = position + 1
+            if call.extract is None or position not in call.positions:
+                return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+            return call.extract(tensor, position, strict)
+        if call.comparing and current_graph_task_id() != -1:  # after a recomputation an observer watched
+            value = {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+            call.value, call.tensor = value, ref(tensor)
+            return value
+        return _asked(call, tensor, strict)
 
     return extract
+
+
+def _asked(call: _Call, tensor: torch.Tensor, strict: bool) -> Any:
+    """The extractor's value of ``tensor`` where the call must ask torch which backward runs: a pack of the call whose
+    forward runs (handed to its probe), or a comparison after a recomputation."""
+    if call is not _NONE and not call.comparing and call.task == current_graph_task_id():
+        call.fast = call.probe is None  # no backward runs inside the forward now
+        position = call.packs
+        call.packs = position + 1
+        if call.probe is not None:
+            call.probe.packed(tensor)
+        if call.extract is not None and position in call.positions:
+            return call.extract(tensor, position, strict)
+    elif current_graph_task_id() != -1:  # a comparison after a recomputation: the kept value compares with it
+        return Recomputed(tensor)
+    return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
 
 
 _default = _extractor(strict=True)

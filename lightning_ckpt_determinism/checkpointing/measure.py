@@ -46,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves
 from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates, op_cost, op_flops
-from lightning_ckpt_determinism.checkpointing.determinism_check import Extractor, SavedTensorObserver, kept_by_torch
+from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
@@ -250,15 +250,17 @@ class _RegionMeter:
             return contextlib.nullcontext()
         return self._inner.region_recompute(region, module, exposed_buffers)
 
-    def extractor(self) -> Extractor:
+    def extractor(self) -> SavedPlan:
         inner = self._inner.extractor() if self._inner is not None else None
 
-        def extract(tensor: torch.Tensor, strict: bool) -> Any:
+        def extract(tensor: torch.Tensor, position: int, strict: bool) -> Any:
             # Held only until the forward ends, as autograd holds it anyway.
             self._saved.append(tensor)
-            return inner(tensor, strict) if inner is not None else kept_by_torch(tensor, strict=strict)
+            if inner is not None and position in inner.positions:
+                return inner.extract(tensor, position, strict)
+            return kept_by_torch(tensor, strict=strict)
 
-        return extract
+        return SavedPlan(extract)
 
 
 def _state_storages(module: nn.Module) -> frozenset[int | None]:

@@ -60,6 +60,7 @@ from lightning_ckpt_determinism.checkpointing.determinism_check import (
     DETERMINISM_CHECKS,
     InRegionCall,
     SavedTensorObserver,
+    recomputing,
     register_determinism_checks,
 )
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
@@ -278,6 +279,8 @@ class CheckpointedForward:
         self._replayed: frozenset[str] = frozenset()
         # The attributes each call watches (see `AttributeReplay`), worked out again when the modules' sizes change.
         self._attribute_slots: tuple[tuple[int, ...], list[tuple[int, str]]] = ((), [])
+        # How many tensors the latest eager forward saved (the saved-tensor observer reads it when that forward ends).
+        self.saved = 0
         # The observers registered on this region, by `observing` and `observing_saved_tensors` on its model: read
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
@@ -576,7 +579,18 @@ class _EagerCall:
             checks its path, as for a region dynamo could not trace).
     """
 
-    __slots__ = ("_attributes", "_contexts", "_first", "_full", "_key", "_keys", "_num_positional", "_runs", "_wrapper")
+    __slots__ = (
+        "_attributes",
+        "_contexts",
+        "_first",
+        "_full",
+        "_key",
+        "_keys",
+        "_num_positional",
+        "_observed",
+        "_runs",
+        "_wrapper",
+    )
 
     def __init__(
         self,
@@ -598,6 +612,8 @@ class _EagerCall:
         self._key = key
         self._full = False
         self._runs = 0
+        # Whether a saved-tensor observer kept the forward's tensors (torch compares them after each recomputation).
+        self._observed = False
 
     def run(self, *flat: Any) -> Any:
         """The region's forward at the first run, a recomputation at each later one."""
@@ -608,6 +624,7 @@ class _EagerCall:
         if self._contexts is not None:
             entered = self._contexts[0] if forward else self._contexts[1]
         if not forward:
+            recomputing(observed=self._observed)
             with entered, wrapper._saved_recompute(), self._attributes.replay():
                 out = wrapper._forward_from(flat, self._num_positional, self._keys)
             if self._full:
@@ -619,12 +636,15 @@ class _EagerCall:
         probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, wrapper._saved_forward(), nested:
             region_call = InRegionCall(probe, wrapper.saved_observer)
+            self._observed = region_call.observed
             self._attributes.start()
             with region_call, probe if probe is not None else contextlib.nullcontext():
                 out = wrapper._forward_from(flat, self._num_positional, self._keys)
             self._attributes.end()
+            # Before the saved-tensor observer's forward context ends, which reads the count and the profile of the
+            # path taken.
+            wrapper.saved = region_call.saved
             if self._key is not None:
-                # Before the saved-tensor observer's forward context ends, which reads the profile of the path taken.
                 self._full = wrapper._path_taken(self._key, region_call.saved, None if probe is None else probe.profile)
         if self._full:
             _mark_end()

@@ -1,7 +1,7 @@
 """One region call as the sentinel sees it: the tensors its forward saves, kept as digests once their values are
 final, and their comparison with the recomputation's (see the package's description)."""
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -9,7 +9,12 @@ from torch import nn
 
 from lightning_ckpt_determinism._text import describe_saved
 from lightning_ckpt_determinism._torch_compat import no_python_dispatch, view_base
-from lightning_ckpt_determinism.checkpointing.determinism_check import Recomputed
+from lightning_ckpt_determinism.checkpointing.determinism_check import (
+    EVERY_POSITION,
+    Recomputed,
+    SavedPlan,
+    recomputed_tensor,
+)
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Sums, readable
@@ -64,9 +69,11 @@ class KeptTensor:
     def __ne__(self, other: object) -> bool:
         if self.broken:
             return False
-        if isinstance(other, Recomputed):
-            tensor = other()
-            return tensor is not None and self.call.recomputed(self, tensor)
+        tensor = recomputed_tensor(other)
+        if tensor is not None:
+            return self.call.recomputed(self, tensor)
+        if isinstance(other, Recomputed):  # freed since
+            return False
         # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").
         return self.strict and self.metadata() != other
 
@@ -112,9 +119,12 @@ class RegionCall:
         self.mode = sentinel.mode
         self.layout = layout
         self.targets = None if layout is None else layout.targets(self.mode)
+        # The positions :meth:`save` handles: the others keep torch's own metadata without reaching it.
+        self.positions: Container[int] = EVERY_POSITION if self.targets is None else self.targets
         # Light without a layout: the layout is learned from this call, at its forward's end.
         self.learning = layout is None and self.mode.tier == "light"
         self._seen: list[tuple[int, bool]] = []
+        # How many tensors the forward saved, known when it ends.
         self.packs = 0
         self.saved: list[KeptTensor] = []
         self.slotted: list[KeptTensor] = []
@@ -128,14 +138,13 @@ class RegionCall:
         self._held: list[tuple[KeptTensor, torch.Tensor]] = []
         self._recomputed: list[tuple[int, Sums | torch.Tensor]] = []
 
-    def save(self, tensor: torch.Tensor, strict: bool) -> Any:
-        """Keep ``tensor``'s metadata, and its digest once its value is final; a tensor the light tier does not digest
-        at this call gets what torch's own extractor keeps, at the cost of a count and a lookup."""
-        position = self.packs
-        self.packs = position + 1
-        targets = self.targets
-        if targets is not None and position not in targets:
-            return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+    def plan(self) -> SavedPlan:
+        """What the call does with its saved tensors: :meth:`save` handles every one, or under the light tier its
+        targets; a tensor the light tier does not digest at this call keeps what torch's own extractor keeps."""
+        return SavedPlan(self.save, self.positions)
+
+    def save(self, tensor: torch.Tensor, position: int, strict: bool) -> Any:
+        """Keep the metadata of ``tensor``, saved at ``position``, and its digest once its value is final."""
         saved = KeptTensor(self, position, strict=strict)
         self.saved.append(saved)
         try:
@@ -207,7 +216,7 @@ class RegionCall:
         self.not_compared += 1
         self.sentinel._failed(self.region, f"saved tensor {saved.position}", err)
 
-    def forward_done(self, *, digest: bool, profile: RegionProfile | None) -> None:
+    def forward_done(self, *, digest: bool, profile: RegionProfile | None, packs: int) -> None:
         """The region's forward ended: digest the tensors held until now and stack the digests into one vector (or
         drop them, when it raised; a call that took another path than the profile it started with keeps only what
         was final when digested, the rest counted as not compared); a call that learned its region's layout, or
@@ -217,7 +226,9 @@ class RegionCall:
             digest: Whether the forward returned.
             profile: The profile of the path the call took (learned during this forward when it is a learning
                 call; ``None`` for a path the region does not know).
+            packs: How many tensors the forward saved.
         """
+        self.packs = packs
         if digest and self.profile is not None and (profile is None or profile.saved != self.profile.saved):
             self._another_path(profile)
         if digest:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import is_compiled_module, version_counter
-from lightning_ckpt_determinism.checkpointing.determinism_check import Extractor
+from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
@@ -128,7 +128,7 @@ class RecomputationSentinel:
         finally:
             self._open.pop()
             if call.saved:
-                call.forward_done(digest=finished, profile=region_profile(module))
+                call.forward_done(digest=finished, profile=region_profile(module), packs=region_saved(module))
                 if finished:
                     self._saved_bytes.setdefault(name, call.saved_bytes)
                     self._step.calls.append(call)
@@ -163,12 +163,12 @@ class RecomputationSentinel:
                 except Exception as err:
                     self._failed(watch.region, "its parameters and buffers", err)
 
-    def extractor(self) -> Extractor | None:
-        """What handles each tensor the region call starting now saves (the saved-tensor observer hook): that call's
-        :meth:`RegionCall.save`, or ``None`` (torch's own metadata) while paused."""
+    def extractor(self) -> SavedPlan | None:
+        """What handles the tensors the region call starting now saves (the saved-tensor observer hook): that call's
+        :meth:`RegionCall.plan`, or ``None`` (torch's own metadata) while paused."""
         if self._paused or not self._open:
             return None
-        return self._open[-1].save
+        return self._open[-1].plan()
 
     def _learned(self, region: str, layout: SavedLayout | None) -> None:
         """A call learned ``region``'s layout (``None``: a call did not match it, and the next call learns it)."""
@@ -331,3 +331,8 @@ def compiled_regions(module: nn.Module) -> list[str]:
 def region_profile(module: nn.Module) -> RegionProfile | None:
     """The profile the region's wrapper learned, or ``None`` before its first checkpointed forward."""
     return getattr(module.__dict__.get("forward"), "profile", None)
+
+
+def region_saved(module: nn.Module) -> int:
+    """How many tensors the region's latest eager forward saved, as its wrapper counted them."""
+    return int(getattr(module.__dict__.get("forward"), "saved", 0))
