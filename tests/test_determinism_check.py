@@ -1,0 +1,142 @@
+"""Tests for `lightning_ckpt_determinism.checkpointing.determinism_check`: the package's extractor does what torch's
+does where nothing observes, counts a call's tensors alike whatever runs inside its forward, and hands an observer's
+plan the tensors it names at the forward and their recomputations at the comparison."""
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointError, checkpoint
+
+from lightning_ckpt_determinism import CheckpointingConfig, checkpoint_module
+from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan, recomputed_tensor
+from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
+
+
+class Shrinks(nn.Module):
+    """Takes the first ``sizes[0]`` rows at each call, popping the size (in place, so recomputation reads the next)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[: self.sizes.pop(0)].sin().cos()
+
+
+def _error_of(module: nn.Module, hand_written: bool) -> str:
+    x = torch.randn(4, 3, requires_grad=True)
+    out = checkpoint(module, x, use_reentrant=False) if hand_written else module(x)
+    with pytest.raises(CheckpointError) as caught:
+        out.sum().backward()
+    return str(caught.value)
+
+
+def test_a_metadata_difference_raises_torchs_own_error_word_for_word() -> None:
+    # One clean call first: the region learns its profile, and the next one takes the path of a call nothing probes.
+    region = Shrinks([4, 4, 4, 3])
+    checkpoint_module(region, "region", CheckpointingConfig(classes=["Shrinks"]))
+    region(torch.randn(4, 3, requires_grad=True)).sum().backward()
+    by_package = _error_of(region, hand_written=False)
+    by_torch = _error_of(Shrinks([4, 3]), hand_written=True)
+    assert "saved metadata: {'shape': torch.Size([4, 3])" in by_torch
+    assert by_package == by_torch
+
+
+class GradientInForward(nn.Module):
+    """Takes a gradient inside its forward, with ``create_graph=True`` (a gradient penalty inside a region), and saves
+    more tensors after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.linear(x))
+        (slope,) = torch.autograd.grad(hidden.sum(), x, create_graph=True)
+        return (hidden * slope).exp()
+
+
+def test_a_backward_inside_a_forward_leaves_the_calls_count_as_its_first_call_learned_it() -> None:
+    torch.manual_seed(0)
+    plain = GradientInForward()
+    region = GradientInForward()
+    region.load_state_dict(plain.state_dict())
+    checkpoint_module(region, "region", CheckpointingConfig(classes=["GradientInForward"]))
+    wrapper = region.__dict__["forward"]
+    counts, profiles = [], []
+    for step in range(3):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        region(x).sum().backward()
+        plain_x = x.detach().requires_grad_()
+        plain(plain_x).sum().backward()
+        assert torch.equal(x.grad, plain_x.grad)
+        counts.append(wrapper.saved)
+        profiles.append(wrapper.profile)
+    # The first call learned the count; the later ones (not probed) count alike, so they take its profile.
+    assert counts[0] == counts[1] == counts[2] == profiles[0].saved
+    assert profiles[1] is profiles[2] is profiles[0]
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(region.parameters(), plain.parameters(), strict=True))
+
+
+class ReadsTheSecond:
+    """A saved-tensor observer whose plan handles the second tensor of each call only: it keeps that tensor's value
+    and, at the comparison, the recomputed tensor it is compared with."""
+
+    def __init__(self) -> None:
+        self.handed: list[tuple[int, bool, torch.Tensor]] = []
+        self.recomputed: list[torch.Tensor] = []
+
+    def region_forward(self, region: str, module: nn.Module) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def region_recompute(self, region: str, module: nn.Module, exposed_buffers: Any) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def extractor(self) -> SavedPlan:
+        return SavedPlan(self._keep, positions=frozenset({1}))
+
+    def _keep(self, tensor: torch.Tensor, position: int, strict: bool) -> "Kept":
+        self.handed.append((position, strict, tensor.detach().clone()))
+        return Kept(self)
+
+
+class Kept:
+    """What ``ReadsTheSecond`` keeps: at the comparison it gets the recomputed tensor, and finds it equal."""
+
+    def __init__(self, observer: ReadsTheSecond) -> None:
+        self.observer = observer
+
+    def __ne__(self, other: object) -> bool:
+        tensor = recomputed_tensor(other)
+        assert tensor is not None
+        self.observer.recomputed.append(tensor.detach().clone())
+        return False
+
+    def __eq__(self, other: object) -> bool:
+        return not self.__ne__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Chain(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin().cos().exp()
+
+
+def test_an_observers_plan_gets_the_tensors_it_names_and_their_recomputations() -> None:
+    region = Chain()
+    checkpoint_module(region, "region", CheckpointingConfig(classes=["Chain"]))
+    x = torch.randn(2, 3, requires_grad=True)
+    region(x).sum().backward()  # the region's first call, which learns its profile
+    observer = ReadsTheSecond()
+    with observing_saved_tensors(observer, region):  # type: ignore[arg-type]
+        y = x.detach().requires_grad_()
+        region(y).sum().backward()
+    # `sin` saves x, `cos` saves sin(x), `exp` saves its result: the plan names the second only.
+    assert [(position, strict) for position, strict, _ in observer.handed] == [(1, True)]
+    assert torch.equal(observer.handed[0][2], y.detach().sin())
+    assert len(observer.recomputed) == 1 and torch.equal(observer.recomputed[0], y.detach().sin())
+    assert torch.equal(y.grad, x.grad)
