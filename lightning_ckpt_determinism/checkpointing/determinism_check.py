@@ -329,11 +329,11 @@ def _extractor(strict: bool) -> Callable[[torch.Tensor], Any]:
     comparison of a call no observer watched. Learning calls, and a call whose forward ran a backward (whose
     comparisons reach the extractor while the call is current), ask torch which backward runs (:func:`_asked`).
     """
-    get, ref = _CURRENT.get, weakref.ref
+    get, ref, task, plain = _CURRENT.get, weakref.ref, current_graph_task_id, _PLAIN
 
     def extract(tensor: torch.Tensor) -> Any:
         call = get()
-        if call is _PLAIN:
+        if call is plain:
             return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
         if call.fast:
             position = call.packs
@@ -341,9 +341,10 @@ def _extractor(strict: bool) -> Callable[[torch.Tensor], Any]:
             if call.extract is None or position not in call.positions:
                 return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
             return call.extract(tensor, position, strict)
-        if call.comparing and current_graph_task_id() != -1:  # after a recomputation an observer watched
+        if call.comparing and task() != -1:  # after a recomputation an observer watched
             value = {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
-            call.value, call.tensor = value, ref(tensor)
+            call.value = value
+            call.tensor = ref(tensor)
             return value
         return _asked(call, tensor, strict)
 
