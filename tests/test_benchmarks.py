@@ -287,3 +287,11 @@ def test_one_saved_tensor_is_timed_on_every_path_and_each_tier_reads_what_it_pro
     assert 0 < found["light, not digested"]["compared"] <= 3
     assert found["sampled"]["compared"] == found["exact"]["compared"] == 12
     assert "| light, not digested |" in saved_tensors.table(found)
+
+
+def test_the_extractor_alone_is_timed_at_the_pack_and_the_comparison_of_each_path() -> None:
+    found = saved_tensors.extractor_ns(rounds=1, repeats=10)
+    assert list(found) == ["torch default", "package, sentinel off", "light, not digested"]
+    assert all(set(row) == {"pack", "comparison"} for row in found.values())
+    assert all(math.isfinite(value) and value > 0 for row in found.values() for value in row.values())
+    assert "| light, not digested |" in saved_tensors.extractor_table(found)
