@@ -35,7 +35,6 @@ from lightning_ckpt_determinism._torch_compat import current_graph_task_id, dete
 __all__ = [
     "DETERMINISM_CHECKS",
     "EVERY_POSITION",
-    "Extractor",
     "InRegionCall",
     "Recomputed",
     "SavedPlan",
