@@ -5,11 +5,13 @@ Run by ``tests/test_budget_training.py``, which starts both ranks itself (``RANK
 ``MASTER_ADDR``, ``MASTER_PORT``) so that Lightning creates no process of its own. Usage:
 ``python tests/distributed_budget_script.py OUT_DIR``. The process group times out after a minute, so that a hang
 fails the test instead of stalling it. Each rank writes ``OUT_DIR/rank{N}.json``: per strategy, the plan it applied,
-the plan its own batch gives in plain PyTorch, and which blocks each of its steps checkpointed.
+the plan its own batch gives in plain PyTorch, and which blocks each of its steps checkpointed; for FSDP2 at op
+granularity also what the monitor found and the parameters whose local shard differs from a plain twin's.
 """
 
 import json
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,9 +28,15 @@ from lightning_ckpt_determinism import (
     CheckpointingConfig,
     CheckpointingPlan,
     DDPCheckpointingStrategy,
+    LightningCkptDeterminismWarning,
     ModelParallelCheckpointingStrategy,
+    RecomputationMonitor,
+    apply_activation_checkpointing,
     plan_activation_checkpointing,
 )
+from lightning_ckpt_determinism._torch_compat import TorchDispatchMode
+from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
+from lightning_ckpt_determinism.verify.gradients import local_tensor
 from tests.helpers import StackModule, TensorParallelStackModule, close_process_group, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, _mixed
 from tests.test_budget_training import MixedModule
@@ -55,6 +64,35 @@ class ShardedRankSizedModule(RankSizedModule):
         shard_blocks_then_model(self)
 
 
+class _AddmmCount(TorchDispatchMode):
+    """Counts ``aten.addmm`` calls: in a backward, the recomputed ones (a linear layer's backward runs ``mm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func is torch.ops.aten.addmm.default
+        return func(*args, **(kwargs or {}))
+
+
+class RecomputedAddmm(pl.Callback):
+    """How many ``aten.addmm`` calls each step's backward runs; placed before the monitor, so that the count ends
+    before the monitor's reference pass starts."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+        self._mode: _AddmmCount | None = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._mode = _AddmmCount().__enter__()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(None, None, None)
+        self.counts.append(self._mode.count)
+
+
 def _figures(plan: CheckpointingPlan) -> list[list[int]]:
     return [[entry.plain_bytes, entry.checkpointed_bytes, entry.flops] for entry in plan.candidates]
 
@@ -63,11 +101,22 @@ def _op_figures(plan: CheckpointingPlan) -> list[list[list[Any]]]:
     return [[[op.index, op.op, op.bytes, op.cost] for op in entry.ops] for entry in plan.candidates]
 
 
-def fit(module: RankSizedModule, strategy: Any, out_dir: Path, granularity: str = "module") -> dict[str, Any]:
-    trainer = pl.Trainer(
-        **trainer_kwargs(out_dir, max_steps=3, strategy=strategy, devices=2, use_distributed_sampler=False)  # type: ignore[arg-type]
+def _trainer(out_dir: Path, strategy: Any, callbacks: list[Any] | None = None) -> pl.Trainer:
+    return pl.Trainer(
+        **trainer_kwargs(
+            out_dir, max_steps=3, strategy=strategy, devices=2, use_distributed_sampler=False, callbacks=callbacks or []
+        )  # type: ignore[arg-type]
     )
-    trainer.fit(module)
+
+
+def fit(
+    module: RankSizedModule,
+    strategy: Any,
+    out_dir: Path,
+    granularity: str = "module",
+    callbacks: list[Any] | None = None,
+) -> dict[str, Any]:
+    _trainer(out_dir, strategy, callbacks).fit(module)
     plan = strategy.checkpointing_plan
     assert plan is not None
     twin = _mixed()
@@ -83,6 +132,64 @@ def fit(module: RankSizedModule, strategy: Any, out_dir: Path, granularity: str 
         "saved_ops": {name: [list(call) for call in calls] for name, calls in plan.saved_ops.items()},
         "steps": module.checkpointed,
     }
+
+
+def fit_fsdp2_ops(out_dir: Path) -> dict[str, Any]:
+    """FSDP2 at op granularity with the monitor checking every step, and a plain twin (same seed, no checkpointing)."""
+    pl.seed_everything(0, verbose=False)
+    op_config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=BUDGET, budget_granularity="op")
+    strategy = ModelParallelCheckpointingStrategy(
+        checkpointing=op_config, data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+    )
+    monitor = RecomputationMonitor(every_n_steps=1)
+    counter = RecomputedAddmm()
+    module = ShardedRankSizedModule()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        found = fit(module, strategy, out_dir, "op", [counter, monitor])
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    pl.seed_everything(0, verbose=False)
+    plain = ShardedRankSizedModule()
+    sizes = {"data_parallel_size": 2, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
+    _trainer(out_dir, ModelParallelStrategy(**sizes)).fit(plain)
+    pairs = [
+        (name, local_tensor(ours), local_tensor(theirs))
+        for (name, ours), theirs in zip(module.named_parameters(), plain.parameters(), strict=True)
+    ]
+    report = monitor.sentinel_report
+    assert report is not None
+    return {
+        **found,
+        "grad_divergence": [entry.grad_divergence for entry in monitor.history],
+        "sentinel": [report.mismatches, report.compared],
+        "sharded": [local_tensor(param) is not param for param in module.parameters()],
+        "differing": [name for name, ours, theirs in pairs if not torch.equal(ours, theirs)],
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
+        "recomputed_addmm": counter.counts,
+        "plain_pytorch_addmm": _addmm_in_plain_pytorch(module, plan),
+    }
+
+
+def _addmm_in_plain_pytorch(module: RankSizedModule, plan: CheckpointingPlan) -> list[int]:
+    """The ``aten.addmm`` calls a backward of this rank's first batch runs in plain PyTorch on one process, with every
+    block checkpointed, under the plan, and under the plan keeping no op outputs."""
+    x, y = next(iter(module.train_dataloader()))
+    counts = []
+    for setup in ("every block", "plan", "plan keeping nothing"):
+        twin = torch.nn.ModuleDict({"model": _mixed()})
+        if setup == "every block":
+            apply_activation_checkpointing(twin, CheckpointingConfig(names=["model.blocks.*"]))
+        else:
+            plan.apply(twin)
+        if setup == "plan keeping nothing":
+            for name in plan.checkpointed:
+                keep_op_calls(twin.get_submodule(name), ())
+        loss = F.mse_loss(twin["model"](x), y)
+        with _AddmmCount() as mode:
+            loss.backward()
+        counts.append(mode.count)
+    return counts
 
 
 def fit_tensor_parallel(out_dir: Path) -> dict[str, Any]:
@@ -119,6 +226,7 @@ def main(out_dir: Path) -> None:
     op_config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=BUDGET, budget_granularity="op")
     ddp_op = DDPCheckpointingStrategy(checkpointing=op_config, process_group_backend="gloo")
     found["ddp_op"] = fit(RankSizedModule(), ddp_op, out_dir, "op")
+    found["fsdp2_op"] = fit_fsdp2_ops(out_dir)
     pl.seed_everything(0, verbose=False)
     found["tp"] = fit_tensor_parallel(out_dir)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))

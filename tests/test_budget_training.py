@@ -206,6 +206,31 @@ def test_ddp_ranks_at_op_granularity_plan_alike_from_the_largest_op_figures(dist
 
 
 @pytest.mark.slow
+def test_fsdp2_ranks_at_op_granularity_keep_one_plans_op_outputs_and_train_bit_identical_to_a_plain_twin(
+    distributed: list[dict[str, Any]],
+) -> None:
+    ranks = [found["fsdp2_op"] for found in distributed]
+    assert ranks[0]["saved_ops"] == ranks[1]["saved_ops"]
+    assert any(ranks[0]["saved_ops"].values())
+    assert ranks[0]["op_figures"] == ranks[1]["op_figures"] == ranks[1]["own_op_figures"] != ranks[0]["own_op_figures"]
+    planned = [name.removeprefix("model.") for name in ranks[0]["checkpointed"]]
+    for rank in ranks:
+        assert all(rank["sharded"])
+        assert rank["steps"] == [[f"blocks.{index}" for index in range(6)], planned, planned]
+        # The sharded backward recomputes the addmm calls the plan recomputes in plain PyTorch on one process: fewer
+        # than the same regions keeping no op outputs.
+        every, under_plan, keeping_nothing = rank["plain_pytorch_addmm"]
+        assert rank["recomputed_addmm"] == [every, under_plan, under_plan]
+        assert under_plan < keeping_nothing
+        assert not [message for message in rank["warnings"] if "budget_granularity" in message]
+        assert rank["grad_divergence"] == [0.0] * 3
+        mismatches, compared = rank["sentinel"]
+        assert mismatches == 0 < compared
+        # Each local shard equals a plain twin's (same seed, no checkpointing, no monitor).
+        assert rank["differing"] == []
+
+
+@pytest.mark.slow
 def test_tensor_parallel_ranks_measure_their_shards_and_apply_one_plan(distributed: list[dict[str, Any]]) -> None:
     ranks = [found["tp"] for found in distributed]
     assert ranks[0] == ranks[1]
