@@ -4,7 +4,8 @@ What counts as a block's activation memory is decided here, so the figures mean 
 
 * **Distinct storages, counted once.** A saved tensor is charged the bytes of its whole storage
   (``untyped_storage().nbytes()``), and a storage that several saved tensors share (views, a tensor saved by two
-  ops) is charged once. Parameters are never counted (a matmul saves its weight, but that memory exists anyway).
+  ops) is charged once. Parameters and buffers are never counted (a matmul saves its weight, a batch norm updates its
+  running statistics in place, but that memory exists anyway).
 * **Per block, by difference.** Each figure is ``(bytes(model with L blocks) - bytes(same model with 0 blocks)) /
   L``. The zero-block model has the same embedding, final norm, head and loss, so they cancel, and no block needs
   to be told apart from its neighbours; this works for checkpointing by hand (whose saved inputs are taken before
@@ -163,16 +164,16 @@ def _scores(size: ModelSize) -> int:
 
 def forward_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
     """Bytes the loss's graph keeps after one forward: ``(saved through hooks, held alive)``."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    state = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
     saved: dict[tuple[torch.device, int], int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        found = _counted_storage(tensor, parameters)
+        found = _counted_storage(tensor, state)
         if found is not None:
             saved[found[1]] = found[2]
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), _LiveStorages(parameters) as live:
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), _LiveStorages(state) as live:
         loss = lm_loss(model, inputs, targets)
     held = live.held_bytes()
     del loss

@@ -12,7 +12,7 @@ from typing import Any, get_args
 import pytest
 import torch
 
-from benchmarks import compiled, memory, moe, monitor, saved_tensors
+from benchmarks import budget, compiled, memory, moe, monitor, saved_tensors
 from benchmarks.common import ModelSize
 from benchmarks.run import main
 from lightning_ckpt_determinism.verify.digest import DigestTier
@@ -53,6 +53,7 @@ def test_tiny_run_writes_every_section(tiny: tuple[dict[str, Any], str]) -> None
         "lightning",
         "check_cost_ddp",
         "sentinel",
+        "memory_budget",
         "goals",
         "notes",
         "machine",
@@ -204,6 +205,7 @@ def test_goals_and_table(tiny: tuple[dict[str, Any], str]) -> None:
         "<= 1.02",
         "<= 1.02",
         "<= 1.01",
+        *["<= 0.7", "<= 1.0", "<= 1.0"] * 2,
         ">= 0.985",
     ]
     assert result["goals"][3]["name"] == "check cost under DDP in steps"
@@ -217,6 +219,49 @@ def test_goals_and_table(tiny: tuple[dict[str, Any], str]) -> None:
         assert heading in printed
     assert result["machine"]["cpu"] in printed
     assert "JSON written to" in printed
+
+
+def test_the_memory_budget_plans_both_granularities_within_the_budget_and_the_model_keeps_what_they_plan(
+    tiny: tuple[dict[str, Any], str],
+) -> None:
+    result, printed = tiny
+    found = result["memory_budget"]
+    assert list(found) == ["GPT", "conv net (4 channels, 4x4)"]
+    names = [f"{granularity} {share:.0%}" for granularity in budget.GRANULARITIES for share in budget.SHARES]
+    for architecture in found.values():
+        plans = architecture["plans"]
+        assert list(plans) == names
+        assert 0 < architecture["plain_bytes"] <= architecture["candidates_plain_bytes"]
+        for plan in plans.values():
+            assert plan["budget_bytes"] == math.floor(plan["share"] * architecture["candidates_plain_bytes"])
+            assert 0 < plan["planned_bytes"] <= plan["budget_bytes"]
+            # Measured independently of the plan: what it planned, less the kept block outputs that the next block
+            # (or the final norm) keeps anyway and the plan counts twice.
+            assert plan["measured_bytes"] == plan["planned_bytes"] - plan["kept_output_bytes"]
+            assert 0.0 <= plan["roofline_share"] <= 1.0
+        for share in budget.SHARES:
+            module, op = plans[f"module {share:.0%}"], plans[f"op {share:.0%}"]
+            assert module["kept_ops"] == [] and module["kept_output_bytes"] == 0
+            # "Checkpointed keeping nothing" is among the op plan's choices: it never recomputes more.
+            assert op["roofline_share"] <= module["roofline_share"]
+            assert op["roofline_share"] == op["recompute_share"]
+        for granularity in budget.GRANULARITIES:
+            shares = [plans[f"{granularity} {share:.0%}"]["roofline_share"] for share in budget.SHARES]
+            assert shares == sorted(shares, reverse=True)
+        block = architecture["block"]
+        assert block["arithmetic"]["calls"] > 0 and block["memory"]["calls"] > 0
+        assert block["arithmetic"]["calls"] + block["memory"]["calls"] <= block["block"]["calls"]
+        variants = [*names, budget.EVERY_BLOCK, budget.PLAIN, "planning, module", "planning, op"]
+        assert list(architecture["variants"]) == variants
+        assert all(_sane_summary(stats) and stats["n"] == 3 for stats in architecture["variants"].values())
+        assert all(_sane_summary(stats) for stats in architecture["ratios"].values())
+        assert {"op/module 50%", "planning, op/step", f"op 50%/{budget.EVERY_BLOCK}"} <= set(architecture["ratios"])
+    assert [goal["name"] for goal in result["goals"] if goal["name"].startswith("budget ")] == [
+        f"budget 50% {what}, {name}"
+        for name in found
+        for what in ("op/module recompute cost", "op/module step time", "op planning cost in steps")
+    ]
+    assert "5. Memory budget over the blocks, module against op granularity" in printed
 
 
 def test_analytical_figures_reproduce_the_paper() -> None:
