@@ -3,14 +3,21 @@ and 75 % of what the blocks keep plainly, each granularity's plan, its recompute
 model of ``checkpointing/cost.py``, for both), the activation bytes the planned model keeps (measured as ``memory.py``
 measures them, independently of the plan's own figures) against the planned bytes and the budget, and the step time,
 every variant interleaved in one process, with the planning step timed against a training step in the same rounds.
+``python -m benchmarks.budget`` prints the cost model alone on the GPT at several widths (:func:`recompute_by_width`).
+On the CPU the timed rounds run on one torch thread and are timed in that thread's CPU time (``time.thread_time``),
+which other processes on a busy machine do not inflate as they do wall time.
 
 The two granularities are compared in one cost model: the op plan's ``recompute_share`` is in the roofline cost, and
 the module plan's recompute cost is the roofline cost of the blocks it checkpoints (its own ``recompute_share`` is in
 FLOPs; on identical blocks the two agree).
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +42,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     plan_activation_checkpointing,
 )
+from lightning_ckpt_determinism.checkpointing.budget_plan import plan_from_figures
 
 SHARES = (0.25, 0.5, 0.75)
 GRANULARITIES = ("module", "op")
@@ -77,7 +85,7 @@ class ConvNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """A model to plan on: how to build it (same weights each time), its batch, and the class of its blocks.
 
@@ -174,7 +182,9 @@ def run_architecture(arch: Architecture, rounds: int, warmup: int, device: torch
     steps[PLAIN] = _step(arch, arch.build(None))
     for granularity in GRANULARITIES:
         steps[f"planning, {granularity}"] = _planning(arch, granularity)
-    times = interleaved_times(steps, rounds, warmup, device)
+    with _one_thread_on_cpu(device):
+        clock = time.thread_time if device.type == "cpu" else time.perf_counter
+        times = interleaved_times(steps, rounds, warmup, device, clock=clock)
     ratios = {f"{name}/{EVERY_BLOCK}": paired_ratios(times[name], times[EVERY_BLOCK]) for name in plans}
     for share in SHARES:
         ratios[f"op/module {share:.0%}"] = paired_ratios(times[f"op {share:.0%}"], times[f"module {share:.0%}"])
@@ -260,3 +270,74 @@ def _planning(arch: Architecture, granularity: str) -> Callable[[], None]:
         model.zero_grad(set_to_none=True)
 
     return planning
+
+
+@contextmanager
+def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """One torch thread on the CPU, so that the work runs on this thread and its CPU time is what it costs."""
+    previous = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def recompute_by_width(size: ModelSize, dims: Sequence[int], device: torch.device) -> dict[int, dict[str, float]]:
+    """The cost model alone, on the GPT at each width of ``dims`` (the rest of ``size`` kept): from one measured step
+    each, both granularities' recompute cost at :data:`PLANNED_SHARE`, and what a block's matmul outputs and its other
+    op outputs cost to recompute per byte kept. No step is timed.
+
+    Args:
+        size: The GPT's shape; its ``dim`` is replaced.
+        dims: The widths.
+        device: Where to run.
+
+    Returns:
+        ``{dim: {"module", "op", "op/module", "matmul cost per byte", "other cost per byte"}}``.
+    """
+    found = {}
+    for dim in dims:
+        arch = architectures(dataclasses.replace(size, dim=dim), device)[0]
+        plan = _plan(arch, arch.build(None), PLANNED_SHARE, "op")
+        module = plan_from_figures(plan.candidates, dataclasses.replace(plan.config, budget_granularity="module"))
+        costs = {entry.name: entry.cost for entry in plan.candidates}
+        module_share = sum(costs[name] for name in module.checkpointed) / sum(costs.values())
+        kinds = _block_anatomy(plan)
+        found[dim] = {
+            "module": module_share,
+            "op": plan.recompute_share,
+            "op/module": plan.recompute_share / module_share,
+            "matmul cost per byte": kinds["arithmetic"]["cost"] / kinds["arithmetic"]["bytes"],
+            "other cost per byte": kinds["memory"]["cost"] / kinds["memory"]["bytes"],
+        }
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print :func:`recompute_by_width` as a markdown table.
+
+    Args:
+        argv: Command-line arguments without the program name; ``None`` reads ``sys.argv``.
+
+    Returns:
+        ``0``.
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.budget", description=recompute_by_width.__doc__)
+    parser.add_argument("--widths", default="128,256,512,1024", help="The GPT's widths (default: 128,256,512,1024).")
+    args = parser.parse_args(argv)
+    size = ModelSize(layers=4, dim=128, heads=4, seq_len=64, batch_size=8, vocab_size=256)
+    found = recompute_by_width(size, [int(dim) for dim in args.widths.split(",")], torch.device("cpu"))
+    print("| width | module | op | op / module | matmul outputs, cost per byte | other outputs, cost per byte |")
+    print("|---|---|---|---|---|---|")
+    for dim, row in found.items():
+        print(
+            f"| {dim} | {row['module']:.1%} | {row['op']:.1%} | {row['op/module']:.3f}"
+            f" | {row['matmul cost per byte']:.2f} | {row['other cost per byte']:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -389,7 +389,8 @@ def _notes(result: dict[str, Any]) -> list[str]:
         " share of the cost. 'state capture' is the StepState a check takes at the step's start.",
         "Memory budget: each plan from its own measured step (plan_activation_checkpointing), applied, its kept bytes"
         " measured as in section 2 ('held (live)', the model with 0 blocks subtracted) and its training step timed"
-        " with every variant interleaved; recompute cost is the roofline model's (the op plan's recompute_share;"
+        " with every variant interleaved (on the CPU on one torch thread, in the thread's CPU time, which other"
+        " processes do not inflate); recompute cost is the roofline model's (the op plan's recompute_share;"
         " for the module plan, the cost of the blocks it checkpoints). Planning: one plan_activation_checkpointing"
         " at 50 % (a forward and backward with every block checkpointed, measured, and the solve) over a training"
         " step with every block checkpointed; its cost in steps is that ratio less 1.",

@@ -1,5 +1,6 @@
 """Write the docs made from the code and from measurements: ``causes.md`` from ``CAUSE_HINTS`` and the broken
-example configs, and the tables of ``performance.md`` from ``benchmark-cpu.json`` (``benchmarks/run.py --json``).
+example configs, the tables of ``performance.md`` from ``benchmark-cpu.json`` (``benchmarks/run.py --json``), and those
+of ``memory-budget.md`` from ``benchmark-budget-cpu.json`` (``benchmarks/run.py --only memory_budget --json``).
 
 Usage: ``python docs/generate.py`` (from the repository root). ``tests/test_docs.py`` checks that the committed pages
 equal what this writes, so the pages cannot drift from the code or from the measured figures.
@@ -22,8 +23,11 @@ CONFIGS = ROOT / "examples" / "configs"
 CAUSES_PAGE = ROOT / "docs" / "causes.md"
 PERFORMANCE_PAGE = ROOT / "docs" / "performance.md"
 BENCHMARK = ROOT / "docs" / "benchmark-cpu.json"
+BUDGET_PAGE = ROOT / "docs" / "memory-budget.md"
+BUDGET_BENCHMARK = ROOT / "docs" / "benchmark-budget-cpu.json"
 TIERS = get_args(DigestTier)
 TABLES = re.compile(r"(<!-- tables: begin -->\n).*?(<!-- tables: end -->)", re.DOTALL)
+BUDGET_TABLES = re.compile(r"(<!-- budget tables: begin -->\n).*?(<!-- budget tables: end -->)", re.DOTALL)
 
 
 def _example(cause: str) -> str:
@@ -210,11 +214,81 @@ def performance_page(text: str, result: dict[str, Any]) -> str:
     return TABLES.sub(lambda match: match[1] + performance_tables(result) + match[2], text)
 
 
+def budget_tables(result: dict[str, Any]) -> str:
+    """The tables of ``docs/memory-budget.md``, from one ``benchmarks/run.py --only memory_budget`` JSON."""
+    machine, found = result["machine"], result["memory_budget"]
+    lines = [
+        f"Measured with `nice -n 10 {result['command']}` on {machine['cpu']}, {machine['cores']} cores (shared, busy),"
+        f" torch {machine['torch']} ({machine['torch_threads']} threads), {result['repeats']['rounds']} interleaved"
+        f" rounds after {result['repeats']['warmup']} warm-up rounds, {result['wall_s']:.0f} s in all. Recompute cost"
+        " is the roofline model's at both granularities; step times are medians of per-round ratios.",
+        "",
+    ]
+    for name, architecture in found.items():
+        lines += _budget_architecture_table(name, architecture)
+    share = "50%"
+    names = list(found)
+
+    def row(label: str, cell: Callable[[dict[str, Any]], str], goal: str) -> str:
+        return f"| {label} | {' | '.join(cell(found[name]) for name in names)} | {goal} |"
+
+    def ratio(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda architecture: _spread(architecture["ratios"][key])
+
+    lines += [
+        f"| at a budget of {share} | {' | '.join(names)} | goal |",
+        "|---" * (len(names) + 2) + "|",
+        row("op / module recompute cost", partial(_cost_ratio, share=share), "≤ 0.7"),
+        row("op / module step time", ratio(f"op/module {share}"), "≤ 1"),
+        row("planning step (module) / training step", ratio("planning, module/step"), ""),
+        row("planning step (op) / training step", ratio("planning, op/step"), "≤ 2"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _cost_ratio(architecture: dict[str, Any], share: str) -> str:
+    plans = architecture["plans"]
+    return f"**{plans[f'op {share}']['roofline_share'] / plans[f'module {share}']['roofline_share']:.3f}**"
+
+
+def _budget_architecture_table(name: str, architecture: dict[str, Any]) -> list[str]:
+    mib = 1024 * 1024
+    block = architecture["block"]
+    arithmetic, memory, whole = block["arithmetic"], block["memory"], block["block"]
+    lines = [
+        f"{name}: the blocks keep {architecture['plain_bytes'] / mib:.2f} MiB plainly. A block runs {whole['calls']}"
+        f" op calls; {arithmetic['calls']} matrix products or convolutions own {arithmetic['bytes'] / mib:.2f} MiB of"
+        f" output at {arithmetic['cost'] / whole['cost']:.0%} of its recompute cost, {memory['calls']} other ops"
+        f" {memory['bytes'] / mib:.2f} MiB at {memory['cost'] / whole['cost']:.0%}.",
+        "",
+        "| budget | granularity | checkpointed | op outputs kept | planned, MiB | measured, MiB | recompute cost"
+        " | step / every block checkpointed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for plan_name, plan in architecture["plans"].items():
+        step = architecture["ratios"][f"{plan_name}/every block"]
+        lines.append(
+            f"| {plan['share']:.0%} | {plan['granularity']} | {len(plan['checkpointed'])}"
+            f" | {len(plan['kept_ops'])} | {plan['planned_bytes'] / mib:.2f} | {plan['measured_bytes'] / mib:.2f}"
+            f" | {plan['roofline_share']:.1%} | {step['median']:.3f} |"
+        )
+    return [*lines, ""]
+
+
+def budget_page(text: str, result: dict[str, Any]) -> str:
+    """``text`` (the memory budget page) with its budget tables block made from ``result``."""
+    if not BUDGET_TABLES.search(text):
+        raise SystemExit("docs/memory-budget.md has no `<!-- budget tables: begin -->` ... `<!-- ... end -->` block")
+    return BUDGET_TABLES.sub(lambda match: match[1] + budget_tables(result) + match[2], text)
+
+
 def main() -> int:
     CAUSES_PAGE.write_text(causes_page())
     result = json.loads(BENCHMARK.read_text())
     PERFORMANCE_PAGE.write_text(performance_page(PERFORMANCE_PAGE.read_text(), result))
-    for page in (CAUSES_PAGE, PERFORMANCE_PAGE):
+    BUDGET_PAGE.write_text(budget_page(BUDGET_PAGE.read_text(), json.loads(BUDGET_BENCHMARK.read_text())))
+    for page in (CAUSES_PAGE, PERFORMANCE_PAGE, BUDGET_PAGE):
         print(f"wrote {page.relative_to(ROOT)}")
     return 0
 

@@ -197,6 +197,13 @@ def test_the_performance_tables_are_made_from_the_benchmark_json() -> None:
     assert text == generate.performance_page(text, json.loads((REPO / "docs" / "benchmark-cpu.json").read_text()))
 
 
+def test_the_memory_budget_tables_are_made_from_the_budget_benchmark_json() -> None:
+    text = (REPO / "docs" / "memory-budget.md").read_text()
+    result = json.loads((REPO / "docs" / "benchmark-budget-cpu.json").read_text())
+    assert "<!-- budget tables: begin -->" in text
+    assert text == generate.budget_page(text, result)
+
+
 def test_the_api_reference_covers_every_public_name() -> None:
     reference = (REPO / "docs" / "api.md").read_text()
     documented = set(re.findall(r"^::: lightning_ckpt_determinism\.(\w+)$", reference, re.MULTILINE))
