@@ -218,10 +218,11 @@ def budget_tables(result: dict[str, Any]) -> str:
     """The tables of ``docs/memory-budget.md``, from one ``benchmarks/run.py --only memory_budget`` JSON."""
     machine, found = result["machine"], result["memory_budget"]
     lines = [
-        f"Measured with `nice -n 10 {result['command']}` on {machine['cpu']}, {machine['cores']} cores (shared, busy),"
-        f" torch {machine['torch']} ({machine['torch_threads']} threads), {result['repeats']['rounds']} interleaved"
-        f" rounds after {result['repeats']['warmup']} warm-up rounds, {result['wall_s']:.0f} s in all. Recompute cost"
-        " is the roofline model's at both granularities; step times are medians of per-round ratios.",
+        f"Measured with `nice -n 10 {result['command']}` on {machine['cpu']}, {machine['cores']} cores, torch"
+        f" {machine['torch']}, device {result['device']}, {result['repeats']['rounds']} interleaved rounds after"
+        f" {result['repeats']['warmup']} warm-up rounds ({result['wall_s']:.0f} s in all). Recompute cost is the"
+        " roofline model's at both granularities; step times are medians of per-round ratios (on the CPU, of one"
+        " torch thread's CPU time).",
         "",
     ]
     for name, architecture in found.items():
