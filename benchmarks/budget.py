@@ -155,49 +155,53 @@ def run_architecture(arch: Architecture, rounds: int, warmup: int, device: torch
         "planning, <granularity>/step"}}``.
     """
     without_blocks = _held(arch, arch.build(0))
-    plain = _held(arch, arch.build(None)) - without_blocks
+    made: dict[str, CheckpointingPlan] = {}
     plans: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], object]] = {}
-    costs: dict[str, int] = {}
     for granularity in GRANULARITIES:
         for share in SHARES:
             model = arch.build(None)
-            plan = _plan(arch, model, share, granularity)
+            name = f"{granularity} {share:.0%}"
+            made[name] = plan = _plan(arch, model, share, granularity)
             model.zero_grad(set_to_none=True)
             plan.apply(model)
-            name = f"{granularity} {share:.0%}"
             plans[name] = _figures(plan, granularity, share, _held(arch, model) - without_blocks)
             steps[name] = _step(arch, model)
-            if granularity == "op":
-                costs = {entry.name: entry.cost for entry in plan.candidates}
-                block = _block_anatomy(plan)
-                candidates_plain = sum(entry.plain_bytes for entry in plan.candidates)
+    # Every op plan measured the same figures: its roofline costs price the module plans' blocks too.
+    measured = made[f"op {SHARES[0]:.0%}"]
+    costs = {entry.name: entry.cost for entry in measured.candidates}
     for entry in plans.values():
-        # The op plan's own share is in the roofline model; the module plan recomputes its blocks whole.
         module_share = sum(costs[name] for name in entry["checkpointed"]) / sum(costs.values())
         entry["roofline_share"] = entry["recompute_share"] if entry["granularity"] == "op" else module_share
-    every = arch.build(None)
-    apply_activation_checkpointing(every, CheckpointingConfig(classes=[arch.block_class]))
-    steps[EVERY_BLOCK] = _step(arch, every)
-    steps[PLAIN] = _step(arch, arch.build(None))
-    for granularity in GRANULARITIES:
-        steps[f"planning, {granularity}"] = _planning(arch, granularity)
-    with _one_thread_on_cpu(device):
-        clock = time.thread_time if device.type == "cpu" else time.perf_counter
-        times = interleaved_times(steps, rounds, warmup, device, clock=clock)
+    times = _timed(arch, steps, rounds, warmup, device)
     ratios = {f"{name}/{EVERY_BLOCK}": paired_ratios(times[name], times[EVERY_BLOCK]) for name in plans}
     for share in SHARES:
         ratios[f"op/module {share:.0%}"] = paired_ratios(times[f"op {share:.0%}"], times[f"module {share:.0%}"])
     for granularity in GRANULARITIES:
         ratios[f"planning, {granularity}/step"] = paired_ratios(times[f"planning, {granularity}"], times[EVERY_BLOCK])
     return {
-        "plain_bytes": plain,
-        "candidates_plain_bytes": candidates_plain,
-        "block": block,
+        "plain_bytes": _held(arch, arch.build(None)) - without_blocks,
+        "candidates_plain_bytes": sum(entry.plain_bytes for entry in measured.candidates),
+        "block": _block_anatomy(measured),
         "plans": plans,
         "variants": {name: summary(samples) for name, samples in times.items()},
         "ratios": {name: summary(samples) for name, samples in ratios.items()},
     }
+
+
+def _timed(
+    arch: Architecture, steps: dict[str, Callable[[], object]], rounds: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
+    """The planned models' steps, with every block checkpointed, without checkpointing, and the planning step at each
+    granularity, interleaved (on the CPU in one thread's CPU time)."""
+    every = arch.build(None)
+    apply_activation_checkpointing(every, CheckpointingConfig(classes=[arch.block_class]))
+    steps = {**steps, EVERY_BLOCK: _step(arch, every), PLAIN: _step(arch, arch.build(None))}
+    for granularity in GRANULARITIES:
+        steps[f"planning, {granularity}"] = _planning(arch, granularity)
+    with _one_thread_on_cpu(device):
+        clock = time.thread_time if device.type == "cpu" else time.perf_counter
+        return interleaved_times(steps, rounds, warmup, device, clock=clock)
 
 
 def _plan(arch: Architecture, model: nn.Module, share: float, granularity: str) -> CheckpointingPlan:
