@@ -7,9 +7,8 @@ every variant interleaved in one process, with the planning step timed against a
 On the CPU the timed rounds run on one torch thread and are timed in that thread's CPU time (``time.thread_time``),
 which other processes on a busy machine do not inflate as they do wall time.
 
-The two granularities are compared in one cost model: the op plan's ``recompute_share`` is in the roofline cost, and
-the module plan's recompute cost is the roofline cost of the blocks it checkpoints (its own ``recompute_share`` is in
-FLOPs; on identical blocks the two agree).
+Both granularities plan in one cost model, the fixed roofline (``budget_cost="roofline"``), and each plan's
+``recompute_share`` is in it.
 """
 
 import argparse
@@ -150,7 +149,7 @@ def run_architecture(arch: Architecture, rounds: int, warmup: int, device: torch
     Returns:
         ``{"plain_bytes": measured, "candidates_plain_bytes": the plan's figures added up, "block": the first block's
         op calls by kind, "plans": {"<granularity> <share>": {"granularity", "share", "checkpointed", "budget_bytes",
-        "planned_bytes", "measured_bytes", "recompute_share", "roofline_share", "recomputed_flops_share", "kept_ops",
+        "planned_bytes", "measured_bytes", "recompute_share", "recomputed_flops_share", "kept_ops",
         "kept_output_bytes"}}, "variants": {name: step times}, "ratios": {"<plan>/every block", "op/module <share>",
         "planning, <granularity>/step"}}``.
     """
@@ -167,12 +166,7 @@ def run_architecture(arch: Architecture, rounds: int, warmup: int, device: torch
             plan.apply(model)
             plans[name] = _figures(plan, granularity, share, _held(arch, model) - without_blocks)
             steps[name] = _step(arch, model)
-    # Every op plan measured the same figures: its roofline costs price the module plans' blocks too.
     measured = made[f"op {SHARES[0]:.0%}"]
-    costs = {entry.name: entry.cost for entry in measured.candidates}
-    for entry in plans.values():
-        module_share = sum(costs[name] for name in entry["checkpointed"]) / sum(costs.values())
-        entry["roofline_share"] = entry["recompute_share"] if entry["granularity"] == "op" else module_share
     times = _timed(arch, steps, rounds, warmup, device)
     ratios = {f"{name}/{EVERY_BLOCK}": paired_ratios(times[name], times[EVERY_BLOCK]) for name in plans}
     for share in SHARES:
@@ -209,6 +203,7 @@ def _plan(arch: Architecture, model: nn.Module, share: float, granularity: str) 
         classes=[arch.block_class],
         memory_budget=share,
         budget_granularity=granularity,  # type: ignore[arg-type]
+        budget_cost="roofline",
     )
     return plan_activation_checkpointing(model, config, lambda: lm_loss(model, arch.inputs, arch.targets).backward())
 
@@ -306,13 +301,11 @@ def recompute_by_width(size: ModelSize, dims: Sequence[int], device: torch.devic
         arch = architectures(dataclasses.replace(size, dim=dim), device)[0]
         plan = _plan(arch, arch.build(None), PLANNED_SHARE, "op")
         module = plan_from_figures(plan.candidates, dataclasses.replace(plan.config, budget_granularity="module"))
-        costs = {entry.name: entry.cost for entry in plan.candidates}
-        module_share = sum(costs[name] for name in module.checkpointed) / sum(costs.values())
         kinds = _block_anatomy(plan)
         found[dim] = {
-            "module": module_share,
+            "module": module.recompute_share,
             "op": plan.recompute_share,
-            "op/module": plan.recompute_share / module_share,
+            "op/module": plan.recompute_share / module.recompute_share,
             "matmul cost per byte": kinds["arithmetic"]["cost"] / kinds["arithmetic"]["bytes"],
             "other cost per byte": kinds["memory"]["cost"] / kinds["memory"]["bytes"],
         }

@@ -321,8 +321,8 @@ def _budget_goals(found: dict[str, Any]) -> list[tuple[str, float, str, float]]:
     goals = []
     for name, architecture in found.items():
         plans, ratios = architecture["plans"], architecture["ratios"]
-        module = plans[f"module {share}"]["roofline_share"]
-        op = plans[f"op {share}"]["roofline_share"] / module if module else 1.0
+        module = plans[f"module {share}"]["recompute_share"]
+        op = plans[f"op {share}"]["recompute_share"] / module if module else 1.0
         goals += [
             (f"budget {share} op/module recompute cost, {name}", op, "<=", GOAL_OP_OVER_MODULE_RECOMPUTE),
             (f"budget {share} op/module step time, {name}", ratios[f"op/module {share}"]["median"], "<=", 1.0),
@@ -390,8 +390,8 @@ def _notes(result: dict[str, Any]) -> list[str]:
         "Memory budget: each plan from its own measured step (plan_activation_checkpointing), applied, its kept bytes"
         " measured as in section 2 ('held (live)', the model with 0 blocks subtracted) and its training step timed"
         " with every variant interleaved (on the CPU on one torch thread, in the thread's CPU time, which other"
-        " processes do not inflate); recompute cost is the roofline model's (the op plan's recompute_share;"
-        " for the module plan, the cost of the blocks it checkpoints). Planning: one plan_activation_checkpointing"
+        " processes do not inflate); recompute cost is each plan's recompute_share, in the fixed roofline model"
+        " (budget_cost='roofline') at both granularities. Planning: one plan_activation_checkpointing"
         " at 50 % (a forward and backward with every block checkpointed, measured, and the solve) over a training"
         " step with every block checkpointed; its cost in steps is that ratio less 1.",
         "Sentinel: whole Trainer.fit times with RecomputationMonitor(sentinel=...) checking the first step only, the"
@@ -527,7 +527,7 @@ def _budget_architecture_lines(name: str, found: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {plan_name:<11}  {len(plan['checkpointed']):>12}  {len(plan['kept_ops']):>8}"
             f"  {plan['budget_bytes'] / 2**20:>10.2f}  {plan['planned_bytes'] / 2**20:>11.2f}"
-            f"  {plan['measured_bytes'] / 2**20:>12.2f}  {plan['roofline_share']:>14.1%}  {step:>16.3f}"
+            f"  {plan['measured_bytes'] / 2**20:>12.2f}  {plan['recompute_share']:>14.1%}  {step:>16.3f}"
         )
     lines.append(_header("step time, ms"))
     lines += [_stat_line(variant, stats, _ms) for variant, stats in found["variants"].items()]

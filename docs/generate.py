@@ -250,7 +250,7 @@ def budget_tables(result: dict[str, Any]) -> str:
 
 def _cost_ratio(architecture: dict[str, Any], share: str) -> str:
     plans = architecture["plans"]
-    return f"**{plans[f'op {share}']['roofline_share'] / plans[f'module {share}']['roofline_share']:.3f}**"
+    return f"**{plans[f'op {share}']['recompute_share'] / plans[f'module {share}']['recompute_share']:.3f}**"
 
 
 def _budget_architecture_table(name: str, architecture: dict[str, Any]) -> list[str]:
@@ -272,7 +272,7 @@ def _budget_architecture_table(name: str, architecture: dict[str, Any]) -> list[
         lines.append(
             f"| {plan['share']:.0%} | {plan['granularity']} | {len(plan['checkpointed'])}"
             f" | {len(plan['kept_ops'])} | {plan['planned_bytes'] / mib:.2f} | {plan['measured_bytes'] / mib:.2f}"
-            f" | {plan['roofline_share']:.1%} | {step['median']:.3f} |"
+            f" | {plan['recompute_share']:.1%} | {step['median']:.3f} |"
         )
     return [*lines, ""]
 
