@@ -50,6 +50,13 @@ def parser() -> argparse.ArgumentParser:
     audit.add_argument("--batches", type=_positive_int, default=1, help="training batches to check (default 1)")
     audit.add_argument("--json", type=Path, help="also write the full report as JSON to this file")
     audit.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH.svg",
+        help="with a `memory_budget` in the config: also draw its trade-off (kept bytes against recompute cost, at"
+        " module and op granularity) as an SVG picture to this file",
+    )
+    audit.add_argument(
         "--tolerance", type=_non_negative_float, default=0.0, help="largest gradient divergence counted as equal"
     )
     audit.add_argument(

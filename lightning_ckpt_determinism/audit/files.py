@@ -20,37 +20,38 @@ _SPECIAL_FILES = (
 )
 
 
-def json_target(path: Path, configs: list[Path]) -> Path:
-    """The file ``--json`` names (through symbolic links), once it is known that the report can replace it.
+def json_target(path: Path, configs: list[Path], option: str = "--json") -> Path:
+    """The file ``--json`` (or another ``option`` that writes a file) names (through symbolic links), once it is known
+    that the report can replace it.
 
     An existing path must be a regular file the user may write; the directory must take a new file, as the report
     is written beside the target first and then moved onto it. Nothing of the user's is removed.
     """
     target = Path(os.path.realpath(path))
     if any(target == Path(os.path.realpath(config)) for config in configs):
-        raise UsageError(f"`--json` {str(path)!r} is the `--config` file; give another path for the report")
+        raise UsageError(f"`{option}` {str(path)!r} is the `--config` file; give another path for the report")
     if target.exists():
         mode = target.stat().st_mode
         if stat.S_ISDIR(mode):
-            raise UsageError(f"`--json` {str(path)!r} is a directory; give the path of a file in it for the report")
+            raise UsageError(f"`{option}` {str(path)!r} is a directory; give the path of a file in it for the report")
         if not stat.S_ISREG(mode):
             kind = next((kind for test, kind in _SPECIAL_FILES if test(mode)), "not a regular file")
             raise UsageError(
-                f"`--json` {str(path)!r} is {kind}; the report goes to a new or an existing regular file: give the"
+                f"`{option}` {str(path)!r} is {kind}; the report goes to a new or an existing regular file: give the"
                 " path of one"
             )
         if not os.access(target, os.W_OK):
             raise UsageError(
-                f"`--json` {str(path)!r} is read-only (mode {stat.S_IMODE(mode):o}); make it writable (chmod u+w) or"
+                f"`{option}` {str(path)!r} is read-only (mode {stat.S_IMODE(mode):o}); make it writable (chmod u+w) or"
                 " give another path"
             )
     elif not target.parent.is_dir():
-        raise UsageError(f"`--json` {str(path)!r} cannot be written: {str(target.parent)!r} is no directory")
+        raise UsageError(f"`{option}` {str(path)!r} cannot be written: {str(target.parent)!r} is no directory")
     try:
         os.unlink(_create_beside(target))
     except OSError as err:
         raise UsageError(
-            f"`--json` {str(path)!r} cannot be written: no new file can be made in {str(target.parent)!r}"
+            f"`{option}` {str(path)!r} cannot be written: no new file can be made in {str(target.parent)!r}"
             f" ({err.strerror or err}); give a path in a writable directory"
         ) from err
     return target

@@ -11,7 +11,7 @@ from lightning_ckpt_determinism.verify.core import step_cause
 from lightning_ckpt_determinism.verify.outcome import Verdict, region_outcome, report_diverged, worse
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 
-__all__ = ["RegionSummary", "diverged", "document", "footer", "scan_notes", "shortfall_note", "summarize", "table"]
+__all__ = ["diverged", "document", "footer", "scan_notes", "shortfall_note", "summarize", "table"]
 
 
 @dataclass
@@ -162,8 +162,10 @@ def document(
     reports: list[RecomputationReport],
     summaries: list[RegionSummary],
     notes: list[str],
+    budget: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON report: the run's settings, the verdict, the notes, each region's summary and every check."""
+    """The JSON report: the run's settings, the verdict, the notes, each region's summary, every check, and the
+    ``memory_budget``'s trade-off (``None`` without one)."""
     return {
         "config": str(args.config[0]),
         "configs": [str(config) for config in args.config],
@@ -177,4 +179,5 @@ def document(
         "regions": [asdict(summary) for summary in summaries],
         "buffer_mutations": list(dict.fromkeys(name for report in reports for name in report.buffer_mutations)),
         "checks": [asdict(report) for report in reports],
+        "memory_budget": budget,
     }

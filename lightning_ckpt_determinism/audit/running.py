@@ -35,8 +35,8 @@ from lightning_ckpt_determinism.audit.loading import (
     quiet_lightning,
     train_dataloader,
 )
+from lightning_ckpt_determinism.audit.plot import trade_off_svg
 from lightning_ckpt_determinism.audit.rendering import (
-    RegionSummary,
     diverged,
     document,
     footer,
@@ -45,8 +45,13 @@ from lightning_ckpt_determinism.audit.rendering import (
     summarize,
     table,
 )
-from lightning_ckpt_determinism.audit.trade_off import trade_off_table
-from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, plan_activation_checkpointing
+from lightning_ckpt_determinism.audit.trade_off import trade_off, trade_off_table
+from lightning_ckpt_determinism.checkpointing.budget_plan import (
+    CheckpointingPlan,
+    check_plannable,
+    measure_candidates,
+    plan_from_figures,
+)
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
@@ -113,9 +118,16 @@ def _importable_from(directory: str) -> Iterator[None]:
 def _audit(args: argparse.Namespace) -> int:
     # Before the audit, which may run for minutes: a report that cannot be written is a usage error.
     target = json_target(args.json, args.config) if args.json is not None else None
+    picture = _plot_target(args)
     with quiet_lightning():
         cli = build(args)
     strategy = cli.trainer.strategy
+    budgeted = cast(ActivationCheckpointingMixin, strategy).checkpointing.memory_budget is not None
+    if picture is not None and not budgeted:
+        raise UsageError(
+            f"`--plot` {str(args.plot)!r} draws a `memory_budget`'s trade-off, and {configs_text(args.config)} sets"
+            " none: set `memory_budget` under `trainer.strategy.init_args.checkpointing`, or leave out `--plot`"
+        )
     notes = one_process_notes(strategy) + fit_notes(cli.fit_arguments)
     loader = train_dataloader(cli)
     with quiet_lightning():
@@ -130,13 +142,35 @@ def _audit(args: argparse.Namespace) -> int:
     if scan is not None:
         notes.extend(scan_notes(scan))
     summaries = summarize(reports)
-    if cast(ActivationCheckpointingMixin, strategy).checkpointing.memory_budget is not None:
-        print(trade_off_table(_plan(model, strategy, loader)) + "\n")
+    found = None
+    if budgeted:
+        plan = _plan(model, strategy, loader)
+        found = trade_off(plan)
+        print(trade_off_table(found, plan) + "\n")
     print(table(summaries))
     print(footer(reports, summaries, notes, args))
     if target is not None:
-        _write_json(args, target, str(strategy.root_device), reports, summaries, notes)
+        budget = found.figures() if found is not None else None
+        report = document(args, str(strategy.root_device), reports, summaries, notes, budget)
+        _write(args.json, target, json.dumps(finite(report), indent=2) + "\n", "--json", "report")
+    if picture is not None and found is not None:
+        _write(args.plot, picture, trade_off_svg(found), "--plot", "picture")
     return EXIT_DIVERGED if diverged(reports) else EXIT_OK
+
+
+def _plot_target(args: argparse.Namespace) -> Path | None:
+    """Where ``--plot`` writes, checked before the audit starts."""
+    if args.plot is None:
+        return None
+    if args.plot.suffix.lower() != ".svg":
+        raise UsageError(
+            f"`--plot` {str(args.plot)!r} must end in .svg: the trade-off is drawn as an SVG picture; give a path such"
+            " as trade-off.svg"
+        )
+    picture = json_target(args.plot, args.config, "--plot")
+    if args.json is not None and json_target(args.json, args.config) == picture:
+        raise UsageError(f"`--plot` {str(args.plot)!r} is the `--json` file; give each its own path")
+    return picture
 
 
 def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
@@ -151,7 +185,12 @@ def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
 
 
 def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> CheckpointingPlan:
-    """The plan for the config's ``memory_budget``, measured on the first batch that gives a loss."""
+    """The plan for the config's ``memory_budget``, measured on the first batch that gives a loss, with each
+    candidate's op calls, from which the trade-off plans both granularities."""
+    try:
+        check_plannable(strategy.checkpointing, strategy.root_device)
+    except CheckpointingConfigError as err:
+        raise UsageError(str(err)) from err
     for batch_idx, batch in enumerate(loader):
         batch = model.transfer_batch_to_device(batch, strategy.root_device, 0)
 
@@ -160,7 +199,8 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
 
         try:
             with strategy.precision_plugin.train_step_context(), logging_suppressed(model):
-                return plan_activation_checkpointing(model, strategy.checkpointing, step)
+                figures = measure_candidates(model, strategy.checkpointing, step, ops=True)
+            return plan_from_figures(figures, strategy.checkpointing)
         except SkippedStep:
             continue
         except CheckpointingConfigError as err:
@@ -212,19 +252,11 @@ def _check_batch(
         raise UsageError(f"the training step fails without checkpointing: {type(err).__name__}: {err}") from err
 
 
-def _write_json(
-    args: argparse.Namespace,
-    target: Path,
-    device: str,
-    reports: list[RecomputationReport],
-    summaries: list[RegionSummary],
-    notes: list[str],
-) -> None:
-    text = json.dumps(finite(document(args, device, reports, summaries, notes)), indent=2) + "\n"
+def _write(given: Path, target: Path, text: str, option: str, what: str) -> None:
     try:
         replace_atomically(target, text)
     except OSError as err:
         raise UsageError(
-            f"`--json` {str(args.json)!r} cannot be written: {err.strerror or err}; the verdict above stands, but no"
-            " report was written (an existing file is unchanged)"
+            f"`{option}` {str(given)!r} cannot be written: {err.strerror or err}; the verdict above stands, but no"
+            f" {what} was written (an existing file is unchanged)"
         ) from err

@@ -1,58 +1,183 @@
 """The audit's view of a ``memory_budget``: the trade-off between the bytes the candidates keep and what they
-recompute, for each number of checkpointed candidates, then the plan for the budget."""
+recompute, at module and at op granularity, from one measured step.
+
+Each granularity's curve is its plan at :data:`SWEEP` budgets, from the least any plan can keep to everything kept
+plainly: at op granularity that is the exact optimum at each budget; at module granularity it is what the module plan
+chooses (the fewest FLOPs recomputed). Both are costed alike, in the roofline model that op granularity plans in
+(:mod:`~lightning_ckpt_determinism.checkpointing.cost`): the share of the candidates' recompute cost that the plan
+recomputes. Op granularity can choose whatever module granularity chooses, so its curve never lies above the other.
+"""
+
+import warnings
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
 from lightning_ckpt_determinism._text import aligned
-from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, format_bytes
+from lightning_ckpt_determinism.checkpointing.budget_plan import CheckpointingPlan, format_bytes, plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
+from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
-__all__ = ["trade_off", "trade_off_table"]
+__all__ = ["GRANULARITIES", "SWEEP", "TradeOff", "TradeOffPoint", "trade_off", "trade_off_table"]
+
+SWEEP = 20
+"""How many budgets each curve is planned at."""
+
+GRANULARITIES: tuple[Literal["module", "op"], ...] = ("module", "op")
+"""The granularities the trade-off compares, in the order it shows them."""
 
 
-def trade_off(candidates: tuple[RegionFigures, ...]) -> list[tuple[int, int, float]]:
-    """For each number ``k`` of checkpointed candidates, the least bytes they keep and the share of their forward
-    FLOPs recomputed then: the ``k`` candidates whose checkpointing saves the most bytes are checkpointed (those that
-    did not run in the measured step always are).
+@dataclass(frozen=True)
+class TradeOffPoint:
+    """One plan on a trade-off curve.
 
-    Args:
-        candidates: The plan's figures.
-
-    Returns:
-        ``(k, kept_bytes, recomputed_flops_share)`` for each ``k`` from the fewest to every candidate.
+    Attributes:
+        budget_bytes: The budget it was planned for.
+        kept_bytes: What the candidates keep under it.
+        recompute_share: The share of the candidates' recompute cost it recomputes, in the roofline model.
+        checkpointed: How many candidates it checkpoints.
+        kept_ops: How many op outputs the checkpointed candidates keep (0 at module granularity).
 
     Example::
 
-        >>> figures = (RegionFigures("0", 100, 10, 5, 1), RegionFigures("1", 60, 10, 15, 1))
-        >>> trade_off(figures)
-        [(0, 160, 0.0), (1, 70, 0.25), (2, 20, 1.0)]
+        >>> TradeOffPoint(budget_bytes=100, kept_bytes=90, recompute_share=0.5, checkpointed=1, kept_ops=0).kept_bytes
+        90
     """
-    ran = [figures for figures in candidates if figures.calls]
-    idle = [figures for figures in candidates if not figures.calls]
-    by_saving = sorted(ran, key=lambda figures: figures.saving, reverse=True)
-    total_flops = sum(figures.flops for figures in candidates)
-    rows = []
-    for count in range(len(ran) + 1):
-        chosen = [*idle, *by_saving[:count]]
-        plain = by_saving[count:]
-        kept = sum(figures.checkpointed_bytes for figures in chosen) + sum(figures.plain_bytes for figures in plain)
-        recomputed = sum(figures.flops for figures in chosen)
-        rows.append((len(chosen), kept, recomputed / total_flops if total_flops else 0.0))
-    return rows
+
+    budget_bytes: int
+    kept_bytes: int
+    recompute_share: float
+    checkpointed: int
+    kept_ops: int
 
 
-def trade_off_table(plan: CheckpointingPlan) -> str:
-    """The trade-off of :func:`trade_off` as a table, the plan's row marked, followed by the plan itself.
+@dataclass(frozen=True)
+class TradeOff:
+    """The trade-off at both granularities, and the plans for the config's budget.
+
+    Attributes:
+        granularity: The granularity the config plans at.
+        budget_bytes: The config's budget, in bytes.
+        curves: Each granularity's plans at the :data:`SWEEP` budgets, the budget ascending.
+        plans: Each granularity's plan for the config's budget.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism.checkpointing.measure import OpFigures
+        >>> figures = [RegionFigures("a", 100, 10, 0, 1, 50, (OpFigures(0, "aten.mm.default", 40, 30),))]
+        >>> found = trade_off(plan_from_figures(figures, CheckpointingConfig(names=["a"], memory_budget=55)))
+        >>> found.granularity, found.budget_bytes, len(found.curves["op"])
+        ('module', 55, 20)
+    """
+
+    granularity: str
+    budget_bytes: int
+    curves: dict[str, tuple[TradeOffPoint, ...]]
+    plans: dict[str, TradeOffPoint]
+
+    def figures(self) -> dict[str, Any]:
+        """The trade-off as JSON takes it: these fields, each point a dict of its own fields."""
+        return asdict(self)
+
+
+def trade_off(plan: CheckpointingPlan) -> TradeOff:
+    """The trade-off around ``plan``: both granularities planned from its figures at :data:`SWEEP` budgets and at
+    its budget.
 
     Args:
-        plan: The plan for the config's budget.
+        plan: The config's plan, from figures measured with their op calls.
+
+    Returns:
+        The curves, and the plans for the budget: ``plan`` itself at its granularity.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism.checkpointing.measure import OpFigures
+        >>> ops = (OpFigures(0, "aten.mm.default", 40, 30), OpFigures(1, "aten.relu.default", 40, 20))
+        >>> figures = [RegionFigures("a", 100, 10, 0, 1, 50, ops)]
+        >>> found = trade_off(plan_from_figures(figures, CheckpointingConfig(names=["a"], memory_budget=55)))
+        >>> found.plans["module"].recompute_share, found.plans["op"].recompute_share
+        (1.0, 0.4)
+        >>> [(point.kept_bytes, point.recompute_share) for point in found.curves["op"]][::6]
+        [(10, 1.0), (10, 1.0), (50, 0.4), (90, 0.0)]
     """
-    rows = [("checkpointed", "kept", "recomputed", "")]
-    for count, kept, share in trade_off(plan.candidates):
-        mark = "<- as many as the plan" if count == len(plan.checkpointed) else ""
-        within = "" if kept <= plan.budget_bytes else " (over budget)"
-        rows.append((f"{count} of {len(plan.candidates)}", format_bytes(kept) + within, f"{share:.0%}", mark))
+    figures = list(plan.candidates)
+    ran = [entry for entry in figures if entry.calls]
+    least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in ran)
+    plain = sum(entry.plain_bytes for entry in figures)
+    budgets = sorted({least + (plain - least) * step // (SWEEP - 1) for step in range(SWEEP)})
+    curves: dict[str, tuple[TradeOffPoint, ...]] = {}
+    plans: dict[str, TradeOffPoint] = {}
+    for granularity in GRANULARITIES:
+        config = replace(plan.config, budget_granularity=granularity)
+        curves[granularity] = tuple(
+            _point(_quietly(figures, replace(config, memory_budget=budget))) for budget in budgets
+        )
+        own = granularity == plan.config.budget_granularity
+        plans[granularity] = _point(
+            plan if own else _quietly(figures, replace(config, memory_budget=plan.budget_bytes))
+        )
+    return TradeOff(plan.config.budget_granularity, plan.budget_bytes, curves, plans)
+
+
+def _quietly(figures: list[RegionFigures], config: CheckpointingConfig) -> CheckpointingPlan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LightningCkptDeterminismWarning)
+        return plan_from_figures(figures, config)
+
+
+def _point(plan: CheckpointingPlan) -> TradeOffPoint:
+    """The plan on the curve: its recompute cost in the roofline model at either granularity (a checkpointed
+    candidate recomputes every op call whose output it does not keep)."""
+    total = sum(entry.cost for entry in plan.candidates)
+    recomputed = 0
+    for entry in plan.candidates:
+        if entry.name in plan.checkpointed:
+            kept = set(plan.saved_ops.get(entry.name, ()))
+            recomputed += entry.cost - sum(op.cost for op in entry.ops if (op.index, op.op) in kept)
+    return TradeOffPoint(
+        budget_bytes=plan.budget_bytes,
+        kept_bytes=plan.kept_bytes,
+        recompute_share=recomputed / total if total else 0.0,
+        checkpointed=len(plan.checkpointed),
+        kept_ops=sum(map(len, plan.saved_ops.values())),
+    )
+
+
+def trade_off_table(found: TradeOff, plan: CheckpointingPlan) -> str:
+    """The trade-off as a table, one row per budget with the config's budget among them and marked, followed by the
+    config's plan.
+
+    Args:
+        found: The trade-off.
+        plan: The config's plan.
+    """
+    header = ("budget", "module: checkpointed", "kept", "recomputed", "op: checkpointed", "ops kept", "kept")
+    rows = [(*header, "recomputed", "")]
+    points = [(module, op, "") for module, op in zip(found.curves["module"], found.curves["op"], strict=True)]
+    config = (found.plans["module"], found.plans["op"], f"<- the config's budget, planned at {found.granularity} level")
+    points.append(config)
+    points.sort(key=lambda row: (row[0].budget_bytes, row[2] == ""))
+    count = len(plan.candidates)
+    for module, op, mark in points:
+        rows.append(
+            (
+                format_bytes(module.budget_bytes),
+                f"{module.checkpointed} of {count}",
+                format_bytes(module.kept_bytes),
+                f"{module.recompute_share:.1%}",
+                f"{op.checkpointed} of {count}",
+                str(op.kept_ops),
+                format_bytes(op.kept_bytes),
+                f"{op.recompute_share:.1%}",
+                mark,
+            )
+        )
     return "\n".join(
         [
-            "memory budget trade-off (bytes the candidates keep, share of their forward FLOPs recomputed):",
+            f"memory budget trade-off at module and op granularity (the config plans at {found.granularity} level):"
+            " each granularity's plan at each budget, the bytes the candidates keep and the share of their recompute"
+            " cost (roofline model) recomputed",
             *aligned(rows),
             "",
             str(plan),

@@ -43,8 +43,10 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError, Lightnin
 __all__ = [
     "CheckpointingPlan",
     "check_budget_device",
+    "check_plannable",
     "choose_checkpointed",
     "format_bytes",
+    "measure_candidates",
     "plan_activation_checkpointing",
     "plan_from_figures",
 ]
@@ -207,17 +209,60 @@ def plan_activation_checkpointing(
         >>> plan.apply(model)
         ['0', '1']
     """
+    check_plannable(config, next(model.parameters(), torch.empty(0)).device)
+    return plan_from_figures(measure_candidates(model, config, closure), config)
+
+
+def check_plannable(config: CheckpointingConfig, device: torch.device) -> None:
+    """Refuse a config that cannot be planned outside a strategy's fit: no ``memory_budget``, or ``"auto"``.
+
+    Args:
+        config: The config.
+        device: Where the model is.
+
+    Raises:
+        CheckpointingConfigError: In one line naming the field and what to give instead.
+
+    Example::
+
+        >>> check_plannable(CheckpointingConfig(classes=["Block"], memory_budget="1GB"), torch.device("cpu"))
+    """
     if config.memory_budget is None:
         raise CheckpointingConfigError(
             "`memory_budget` is None: `plan_activation_checkpointing` plans within a budget; give one such as"
             " '512MiB' or 0.5."
         )
-    check_budget_device(config, next(model.parameters(), torch.empty(0)).device)
+    check_budget_device(config, device)
     if config.memory_budget == "auto":
         raise CheckpointingConfigError(
             "`memory_budget`='auto' is planned by a checkpointing strategy, after the first optimizer step has"
             " allocated its state; here give bytes ('512MiB') or a fraction (0.5) instead."
         )
+
+
+def measure_candidates(
+    model: nn.Module, config: CheckpointingConfig, closure: Callable[[], object], *, ops: bool | None = None
+) -> list[RegionFigures]:
+    """The figures of every module ``config`` matches, measured in one step of ``closure`` with every one of them
+    checkpointed (those checkpointed already stay so, the others are made plain again afterwards).
+
+    Args:
+        model: The model; ``config``'s names are relative to it.
+        config: What may be checkpointed and how.
+        closure: One forward and backward of a real batch.
+        ops: Whether to measure each op call too; by default where ``config.budget_granularity`` is ``"op"``.
+
+    Returns:
+        Each candidate's figures, in module order.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> step = lambda: model(torch.ones(2, 4)).sum().backward()
+        >>> figures = measure_candidates(model, CheckpointingConfig(names=["1"]), step, ops=True)
+        >>> [(entry.name, entry.plain_bytes, [op.op for op in entry.ops]) for entry in figures]
+        [('1', 32, ['aten.tanh.default'])]
+    """
     candidates = select_modules(model, config)
     parameter = next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
     rates = rates_for(config, parameter.device, parameter.dtype)
@@ -229,7 +274,7 @@ def plan_activation_checkpointing(
             candidates,
             config.save_ops,
             keep_data_dependent=config.keep_data_dependent,
-            ops=config.budget_granularity == "op",
+            ops=config.budget_granularity == "op" if ops is None else ops,
             rates=rates,
         )
         with meter.measuring():
@@ -237,7 +282,7 @@ def plan_activation_checkpointing(
     finally:
         for module in added.values():
             remove_activation_checkpointing(module)
-    return plan_from_figures(meter.figures(), config)
+    return meter.figures()
 
 
 def check_budget_device(config: CheckpointingConfig, device: torch.device) -> None:
