@@ -1,18 +1,19 @@
 """The picture of a budget's trade-off, as an SVG written by hand: no plotting package needed.
 
 Kept bytes run along x and the share of the recompute cost recomputed along y; each granularity is one polyline
-through its plans at the sweep's budgets, its plan at the config's budget a dot, and the budget a dashed vertical
-line. Each element carries a class (``curve``, ``plan``, ``budget``, ``x-tick``, ``y-tick``) and curves and dots a
+through its plans at the sweep's budgets, drawn as steps (a plan's cost holds until the next plan's bytes, see
+:func:`stairs`), its plan at the config's budget a dot, and the budget a dashed vertical line. Each element carries a class (``curve``, ``plan``, ``budget``, ``x-tick``, ``y-tick``) and curves and dots a
 ``data-granularity``, so that a test or a script can read the picture back.
 """
 
 import math
+from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
-from lightning_ckpt_determinism.audit.trade_off import GRANULARITIES, TradeOff
+from lightning_ckpt_determinism.audit.trade_off import GRANULARITIES, TradeOff, TradeOffPoint
 from lightning_ckpt_determinism.checkpointing.budget_plan import format_bytes
 
-__all__ = ["trade_off_svg"]
+__all__ = ["stairs", "trade_off_svg"]
 
 WIDTH, HEIGHT = 640, 420
 LEFT, RIGHT, TOP, BOTTOM = 72, 24, 48, 64
@@ -96,9 +97,7 @@ def trade_off_svg(found: TradeOff) -> str:
     ]
     for granularity in GRANULARITIES:
         color = COLORS[granularity]
-        line = " ".join(
-            f"{x(point.kept_bytes):.2f},{y(point.recompute_share):.2f}" for point in found.curves[granularity]
-        )
+        line = " ".join(f"{x(kept):.2f},{y(share):.2f}" for kept, share in stairs(found.curves[granularity]))
         plan = found.plans[granularity]
         parts += [
             f'<polyline class="curve" data-granularity="{granularity}" points="{line}" fill="none" stroke="{color}"'
@@ -110,8 +109,33 @@ def trade_off_svg(found: TradeOff) -> str:
     return "\n".join(parts) + "\n"
 
 
+def stairs(curve: Sequence[TradeOffPoint]) -> list[tuple[int, float]]:
+    """The vertices that draw ``curve`` as steps: each plan's recompute share holds from its kept bytes until the
+    next plan's, as no plan in between was found; equal neighbours are drawn once.
+
+    Args:
+        curve: Plans in the order of their budgets.
+
+    Returns:
+        ``(kept bytes, recompute share)`` vertices.
+
+    Example::
+
+        >>> curve = [TradeOffPoint(10, 10, 1.0, 1, 0), TradeOffPoint(60, 50, 0.4, 1, 1)]
+        >>> stairs([*curve, TradeOffPoint(99, 50, 0.4, 1, 1)])
+        [(10, 1.0), (50, 1.0), (50, 0.4)]
+    """
+    vertices: list[tuple[int, float]] = []
+    for point in curve:
+        corners = [(point.kept_bytes, point.recompute_share)]
+        if vertices:
+            corners.insert(0, (point.kept_bytes, vertices[-1][1]))
+        vertices += [corner for corner in corners if not vertices or corner != vertices[-1]]
+    return vertices
+
+
 def _legend(granularity: str) -> list[str]:
-    left, top = WIDTH - RIGHT - 230, TOP + 24
+    left, top = LEFT + 10, HEIGHT - BOTTOM - 86
     parts = [f'<rect x="{left}" y="{top}" width="222" height="76" fill="white" stroke="#999999"/>']
     for row, name in enumerate(GRANULARITIES):
         at = top + 16 + 18 * row

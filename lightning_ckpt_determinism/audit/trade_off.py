@@ -2,8 +2,9 @@
 recompute, at module and at op granularity, from one measured step.
 
 Each granularity's curve is its plan at :data:`SWEEP` budgets, from the least any plan can keep to everything kept
-plainly: at op granularity that is the exact optimum at each budget; at module granularity it is what the module plan
-chooses (the fewest FLOPs recomputed). Both are costed alike, in the roofline model that op granularity plans in
+plainly, and at the bytes each of those module plans keeps (where the module curve steps): at op granularity that is
+the exact optimum at each budget; at module granularity it is what the module plan chooses (the fewest FLOPs
+recomputed). Both are costed alike, in the roofline model that op granularity plans in
 (:mod:`~lightning_ckpt_determinism.checkpointing.cost`): the share of the candidates' recompute cost that the plan
 recomputes. Op granularity can choose whatever module granularity chooses, so its curve never lies above the other.
 """
@@ -58,7 +59,8 @@ class TradeOff:
     Attributes:
         granularity: The granularity the config plans at.
         budget_bytes: The config's budget, in bytes.
-        curves: Each granularity's plans at the :data:`SWEEP` budgets, the budget ascending.
+        curves: Each granularity's plans at the same budgets, ascending: the :data:`SWEEP` budgets and the bytes the
+            module plans at those keep.
         plans: Each granularity's plan for the config's budget.
 
     Example::
@@ -66,8 +68,8 @@ class TradeOff:
         >>> from lightning_ckpt_determinism.checkpointing.measure import OpFigures
         >>> figures = [RegionFigures("a", 100, 10, 0, 1, 50, (OpFigures(0, "aten.mm.default", 40, 30),))]
         >>> found = trade_off(plan_from_figures(figures, CheckpointingConfig(names=["a"], memory_budget=55)))
-        >>> found.granularity, found.budget_bytes, len(found.curves["op"])
-        ('module', 55, 20)
+        >>> found.granularity, found.budget_bytes, [point.budget_bytes for point in found.curves["op"]][:3]
+        ('module', 55, [10, 14, 19])
     """
 
     granularity: str
@@ -81,8 +83,8 @@ class TradeOff:
 
 
 def trade_off(plan: CheckpointingPlan) -> TradeOff:
-    """The trade-off around ``plan``: both granularities planned from its figures at :data:`SWEEP` budgets and at
-    its budget.
+    """The trade-off around ``plan``: both granularities planned from its figures at :data:`SWEEP` budgets, at the
+    bytes the module plans at those keep, and at ``plan``'s budget.
 
     Args:
         plan: The config's plan, from figures measured with their op calls.
@@ -105,7 +107,11 @@ def trade_off(plan: CheckpointingPlan) -> TradeOff:
     ran = [entry for entry in figures if entry.calls]
     least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in ran)
     plain = sum(entry.plain_bytes for entry in figures)
-    budgets = sorted({least + (plain - least) * step // (SWEEP - 1) for step in range(SWEEP)})
+    sweep = {least + (plain - least) * step // (SWEEP - 1) for step in range(SWEEP)}
+    module = replace(plan.config, budget_granularity="module")
+    # Also where the module curve steps: the op curve is then known at every module plan's bytes.
+    steps = {_quietly(figures, replace(module, memory_budget=budget)).kept_bytes for budget in sweep}
+    budgets = sorted(sweep | steps)
     curves: dict[str, tuple[TradeOffPoint, ...]] = {}
     plans: dict[str, TradeOffPoint] = {}
     for granularity in GRANULARITIES:
