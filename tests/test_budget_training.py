@@ -7,6 +7,9 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -22,7 +25,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.checkpointing.budget_plan import plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
-from lightning_ckpt_determinism.lightning.fit_budget import auto_budget
+from lightning_ckpt_determinism.lightning.fit_budget import PLAN_TAG, auto_budget, log_plan_text
 from tests.helpers import REPO, launch_ranks, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, ROWS, _mixed
 
@@ -365,3 +368,28 @@ def test_auto_on_a_roomy_cuda_device_keeps_every_block_plain_and_trains(tmp_path
     assert plan.budget_bytes > sum(entry.plain_bytes for entry in plan.candidates) > 0
     assert plan.checkpointed == [] and module.checkpointed[1:] == [[]] * 3
     assert all(torch.isfinite(param).all() for param in module.parameters())
+
+
+class _NoText:
+    """A logger whose experiment takes no text: left out without a word."""
+
+    experiment = object()
+
+
+def test_the_plan_is_logged_once_as_text_to_tensorboard_at_the_step_it_applies_from(tmp_path: Path) -> None:
+    strategy = _strategy(0.6)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    _fit(tmp_path, strategy, logger=[logger, CSVLogger(tmp_path / "csv")], log_every_n_steps=1)
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    events = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = [tag for tag in events.Tags()["tensors"] if tag.startswith(PLAN_TAG)]
+    assert tags == [f"{PLAN_TAG}/text_summary"]
+    (logged,) = events.Tensors(tags[0])
+    # Planned when the second batch starts, after one optimizer step.
+    assert logged.step == 1
+    text = tensor_util.make_ndarray(logged.tensor_proto).item().decode()
+    assert text.startswith("```\n") and text.endswith("\n```")
+    assert text.removeprefix("```\n").removesuffix("\n```") == str(plan)
+    assert log_plan_text([_NoText(), logger], plan) == [logger]

@@ -2,8 +2,9 @@
 
 Kept bytes run along x and the share of the recompute cost recomputed along y; each granularity is one polyline
 through its plans at the sweep's budgets, drawn as steps (a plan's cost holds until the next plan's bytes, see
-:func:`stairs`), its plan at the config's budget a dot, and the budget a dashed vertical line. Each element carries a class (``curve``, ``plan``, ``budget``, ``x-tick``, ``y-tick``) and curves and dots a
-``data-granularity``, so that a test or a script can read the picture back.
+:func:`stairs`), its plan at the config's budget a dot, and the budget a dashed vertical line. Each element carries a
+class (``curve``, ``plan``, ``budget``, ``x-tick``, ``y-tick``) and curves and dots a ``data-granularity``, so that a
+test or a script can read the picture back.
 """
 
 import math

@@ -6,7 +6,9 @@ batch uncompiled (``torch.compiler.set_stance("force_eager")``, for that batch o
 regions out of the meter's sight, and compiles from the second batch on, with the plan in place, so the budget costs it
 no recompile. When the second batch starts, each rank's figures are reduced by their maximum through the strategy, so
 that every rank (DDP, FSDP, tensor parallelism) plans from the same figures and applies the same plan, before any
-forward of that batch: the candidates the plan leaves plain are made plain. Rank zero logs the plan in one line. With
+forward of that batch: the candidates the plan leaves plain are made plain. Rank zero logs the plan in one line, and
+writes its table once as text to each of the Trainer's loggers that takes text (TensorBoard shows it in its text tab,
+beside the metrics). With
 ``budget_cost="calibrated"``, each rank calibrates its device's two rates when the first batch starts, and the rates are
 reduced to their minimum through the strategy before the batch is measured, so that the ranks' recompute costs, and so
 their plans, agree. The plan holds for batches like the measured one: a later batch whose tensors are more than 10 %
@@ -35,10 +37,13 @@ from lightning_ckpt_determinism.lightning.parallel import all_reduce
 from lightning_ckpt_determinism.lightning.reference import MEMORY_MARGIN
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 
-__all__ = ["LARGER_BATCH", "BudgetedCheckpointing", "auto_budget"]
+__all__ = ["LARGER_BATCH", "PLAN_TAG", "BudgetedCheckpointing", "auto_budget", "log_plan_text"]
 
 LARGER_BATCH = 1.1
 """How much larger than the measured batch a later batch may be before the plan's figures are said to be too small."""
+
+PLAN_TAG = "lightning_ckpt_determinism/memory_budget_plan"
+"""The tag under which rank zero logs the plan as text."""
 
 
 class BudgetedCheckpointing:
@@ -65,7 +70,13 @@ class BudgetedCheckpointing:
         self._step_start = 0
 
     def batch_started(
-        self, strategy: Any, root: nn.Module, regions: Mapping[str, nn.Module], batch: Any = None
+        self,
+        strategy: Any,
+        root: nn.Module,
+        regions: Mapping[str, nn.Module],
+        batch: Any = None,
+        loggers: Sequence[Any] = (),
+        step: int = 0,
     ) -> list[str]:
         """Start measuring at the first training batch; plan and apply at the second (on every rank alike).
 
@@ -74,6 +85,8 @@ class BudgetedCheckpointing:
             root: The LightningModule; its parameters and buffers are not activations.
             regions: The regions the strategy checkpointed, by name.
             batch: The batch starting, compared in size with the measured one.
+            loggers: The Trainer's loggers, to which rank zero writes the plan as text (see :func:`log_plan_text`).
+            step: The Trainer's global step, under which the plan is logged.
 
         Returns:
             The regions the plan made plain at this batch (none at other batches).
@@ -113,6 +126,8 @@ class BudgetedCheckpointing:
             if name in regions:
                 keep_op_calls(regions[name], plan.saved_ops.get(name, ()))
         rank_zero_info(f"lightning_ckpt_determinism: {plan.summary()}.")
+        if strategy.is_global_zero:
+            log_plan_text(loggers, plan, step)
         if any(plan.saved_ops.values()) and is_compiled(root):
             rank_zero_info(
                 "lightning_ckpt_determinism: compiled regions keep none of the planned op outputs (a compiled graph"
@@ -159,6 +174,35 @@ class BudgetedCheckpointing:
         for warning in caught:
             rank_zero_warn(str(warning.message), category=warning.category)
         return plan
+
+
+def log_plan_text(loggers: Sequence[Any], plan: CheckpointingPlan, step: int = 0) -> list[Any]:
+    """Write ``str(plan)`` as a Markdown code block (TensorBoard's text tab renders Markdown, so the table keeps its
+    columns) under :data:`PLAN_TAG` to each logger whose ``experiment`` takes text (``add_text``, as TensorBoard's
+    ``SummaryWriter``); loggers that take none are left out.
+
+    Args:
+        loggers: The Trainer's loggers.
+        plan: The plan.
+        step: The global step to log it at.
+
+    Returns:
+        The loggers written to.
+
+    Example::
+
+        >>> config = CheckpointingConfig(classes=["Block"], memory_budget=50)
+        >>> log_plan_text([], plan_from_figures([RegionFigures("a", 100, 10, 1, 1)], config))
+        []
+    """
+    text = "```\n" + str(plan) + "\n```"
+    written = []
+    for logger in loggers:
+        add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+        if callable(add_text):
+            add_text(PLAN_TAG, text, step)
+            written.append(logger)
+    return written
 
 
 def auto_budget(

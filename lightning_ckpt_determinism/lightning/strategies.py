@@ -139,7 +139,10 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         if self._budgeted is not None:
             # Before the batch's forward, on every rank alike: the plan's reduction is a collective.
-            made_plain = self._budgeted.batch_started(self, self.lightning_module, self._applied_checkpointing, batch)  # type: ignore[attr-defined]
+            root = self.lightning_module  # type: ignore[attr-defined]
+            made_plain = self._budgeted.batch_started(
+                self, root, self._applied_checkpointing, batch, root.trainer.loggers, root.trainer.global_step
+            )
             for name in made_plain:
                 del self._applied_checkpointing[name]
         self._batches_started += 1
