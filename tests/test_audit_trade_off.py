@@ -75,8 +75,8 @@ def _curve(figures: dict[str, Any], granularity: str) -> list[TradeOffPoint]:
 
 
 def _recomputed(figures: list[RegionFigures], checkpointed: list[str], kept: dict[str, Any]) -> float:
-    """The share of the roofline cost a plan recomputes, counted by the test: every op call of a checkpointed
-    candidate but those it keeps."""
+    """The share of the recompute cost (the config's model) a plan recomputes, counted by the test: every op call of a
+    checkpointed candidate but those it keeps."""
     total = sum(op.cost for entry in figures for op in entry.ops)
     spent = sum(
         op.cost

@@ -86,7 +86,7 @@ def trade_off_svg(found: TradeOff) -> str:
         _text(
             18,
             (TOP + HEIGHT - BOTTOM) / 2,
-            "recompute cost recomputed (roofline model)",
+            f"recompute cost recomputed ({found.cost_model})",
             f'text-anchor="middle" transform="rotate(-90 18 {(TOP + HEIGHT - BOTTOM) / 2})"',
         ),
     ]

@@ -7,9 +7,10 @@ converts the model to the Trainer's precision and checkpoints it as the strategy
 strategy's device (a multi-process strategy is audited on one process with its checkpointing config, and the output
 says so; one that cannot train on this machine, such as FSDP without CUDA, is refused). It prints one row per
 checkpointed region and exits 0 when every region reproduces its forward (and the gradients agree), 1 when any
-diverges, 2 on a usage or configuration error. A config with a ``memory_budget`` first prints its trade-off (the bytes
-the candidates keep and the FLOPs they recompute, for each number checkpointed) and the plan for the budget, measured
-on the first batch; every candidate is checked, since any of them may be checkpointed.
+diverges, 2 on a usage or configuration error. A config with a ``memory_budget`` first prints its trade-off at module
+and op granularity (the bytes the candidates keep and the share of their recompute cost recomputed, for each
+granularity's plan at a sweep of budgets) and the plan for the budget, measured on the first batch; every candidate is
+checked, since any of them may be checkpointed.
 """
 
 import argparse

@@ -3,9 +3,9 @@ recompute, at module and at op granularity, from one measured step.
 
 Each granularity's curve is its plan at :data:`SWEEP` budgets, from the least any plan can keep to everything kept
 plainly, and at the bytes each of those module plans keeps (where the module curve steps): at op granularity that is
-the exact optimum at each budget; at module granularity it is what the module plan chooses (the fewest FLOPs
-recomputed). Both are costed alike, in the roofline model that op granularity plans in
-(:mod:`~lightning_ckpt_determinism.checkpointing.cost`): the share of the candidates' recompute cost that the plan
+the exact optimum at each budget, and at module granularity the module plan (the least cost over whole modules).
+Both are costed alike, in the cost model the config's ``budget_cost`` names (a roofline cost per op call by default,
+:mod:`~lightning_ckpt_determinism.checkpointing.cost`): the share of the candidates' recompute cost that the plan
 recomputes. Op granularity can choose whatever module granularity chooses, so its curve never lies above the other.
 """
 
@@ -35,7 +35,7 @@ class TradeOffPoint:
     Attributes:
         budget_bytes: The budget it was planned for.
         kept_bytes: What the candidates keep under it.
-        recompute_share: The share of the candidates' recompute cost it recomputes, in the roofline model.
+        recompute_share: The share of the candidates' recompute cost it recomputes, in the config's cost model.
         checkpointed: How many candidates it checkpoints.
         kept_ops: How many op outputs the checkpointed candidates keep (0 at module granularity).
 
@@ -58,6 +58,7 @@ class TradeOff:
 
     Attributes:
         granularity: The granularity the config plans at.
+        cost_model: The cost model both granularities are costed in: the config's ``budget_cost``.
         budget_bytes: The config's budget, in bytes.
         curves: Each granularity's plans at the same budgets, ascending: the :data:`SWEEP` budgets and the bytes the
             module plans at those keep.
@@ -73,6 +74,7 @@ class TradeOff:
     """
 
     granularity: str
+    cost_model: str
     budget_bytes: int
     curves: dict[str, tuple[TradeOffPoint, ...]]
     plans: dict[str, TradeOffPoint]
@@ -123,7 +125,8 @@ def trade_off(plan: CheckpointingPlan) -> TradeOff:
         plans[granularity] = _point(
             plan if own else _quietly(figures, replace(config, memory_budget=plan.budget_bytes))
         )
-    return TradeOff(plan.config.budget_granularity, plan.budget_bytes, curves, plans)
+    config = plan.config
+    return TradeOff(config.budget_granularity, config.budget_cost, plan.budget_bytes, curves, plans)
 
 
 def _quietly(figures: list[RegionFigures], config: CheckpointingConfig) -> CheckpointingPlan:
@@ -133,7 +136,7 @@ def _quietly(figures: list[RegionFigures], config: CheckpointingConfig) -> Check
 
 
 def _point(plan: CheckpointingPlan) -> TradeOffPoint:
-    """The plan on the curve: its recompute cost in the roofline model at either granularity (a checkpointed
+    """The plan on the curve: its recompute cost in the config's cost model at either granularity (a checkpointed
     candidate recomputes every op call whose output it does not keep)."""
     total = sum(entry.cost for entry in plan.candidates)
     recomputed = 0
@@ -183,7 +186,7 @@ def trade_off_table(found: TradeOff, plan: CheckpointingPlan) -> str:
         [
             f"memory budget trade-off at module and op granularity (the config plans at {found.granularity} level):"
             " each granularity's plan at each budget, the bytes the candidates keep and the share of their recompute"
-            " cost (roofline model) recomputed",
+            f" cost recomputed (cost model: {plan.config.budget_cost})",
             *aligned(rows),
             "",
             str(plan),
