@@ -272,7 +272,7 @@ def test_the_op_plan_is_a_table_and_a_line() -> None:
     assert lines[1].split() == ["module", "plain", "checkpointed", "forward", "FLOPs", "plan"]
     for name, calls in plan.saved_ops.items():
         (row,) = [line for line in lines[2:] if line.startswith(name + " ")]
-        assert row.endswith(f"checkpoint, keeping {len(calls)} ops")
+        assert row.endswith(f"checkpoint, keeping {len(calls)} op{'s' * (len(calls) != 1)}")
 
 
 class _LiveStorages(TorchDispatchMode):

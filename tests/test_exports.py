@@ -11,12 +11,6 @@ from tests.helpers import REPO
 
 PACKAGE = "lightning_ckpt_determinism"
 PUBLIC = {PACKAGE, f"{PACKAGE}.lightning"}
-# The budget modules are being reworked under issue 35; their names are held once that work lands.
-REWORKED = {
-    f"{PACKAGE}.audit.trade_off": {"trade_off"},
-    f"{PACKAGE}.checkpointing.budget_plan": {"choose_checkpointed"},
-    f"{PACKAGE}.lightning.fit_budget": {"LARGER_BATCH"},
-}
 
 
 def _name(path: Path) -> str:
@@ -68,11 +62,7 @@ def test_every_name_an_internal_module_exports_is_imported_elsewhere() -> None:
         for path in (REPO / folder).rglob("*.py"):
             for module, name in _uses(path, set(exports)):
                 used.get(module, set()).add(name)
-    unused = {
-        module: sorted(set(names) - used[module] - REWORKED.get(module, set()))
-        for module, names in exports.items()
-        if module not in PUBLIC
-    }
+    unused = {module: sorted(set(names) - used[module]) for module, names in exports.items() if module not in PUBLIC}
     assert {module: names for module, names in unused.items() if names} == {}
     # The walk sees each kind of use: a from-import, a module's attribute, a dotted string.
     assert {"DigestTier", "EXACT"} <= used[f"{PACKAGE}.verify.digest"]

@@ -44,7 +44,6 @@ __all__ = [
     "CheckpointingPlan",
     "check_budget_device",
     "check_plannable",
-    "choose_checkpointed",
     "format_bytes",
     "measure_candidates",
     "plan_activation_checkpointing",
@@ -126,18 +125,20 @@ class CheckpointingPlan:
         Example::
 
             >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=2048)
-            >>> plan = plan_from_figures([RegionFigures("0", 4096, 1024, 10, 1)], config)
+            >>> plan = plan_from_figures([RegionFigures("0", 4096, 1024, 10, 1, cost=8192)], config)
             >>> print(plan.summary())  # doctest: +NORMALIZE_WHITESPACE
             memory budget 2.0 KiB: checkpointing 1 of 1 modules (0), keeping 1.0 KiB of 4.0 KiB,
-            recomputing 100% of their forward FLOPs
+            recomputing 100% of their recompute cost
         """
         plain = sum(figures.plain_bytes for figures in self.candidates)
         names = ", ".join(self.checkpointed) or "none"
         if self.config.budget_granularity == "op":
             kept = sum(map(len, self.saved_ops.values()))
             recomputing = f"{self.recompute_share:.0%} of their recompute cost (keeping {kept} op outputs in them)"
-        else:
+        elif self.config.budget_cost == "flops":
             recomputing = f"{self.recomputed_flops_share:.0%} of their forward FLOPs"
+        else:
+            recomputing = f"{self.recompute_share:.0%} of their recompute cost"
         return (
             f"memory budget {format_bytes(self.budget_bytes)}: checkpointing {len(self.checkpointed)} of"
             f" {len(self.candidates)} modules ({names}), keeping {format_bytes(self.kept_bytes)} of"
@@ -152,7 +153,8 @@ class CheckpointingPlan:
             else:
                 choice = "checkpoint" if figures.name in self.checkpointed else "plain"
                 if figures.name in self.saved_ops:
-                    choice += f", keeping {len(self.saved_ops[figures.name])} ops"
+                    kept = len(self.saved_ops[figures.name])
+                    choice += f", keeping {kept} op{'s' * (kept != 1)}"
             rows.append(
                 (
                     figures.name,

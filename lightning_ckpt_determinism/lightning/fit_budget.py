@@ -37,7 +37,7 @@ from lightning_ckpt_determinism.lightning.parallel import all_reduce
 from lightning_ckpt_determinism.lightning.reference import MEMORY_MARGIN
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 
-__all__ = ["LARGER_BATCH", "PLAN_TAG", "BudgetedCheckpointing", "auto_budget", "log_plan_text"]
+__all__ = ["PLAN_TAG", "BudgetedCheckpointing", "auto_budget", "log_plan_text"]
 
 LARGER_BATCH = 1.1
 """How much larger than the measured batch a later batch may be before the plan's figures are said to be too small."""
