@@ -38,7 +38,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -563,11 +563,12 @@ class _KeptCallsPolicy:
         return CheckpointPolicy.MUST_SAVE
 
 
+@dataclass(slots=True, eq=False)
 class _EagerCall:
     """One eager call of a checkpointed region: its forward, then each recomputation (torch's own frame is one call's
     state in one object too).
 
-    Args:
+    Attributes:
         wrapper: The region.
         num_positional: How many of the flattened inputs are positional; the rest are keyword values.
         keys: The keywords.
@@ -577,76 +578,55 @@ class _EagerCall:
         first: Whether this is the region's first eager call, which looks for checkpointing around and inside it.
         key: The call's key, by which the region keeps what it learns (``None``: the call neither learns nor
             checks its path, as for a region dynamo could not trace).
+        full: Whether its recomputations run to the region's end (a saved tensor filled late, or a path not known).
+        runs: How many times torch ran it: the forward, then each recomputation.
+        observed: Whether a saved-tensor observer kept the forward's tensors (torch compares them after each
+            recomputation).
     """
 
-    __slots__ = (
-        "_attributes",
-        "_contexts",
-        "_first",
-        "_full",
-        "_key",
-        "_keys",
-        "_num_positional",
-        "_observed",
-        "_runs",
-        "_wrapper",
-    )
-
-    def __init__(
-        self,
-        wrapper: CheckpointedForward,
-        num_positional: int,
-        keys: tuple[str, ...],
-        contexts: _ContextPair | None,
-        attributes: AttributeReplay,
-        *,
-        first: bool,
-        key: _CallKey | None = None,
-    ) -> None:
-        self._wrapper = wrapper
-        self._num_positional = num_positional
-        self._keys = keys
-        self._contexts = contexts
-        self._attributes = attributes
-        self._first = first
-        self._key = key
-        self._full = False
-        self._runs = 0
-        # Whether a saved-tensor observer kept the forward's tensors (torch compares them after each recomputation).
-        self._observed = False
+    wrapper: CheckpointedForward
+    num_positional: int
+    keys: tuple[str, ...]
+    contexts: _ContextPair | None
+    attributes: AttributeReplay
+    first: bool = field(kw_only=True)
+    key: _CallKey | None = field(default=None, kw_only=True)
+    full: bool = field(default=False, init=False)
+    runs: int = field(default=0, init=False)
+    observed: bool = field(default=False, init=False)
 
     def run(self, *flat: Any) -> Any:
         """The region's forward at the first run, a recomputation at each later one."""
-        forward = self._runs == 0
-        self._runs += 1
-        wrapper = self._wrapper
+        forward = self.runs == 0
+        self.runs += 1
+        wrapper = self.wrapper
         entered: AbstractContextManager[Any] = contextlib.nullcontext()
-        if self._contexts is not None:
-            entered = self._contexts[0] if forward else self._contexts[1]
+        if self.contexts is not None:
+            entered = self.contexts[0] if forward else self.contexts[1]
         if not forward:
-            recomputing(observed=self._observed)
-            with entered, wrapper._saved_recompute(), self._attributes.replay():
-                out = wrapper._forward_from(flat, self._num_positional, self._keys)
-            if self._full:
+            recomputing(observed=self.observed)
+            with entered, wrapper._saved_recompute(), self.attributes.replay():
+                out = wrapper._forward_from(flat, self.num_positional, self.keys)
+            if self.full:
                 _mark_end()
             return out
         region_class = type(wrapper.module).__name__
-        nested = probing_for_nesting(region_class, _REGION_CALL) if self._first else contextlib.nullcontext()
-        learning = self._key is not None and wrapper.profile is None
+        nested = probing_for_nesting(region_class, _REGION_CALL) if self.first else contextlib.nullcontext()
+        learning = self.key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, wrapper._saved_forward(), nested:
             region_call = InRegionCall(probe, wrapper.saved_observer)
-            self._observed = region_call.observed
-            self._attributes.start()
+            self.observed = region_call.observed
+            self.attributes.start()
             with region_call, probe if probe is not None else contextlib.nullcontext():
-                out = wrapper._forward_from(flat, self._num_positional, self._keys)
-            self._attributes.end()
+                out = wrapper._forward_from(flat, self.num_positional, self.keys)
+            self.attributes.end()
             # Before the saved-tensor observer's forward context ends, which reads the count and the profile of the
             # path taken.
             wrapper.saved = region_call.saved
-            if self._key is not None:
-                self._full = wrapper._path_taken(self._key, region_call.saved, None if probe is None else probe.profile)
-        if self._full:
+            if self.key is not None:
+                self.full = wrapper._path_taken(self.key, region_call.saved, None if probe is None else probe.profile)
+        if self.full:
             _mark_end()
         return out
 

@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism.verify import core
 from lightning_ckpt_determinism.verify.compare import (
     all_finite,
     comparable,
@@ -30,16 +31,6 @@ from lightning_ckpt_determinism.verify.compare import (
     pair_difference,
     relative_divergence,
     uncomparable_gradients,
-)
-from lightning_ckpt_determinism.verify.core import (
-    Calibration,
-    CheckScope,
-    StepEvidence,
-    calibrate,
-    gradients_diverge,
-    region_modules,
-    step_report,
-    uncomparable,
 )
 from lightning_ckpt_determinism.verify.gradients import counted_here, take_gradients
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, uncomparable_layouts
@@ -148,7 +139,7 @@ def compare_gradients(
     zeros = dict.fromkeys(names, 0.0)
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
-    error = uncomparable(
+    error = core.uncomparable(
         missing,
         missing_anywhere=missing_anywhere > 0,
         gradients_anywhere=elements_anywhere > 0,
@@ -265,7 +256,7 @@ def check_live_step(
     params = [param for _, param in named]
     # Written by the live step without a copy at its start: the reference cannot start from their values.
     not_restored = entry_state.unrestored_parameters()
-    with CheckScope(
+    with core.CheckScope(
         module,
         params,
         clone_gradients=clone_gradients,
@@ -278,10 +269,10 @@ def check_live_step(
         # The buffers after the reference (every region plain) against those after the live step: a recomputation
         # that updates them a second time (BatchNorm without `protect_buffers`) changes no gradient but shows here.
         changed = after_step.state.differing_buffers()
-        attributes = after_step.state.differing_attributes(region_modules(module), frozenset(exclude_attributes))
-        calibration = Calibration()
+        attributes = after_step.state.differing_attributes(core.region_modules(module), frozenset(exclude_attributes))
+        calibration = core.Calibration()
         if calibrate_noise:
-            calibration = calibrate(
+            calibration = core.calibrate(
                 reference_loss,
                 first,
                 lambda: _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients),
@@ -306,8 +297,8 @@ def check_live_step(
         not_restored += [name for name in after_step.unrestored() if name not in not_restored]
     if comparison.skipped:
         return None
-    evidence = StepEvidence(
-        gradients_diverged=gradients_diverge(
+    evidence = core.StepEvidence(
+        gradients_diverged=core.gradients_diverge(
             comparison.grad_divergence, tolerance, noise_floor, error=comparison.error
         ),
         reference_loss=reference_loss,
@@ -318,7 +309,7 @@ def check_live_step(
         step_buffers=(changed or ["buffers of another rank"]) if comparison.buffers_changed else [],
         step_attributes=(attributes or ["attributes of another rank"]) if comparison.attributes_changed else [],
     )
-    return step_report(
+    return core.step_report(
         evidence,
         grad_divergence=comparison.grad_divergence,
         max_abs_diff=comparison.max_abs_diff,
