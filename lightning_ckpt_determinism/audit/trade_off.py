@@ -136,18 +136,11 @@ def _quietly(figures: list[RegionFigures], config: CheckpointingConfig) -> Check
 
 
 def _point(plan: CheckpointingPlan) -> TradeOffPoint:
-    """The plan on the curve: its recompute cost in the config's cost model at either granularity (a checkpointed
-    candidate recomputes every op call whose output it does not keep)."""
-    total = sum(entry.cost for entry in plan.candidates)
-    recomputed = 0
-    for entry in plan.candidates:
-        if entry.name in plan.checkpointed:
-            kept = set(plan.saved_ops.get(entry.name, ()))
-            recomputed += entry.cost - sum(op.cost for op in entry.ops if (op.index, op.op) in kept)
+    """The plan on the curve, with its recompute share in the config's cost model at either granularity."""
     return TradeOffPoint(
         budget_bytes=plan.budget_bytes,
         kept_bytes=plan.kept_bytes,
-        recompute_share=recomputed / total if total else 0.0,
+        recompute_share=plan.recompute_share,
         checkpointed=len(plan.checkpointed),
         kept_ops=sum(map(len, plan.saved_ops.values())),
     )
