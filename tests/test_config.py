@@ -377,33 +377,46 @@ def test_lightning_cli_yaml_takes_a_memory_budget_and_help_explains_it(
     assert "The most activation memory the matched modules may keep" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("granularity", ["module", "op"])
-def test_lightning_cli_yaml_and_python_take_each_budget_granularity(
-    granularity: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("budget_granularity", "module"), ("budget_granularity", "op")]
+    + [("budget_cost", cost) for cost in ("roofline", "calibrated", "flops")],
+)
+def test_lightning_cli_yaml_and_python_take_each_budget_choice(
+    field: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     monkeypatch.setattr(sys, "argv", ["examples/train.py"])
     config = yaml.safe_load(GPT_CONFIG.read_text())
     checkpointing = config["trainer"]["strategy"]["init_args"]["checkpointing"]
-    checkpointing.update(memory_budget="50%", budget_granularity=granularity)
+    checkpointing.update({"memory_budget": "50%", field: value})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = CheckpointingCLI(subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(path)], run=False)
     from_yaml = cli.trainer.strategy.checkpointing
-    from_python = CheckpointingConfig(
-        classes=from_yaml.classes,
-        memory_budget="50%",
-        budget_granularity=granularity,  # type: ignore[arg-type]
-    )
-    assert from_yaml.budget_granularity == from_python.budget_granularity == granularity
+    from_python = CheckpointingConfig(classes=from_yaml.classes, memory_budget="50%", **{field: value})  # type: ignore[arg-type]
+    assert getattr(from_yaml, field) == getattr(from_python, field) == value
     assert from_yaml == from_python
     assert pickle.loads(pickle.dumps(from_python)) == from_python
 
 
-def test_budget_granularity_defaults_to_module_and_its_type_lists_the_choices() -> None:
-    assert CheckpointingConfig(classes=["Block"]).budget_granularity == "module"
-    fields = {field.name: field.type for field in dataclasses.fields(CheckpointingConfig)}
-    assert typing.get_args(fields["budget_granularity"]) == config_module.BUDGET_GRANULARITIES == ("module", "op")
+@pytest.mark.parametrize(
+    ("field", "choices"),
+    [
+        ("budget_granularity", config_module.BUDGET_GRANULARITIES),
+        ("budget_cost", config_module.BUDGET_COSTS),
+    ],
+)
+def test_each_budget_choice_defaults_to_its_first_and_its_type_lists_the_choices(
+    field: str, choices: tuple[str, ...]
+) -> None:
+    assert {
+        "budget_granularity": ("module", "op"),
+        "budget_cost": ("roofline", "calibrated", "flops"),
+    }[field] == choices
+    assert getattr(CheckpointingConfig(classes=["Block"]), field) == choices[0]
+    fields = {entry.name: entry.type for entry in dataclasses.fields(CheckpointingConfig)}
+    assert typing.get_args(fields[field]) == choices
 
 
 @pytest.mark.parametrize(
@@ -419,42 +432,6 @@ def test_budget_granularity_defaults_to_module_and_its_type_lists_the_choices() 
             r"^`budget_granularity`='op' chooses what to keep under a memory budget; set `memory_budget`"
             r" \(e\.g\. '50%'\) or leave `budget_granularity` at 'module'\.$",
         ),
-    ],
-)
-def test_bad_budget_granularities_are_one_line_errors_naming_the_field(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(CheckpointingConfigError, match=message) as raised:
-        CheckpointingConfig(classes=["Block"], **kwargs)  # type: ignore[arg-type]
-    assert "\n" not in str(raised.value)
-
-
-@pytest.mark.parametrize("cost", ["roofline", "calibrated", "flops"])
-def test_lightning_cli_yaml_and_python_take_each_budget_cost(
-    cost: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
-    monkeypatch.setattr(sys, "argv", ["examples/train.py"])
-    config = yaml.safe_load(GPT_CONFIG.read_text())
-    checkpointing = config["trainer"]["strategy"]["init_args"]["checkpointing"]
-    checkpointing.update(memory_budget="50%", budget_cost=cost)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cli = CheckpointingCLI(subclass_mode_model=True, subclass_mode_data=True, args=["--config", str(path)], run=False)
-    from_yaml = cli.trainer.strategy.checkpointing
-    from_python = CheckpointingConfig(classes=from_yaml.classes, memory_budget="50%", budget_cost=cost)  # type: ignore[arg-type]
-    assert from_yaml.budget_cost == from_python.budget_cost == cost
-    assert from_yaml == from_python
-    assert pickle.loads(pickle.dumps(from_python)) == from_python
-
-
-def test_budget_cost_defaults_to_roofline_and_its_type_lists_the_choices() -> None:
-    assert CheckpointingConfig(classes=["Block"]).budget_cost == "roofline"
-    fields = {field.name: field.type for field in dataclasses.fields(CheckpointingConfig)}
-    assert typing.get_args(fields["budget_cost"]) == config_module.BUDGET_COSTS == ("roofline", "calibrated", "flops")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
         (
             {"budget_cost": "fast", "memory_budget": "50%"},
             r"^`budget_cost` can be roofline, calibrated, flops, got 'fast'\.$",
@@ -470,7 +447,7 @@ def test_budget_cost_defaults_to_roofline_and_its_type_lists_the_choices() -> No
         ),
     ],
 )
-def test_bad_budget_costs_are_one_line_errors_naming_the_field(kwargs: dict[str, object], message: str) -> None:
+def test_bad_budget_choices_are_one_line_errors_naming_the_field(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(CheckpointingConfigError, match=message) as raised:
         CheckpointingConfig(classes=["Block"], **kwargs)  # type: ignore[arg-type]
     assert "\n" not in str(raised.value)
