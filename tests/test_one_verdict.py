@@ -2,6 +2,7 @@
 the monitor's check of the live step, and both are the defect's own (ground truth: the block built with it)."""
 
 import contextlib
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -129,42 +130,35 @@ def test_both_engines_blame_the_defect_with_the_same_cause_and_region(cause: Cau
         assert not [region.name for region in report.regions if region.diverged] or cause.blames == "region"
 
 
-def test_with_attribution_off_both_engines_give_the_step_its_attribute_mutation() -> None:
-    # Ground truth: block 1 appends its batch size to `batch_sizes` in forward, and recomputation appends again;
-    # without attribution no region report places the attribute, so the step carries the cause.
-    two_pass = _two_pass(Cause.ATTRIBUTE_MUTATION, attribution=False)
-    monitored = _monitored(Cause.ATTRIBUTE_MUTATION, attribution="never")
+@pytest.mark.parametrize(
+    ("cause", "field", "names", "hint"),
+    [
+        # Block 1 appends its batch size to `batch_sizes` in forward, and recomputation appends again.
+        (Cause.ATTRIBUTE_MUTATION, "attribute_mutations", [f"blocks.{DEFECTIVE}.batch_sizes"], attribute_hint),
+        # Block 1's BatchNorm, its buffers not protected, updates its statistics again when recomputed.
+        (
+            Cause.BUFFER_MUTATION,
+            "buffer_mutations",
+            [f"blocks.{DEFECTIVE}.norm.{name}" for name, _ in torch.nn.BatchNorm1d(DIM).named_buffers()],
+            buffer_hint,
+        ),
+    ],
+    ids=str,
+)
+def test_with_attribution_off_both_engines_give_the_step_its_state_change(
+    cause: Cause, field: str, names: list[str], hint: Callable[[list[str]], str]
+) -> None:
+    # Ground truth: the defect above; without attribution no region report places the state, so the step carries
+    # the cause.
+    two_pass = _two_pass(cause, attribution=False)
+    monitored = _monitored(cause, attribution="never")
     found = [
-        (report.diverged, report.cause, report.hint, report.attribute_mutations, report.regions, blame(report))
+        (report.diverged, report.cause, report.hint, getattr(report, field), report.regions, blame(report))
         for report in (two_pass, monitored)
     ]
-    hint = attribute_hint([f"blocks.{DEFECTIVE}.batch_sizes"])
-    expected = (
-        True,
-        Cause.ATTRIBUTE_MUTATION,
-        hint,
-        [f"blocks.{DEFECTIVE}.batch_sizes"],
-        [],
-        (Cause.ATTRIBUTE_MUTATION, None),
-    )
+    expected = (True, cause, hint(names), names, [], (cause, None))
     assert found == [expected, expected]
-    # The gradients are exact: the attribute is the whole finding.
-    assert (two_pass.grad_divergence, monitored.grad_divergence) == (0.0, 0.0)
-
-
-def test_with_attribution_off_both_engines_give_the_step_its_buffer_mutation() -> None:
-    # Ground truth: block 1's BatchNorm, its buffers not protected, updates its statistics again when recomputed;
-    # without attribution no region report places the buffers, so the step carries the cause.
-    two_pass = _two_pass(Cause.BUFFER_MUTATION, attribution=False)
-    monitored = _monitored(Cause.BUFFER_MUTATION, attribution="never")
-    found = [
-        (report.diverged, report.cause, report.hint, report.buffer_mutations, report.regions, blame(report))
-        for report in (two_pass, monitored)
-    ]
-    buffers = [f"blocks.{DEFECTIVE}.norm.{name}" for name, _ in torch.nn.BatchNorm1d(DIM).named_buffers()]
-    expected = (True, Cause.BUFFER_MUTATION, buffer_hint(buffers), buffers, [], (Cause.BUFFER_MUTATION, None))
-    assert found == [expected, expected]
-    # The gradients are exact: the buffers are the whole finding.
+    # The gradients are exact: the state is the whole finding.
     assert (two_pass.grad_divergence, monitored.grad_divergence) == (0.0, 0.0)
 
 
