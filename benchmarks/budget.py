@@ -15,8 +15,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from benchmarks.common import (
     make_optimizer,
     paired_ratios,
     summary,
+    torch_threads,
     train_step,
 )
 from benchmarks.memory import forward_bytes
@@ -193,7 +193,8 @@ def _timed(
     steps = {**steps, EVERY_BLOCK: _step(arch, every), PLAIN: _step(arch, arch.build(None))}
     for granularity in GRANULARITIES:
         steps[f"planning, {granularity}"] = _planning(arch, granularity)
-    with _one_thread_on_cpu(device):
+    # One torch thread on the CPU, so that the work runs on this thread and its CPU time is what it costs.
+    with torch_threads(1 if device.type == "cpu" else torch.get_num_threads()):
         clock = time.thread_time if device.type == "cpu" else time.perf_counter
         return interleaved_times(steps, rounds, warmup, device, clock=clock)
 
@@ -269,18 +270,6 @@ def _planning(arch: Architecture, granularity: str) -> Callable[[], None]:
         model.zero_grad(set_to_none=True)
 
     return planning
-
-
-@contextmanager
-def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
-    """One torch thread on the CPU, so that the work runs on this thread and its CPU time is what it costs."""
-    previous = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def recompute_by_width(size: ModelSize, dims: Sequence[int], device: torch.device) -> dict[int, dict[str, float]]:

@@ -181,6 +181,17 @@ class Regions:
                 wrapper.saved_observer = None
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run with ``count`` torch threads, then put the previous number back."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def summary(samples: Sequence[float]) -> dict[str, float]:
     """Median, quartiles, extremes and count of ``samples``."""
     if len(samples) == 1:

@@ -32,9 +32,10 @@ from benchmarks.common import (
     make_optimizer,
     paired_ratios,
     summary,
+    torch_threads,
     train_step,
 )
-from benchmarks.sentinel import THREADS, TIERS, _threads
+from benchmarks.sentinel import THREADS, TIERS
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 
 PACKAGE = "lightning_ckpt_determinism"
@@ -101,7 +102,7 @@ def compare(previous: ModuleType, size: ModelSize, rounds: int) -> dict[str, dic
         **_step_functions(current, lambda model: _wrappers(checkpointed_modules(model)), size, "now"),
         **_step_functions(previous, lambda model: _wrappers(previous_modules(model)), size, "before"),
     }
-    with _threads(THREADS):
+    with torch_threads(THREADS):
         times = interleaved_times(functions, rounds, warmup=3, device=torch.device("cpu"))
     found: dict[str, dict[str, float]] = {}
     for label in ("now", "before"):

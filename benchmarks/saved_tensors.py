@@ -23,8 +23,8 @@ import argparse
 import contextvars
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from typing import Any, get_args
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.common import Regions, interleaved_times
+from benchmarks.common import Regions, interleaved_times, torch_threads
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
 from lightning_ckpt_determinism._torch_compat import determinism_checks
 from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS, InRegionCall, recomputing
@@ -127,7 +127,7 @@ def per_tensor(
     for length in (short, long):
         made, sentinels = _functions(length, x)
         functions.update({f"{name} @ {length}": function for name, function in made.items()})
-    with _threads(1):
+    with torch_threads(1):
         # On the CPU with one torch thread the work runs on this thread: its CPU time is what it costs.
         clock = time.thread_time if device.type == "cpu" else time.perf_counter
         times = interleaved_times(functions, rounds, warmup=3, device=device, clock=clock)
@@ -141,16 +141,6 @@ def per_tensor(
     for name, sentinel in sentinels.items():
         found[name]["compared"] = sentinel.report().compared / (rounds + 3)
     return found
-
-
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, float]]:

@@ -35,6 +35,7 @@ from benchmarks.common import (
     paired_ratios,
     summary,
     synchronize,
+    torch_threads,
     train_step,
 )
 from benchmarks.monitor import _fit, _step_peak_bytes
@@ -71,7 +72,7 @@ def run(
         for dim in steps
         for p in (dropout, 0.0)
     }
-    with _threads(THREADS):
+    with torch_threads(THREADS):
         found = {name: _fits(config, device, rounds, steps[config.dim]) for name, config in configs.items()}
         breakdown = _breakdown(size, device, rounds=max(rounds * 3, 3), warmup=1)
         peaks = _peaks(size, device)
@@ -189,16 +190,6 @@ def _constant_digests(device: torch.device) -> Iterator[None]:
         plans.sums = staticmethod(real[1])  # type: ignore[method-assign,assignment]
 
 
-@contextmanager
-def _threads(count: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[dict[str, float]]:
     """The step-level breakdown (medians) for each of ``sizes``.
 
@@ -212,7 +203,7 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
         ratios.
     """
     rows = []
-    with _threads(THREADS):
+    with torch_threads(THREADS):
         for size in sizes:
             found = _breakdown(size, device, rounds=rounds, warmup=2)
             rows.append(
