@@ -331,6 +331,8 @@ def _extractor(strict: bool) -> Callable[[torch.Tensor], Any]:
     get, ref, task, plain = _CURRENT.get, weakref.ref, current_graph_task_id, _PLAIN
 
     def extract(tensor: torch.Tensor) -> Any:
+        # torch's metadata is written out here rather than taken from `kept_by_torch`: a call per saved tensor is
+        # what this path is measured to save.
         call = get()
         if call is plain:
             return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
@@ -363,7 +365,7 @@ def _asked(call: _Call, tensor: torch.Tensor, strict: bool) -> Any:
             return call.extract(tensor, position, strict)
     elif current_graph_task_id() != -1:  # a comparison after a recomputation: the kept value compares with it
         return Recomputed(tensor)
-    return {"shape": tensor.shape, "dtype": tensor.dtype, "device": tensor.device} if strict else None
+    return kept_by_torch(tensor, strict=strict)
 
 
 _default = _extractor(strict=True)
