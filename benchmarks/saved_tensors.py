@@ -9,7 +9,8 @@ nothing a region call pays once (the wrapper, the sentinel's per-call work, the 
 Each path's cost over torch's ``"none"`` is what its extractor adds per tensor:
 
 - ``torch default``: torch's own extractor (shape, dtype and device, compared after the recomputation);
-- ``package, sentinel off``: a region checkpointed by the package, no sentinel;
+- ``package, sentinel off``: a region checkpointed by the package, no sentinel (once the region learned its path, its
+  calls pass torch's own extractor);
 - ``light, not digested``: the sentinel's light tier, for the tensors it does not digest at this call (all but
   three);
 - ``sampled`` and ``exact``, each tensor digested: through a window of each row, and every word.
@@ -144,12 +145,19 @@ def per_tensor(
 
 
 def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, float]]:
-    """Nanoseconds of the extractor alone for a tensor no observer digests: torch's own, the package's with the
-    sentinel off, and the package's inside a light-tier call for a tensor it does not digest; at the pack (inside a
-    region call's forward) and at the comparison after the recomputation (``kept != extract(recomputed)``, the value
-    that path kept on the left, run inside a backward after the package was told of the recomputation, where torch
-    runs it). Each timing is ``repeats`` calls, by this thread's CPU time; the six run round-robin for ``rounds``
-    rounds, and each one's median is taken.
+    """Nanoseconds of the extractor alone for a tensor no observer digests, at the pack (inside a region call's
+    forward) and at the comparison after the recomputation (``kept != extract(recomputed)``, the value that path kept
+    on the left, run inside a backward after the package was told of the recomputation, where torch runs it):
+
+    - torch's own;
+    - the package with the sentinel off: the extractor its region's calls pass once the region learned their path
+      (read from torch's registry by that name: torch's own);
+    - the package's extractor where nothing observes a call (a call that cannot be counted by torch's frame, as one
+      that runs a backward inside its forward);
+    - the package's inside a light-tier call, for a tensor it does not digest.
+
+    Each timing is ``repeats`` calls, by this thread's CPU time; the eight run round-robin for ``rounds`` rounds, and
+    each one's median is taken.
 
     Args:
         rounds: Interleaved rounds.
@@ -171,7 +179,13 @@ def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, f
         light.run(opened.enter_context, block)
     light.run(opened.enter_context, InRegionCall(None, sentinel))
     light.run(lambda: [package_extract(x) for _ in range(8)])
-    kept = {"torch default": torch_extract(x), "package, sentinel off": package_extract(x), "light, not digested": 0}
+    steady_extract = determinism_checks()[CheckpointingConfig().determinism_check]
+    kept = {
+        "torch default": torch_extract(x),
+        "package, sentinel off": steady_extract(x),
+        "package extractor, nothing observes": package_extract(x),
+        "light, not digested": 0,
+    }
     kept["light, not digested"] = light.run(package_extract, x)
 
     def packs(extract: Callable[[torch.Tensor], object]) -> float:
@@ -191,10 +205,14 @@ def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, f
 
     timings: dict[tuple[str, str], Callable[[], float]] = {
         ("torch default", "pack"): partial(packs, torch_extract),
-        ("package, sentinel off", "pack"): partial(contextvars.Context().run, plain_pack),
+        ("package, sentinel off", "pack"): partial(packs, steady_extract),
+        ("package extractor, nothing observes", "pack"): partial(contextvars.Context().run, plain_pack),
         ("light, not digested", "pack"): partial(light.run, packs, package_extract),
         ("torch default", "comparison"): partial(comparison, "torch default", torch_extract, None),
-        ("package, sentinel off", "comparison"): partial(comparison, "package, sentinel off", package_extract, False),
+        ("package, sentinel off", "comparison"): partial(comparison, "package, sentinel off", steady_extract, None),
+        ("package extractor, nothing observes", "comparison"): partial(
+            comparison, "package extractor, nothing observes", package_extract, False
+        ),
         ("light, not digested", "comparison"): partial(comparison, "light, not digested", package_extract, True),
     }
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in timings}

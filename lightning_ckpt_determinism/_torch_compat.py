@@ -47,6 +47,7 @@ __all__ = [
     "aot_backends",
     "checkpoint_codes",
     "checkpoint_debug_enabled",
+    "checkpoint_saved_counter",
     "compile_options",
     "compiled_call",
     "compiled_inner",
@@ -159,6 +160,37 @@ def determinism_checks() -> dict[str, Callable[..., Any]]:
     two names when it wraps its first region; it waits for a public registration API of torch's to do it without this
     private dictionary."""
     return _allowed_determinism_checks_to_fns
+
+
+def _pack_hook_code() -> CodeType | None:
+    """The code of the pack hook a non-reentrant checkpoint's forward pushes (``_checkpoint_hook``'s, >= 2.1)."""
+    init = getattr(getattr(_torch_checkpoint, "_checkpoint_hook", None), "__init__", None)
+    constants = getattr(getattr(init, "__code__", None), "co_consts", ())
+    found = [code for code in constants if isinstance(code, CodeType) and code.co_name == "pack_hook"]
+    return found[0] if len(found) == 1 and "frame" in found[0].co_freevars else None
+
+
+_CHECKPOINT_PACK_HOOK = _pack_hook_code()
+_FRAME_CELL = -1 if _CHECKPOINT_PACK_HOOK is None else _CHECKPOINT_PACK_HOOK.co_freevars.index("frame")
+
+
+def checkpoint_saved_counter() -> Callable[[], int] | None:
+    """Inside the forward of a non-reentrant checkpoint: what gives how many tensors that forward has saved so far
+    (the holders of torch's ``_CheckpointFrame``, >= 2.1, reached through the pack hook on top of the saved-tensor hook
+    stack, ``torch._C._autograd._top_saved_tensors_default_hooks``, >= 2.0). ``None`` where the hook on top is not a
+    checkpoint's, or this torch's differs.
+
+    Example::
+
+        >>> checkpoint_saved_counter() is None  # outside any checkpoint
+        True
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    pack: Any = None if hooks is None else hooks[0]
+    if _CHECKPOINT_PACK_HOOK is None or getattr(pack, "__code__", None) is not _CHECKPOINT_PACK_HOOK:
+        return None
+    holders = getattr(pack.__closure__[_FRAME_CELL].cell_contents, "weak_holders", None)
+    return holders.__len__ if isinstance(holders, list) else None
 
 
 def checkpoint_debug_enabled() -> bool:

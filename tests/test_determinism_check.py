@@ -11,7 +11,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from lightning_ckpt_determinism import CheckpointingConfig, checkpoint_module
-from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan, recomputed_tensor
+from lightning_ckpt_determinism._torch_compat import determinism_checks
+from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
+from lightning_ckpt_determinism.checkpointing.determinism_check import (
+    DETERMINISM_CHECKS,
+    SavedPlan,
+    recomputed_tensor,
+)
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 
 
@@ -45,6 +51,96 @@ def test_a_metadata_difference_raises_torchs_own_error_word_for_word() -> None:
     assert by_package == by_torch
 
 
+class Block(nn.Module):
+    """A linear layer, a GELU and a LayerNorm: 8 saved tensors a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(nn.functional.gelu(self.linear(x)))
+
+
+class ExtractorCalls:
+    """How many tensors torch's own ``"default"`` extractor and the package's are given at each step: each registry
+    entry is wrapped by a counter (after the regions are wrapped, which registers the package's names)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = {"torch": 0, "package": 0}
+        self.by_step: dict[str, list[int]] = {"torch": [], "package": []}
+        registry = determinism_checks()
+        for who, name in (("torch", "default"), ("package", DETERMINISM_CHECKS["default"])):
+            monkeypatch.setitem(registry, name, self._counting(who, registry[name]))
+
+    def _counting(self, who: str, extract: Any) -> Any:
+        def counted(tensor: torch.Tensor) -> Any:
+            self.calls[who] += 1
+            return extract(tensor)
+
+        return counted
+
+    def step_ended(self) -> None:
+        for who, count in self.calls.items():
+            self.by_step[who].append(count - sum(self.by_step[who]))
+
+
+def _twin_steps(region: nn.Module, plain: nn.Module, steps: int, after_each: Any) -> None:
+    for step in range(steps):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        region(x).sum().backward()
+        plain_x = x.detach().requires_grad_()
+        plain(plain_x).sum().backward()
+        assert torch.equal(x.grad, plain_x.grad)
+        after_each()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(region.parameters(), plain.parameters(), strict=True))
+
+
+def test_a_call_nothing_learns_from_nor_reads_costs_torchs_own_extractor_and_still_finds_its_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    plain, region = Block(), Block()
+    region.load_state_dict(plain.state_dict())
+    checkpoint_module(region, "region", CheckpointingConfig(classes=["Block"]))
+    wrapper = region.__dict__["forward"]
+    extractors = ExtractorCalls(monkeypatch)
+    saved: list[int] = []
+
+    def after_each() -> None:
+        extractors.step_ended()
+        saved.append(wrapper.saved)
+
+    _twin_steps(region, plain, 3, after_each)
+    # The first call learns (the package's extractor, its 8 tensors at the forward and each again at the comparison);
+    # the next ones pass torch's own name, and torch's frame counts the 8 they save: the learned path.
+    assert extractors.by_step == {"package": [16, 0, 0], "torch": [0, 16, 16]}
+    assert saved == [8, 8, 8]
+    assert wrapper.profile is not None and wrapper.profile.saved == 8
+
+
+def test_where_torchs_frame_cannot_be_counted_every_call_counts_with_the_package_extractor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wrapper_module, "checkpoint_saved_counter", lambda: None)
+    torch.manual_seed(0)
+    plain, region = Block(), Block()
+    region.load_state_dict(plain.state_dict())
+    checkpoint_module(region, "region", CheckpointingConfig(classes=["Block"]))
+    wrapper = region.__dict__["forward"]
+    extractors = ExtractorCalls(monkeypatch)
+    profiles: list[Any] = []
+
+    def after_each() -> None:
+        extractors.step_ended()
+        profiles.append(wrapper.profile)
+
+    _twin_steps(region, plain, 3, after_each)
+    assert extractors.by_step == {"package": [16, 16, 16], "torch": [0, 0, 0]}
+    assert profiles[0] is not None and profiles[1] is profiles[2] is profiles[0]
+
+
 class GradientInForward(nn.Module):
     """Takes a gradient inside its forward, with ``create_graph=True`` (a gradient penalty inside a region), and saves
     more tensors after it."""
@@ -59,26 +155,29 @@ class GradientInForward(nn.Module):
         return (hidden * slope).exp()
 
 
-def test_a_backward_inside_a_forward_leaves_the_calls_count_as_its_first_call_learned_it() -> None:
+def test_a_backward_inside_a_forward_leaves_the_calls_count_as_its_first_call_learned_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.manual_seed(0)
     plain = GradientInForward()
     region = GradientInForward()
     region.load_state_dict(plain.state_dict())
     checkpoint_module(region, "region", CheckpointingConfig(classes=["GradientInForward"]))
     wrapper = region.__dict__["forward"]
+    extractors = ExtractorCalls(monkeypatch)
     counts, profiles = [], []
-    for step in range(3):
-        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step), requires_grad=True)
-        region(x).sum().backward()
-        plain_x = x.detach().requires_grad_()
-        plain(plain_x).sum().backward()
-        assert torch.equal(x.grad, plain_x.grad)
+
+    def after_each() -> None:
+        extractors.step_ended()
         counts.append(wrapper.saved)
         profiles.append(wrapper.profile)
-    # The first call learned the count; the later ones (not probed) count alike, so they take its profile.
+
+    _twin_steps(region, plain, 3, after_each)
+    # The first call learned the count; the later ones (not probed) count alike, so they take its profile. torch's
+    # frame also counts what the backward inside the forward saved, so every call counts with the package's extractor.
     assert counts[0] == counts[1] == counts[2] == profiles[0].saved
     assert profiles[1] is profiles[2] is profiles[0]
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(region.parameters(), plain.parameters(), strict=True))
+    assert extractors.by_step["torch"] == [0, 0, 0]
 
 
 class ReadsTheSecond:

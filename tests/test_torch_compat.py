@@ -173,6 +173,35 @@ def test_the_graph_task_id_is_minus_one_outside_backward_and_one_per_backward_in
     assert compat.current_graph_task_id() == -1
 
 
+@pins("checkpoint_saved_counter")
+def test_the_saved_counter_counts_each_tensor_a_checkpointed_forward_saves_and_nothing_outside() -> None:
+    counts: list[tuple[int, int] | None] = []
+    found: list[bool] = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        counter = compat.checkpoint_saved_counter()
+        found.append(counter is not None)
+        start = None if counter is None else counter()
+        hidden = x.sin()  # saves x
+        with torch.no_grad():
+            x.cos()  # saves nothing
+        out = hidden.exp() * x  # saves exp's output, then both factors of the product
+        counts.append(None if counter is None or start is None else (start, counter()))
+        return out
+
+    x = torch.ones(3, requires_grad=True)
+    assert compat.checkpoint_saved_counter() is None  # outside any checkpoint
+    out = checkpoint(forward, x, use_reentrant=False)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert compat.checkpoint_saved_counter() is None  # the hook on top is not a checkpoint's
+    out.sum().backward()
+    # The forward counted 4; its recomputation runs under torch's recomputation hook, which is no checkpoint's (and
+    # stops early, after the fourth tensor).
+    assert counts == [(0, 4)]
+    assert found == [True, False]
+    assert torch.allclose(x.grad, x.sin().exp() * (x.cos() * x + 1))
+
+
 @pins("determinism_checks")
 def test_the_registry_is_where_torchs_checkpoint_looks_up_a_determinism_check_name(registered_check: Any) -> None:
     seen: list[tuple[int, bool, int]] = []

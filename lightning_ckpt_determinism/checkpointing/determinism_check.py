@@ -7,13 +7,16 @@ backward, once the region is recomputed, it compares each kept value with the ex
 :mod:`~lightning_ckpt_determinism._torch_compat`) and raises its ``CheckpointError`` on a difference. The extractor
 is looked up by the name given as ``determinism_check``, in a registry of torch's own.
 
-The package registers two names there, which every checkpointed region passes instead of torch's ``"default"`` and
-``"none"``. torch calls the extractor with the tensor alone, so each eager region call says which call it is while
-its forward runs (:class:`InRegionCall`): its probe, while one learns what the region saves
-(:mod:`~lightning_ckpt_determinism.checkpointing.profile`), and the saved-tensor observer registered on that region
-(:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing_saved_tensors`, on one model's own regions).
-Where neither is set they behave exactly as torch's (shapes, dtypes and devices compared, or nothing); where an
-observer is, its plan says which tensors it handles and gives what is kept of them at the forward, and the recomputed
+The package registers two names there, which a region's eager call passes instead of torch's ``"default"`` and
+``"none"`` where a probe learns from the call, an observer reads it, or torch's frame cannot count what it saves
+(:func:`~lightning_ckpt_determinism._torch_compat.checkpoint_saved_counter`; a call that runs a backward inside its
+forward saves tensors the package's extractor leaves out of its count). Every other eager call passes torch's own name,
+and its tensors cost what a hand-written checkpoint's do. torch calls the extractor with the tensor alone, so each eager
+region call says which call it is while its forward runs (:class:`InRegionCall`): its probe, while one learns what the
+region saves (:mod:`~lightning_ckpt_determinism.checkpointing.profile`), and the saved-tensor observer registered on
+that region (:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing_saved_tensors`, on one model's own
+regions). Where neither is set they behave exactly as torch's (shapes, dtypes and devices compared, or nothing); where
+an observer is, its plan says which tensors it handles and gives what is kept of them at the forward, and the recomputed
 tensor reaches what it kept (:func:`recomputed_tensor`). Each recomputation says whose tensors torch compares next
 (:func:`recomputing`), so that the comparisons of a call no observer watched cost what torch's own do, plus a context
 lookup. The traced path under ``torch.compile`` passes the same constant name, so dynamo guards on nothing more; the

@@ -26,9 +26,10 @@ under torch). The attributes each forward rebinds are found at that call and put
 The traced path (under ``torch.compile``) reads only state dynamo can guard on (the plan, and the one process-wide
 switch, :mod:`~lightning_ckpt_determinism.checkpointing.switch`, never a ContextVar), never passes
 ``noop_context_fn`` (dynamo fails on it), and passes a ``context_fn`` only when a region has ``save_ops``, eager-only
-options or ``keep_data_dependent``: see :mod:`~lightning_ckpt_determinism.checkpointing.compile_context`. Every
-region passes the package's own ``determinism_check`` name
-(:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`).
+options or ``keep_data_dependent``: see :mod:`~lightning_ckpt_determinism.checkpointing.compile_context`. A traced
+call, and an eager call a probe learns from or an observer reads, passes the package's own ``determinism_check``
+name (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`); any other eager call passes torch's, and
+torch's frame counts what it saves.
 """
 
 import contextlib
@@ -46,7 +47,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ckpt_determinism._torch_compat import checkpoint_debug_enabled, disable_current_modes, own_buffers
+from lightning_ckpt_determinism._torch_compat import (
+    checkpoint_debug_enabled,
+    checkpoint_saved_counter,
+    disable_current_modes,
+    own_buffers,
+)
 from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
     AttributeReplay,
@@ -281,6 +287,9 @@ class CheckpointedForward:
         self._attribute_slots: tuple[tuple[int, ...], list[tuple[int, str]]] = ((), [])
         # How many tensors the latest eager forward saved (the saved-tensor observer reads it when that forward ends).
         self.saved = 0
+        # Whether torch's checkpoint frame could be counted so far: a call no probe learns from and no observer reads
+        # then passes torch's own `determinism_check` name, and the frame counts what it saves.
+        self._frame_counted = True
         # The observers registered on this region, by `observing` and `observing_saved_tensors` on its model: read
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
@@ -364,8 +373,10 @@ class CheckpointedForward:
             # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
             in_run, context_fn = context_fn(), None
         replay = AttributeReplay(attributes, self._attribute_slots[1])
-        call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key)
-        return self._checkpoint(call.run, inputs, context_fn)
+        # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
+        torch_keeps = self.profile is not None and self.saved_observer is None and self._frame_counted
+        call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key, torch_keeps=torch_keeps)
+        return self._checkpoint(call.run, inputs, context_fn, torch_keeps=torch_keeps)
 
     def _generators_in_place(self) -> bool:
         """Whether the modules still hold the generators the profiles replay (none was replaced by a new one)."""
@@ -405,9 +416,12 @@ class CheckpointedForward:
         run: Callable[..., Any],
         inputs: tuple[Any, ...],
         context_fn: Callable[[], _ContextPair] | None,
+        *,
+        torch_keeps: bool = False,
     ) -> Any:
         """torch's non-reentrant checkpoint of ``run``; ``context_fn`` only when given, so that torch's default is
-        taken by leaving it out."""
+        taken by leaving it out; torch's own ``determinism_check`` name where ``torch_keeps``, the package's
+        otherwise."""
         options: dict[str, Any] = {}
         if context_fn is not None:
             options["context_fn"] = context_fn
@@ -416,7 +430,9 @@ class CheckpointedForward:
             *inputs,
             use_reentrant=False,
             preserve_rng_state=self.config.preserve_rng_state,
-            determinism_check=DETERMINISM_CHECKS[self.config.determinism_check],
+            determinism_check=(
+                self.config.determinism_check if torch_keeps else DETERMINISM_CHECKS[self.config.determinism_check]
+            ),
             **options,
         )
 
@@ -582,6 +598,8 @@ class _EagerCall:
         runs: How many times torch ran it: the forward, then each recomputation.
         observed: Whether a saved-tensor observer kept the forward's tensors (torch compares them after each
             recomputation).
+        torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
+            observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
     """
 
     wrapper: CheckpointedForward
@@ -591,6 +609,7 @@ class _EagerCall:
     attributes: AttributeReplay
     first: bool = field(kw_only=True)
     key: _CallKey | None = field(default=None, kw_only=True)
+    torch_keeps: bool = field(default=False, kw_only=True)
     full: bool = field(default=False, init=False)
     runs: int = field(default=0, init=False)
     observed: bool = field(default=False, init=False)
@@ -615,17 +634,28 @@ class _EagerCall:
         learning = self.key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, wrapper._saved_forward(), nested:
-            region_call = InRegionCall(probe, wrapper.saved_observer)
-            self.observed = region_call.observed
+            counter = checkpoint_saved_counter()
+            region_call = None if self.torch_keeps else InRegionCall(probe, wrapper.saved_observer)
+            self.observed = region_call is not None and region_call.observed
             self.attributes.start()
-            with region_call, probe if probe is not None else contextlib.nullcontext():
+            with (
+                region_call if region_call is not None else contextlib.nullcontext(),
+                probe if probe is not None else contextlib.nullcontext(),
+            ):
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             self.attributes.end()
+            # torch's frame counts what a call torch keeps saved; where it counts otherwise than the package's
+            # extractor (a backward run inside the forward saves tensors the extractor leaves out of its count), or
+            # cannot be read, the region's later calls count with the extractor.
+            counted = counter() if counter is not None else None
+            saved = region_call.saved if region_call is not None else -1 if counted is None else counted
+            if counted != saved:
+                wrapper._frame_counted = False
             # Before the saved-tensor observer's forward context ends, which reads the count and the profile of the
             # path taken.
-            wrapper.saved = region_call.saved
+            wrapper.saved = saved
             if self.key is not None:
-                self.full = wrapper._path_taken(self.key, region_call.saved, None if probe is None else probe.profile)
+                self.full = wrapper._path_taken(self.key, saved, None if probe is None else probe.profile)
         if self.full:
             _mark_end()
         return out
