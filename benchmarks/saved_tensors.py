@@ -118,7 +118,9 @@ def per_tensor(
 
     Returns:
         By path: ``"us"`` (a saved tensor's time, forward, recomputation and backward of its ``sin`` included),
-        ``"over none"`` (what the path adds to torch's ``"none"``, the extractor's share) and, for the sentinel's
+        ``"over none"`` (what the path adds to torch's ``"none"``, the extractor's share), ``"once"`` (what the path
+        pays once a step over a hand-written checkpoint with torch's ``"default"``, whatever the region saves: the
+        intercept of the line, the region call, and the sentinel's step for its tiers) and, for the sentinel's
         tiers, ``"compared"`` (the tensors it compared per step of the longer region).
     """
     device = device or torch.device("cpu")
@@ -136,8 +138,11 @@ def per_tensor(
     slopes = {
         name: (medians[f"{name} @ {long}"] - medians[f"{name} @ {short}"]) / (long - short) * 1e6 for name in PATHS
     }
+    # What a step pays once, whatever the region saves: the region call, and the sentinel's step for its tiers.
+    once = {name: (medians[f"{name} @ {short}"] * 1e6 - slopes[name] * short) for name in PATHS}
     found: dict[str, dict[str, float]] = {
-        name: {"us": slope, "over none": slope - slopes["torch none"]} for name, slope in slopes.items()
+        name: {"us": slope, "over none": slope - slopes["torch none"], "once": once[name] - once["torch default"]}
+        for name, slope in slopes.items()
     }
     for name, sentinel in sentinels.items():
         found[name]["compared"] = sentinel.report().compared / (rounds + 3)
@@ -179,7 +184,7 @@ def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, f
         light.run(opened.enter_context, block)
     light.run(opened.enter_context, InRegionCall(None, sentinel))
     light.run(lambda: [package_extract(x) for _ in range(8)])
-    steady_extract = determinism_checks()[CheckpointingConfig().determinism_check]
+    steady_extract = determinism_checks()[CheckpointingConfig(classes=["Chain"]).determinism_check]
     kept = {
         "torch default": torch_extract(x),
         "package, sentinel off": steady_extract(x),
@@ -263,12 +268,12 @@ def table(found: dict[str, dict[str, Any]]) -> str:
     """The figures of :func:`per_tensor` as a Markdown table, each path's extractor share also over torch's default."""
     default = found["torch default"]["over none"]
     lines = [
-        "| path | µs per saved tensor | over torch `none` | / torch `default`'s share |",
-        "|---|---|---|---|",
+        "| path | µs per saved tensor | over torch `none` | / torch `default`'s share | once a step, µs |",
+        "|---|---|---|---|---|",
     ]
     for name, row in found.items():
         share = row["over none"] / default if name != "torch none" and default > 0 else float("nan")
-        lines.append(f"| {name} | {row['us']:.2f} | {row['over none']:.2f} | {share:.2f} |")
+        lines.append(f"| {name} | {row['us']:.2f} | {row['over none']:.2f} | {share:.2f} | {row['once']:.0f} |")
     return "\n".join(lines)
 
 

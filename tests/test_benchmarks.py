@@ -326,8 +326,9 @@ def test_the_moe_benchmark_holds_the_routing_outputs_more_with_the_guard_and_no_
 def test_one_saved_tensor_is_timed_on_every_path_and_each_tier_reads_what_it_promises() -> None:
     found = saved_tensors.per_tensor(rounds=1, short=4, long=12)
     assert list(found) == list(saved_tensors.PATHS)
-    assert all(math.isfinite(row["us"]) and math.isfinite(row["over none"]) for row in found.values())
+    assert all(math.isfinite(row[key]) for row in found.values() for key in ("us", "over none", "once"))
     assert found["torch none"]["over none"] == 0.0
+    assert found["torch default"]["once"] == 0.0
     # Per step of the longer region: the light tier three of its 12 tensors at most, the others every one.
     assert 0 < found["light, not digested"]["compared"] <= 3
     assert found["sampled"]["compared"] == found["exact"]["compared"] == 12
@@ -336,7 +337,12 @@ def test_one_saved_tensor_is_timed_on_every_path_and_each_tier_reads_what_it_pro
 
 def test_the_extractor_alone_is_timed_at_the_pack_and_the_comparison_of_each_path() -> None:
     found = saved_tensors.extractor_ns(rounds=1, repeats=10)
-    assert list(found) == ["torch default", "package, sentinel off", "light, not digested"]
+    assert list(found) == [
+        "torch default",
+        "package, sentinel off",
+        "package extractor, nothing observes",
+        "light, not digested",
+    ]
     assert all(set(row) == {"pack", "comparison"} for row in found.values())
     assert all(math.isfinite(value) and value > 0 for row in found.values() for value in row.values())
     assert "| light, not digested |" in saved_tensors.extractor_table(found)
