@@ -89,7 +89,8 @@ def _step_functions(
 
 
 def compare(previous: ModuleType, size: ModelSize, rounds: int) -> dict[str, dict[str, float]]:
-    """Median tier/step ratios of the current and the previous package, measured in the same rounds.
+    """Median tier/step ratios of the current and the previous package, measured in the same rounds, and each
+    package's plain step (the sentinel off) over the previous package's.
 
     Args:
         previous: The earlier package (from :func:`load_previous`).
@@ -110,6 +111,7 @@ def compare(previous: ModuleType, size: ModelSize, rounds: int) -> dict[str, dic
         found[label] = {"step_ms": summary(base)["median"] * 1e3}
         for tier in TIERS:
             found[label][f"{tier}/step"] = summary(paired_ratios(times[f"{label} {tier}"], base))["median"]
+        found[label]["step/before"] = summary(paired_ratios(base, times["before step"]))["median"]
     return found
 
 
@@ -131,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         previous = load_previous(args.ref, Path(folder))
-        print("package  dim  step ms  light/step  sampled/step  exact/step")
+        print("package  dim  step ms  light/step  sampled/step  exact/step  step/before's")
         for dim in (int(text) for text in args.dims.split(",")):
             size = ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
             for label, row in compare(previous, size, args.rounds).items():
                 print(
                     f"{label:<8} {dim:<4} {row['step_ms']:7.1f}  {row['light/step']:10.3f}"
-                    f"  {row['sampled/step']:12.3f}  {row['exact/step']:10.3f}"
+                    f"  {row['sampled/step']:12.3f}  {row['exact/step']:10.3f}  {row['step/before']:13.3f}"
                 )
     return 0
 
