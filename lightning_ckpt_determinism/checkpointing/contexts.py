@@ -22,6 +22,7 @@ from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, replaying_host_rng
 
 __all__ = [
+    "NO_CONTEXT",
     "AttributeReplay",
     "BufferSlot",
     "ContextFactory",
@@ -36,6 +37,10 @@ BufferSlot = tuple[str, nn.Module, str]
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
 """Makes a fresh context each time it is called."""
+
+NO_CONTEXT: AbstractContextManager[None] = contextlib.nullcontext()
+"""A context that does nothing, one for every use: a ``nullcontext`` holds no state, so it can be entered anywhere,
+any number of times, without a fresh one per call."""
 
 
 class Reenterable:
@@ -56,11 +61,19 @@ class Reenterable:
         [1, 1]
     """
 
+    __slots__ = ("_entered", "_factories")
+
     def __init__(self, factories: list[ContextFactory]) -> None:
         self._factories = factories
-        self._entered: list[ExitStack] = []
+        self._entered: list[AbstractContextManager[Any]] = []
 
     def __enter__(self) -> None:
+        if len(self._factories) == 1:
+            # One context (the common case) is entered directly: an `ExitStack` would only wrap it.
+            context = self._factories[0]()
+            context.__enter__()
+            self._entered.append(context)
+            return
         with ExitStack() as stack:
             for factory in self._factories:
                 stack.enter_context(factory())
@@ -161,53 +174,92 @@ class ForwardState:
         self._late: list[tuple[nn.Module, str]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
+    def capture(self) -> AbstractContextManager[None]:
         """The forward context: capture what the forward starts from; afterwards, note buffers changed unexpectedly."""
-        profile = self._profile
-        # Below every dispatch mode: a mode of the user's sees the model's ops, never the package's copies.
-        with torch.no_grad(), disable_current_modes():
-            for name, owner, key in self._slots:
-                buffer = own_buffers(owner).get(key)
-                if buffer is None:
-                    continue
-                if profile is None or name in profile.buffers:
-                    self._buffers.append((owner, key, buffer, buffer.detach().clone()))
-                else:
-                    self._watched.append((name, owner, key, buffer, version_counter(buffer)))
-        if self._replays_generators:
-            held = generator_slots(self._module) if profile is None else profile.generators
-            self._generators = [(generator, generator.get_state()) for _, generator in held]
-        yield
-        for name, owner, key, buffer, version in self._watched:
-            if own_buffers(owner).get(key) is not buffer or version_counter(buffer) != version:
-                self._changed(name)
-                self._late.append((owner, key))
-        self._watched = []
+        return _Capture(self)
 
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        """The recompute context: the forward's state in, the live state back afterwards, whatever is raised."""
-        swapped = []
-        with torch.no_grad(), disable_current_modes():
-            for owner, key, buffer, value in self._buffers:
-                swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
-                buffer.data.copy_(value)
-                own_buffers(owner)[key] = buffer
-            for owner, key in self._late:
-                live = own_buffers(owner).get(key)
-                if live is not None:
-                    swapped.append((owner, key, live, live, live.detach().clone()))
-        live_generators = [(generator, generator.get_state()) for generator, _ in self._generators]
-        for generator, state in self._generators:
-            generator.set_state(state)
-        try:
-            yield
-        finally:
-            for generator, state in live_generators:
-                generator.set_state(state)
+    def replay(self) -> AbstractContextManager[None]:
+        """The recompute context: the forward's state in, the live state back afterwards, whatever is raised. Decided
+        at each recomputation, once the forward has ended: with no buffer or generator to replay (none captured, none
+        changed late), the shared :data:`NO_CONTEXT`."""
+        if self._buffers or self._late or self._generators:
+            return _Replay(self)
+        return NO_CONTEXT
+
+
+class _Capture:
+    """:meth:`ForwardState.capture`: the buffers the profile lists cloned (below every dispatch mode, so that a mode
+    of the user's sees the model's ops, never the package's copies), the others' identities and version counters read
+    (no op, so no guard), the generators' states taken; after a forward that raised nothing, the watched buffers
+    checked."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: ForwardState) -> None:
+        self._state = state
+
+    def __enter__(self) -> None:
+        state = self._state
+        profile = state._profile
+        cloned = []
+        for name, owner, key in state._slots:
+            buffer = own_buffers(owner).get(key)
+            if buffer is None:
+                continue
+            if profile is None or name in profile.buffers:
+                cloned.append((owner, key, buffer))
+            else:
+                state._watched.append((name, owner, key, buffer, version_counter(buffer)))
+        if cloned:
             with torch.no_grad(), disable_current_modes():
-                for owner, key, live, buffer, value in reversed(swapped):
+                state._buffers.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
+        if state._replays_generators:
+            held = generator_slots(state._module) if profile is None else profile.generators
+            state._generators = [(generator, generator.get_state()) for _, generator in held]
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: Any) -> None:
+        if exc_type is not None:
+            return
+        state = self._state
+        for name, owner, key, buffer, version in state._watched:
+            if own_buffers(owner).get(key) is not buffer or version_counter(buffer) != version:
+                state._changed(name)
+                state._late.append((owner, key))
+        state._watched = []
+
+
+class _Replay:
+    """:meth:`ForwardState.replay` where something is replayed: one recomputation's swap, held until it ends."""
+
+    __slots__ = ("_live_generators", "_state", "_swapped")
+
+    def __init__(self, state: ForwardState) -> None:
+        self._state = state
+        self._swapped: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        self._live_generators: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        state, swapped = self._state, self._swapped
+        if state._buffers or state._late:
+            with torch.no_grad(), disable_current_modes():
+                for owner, key, buffer, value in state._buffers:
+                    swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
+                    buffer.data.copy_(value)
+                    own_buffers(owner)[key] = buffer
+                for owner, key in state._late:
+                    live = own_buffers(owner).get(key)
+                    if live is not None:
+                        swapped.append((owner, key, live, live, live.detach().clone()))
+        self._live_generators = [(generator, generator.get_state()) for generator, _ in state._generators]
+        for generator, generator_state in state._generators:
+            generator.set_state(generator_state)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for generator, generator_state in self._live_generators:
+            generator.set_state(generator_state)
+        if self._swapped:
+            with torch.no_grad(), disable_current_modes():
+                for owner, key, live, buffer, value in reversed(self._swapped):
                     buffer.data.copy_(value)
                     own_buffers(owner)[key] = live
 
@@ -291,7 +343,7 @@ class AttributeReplay:
 
     def replay(self) -> AbstractContextManager[None]:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
-        return self._replayed() if self._found else contextlib.nullcontext()
+        return self._replayed() if self._found else NO_CONTEXT
 
     @contextlib.contextmanager
     def _replayed(self) -> Iterator[None]:
