@@ -55,6 +55,7 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
+    NO_CONTEXT,
     AttributeReplay,
     ContextFactory,
     ForwardState,
@@ -380,6 +381,8 @@ class CheckpointedForward:
 
     def _generators_in_place(self) -> bool:
         """Whether the modules still hold the generators the profiles replay (none was replaced by a new one)."""
+        if not self._generators:
+            return True
         return all(held.get(name) is generator for held, name, generator in self._generators)
 
     def _path_taken(self, key: _CallKey, saved: int, learned: RegionProfile | None) -> bool:
@@ -438,6 +441,8 @@ class CheckpointedForward:
 
     def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
         """The plain forward of the region's flattened inputs."""
+        if not keys:
+            return self.plain_forward(*flat)
         return self.plain_forward(*flat[:num_positional], **dict(zip(keys, flat[num_positional:], strict=True)))
 
     def _exposed_buffers(self) -> list[tuple[str, torch.Tensor]]:
@@ -520,19 +525,20 @@ class CheckpointedForward:
             forward.append(partial(same_context, sac_forward))
             recompute.append(partial(same_context, sac_recompute))
         guarded = plan.guards(self.data_dependent)
+        observer = self.region_observer
+        if not guarded and observer is None:
+            return Reenterable(forward), Reenterable(recompute)
         kept = KeptOutputs(
             keep=guarded,
             save_ops=plan.save_ops,
             on_forward=self._found_data_dependent,
             dropped=plan.keep_data_dependent and not guarded,
         )
-        observer = self.region_observer
-        if guarded or observer is not None:
-            # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the
-            # guard it only logs, for the observer, which data-dependent ops run.
-            forward.append(partial(_kept_forward, kept, inputs))
-            if guarded:
-                recompute.append(kept.recompute)
+        # Above selective checkpointing, whose cache serves `save_ops`: the union of both is kept. Without the guard it
+        # only logs, for the observer, which data-dependent ops run.
+        forward.append(partial(_kept_forward, kept, inputs))
+        if guarded:
+            recompute.append(kept.recompute)
         if observer is not None:
             # Above the other contexts, so its dispatch mode sits on top of the selective-checkpointing one and of the
             # guard and sees every op, including those whose outputs they serve from their caches.
@@ -545,13 +551,13 @@ class CheckpointedForward:
         """The saved-tensor observer's context around this call's forward (the call enters it inside every recompute
         context, so that it sees the forward as they leave it)."""
         saved = self.saved_observer
-        return contextlib.nullcontext() if saved is None else saved.region_forward(self.region, self.module)
+        return NO_CONTEXT if saved is None else saved.region_forward(self.region, self.module)
 
     def _saved_recompute(self) -> AbstractContextManager[Any]:
         """The saved-tensor observer's context around a recomputation (the observer registered now, if any)."""
         saved = self.saved_observer
         if saved is None:
-            return contextlib.nullcontext()
+            return NO_CONTEXT
         return saved.region_recompute(self.region, self.module, self._exposed_buffers())
 
 
@@ -619,7 +625,7 @@ class _EagerCall:
         forward = self.runs == 0
         self.runs += 1
         wrapper = self.wrapper
-        entered: AbstractContextManager[Any] = contextlib.nullcontext()
+        entered: AbstractContextManager[Any] = NO_CONTEXT
         if self.contexts is not None:
             entered = self.contexts[0] if forward else self.contexts[1]
         if not forward:
@@ -630,7 +636,7 @@ class _EagerCall:
                 _mark_end()
             return out
         region_class = type(wrapper.module).__name__
-        nested = probing_for_nesting(region_class, _REGION_CALL) if self.first else contextlib.nullcontext()
+        nested = probing_for_nesting(region_class, _REGION_CALL) if self.first else NO_CONTEXT
         learning = self.key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, wrapper._saved_forward(), nested:
@@ -638,10 +644,7 @@ class _EagerCall:
             region_call = None if self.torch_keeps else InRegionCall(probe, wrapper.saved_observer)
             self.observed = region_call is not None and region_call.observed
             self.attributes.start()
-            with (
-                region_call if region_call is not None else contextlib.nullcontext(),
-                probe if probe is not None else contextlib.nullcontext(),
-            ):
+            with region_call if region_call is not None else NO_CONTEXT, probe if probe is not None else NO_CONTEXT:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             self.attributes.end()
             # torch's frame counts what a call torch keeps saved; where it counts otherwise than the package's
