@@ -1,0 +1,157 @@
+"""The recompute contexts of `checkpointing/contexts.py` on their own: what `ForwardState` replays (nothing at all when
+a forward changed nothing it replays, a buffer changed late, the live state put back whatever is raised), and
+`Reenterable`'s entries."""
+
+from contextlib import AbstractContextManager
+from types import TracebackType
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ckpt_determinism.checkpointing.contexts import (
+    NO_CONTEXT,
+    BufferSlot,
+    ForwardState,
+    Reenterable,
+)
+from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
+from tests.helpers import DIM
+
+
+class Counted(nn.Module):
+    """Scales by a buffer it never changes; once ``armed``, counts its calls in a second buffer, in place, and scales
+    by the count too; with ``fail``, raises after counting. Holds a generator of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.armed = False
+        self.fail = False
+        self.noise = torch.Generator().manual_seed(0)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.count += 1
+        if self.fail:
+            raise ValueError("the forward failed")
+        return torch.tanh(self.linear(x) * self.scale * self.count)
+
+
+def _slots(module: nn.Module) -> list[BufferSlot]:
+    return [("scale", module, "scale"), ("count", module, "count")]
+
+
+def _state(module: Counted, buffers: frozenset[str] | None, changed: list[str]) -> ForwardState:
+    """A forward's state with a profile that lists ``buffers`` (``None``: a learning call, no profile); the names of
+    the buffers it sees changed late go to ``changed``."""
+    profile = None if buffers is None else RegionProfile(saved=0, buffers=buffers)
+    return ForwardState(module, profile, _slots(module), generators=False, changed=changed.append)
+
+
+def test_a_forward_that_changed_nothing_it_replays_is_recomputed_through_the_shared_no_op() -> None:
+    module, changed = Counted(), []
+    state = _state(module, frozenset(), changed)
+    with state.capture():
+        module(torch.ones(2, DIM))
+    assert changed == []
+    assert state.replay() is NO_CONTEXT
+    # A learning call (no profile) replays every buffer, and a profile's buffers are replayed: a swap, not the no-op.
+    for buffers in (None, frozenset({"scale"})):
+        listed = _state(module, buffers, changed)
+        with listed.capture():
+            module(torch.ones(2, DIM))
+        assert listed.replay() is not NO_CONTEXT
+
+
+def test_a_buffer_first_changed_by_this_forward_is_replayed_from_the_value_it_left_and_changed_once() -> None:
+    torch.manual_seed(0)
+    module, changed = Counted(), []
+    plain = Counted()
+    plain.load_state_dict(module.state_dict())
+    module.armed = plain.armed = True
+    state = _state(module, frozenset(), changed)
+    x = torch.randn(2, DIM)
+    with state.capture():
+        out = module(x)
+    # The profile did not list it: seen changed at the forward's end, and replayed (decided at recomputation).
+    assert changed == ["count"]
+    replay = state.replay()
+    assert replay is not NO_CONTEXT
+    with replay:
+        recomputed = module(x)
+    expected = plain(x)
+    # Recomputation started from the value the forward left (the one it started from is gone), and gave it back.
+    assert torch.equal(out, expected)
+    assert torch.equal(recomputed, torch.tanh(plain.linear(x) * plain.scale * (plain.count + 1)))
+    assert torch.equal(module.count, plain.count)
+    assert float(module.count) == 2.0
+
+
+def test_the_live_buffers_and_generators_are_put_back_when_a_recomputation_raises() -> None:
+    module = Counted()
+    state = ForwardState(module, None, _slots(module), generators=True)
+    module.armed = True
+    with state.capture():
+        module(torch.ones(2, DIM))
+        torch.rand(1, generator=module.noise)
+    count, live_count, live_noise = module.count, module.count.clone(), module.noise.get_state()
+    with pytest.raises(ValueError, match="the recomputation failed"), state.replay():
+        # The forward's starting values are in.
+        assert float(module.count) == 1.0
+        assert not torch.equal(module.noise.get_state(), live_noise)
+        module(torch.ones(2, DIM))
+        torch.rand(1, generator=module.noise)
+        raise ValueError("the recomputation failed")
+    assert module.count is count
+    assert torch.equal(module.count, live_count)
+    assert torch.equal(module.noise.get_state(), live_noise)
+
+
+def test_a_forward_that_raised_notes_no_buffer_changed() -> None:
+    module, changed = Counted(), []
+    module.armed = module.fail = True
+    state = _state(module, frozenset(), changed)
+    with pytest.raises(ValueError, match="the forward failed"), state.capture():
+        module(torch.ones(2, DIM))
+    # As before the contexts were classes: the check at the forward's end runs only after a forward that returned.
+    assert changed == []
+    assert state.replay() is NO_CONTEXT
+
+
+class _Recording(AbstractContextManager[None]):
+    """Records its entry and what its exit saw; suppresses the exception when told to."""
+
+    def __init__(self, log: list[str], suppress: bool) -> None:
+        self._log = log
+        self._suppress = suppress
+
+    def __enter__(self) -> None:
+        self._log.append("enter")
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        self._log.append(f"exit {None if exc_type is None else exc_type.__name__}")
+        return self._suppress
+
+
+@pytest.mark.parametrize("factories", [1, 2])
+def test_reenterable_enters_fresh_contexts_each_time_and_passes_exceptions_and_suppression_through(
+    factories: int,
+) -> None:
+    log: list[str] = []
+    suppress = [False]
+    context = Reenterable([lambda: _Recording(log, suppress[0])] * factories)
+    with context:
+        pass
+    with pytest.raises(KeyError), context:
+        raise KeyError("x")
+    suppress[0] = True
+    with context:
+        raise KeyError("x")
+    assert log == ["enter"] * factories + ["exit None"] * factories + (
+        ["enter"] * factories + ["exit KeyError"] * factories
+    ) + ["enter"] * factories + ["exit KeyError"] + ["exit None"] * (factories - 1)
