@@ -329,7 +329,7 @@ class CheckpointedForward:
         if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
-        inputs = (*args, *kwargs.values())
+        inputs = (*args, *kwargs.values()) if kwargs else args
         # Dynamo reads `is_compiling()` as a constant: a traced call never reaches the eager path.
         if torch.compiler.is_compiling():
             context_fn = self.plan.compiled_context(next(self.module.buffers(), None) is not None)
@@ -635,8 +635,7 @@ class _EagerCall:
             if self.full:
                 _mark_end()
             return out
-        region_class = type(wrapper.module).__name__
-        nested = probing_for_nesting(region_class, _REGION_CALL) if self.first else NO_CONTEXT
+        nested = probing_for_nesting(type(wrapper.module).__name__, _REGION_CALL) if self.first else NO_CONTEXT
         learning = self.key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, wrapper._saved_forward(), nested:
