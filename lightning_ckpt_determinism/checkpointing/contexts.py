@@ -169,7 +169,7 @@ class ForwardState:
         self._slots = buffers
         self._replays_generators = generators
         self._changed = changed
-        self._buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
         self._late: list[tuple[nn.Module, str]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
@@ -182,7 +182,7 @@ class ForwardState:
         """The recompute context: the forward's state in, the live state back afterwards, whatever is raised. Decided
         at each recomputation, once the forward has ended: with no buffer or generator to replay (none captured, none
         changed late), the shared :data:`NO_CONTEXT`."""
-        if self._buffers or self._late or self._generators:
+        if self._captured or self._late or self._generators:
             return _Replay(self)
         return NO_CONTEXT
 
@@ -212,7 +212,7 @@ class _Capture:
                 state._watched.append((name, owner, key, buffer, version_counter(buffer)))
         if cloned:
             with torch.no_grad(), disable_current_modes():
-                state._buffers.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
+                state._captured.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
         if state._replays_generators:
             held = generator_slots(state._module) if profile is None else profile.generators
             state._generators = [(generator, generator.get_state()) for _, generator in held]
@@ -240,9 +240,9 @@ class _Replay:
 
     def __enter__(self) -> None:
         state, swapped = self._state, self._swapped
-        if state._buffers or state._late:
+        if state._captured or state._late:
             with torch.no_grad(), disable_current_modes():
-                for owner, key, buffer, value in state._buffers:
+                for owner, key, buffer, value in state._captured:
                     swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
                     buffer.data.copy_(value)
                     own_buffers(owner)[key] = buffer
