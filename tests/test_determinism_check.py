@@ -86,58 +86,50 @@ class ExtractorCalls:
             self.by_step[who].append(count - sum(self.by_step[who]))
 
 
-def _twin_steps(region: nn.Module, plain: nn.Module, steps: int, after_each: Any) -> None:
+def _trained_beside_a_twin(
+    monkeypatch: pytest.MonkeyPatch, module_class: type[nn.Module], steps: int = 3
+) -> tuple[ExtractorCalls, list[int], list[Any]]:
+    """Train a checkpointed ``module_class`` beside a plain twin (same weights, same batches), asserting equal
+    gradients at every step; give the tensors each extractor got, the region's count and its profile, by step."""
+    torch.manual_seed(0)
+    plain, region = module_class(), module_class()
+    region.load_state_dict(plain.state_dict())
+    checkpoint_module(region, "region", CheckpointingConfig(classes=[module_class.__name__]))
+    wrapper = region.__dict__["forward"]
+    extractors = ExtractorCalls(monkeypatch)
+    saved, profiles = [], []
     for step in range(steps):
         x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step), requires_grad=True)
         region(x).sum().backward()
         plain_x = x.detach().requires_grad_()
         plain(plain_x).sum().backward()
         assert torch.equal(x.grad, plain_x.grad)
-        after_each()
+        extractors.step_ended()
+        saved.append(wrapper.saved)
+        profiles.append(wrapper.profile)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(region.parameters(), plain.parameters(), strict=True))
+    return extractors, saved, profiles
 
 
 def test_a_call_nothing_learns_from_nor_reads_costs_torchs_own_extractor_and_still_finds_its_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    torch.manual_seed(0)
-    plain, region = Block(), Block()
-    region.load_state_dict(plain.state_dict())
-    checkpoint_module(region, "region", CheckpointingConfig(classes=["Block"]))
-    wrapper = region.__dict__["forward"]
-    extractors = ExtractorCalls(monkeypatch)
-    saved: list[int] = []
-
-    def after_each() -> None:
-        extractors.step_ended()
-        saved.append(wrapper.saved)
-
-    _twin_steps(region, plain, 3, after_each)
+    extractors, saved, profiles = _trained_beside_a_twin(monkeypatch, Block)
     # The first call learns (the package's extractor, its 8 tensors at the forward and each again at the comparison);
     # the next ones pass torch's own name, and torch's frame counts the 8 they save: the learned path.
     assert extractors.by_step == {"package": [16, 0, 0], "torch": [0, 16, 16]}
     assert saved == [8, 8, 8]
-    assert wrapper.profile is not None and wrapper.profile.saved == 8
+    assert profiles[0] is not None and profiles[0].saved == 8
+    assert profiles[1] is profiles[2] is profiles[0]
 
 
 def test_where_torchs_frame_cannot_be_counted_every_call_counts_with_the_package_extractor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(wrapper_module, "checkpoint_saved_counter", lambda: None)
-    torch.manual_seed(0)
-    plain, region = Block(), Block()
-    region.load_state_dict(plain.state_dict())
-    checkpoint_module(region, "region", CheckpointingConfig(classes=["Block"]))
-    wrapper = region.__dict__["forward"]
-    extractors = ExtractorCalls(monkeypatch)
-    profiles: list[Any] = []
-
-    def after_each() -> None:
-        extractors.step_ended()
-        profiles.append(wrapper.profile)
-
-    _twin_steps(region, plain, 3, after_each)
+    extractors, saved, profiles = _trained_beside_a_twin(monkeypatch, Block)
     assert extractors.by_step == {"package": [16, 16, 16], "torch": [0, 0, 0]}
+    assert saved == [8, 8, 8]
     assert profiles[0] is not None and profiles[1] is profiles[2] is profiles[0]
 
 
@@ -158,21 +150,7 @@ class GradientInForward(nn.Module):
 def test_a_backward_inside_a_forward_leaves_the_calls_count_as_its_first_call_learned_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    torch.manual_seed(0)
-    plain = GradientInForward()
-    region = GradientInForward()
-    region.load_state_dict(plain.state_dict())
-    checkpoint_module(region, "region", CheckpointingConfig(classes=["GradientInForward"]))
-    wrapper = region.__dict__["forward"]
-    extractors = ExtractorCalls(monkeypatch)
-    counts, profiles = [], []
-
-    def after_each() -> None:
-        extractors.step_ended()
-        counts.append(wrapper.saved)
-        profiles.append(wrapper.profile)
-
-    _twin_steps(region, plain, 3, after_each)
+    extractors, counts, profiles = _trained_beside_a_twin(monkeypatch, GradientInForward)
     # The first call learned the count; the later ones (not probed) count alike, so they take its profile. torch's
     # frame also counts what the backward inside the forward saved, so every call counts with the package's extractor.
     assert counts[0] == counts[1] == counts[2] == profiles[0].saved
