@@ -12,7 +12,7 @@ from typing import Any, get_args
 import pytest
 import torch
 
-from benchmarks import budget, compiled, memory, moe, monitor, saved_tensors
+from benchmarks import budget, compiled, memory, moe, monitor, saved_tensors, wrapper_overhead
 from benchmarks.common import ModelSize
 from benchmarks.run import main
 from lightning_ckpt_determinism.verify.digest import DigestTier
@@ -346,3 +346,27 @@ def test_the_extractor_alone_is_timed_at_the_pack_and_the_comparison_of_each_pat
     assert all(set(row) == {"pack", "comparison"} for row in found.values())
     assert all(math.isfinite(value) and value > 0 for row in found.values() for value in row.values())
     assert "| light, not digested |" in saved_tensors.extractor_table(found)
+
+
+def test_the_wrapper_overhead_variants_compute_what_their_hand_written_twins_compute() -> None:
+    made = wrapper_overhead.variants()
+    for name, (call, module) in made.items():
+        hand_call, hand_module = made[name.split(" ")[0] + " hand"]
+        x = torch.randn((1, 4, 16) if name.startswith("block") else (4, 16), generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(1)
+        out = call(x.requires_grad_())
+        torch.manual_seed(1)
+        hand_x = x.detach().requires_grad_()
+        hand_out = hand_call(hand_x)
+        hand_out.sum().backward()
+        out.sum().backward()
+        assert torch.equal(out, hand_out), name
+        assert torch.equal(x.grad, hand_x.grad), name
+        assert all(
+            torch.equal(p.grad, q.grad) for p, q in zip(module.parameters(), hand_module.parameters(), strict=True)
+        ), name
+        for parameter in (*module.parameters(), *hand_module.parameters()):
+            parameter.grad = None
+    times = wrapper_overhead.measure(rounds=2, warmup=1)
+    assert set(times) == set(made)
+    assert all(len(samples) == 2 and min(samples) > 0 for parts in times.values() for samples in parts.values())
