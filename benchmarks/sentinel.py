@@ -7,7 +7,8 @@ ratio is the median of per-round ratios of whole ``Trainer.fit`` times; ``off ag
 sentinel, the noise floor. The peak memory is a training step's with each tier over without, once the tier is past
 its first step (and, for the light tier, at its first step too, where it learns what each region saves). The
 breakdown times single training steps without Lightning: with each tier, and with the light tier's digests replaced
-by a constant (what its hooks and bookkeeping cost without the digest kernels).
+by a constant (what its hooks and bookkeeping cost without the digest kernels), and the plain step again, timed as a
+variant of its own: its ratio to the step is the run's noise at that size (an A/A control).
 
 ``python -m benchmarks.sentinel`` runs the breakdown alone for wider models (``--dims 128,256,512``, the sequence
 half the width): the sentinel's cost is a few kernels per digested tensor, so its share falls as the blocks grow.
@@ -120,6 +121,10 @@ def _watched(
         sentinel.read(record, clean=not bool(record.mismatch_counts(device).any()))
 
 
+STEP_AGAIN = "step again"
+"""The breakdown's A/A control: the plain step timed as a second variant."""
+
+
 def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
     model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
     optimizer = make_optimizer(model)
@@ -137,10 +142,12 @@ def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) 
         "step": step,
         **{tier: partial(_watched, regions, sentinel, step, device) for tier, sentinel in sentinels.items()},
         "light hooks only": hooks_only,
+        # An A/A control: the same step again, whose ratio to the step is this run's noise at this size.
+        STEP_AGAIN: partial(train_step, model, optimizer, inputs, targets),
     }
     times = interleaved_times(functions, rounds, warmup, device)
     result: dict[str, Any] = {name: summary(samples) for name, samples in times.items()}
-    for name in (*TIERS, "light hooks only"):
+    for name in (*TIERS, "light hooks only", STEP_AGAIN):
         result[f"{name}/step"] = summary(paired_ratios(times[name], times["step"]))
     result["digests_per_step"] = {
         tier: sentinel.report().compared / (rounds + warmup) for tier, sentinel in sentinels.items()
@@ -199,8 +206,8 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
         rounds: Interleaved rounds of each variant.
 
     Returns:
-        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``<tier>/step`` and ``light hooks only/step``
-        ratios.
+        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``<tier>/step``, ``light hooks only/step`` and
+        ``step again/step`` ratios (the last, the same step timed as another variant: the run's noise).
     """
     rows = []
     with torch_threads(THREADS):
@@ -211,7 +218,10 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
                     "dim": size.dim,
                     "seq_len": size.seq_len,
                     "step_ms": found["step"]["median"] * 1e3,
-                    **{f"{name}/step": found[f"{name}/step"]["median"] for name in (*TIERS, "light hooks only")},
+                    **{
+                        f"{name}/step": found[f"{name}/step"]["median"]
+                        for name in (*TIERS, "light hooks only", STEP_AGAIN)
+                    },
                 }
             )
     return rows
@@ -233,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
         for dim in (int(text) for text in args.dims.split(","))
     ]
-    print("dim  seq  step ms  light/step  sampled/step  exact/step  light hooks only/step")
+    print("dim  seq  step ms  light/step  sampled/step  exact/step  light hooks only/step  step again/step (noise)")
     for row in scaling(sizes, torch.device(args.device), args.rounds):
         print(
             f"{row['dim']:<4} {row['seq_len']:<4} {row['step_ms']:7.1f}  {row['light/step']:10.3f}"
             f"  {row['sampled/step']:12.3f}  {row['exact/step']:10.3f}  {row['light hooks only/step']:21.3f}"
+            f"  {row['step again/step']:23.3f}"
         )
     return 0
 
