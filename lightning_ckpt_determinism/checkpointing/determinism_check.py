@@ -19,8 +19,8 @@ regions). Where neither is set they behave exactly as torch's (shapes, dtypes an
 an observer is, its plan says which tensors it handles and gives what is kept of them at the forward, and the recomputed
 tensor reaches what it kept (:func:`recomputed_tensor`). Each recomputation says whose tensors torch compares next
 (:func:`recomputing`), so that the comparisons of a call no observer watched cost what torch's own do, plus a context
-lookup. The traced path under ``torch.compile`` passes the same constant name, so dynamo guards on nothing more; the
-compiler recomputes compiled regions itself and calls no extractor.
+lookup. The traced path under ``torch.compile`` always passes the package's constant name, so dynamo guards on
+nothing more; the compiler recomputes compiled regions itself and calls no extractor.
 """
 
 import sys

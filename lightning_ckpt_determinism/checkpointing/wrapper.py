@@ -639,7 +639,8 @@ class _EagerCall:
         learning = self.key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
         with entered, wrapper._saved_forward(), nested:
-            counter = checkpoint_saved_counter()
+            # Read only while the region may still count with torch's frame: once it counted otherwise, never again.
+            counter = checkpoint_saved_counter() if wrapper._frame_counted else None
             region_call = None if self.torch_keeps else InRegionCall(probe, wrapper.saved_observer)
             self.observed = region_call is not None and region_call.observed
             self.attributes.start()
