@@ -32,6 +32,13 @@ DIM = 8
 REPO = Path(__file__).resolve().parents[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python process: the repository first on ``PYTHONPATH``, ahead of what
+    the path already holds (packages installed outside site-packages), and ``extra``."""
+    path = os.pathsep.join(part for part in (str(REPO), os.environ.get("PYTHONPATH", "")) if part)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 class DropoutBlock(nn.Module):
     """Linear, ReLU, dropout, residual: recomputation differs unless torch's RNG is replayed."""
 
@@ -762,7 +769,7 @@ def launch_ranks(script: Path, *args: str, timeout: float, world_size: int = 2) 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env["WORLD_SIZE"] = str(world_size)
     ranks = []
     for rank in range(world_size):

@@ -1,6 +1,5 @@
 """Tests for `CheckpointingCLI`: each configuration mistake ends in one short message and exit code 2."""
 
-import os
 import subprocess
 import sys
 import warnings
@@ -26,7 +25,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
-from tests.helpers import logged_lines
+from tests.helpers import child_env, logged_lines
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CONFIG = REPO / "examples" / "configs" / "gpt_blocks_by_class.yaml"
@@ -283,7 +282,7 @@ def test_values_parsed_into_restricted_types_train_save_and_load_as_plain_ones(t
 
 
 def _run_subprocess(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     env.pop("PL_GLOBAL_SEED", None)
     return subprocess.run(
         [sys.executable, "-m", "examples.train", *argv],

@@ -7,7 +7,6 @@ inductor (its float noise, and the memory-budget bug of its partitioner).
 import csv
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from tests.helpers import (
     Stack,
     StackModule,
     batch,
+    child_env,
     make_stack,
     step_gradients,
     trainer_kwargs,
@@ -264,7 +264,7 @@ print(seen)
 
 
 def test_the_recompile_limit_filter_is_on_dynamos_logger_only_while_a_region_exists() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-c", _FILTER_LIFETIME], cwd=REPO, env=env, check=True, capture_output=True, text=True
     )
@@ -473,7 +473,7 @@ def test_a_model_compiled_in_configure_model_trains_bit_identically_with_the_sen
 
 @pytest.mark.slow
 def test_compile_with_ddp_trains_with_the_monitor_at_zero(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=240)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [result["global_step"] for result in ranks] == [4, 4]

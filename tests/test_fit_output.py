@@ -3,7 +3,6 @@ stderr, and the warning format and the package logger are what they were before 
 
 import contextlib
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
 )
-from tests.helpers import StackModule, trainer_kwargs
+from tests.helpers import StackModule, child_env, trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +43,7 @@ _WARNING_START = "lightning_ckpt_determinism: "
 
 
 def test_the_package_warnings_of_a_fit_start_lines_of_their_own_without_a_file_prefix(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "default"}
+    env = child_env(PYTHONWARNINGS="default")
     result = subprocess.run(
         [sys.executable, "-c", _FIT.format(root=tmp_path)],
         cwd=REPO,

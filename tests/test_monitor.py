@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn import functional as F
 
@@ -23,6 +24,8 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
+from lightning_ckpt_determinism.lightning import checks as checks_module
+from lightning_ckpt_determinism.lightning.support import FSDPSupport, StrategySupport
 from tests.helpers import (
     BatchOnlyModule,
     CollectingModule,
@@ -453,6 +456,61 @@ def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defec
         divergences = [entry.grad_divergence for entry in monitor.history]
         assert len(divergences) == 4
         assert all(value == 0.0 for value in divergences) if name == "clean" else all(v > 0.0 for v in divergences)
+
+
+class _NoTwoPassSupport(StrategySupport):
+    """A strategy's support that says the two-pass check cannot run there, as FSDP1's does."""
+
+    def two_pass_unavailable(self) -> str | None:
+        return "this strategy runs the model only through its wrapper"
+
+
+class _NoTwoPassStrategy(SingleDeviceCheckpointingStrategy):
+    _monitor_support = _NoTwoPassSupport
+
+
+def test_where_the_two_pass_check_cannot_run_a_divergence_is_reported_live_without_a_region(tmp_path, monkeypatch):
+    # FSDP1's support says so (its parameters are views of flat parameters outside its root wrapper's forward); the
+    # same decision, tested here on one CPU device.
+    assert FSDPSupport(FSDPStrategy()).two_pass_unavailable() is not None
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
+    attributed = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off")
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            tmp_path / "attributed",
+            callbacks=[attributed],
+            strategy=SingleDeviceCheckpointingStrategy(checkpointing=config),
+        )
+    )
+    trainer.fit(StackModule())
+
+    def two_pass(*args, **kwargs):
+        raise AssertionError("the two-pass check ran")
+
+    monkeypatch.setattr(checks_module, "check_recomputation", two_pass)
+    # The light sentinel sees the redrawn masks and asks for a check with attribution at the next step: that check
+    # is live too.
+    live = RecomputationMonitor(every_n_steps=1, on_divergence="warn")
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path / "live", callbacks=[live], strategy=_NoTwoPassStrategy(checkpointing=config))
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(StackModule())
+    diverged = [str(w.message) for w in caught if "recomputation diverged" in str(w.message)]
+    assert diverged and "No region is named: this strategy runs the model only through its wrapper." in diverged[0]
+    assert attributed.last_report.regions and live.last_report.regions == []
+    assert [entry.grad_divergence for entry in live.history] == [e.grad_divergence for e in attributed.history]
+    assert len(live.history) == 4 and all(entry.grad_divergence > 0.0 for entry in live.history)
+
+    always = RecomputationMonitor(attribution="always")
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path / "always", callbacks=[always], strategy=_NoTwoPassStrategy(checkpointing=config))
+    )
+    with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor\(attribution='always'\)` cannot run"):
+        trainer.fit(StackModule())
 
 
 class LBFGSModule(StackModule):

@@ -6,7 +6,6 @@ fits), shared by the tests of that strategy.
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "distributed_monitor_script.py"
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ KINDS = ["ddp", "fsdp2"]
 
 
 def _launch(kind: str, out_dir: Path) -> Path:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     subprocess.run([sys.executable, str(SCRIPT), kind, str(out_dir)], cwd=REPO, env=env, check=True, timeout=400)
     return out_dir
 
@@ -197,7 +198,7 @@ def test_ddp_a_rank_with_nothing_to_check_stops_every_rank_at_fit_start(ddp):
 
 
 def test_fsdp2_example_config_trains_with_the_monitor(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     command = [
         sys.executable,
         "-m",

@@ -361,6 +361,10 @@ def test_the_single_device_strategy_follows_the_trainers_accelerator_and_devices
     given = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]), device="cpu")
     pl.Trainer(**trainer_kwargs(tmp_path, accelerator="auto", strategy=given))
     assert given.root_device == torch.device("cpu")
+    # "cuda" alone gets the index that `torch.cuda.set_device` needs when Lightning sets the device up.
+    bare = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]), device="cuda")
+    assert bare.root_device == torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    assert bare.root_device.index is not None
     contradicted = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["X"]), device="cpu")
     with pytest.raises(MisconfigurationException, match="CPU parallel_devices set through SingleDeviceCheckpointing"):
         pl.Trainer(**trainer_kwargs(tmp_path, accelerator="gpu", strategy=contradicted))

@@ -4,7 +4,8 @@ By default the live-step engine (:func:`~lightning_ckpt_determinism.verify.live_
 live, checkpointed gradients with one reference pass through the strategy's own wrapper; a divergence is then rerun
 with attribution by the two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) from the step's
 captured state, whose regions and cause join the live report. ``attribution="always"`` and a ``loss_fn`` under
-automatic optimization run the two-pass engine directly.
+automatic optimization run the two-pass engine directly. Under a strategy whose support says the two-pass engine
+cannot run there (FSDP1), every check is live and a divergence is reported without attribution.
 """
 
 import math
@@ -90,7 +91,10 @@ class StepCheck:
             gradients_before: What the gradient holders held before the live backward.
         """
         settings = self.settings
-        if settings.attribution == "always" or (settings.loss_fn is not None and self.pl_module.automatic_optimization):
+        two_pass = self.support.two_pass_unavailable() is None
+        if two_pass and (
+            settings.attribution == "always" or (settings.loss_fn is not None and self.pl_module.automatic_optimization)
+        ):
             return self._two_pass(attribution=settings.attribution == "always")
         try:
             report = self._live(plain, gradients_before)
@@ -106,7 +110,7 @@ class StepCheck:
             return None
         checked = [name for name, _ in (plain if plain is not None else checkpointed_modules(self.pl_module).items())]
         report = replace(report, checked_regions=checked, compiled=is_compiled(self.pl_module))
-        if report.diverged and report.error is None and settings.attribution == "on_divergence":
+        if two_pass and report.diverged and report.error is None and settings.attribution == "on_divergence":
             # Decided alike on every rank: the comparison's figures are reduced over ranks.
             report = with_attribution(report, self._two_pass(attribution=True))
         return report

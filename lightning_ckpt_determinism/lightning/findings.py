@@ -144,9 +144,12 @@ def warning_key(findings: Findings) -> str:
     return f"causes:{causes}" if causes else f"errors:{errors}" if errors else "gradients"
 
 
-def divergence_message(step: int, findings: Findings, report: RecomputationReport, attribution: str) -> str:
+def divergence_message(
+    step: int, findings: Findings, report: RecomputationReport, attribution: str, unattributed: str | None = None
+) -> str:
     """The warning (or error) for a check that diverged: the figures, the first error, the worst parameters, up to
-    three regions with their op, cause, hint and ranks, or what to look for."""
+    three regions with their op, cause, hint and ranks, or what to look for (with ``unattributed``, why no region is
+    named: the strategy cannot run the two-pass check)."""
     several = len(findings.ranks) > 1
     parts = [_headline(step, findings, report.tolerance)]
     errors = [finding for finding in findings.ranks if finding.error]
@@ -172,6 +175,11 @@ def divergence_message(step: int, findings: Findings, report: RecomputationRepor
         parts.append(
             "Every checkpointed region recomputed exactly what its forward produced when rerun with attribution: the"
             " difference changes from pass to pass, as Python state a module updates in forward (a counter) does."
+        )
+    elif unattributed is not None:
+        parts.append(
+            f"No region is named: {unattributed}. To be told which region and op, check the same model under FSDP2"
+            " (`ModelParallelCheckpointingStrategy`) or on one device."
         )
     elif attribution == "never":
         parts.append("Set `attribution` to be told which region and op.")

@@ -228,7 +228,6 @@ class RecomputationMonitor(Callback):
         self._said_nothing_to_check = False
         self._internals = lightning_internals()
         self._schedule.start_fit()
-        self._results.start_fit(_hint_syntax(self.hint_syntax))
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
@@ -237,6 +236,14 @@ class RecomputationMonitor(Callback):
             )
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
+        unattributed = None if self._support is None else self._support.two_pass_unavailable()
+        if problem is None and unattributed is not None and self.attribution == "always":
+            problem = (
+                f"`RecomputationMonitor(attribution='always')` cannot run under {type(trainer.strategy).__name__}:"
+                f" {unattributed}. Use `attribution='on_divergence'` (the live check, which names no region there) or"
+                " FSDP2 (`ModelParallelCheckpointingStrategy`)."
+            )
+        self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
         if not self._enabled:

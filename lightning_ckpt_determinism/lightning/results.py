@@ -66,18 +66,20 @@ class CheckResults:
         self.checks = 0
         self.summary = FitSummary()
         self.syntax: Syntax = "python"
+        self.unattributed: str | None = None
         # The check count at which each kind of finding last warned.
         self._warned: dict[str, int] = {}
         # The steps whose check warned this fit (a rate-limited one did not): only those may be pointed to.
         self.warned_steps: set[int] = set()
 
-    def start_fit(self, syntax: Syntax = "python") -> None:
+    def start_fit(self, syntax: Syntax = "python", unattributed: str | None = None) -> None:
         """A fit starts: its summary is empty, and every kind of finding warns at once.
 
         Args:
             syntax: How the fit's warnings and summary spell the settings their hints name.
+            unattributed: Why this fit's strategy cannot attribute a divergence to a region, or ``None``.
         """
-        self.summary, self._warned, self.syntax = FitSummary(), {}, syntax
+        self.summary, self._warned, self.syntax, self.unattributed = FitSummary(), {}, syntax, unattributed
         self.warned_steps = set()
 
     def skipped(self, step: int, reason: str) -> None:
@@ -136,7 +138,7 @@ class CheckResults:
         )
         if not findings.diverged or self.on_divergence == "ignore":
             return
-        message = respelt(divergence_message(step, findings, report, self.attribution), self.syntax)
+        message = respelt(divergence_message(step, findings, report, self.attribution, self.unattributed), self.syntax)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
         if self.warn_once(warning_key(findings), message):

@@ -266,7 +266,8 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
         device: The device to train on; ``None`` (the default) follows the Trainer's accelerator and ``devices``, as
             Lightning's own ``SingleDeviceStrategy`` is chosen: ``cuda:0`` under ``accelerator="gpu"`` (or ``"auto"``
             on a CUDA machine), ``cuda:1`` with ``devices=[1]``, the CPU under ``accelerator="cpu"``. Before the
-            Trainer connects it, the strategy reports the CPU.
+            Trainer connects it, the strategy reports the CPU. ``"cuda"`` without an index is the current CUDA device
+            (``cuda:0`` before CUDA starts).
         **kwargs: The remaining arguments of :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
 
     Example::
@@ -279,7 +280,7 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
     _monitor_support = StrategySupport
 
     def __init__(self, checkpointing: CheckpointingConfig | None, device: str | None = None, **kwargs: Any) -> None:
-        super().__init__(checkpointing=checkpointing, device="cpu" if device is None else device, **kwargs)
+        super().__init__(checkpointing=checkpointing, device="cpu" if device is None else _indexed(device), **kwargs)
         self._device_given = device is not None
 
     # Lightning's Trainer gives a strategy with `parallel_devices` the devices it chose from `accelerator` and
@@ -293,6 +294,15 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
     def parallel_devices(self, devices: list[Any]) -> None:
         if devices and not self._device_given:
             self._root_device = torch.device(devices[0])
+
+
+def _indexed(device: str) -> torch.device:
+    """``device`` with its index: ``"cuda"`` alone is the current CUDA device (the first before CUDA starts), which
+    ``torch.cuda.set_device`` needs by number when Lightning sets the device up."""
+    parsed = torch.device(device)
+    if parsed.type != "cuda" or parsed.index is not None:
+        return parsed
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
 
 
 class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # type: ignore[misc]

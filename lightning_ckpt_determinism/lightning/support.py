@@ -58,6 +58,11 @@ class StrategySupport:
         reentrant checkpointing need."""
         return "backward"
 
+    def two_pass_unavailable(self) -> str | None:
+        """Why the two-pass check (attribution, a ``loss_fn`` under automatic optimization) cannot run the bare
+        LightningModule under this strategy, or ``None`` where it can."""
+        return None
+
 
 class DDPSupport(StrategySupport):
     """:class:`StrategySupport` under DDP, which may hold gradients in its buckets and expect some of them.
@@ -88,7 +93,8 @@ class DDPSupport(StrategySupport):
 
 class FSDPSupport(StrategySupport):
     """:class:`StrategySupport` under FSDP1, which accumulates into its flat parameters' gradients when it keeps the
-    original parameters (``use_orig_params=True``).
+    original parameters (``use_orig_params=True``), and runs the model only through its root wrapper, so that the
+    two-pass check cannot run there.
 
     Args:
         strategy: The strategy, as the Trainer holds it.
@@ -98,6 +104,14 @@ class FSDPSupport(StrategySupport):
         >>> FSDPSupport(FSDPStrategy()).writes_into_bucket_views()
         False
     """
+
+    def two_pass_unavailable(self) -> str | None:
+        """FSDP1 swaps each parameter for a view of its flat parameter outside its root wrapper's forward, which the
+        two-pass check, running the LightningModule on its own, can neither read nor restore."""
+        return (
+            "FSDP1 (`FSDPStrategy`) keeps the parameters as views of its flat parameters outside its root wrapper's"
+            " forward, and the two-pass check runs the LightningModule on its own"
+        )
 
     def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
         """The module's trainable parameters, then FSDP1's flat parameters that are not among them.
