@@ -96,7 +96,9 @@ class RecomputationMonitor(Callback):
             ``"on_divergence"`` reruns a check that diverged with attribution (decided on all ranks alike);
             ``"always"`` runs the two-pass check with attribution on every check, which also catches buffer
             mutations that change no gradient;
-            ``"never"`` keeps to gradients, and the warning names parameters only.
+            ``"never"`` keeps to gradients, and the warning names parameters only. Under FSDP1, whose model runs only
+            through its root wrapper, no check is attributed: a divergence is reported without a region, and
+            ``"always"`` is refused at fit start.
         calibrate_noise: Run the reference pass twice per check and count only divergences above the measured
             noise floor, for non-deterministic kernels (GPU atomics) that differ from run to run by themselves.
         reference_regions: ``None`` runs every checkpointed region plainly in the reference pass. ``k`` runs only
@@ -131,8 +133,9 @@ class RecomputationMonitor(Callback):
     Raises:
         CheckpointingConfigError: If an argument is out of range; at fit start, before any step, if the module uses
             manual optimization and no ``loss_fn`` is given, if no module is checkpointed (no checkpointing strategy
-            and no ``apply_activation_checkpointing`` in ``configure_model``), or if the strategy is none the monitor
-            runs under (on every rank alike).
+            and no ``apply_activation_checkpointing`` in ``configure_model``), if the strategy is none the monitor
+            runs under, or if ``attribution="always"`` under a strategy that cannot run the two-pass check (FSDP1;
+            on every rank alike).
         RecomputationDivergenceError: During training, with ``on_divergence="raise"``, when a check diverges.
 
     Example::

@@ -34,8 +34,8 @@ class StrategySupport:
     Example::
 
         >>> support = StrategySupport(SingleDeviceStrategy("cpu"))
-        >>> support.two_pass_gradients(), support.writes_into_bucket_views()
-        ('backward', False)
+        >>> support.two_pass_gradients(), support.writes_into_bucket_views(), support.two_pass_unavailable()
+        ('backward', False, None)
     """
 
     def __init__(self, strategy: LightningStrategy) -> None:
@@ -101,8 +101,9 @@ class FSDPSupport(StrategySupport):
 
     Example::
 
-        >>> FSDPSupport(FSDPStrategy()).writes_into_bucket_views()
-        False
+        >>> support = FSDPSupport(FSDPStrategy())
+        >>> support.writes_into_bucket_views(), support.two_pass_unavailable()[:24]
+        (False, 'FSDP1 (`FSDPStrategy`) k')
     """
 
     def two_pass_unavailable(self) -> str | None:
