@@ -4,7 +4,6 @@ fit."""
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     checkpointed_modules,
 )
-from tests.helpers import CheckpointedModulesRecorder, StackModule, trainer_kwargs
+from tests.helpers import CheckpointedModulesRecorder, StackModule, child_env, trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 DDP_SCRIPT = REPO / "tests" / "ddp_train_script.py"
@@ -292,8 +291,7 @@ def test_fsdp_strategy_trains_checkpointed_on_one_gpu(tmp_path: Path) -> None:
 def test_ddp_strategy_trains_checkpointed_on_two_processes_and_equals_unchecked_ddp(tmp_path: Path) -> None:
     # A clean launch: no rank, world or seed left in the environment by this process or its own launcher.
     launch_vars = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"}
-    env = {key: value for key, value in os.environ.items() if key not in launch_vars}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env = {key: value for key, value in child_env().items() if key not in launch_vars}
     subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=180)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
