@@ -480,15 +480,7 @@ def test_where_the_two_pass_check_cannot_run_a_divergence_is_reported_live_witho
     assert FSDPSupport(FSDPStrategy()).two_pass_unavailable() is not None
     config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
     attributed = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off")
-    pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        **trainer_kwargs(
-            tmp_path / "attributed",
-            callbacks=[attributed],
-            strategy=SingleDeviceCheckpointingStrategy(checkpointing=config),
-        )
-    )
-    trainer.fit(StackModule())
+    fit(tmp_path / "attributed", monitor=attributed, config={"preserve_rng_state": False})
 
     def two_pass(*args, **kwargs):
         raise AssertionError("the two-pass check ran")
