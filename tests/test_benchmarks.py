@@ -12,10 +12,11 @@ from typing import Any, get_args
 import pytest
 import torch
 
-from benchmarks import budget, compiled, memory, moe, monitor, saved_tensors, wrapper_overhead
+from benchmarks import budget, compiled, memory, moe, monitor, saved_tensors, sentinel_host, wrapper_overhead
 from benchmarks.common import ModelSize
 from benchmarks.run import main
 from lightning_ckpt_determinism.verify.digest import DigestTier
+from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -371,3 +372,17 @@ def test_the_wrapper_overhead_variants_compute_what_their_hand_written_twins_com
     times = wrapper_overhead.measure(rounds=2, warmup=1)
     assert set(times) == set(made)
     assert all(len(samples) == 2 and min(samples) > 0 for parts in times.values() for samples in parts.values())
+
+
+@pytest.mark.parametrize("tier", ["light", "exact"])
+def test_the_sentinels_host_time_is_clocked_at_each_place_its_code_runs_and_the_hooks_put_back(tier: str) -> None:
+    hooks = (RegionCall.save, KeptTensor.__ne__)
+    size = ModelSize(layers=2, dim=16, heads=2, seq_len=8, batch_size=2, vocab_size=32)
+    found = sentinel_host.host_time(size, torch.device("cpu"), tier, steps=2, warmup=1)  # type: ignore[arg-type]
+    assert set(found) == {*sentinel_host.POINTS, "total", "step ms"}
+    # Every place is reached in a step: each region call's contexts, its packs and comparisons, the step's own work.
+    assert all(_finite_positive(found[point]) for point in sentinel_host.POINTS)
+    assert found["total"] == pytest.approx(sum(found[point] for point in sentinel_host.POINTS))
+    assert _finite_positive(found["step ms"])
+    assert (RegionCall.save, KeptTensor.__ne__) == hooks
+    assert "| 16 |" in sentinel_host.table({16: found}, tier)

@@ -19,7 +19,8 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     recomputation_sentinel,
 )
-from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestTier
+from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestPlans, DigestTier
+from lightning_ckpt_determinism.verify.sentinel import step as sentinel_step
 from tests.helpers import (
     BatchNormBlock,
     CounterScaleBlock,
@@ -306,3 +307,63 @@ def test_a_sentinel_counts_only_its_own_models_regions_when_another_has_the_same
     assert alone.compared > 0 and alone.mismatches == 0
     assert sentinel.report() == alone
     assert watched_steps(other, mode="exact").regions["blocks.1"].mismatches > 0
+
+
+def _weighed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every region call weighs its own sums into digests as it goes: none are kept for the step to weigh (the ground
+    truth of the step's weighing)."""
+    monkeypatch.setattr(sentinel_step, "WEIGHED_LATER", -1)
+
+
+def _counting_weighings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tensors each weighing of sums into digests took, in order."""
+    counted: list[int] = []
+    weighed = DigestPlans.combined
+
+    def counting(self: DigestPlans, found: Any) -> torch.Tensor:
+        counted.append(len(found))
+        return weighed(self, found)
+
+    monkeypatch.setattr(DigestPlans, "combined", counting)
+    return counted
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
+def test_the_step_weighs_every_calls_sums_in_one_go_and_reports_what_calls_weighing_their_own_report(
+    block: Callable[[], nn.Module], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weighings = _counting_weighings(monkeypatch)
+    by_step = watched_steps(checkpointed(stack_with(block)), mode=mode)
+    # The light tier weighs once a step for its three regions' forwards and recomputations; the others, whose calls
+    # digest every saved tensor, weigh each region call's forward and its recomputation.
+    assert len(weighings) == (3 if mode == "light" else 3 * 3 * 2)
+    weighings.clear()
+    _weighed_at_once(monkeypatch)
+    at_once = watched_steps(checkpointed(stack_with(block)), mode=mode)
+    assert len(weighings) == 3 * 3 * 2
+    assert by_step == at_once and by_step.compared > 0
+    assert [region.mismatches > 0 for region in by_step.regions.values()] == [False, block is CounterScaleBlock, False]
+
+
+@pytest.mark.parametrize("mode", ["light", "exact"])
+@pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
+def test_a_call_recomputed_twice_in_a_step_is_compared_at_each_recomputation(
+    block: Callable[[], nn.Module], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def backward_twice() -> Any:
+        model = checkpointed(stack_with(block))
+        x, y = batch()
+        with recomputation_sentinel(model, mode=mode) as sentinel:
+            loss = F.mse_loss(model(x), y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        return sentinel.report()
+
+    once = watched_steps(checkpointed(stack_with(block)), steps=1, mode=mode)
+    by_step = backward_twice()
+    _weighed_at_once(monkeypatch)
+    assert backward_twice() == by_step
+    assert by_step.compared == 2 * once.compared > 0
+    assert by_step.regions["blocks.1"].mismatches == 2 * once.regions["blocks.1"].mismatches
+    assert (by_step.mismatches > 0) == (block is CounterScaleBlock)

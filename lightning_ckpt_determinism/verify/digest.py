@@ -44,6 +44,7 @@ digest.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Literal, get_args
 
 import torch
@@ -80,6 +81,8 @@ digests only a few of a region's saved tensors, and ``"sampled"``), or every wor
 sentinel's tiers: every other place reads it with ``typing.get_args``."""
 
 
+_TIERS = frozenset(get_args(DigestTier))
+
 Sums = tuple[torch.Tensor, torch.Tensor]
 """A word matrix's row sums and column sums (:meth:`DigestPlans.sums`)."""
 
@@ -112,7 +115,7 @@ class DigestMode:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        if self.tier not in get_args(DigestTier):
+        if self.tier not in _TIERS:
             raise ValueError(choice_message("tier", self.tier, get_args(DigestTier)))
 
     def window(self, windows: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
@@ -355,9 +358,8 @@ class DigestPlans:
     def __init__(self) -> None:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-        self._combinations: dict[
-            tuple[tuple[tuple[int, int] | None, ...], torch.device], tuple[torch.Tensor, torch.Tensor]
-        ] = {}
+        self._ends: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._constants: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def digest_of(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
         """``tensor``'s digest (a 0-dimensional ``int64`` tensor on its device), or ``None`` when it is not
@@ -448,8 +450,9 @@ class DigestPlans:
 
     def combined(self, found: Sequence[Sums | torch.Tensor]) -> torch.Tensor:
         """The digests of several tensors, from each one's :meth:`sums` (or its digest, for a wrapper subclass, from
-        :meth:`digest_of`), as one ``int64`` vector on their device: the same values as :meth:`digest` of each, in
-        three kernels for all of them (their sums joined, weighted, and added up tensor by tensor).
+        :meth:`digest_of`), as one ``int64`` vector on their device: the same values as :meth:`digest` of each, in a
+        few kernels for all of them (their sums and their weights joined, multiplied, summed as they run, and the
+        running sum read at each tensor's end), however many they are.
 
         Args:
             found: Each tensor's sums or digest, all on one device, at least one.
@@ -467,41 +470,36 @@ class DigestPlans:
             if not isinstance(only, tuple):
                 return only.view(1)
             return self._weighted(torch.cat(only), only[0].shape[0], only[1].shape[0]).view(1)
-        parts: list[torch.Tensor] = []
-        shapes: list[tuple[int, int] | None] = []
+        device = (found[0][0] if isinstance(found[0], tuple) else found[0]).device
+        # A zero first, so that the running sum starts at zero and a tensor without elements adds nothing.
+        zero = self._constant(0, device)
+        parts, weights, lengths = [zero], [zero], []
         for entry in found:
             if isinstance(entry, tuple):
+                rows, columns = entry[0].shape[0], entry[1].shape[0]
                 parts.extend(entry)
-                shapes.append((entry[0].shape[0], entry[1].shape[0]))
+                weights.append(self._weights_of(rows, columns, device))
+                lengths.append(rows + columns)
             else:
                 parts.append(entry.view(1))
-                shapes.append(None)
-        device = parts[0].device
-        weights, owners = self._combination(tuple(shapes), device)
-        weighted = torch.cat(parts).mul_(weights)
-        return torch.zeros(len(shapes), dtype=torch.int64, device=device).index_add_(0, owners, weighted)
+                weights.append(self._constant(1, device))
+                lengths.append(1)
+        # The running sum wraps around like every sum of the digest, so its differences at the tensors' ends are
+        # each tensor's weighted sum exactly.
+        running = torch.cat(parts).mul_(torch.cat(weights)).cumsum(0)
+        ends = running.index_select(0, self._ends_of(tuple(lengths), device))
+        return ends[1:] - ends[:-1]
 
-    def _combination(
-        self, shapes: tuple[tuple[int, int] | None, ...], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights of joined sums (each matrix's row then column weights; ``1`` for a digest given whole) and the
-        index of the tensor each belongs to, made once per sequence of shapes and device."""
-        key = (shapes, device)
-        made = self._combinations.get(key)
-        if made is None:
-            if len(self._combinations) >= _COMBINATIONS:
-                self._combinations.clear()  # shapes that vary from call to call (sequence lengths) bound the cache
-            weights = [
-                self._weights_of(*shape, device)
-                if shape is not None
-                else torch.ones(1, dtype=torch.int64, device=device)
-                for shape in shapes
-            ]
-            owners = torch.cat(
-                [torch.full((len(one),), owner, dtype=torch.int64, device=device) for owner, one in enumerate(weights)]
-            )
-            made = self._combinations[key] = (torch.cat(weights), owners)
-        return made
+    def _ends_of(self, lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Where the running sum of joined tensors of ``lengths`` (after the leading zero) starts and where each
+        tensor ends, made once per sequence of lengths and device."""
+        key = (lengths, device)
+        ends = self._ends.get(key)
+        if ends is None:
+            if len(self._ends) >= _ENDS:
+                self._ends.clear()  # lengths that vary from call to call (sequence lengths) bound the cache
+            ends = self._ends[key] = torch.tensor([0, *accumulate(lengths)], device=device)
+        return ends
 
     def _weighted(self, sums: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
         """The dot product of ``rows`` row sums then ``columns`` column sums with their weights."""
@@ -517,6 +515,14 @@ class DigestPlans:
         if weights is None:
             weights = self._weights[key] = torch.cat([row_weights(rows, device), column_weights(columns, device)])
         return weights
+
+    def _constant(self, value: int, device: torch.device) -> torch.Tensor:
+        """``value`` as a one-element ``int64`` vector on ``device``, made once."""
+        key = (value, device)
+        constant = self._constants.get(key)
+        if constant is None:
+            constant = self._constants[key] = torch.full((1,), value, dtype=torch.int64, device=device)
+        return constant
 
 
 class _Plan:
@@ -586,8 +592,8 @@ class _ComplexPlan(_Plan):
 
 _UNPLANNED = object.__new__(_Plan)
 
-# The sequences of shapes whose joined weights are kept (a region call's digested tensors, by tier and step).
-_COMBINATIONS = 256
+# The sequences of lengths whose ends are kept (a step's or a region call's digested tensors, by tier and step).
+_ENDS = 256
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
 # 64-bit integers.

@@ -1,7 +1,7 @@
 """One region call as the sentinel sees it: the tensors its forward saves, kept as digests once their values are
 final, and their comparison with the recomputation's (see the package's description)."""
 
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +40,8 @@ class CallOwner(Protocol):
     def _comparing(self, call: "RegionCall") -> None: ...
 
     def _compared(self, call: "RegionCall") -> None: ...
+
+    def _keeps(self, words: int) -> bool: ...
 
 
 class KeptTensor:
@@ -99,9 +101,12 @@ class RegionCall:
     :class:`~lightning_ckpt_determinism.verify.sentinel.light_layout.SavedLayout` (``targets``); a call of a region
     without a layout yet looks at every saved tensor, learns the layout at its forward's end and digests that step's
     targets. Each digested tensor's row and column sums are taken once its value is final (see the package's
-    description); the forward's are weighted into one vector of digests when the region's forward ends, the
-    recomputation's at the comparison of the last of them. The others are given back as torch's own extractor would
-    keep them.
+    description). In the light tier, the forward's, and each recomputation's, are kept for the step to weigh into
+    digests with every other call's in one go
+    (:meth:`~lightning_ckpt_determinism.verify.sentinel.step.SentinelStep.weigh`) while the step has room for them
+    (:data:`~lightning_ckpt_determinism.verify.sentinel.step.WEIGHED_LATER`); otherwise the forward's are weighed when
+    the region's forward ends, and each recomputation's at the comparison of the last of them. The others are given
+    back as torch's own extractor would keep them.
     """
 
     def __init__(
@@ -132,6 +137,9 @@ class RegionCall:
         self.not_compared = 0 if layout is None else layout.left_out
         self.forward: torch.Tensor | None = None
         self.comparisons: list[tuple[list[int], torch.Tensor]] = []
+        # Sums kept for the step to weigh: the forward's, and each recomputation's with the slots it compares.
+        self._forward_sums: list[Sums | torch.Tensor] | None = None
+        self._recomputed_sums: list[tuple[list[int], list[Sums | torch.Tensor]]] = []
         self.metadata_mismatches: list[str] = []
         # Each digested tensor's row and column sums (a subclass's digest), weighted into digests together.
         self._digests: list[Sums | torch.Tensor] = []
@@ -241,15 +249,59 @@ class RegionCall:
                 self.sentinel._learned(self.region, None)  # another code path: its layout is learned again
             for saved, local in held:
                 self._take(saved, local)
-            if self._digests:
+            if self._digests and self._keeps(self._digests):
+                self._forward_sums = self._digests
+            elif self._digests:
                 try:
                     with no_python_dispatch():
                         self.forward = self.sentinel.plans.combined(self._digests)
                 except Exception as err:
-                    self.sentinel._failed(self.region, "the forward's digests", err)
-                    self.not_compared += len(self.slotted)
-                    self.slotted = []
+                    self._forward_failed(err)
         self._digests, self._held = [], []
+
+    @property
+    def digested(self) -> bool:
+        """Whether the forward's digests are taken (weighed, or waiting for the step to weigh them)."""
+        return self.forward is not None or self._forward_sums is not None
+
+    @property
+    def compared(self) -> int:
+        """How many saved tensors the call's recomputations compared by digest (weighed or not)."""
+        if not self.digested:
+            return 0
+        return sum(len(slots) for slots, _ in self.comparisons) + sum(len(slots) for slots, _ in self._recomputed_sums)
+
+    def unweighed(self) -> list[list[Sums | torch.Tensor]]:
+        """The sums kept for the step to weigh, in the order :meth:`weighed` takes their digests: the forward's (if
+        kept), then each recomputation's."""
+        found = [] if self._forward_sums is None else [self._forward_sums]
+        return found + [sums for _, sums in self._recomputed_sums]
+
+    def weighed(self, digests: Sequence[torch.Tensor] | None, err: Exception | None = None) -> None:
+        """The digests of :meth:`unweighed`'s sums, in its order; ``None`` (with ``err``) when weighing failed: what
+        they would have compared counts as not compared."""
+        forward, recomputed = self._forward_sums, self._recomputed_sums
+        self._forward_sums, self._recomputed_sums = None, []
+        if digests is None:
+            if forward is not None:
+                self._forward_failed(err)  # type: ignore[arg-type]
+            else:
+                self.sentinel._failed(self.region, "the recomputation's digests", err)  # type: ignore[arg-type]
+                self.not_compared += sum(len(slots) for slots, _ in recomputed)
+            return
+        if forward is not None:
+            self.forward, digests = digests[0], digests[1:]
+        self.comparisons.extend((slots, found) for (slots, _), found in zip(recomputed, digests, strict=True))
+
+    def _keeps(self, found: Sequence[Sums | torch.Tensor]) -> bool:
+        """Whether ``found`` is kept for the step to weigh: in the light tier, whose calls digest so few tensors that
+        weighing them is most of their kernels, while the step has room for them."""
+        return self.mode.tier == "light" and self.sentinel._keeps(words_of(found))
+
+    def _forward_failed(self, err: Exception) -> None:
+        self.sentinel._failed(self.region, "the forward's digests", err)
+        self.not_compared += len(self.slotted)
+        self.slotted = []
 
     def _another_path(self, profile: RegionProfile | None) -> None:
         """The call took another path than the one its profile was learned on: of what it digested as it went, only
@@ -305,7 +357,7 @@ class RegionCall:
                 return True  # torch raises its CheckpointError, naming the metadata
             recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"
             self.metadata_mismatches.append(f"{saved.describe()} was recomputed as {recomputed_as}")
-        elif saved.slot is not None and self.forward is not None:
+        elif saved.slot is not None and self.digested:
             found = self._digest(local, saved)
             if found is None:
                 self.not_compared += 1
@@ -316,17 +368,20 @@ class RegionCall:
         return False
 
     def recomputation_done(self) -> None:
-        """Weight this recomputation's sums into its digests (also reached later, when the last tensor's holder was
-        freed)."""
+        """Weight this recomputation's sums into its digests, or keep them for the step to weigh (also reached later,
+        when the last tensor's holder was freed)."""
         if self._recomputed:
             slots = [slot for slot, _ in self._recomputed]
             found = [digest for _, digest in self._recomputed]
-            try:
-                with no_python_dispatch():
-                    self.comparisons.append((slots, self.sentinel.plans.combined(found)))
-            except Exception as err:
-                self.sentinel._failed(self.region, "the recomputation's digests", err)
-                self.not_compared += len(slots)
+            if self._keeps(found):
+                self._recomputed_sums.append((slots, found))
+            else:
+                try:
+                    with no_python_dispatch():
+                        self.comparisons.append((slots, self.sentinel.plans.combined(found)))
+                except Exception as err:
+                    self.sentinel._failed(self.region, "the recomputation's digests", err)
+                    self.not_compared += len(slots)
         self._recomputed = []
         self.sentinel._compared(self)
 
@@ -341,6 +396,11 @@ class RegionCall:
             yield items, forward if every else forward[torch.tensor(slots, device=forward.device)], recomputed
 
 
+def words_of(found: Sequence[Sums | torch.Tensor]) -> int:
+    """The words of row and column sums (a subclass's digest counting one) in ``found``."""
+    return sum(entry[0].numel() + entry[1].numel() if isinstance(entry, tuple) else 1 for entry in found)
+
+
 def is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:
     """Whether a saved tensor is a parameter or a buffer, or a view of one (``addmm`` saves ``weight.t()``).
 
@@ -350,7 +410,8 @@ def is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int |
     base = view_base(tensor)
     if base is None:
         base = tensor
-    if isinstance(base, nn.Parameter):
+    # A plain tensor is never a parameter: only the rarer types pay for `Parameter`'s instance check.
+    if type(base) is not torch.Tensor and isinstance(base, nn.Parameter):
         return True
     if not buffers:
         return False

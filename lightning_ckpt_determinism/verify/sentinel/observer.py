@@ -227,13 +227,19 @@ class RecomputationSentinel:
             self._recomputing = None
         self._step.updated()
 
+    def _keeps(self, words: int) -> bool:
+        """Whether the step under way keeps ``words`` words of a call's sums to weigh with the others'."""
+        return self._step.keeps(words)
+
     def next_step(self, tier: SentinelMode | None = None) -> None:
-        """Move the windows on, so that every element (and, in the light tier, every saved tensor) comes round.
+        """Move the windows on, so that every element (and, in the light tier, every saved tensor) comes round; the
+        sums kept so far are weighed into digests (:meth:`SentinelStep.weigh`), so that none outlive their step.
 
         Args:
             tier: What the next step digests, if not the sentinel's own tier (the monitor escalates a step to
                 ``"exact"`` after a finding).
         """
+        self._step.weigh()  # what the step so far kept is weighed before the next one adds to it
         self.mode = DigestMode(tier or self.tier, self.mode.offset + 1)
 
     @contextlib.contextmanager
@@ -258,6 +264,7 @@ class RecomputationSentinel:
         if self._recomputing is not None:
             self._recomputing.recomputation_done()
         step, self._step = self._step, SentinelStep(self)
+        step.weigh()
         self._unread.append(step)
         return step
 

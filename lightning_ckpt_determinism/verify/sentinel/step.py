@@ -5,6 +5,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_ckpt_determinism._torch_compat import no_python_dispatch
+from lightning_ckpt_determinism.verify.digest import DigestPlans
 from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
 from lightning_ckpt_determinism.verify.sentinel.report import SentinelRegion, StateChange
 
@@ -12,13 +13,22 @@ __all__ = ["SentinelStep"]
 
 
 class StepOwner(Protocol):
-    """What a :class:`SentinelStep` needs of its sentinel: the regions, in order."""
+    """What a :class:`SentinelStep` needs of its sentinel: the regions, in order, and its digest plans."""
+
+    plans: DigestPlans
 
     @property
     def regions(self) -> list[str]: ...
 
+    def _failed(self, region: str, what: str, err: Exception) -> None: ...
+
 
 Entry = tuple[str, list[Any]]
+
+WEIGHED_LATER = 1 << 14
+"""The most words of row and column sums (8 bytes each: 128 KiB) a step of the light tier keeps for weighing in one
+go; a region call whose sums would not fit weighs its own at once. Kept sums touched again at the step's end cost
+more than they save once they outgrow a core's cache (measured at ten times this size, in the sampled tier)."""
 
 
 class SentinelStep:
@@ -45,12 +55,48 @@ class SentinelStep:
         self.changes: list[tuple[str, StateChange]] = []
         self.read: dict[str, SentinelRegion] | None = None
         self._flags: tuple[list[Entry], torch.Tensor | None] | None = None
+        self._kept = 0
 
     @property
     def compared(self) -> int:
         """Saved tensors compared in this step (known on the host)."""
-        compared = sum(len(slots) for call in self.calls for slots, _ in call.comparisons if call.forward is not None)
-        return compared + sum(len(call.metadata_mismatches) for call in self.calls)
+        return sum(call.compared + len(call.metadata_mismatches) for call in self.calls)
+
+    def keeps(self, words: int) -> bool:
+        """Whether the step has room to keep ``words`` more words of sums for :meth:`weigh` (counted if so).
+
+        Args:
+            words: A region call's sums, in words (:func:`~lightning_ckpt_determinism.verify.sentinel.calls.words_of`).
+        """
+        if self._kept + words > WEIGHED_LATER:
+            return False
+        self._kept += words
+        return True
+
+    def weigh(self) -> None:
+        """Weigh the row and column sums every call of the step kept (its forward's, its recomputations') into their
+        digests, all in one go: a few kernels for the step rather than four for each region call's forward and each
+        recomputation. The sentinel weighs a step when it ends and when the next one starts, and its comparison
+        weighs any sums a late recomputation adds."""
+        pending = [(call, found) for call in self.calls if (found := call.unweighed())]
+        self._kept = 0
+        if not pending:
+            return
+        lengths = [len(sums) for _, found in pending for sums in found]
+        try:
+            with no_python_dispatch():
+                digests = self._sentinel.plans.combined(
+                    [entry for _, found in pending for sums in found for entry in sums]
+                )
+                parts = digests.split(lengths)
+        except Exception as err:
+            for call, _ in pending:
+                call.weighed(None, err)
+            return
+        at = 0
+        for call, found in pending:
+            call.weighed(parts[at : at + len(found)])
+            at += len(found)
 
     def updated(self) -> None:
         """Something was added to the step (comparisons made after :meth:`flags` are compared again)."""
@@ -86,6 +132,7 @@ class SentinelStep:
         """Every comparison of the step, in order, and whether each differed (an int64 vector, on the device;
         ``None`` when nothing was compared): one comparison for all of them."""
         if self._flags is None:
+            self.weigh()
             layout: list[Entry] = []
             forward, recomputed = [], []
             for call in self.calls:
