@@ -498,7 +498,9 @@ class DigestPlans:
         if ends is None:
             if len(self._ends) >= _ENDS:
                 self._ends.clear()  # lengths that vary from call to call (sequence lengths) bound the cache
-            ends = self._ends[key] = torch.tensor([0, *accumulate(lengths)], device=device)
+            # Made on the device, value by value: a host list copied there would wait for the device's queue.
+            bounds = [torch.full((1,), end, dtype=torch.int64, device=device) for end in (0, *accumulate(lengths))]
+            ends = self._ends[key] = torch.cat(bounds)
         return ends
 
     def _weighted(self, sums: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
@@ -592,8 +594,9 @@ class _ComplexPlan(_Plan):
 
 _UNPLANNED = object.__new__(_Plan)
 
-# The sequences of lengths whose ends are kept (a step's or a region call's digested tensors, by tier and step).
-_ENDS = 256
+# The sequences of lengths whose ends are kept (a step's or a region call's digested tensors, as the light tier's
+# rotation and windows turn: a few hundred for a model of fixed shapes; a few bytes each).
+_ENDS = 1024
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
 # 64-bit integers.
