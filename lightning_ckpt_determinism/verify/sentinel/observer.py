@@ -11,7 +11,7 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import is_compiled_module, version_counter
+from lightning_ckpt_determinism._torch_compat import is_compiled_module
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan
 from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
@@ -22,10 +22,10 @@ from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 from lightning_ckpt_determinism.verify.sentinel.report import SentinelRegion, SentinelReport, StateChange, added
 from lightning_ckpt_determinism.verify.sentinel.state import (
+    RegionParameters,
     StateWatch,
+    changed,
     metric_states,
-    parameter_places,
-    parameter_versions,
 )
 from lightning_ckpt_determinism.verify.sentinel.step import SentinelStep
 
@@ -64,12 +64,12 @@ class RecomputationSentinel:
             name: frozenset(storage_pointer(buffer) for buffer in sub.buffers()) for name, sub in regions.items()
         }
         # Where each region's parameters live (their owner module and attribute), found once.
-        self._parameters = {name: parameter_places(sub) for name, sub in regions.items()}
+        self._parameters = {name: RegionParameters(sub) for name, sub in regions.items()}
         # The tensor states of the torchmetrics metrics inside each region, found once.
         self._metrics = {name: metric_states(sub) for name, sub in regions.items()}
         # Each region's parameter versions when its latest forward started, and the parameters seen written in place
         # since a forward started (by that forward, as a rule): those are digested around its recomputations.
-        self._forward_versions: dict[str, dict[str, int]] = {}
+        self._forward_versions: dict[str, tuple[int, ...]] = {}
         self._forward_written: dict[str, frozenset[str]] = {name: frozenset() for name in regions}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
@@ -115,11 +115,7 @@ class RecomputationSentinel:
             return
         layout = self._layouts.get(name) if self.mode.tier == "light" else None
         call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
-        self._forward_versions[name] = {
-            parameter: version_counter(param)
-            for parameter, owned, attribute in self._parameters[name]
-            if (param := owned.get(attribute)) is not None
-        }
+        self._forward_versions[name] = self._parameters[name].now()[1]
         self._open.append(call)
         finished = False
         try:
@@ -144,13 +140,14 @@ class RecomputationSentinel:
         watch = None
         if not self._paused and name is not None:
             try:
-                versions = parameter_versions(self._parameters[name])
-                since = self._forward_versions.get(name, {})
-                written = {parameter for parameter, _, version in versions if since.get(parameter, version) != version}
+                parameters = self._parameters[name]
+                held = parameters.now()
+                since = self._forward_versions.get(name, held[1])
+                written = {parameters.names[at] for at in changed(since, held[1])}
                 if not written <= self._forward_written[name]:
                     self._forward_written[name] |= written
                 watch = StateWatch(
-                    self, name, versions, exposed_buffers, self._forward_written[name], self._metrics[name]
+                    self, name, parameters, held, exposed_buffers, self._forward_written[name], self._metrics[name]
                 )
             except Exception as err:
                 self._failed(name, "its parameters and buffers", err)

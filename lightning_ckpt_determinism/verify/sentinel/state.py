@@ -15,7 +15,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.report import StateChange
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["StateWatch", "metric_states", "parameter_places", "parameter_versions"]
+__all__ = ["RegionParameters", "StateWatch", "metric_states", "parameter_places", "versions_of"]
 
 
 class StateOwner(Protocol):
@@ -38,16 +38,22 @@ class StateWatch:
         self,
         sentinel: "StateOwner",
         region: str,
-        versions: list[tuple[str, torch.Tensor, int]],
+        parameters: "RegionParameters",
+        held: tuple[list[torch.Tensor | None], tuple[int, ...]],
         exposed: Sequence[tuple[str, torch.Tensor]],
         forward_written: frozenset[str],
         metrics: Sequence[tuple[str, Any, str]] = (),
     ) -> None:
         self.sentinel = sentinel
         self.region = region
-        self.versions = versions
+        self.names = parameters.names
+        self.held, self.versions = held
         self.parameters = (
-            [(name, local_tensor(param)) for name, param, _ in versions if name in forward_written and readable(param)]
+            [
+                (name, local_tensor(param))
+                for name, param in zip(self.names, self.held, strict=True)
+                if param is not None and name in forward_written and readable(param)
+            ]
             if forward_written
             else []
         )
@@ -69,10 +75,9 @@ class StateWatch:
             return torch.stack([plans.digest_of(tensor, EXACT) for _, tensor in tensors])  # type: ignore[misc]
 
     def done(self) -> None:
+        versions = versions_of(self.held)
         digested = {name for name, _ in self.parameters}
-        written = [
-            name for name, param, version in self.versions if version_counter(param) != version and name not in digested
-        ]
+        written = [name for name in (self.names[at] for at in changed(self.versions, versions)) if name not in digested]
         if written:
             self.sentinel._changed(self.region, [self._parameter_change(name) for name in written])
         if self.parameters_before is not None:
@@ -98,14 +103,61 @@ class StateWatch:
         return StateChange(f"parameter `{self.region}.{name}` written in place by recomputation", Cause.PARAMETER_WRITE)
 
 
-def parameter_versions(parameters: Sequence[tuple[str, dict[str, Any], str]]) -> list[tuple[str, torch.Tensor, int]]:
-    """Each parameter with its version counter now, read through its owner's own parameters: FSDP2 swaps the parameter
-    objects in and out."""
-    return [
-        (name, param, version_counter(param))
-        for name, owned, attribute in parameters
-        if (param := owned.get(attribute)) is not None
-    ]
+class RegionParameters:
+    """A region's parameters by name, read through their owners' own parameters (FSDP2 swaps the parameter objects in
+    and out; the dicts stay), with their version counters, read in one pass at every region call.
+
+    Args:
+        module: The region.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> parameters = RegionParameters(layer)
+        >>> _, before = parameters.now()
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.mul_(2)
+        >>> parameters.names, changed(before, parameters.now()[1])
+        (('weight', 'bias'), [0])
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        places = parameter_places(module)
+        self.names = tuple(name for name, _, _ in places)
+        self._owners = tuple(owned for _, owned, _ in places)
+        self._attributes = tuple(attribute for _, _, attribute in places)
+
+    def now(self) -> tuple[list[torch.Tensor | None], tuple[int, ...]]:
+        """The parameters the owners hold now (``None`` where one holds none under its name) and their versions."""
+        held = list(map(dict.get, self._owners, self._attributes))
+        return held, versions_of(held)
+
+
+def versions_of(held: Sequence[torch.Tensor | None]) -> tuple[int, ...]:
+    """The version counters of ``held`` (``-1`` for ``None``), in their order.
+
+    Example::
+
+        >>> versions_of([torch.zeros(1).add_(1), None])
+        (1, -1)
+    """
+    try:
+        return tuple(map(version_counter, held))  # type: ignore[arg-type]
+    except AttributeError:  # an owner holds no parameter under its name
+        return tuple(-1 if param is None else version_counter(param) for param in held)
+
+
+def changed(before: tuple[int, ...], after: tuple[int, ...]) -> list[int]:
+    """The positions whose version moved between ``before`` and ``after`` (parameters held at both).
+
+    Example::
+
+        >>> changed((0, 3, -1), (0, 4, 2))
+        [1]
+    """
+    if before == after:
+        return []
+    return [at for at, (old, new) in enumerate(zip(before, after, strict=True)) if old != new and -1 not in (old, new)]
 
 
 def metric_states(module: nn.Module) -> list[tuple[str, Any, str]]:
