@@ -15,7 +15,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.report import StateChange
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["RegionParameters", "StateWatch", "metric_states", "parameter_places", "versions_of"]
+__all__ = ["RegionParameters", "StateWatch", "changed", "metric_states"]
 
 
 class StateOwner(Protocol):
