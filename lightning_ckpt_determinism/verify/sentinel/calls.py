@@ -286,8 +286,7 @@ class RegionCall:
             if forward is not None:
                 self._forward_failed(err)  # type: ignore[arg-type]
             else:
-                self.sentinel._failed(self.region, "the recomputation's digests", err)  # type: ignore[arg-type]
-                self.not_compared += sum(len(slots) for slots, _ in recomputed)
+                self._recomputation_failed(err, sum(len(slots) for slots, _ in recomputed))  # type: ignore[arg-type]
             return
         if forward is not None:
             self.forward, digests = digests[0], digests[1:]
@@ -302,6 +301,10 @@ class RegionCall:
         self.sentinel._failed(self.region, "the forward's digests", err)
         self.not_compared += len(self.slotted)
         self.slotted = []
+
+    def _recomputation_failed(self, err: Exception, compared: int) -> None:
+        self.sentinel._failed(self.region, "the recomputation's digests", err)
+        self.not_compared += compared
 
     def _another_path(self, profile: RegionProfile | None) -> None:
         """The call took another path than the one its profile was learned on: of what it digested as it went, only
@@ -380,8 +383,7 @@ class RegionCall:
                     with no_python_dispatch():
                         self.comparisons.append((slots, self.sentinel.plans.combined(found)))
                 except Exception as err:
-                    self.sentinel._failed(self.region, "the recomputation's digests", err)
-                    self.not_compared += len(slots)
+                    self._recomputation_failed(err, len(slots))
         self._recomputed = []
         self.sentinel._compared(self)
 

@@ -141,13 +141,13 @@ class RecomputationSentinel:
         if not self._paused and name is not None:
             try:
                 parameters = self._parameters[name]
-                held = parameters.now()
-                since = self._forward_versions.get(name, held[1])
-                written = {parameters.names[at] for at in changed(since, held[1])}
+                now = parameters.now()
+                since = self._forward_versions.get(name, now[1])
+                written = {parameters.names[at] for at in changed(since, now[1])}
                 if not written <= self._forward_written[name]:
                     self._forward_written[name] |= written
                 watch = StateWatch(
-                    self, name, parameters, held, exposed_buffers, self._forward_written[name], self._metrics[name]
+                    self, name, parameters, now, exposed_buffers, self._forward_written[name], self._metrics[name]
                 )
             except Exception as err:
                 self._failed(name, "its parameters and buffers", err)

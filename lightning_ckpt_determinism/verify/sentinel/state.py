@@ -39,7 +39,7 @@ class StateWatch:
         sentinel: "StateOwner",
         region: str,
         parameters: "RegionParameters",
-        held: tuple[list[torch.Tensor | None], tuple[int, ...]],
+        now: tuple[list[torch.Tensor | None], tuple[int, ...]],
         exposed: Sequence[tuple[str, torch.Tensor]],
         forward_written: frozenset[str],
         metrics: Sequence[tuple[str, Any, str]] = (),
@@ -47,7 +47,7 @@ class StateWatch:
         self.sentinel = sentinel
         self.region = region
         self.names = parameters.names
-        self.held, self.versions = held
+        self.held, self.versions = now
         self.parameters = (
             [
                 (name, local_tensor(param))

@@ -20,8 +20,6 @@ class StepOwner(Protocol):
     @property
     def regions(self) -> list[str]: ...
 
-    def _failed(self, region: str, what: str, err: Exception) -> None: ...
-
 
 Entry = tuple[str, list[Any]]
 
