@@ -59,14 +59,18 @@ def load_previous(ref: str, folder: Path) -> ModuleType:
 
 
 def _step_functions(
-    package: Any, wrappers_of: Callable[[torch.nn.Module], list[Any]], size: ModelSize, label: str
+    package: Any,
+    wrappers_of: Callable[[torch.nn.Module], list[Any]],
+    size: ModelSize,
+    label: str,
+    device: torch.device,
 ) -> dict[str, Callable[[], object]]:
     """Each tier's step and the plain step of a GPT checkpointed by ``package`` (its own config and sentinel)."""
     torch.manual_seed(0)
-    model = build_model(size, Variant("plain"), torch.device("cpu"))
+    model = build_model(size, Variant("plain"), device)
     package.apply_activation_checkpointing(model, package.CheckpointingConfig(classes=["Block"]))
     optimizer = make_optimizer(model)
-    inputs, targets = make_batch(size, torch.device("cpu"))
+    inputs, targets = make_batch(size, device)
     step = partial(train_step, model, optimizer, inputs, targets)
     wrappers = wrappers_of(model)
 
@@ -77,7 +81,7 @@ def _step_functions(
             sentinel.next_step()
             step()
             record = sentinel.end_step()
-            sentinel.read(record, clean=not bool(record.mismatch_counts("cpu").any()))
+            sentinel.read(record, clean=not bool(record.mismatch_counts(device.type).any()))
         finally:
             for wrapper in wrappers:
                 wrapper.saved_observer = None
@@ -88,7 +92,9 @@ def _step_functions(
     return functions
 
 
-def compare(previous: ModuleType, size: ModelSize, rounds: int) -> dict[str, dict[str, float]]:
+def compare(
+    previous: ModuleType, size: ModelSize, rounds: int, device: torch.device | None = None
+) -> dict[str, dict[str, float]]:
     """Median tier/step ratios of the current and the previous package, measured in the same rounds, and each
     package's plain step (the sentinel off) over the previous package's.
 
@@ -96,15 +102,17 @@ def compare(previous: ModuleType, size: ModelSize, rounds: int) -> dict[str, dic
         previous: The earlier package (from :func:`load_previous`).
         size: The model's shape.
         rounds: Interleaved rounds.
+        device: Where the models train (the CPU by default).
     """
+    device = device or torch.device("cpu")
     previous_modules = importlib.import_module(f"{RENAMED}.checkpointing.wrapper").checkpointed_modules
     current = sys.modules[PACKAGE]
     functions = {
-        **_step_functions(current, lambda model: _wrappers(checkpointed_modules(model)), size, "now"),
-        **_step_functions(previous, lambda model: _wrappers(previous_modules(model)), size, "before"),
+        **_step_functions(current, lambda model: _wrappers(checkpointed_modules(model)), size, "now", device),
+        **_step_functions(previous, lambda model: _wrappers(previous_modules(model)), size, "before", device),
     }
     with torch_threads(THREADS):
-        times = interleaved_times(functions, rounds, warmup=3, device=torch.device("cpu"))
+        times = interleaved_times(functions, rounds, warmup=3, device=device)
     found: dict[str, dict[str, float]] = {}
     for label in ("now", "before"):
         base = times[f"{label} step"]
@@ -130,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref", required=True, help="the earlier commit")
     parser.add_argument("--dims", default="128", help="model widths, comma-separated (sequence = width / 2)")
     parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds of each variant")
+    parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         previous = load_previous(args.ref, Path(folder))
         print("package  dim  step ms  light/step  sampled/step  exact/step  step/before's")
         for dim in (int(text) for text in args.dims.split(",")):
             size = ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
-            for label, row in compare(previous, size, args.rounds).items():
+            for label, row in compare(previous, size, args.rounds, torch.device(args.device)).items():
                 print(
                     f"{label:<8} {dim:<4} {row['step_ms']:7.1f}  {row['light/step']:10.3f}"
                     f"  {row['sampled/step']:12.3f}  {row['exact/step']:10.3f}  {row['step/before']:13.3f}"

@@ -367,3 +367,27 @@ def test_a_call_recomputed_twice_in_a_step_is_compared_at_each_recomputation(
     assert by_step.compared == 2 * once.compared > 0
     assert by_step.regions["blocks.1"].mismatches == 2 * once.regions["blocks.1"].mismatches
     assert (by_step.mismatches > 0) == (block is CounterScaleBlock)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
+def test_on_cuda_each_tier_finds_what_it_finds_on_the_cpu_weighed_by_step_or_by_call(
+    block: Callable[[], nn.Module], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def report_on(device: str) -> Any:
+        model = checkpointed(stack_with(block).to(device))
+        x, y = (tensor.to(device) for tensor in batch())
+        return watched_steps(model, mode=mode, loss=lambda: F.mse_loss(model(x), y))
+
+    on_cpu = report_on("cpu")
+    by_step = report_on("cuda")
+    _weighed_at_once(monkeypatch)
+    assert report_on("cuda") == by_step
+    assert [region.mismatches for region in by_step.regions.values()] == [
+        region.mismatches for region in on_cpu.regions.values()
+    ]
+    assert [region.mismatches > 0 for region in by_step.regions.values()] == [False, block is CounterScaleBlock, False]
+    # Every saved tensor is compared on both devices; the light tier's fixed targets differ where the devices save
+    # different dtypes (CUDA's dropout saves a boolean mask, the CPU's a floating-point one).
+    assert by_step.compared > 0 and (mode == "light" or by_step.compared == on_cpu.compared)

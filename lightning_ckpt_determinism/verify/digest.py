@@ -358,8 +358,7 @@ class DigestPlans:
     def __init__(self) -> None:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-        self._ends: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
-        self._constants: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._vectors: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     def digest_of(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
         """``tensor``'s digest (a 0-dimensional ``int64`` tensor on its device), or ``None`` when it is not
@@ -472,7 +471,7 @@ class DigestPlans:
             return self._weighted(torch.cat(only), only[0].shape[0], only[1].shape[0]).view(1)
         device = (found[0][0] if isinstance(found[0], tuple) else found[0]).device
         # A zero first, so that the running sum starts at zero and a tensor without elements adds nothing.
-        zero = self._constant(0, device)
+        zero = self.vector((0,), device)
         parts, weights, lengths = [zero], [zero], []
         for entry in found:
             if isinstance(entry, tuple):
@@ -482,26 +481,14 @@ class DigestPlans:
                 lengths.append(rows + columns)
             else:
                 parts.append(entry.view(1))
-                weights.append(self._constant(1, device))
+                weights.append(self.vector((1,), device))
                 lengths.append(1)
         # The running sum wraps around like every sum of the digest, so its differences at the tensors' ends are
         # each tensor's weighted sum exactly.
         running = torch.cat(parts).mul_(torch.cat(weights)).cumsum(0)
-        ends = running.index_select(0, self._ends_of(tuple(lengths), device))
+        # Where the running sum starts, after the leading zero, and where each tensor ends.
+        ends = running.index_select(0, self.vector((0, *accumulate(lengths)), device))
         return ends[1:] - ends[:-1]
-
-    def _ends_of(self, lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """Where the running sum of joined tensors of ``lengths`` (after the leading zero) starts and where each
-        tensor ends, made once per sequence of lengths and device."""
-        key = (lengths, device)
-        ends = self._ends.get(key)
-        if ends is None:
-            if len(self._ends) >= _ENDS:
-                self._ends.clear()  # lengths that vary from call to call (sequence lengths) bound the cache
-            # Made on the device, value by value: a host list copied there would wait for the device's queue.
-            bounds = [torch.full((1,), end, dtype=torch.int64, device=device) for end in (0, *accumulate(lengths))]
-            ends = self._ends[key] = torch.cat(bounds)
-        return ends
 
     def _weighted(self, sums: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
         """The dot product of ``rows`` row sums then ``columns`` column sums with their weights."""
@@ -518,13 +505,33 @@ class DigestPlans:
             weights = self._weights[key] = torch.cat([row_weights(rows, device), column_weights(columns, device)])
         return weights
 
-    def _constant(self, value: int, device: torch.device) -> torch.Tensor:
-        """``value`` as a one-element ``int64`` vector on ``device``, made once."""
-        key = (value, device)
-        constant = self._constants.get(key)
-        if constant is None:
-            constant = self._constants[key] = torch.full((1,), value, dtype=torch.int64, device=device)
-        return constant
+    def vector(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``values`` as an ``int64`` vector on ``device``, made once per values and device. Off the CPU it is made
+        on the device, value by value: a host list copied there would wait for the device's queue.
+
+        Args:
+            values: The integers.
+            device: Where the vector goes.
+
+        Example::
+
+            >>> plans = DigestPlans()
+            >>> plans.vector((0, 3, 5), torch.device("cpu")).tolist()
+            [0, 3, 5]
+            >>> plans.vector((0, 3, 5), torch.device("cpu")) is plans.vector((0, 3, 5), torch.device("cpu"))
+            True
+        """
+        key = (values, device)
+        found = self._vectors.get(key)
+        if found is None:
+            if len(self._vectors) >= _VECTORS:
+                self._vectors.clear()  # values that vary from call to call (sequence lengths) bound the cache
+            if device.type == "cpu" or not values:
+                found = torch.tensor(values, dtype=torch.int64, device=device)
+            else:
+                found = torch.cat([torch.full((1,), value, dtype=torch.int64, device=device) for value in values])
+            self._vectors[key] = found
+        return found
 
 
 class _Plan:
@@ -596,7 +603,7 @@ _UNPLANNED = object.__new__(_Plan)
 
 # The sequences of lengths whose ends are kept (a step's or a region call's digested tensors, as the light tier's
 # rotation and windows turn: a few hundred for a model of fixed shapes; a few bytes each).
-_ENDS = 1024
+_VECTORS = 1024
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
 # 64-bit integers.

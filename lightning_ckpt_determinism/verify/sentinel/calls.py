@@ -394,8 +394,11 @@ class RegionCall:
             return
         for slots, recomputed in self.comparisons:
             items: list[Any] = [self.slotted[slot] for slot in slots]
-            every = len(slots) == len(forward) and slots == list(range(len(slots)))
-            yield items, forward if every else forward[torch.tensor(slots, device=forward.device)], recomputed
+            if len(slots) == len(forward) and slots == list(range(len(slots))):
+                yield items, forward, recomputed
+            else:
+                kept = forward.index_select(0, self.sentinel.plans.vector(tuple(slots), forward.device))
+                yield items, kept, recomputed
 
 
 def words_of(found: Sequence[Sums | torch.Tensor]) -> int:

@@ -110,11 +110,14 @@ class SentinelStep:
         """
         names = self._sentinel.regions
         layout, flags = self.flags()
-        counts = torch.zeros(len(names), dtype=torch.int64, device=device)
         index = {name: position for position, name in enumerate(names)}
-        if flags is not None:
-            regions = [index[region] for region, items in layout for _ in items]
-            owners = torch.tensor(regions, dtype=torch.int64, device=flags.device)
+        if flags is None:
+            counts = torch.zeros(len(names), dtype=torch.int64, device=device)
+        else:
+            # Each comparison's region, as a vector kept from step to step (the same regions compare alike).
+            owners = self._sentinel.plans.vector(
+                tuple(index[region] for region, items in layout for _ in items), flags.device
+            )
             with no_python_dispatch():
                 found = torch.zeros(len(names), dtype=torch.int64, device=flags.device).index_add_(0, owners, flags)
             counts = found.to(device)
