@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
-from lightning_ckpt_determinism import CheckpointingConfig, checkpoint_module
+from lightning_ckpt_determinism import CheckpointingConfig, checkpoint_module, recomputation_sentinel
 from lightning_ckpt_determinism._torch_compat import determinism_checks
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
 from lightning_ckpt_determinism.checkpointing.determinism_check import (
@@ -123,6 +123,27 @@ def test_a_call_nothing_learns_from_nor_reads_costs_torchs_own_extractor_and_sti
     assert profiles[1] is profiles[2] is profiles[0]
 
 
+def test_the_calls_of_a_paused_sentinel_cost_torchs_own_extractor_and_the_watched_ones_are_compared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    checkpoint_module(model, "0", CheckpointingConfig(classes=["Block"]))
+    extractors = ExtractorCalls(monkeypatch)
+    compared = []
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        for step in range(4):
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            with sentinel.paused() if step in (1, 2) else nullcontext():
+                model(x).sum().backward()
+            compared.append(sentinel.end_step().compared)
+            sentinel.next_step()
+            extractors.step_ended()
+    # Step 0 learns and is read, steps 1 and 2 run paused as if no sentinel were there, step 3 is read again.
+    assert extractors.by_step == {"package": [32, 0, 0, 32], "torch": [0, 32, 32, 0]}
+    assert compared[1] == compared[2] == 0 and compared[0] == compared[3] > 0
+
+
 def test_where_torchs_frame_cannot_be_counted_every_call_counts_with_the_package_extractor(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -165,6 +186,7 @@ class ReadsTheSecond:
     def __init__(self) -> None:
         self.handed: list[tuple[int, bool, torch.Tensor]] = []
         self.recomputed: list[torch.Tensor] = []
+        self.watching = True
 
     def region_forward(self, region: str, module: nn.Module) -> AbstractContextManager[None]:
         return nullcontext()

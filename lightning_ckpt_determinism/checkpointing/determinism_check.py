@@ -96,7 +96,13 @@ class SavedTensorObserver(Protocol):
     ``region_recompute`` is entered around each recomputation of an eagerly checkpointed region, inside its recompute
     contexts, with the buffers whose live values that recomputation could change (those no recompute context puts
     back).
+
+    ``watching`` says whether the observer reads the region calls that start now: a call it does not read (a paused
+    sentinel's) enters none of its contexts and keeps torch's own extractor, at a hand-written checkpoint's cost.
     """
+
+    @property
+    def watching(self) -> bool: ...
 
     def region_forward(self, region: str, module: nn.Module) -> AbstractContextManager[None]: ...
 

@@ -221,6 +221,11 @@ class _RegionMeter:
         self._inner = inner
         self._saved: list[torch.Tensor] = []
 
+    @property
+    def watching(self) -> bool:
+        """Always: every call of a measured region is counted (the observer before it decides for itself)."""
+        return True
+
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
         inputs_bytes, limit = self._tally.pending

@@ -375,7 +375,7 @@ class CheckpointedForward:
             in_run, context_fn = context_fn(), None
         replay = AttributeReplay(attributes, self._attribute_slots[1])
         # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
-        torch_keeps = self.profile is not None and self.saved_observer is None and self._frame_counted
+        torch_keeps = self.profile is not None and not self._observed() and self._frame_counted
         call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key, torch_keeps=torch_keeps)
         return self._checkpoint(call.run, inputs, context_fn, torch_keeps=torch_keeps)
 
@@ -551,14 +551,19 @@ class CheckpointedForward:
         """The saved-tensor observer's context around this call's forward (the call enters it inside every recompute
         context, so that it sees the forward as they leave it)."""
         saved = self.saved_observer
-        return NO_CONTEXT if saved is None else saved.region_forward(self.region, self.module)
+        return saved.region_forward(self.region, self.module) if saved is not None and saved.watching else NO_CONTEXT
 
     def _saved_recompute(self) -> AbstractContextManager[Any]:
         """The saved-tensor observer's context around a recomputation (the observer registered now, if any)."""
         saved = self.saved_observer
-        if saved is None:
+        if saved is None or not saved.watching:
             return NO_CONTEXT
         return saved.region_recompute(self.region, self.module, self._exposed_buffers())
+
+    def _observed(self) -> bool:
+        """Whether a saved-tensor observer reads the call starting now (one is registered, and watching)."""
+        saved = self.saved_observer
+        return saved is not None and saved.watching
 
 
 class _KeptCallsPolicy:

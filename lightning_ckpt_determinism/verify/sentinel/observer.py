@@ -106,6 +106,11 @@ class RecomputationSentinel:
         """The window sampled digests read this step (see :meth:`next_step`)."""
         return self.mode.offset
 
+    @property
+    def watching(self) -> bool:
+        """Whether it reads the region calls starting now: not while paused (the saved-tensor observer hook)."""
+        return not self._paused
+
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
         """Entered around each forward of an eagerly checkpointed region (the saved-tensor observer hook)."""
