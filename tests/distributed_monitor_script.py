@@ -297,6 +297,9 @@ def main(kind: str, out_dir: Path) -> None:
         # The sentinel on every step, the defect on rank 1 only: seen at step 0 and named with its rank on rank 0.
         monitor = RecomputationMonitor(every_n_steps=50)
         run(kind, out_dir, "sentinel_rank_one", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+        # The same, the sentinel watching every other step: both ranks watch and read the same steps.
+        monitor = RecomputationMonitor(every_n_steps=50, sentinel_every_n_steps=2)
+        run(kind, out_dir, "sentinel_every_other", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
 
 
 if __name__ == "__main__":

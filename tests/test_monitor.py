@@ -76,6 +76,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"every_n_steps": True}, r"`every_n_steps` must be an integer >= 1, got True\."),
         ({"reference_regions": 0}, r"`reference_regions` must be None, 'auto' or an integer >= 1, got 0\."),
         ({"sentinel": "always"}, r"`sentinel` can be light, sampled, exact, off, got 'always'\."),
+        ({"sentinel_every_n_steps": 0}, r"`sentinel_every_n_steps` must be an integer >= 1, got 0\."),
     ],
 )
 def test_each_argument_is_checked_with_the_config_error(kwargs: dict[str, object], message: str) -> None:

@@ -238,6 +238,20 @@ def test_ddp_the_sentinel_sees_a_defect_on_rank_one_only_at_every_step_and_warns
     assert rank0["history"] == rank1["history"]
 
 
+def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_steps_alike_on_both_ranks(ddp):
+    out_dir = ddp
+    every_other, every_step = result(out_dir, "sentinel_every_other", 0), result(out_dir, "sentinel_rank_one", 0)
+    # Steps 0 and 2 watched (the check of step 0 named the cause: no step escalated), 1 and 3 run unwatched.
+    compared = logged(out_dir, "sentinel_every_other", "recompute/sentinel/compared")
+    assert len(compared) == 4 and [count > 0 for count in compared] == [True, False, True, False]
+    assert logged(out_dir, "sentinel_every_other", "recompute/sentinel/mismatches") == [1.0, 1.0]
+    # Rank 0 warns as when every step is watched: once, at step 0, naming rank 1.
+    assert [message for message in every_other["warnings"] if "the sentinel saw" in message] == [
+        message for message in every_step["warnings"] if "the sentinel saw" in message
+    ]
+    assert result(out_dir, "sentinel_every_other", 1)["warnings"] == []
+
+
 def test_ddp_with_unused_parameters_trains_on_through_two_pass_checks_clean_and_defective(ddp):
     # `attribution="always"` checks every step with the two-pass engine on the bare module; a branch used on even
     # batches only leaves parameters unused under `find_unused_parameters=True`. A backward outside DDP's forward

@@ -2,6 +2,7 @@
 
 import csv
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, get_args
 
@@ -191,8 +192,40 @@ def test_under_gradient_accumulation_the_follow_up_check_is_the_next_global_step
     assert [step for step, _ in logged(tmp_path, "recompute/grad_divergence")] == [0, 1]
 
 
-def _weights(tmp_path: Path, sentinel: str | None) -> dict[str, Any]:
-    monitor = None if sentinel is None else RecomputationMonitor(every_n_steps=4, sentinel=sentinel)  # type: ignore[arg-type]
+@pytest.mark.parametrize("armed", [4, 3], ids=["watched", "unwatched"])
+def test_every_other_step_watched_catches_a_defect_at_a_watched_step_and_compares_nothing_between(
+    tmp_path: Path, armed: int
+) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT, sentinel_every_n_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, monitor, armed_module(step=armed))
+    messages = [str(warning.message) for warning in caught if warning.category is LightningCkptDeterminismWarning]
+    assert not any("compared nothing" in message for message in messages)
+    compared = dict(logged(tmp_path, "recompute/sentinel/compared"))
+    assert list(compared) == list(range(12))
+    if armed == 4:
+        assert any("the sentinel saw region `model.blocks.1` recompute other values" in m for m in messages)
+        # The even steps, and the step after the finding (5), digested in full: nothing between them.
+        watched = [0, 2, 4, 5, 6, 8, 10]
+        assert compared[5] > compared[4]
+        assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (5, False)]
+    else:
+        # A defect at an unwatched step only is missed: the trade-off `sentinel_every_n_steps` makes.
+        assert not any("the sentinel saw" in message for message in messages)
+        watched = [0, 2, 4, 6, 8, 10]
+    assert [step for step, count in compared.items() if count > 0] == watched
+    assert logged(tmp_path, METRIC) == [(step, 1.0 if step == armed else 0.0) for step in watched]
+    report = monitor.sentinel_report
+    assert report is not None and report.compared == sum(compared.values())
+
+
+def _weights(tmp_path: Path, sentinel: str | None, every: int = 1) -> dict[str, Any]:
+    monitor = (
+        None
+        if sentinel is None
+        else RecomputationMonitor(every_n_steps=4, sentinel=sentinel, sentinel_every_n_steps=every)  # type: ignore[arg-type]
+    )
     module = StackModule(block="DropoutBlock")
     fit(tmp_path, monitor, module, steps=6)
     return {name: value.clone() for name, value in module.state_dict().items()}
@@ -204,6 +237,7 @@ def test_training_is_bit_identical_with_the_sentinel_on_and_off(tmp_path: Path) 
         ("light", _weights(tmp_path / "l", "light")),
         ("sampled", _weights(tmp_path / "s", "sampled")),
         ("exact", _weights(tmp_path / "e", "exact")),
+        ("light, every 2nd step", _weights(tmp_path / "l2", "light", every=2)),
     ):
         assert all(torch.equal(weights[key], off[key]) for key in off), name
     assert all(torch.equal(value, off[key]) for key, value in _weights(tmp_path / "none", None).items())

@@ -107,25 +107,30 @@ class RecomputationMonitor(Callback):
             differs shows at the checks that run it plainly. ``"auto"`` runs, on CUDA, as many as fit the device's
             free memory with a margin (each region's activations as the sentinel measured them), and every region
             elsewhere. A compiled model runs every region plainly.
-        sentinel: On every training step, compare tensors the checkpointed regions save for backward, after their
-            recomputation, with the forward's, through digests on the device (see
+        sentinel: On every training step (see ``sentinel_every_n_steps``), compare tensors the checkpointed regions save
+            for backward, after their recomputation, with the forward's, through digests on the device (see
             :func:`~lightning_ckpt_determinism.recomputation_sentinel` and docs/performance.md for the costs):
-            ``"light"`` (the default) digests, per region call, its last saved tensor, its last floating-point one
-            and one more in turn (every saved tensor within as many steps as the region saves), each through a
-            window of its rows; ``"sampled"`` every saved tensor through that window (every element within 16
-            steps); ``"exact"`` every element; ``"off"`` nothing. The counts stay on the device and are read at
-            Lightning's logging steps (``log_every_n_steps``), at check steps and at the fit's end, so a finding is
-            read at most ``min(log_every_n_steps, every_n_steps)`` steps after it happened (with
-            ``on_divergence="raise"``, at every step before the optimizer step: one small all-reduce and host read
-            per step); the counts are in ``trainer.callback_metrics`` from the first step and at every epoch end.
-            It logs ``{log_prefix}/sentinel/compared``, ``.../compared_per_step``, ``.../mismatches`` and
-            ``{log_prefix}/sentinel/regions/{name}/mismatches``; the loggers get each step that had mismatches at
-            that step. A mismatch warns, naming the step it happened at (once per region and ``every_n_steps``), or
-            raises as ``on_divergence`` says; after a warning the next step digests every element of every saved
-            tensor and is checked in full, with attribution, so that the op and cause are named. It watches training
-            batches only: a validation loop run with gradients on (an input-gradient metric under
-            ``torch.enable_grad()`` with ``Trainer(inference_mode=False)``) recomputes its regions unwatched, and
-            what that recomputation does is neither counted nor raised.
+            ``"light"`` (the default) digests, per region call, its last saved tensor, its last floating-point one and
+            one more in turn (every saved tensor within as many steps as the region saves), each through a window of its
+            rows; ``"sampled"`` every saved tensor through that window (every element within 16 steps); ``"exact"``
+            every element; ``"off"`` nothing. The counts stay on the device and are read at Lightning's logging steps
+            (``log_every_n_steps``), at check steps and at the fit's end, so a finding is read at most
+            ``min(log_every_n_steps, every_n_steps)`` steps after it happened (with ``on_divergence="raise"``, at every
+            step before the optimizer step: one small all-reduce and host read per step); the counts are in
+            ``trainer.callback_metrics`` from the first step and at every epoch end. It logs
+            ``{log_prefix}/sentinel/compared``, ``.../compared_per_step``, ``.../mismatches`` and
+            ``{log_prefix}/sentinel/regions/{name}/mismatches``; the loggers get each step that had mismatches at that
+            step. A mismatch warns, naming the step it happened at (once per region and ``every_n_steps``), or raises as
+            ``on_divergence`` says; after a warning the next step digests every element of every saved tensor and is
+            checked in full, with attribution, so that the op and cause are named. It watches training batches only: a
+            validation loop run with gradients on (an input-gradient metric under ``torch.enable_grad()`` with
+            ``Trainer(inference_mode=False)``) recomputes its regions unwatched, and what that recomputation does is
+            neither counted nor raised.
+        sentinel_every_n_steps: Watch only the training steps whose global step is a multiple of this (and the
+            step after a finding); the others run as without a sentinel, so its cost a step is divided by about
+            this much. The default 1 watches every step. Above 1 a defect that shows at unwatched steps only is
+            missed, and the light tier's turn over a region's saved tensors counts watched steps;
+            ``compared_per_step`` still divides by every step.
         exclude_attributes: Attribute names the check never compares (on any module inside a checkpointed
             region): values that legitimately differ between the live step and the reference pass, such as a
             timestamp or a stored ``loss.item()``. They are still put back after each check.
@@ -160,6 +165,7 @@ class RecomputationMonitor(Callback):
         calibrate_noise: bool = False,
         reference_regions: PositiveInt | Literal["auto"] | None = "auto",
         sentinel: Literal[SentinelMode, "off"] = "light",
+        sentinel_every_n_steps: PositiveInt = 1,
         prog_bar: bool = False,
         exclude_attributes: list[str] | None = None,
     ) -> None:
@@ -178,6 +184,7 @@ class RecomputationMonitor(Callback):
             "reference_regions", reference_regions, optional=True, choices=("auto",)
         )
         self.sentinel = check_choice("sentinel", sentinel, (*get_args(SentinelMode), "off"))
+        self.sentinel_every_n_steps = check_positive_int("sentinel_every_n_steps", sentinel_every_n_steps)
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.exclude_attributes = _attribute_names(exclude_attributes)
         # How hints name settings: "python", or "yaml" where the run is YAML-driven (`CheckpointingCLI` says so).
@@ -201,7 +208,11 @@ class RecomputationMonitor(Callback):
         self._gradients_before: list[torch.Tensor | None] | None = None
         self._internals: frozenset[str] = frozenset()
         tier = "light" if self.sentinel == "off" else self.sentinel
-        self._watch = SentinelWatch(tier=tier, prefix=self.log_prefix)  # type: ignore[arg-type]
+        self._watch = SentinelWatch(
+            tier=tier,  # type: ignore[arg-type]
+            prefix=self.log_prefix,
+            every_n_steps=self.sentinel_every_n_steps,
+        )
         # Parameters a skipped step wrote in place in `training_step`: captured from the next check on.
         self._written_parameters: set[str] = set()
         # Whether this fit said that no module is checkpointed (a memory budget's plan may leave every one plain).

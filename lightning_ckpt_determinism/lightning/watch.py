@@ -1,4 +1,5 @@
-"""The monitor's sentinel over one fit: every training step's recomputed saved tensors compared with the forward's.
+"""The monitor's sentinel over one fit: each watched training step's recomputed saved tensors compared with the
+forward's.
 
 The sentinel (:func:`~lightning_ckpt_determinism.recomputation_sentinel`) is entered when the fit starts and left
 when it ends. Each training batch's comparisons stay on the device, closed into one record per batch
@@ -15,8 +16,10 @@ why); in the loggers a step that had mismatches gets its own point, at that step
 from their start to their end: between them the sentinel is paused, so a validation loop run with gradients on (an
 input-gradient metric under ``torch.enable_grad()``, the sanity check included), which recomputes its regions in its
 own backward, neither counts in the metrics nor raises. The monitor's own check passes are not watched either: they
-rerun the step, they do not train. A failure of the sentinel's own bookkeeping stops the sentinel on every rank
-alike, with one warning, and never the fit.
+rerun the step, they do not train. With ``every_n_steps`` above 1 the sentinel watches only the batches whose global
+step is a multiple of it, and the step after a finding; the others run paused, as between batches, on every rank
+alike. A failure of the sentinel's own bookkeeping stops the sentinel on every rank alike, with one warning, and never
+the fit.
 """
 
 import contextlib
@@ -107,11 +110,14 @@ class SentinelWatch:
     Args:
         tier: The sentinel's tier (:data:`~lightning_ckpt_determinism.verify.sentinel.SentinelMode`).
         prefix: The monitor's ``log_prefix``.
+        every_n_steps: The steps it watches: those whose global step is a multiple of it, and the step after a
+            finding.
     """
 
-    def __init__(self, *, tier: SentinelMode, prefix: str) -> None:
+    def __init__(self, *, tier: SentinelMode, prefix: str, every_n_steps: int = 1) -> None:
         self.tier = tier
         self.prefix = prefix
+        self.every_n_steps = every_n_steps
         self.sentinel: RecomputationSentinel | None = None
         self._entered = contextlib.ExitStack()
         # The pause held between training batches (see the module's description), lifted while a batch runs.
@@ -119,8 +125,12 @@ class SentinelWatch:
         self._is_between_batches = False
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
         self._unlogged: dict[int, _StepCounts] = {}
-        # Training batches since the last logged step (a period that compared nothing still has its 0 to log).
+        # Training batches since the last logged step (a period that compared nothing still has its 0 to log), and
+        # those of them the sentinel watched.
         self._batches_since_logged = 0
+        self._watched_since_logged = 0
+        # Whether the sentinel watches the batch under way (see `every_n_steps`).
+        self._watching = True
         self._warned: dict[str, int] = {}
         self._logged_step = -1
         self._said_nothing_compared = False
@@ -133,7 +143,8 @@ class SentinelWatch:
         """Enter the sentinel for the fit (every region of ``pl_module`` is watched)."""
         self.stop()
         self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, mode=self.tier))
-        self._pending, self._unlogged, self._batches_since_logged = [], {}, 0
+        self._pending, self._unlogged, self._batches_since_logged, self._watched_since_logged = [], {}, 0, 0
+        self._watching = True
         self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
         self._exact_from = None
         self._active = True
@@ -181,9 +192,12 @@ class SentinelWatch:
         self.step = step
         if self.sentinel is None:
             return
-        self._resume()
         if self._exact_from is not None and step > self._exact_from:
             self._exact_from = None  # past the escalated step: back to the tier
+        self._watching = step == self._exact_from or step % self.every_n_steps == 0
+        if not self._watching:
+            return  # paused as between batches: the step runs as without a sentinel
+        self._resume()
         self.sentinel.next_step("exact" if step == self._exact_from else None)
 
     def step_ended(self, *, batch_end: bool = True) -> None:
@@ -198,6 +212,9 @@ class SentinelWatch:
         if self.sentinel is None or not self._active:
             return
         self._batches_since_logged += batch_end
+        if not self._watching:
+            return
+        self._watched_since_logged += batch_end
         try:
             self._pending.append((self.step, self.sentinel.end_step(), None))
         except Exception as err:
@@ -351,6 +368,7 @@ class SentinelWatch:
         first = since_step = self._logged_step
         self._logged_step = self.step
         unlogged, self._unlogged, self._batches_since_logged = self._unlogged, {}, 0
+        watched, self._watched_since_logged = self._watched_since_logged, 0
         points: list[tuple[int, dict[str, float]]] = []
         since = _StepCounts()
         for step in sorted(unlogged):
@@ -361,7 +379,7 @@ class SentinelWatch:
         if not points or points[-1][0] != self.step:
             points.append((self.step, self._values(since, self.step - since_step)))
         total = self._total(unlogged)
-        if not total.compared and not total.mismatches:
+        if watched and not total.compared and not total.mismatches:
             self._nothing_compared()
         return SentinelMetrics(points, self._values(total, self.step - first))
 
