@@ -124,6 +124,10 @@ def _watched(
 STEP_AGAIN = "step again"
 """The breakdown's A/A control: the plain step timed as a second variant."""
 
+UNWATCHED = "light, step unwatched"
+"""A step the light sentinel is attached to but paused for: what a step that ``sentinel_every_n_steps`` skips
+costs."""
+
 
 def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) -> dict[str, Any]:
     model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
@@ -138,16 +142,23 @@ def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) 
         with _constant_digests(device):
             _watched(regions, constant, step, device)
 
+    paused = RecomputationSentinel(model, mode="light")
+
+    def unwatched() -> None:
+        with regions.observed_by(paused), paused.paused():
+            step()
+
     functions: dict[str, Callable[[], object]] = {
         "step": step,
         **{tier: partial(_watched, regions, sentinel, step, device) for tier, sentinel in sentinels.items()},
         "light hooks only": hooks_only,
+        UNWATCHED: unwatched,
         # An A/A control: the same step again, whose ratio to the step is this run's noise at this size.
         STEP_AGAIN: partial(train_step, model, optimizer, inputs, targets),
     }
     times = interleaved_times(functions, rounds, warmup, device)
     result: dict[str, Any] = {name: summary(samples) for name, samples in times.items()}
-    for name in (*TIERS, "light hooks only", STEP_AGAIN):
+    for name in (*TIERS, "light hooks only", UNWATCHED, STEP_AGAIN):
         result[f"{name}/step"] = summary(paired_ratios(times[name], times["step"]))
     result["digests_per_step"] = {
         tier: sentinel.report().compared / (rounds + warmup) for tier, sentinel in sentinels.items()
@@ -206,8 +217,9 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
         rounds: Interleaved rounds of each variant.
 
     Returns:
-        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``<tier>/step``, ``light hooks only/step`` and
-        ``step again/step`` ratios (the last, the same step timed as another variant: the run's noise).
+        One row per size: ``dim``, ``seq_len``, ``step_ms`` and the ``<tier>/step``, ``light hooks only/step``,
+        ``light, step unwatched/step`` and ``step again/step`` ratios (the last, the same step timed as another
+        variant: the run's noise).
     """
     rows = []
     with torch_threads(THREADS):
@@ -220,7 +232,7 @@ def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[d
                     "step_ms": found["step"]["median"] * 1e3,
                     **{
                         f"{name}/step": found[f"{name}/step"]["median"]
-                        for name in (*TIERS, "light hooks only", STEP_AGAIN)
+                        for name in (*TIERS, "light hooks only", UNWATCHED, STEP_AGAIN)
                     },
                 }
             )
@@ -243,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
         for dim in (int(text) for text in args.dims.split(","))
     ]
-    print("dim  seq  step ms  light/step  sampled/step  exact/step  light hooks only/step  step again/step (noise)")
+    print(
+        "dim  seq  step ms  light/step  sampled/step  exact/step  light hooks only/step  light unwatched/step"
+        "  step again/step (noise)"
+    )
     for row in scaling(sizes, torch.device(args.device), args.rounds):
         print(
             f"{row['dim']:<4} {row['seq_len']:<4} {row['step_ms']:7.1f}  {row['light/step']:10.3f}"
             f"  {row['sampled/step']:12.3f}  {row['exact/step']:10.3f}  {row['light hooks only/step']:21.3f}"
-            f"  {row['step again/step']:23.3f}"
+            f"  {row[f'{UNWATCHED}/step']:20.3f}  {row['step again/step']:23.3f}"
         )
     return 0
 

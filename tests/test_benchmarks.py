@@ -158,7 +158,10 @@ def test_the_sentinel_is_measured_in_whole_fits_with_its_breakdown(tiny: tuple[d
     assert set(found["peak/step"]) == {"light, its first step", *TIERS}
     assert all(value > 0 for value in found["peak/step"].values())
     breakdown = found["breakdown"]
-    assert all(_sane_summary(breakdown[name]) for name in ("step", *TIERS, "light hooks only", "step again"))
+    assert all(
+        _sane_summary(breakdown[name])
+        for name in ("step", *TIERS, "light hooks only", "light, step unwatched", "step again")
+    )
     assert math.isfinite(breakdown["step again/step"]["median"])
     digests = breakdown["digests_per_step"]
     assert 0 < digests["light"] < digests["sampled"] == digests["exact"]

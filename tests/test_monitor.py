@@ -443,7 +443,9 @@ def test_reference_regions_rotate_and_find_a_defect_in_one_block_within_a_cycle(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a CUDA device")
 @pytest.mark.parametrize("use_orig_params", [False, True])
-def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defect(tmp_path, use_orig_params):
+def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defect_or_runs_its_sentinel_alone(
+    tmp_path, use_orig_params
+):
     for name, config in (("clean", {}), ("defect", {"preserve_rng_state": False})):
         monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
         strategy = FSDPCheckpointingStrategy(
@@ -453,8 +455,24 @@ def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defec
         trainer = pl.Trainer(
             **trainer_kwargs(tmp_path / name, accelerator="cuda", devices=1, callbacks=[monitor], strategy=strategy)
         )
-        trainer.fit(StackModule())
+        module = StackModule()
+        trainer.fit(module)
         divergences = [entry.grad_divergence for entry in monitor.history]
+        if use_orig_params:
+            # No gradient check runs there (the step after one added the checked step's gradient to its own); the
+            # sentinel still sees the redrawn masks, and training is that of a fit without the monitor.
+            assert divergences == []
+            report = monitor.sentinel_report
+            assert report is not None and (report.mismatches > 0) == (name == "defect")
+            pl.seed_everything(0, verbose=False)
+            twin = StackModule()
+            strategy = FSDPCheckpointingStrategy(
+                checkpointing=CheckpointingConfig(classes=["DropoutBlock"], **config), use_orig_params=True
+            )
+            kwargs = trainer_kwargs(tmp_path / f"{name}_twin", accelerator="cuda", devices=1, strategy=strategy)
+            pl.Trainer(**kwargs).fit(twin)
+            assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
+            continue
         # What the last check compared and why it could not, for a failure seen only on a GPU machine.
         report = monitor.last_report
         said = f"{name}: {divergences}, error {report.error!r}, compared {list(report.per_parameter)}"
@@ -508,6 +526,58 @@ def test_where_the_two_pass_check_cannot_run_a_divergence_is_reported_live_witho
         **trainer_kwargs(tmp_path / "always", callbacks=[always], strategy=_NoTwoPassStrategy(checkpointing=config))
     )
     with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor\(attribution='always'\)` cannot run"):
+        trainer.fit(StackModule())
+
+
+class _NoCheckSupport(StrategySupport):
+    """A strategy's support that says no gradient check can run there without changing training, as FSDP1's does
+    with `use_orig_params=True`."""
+
+    def check_unavailable(self) -> str | None:
+        return "this strategy's gradients cannot be set aside"
+
+
+class _NoCheckStrategy(SingleDeviceCheckpointingStrategy):
+    _monitor_support = _NoCheckSupport
+
+
+def test_where_no_gradient_check_can_run_the_sentinel_runs_alone_and_training_is_untouched(tmp_path, monkeypatch):
+    assert FSDPSupport(FSDPStrategy()).check_unavailable() is not None  # Lightning's default, `use_orig_params=True`
+    assert FSDPSupport(FSDPStrategy(use_orig_params=False)).check_unavailable() is None
+
+    def never(*args, **kwargs):
+        raise AssertionError("a gradient check ran")
+
+    monkeypatch.setattr(checks_module, "check_live_step", never)
+    monkeypatch.setattr(checks_module, "check_recomputation", never)
+    # Dropout masks redrawn at recomputation: the sentinel sees it at every step; no check follows.
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path / "alone", callbacks=[monitor], strategy=_NoCheckStrategy(checkpointing=config))
+    )
+    module = StackModule()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(module)
+    messages = [str(w.message) for w in caught]
+    said = [m for m in messages if "runs no gradient check" in m]
+    assert len(said) == 1 and "this strategy's gradients cannot be set aside" in said[0]
+    sentinel = [m for m in messages if "the sentinel saw" in m]
+    assert sentinel and all("No gradient check runs under this strategy" in m for m in sentinel)
+    assert list(monitor.history) == [] and monitor.sentinel_report.mismatches > 0
+    # Ground truth: the same fit without the monitor trains to the same weights.
+    pl.seed_everything(0, verbose=False)
+    twin = StackModule()
+    pl.Trainer(**trainer_kwargs(tmp_path / "twin", strategy=_NoCheckStrategy(checkpointing=config))).fit(twin)
+    assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
+
+    off = RecomputationMonitor(sentinel="off")
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path / "off", callbacks=[off], strategy=_NoCheckStrategy(checkpointing=config))
+    )
+    with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor\(sentinel='off'\)` has nothing to do"):
         trainer.fit(StackModule())
 
 

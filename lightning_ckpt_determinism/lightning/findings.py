@@ -232,6 +232,8 @@ class FitSummary:
     worst: float = 0.0
     worst_step: int | None = None
     causes: dict[Cause, dict[str, str]] = field(default_factory=dict)
+    # Why no gradient check ran this fit (the strategy's), or ``None``.
+    unchecked: str | None = None
 
     def add(self, step: int, findings: Findings, *, follow_up: bool = False) -> None:
         """Count one check (``follow_up``: one a sentinel finding asked for, not a periodic one)."""
@@ -262,7 +264,11 @@ class FitSummary:
             f"{'s' if periodic != 1 else ''} this fit (the first step, then every {every_n_steps} steps{skipped})"
             f"{follow_ups}"
         ]
-        if not self.diverged:
+        if self.unchecked is not None:
+            parts[0] = (
+                f"lightning_ckpt_determinism: RecomputationMonitor ran no gradient check this fit: {self.unchecked}."
+            )
+        elif not self.diverged:
             parts[0] += ": none diverged."
         elif self.worst > 0:
             shown = "inf" if math.isinf(self.worst) else f"{self.worst:.3g}"

@@ -202,6 +202,8 @@ class RecomputationMonitor(Callback):
         )
         self.history = self._results.history
         self._enabled = False
+        # Whether this fit's strategy allows no gradient check (`StrategySupport.check_unavailable`).
+        self._checks_off = False
         self._support: StrategySupport | None = None
         self._capture: StepCapture | None = None
         self._armed = contextlib.ExitStack()
@@ -257,7 +259,15 @@ class RecomputationMonitor(Callback):
                 f" {unattributed}. Use `attribution='on_divergence'` (the live check, which names no region there) or"
                 " FSDP2 (`ModelParallelCheckpointingStrategy`)."
             )
-        self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed)
+        unchecked = None if self._support is None else self._support.check_unavailable()
+        if problem is None and unchecked is not None and self.sentinel == "off":
+            problem = (
+                f"`RecomputationMonitor(sentinel='off')` has nothing to do under {type(trainer.strategy).__name__}:"
+                f" {unchecked}. Turn the sentinel on, or check under `use_orig_params=False` or FSDP2"
+                " (`ModelParallelCheckpointingStrategy`)."
+            )
+        self._checks_off = unchecked is not None
+        self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
         if not self._enabled:
@@ -266,6 +276,14 @@ class RecomputationMonitor(Callback):
             )
         if self.sentinel != "off":
             self._watch.start(pl_module)
+        if unchecked is not None:
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: `RecomputationMonitor` runs no gradient check under"
+                f" {type(trainer.strategy).__name__}: {unchecked}. Its sentinel still compares each step's"
+                " recomputation. To check gradients too, use `use_orig_params=False` or FSDP2"
+                " (`ModelParallelCheckpointingStrategy`).",
+                category=LightningCkptDeterminismWarning,
+            )
         if not trainer.loggers:
             rank_zero_warn(
                 "`RecomputationMonitor` runs under a Trainer without a logger: its metrics go only to its"
@@ -280,7 +298,7 @@ class RecomputationMonitor(Callback):
     ) -> None:
         self._disarm()
         self._watch.step_started(trainer.global_step)
-        if not self._enabled or not self._schedule.due(trainer.global_step):
+        if not self._enabled or self._checks_off or not self._schedule.due(trainer.global_step):
             return
         # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
         capture = StepCapture(pl_module, batch_idx, self._internals, frozenset(self._written_parameters))
@@ -410,6 +428,8 @@ class RecomputationMonitor(Callback):
             then = "The check of that step names the cause (in `history` and the fit's summary)."
         elif last:
             then = "The fit ended before a check could name the cause: run the audit on this config to name it."
+        elif self._checks_off:
+            then = "No gradient check runs under this strategy: run the audit on this config to name the cause."
         else:
             then = f"Step {step + 1} is checked in full, every saved tensor compared, to name the op and cause."
         warned = self._watch.respond(
@@ -420,7 +440,7 @@ class RecomputationMonitor(Callback):
             then=then,
             syntax=self._results.syntax,
         )
-        if warned and not named and not last:
+        if warned and not named and not last and not self._checks_off:
             self._schedule.follow_up = step + 1
             self._watch.escalate(step + 1)
 

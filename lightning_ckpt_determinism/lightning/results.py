@@ -72,14 +72,18 @@ class CheckResults:
         # The steps whose check warned this fit (a rate-limited one did not): only those may be pointed to.
         self.warned_steps: set[int] = set()
 
-    def start_fit(self, syntax: Syntax = "python", unattributed: str | None = None) -> None:
+    def start_fit(
+        self, syntax: Syntax = "python", unattributed: str | None = None, unchecked: str | None = None
+    ) -> None:
         """A fit starts: its summary is empty, and every kind of finding warns at once.
 
         Args:
             syntax: How the fit's warnings and summary spell the settings their hints name.
             unattributed: Why this fit's strategy cannot attribute a divergence to a region, or ``None``.
+            unchecked: Why no gradient check runs this fit, or ``None``.
         """
         self.summary, self._warned, self.syntax, self.unattributed = FitSummary(), {}, syntax, unattributed
+        self.summary.unchecked = unchecked
         self.warned_steps = set()
 
     def skipped(self, step: int, reason: str) -> None:
