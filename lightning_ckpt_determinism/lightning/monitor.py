@@ -253,19 +253,8 @@ class RecomputationMonitor(Callback):
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         unattributed = None if self._support is None else self._support.two_pass_unavailable()
-        if problem is None and unattributed is not None and self.attribution == "always":
-            problem = (
-                f"`RecomputationMonitor(attribution='always')` cannot run under {type(trainer.strategy).__name__}:"
-                f" {unattributed}. Use `attribution='on_divergence'` (the live check, which names no region there) or"
-                " FSDP2 (`ModelParallelCheckpointingStrategy`)."
-            )
         unchecked = None if self._support is None else self._support.check_unavailable()
-        if problem is None and unchecked is not None and self.sentinel == "off":
-            problem = (
-                f"`RecomputationMonitor(sentinel='off')` has nothing to do under {type(trainer.strategy).__name__}:"
-                f" {unchecked}. Turn the sentinel on, or check under `use_orig_params=False` or FSDP2"
-                " (`ModelParallelCheckpointingStrategy`)."
-            )
+        problem = problem or self._refused_here(type(trainer.strategy).__name__, unattributed, unchecked)
         self._checks_off = unchecked is not None
         self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
@@ -291,6 +280,22 @@ class RecomputationMonitor(Callback):
                 " watch them.",
                 category=LightningCkptDeterminismWarning,
             )
+
+    def _refused_here(self, strategy: str, unattributed: str | None, unchecked: str | None) -> str | None:
+        """Why this monitor's settings cannot run under ``strategy``, whose support says why it cannot attribute
+        (``unattributed``) or check gradients (``unchecked``); ``None`` where they can."""
+        if unattributed is not None and self.attribution == "always":
+            return (
+                f"`RecomputationMonitor(attribution='always')` cannot run under {strategy}: {unattributed}. Use"
+                " `attribution='on_divergence'` (the live check, which names no region there) or FSDP2"
+                " (`ModelParallelCheckpointingStrategy`)."
+            )
+        if unchecked is not None and self.sentinel == "off":
+            return (
+                f"`RecomputationMonitor(sentinel='off')` has nothing to do under {strategy}: {unchecked}. Turn the"
+                " sentinel on, or check under `use_orig_params=False` or FSDP2 (`ModelParallelCheckpointingStrategy`)."
+            )
+        return None
 
     @override
     def on_train_batch_start(
