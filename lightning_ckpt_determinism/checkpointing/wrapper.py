@@ -375,7 +375,7 @@ class CheckpointedForward:
             in_run, context_fn = context_fn(), None
         replay = AttributeReplay(attributes, self._attribute_slots[1])
         # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
-        torch_keeps = self.profile is not None and not self._observed() and self._frame_counted
+        torch_keeps = self.profile is not None and self._watching_observer() is None and self._frame_counted
         call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key, torch_keeps=torch_keeps)
         return self._checkpoint(call.run, inputs, context_fn, torch_keeps=torch_keeps)
 
@@ -550,20 +550,20 @@ class CheckpointedForward:
     def _saved_forward(self) -> AbstractContextManager[Any]:
         """The saved-tensor observer's context around this call's forward (the call enters it inside every recompute
         context, so that it sees the forward as they leave it)."""
-        saved = self.saved_observer
-        return saved.region_forward(self.region, self.module) if saved is not None and saved.watching else NO_CONTEXT
+        saved = self._watching_observer()
+        return NO_CONTEXT if saved is None else saved.region_forward(self.region, self.module)
 
     def _saved_recompute(self) -> AbstractContextManager[Any]:
         """The saved-tensor observer's context around a recomputation (the observer registered now, if any)."""
-        saved = self.saved_observer
-        if saved is None or not saved.watching:
+        saved = self._watching_observer()
+        if saved is None:
             return NO_CONTEXT
         return saved.region_recompute(self.region, self.module, self._exposed_buffers())
 
-    def _observed(self) -> bool:
-        """Whether a saved-tensor observer reads the call starting now (one is registered, and watching)."""
+    def _watching_observer(self) -> SavedTensorObserver | None:
+        """The saved-tensor observer registered on the region, if it reads the calls starting now (``watching``)."""
         saved = self.saved_observer
-        return saved is not None and saved.watching
+        return saved if saved is not None and saved.watching else None
 
 
 class _KeptCallsPolicy:

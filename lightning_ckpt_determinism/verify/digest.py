@@ -601,8 +601,9 @@ class _ComplexPlan(_Plan):
 
 _UNPLANNED = object.__new__(_Plan)
 
-# The sequences of lengths whose ends are kept (a step's or a region call's digested tensors, as the light tier's
-# rotation and windows turn: a few hundred for a model of fixed shapes; a few bytes each).
+# The integer vectors `DigestPlans.vector` keeps: the ends of a step's or a region call's digested tensors, the region
+# of each comparison, the slots a recomputation compares (a few hundred for a model of fixed shapes, as the light
+# tier's rotation and windows turn; a few bytes each).
 _VECTORS = 1024
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
