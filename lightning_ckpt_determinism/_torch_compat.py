@@ -257,6 +257,12 @@ def fsdp1_flat_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
             yield flat
 
 
+def is_fsdp1_parameter_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of an FSDP1 flat parameter (``FlatParameter``'s ``_is_flat_param`` flag, >= 2.1):
+    one of the original parameters FSDP1 sets on a module as a plain tensor inside its forward and takes back after."""
+    return bool(getattr(tensor._base, "_is_flat_param", False))
+
+
 version_counter: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 """A tensor's version counter, ``Tensor._version``: bumped by every in-place write to it or to a view of it
 (>= 1.0). A C-level getter: the sentinel reads every parameter's at each region call."""

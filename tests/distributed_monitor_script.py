@@ -1,7 +1,7 @@
-"""Two-process CPU training with the monitor under DDP or FSDP2, run by ``tests/test_callback_distributed.py``.
+"""Two-process CPU training with the monitor under DDP, FSDP2 or FSDP1, run by ``tests/test_monitor_distributed.py``.
 
-Usage: ``python tests/distributed_monitor_script.py ddp|fsdp2 OUT_DIR``. Lightning's launcher starts rank 1 by running
-this script again; both ranks run every scenario in order. Each run writes ``OUT_DIR/<run>/rank{N}.json`` (the
+Usage: ``python tests/distributed_monitor_script.py ddp|fsdp2|fsdp1 OUT_DIR``. Lightning's launcher starts rank 1 by
+running this script again; both ranks run every scenario in order. Each run writes ``OUT_DIR/<run>/rank{N}.json`` (the
 monitor's history, what it warned or raised) and ``OUT_DIR/<run>/rank{N}.pt`` (this rank's trained parameters,
 buffers and optimizer state: shards under FSDP2), and logs through a CSVLogger under ``OUT_DIR/<run>``.
 """
@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
     CheckpointingConfigError,
     DDPCheckpointingStrategy,
+    FSDPCheckpointingStrategy,
     LightningCkptDeterminismWarning,
     ModelParallelCheckpointingStrategy,
     RecomputationDivergenceError,
@@ -126,7 +128,25 @@ class RankOneCheckpointedModule(StackModule):
             apply_activation_checkpointing(self, CheckpointingConfig(classes=["DropoutBlock"]))
 
 
+def _fsdp1_on_the_cpu() -> None:
+    """Let Lightning's ``FSDPStrategy`` run on CPU processes: it passes ``device_id=None`` there, which torch's FSDP1
+    refuses without an accelerator; given the CPU device, FSDP1 shards and reduces over gloo as it does over NCCL."""
+    wrap = FullyShardedDataParallel.__init__
+
+    def on_the_cpu(self: FullyShardedDataParallel, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("device_id") is None:
+            kwargs["device_id"] = torch.device("cpu")
+        wrap(self, module, *args, **kwargs)
+
+    FullyShardedDataParallel.__init__ = on_the_cpu  # type: ignore[method-assign]
+
+
 def _strategy(kind: str, checkpointing: CheckpointingConfig | None, **ddp_options: Any) -> Any:
+    if kind == "fsdp1":
+        options = {"process_group_backend": "gloo", **ddp_options}
+        if checkpointing is None:
+            return FSDPStrategy(**options)
+        return FSDPCheckpointingStrategy(checkpointing=checkpointing, **options)
     if kind == "ddp":
         if checkpointing is None:
             return DDPStrategy(process_group_backend="gloo", **ddp_options)
@@ -164,7 +184,7 @@ def _run(
 ) -> None:
     pl.seed_everything(0, verbose=False)
     np.random.seed(0)
-    module = (module_class or (StackModule if kind == "ddp" else ShardedStackModule))(block=block)
+    module = (module_class or (ShardedStackModule if kind == "fsdp2" else StackModule))(block=block)
     if replace_block is not None:
         module.model.blocks[1] = replace_block()
     config = None if checkpointing is None else CheckpointingConfig(**checkpointing)
@@ -216,6 +236,10 @@ def main(kind: str, out_dir: Path) -> None:
 
     ignore = {"on_divergence": "ignore"}
     run = _run
+    if kind == "fsdp1":
+        _fsdp1_on_the_cpu()
+        _fsdp1_scenarios(out_dir, every_step, ignore)
+        return
     run(kind, out_dir, "clean_dropout", "DropoutBlock", every_step(), {"classes": ["DropoutBlock"]}, {})
     run(kind, out_dir, "clean_batchnorm", "BatchNormBlock", every_step(), {"classes": ["BatchNormBlock"]}, {})
     run(
@@ -300,6 +324,24 @@ def main(kind: str, out_dir: Path) -> None:
         # The same, the sentinel watching every other step: both ranks watch and read the same steps.
         monitor = RecomputationMonitor(every_n_steps=50, sentinel_every_n_steps=2)
         run(kind, out_dir, "sentinel_every_other", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+
+
+def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonitor], ignore: dict[str, Any]) -> None:
+    """FSDP1 sharding over both ranks, with the original parameters kept (Lightning's default) and without: checks at
+    zero when clean, the defect found, and training bit-identical to a fit without the monitor, accumulating (without
+    reducing at the first batch: Lightning runs it under FSDP1's ``no_sync``; Lightning clips no gradient there)."""
+    dropout = {"classes": ["DropoutBlock"]}
+    for orig in (True, False):
+        prefix = "orig" if orig else "flat"
+        options = {"ddp_options": {"use_orig_params": orig}}
+        run = partial(_run, "fsdp1", out_dir, block="DropoutBlock", **options)
+        run(name=f"{prefix}_clean", monitor=every_step(), checkpointing=dropout, setup={})
+        without_rng = {**dropout, "preserve_rng_state": False}
+        run(name=f"{prefix}_rng_not_preserved", monitor=every_step(**ignore), checkpointing=without_rng, setup={})
+    accumulating = {"accumulate_grad_batches": 2}
+    run = partial(_run, "fsdp1", out_dir, block="DropoutBlock", setup=accumulating)
+    run(name="accumulate_2_monitored", monitor=every_step(), checkpointing=dropout)
+    run(name="accumulate_2_checkpointed", monitor=None, checkpointing=dropout)
 
 
 if __name__ == "__main__":

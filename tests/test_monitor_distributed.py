@@ -1,4 +1,4 @@
-"""The monitor under DDP and FSDP2 on two CPU processes (gloo): it checks the live, distributed step.
+"""The monitor under DDP, FSDP2 and FSDP1 on two CPU processes (gloo): it checks the live, distributed step.
 
 Each strategy's scenarios run in one launch of ``tests/distributed_monitor_script.py`` (one process group, several
 fits), shared by the tests of that strategy.
@@ -6,6 +6,7 @@ fits), shared by the tests of that strategy.
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,11 @@ def runs(request: pytest.FixtureRequest, launched: dict[str, Path]) -> tuple[str
 @pytest.fixture
 def ddp(launched: dict[str, Path]) -> Path:
     return launched["ddp"]
+
+
+@pytest.fixture
+def fsdp1(launched: dict[str, Path]) -> Path:
+    return launched["fsdp1"]
 
 
 def result(out_dir: Path, name: str, rank: int) -> dict[str, Any]:
@@ -266,3 +272,32 @@ def test_ddp_with_unused_parameters_trains_on_through_two_pass_checks_clean_and_
             ]
     clean = result(out_dir, "unused_always_clean", 0)["history"]
     assert [entry["grad_divergence"] for entry in clean] == [0.0] * 4
+
+
+@pytest.mark.parametrize("kept", ["orig", "flat"])
+def test_fsdp1_sharded_over_two_ranks_checks_at_zero_when_clean_and_finds_redrawn_masks(fsdp1, kept):
+    # `orig`: `use_orig_params=True`, Lightning's default, where a check's state captured inside FSDP1's forward used
+    # to put back the views FSDP1 sets for the original parameters, hiding them: the next check compared none.
+    out_dir = fsdp1
+    clean = [result(out_dir, f"{kept}_clean", rank) for rank in (0, 1)]
+    assert clean[0]["history"] == clean[1]["history"]
+    assert [(entry["step"], entry["grad_divergence"], entry["diverged"]) for entry in clean[0]["history"]] == [
+        (step, 0.0, False) for step in range(4)
+    ]
+    assert clean[0]["warnings"] == clean[1]["warnings"] == []
+    defect = [result(out_dir, f"{kept}_rng_not_preserved", rank) for rank in (0, 1)]
+    assert defect[0]["history"] == defect[1]["history"]
+    divergences = [entry["grad_divergence"] for entry in defect[0]["history"]]
+    assert len(divergences) == 4 and all(0.0 < value < math.inf for value in divergences)
+    # Both ways of holding the parameters give the same gradients, so the same figures (reduced in another order).
+    other = result(out_dir, f"{'flat' if kept == 'orig' else 'orig'}_rng_not_preserved", 0)
+    assert divergences == pytest.approx([entry["grad_divergence"] for entry in other["history"]], rel=1e-9)
+
+
+def test_fsdp1_training_accumulating_and_checked_at_every_step_is_bit_identical_to_a_fit_without_the_monitor(fsdp1):
+    out_dir = fsdp1
+    for rank in (0, 1):
+        history = result(out_dir, "accumulate_2_monitored", rank)["history"]
+        assert [(entry["step"], entry["grad_divergence"]) for entry in history] == [(step, 0.0) for step in range(4)]
+        monitored = state(out_dir, "accumulate_2_monitored", rank)
+        assert_equal_states(monitored, state(out_dir, "accumulate_2_checkpointed", rank))

@@ -508,8 +508,8 @@ def test_inductor_compiles_through_an_inner_compile_told_which_graph_is_the_back
     assert torch.allclose(x.grad, torch.ones(3).cos())
 
 
-@pins("fsdp1_flat_parameters")
-def test_fsdp1_flat_parameters_are_one_per_unit(tmp_path: Path) -> None:
+@pins("fsdp1_flat_parameters", "is_fsdp1_parameter_view")
+def test_fsdp1_flat_parameters_are_one_per_unit_and_their_views_are_told_apart(tmp_path: Path) -> None:
     assert list(compat.fsdp1_flat_parameters(nn.Linear(2, 2))) == []
     # An in-process Trainer test before this one may have left its one-process group behind: it serves as well.
     owned = not dist.is_initialized()
@@ -524,6 +524,10 @@ def test_fsdp1_flat_parameters_are_one_per_unit(tmp_path: Path) -> None:
         flats = list(compat.fsdp1_flat_parameters(model))
         assert [flat.numel() for flat in flats] == [4, 9]  # the outer unit's Linear(3, 1), then Linear(2, 3)
         assert all(isinstance(flat, nn.Parameter) for flat in flats)
+        # FSDP1 sets such views on the modules as their parameters inside its forward.
+        assert compat.is_fsdp1_parameter_view(flats[1][:6].view(2, 3))
+        assert not compat.is_fsdp1_parameter_view(flats[1])
+        assert not compat.is_fsdp1_parameter_view(nn.Parameter(torch.ones(4))[:2])
     finally:
         if owned:
             dist.destroy_process_group()

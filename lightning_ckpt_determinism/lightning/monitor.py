@@ -269,7 +269,7 @@ class RecomputationMonitor(Callback):
             rank_zero_warn(
                 f"lightning_ckpt_determinism: `RecomputationMonitor` runs no gradient check under"
                 f" {type(trainer.strategy).__name__}: {unchecked}. Its sentinel still compares each step's"
-                " recomputation. To check gradients too, use `use_orig_params=False` or FSDP2"
+                " recomputation. To check gradients too, check the same model on one device, under DDP or under FSDP2"
                 " (`ModelParallelCheckpointingStrategy`).",
                 category=LightningCkptDeterminismWarning,
             )
@@ -293,7 +293,7 @@ class RecomputationMonitor(Callback):
         if unchecked is not None and self.sentinel == "off":
             return (
                 f"`RecomputationMonitor(sentinel='off')` has nothing to do under {strategy}: {unchecked}. Turn the"
-                " sentinel on, or check under `use_orig_params=False` or FSDP2 (`ModelParallelCheckpointingStrategy`)."
+                " sentinel on, or check the same model on one device, under DDP or under FSDP2."
             )
         return None
 

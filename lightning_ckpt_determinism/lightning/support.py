@@ -109,7 +109,7 @@ class FSDPSupport(StrategySupport):
         >>> support = FSDPSupport(FSDPStrategy())
         >>> support.writes_into_bucket_views(), support.two_pass_unavailable()[:24]
         (False, 'FSDP1 (`FSDPStrategy`) k')
-        >>> FSDPSupport(FSDPStrategy(use_orig_params=False)).check_unavailable() is None
+        >>> FSDPSupport(FSDPStrategy()).check_unavailable() is None  # checked with `use_orig_params` either way
         True
     """
 
@@ -119,19 +119,6 @@ class FSDPSupport(StrategySupport):
         return (
             "FSDP1 (`FSDPStrategy`) keeps the parameters as views of its flat parameters outside its root wrapper's"
             " forward, and the two-pass check runs the LightningModule on its own"
-        )
-
-    def check_unavailable(self) -> str | None:
-        """With ``use_orig_params=True`` (Lightning's default), FSDP1 ties the original parameters' gradients to its
-        flat parameters' in a way that setting the live gradients aside and putting them back does not keep: on a
-        GPU (torch 2.11), a clean fit's checks reported its gradients as diverged, and the step after a check
-        accumulated the checked step's gradient into its own."""
-        if not getattr(self.strategy, "kwargs", {}).get("use_orig_params"):
-            return None
-        return (
-            "FSDP1 (`FSDPStrategy`) with `use_orig_params=True` ties the original parameters' gradients to its flat"
-            " parameters' in a way the check's setting aside of gradients does not keep (measured on a GPU: the step"
-            " after a check added the checked step's gradient to its own)"
         )
 
     def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:

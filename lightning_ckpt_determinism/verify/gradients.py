@@ -7,7 +7,7 @@ import torch
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor
 
-__all__ = ["GradientStash", "counted_here", "local_tensor", "take_gradients"]
+__all__ = ["GradientStash", "counted_here", "local_tensor", "set_gradient", "take_gradients"]
 
 _DTensor: Any = None
 if torch.distributed.is_available():  # a build without torch.distributed has no DTensor
@@ -61,6 +61,29 @@ def take_gradients(params: Sequence[torch.Tensor], *, clone: bool = False) -> li
     return grads
 
 
+def set_gradient(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Give ``param`` the gradient ``grad`` (or none), also where their shapes differ: FSDP1 keeps the unsharded
+    gradient on a sharded original parameter while it accumulates without reducing (``no_sync``), set as FSDP1 sets
+    it, through ``.data`` (a plain assignment refuses another shape).
+
+    Args:
+        param: The parameter.
+        grad: Its gradient, or ``None``.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> set_gradient(weight, torch.full((2,), 3.0))
+        >>> weight.grad
+        tensor([3., 3.])
+    """
+    if grad is None or grad.shape == param.shape:
+        param.grad = grad
+        return
+    param.grad = torch.empty_like(param)
+    param.grad.data = grad
+
+
 class GradientStash:
     """The ``.grad`` of some parameters, set aside so that another backward starts from none, and put back after.
 
@@ -99,4 +122,4 @@ class GradientStash:
     def put_back(self) -> None:
         """Give every parameter its gradient back; can be called any number of times."""
         for param, grad in zip(self._params, self._grads, strict=True):
-            param.grad = grad
+            set_gradient(param, grad)

@@ -32,7 +32,7 @@ from lightning_ckpt_determinism.verify.compare import (
     relative_divergence,
     uncomparable_gradients,
 )
-from lightning_ckpt_determinism.verify.gradients import counted_here, take_gradients
+from lightning_ckpt_determinism.verify.gradients import counted_here, set_gradient, take_gradients
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, uncomparable_layouts
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -333,6 +333,6 @@ def _reference_gradients(
     with torch.no_grad():
         for position, param in enumerate(params):
             before = None if gradients_before is None else gradients_before[position]
-            param.grad = None if before is None else before.clone()
+            set_gradient(param, None if before is None else before.clone())
     loss = reference()
     return loss, take_gradients(params, clone=keep_copies)

@@ -17,7 +17,8 @@ It never touches ``nn.Module`` internals (``_parameters``, ``_buffers``, ``_modu
 anything ``nn.Module.__init__`` sets), tensor subclasses, modules, callables (functions, bound methods, the package's
 own region wrappers), objects without a ``__dict__``, nor FSDP's bookkeeping: FSDP1's wrapper modules are skipped
 whole, and the attributes FSDP2's ``fully_shard`` sets on a module (its composable-API state, ``_fsdp_*`` flags) are
-left alone, as are the sharded and unsharded parameters FSDP swaps inside ``_parameters``.
+left alone, as are the sharded and unsharded parameters FSDP swaps inside ``_parameters`` and the views of its flat
+parameters FSDP1 sets as plain attributes inside its forward.
 Metrics are found inside the module tree and in the plain containers of its attributes (``self.metrics = {"mse":
 MeanSquaredError()}``).
 
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
-from lightning_ckpt_determinism._torch_compat import own_buffers, version_counter
+from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, own_buffers, version_counter
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
@@ -438,10 +439,12 @@ def _is_object(value: object) -> bool:
 
 
 def _is_state(value: object) -> bool:
-    """Whether an attribute's value is of a kind the state captures."""
+    """Whether an attribute's value is of a kind the state captures. A view of an FSDP1 flat parameter is not: FSDP1
+    sets the original parameters as such views inside its forward (where a step's state is captured) and registers
+    them again after; putting a view back would hide the parameter from the module."""
     return (
         _is_plain(value)
-        or type(value) is torch.Tensor
+        or (type(value) is torch.Tensor and not is_fsdp1_parameter_view(value))
         or isinstance(value, (np.ndarray, *_GENERATORS))
         or _is_object(value)
     )
