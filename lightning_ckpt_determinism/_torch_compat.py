@@ -63,6 +63,7 @@ __all__ = [
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
+    "is_fsdp1_parameter_view",
     "is_metadata_mismatch",
     "module_call",
     "module_path_steps",

@@ -328,8 +328,8 @@ def main(kind: str, out_dir: Path) -> None:
 
 def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonitor], ignore: dict[str, Any]) -> None:
     """FSDP1 sharding over both ranks, with the original parameters kept (Lightning's default) and without: checks at
-    zero when clean, the defect found, and training bit-identical to a fit without the monitor, accumulating (without
-    reducing at the first batch: Lightning runs it under FSDP1's ``no_sync``; Lightning clips no gradient there)."""
+    zero when clean, the defect found and named, and training bit-identical to a fit without the monitor, accumulating
+    (without reducing at the first batch: Lightning runs it under FSDP1's ``no_sync``; it clips no gradient there)."""
     dropout = {"classes": ["DropoutBlock"]}
     for orig in (True, False):
         prefix = "orig" if orig else "flat"
@@ -341,6 +341,8 @@ def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonit
     accumulating = {"accumulate_grad_batches": 2}
     run = partial(_run, "fsdp1", out_dir, block="DropoutBlock", setup=accumulating)
     run(name="accumulate_2_monitored", monitor=every_step(), checkpointing=dropout)
+    # Every check the two-pass one, its passes through FSDP1's root wrapper.
+    run(name="accumulate_2_always", monitor=every_step(attribution="always"), checkpointing=dropout)
     run(name="accumulate_2_checkpointed", monitor=None, checkpointing=dropout)
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
-from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn import functional as F
 
@@ -25,7 +24,7 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
 )
 from lightning_ckpt_determinism.lightning import checks as checks_module
-from lightning_ckpt_determinism.lightning.support import FSDPSupport, StrategySupport
+from lightning_ckpt_determinism.lightning.support import StrategySupport
 from tests.helpers import (
     BatchOnlyModule,
     CollectingModule,
@@ -466,13 +465,16 @@ def test_fsdp1_monitor_logs_zero_when_clean_and_a_positive_divergence_on_a_defec
         assert (
             all(v == 0.0 for v in divergences) if name == "clean" else all(0.0 < v < math.inf for v in divergences)
         ), said
+        # The two-pass check, through FSDP1's root wrapper, names each block and the cause.
+        named = [(region.name, region.cause) for region in report.regions or []]
+        assert named == ([] if name == "clean" else [(f"model.blocks.{i}", "rng_not_preserved") for i in range(3)])
         # The checks change no weight: the fit without the monitor ends where the monitored one does.
         assert fits[True].keys() == fits[False].keys()
         assert all(torch.equal(value, fits[False][key]) for key, value in fits[True].items()), name
 
 
 class _NoTwoPassSupport(StrategySupport):
-    """A strategy's support that says the two-pass check cannot run there, as FSDP1's does."""
+    """A strategy's support that says the two-pass check cannot run there."""
 
     def two_pass_unavailable(self) -> str | None:
         return "this strategy runs the model only through its wrapper"
@@ -483,9 +485,7 @@ class _NoTwoPassStrategy(SingleDeviceCheckpointingStrategy):
 
 
 def test_where_the_two_pass_check_cannot_run_a_divergence_is_reported_live_without_a_region(tmp_path, monkeypatch):
-    # FSDP1's support says so (its parameters are views of flat parameters outside its root wrapper's forward); the
-    # same decision, tested here on one CPU device.
-    assert FSDPSupport(FSDPStrategy()).two_pass_unavailable() is not None
+    # A strategy's support may say so (FSDP1's did, before its passes ran through its root wrapper).
     config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
     attributed = RecomputationMonitor(every_n_steps=1, on_divergence="ignore", sentinel="off")
     fit(tmp_path / "attributed", monitor=attributed, config={"preserve_rng_state": False})

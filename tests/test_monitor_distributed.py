@@ -289,15 +289,24 @@ def test_fsdp1_sharded_over_two_ranks_checks_at_zero_when_clean_and_finds_redraw
     assert defect[0]["history"] == defect[1]["history"]
     divergences = [entry["grad_divergence"] for entry in defect[0]["history"]]
     assert len(divergences) == 4 and all(0.0 < value < math.inf for value in divergences)
+    # The two-pass check, through FSDP1's root wrapper, names each block and the cause.
+    assert defect[0]["regions"] == [[f"model.blocks.{index}", "rng_not_preserved"] for index in range(3)]
     # Both ways of holding the parameters give the same gradients, so the same figures (reduced in another order).
     other = result(out_dir, f"{'flat' if kept == 'orig' else 'orig'}_rng_not_preserved", 0)
     assert divergences == pytest.approx([entry["grad_divergence"] for entry in other["history"]], rel=1e-9)
 
 
-def test_fsdp1_training_accumulating_and_checked_at_every_step_is_bit_identical_to_a_fit_without_the_monitor(fsdp1):
+@pytest.mark.parametrize("name", ["accumulate_2_monitored", "accumulate_2_always"])
+def test_fsdp1_training_accumulating_and_checked_at_every_step_is_bit_identical_to_a_fit_without_the_monitor(
+    fsdp1, name
+):
+    # `accumulate_2_always`: every check the two-pass one, which names the regions it compared.
     out_dir = fsdp1
     for rank in (0, 1):
-        history = result(out_dir, "accumulate_2_monitored", rank)["history"]
-        assert [(entry["step"], entry["grad_divergence"]) for entry in history] == [(step, 0.0) for step in range(4)]
-        monitored = state(out_dir, "accumulate_2_monitored", rank)
-        assert_equal_states(monitored, state(out_dir, "accumulate_2_checkpointed", rank))
+        run = result(out_dir, name, rank)
+        assert [(entry["step"], entry["grad_divergence"]) for entry in run["history"]] == [
+            (step, 0.0) for step in range(4)
+        ]
+        regions = [[f"model.blocks.{index}", None] for index in range(3)]
+        assert run["regions"] == (regions if name == "accumulate_2_always" else [])
+        assert_equal_states(state(out_dir, name, rank), state(out_dir, "accumulate_2_checkpointed", rank))

@@ -24,7 +24,6 @@ from lightning_ckpt_determinism.lightning.step import (
     StepCapture,
     live_reference,
     logging_suppressed,
-    training_step_loss,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.compiled import is_compiled
@@ -150,7 +149,8 @@ class StepCheck:
     def _two_pass(self, *, attribution: bool) -> RecomputationReport:
         """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
 
-        It runs on the module itself, not through a DDP wrapper (each rank compares its own gradients), and takes
+        It runs each pass as the strategy's :meth:`~StrategySupport.two_pass_loss` says (on the module itself, not
+        through a DDP wrapper, so that each rank compares its own gradients; through FSDP1's root wrapper), and takes
         gradients as the strategy's :meth:`~StrategySupport.two_pass_gradients` says: ``torch.autograd.grad`` under
         DDP with ``find_unused_parameters=True``, so that no DDP reducer hook fires outside DDP's forward,
         ``backward()`` elsewhere (FSDP2's sharded parameters, reentrant checkpointing elsewhere in the model).
@@ -163,7 +163,7 @@ class StepCheck:
             args, kwargs = capture.arguments()
             if loss_fn is not None:
                 return loss_fn(pl_module, args[0], capture.batch_idx)
-            return training_step_loss(pl_module, *args, **kwargs)
+            return self.support.two_pass_loss(pl_module, *args, **kwargs)
 
         holders = [param for _, param in self.support.gradient_holders(pl_module)]
         # The state after the step and its live gradients come back whatever the check raises.

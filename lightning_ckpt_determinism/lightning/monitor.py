@@ -139,8 +139,8 @@ class RecomputationMonitor(Callback):
         CheckpointingConfigError: If an argument is out of range; at fit start, before any step, if the module uses
             manual optimization and no ``loss_fn`` is given, if no module is checkpointed (no checkpointing strategy
             and no ``apply_activation_checkpointing`` in ``configure_model``), if the strategy is none the monitor
-            runs under, or if ``attribution="always"`` under a strategy that cannot run the two-pass check (FSDP1;
-            on every rank alike).
+            runs under, or if ``attribution="always"`` under a strategy whose support says the two-pass check
+            cannot run there (``StrategySupport.two_pass_unavailable``; on every rank alike).
         RecomputationDivergenceError: During training, with ``on_divergence="raise"``, when a check diverges.
 
     Example::

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ckpt_determinism._torch_compat import fsdp1_flat_parameters
 from lightning_ckpt_determinism.checkpointing.modules import region_name
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.lightning.step import loss_of, training_step_loss
 
 __all__ = ["DDPSupport", "FSDPSupport", "StrategySupport", "stock_support", "support_of", "unmonitored"]
 
@@ -59,9 +60,20 @@ class StrategySupport:
         return "backward"
 
     def two_pass_unavailable(self) -> str | None:
-        """Why the two-pass check (attribution, a ``loss_fn`` under automatic optimization) cannot run the bare
-        LightningModule under this strategy, or ``None`` where it can."""
+        """Why the two-pass check (attribution, a ``loss_fn`` under automatic optimization) cannot run under this
+        strategy, or ``None`` where it can."""
         return None
+
+    def two_pass_loss(self, pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The loss of one pass of the two-pass check: the LightningModule's own ``training_step`` on the bare module,
+        so that each rank compares its own gradients and no DDP reducer hook fires.
+
+        Args:
+            pl_module: The LightningModule the strategy trains.
+            args: The step's positional arguments, as captured.
+            kwargs: Its keyword arguments.
+        """
+        return training_step_loss(pl_module, *args, **kwargs)
 
     def check_unavailable(self) -> str | None:
         """Why no gradient check can run under this strategy without changing training, or ``None`` where it can:
@@ -98,8 +110,8 @@ class DDPSupport(StrategySupport):
 
 class FSDPSupport(StrategySupport):
     """:class:`StrategySupport` under FSDP1, which accumulates into its flat parameters' gradients when it keeps the
-    original parameters (``use_orig_params=True``), and runs the model only through its root wrapper, so that the
-    two-pass check cannot run there.
+    original parameters (``use_orig_params=True``), and whose parameters are views of its flat parameters (or their
+    shards) outside its root wrapper's forward: the two-pass check runs the step through that wrapper.
 
     Args:
         strategy: The strategy, as the Trainer holds it.
@@ -107,19 +119,21 @@ class FSDPSupport(StrategySupport):
     Example::
 
         >>> support = FSDPSupport(FSDPStrategy())
-        >>> support.writes_into_bucket_views(), support.two_pass_unavailable()[:24]
-        (False, 'FSDP1 (`FSDPStrategy`) k')
-        >>> FSDPSupport(FSDPStrategy()).check_unavailable() is None  # checked with `use_orig_params` either way
-        True
+        >>> support.writes_into_bucket_views(), support.two_pass_unavailable(), support.check_unavailable()
+        (False, None, None)
     """
 
-    def two_pass_unavailable(self) -> str | None:
-        """FSDP1 swaps each parameter for a view of its flat parameter outside its root wrapper's forward, which the
-        two-pass check, running the LightningModule on its own, can neither read nor restore."""
-        return (
-            "FSDP1 (`FSDPStrategy`) keeps the parameters as views of its flat parameters outside its root wrapper's"
-            " forward, and the two-pass check runs the LightningModule on its own"
-        )
+    def two_pass_loss(self, pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The loss of ``training_step`` run through FSDP1's root wrapper (``strategy.training_step``), which gathers
+        the parameters for each pass; the passes' backwards reduce the gradients over ranks, every rank running them
+        alike.
+
+        Args:
+            pl_module: The LightningModule the strategy trains (the wrapper runs its ``training_step``).
+            args: The step's positional arguments, as captured.
+            kwargs: Its keyword arguments.
+        """
+        return loss_of(self.strategy.training_step(*args, **kwargs))
 
     def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
         """The module's trainable parameters, then FSDP1's flat parameters that are not among them.
