@@ -38,6 +38,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from tests.helpers import (
     DIM,
+    DropoutBlock,
     ManualModule,
     ShardedStackModule,
     StackModule,
@@ -338,6 +339,12 @@ def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonit
         run(name=f"{prefix}_clean", monitor=every_step(), checkpointing=dropout, setup={})
         without_rng = {**dropout, "preserve_rng_state": False}
         run(name=f"{prefix}_rng_not_preserved", monitor=every_step(**ignore), checkpointing=without_rng, setup={})
+    # Each block an FSDP1 unit of its own (`auto_wrap_policy`), one selected by name: named as users write it.
+    options = {"ddp_options": {"auto_wrap_policy": {DropoutBlock}}}
+    run = partial(_run, "fsdp1", out_dir, block="DropoutBlock", setup={}, **options)
+    run(name="units_clean", monitor=every_step(), checkpointing=dropout)
+    one_without_rng = {"names": ["model.blocks.1"], "preserve_rng_state": False}
+    run(name="units_rng_not_preserved", monitor=every_step(**ignore), checkpointing=one_without_rng)
     accumulating = {"accumulate_grad_batches": 2}
     run = partial(_run, "fsdp1", out_dir, block="DropoutBlock", setup=accumulating)
     run(name="accumulate_2_monitored", monitor=every_step(), checkpointing=dropout)

@@ -296,6 +296,17 @@ def test_fsdp1_sharded_over_two_ranks_checks_at_zero_when_clean_and_finds_redraw
     assert divergences == pytest.approx([entry["grad_divergence"] for entry in other["history"]], rel=1e-9)
 
 
+def test_fsdp1_a_block_wrapped_in_a_unit_of_its_own_is_selected_and_named_as_users_write_it(fsdp1):
+    # `auto_wrap_policy={DropoutBlock}`: torch names the block `model.blocks.1._fsdp_wrapped_module`.
+    out_dir = fsdp1
+    clean = result(out_dir, "units_clean", 0)
+    assert [entry["grad_divergence"] for entry in clean["history"]] == [0.0] * 4 and clean["warnings"] == []
+    defect = [result(out_dir, "units_rng_not_preserved", rank) for rank in (0, 1)]
+    assert defect[0]["history"] == defect[1]["history"]
+    assert len(defect[0]["history"]) == 4 and all(entry["diverged"] for entry in defect[0]["history"])
+    assert defect[0]["regions"] == defect[1]["regions"] == [["model.blocks.1", "rng_not_preserved"]]
+
+
 @pytest.mark.parametrize("name", ["accumulate_2_monitored", "accumulate_2_always"])
 def test_fsdp1_training_accumulating_and_checked_at_every_step_is_bit_identical_to_a_fit_without_the_monitor(
     fsdp1, name

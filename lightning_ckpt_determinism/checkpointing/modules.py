@@ -15,6 +15,7 @@ __all__ = [
     "buffer_slots",
     "generator_slots",
     "is_framework_attribute",
+    "is_fsdp1_unit",
     "local_tensor",
     "named_modules",
     "plain_parts",
@@ -29,8 +30,14 @@ SCALARS = (bool, int, float, complex, str, bytes, type(None))
 """The types of the plain Python attributes recomputation replays: immutable values a forward may rebind."""
 
 _DTensor: Any = None
-if torch.distributed.is_available():  # a build without torch.distributed has no DTensor
+_FSDP1: Any = None
+if torch.distributed.is_available():  # a build without torch.distributed has neither
+    from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
     from torch.distributed.tensor import DTensor as _DTensor
+
+# The part FSDP1 adds to the names of the modules and parameters inside each of its units (torch's
+# `FSDP_WRAPPED_MODULE`) and the one a `torch.compile` wrapper adds: neither is in the names users write.
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_orig_mod"})
 
 # What `torch.distributed.fsdp.fully_shard` sets on a module: its registry of composable-API states and flags.
 _FRAMEWORK_PREFIXES = ("__composable_api_state_key", "_fsdp_", "_is_fsdp_")
@@ -110,7 +117,8 @@ def _own_storage(tensor: torch.Tensor) -> int | None:
 
 
 def region_name(name: str) -> str:
-    """A module or parameter name as users write it: without the ``_orig_mod`` a ``torch.compile`` wrapper adds.
+    """A module or parameter name as users write it: without the ``_orig_mod`` a ``torch.compile`` wrapper adds, nor
+    the ``_fsdp_wrapped_module`` of an FSDP1 unit (``auto_wrap_policy``).
 
     Args:
         name: A dotted name from ``named_modules()`` or ``named_parameters()``.
@@ -119,13 +127,30 @@ def region_name(name: str) -> str:
 
         >>> region_name("model._orig_mod.blocks.0")
         'model.blocks.0'
+        >>> region_name("model.blocks.0._fsdp_wrapped_module.linear.weight")
+        'model.blocks.0.linear.weight'
     """
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def is_fsdp1_unit(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP1 unit (``FullyShardedDataParallel``): its own attributes are FSDP1's, and the
+    module it wraps, a child, shares its name.
+
+    Args:
+        module: Any module.
+
+    Example::
+
+        >>> is_fsdp1_unit(torch.nn.Linear(2, 2))
+        False
+    """
+    return _FSDP1 is not None and isinstance(module, _FSDP1)
 
 
 def named_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``module.named_modules()`` by region name, without the compile wrappers: each shares its name with the module
-    it compiles, which is the one to select and report.
+    """``module.named_modules()`` by region name, without the compile wrappers and FSDP1's units: each shares its name
+    with the module it compiles or wraps, which is the one to select and report.
 
     Args:
         module: The root module.
@@ -137,7 +162,7 @@ def named_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         [('', 'Sequential'), ('0', 'Linear')]
     """
     for name, sub in module.named_modules():
-        if not isinstance(sub, OptimizedModule):
+        if not isinstance(sub, OptimizedModule) and not is_fsdp1_unit(sub):
             yield region_name(name), sub
 
 

@@ -41,7 +41,12 @@ from torch import nn
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
 from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, own_buffers, version_counter
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
-from lightning_ckpt_determinism.checkpointing.modules import SCALARS, buffer_slots, is_framework_attribute
+from lightning_ckpt_determinism.checkpointing.modules import (
+    SCALARS,
+    buffer_slots,
+    is_framework_attribute,
+    is_fsdp1_unit,
+)
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
 
 __all__ = ["StepState", "named_metrics"]
@@ -341,7 +346,7 @@ class _PythonState:
         # An object several modules hold (transformers' `config` on every layer) is copied once.
         self._objects: dict[int, list[tuple[Any, Any]]] = {}
         for prefix, sub in module.named_modules():
-            if isinstance(sub, Metric) or _is_fsdp1_wrapper(sub):
+            if isinstance(sub, Metric) or is_fsdp1_unit(sub):
                 continue
             captured = {
                 name: (value, self._capture(sub, name, value))
@@ -412,15 +417,6 @@ class _PythonState:
                 for container, copy in contents:
                     _refill(container, copy)
                 attributes[name] = original
-
-
-def _is_fsdp1_wrapper(module: nn.Module) -> bool:
-    """An FSDP1 ``FullyShardedDataParallel`` unit: all its own attributes are FSDP's; the module it wraps is a child."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return isinstance(module, FullyShardedDataParallel)
 
 
 def _is_plain(value: object) -> bool:
