@@ -8,6 +8,7 @@ import random
 import socket
 import subprocess
 import sys
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -797,6 +798,31 @@ def launch_ranks(script: Path, *args: str, timeout: float, world_size: int = 2) 
         if process.returncode != 0:
             outcomes.append(f"rank {rank} exited with {process.returncode}:\n{stderr[-4000:]}")
     assert not outcomes, "\n\n".join(outcomes)
+
+
+@contextlib.contextmanager
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """A default process group of this process alone (gloo), destroyed after; one an in-process Trainer test left
+    behind serves as well, and is left as it was."""
+    owned = not torch.distributed.is_initialized()
+    if owned:
+        store = f"file://{tmp_path / 'store'}"
+        torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    assert torch.distributed.get_world_size() == 1
+    try:
+        yield
+    finally:
+        if owned:
+            torch.distributed.destroy_process_group()
+
+
+def fsdp1_unit_on_the_cpu(module: nn.Module) -> nn.Module:
+    """``module`` wrapped as an FSDP1 unit on the CPU, inside :func:`one_process_group`."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "FSDP is switching to use `NO_SHARD`", UserWarning)
+        return FullyShardedDataParallel(module, device_id=torch.device("cpu"))
 
 
 def close_process_group() -> None:

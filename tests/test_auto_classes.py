@@ -14,9 +14,10 @@ from lightning_ckpt_determinism import (
     CheckpointingConfigError,
     apply_activation_checkpointing,
     check_recomputation,
+    checkpointed_modules,
 )
 from lightning_ckpt_determinism.checkpointing.auto import auto_layers
-from tests.helpers import StackModule
+from tests.helpers import StackModule, fsdp1_unit_on_the_cpu, one_process_group
 from tests.test_transformers import MODELS, build, lm_loss, token_ids
 
 
@@ -45,6 +46,18 @@ def test_auto_without_transformers_layers_checkpoints_the_largest_module_list_of
     assert choice.names == ("blocks.0", "blocks.1", "blocks.2")
     assert choice.reason == "the 3 Sequential of the ModuleList `blocks`"
     assert apply_activation_checkpointing(model, CheckpointingConfig(classes="auto")) == list(choice.names)
+
+
+def test_auto_chooses_the_blocks_fsdp1_units_wrap_not_the_units(tmp_path: Path) -> None:
+    # FSDP1's `auto_wrap_policy` makes each block a unit of its own, which takes the block's name.
+    model = nn.Module()
+    with one_process_group(tmp_path):
+        model.blocks = nn.ModuleList(fsdp1_unit_on_the_cpu(nn.Sequential(nn.Linear(4, 4), nn.Tanh())) for _ in range(3))
+        choice = auto_layers(model)
+        assert choice.names == ("blocks.0", "blocks.1", "blocks.2")
+        assert choice.reason == "the 3 Sequential of the ModuleList `blocks`"
+        assert apply_activation_checkpointing(model, CheckpointingConfig(classes="auto")) == list(choice.names)
+        assert [type(region).__name__ for region in checkpointed_modules(model).values()] == ["Sequential"] * 3
 
 
 def test_auto_in_a_model_without_layers_to_choose_says_what_it_looked_for() -> None:

@@ -8,7 +8,6 @@ import ast
 import functools
 import re
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -17,15 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_debug_enabled
 
 from lightning_ckpt_determinism import _torch_compat as compat
+from tests.helpers import fsdp1_unit_on_the_cpu, one_process_group
 
 COMPAT_SOURCE = Path(compat.__file__)
 PINNED: set[str] = set()
@@ -511,16 +509,9 @@ def test_inductor_compiles_through_an_inner_compile_told_which_graph_is_the_back
 @pins("fsdp1_flat_parameters", "is_fsdp1_parameter_view")
 def test_fsdp1_flat_parameters_are_one_per_unit_and_their_views_are_told_apart(tmp_path: Path) -> None:
     assert list(compat.fsdp1_flat_parameters(nn.Linear(2, 2))) == []
-    # An in-process Trainer test before this one may have left its one-process group behind: it serves as well.
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "FSDP is switching to use `NO_SHARD`", UserWarning)
-            inner = FullyShardedDataParallel(nn.Linear(2, 3), device_id=torch.device("cpu"))
-            model = FullyShardedDataParallel(nn.Sequential(inner, nn.Linear(3, 1)), device_id=torch.device("cpu"))
+    with one_process_group(tmp_path):
+        inner = fsdp1_unit_on_the_cpu(nn.Linear(2, 3))
+        model = fsdp1_unit_on_the_cpu(nn.Sequential(inner, nn.Linear(3, 1)))
         flats = list(compat.fsdp1_flat_parameters(model))
         assert [flat.numel() for flat in flats] == [4, 9]  # the outer unit's Linear(3, 1), then Linear(2, 3)
         assert all(isinstance(flat, nn.Parameter) for flat in flats)
@@ -528,9 +519,6 @@ def test_fsdp1_flat_parameters_are_one_per_unit_and_their_views_are_told_apart(t
         assert compat.is_fsdp1_parameter_view(flats[1][:6].view(2, 3))
         assert not compat.is_fsdp1_parameter_view(flats[1])
         assert not compat.is_fsdp1_parameter_view(nn.Parameter(torch.ones(4))[:2])
-    finally:
-        if owned:
-            dist.destroy_process_group()
 
 
 @pins("version_counter", "view_base", "own_buffers")

@@ -64,7 +64,8 @@ def auto_layers(module: nn.Module) -> AutoChoice:
     if best is None:
         return AutoChoice((), "no GradientCheckpointingLayer and no ModuleList of one class")
     name, blocks = best
-    kind = type(blocks[0]).__name__
+    # The block under its name: the module an FSDP1 unit wraps, not the unit.
+    kind = type(dict(named)[f"{name}.0"]).__name__
     return AutoChoice(
         tuple(f"{name}.{index}" for index in range(len(blocks))), f"the {len(blocks)} {kind} of the ModuleList `{name}`"
     )
