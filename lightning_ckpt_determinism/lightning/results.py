@@ -82,8 +82,8 @@ class CheckResults:
             unattributed: Why this fit's strategy cannot attribute a divergence to a region, or ``None``.
             unchecked: Why no gradient check runs this fit, or ``None``.
         """
-        self.summary, self._warned, self.syntax, self.unattributed = FitSummary(), {}, syntax, unattributed
-        self.summary.unchecked = unchecked
+        self.summary = FitSummary(unchecked=unchecked)
+        self._warned, self.syntax, self.unattributed = {}, syntax, unattributed
         self.warned_steps = set()
 
     def skipped(self, step: int, reason: str) -> None:
