@@ -55,6 +55,31 @@ class LaterRReLU(nn.Module):
         return self.act(h) if self.calls > 1 else torch.tanh(h)
 
 
+class LaterRReLUSameCount(LaterRReLU):
+    """Ends in ``tanh(h) ** 2`` at its first call and in RReLU from the second on: both paths save three tensors, so
+    that only what the path ends in tells them apart."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.inp(x)
+        return self.act(h) if self.calls > 1 else torch.tanh(h).pow(2)
+
+
+class RReLUOrder(nn.Module):
+    """``tanh(rrelu(h))`` or ``rrelu(tanh(h))`` as its flag says: both save four tensors, RReLU's ``noise`` (filled
+    late) at another position in each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.act = nn.RReLU()
+        self.rrelu_first = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return torch.tanh(self.act(h)) if self.rrelu_first else self.act(torch.tanh(h))
+
+
 class LaterLSTM(nn.Module):
     """A linear layer at its first call, an LSTM from the second on."""
 
@@ -134,6 +159,11 @@ def training_from(step: int) -> Callable[[nn.Module, int], None]:
     return lambda model, at: model.train(at >= step)
 
 
+def rrelu_first_from(step: int) -> Callable[[nn.Module, int], None]:
+    """:class:`RReLUOrder`'s RReLU second before ``step``, first from it on."""
+    return lambda model, at: setattr(model.body, "rrelu_first", at >= step)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_rrelu_last_only_from_the_second_call_recomputes_to_its_end(tier: str) -> None:
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -144,6 +174,32 @@ def test_rrelu_last_only_from_the_second_call_recomputes_to_its_end(tier: str) -
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert_exact(result)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_rrelu_last_from_the_second_call_on_a_path_saving_as_many_tensors_recomputes_to_its_end(tier: str) -> None:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        result = twins(lambda: Head(LaterRReLUSameCount()), tier)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_two_paths_saving_as_many_tensors_each_keep_their_own_filled_late_position(tier: str) -> None:
+    # Learned from the first path only, the second's `noise` was digested when saved, before RReLU filled it: a
+    # mismatch at every call of that path, while the gradients were exact.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        result = twins(lambda: Head(RReLUOrder()), tier, rrelu_first_from(1))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert_exact(result)
+    profiles = result.checkpointed.body.forward._profiles.values()
+    assert sorted(sorted(profile.filled_late) for profile in profiles) == [[1], [2]]
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -28,10 +28,11 @@ A :class:`FirstForwardProbe` watches one eager checkpointed forward of a region 
 read before a call, cheaply: the ``training`` flag of each of the region's modules and how many attributes each
 holds (a new attribute, a generator created). It checks at every call that the generators it replays are still the
 ones the modules hold (a generator replaced by a new one makes it forget what it learned), and at each forward's
-end that the call saved as many tensors as the profile it was given (the same code path). A call of a new key is
-probed. A call whose count is that of another profile of its key took that profile's path (the sentinel keeps what
-it digested as it went only where that path's values were final when saved); one whose count matches no profile
-recomputes to its end, is not compared, and makes the next call of its key a learning one. What the region replays
+end that the call took the path of the profile it was given: it saved as many tensors, and its output came from the
+same op (:attr:`RegionProfile.path`; two branches that save as many tensors seldom end in the same op). A call of a
+new key is probed. A call that took the path of another profile of its key took that profile's path (the sentinel
+keeps what it digested as it went only where that path's values were final when saved); one whose path matches no
+profile recomputes to its end, is not compared, and makes the next call of its key a learning one. What the region replays
 only grows: a buffer a later forward changes in place is replayed from the next forward on (that forward's own
 recomputation changes it no further, but starts from the value the forward left: the sentinel and the check see
 it), and every profile replays it.
@@ -108,6 +109,8 @@ class RegionProfile:
         buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
             wrapper adds those it sees changed later, and those other calls of the region changed.
         generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
+        ends_in: The type of the autograd node the forward's output came from (the op the path ended in), ``None``
+            for an output without one; with ``saved``, the path the profile is valid for (:attr:`path`).
         left_out: The positions the sentinel never compares: ``workspaces`` and ``unwritten`` together.
 
     Example::
@@ -124,11 +127,24 @@ class RegionProfile:
     unwritten: frozenset[int] = frozenset()
     buffers: frozenset[str] = frozenset()
     generators: tuple[tuple[str, torch.Generator], ...] = ()
+    ends_in: type | None = None
     # Worked out once: the sentinel asks for each tensor it digests.
     left_out: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "left_out", self.workspaces | self.unwritten)
+
+    @property
+    def path(self) -> tuple[int, type | None]:
+        """The code path the profile was learned on: how many tensors the forward saved, and the node its output came
+        from. Two calls that differ in either took different paths.
+
+        Example::
+
+            >>> RegionProfile(saved=3).path
+            (3, None)
+        """
+        return self.saved, self.ends_in
 
 
 class FirstForwardProbe:

@@ -14,8 +14,8 @@ nothing.
 
 What a region learns from its calls (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) is kept by key: each
 call reads the ``training`` flags of the region's modules and how many attributes each holds, checks that the
-generators it replays are still in place, and after its forward that it saved as many tensors as its profile says;
-a call unlike those learned from is probed, or recomputed to its end and learned from at the next call. A call whose
+generators it replays are still in place, and after its forward that it took its profile's path (as many saved
+tensors, its output from the same op); a call unlike those learned from is probed, or recomputed to its end and learned from at the next call. A call whose
 saved tensors include one filled late is recomputed to its end by an end marker: one more tensor saved after the
 forward, whose holder dies at once, so that torch's early stop (which ends a recomputation once it has saved as many
 tensors as the forward) stops only after the region's last op. Every other call keeps torch's early stop, as a
@@ -101,6 +101,9 @@ _ContextPair = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
 
 # A call's key: the `training` flag of each of the region's modules, and how many attributes each holds.
 _CallKey = tuple[tuple[bool, ...], tuple[int, ...]]
+
+# A call's path: how many tensors its forward saved, and the autograd node its output came from (the op it ended in).
+_Path = tuple[int, type | None]
 
 # How many profiles a region keeps (train and eval, a few code paths); the oldest goes first.
 _PROFILES = 8
@@ -277,9 +280,9 @@ class CheckpointedForward:
         self.profile: RegionProfile | None = None
         # The region's modules, whose modes and attributes key its profiles.
         self._modules = tuple(module.modules())
-        # Profiles by key and saved-tensor count, and each key's count at its last call (its path, expected next).
-        self._profiles: dict[tuple[_CallKey, int], RegionProfile] = {}
-        self._paths: dict[_CallKey, int] = {}
+        # Profiles by key and path, and each key's path at its last call (expected next).
+        self._profiles: dict[tuple[_CallKey, _Path], RegionProfile] = {}
+        self._paths: dict[_CallKey, _Path] = {}
         # The generators the profiles replay, where they are held: one replaced makes the region learn again.
         self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
         # The buffers every profile replays: those any call was seen to change.
@@ -364,7 +367,8 @@ class CheckpointedForward:
         key = (tuple(map(_TRAINING, self._modules)), sizes)
         if self._attribute_slots[0] != sizes:
             self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
-        self.profile = self._profiles.get((key, self._paths.get(key, -1)))
+        path = self._paths.get(key)
+        self.profile = None if path is None else self._profiles.get((key, path))
         if self.profile is not None and not self._generators_in_place():
             self._profiles.clear()  # what the profiles replay is stale
             self.profile = None
@@ -385,14 +389,14 @@ class CheckpointedForward:
             return True
         return all(held.get(name) is generator for held, name, generator in self._generators)
 
-    def _path_taken(self, key: _CallKey, saved: int, learned: RegionProfile | None) -> bool:
-        """A forward of ``key`` saved ``saved`` tensors (and a probe ``learned`` its profile): the profile of the path
-        it took becomes the region's :attr:`profile` (``None`` for a path no profile knows); whether its recomputation
-        must run to its end (a saved tensor filled late, or a path not known)."""
+    def _path_taken(self, key: _CallKey, path: _Path, learned: RegionProfile | None) -> bool:
+        """A forward of ``key`` took ``path`` (and a probe ``learned`` its profile): the profile of that path becomes
+        the region's :attr:`profile` (``None`` for a path no profile knows); whether its recomputation must run to its
+        end (a saved tensor filled late, or a path not known)."""
         if learned is not None:
             self._replay_buffers(learned.buffers)
-            self._profiles.pop((key, saved), None)
-            self._profiles[key, saved] = replace(learned, buffers=self._replayed)
+            self._profiles.pop((key, path), None)
+            self._profiles[key, path] = replace(learned, buffers=self._replayed, ends_in=path[1])
             while len(self._profiles) > _PROFILES:
                 del self._profiles[next(iter(self._profiles))]
             self._generators = tuple(
@@ -401,8 +405,8 @@ class CheckpointedForward:
                 for name, value in vars(owner).items()
                 if isinstance(value, torch.Generator)
             )
-        self._paths[key] = saved
-        self.profile = self._profiles.get((key, saved))
+        self._paths[key] = path
+        self.profile = self._profiles.get((key, path))
         return self.profile is None or bool(self.profile.filled_late)
 
     def _replay_buffers(self, names: frozenset[str]) -> None:
@@ -663,7 +667,8 @@ class _EagerCall:
             # path taken.
             wrapper.saved = saved
             if self.key is not None:
-                self.full = wrapper._path_taken(self.key, saved, None if probe is None else probe.profile)
+                path = (saved, _output_node(out))
+                self.full = wrapper._path_taken(self.key, path, None if probe is None else probe.profile)
         if self.full:
             _mark_end()
         return out
@@ -673,6 +678,25 @@ def _kept_forward(kept: KeptOutputs, inputs: tuple[Any, ...]) -> AbstractContext
     """The data-dependent guard's forward context of one call, its size limit taken from that call's inputs."""
     kept.note_inputs(inputs)
     return kept.forward()
+
+
+def _output_node(out: Any) -> type | None:
+    """The type of the autograd node a region's output came from (``RreluWithNoiseBackward0``: the op its forward ended
+    in), read from the output or, for a tuple, list or dict of outputs, its first tensor; ``None`` without one.
+
+    Example::
+
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> _output_node(torch.tanh(x)).__name__, _output_node((None, x * 2)).__name__, _output_node({"loss": x})
+        ('TanhBackward0', 'MulBackward0', None)
+    """
+    if not isinstance(out, torch.Tensor):
+        values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+        out = next((value for value in values if isinstance(value, torch.Tensor)), None)
+        if out is None:
+            return None
+    node = out.grad_fn
+    return None if node is None else type(node)
 
 
 def _mark_end() -> None:

@@ -8,7 +8,8 @@ row and a column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`)
 the region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
 it was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
 forward's end for every tensor of a call the region learns from (its first, and the first of each kind of call: see
-the profile's description). A call that saves another number of tensors than its profile (another code path) keeps
+the profile's description). A call that took another code path than its profile (another number of saved tensors,
+or its output from another op) keeps
 what it digested as it went only where the profile of that path says the value was final (all of it counts as not
 compared on a path the region has no profile of yet). It keeps each
 tensor's position, metadata and the op that produced it. At the region's first unpack in backward, once the region
@@ -20,7 +21,8 @@ recompute context puts them back (without ``protect_buffers``, BatchNorm updates
 mismatches, with their cause. A parameter written in place since the region's forward started (its version counter
 moved: the forward writes it) is digested before and after each recomputation from then on, and counts only when
 its values changed: an ``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes
-nothing once its rows are within ``max_norm``. The tensor states of the torchmetrics metrics inside a region are
+nothing where the forward left its rows within ``max_norm`` (in ``float32`` a renormalised row can come out an ulp
+above it, and the second renormalisation then changes it: a real write, reported). The tensor states of the torchmetrics metrics inside a region are
 digested alike: a metric updated in forward is updated again by recomputation. The comparisons stay on the device,
 read back later (:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step,
 after one comparison for the whole step). Nothing is read back to the host inside forward or backward, and the

@@ -237,7 +237,8 @@ class RegionCall:
             packs: How many tensors the forward saved.
         """
         self.packs = packs
-        if digest and self.profile is not None and (profile is None or profile.saved != self.profile.saved):
+        another_path = self.profile is not None and (profile is None or profile.path != self.profile.path)
+        if digest and another_path:
             self._another_path(profile)
         if digest:
             left_out = profile.left_out if profile is not None else frozenset()
@@ -245,7 +246,7 @@ class RegionCall:
             self.not_compared += len(self._held) - len(held)
             if self.learning:
                 held = self._learn(held)
-            elif self.layout is not None and self.packs != self.layout.saved:
+            elif self.layout is not None and (another_path or self.packs != self.layout.saved):
                 self.sentinel._learned(self.region, None)  # another code path: its layout is learned again
             for saved, local in held:
                 self._take(saved, local)
