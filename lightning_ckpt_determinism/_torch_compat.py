@@ -45,6 +45,7 @@ __all__ = [
     "StopRecomputationError",
     "TorchDispatchMode",
     "aot_backends",
+    "autograd_nodes_made",
     "checkpoint_codes",
     "checkpoint_debug_enabled",
     "checkpoint_saved_counter",
@@ -150,6 +151,10 @@ def returns_alias(func: OpOverload) -> bool:
     ``OpOverload._schema`` (>= 1.13)."""
     return any(ret.alias_info is not None for ret in func._schema.returns)
 
+
+autograd_nodes_made: Callable[[], int] = torch.autograd._get_sequence_nr
+"""How many autograd nodes this thread has made so far: the sequence number the next one gets (``torch.autograd``,
+>= 2.1; torch's FX tracer reads it too). The difference across a forward counts the nodes it made."""
 
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 """The id of the backward (graph task) running now, ``-1`` outside any (``torch._C``, >= 2.1): torch's own function,

@@ -65,6 +65,16 @@ class LaterRReLUSameCount(LaterRReLU):
         return self.act(h) if self.calls > 1 else torch.tanh(h).pow(2)
 
 
+class LaterRReLUScaled(LaterRReLU):
+    """``tanh(h) ** 2 * 2`` at its first call, ``rrelu(h) * 2`` from the second on: both save two tensors after the
+    input layer's and end in the same op, so that only the ops each records tell them apart."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.inp(x)
+        return (self.act(h) if self.calls > 1 else torch.tanh(h).pow(2)) * 2
+
+
 class RReLUOrder(nn.Module):
     """``tanh(rrelu(h))`` or ``rrelu(tanh(h))`` as its flag says: both save four tensors, RReLU's ``noise`` (filled
     late) at another position in each."""
@@ -164,39 +174,38 @@ def rrelu_first_from(step: int) -> Callable[[nn.Module, int], None]:
     return lambda model, at: setattr(model.body, "rrelu_first", at >= step)
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_rrelu_last_only_from_the_second_call_recomputes_to_its_end(tier: str) -> None:
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    # Uninitialised memory is NaN under deterministic algorithms: a noise the recomputation does not fill shows.
-    torch.use_deterministic_algorithms(True)
-    try:
-        result = twins(lambda: Head(LaterRReLU()), tier)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    assert_exact(result)
-
-
-@pytest.mark.parametrize("tier", TIERS)
-def test_rrelu_last_from_the_second_call_on_a_path_saving_as_many_tensors_recomputes_to_its_end(tier: str) -> None:
+def deterministic_twins(
+    build: Callable[[], nn.Module], tier: str, before: Callable[[nn.Module, int], object] = lambda model, step: None
+) -> Trial:
+    """:func:`twins` under torch's deterministic algorithms, where uninitialised memory is NaN: a noise the
+    recomputation does not fill shows."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        result = twins(lambda: Head(LaterRReLUSameCount()), tier)
+        return twins(build, tier, before)
     finally:
         torch.use_deterministic_algorithms(deterministic)
-    assert_exact(result)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    "later",
+    [
+        pytest.param(LaterRReLU, id="saving another number of tensors"),
+        pytest.param(LaterRReLUSameCount, id="saving as many tensors"),
+        # Only the ops each path records tell these two apart.
+        pytest.param(LaterRReLUScaled, id="saving as many tensors and ending in the same op"),
+    ],
+)
+def test_rrelu_last_only_from_the_second_call_recomputes_to_its_end(later: type[nn.Module], tier: str) -> None:
+    assert_exact(deterministic_twins(lambda: Head(later()), tier))
 
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_two_paths_saving_as_many_tensors_each_keep_their_own_filled_late_position(tier: str) -> None:
     # Learned from the first path only, the second's `noise` was digested when saved, before RReLU filled it: a
     # mismatch at every call of that path, while the gradients were exact.
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        result = twins(lambda: Head(RReLUOrder()), tier, rrelu_first_from(1))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    result = deterministic_twins(lambda: Head(RReLUOrder()), tier, rrelu_first_from(1))
     assert_exact(result)
     profiles = result.checkpointed.body.forward._profiles.values()
     assert sorted(sorted(profile.filled_late) for profile in profiles) == [[1], [2]]
@@ -204,13 +213,7 @@ def test_two_paths_saving_as_many_tensors_each_keep_their_own_filled_late_positi
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_rrelu_last_first_called_in_eval_mode_recomputes_to_its_end_in_training(tier: str) -> None:
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        result = twins(lambda: Head(Around(nn.RReLU(), last=True)), tier, training_from(1))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-    assert_exact(result)
+    assert_exact(deterministic_twins(lambda: Head(Around(nn.RReLU(), last=True)), tier, training_from(1)))
 
 
 @pytest.mark.parametrize("tier", TIERS)

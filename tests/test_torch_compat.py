@@ -171,6 +171,20 @@ def test_the_graph_task_id_is_minus_one_outside_backward_and_one_per_backward_in
     assert compat.current_graph_task_id() == -1
 
 
+@pins("autograd_nodes_made")
+def test_the_nodes_made_count_each_op_recorded_for_backward_and_nothing_else() -> None:
+    x = torch.ones(2, requires_grad=True)
+    start = compat.autograd_nodes_made()
+    y = torch.tanh(x * 2).sum()
+    assert compat.autograd_nodes_made() - start == 3  # mul, tanh, sum
+    start = compat.autograd_nodes_made()
+    with torch.no_grad():
+        _ = torch.tanh(x * 2)
+    _ = torch.ones(2) * 2  # no tensor that requires a gradient
+    y.backward()
+    assert compat.autograd_nodes_made() - start == 0
+
+
 @pins("checkpoint_saved_counter")
 def test_the_saved_counter_counts_each_tensor_a_checkpointed_forward_saves_and_nothing_outside() -> None:
     counts: list[tuple[int, int] | None] = []

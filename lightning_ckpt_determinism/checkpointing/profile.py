@@ -24,18 +24,18 @@ A :class:`FirstForwardProbe` watches one eager checkpointed forward of a region 
   the region's modules hold. (The plain attributes a forward rebinds are found at every call, by the wrapper.)
 
 **What is learned again, and when.** A profile is valid for calls like the one it was learned from. The wrapper
-(:class:`~lightning_ckpt_determinism.checkpointing.wrapper.CheckpointedForward`) keys its profiles by what it can
-read before a call, cheaply: the ``training`` flag of each of the region's modules and how many attributes each
-holds (a new attribute, a generator created). It checks at every call that the generators it replays are still the
-ones the modules hold (a generator replaced by a new one makes it forget what it learned), and at each forward's
-end that the call took the path of the profile it was given: it saved as many tensors, and its output came from the
-same op (:attr:`RegionProfile.path`; two branches that save as many tensors seldom end in the same op). A call of a
-new key is probed. A call that took the path of another profile of its key took that profile's path (the sentinel
-keeps what it digested as it went only where that path's values were final when saved); one whose path matches no
-profile recomputes to its end, is not compared, and makes the next call of its key a learning one. What the region replays
-only grows: a buffer a later forward changes in place is replayed from the next forward on (that forward's own
-recomputation changes it no further, but starts from the value the forward left: the sentinel and the check see
-it), and every profile replays it.
+(:class:`~lightning_ckpt_determinism.checkpointing.wrapper.CheckpointedForward`) keys its profiles by what it can read
+before a call, cheaply: the ``training`` flag of each of the region's modules and how many attributes each holds (a new
+attribute, a generator created). It checks at every call that the generators it replays are still the ones the modules
+hold (a generator replaced by a new one makes it forget what it learned), and at each forward's end that the call took
+the path of the profile it was given: it saved as many tensors, made as many autograd nodes (the ops it recorded for
+backward), and its output came from the same op (:attr:`RegionProfile.path`: two counts and a type, read once at the
+forward's end, nothing per tensor). A call of a new key is probed. A call on the path of another profile of its key
+takes that profile (the sentinel keeps what it digested as it went only where that path's values were final when saved);
+one whose path matches no profile recomputes to its end, is not compared, and makes the next call of its key a learning
+one. What the region replays only grows: a buffer a later forward changes in place is replayed from the next forward on
+(that forward's own recomputation changes it no further, but starts from the value the forward left: the sentinel and
+the check see it), and every profile replays it.
 
 Watching costs one copy of the region's saved tensors and one host read, at learning calls only. The probe's own ops
 run below every dispatch mode, so that a selective-checkpointing cache never takes them for the model's; so it reads
@@ -109,8 +109,9 @@ class RegionProfile:
         buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
             wrapper adds those it sees changed later, and those other calls of the region changed.
         generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
+        nodes: How many autograd nodes the forward made (the ops it recorded for backward).
         ends_in: The type of the autograd node the forward's output came from (the op the path ended in), ``None``
-            for an output without one; with ``saved``, the path the profile is valid for (:attr:`path`).
+            for an output without one; with ``saved`` and ``nodes``, the path the profile is valid for (:attr:`path`).
         left_out: The positions the sentinel never compares: ``workspaces`` and ``unwritten`` together.
 
     Example::
@@ -127,6 +128,7 @@ class RegionProfile:
     unwritten: frozenset[int] = frozenset()
     buffers: frozenset[str] = frozenset()
     generators: tuple[tuple[str, torch.Generator], ...] = ()
+    nodes: int = 0
     ends_in: type | None = None
     # Worked out once: the sentinel asks for each tensor it digests.
     left_out: frozenset[int] = field(init=False)
@@ -135,16 +137,16 @@ class RegionProfile:
         object.__setattr__(self, "left_out", self.workspaces | self.unwritten)
 
     @property
-    def path(self) -> tuple[int, type | None]:
-        """The code path the profile was learned on: how many tensors the forward saved, and the node its output came
-        from. Two calls that differ in either took different paths.
+    def path(self) -> tuple[int, int, type | None]:
+        """The code path the profile was learned on: how many tensors the forward saved, how many autograd nodes it
+        made, and the node its output came from. Two calls that differ in any took different paths.
 
         Example::
 
-            >>> RegionProfile(saved=3).path
-            (3, None)
+            >>> RegionProfile(saved=3, nodes=4).path
+            (3, 4, None)
         """
-        return self.saved, self.ends_in
+        return self.saved, self.nodes, self.ends_in
 
 
 class FirstForwardProbe:

@@ -12,16 +12,16 @@ dispatch modes. The guard (:mod:`~lightning_ckpt_determinism.checkpointing.routi
 checkpointed forward and stays on only where that forward ran a data-dependent op: a region without routing pays
 nothing.
 
-What a region learns from its calls (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) is kept by key: each
-call reads the ``training`` flags of the region's modules and how many attributes each holds, checks that the
-generators it replays are still in place, and after its forward that it took its profile's path (as many saved
-tensors, its output from the same op); a call unlike those learned from is probed, or recomputed to its end and learned from at the next call. A call whose
-saved tensors include one filled late is recomputed to its end by an end marker: one more tensor saved after the
-forward, whose holder dies at once, so that torch's early stop (which ends a recomputation once it has saved as many
-tensors as the forward) stops only after the region's last op. Every other call keeps torch's early stop, as a
-hand-written checkpoint does, also a learning one (a recomputation that saves more tensors than its forward trains as
-under torch). The attributes each forward rebinds are found at that call and put back for its recomputation
-(:class:`~lightning_ckpt_determinism.checkpointing.contexts.AttributeReplay`).
+What a region learns from its calls (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) is kept by key: each call
+reads the ``training`` flags of the region's modules and how many attributes each holds, checks that the generators it
+replays are still in place, and after its forward that it took its profile's path (as many saved tensors and autograd
+nodes, its output from the same op); a call unlike those learned from is probed, or recomputed to its end and learned
+from at the next call. A call whose saved tensors include one filled late is recomputed to its end by an end marker: one
+more tensor saved after the forward, whose holder dies at once, so that torch's early stop (which ends a recomputation
+once it has saved as many tensors as the forward) stops only after the region's last op. Every other call keeps torch's
+early stop, as a hand-written checkpoint does, also a learning one (a recomputation that saves more tensors than its
+forward trains as under torch). The attributes each forward rebinds are found at that call and put back for its
+recomputation (:class:`~lightning_ckpt_determinism.checkpointing.contexts.AttributeReplay`).
 
 The traced path (under ``torch.compile``) reads only state dynamo can guard on (the plan, and the one process-wide
 switch, :mod:`~lightning_ckpt_determinism.checkpointing.switch`, never a ContextVar), never passes
@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism._torch_compat import (
+    autograd_nodes_made,
     checkpoint_debug_enabled,
     checkpoint_saved_counter,
     disable_current_modes,
@@ -102,8 +103,9 @@ _ContextPair = tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
 # A call's key: the `training` flag of each of the region's modules, and how many attributes each holds.
 _CallKey = tuple[tuple[bool, ...], tuple[int, ...]]
 
-# A call's path: how many tensors its forward saved, and the autograd node its output came from (the op it ended in).
-_Path = tuple[int, type | None]
+# A call's path: how many tensors its forward saved, how many autograd nodes it made, and the type of the node its
+# output came from (the op it ended in).
+_Path = tuple[int, int, type | None]
 
 # How many profiles a region keeps (train and eval, a few code paths); the oldest goes first.
 _PROFILES = 8
@@ -396,7 +398,7 @@ class CheckpointedForward:
         if learned is not None:
             self._replay_buffers(learned.buffers)
             self._profiles.pop((key, path), None)
-            self._profiles[key, path] = replace(learned, buffers=self._replayed, ends_in=path[1])
+            self._profiles[key, path] = replace(learned, buffers=self._replayed, nodes=path[1], ends_in=path[2])
             while len(self._profiles) > _PROFILES:
                 del self._profiles[next(iter(self._profiles))]
             self._generators = tuple(
@@ -654,7 +656,9 @@ class _EagerCall:
             self.observed = region_call is not None and region_call.observed
             self.attributes.start()
             with region_call if region_call is not None else NO_CONTEXT, probe if probe is not None else NO_CONTEXT:
+                start = autograd_nodes_made()
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
+                nodes = autograd_nodes_made() - start
             self.attributes.end()
             # torch's frame counts what a call torch keeps saved; where it counts otherwise than the package's
             # extractor (a backward run inside the forward saves tensors the extractor leaves out of its count), or
@@ -667,7 +671,7 @@ class _EagerCall:
             # path taken.
             wrapper.saved = saved
             if self.key is not None:
-                path = (saved, _output_node(out))
+                path = (saved, nodes, _output_node(out))
                 self.full = wrapper._path_taken(self.key, path, None if probe is None else probe.profile)
         if self.full:
             _mark_end()

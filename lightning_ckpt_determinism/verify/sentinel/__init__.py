@@ -2,32 +2,31 @@
 forward's, through digests, on every step.
 
 Inside :func:`recomputation_sentinel` the sentinel is torch's ``determinism_check`` extractor for every eagerly
-checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`). At the region's forward,
-torch hands it each tensor it saves, before the op that saves it has run. The sentinel digests each on its device (a
-row and a column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its value is final: at once where
-the region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as
-it was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
-forward's end for every tensor of a call the region learns from (its first, and the first of each kind of call: see
-the profile's description). A call that took another code path than its profile (another number of saved tensors,
-or its output from another op) keeps
-what it digested as it went only where the profile of that path says the value was final (all of it counts as not
-compared on a path the region has no profile of yet). It keeps each
-tensor's position, metadata and the op that produced it. At the region's first unpack in backward, once the region
-is recomputed to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares
-the metadata at once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check=
-"default"``) and digests the recomputed tensor. Around each recomputation it also watches the region's state: a
-parameter whose version counter moves (recomputation writes it in place) and a buffer whose values change where no
-recompute context puts them back (without ``protect_buffers``, BatchNorm updates its statistics a second time) are
-mismatches, with their cause. A parameter written in place since the region's forward started (its version counter
-moved: the forward writes it) is digested before and after each recomputation from then on, and counts only when
-its values changed: an ``Embedding`` with ``max_norm`` renormalises its weight again in recomputation, which changes
-nothing where the forward left its rows within ``max_norm`` (in ``float32`` a renormalised row can come out an ulp
-above it, and the second renormalisation then changes it: a real write, reported). The tensor states of the torchmetrics metrics inside a region are
-digested alike: a metric updated in forward is updated again by recomputation. The comparisons stay on the device,
-read back later (:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step,
-after one comparison for the whole step). Nothing is read back to the host inside forward or backward, and the
-sentinel's own ops run below every dispatch mode, so that a selective-checkpointing cache or a mode of the user's never
-takes them for the model's.
+checkpointed region (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`). At the region's forward, torch
+hands it each tensor it saves, before the op that saves it has run. The sentinel digests each on its device (a row and a
+column reduction, in :mod:`~lightning_ckpt_determinism.verify.digest`) once its value is final: at once where the
+region's profile (:mod:`~lightning_ckpt_determinism.checkpointing.profile`) says the op that saved it leaves it as it
+was, at the forward's end where the profile says it is filled late (``rrelu_with_noise``'s ``noise``), and at the
+forward's end for every tensor of a call the region learns from (its first, and the first of each kind of call: see the
+profile's description). A call that took another code path than its profile (another number of saved tensors or autograd
+nodes, or its output from another op) keeps what it digested as it went only where the profile of that path says the
+value was final (all of it counts as not compared on a path the region has no profile of yet). It keeps each tensor's
+position, metadata and the op that produced it. At the region's first unpack in backward, once the region is recomputed
+to the end, torch compares each kept value with the recomputed tensor (``!=``): the sentinel compares the metadata at
+once (a difference raises torch's ``CheckpointError`` as before, under ``determinism_check= "default"``) and digests the
+recomputed tensor. Around each recomputation it also watches the region's state: a parameter whose version counter moves
+(recomputation writes it in place) and a buffer whose values change where no recompute context puts them back (without
+``protect_buffers``, BatchNorm updates its statistics a second time) are mismatches, with their cause. A parameter
+written in place since the region's forward started (its version counter moved: the forward writes it) is digested
+before and after each recomputation from then on, and counts only when its values changed: an ``Embedding`` with
+``max_norm`` renormalises its weight again in recomputation, which changes nothing where the forward left its rows
+within ``max_norm`` (in ``float32`` a renormalised row can come out an ulp above it, and the second renormalisation then
+changes it: a real write, reported). The tensor states of the torchmetrics metrics inside a region are digested alike: a
+metric updated in forward is updated again by recomputation. The comparisons stay on the device, read back later
+(:meth:`RecomputationSentinel.report`, or :meth:`RecomputationSentinel.settle` once per training step, after one
+comparison for the whole step). Nothing is read back to the host inside forward or backward, and the sentinel's own ops
+run below every dispatch mode, so that a selective-checkpointing cache or a mode of the user's never takes them for the
+model's.
 
 What it compares: activations. Parameters and buffers, which torch saves by reference (``addmm`` saves
 ``weight.t()``) and which may change legitimately before the recomputation (BatchNorm's running statistics), are

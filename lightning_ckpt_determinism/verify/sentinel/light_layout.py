@@ -12,8 +12,8 @@ light tier digests only :meth:`SavedLayout.targets`:
   compared saved tensors. Its window of elements moves on once per turn, so that every window of every tensor comes
   round in turn.
 
-A call that took another code path than its layout's (another number of saved tensors, or its output from another
-op) is still compared where its targets fell, and the region's layout is learned again at its next call.
+A call that took another code path than its layout's (another number of saved tensors or autograd nodes, or its output
+from another op) is still compared where its targets fell, and the region's layout is learned again at its next call.
 """
 
 from dataclasses import dataclass
