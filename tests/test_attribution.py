@@ -30,6 +30,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_module
 from lightning_ckpt_determinism.verify.attribution import Attribution, observer
 from lightning_ckpt_determinism.verify.attribution.observer import CallRecord
 from tests.helpers import (
+    DIM,
     AllToAllBlock,
     BatchNormBlock,
     CounterScaleBlock,
@@ -156,6 +157,30 @@ def test_python_random_is_host_rng_too():
     region = only_finding(report)
     assert (region.name, region.cause) == ("blocks.1", "host_rng")
     _, replayed = attributed(PythonRandomBlock, preserve_host_rng=True)
+    assert_clean(replayed)
+
+
+class RandomLayerBlock(nn.Module):
+    """Runs one of two linear layers of the same shape, chosen with Python's ``random`` (a LayerDrop): recomputation
+    may run the other one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.layers[random.randrange(2)](x))
+
+
+def test_a_layer_chosen_with_python_random_is_host_rng_not_a_parameter_write():
+    # The recomputation's `addmm` got the other layer's weight, whose values differ from the forward's: no parameter
+    # was written, so the cause is the host RNG, which the replay confirms.
+    random.seed(4)  # the forward and the recomputation draw different layers
+    _, report = attributed(RandomLayerBlock)
+    region = only_finding(report)
+    assert (region.name, region.cause, region.first_divergent_op) == ("blocks.1", "host_rng", ("aten.addmm.default", 1))
+    random.seed(4)
+    _, replayed = attributed(RandomLayerBlock, preserve_host_rng=True)
     assert_clean(replayed)
 
 

@@ -99,6 +99,8 @@ class _Op:
     data_dependent: bool = False
     buffer_inputs: tuple[int, ...] = ()
     parameter_inputs: tuple[int, ...] = ()
+    # The name of the parameter at each of `parameter_inputs`.
+    parameter_names: tuple[str, ...] = ()
 
 
 @dataclass
@@ -192,6 +194,7 @@ class CallRecord:
         )
         views = _returns_views(func, len(outputs))
         workspaces = OPAQUE_WORKSPACES.get(str(func.overloadpacket), ())
+        parameter_inputs = self._positions(args, kwargs, self.parameter_storages.keys())
         self.ops.append(
             _Op(
                 func=func,
@@ -203,8 +206,19 @@ class CallRecord:
                 metadata=[_metadata(value) for value in outputs],
                 data_dependent=is_data_dependent(func, args),
                 buffer_inputs=self._positions(args, kwargs, self.buffer_storages),
-                parameter_inputs=self._positions(args, kwargs, self.parameter_storages.keys()),
+                parameter_inputs=parameter_inputs,
+                parameter_names=self._parameters_at(args, kwargs, parameter_inputs),
             )
+        )
+
+    def _parameters_at(self, args: Any, kwargs: Any, positions: Sequence[int]) -> tuple[str, ...]:
+        """The name of the region's parameter at each of ``positions`` among an op's arguments (``""`` where none)."""
+        leaves = _flatten([args, kwargs])
+        return tuple(
+            self.parameter_storages.get(storage_pointer(leaves[position]), "")
+            if position < len(leaves) and isinstance(leaves[position], torch.Tensor)
+            else ""
+            for position in positions
         )
 
     def _positions(self, args: Any, kwargs: Any, storages: Collection[int | None]) -> tuple[int, ...]:
@@ -216,7 +230,7 @@ class CallRecord:
             if isinstance(leaf, torch.Tensor) and storage_pointer(leaf) in storages
         )
 
-    def compare(self, func: OpOverload, inputs: list[Any] | None, out: Any) -> None:
+    def compare(self, func: OpOverload, inputs: list[Any] | None, out: Any, args: Any = (), kwargs: Any = None) -> None:
         index = self.cursor
         self.cursor += 1
         if self.divergence is not None and self.divergence.kind == "structure":
@@ -241,6 +255,12 @@ class CallRecord:
                 kind = "values"
         same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
         changed = _changed_inputs(recorded, inputs) if kind is not None and inputs is not None else frozenset()
+        if changed and recorded.parameter_names:
+            # Another of the region's parameters where the forward had this one (a branch took another layer of the
+            # same shape): the op's inputs changed, but no parameter was written.
+            now = self._parameters_at(args, kwargs or {}, recorded.parameter_inputs)
+            names = zip(recorded.parameter_inputs, recorded.parameter_names, now, strict=True)
+            changed -= {position for position, before, after in names if before and after and before != after}
         recorded.outputs, recorded.inputs = [], []
         if kind is None:
             return
@@ -378,7 +398,7 @@ class _CallMode(TorchDispatchMode):
         if call.abandoned is None:
             with disable_current_modes(), call.contained(self.stage):
                 if self.comparing:
-                    call.compare(func, inputs, out)
+                    call.compare(func, inputs, out, args, kwargs)
                 else:
                     call.record(func, inputs or [], args, kwargs, out)
                 call.note_writes(before, recomputing=self.comparing)
