@@ -90,6 +90,22 @@ class RReLUOrder(nn.Module):
         return torch.tanh(self.act(h)) if self.rrelu_first else self.act(torch.tanh(h))
 
 
+class RReLUOrLogSigmoid(nn.Module):
+    """Runs ``x + rrelu(linear(x))`` or ``x + logsigmoid(other_linear(x))`` as its flag says (a LayerDrop between two
+    like-shaped layers): both paths save as many tensors, make as many autograd nodes and end in the same op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.rrelu = nn.Linear(WIDTH, WIDTH), nn.RReLU()
+        self.second, self.logsigmoid = nn.Linear(WIDTH, WIDTH), nn.LogSigmoid()
+        self.rrelu_first = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rrelu_first:
+            return x + self.rrelu(self.first(x))
+        return x + self.logsigmoid(self.second(x))
+
+
 class LaterLSTM(nn.Module):
     """A linear layer at its first call, an LSTM from the second on."""
 
@@ -209,6 +225,18 @@ def test_two_paths_saving_as_many_tensors_each_keep_their_own_filled_late_positi
     assert_exact(result)
     profiles = result.checkpointed.body.forward._profiles.values()
     assert sorted(sorted(profile.filled_late) for profile in profiles) == [[1], [2]]
+
+
+def test_an_rrelu_path_that_looks_like_one_learned_without_it_still_trains_exactly() -> None:
+    # The three counts cannot tell these paths apart; the RReLU in training mode makes every call recompute to its
+    # end. (The sentinel, which digests on the learned path's positions, may still see the RReLU path's noise before
+    # it is filled: docs/how-a-check-works.md says so.)
+    result = deterministic_twins(lambda: Head(RReLUOrLogSigmoid()), "light", rrelu_first_from(2))
+    assert result.equal_steps == [True] * STEPS
+    assert same_state(result.plain, result.checkpointed)
+    for report in result.checks:
+        assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None), report
+    assert len(result.checkpointed.body.forward._profiles) == 1  # one path, as far as the counts tell
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -282,6 +282,8 @@ class CheckpointedForward:
         self.profile: RegionProfile | None = None
         # The region's modules, whose modes and attributes key its profiles.
         self._modules = tuple(module.modules())
+        # Where its `nn.RReLU` modules are among them: one in training mode fills its noise after saving it.
+        self._rrelu = tuple(at for at, sub in enumerate(self._modules) if isinstance(sub, nn.RReLU))
         # Profiles by key and path, and each key's path at its last call (expected next).
         self._profiles: dict[tuple[_CallKey, _Path], RegionProfile] = {}
         self._paths: dict[_CallKey, _Path] = {}
@@ -394,7 +396,7 @@ class CheckpointedForward:
     def _path_taken(self, key: _CallKey, path: _Path, learned: RegionProfile | None) -> bool:
         """A forward of ``key`` took ``path`` (and a probe ``learned`` its profile): the profile of that path becomes
         the region's :attr:`profile` (``None`` for a path no profile knows); whether its recomputation must run to its
-        end (a saved tensor filled late, or a path not known)."""
+        end (a saved tensor filled late, a path not known, or an ``nn.RReLU`` in training mode)."""
         if learned is not None:
             self._replay_buffers(learned.buffers)
             self._profiles.pop((key, path), None)
@@ -409,7 +411,11 @@ class CheckpointedForward:
             )
         self._paths[key] = path
         self.profile = self._profiles.get((key, path))
-        return self.profile is None or bool(self.profile.filled_late)
+        if self.profile is None or self.profile.filled_late:
+            return True
+        # A region holding an `nn.RReLU` in training mode recomputes to its end whatever its profile says: a path that
+        # runs it may look like one learned without it (a LayerDrop choosing between like-shaped layers).
+        return any(key[0][at] for at in self._rrelu)
 
     def _replay_buffers(self, names: frozenset[str]) -> None:
         """Every profile, and the call under way, replays ``names`` too: what the region replays only grows."""
