@@ -194,7 +194,8 @@ class CallRecord:
         )
         views = _returns_views(func, len(outputs))
         workspaces = OPAQUE_WORKSPACES.get(str(func.overloadpacket), ())
-        parameter_inputs = self._positions(args, kwargs, self.parameter_storages.keys())
+        leaves = _flatten([args, kwargs])
+        parameter_inputs = self._positions(leaves, self.parameter_storages.keys())
         self.ops.append(
             _Op(
                 func=func,
@@ -205,15 +206,15 @@ class CallRecord:
                 ],
                 metadata=[_metadata(value) for value in outputs],
                 data_dependent=is_data_dependent(func, args),
-                buffer_inputs=self._positions(args, kwargs, self.buffer_storages),
+                buffer_inputs=self._positions(leaves, self.buffer_storages),
                 parameter_inputs=parameter_inputs,
-                parameter_names=self._parameters_at(args, kwargs, parameter_inputs),
+                parameter_names=self._parameters_at(leaves, parameter_inputs),
             )
         )
 
-    def _parameters_at(self, args: Any, kwargs: Any, positions: Sequence[int]) -> tuple[str, ...]:
-        """The name of the region's parameter at each of ``positions`` among an op's arguments (``""`` where none)."""
-        leaves = _flatten([args, kwargs])
+    def _parameters_at(self, leaves: Sequence[Any], positions: Sequence[int]) -> tuple[str, ...]:
+        """The name of the region's parameter at each of ``positions`` among an op's arguments (``leaves``, as
+        :meth:`signature` lists them; ``""`` where none)."""
         return tuple(
             self.parameter_storages.get(storage_pointer(leaves[position]), "")
             if position < len(leaves) and isinstance(leaves[position], torch.Tensor)
@@ -221,12 +222,13 @@ class CallRecord:
             for position in positions
         )
 
-    def _positions(self, args: Any, kwargs: Any, storages: Collection[int | None]) -> tuple[int, ...]:
+    @staticmethod
+    def _positions(leaves: Sequence[Any], storages: Collection[int | None]) -> tuple[int, ...]:
         """Where tensors on ``storages`` (the region's buffers or parameters, or views of them) are among an op's
-        arguments, as :meth:`signature` lists them."""
+        arguments (``leaves``, as :meth:`signature` lists them)."""
         return tuple(
             position
-            for position, leaf in enumerate(_flatten([args, kwargs]))
+            for position, leaf in enumerate(leaves)
             if isinstance(leaf, torch.Tensor) and storage_pointer(leaf) in storages
         )
 
@@ -258,7 +260,7 @@ class CallRecord:
         if changed and recorded.parameter_names:
             # Another of the region's parameters where the forward had this one (a branch took another layer of the
             # same shape): the op's inputs changed, but no parameter was written.
-            now = self._parameters_at(args, kwargs or {}, recorded.parameter_inputs)
+            now = self._parameters_at(_flatten([args, kwargs or {}]), recorded.parameter_inputs)
             names = zip(recorded.parameter_inputs, recorded.parameter_names, now, strict=True)
             changed -= {position for position, before, after in names if before and after and before != after}
         recorded.outputs, recorded.inputs = [], []
