@@ -407,11 +407,11 @@ def test_a_tensor_attribute_a_forward_rebinds_keeps_the_forwards_value_and_the_o
         def __init__(self) -> None:
             super().__init__()
             self.inp = nn.Linear(WIDTH, WIDTH)
-            self.last = torch.zeros(())
+            self.last = torch.zeros(4, 6, WIDTH)  # an activation's size: its memory is not kept alive
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.inp(x)
-            self.last = h.detach().sum()
+            self.last = h.detach().clone()
             return torch.tanh(h)
 
     torch.manual_seed(0)
@@ -424,6 +424,45 @@ def test_a_tensor_attribute_a_forward_rebinds_keeps_the_forwards_value_and_the_o
     out.backward()
     # The recomputation rebound it too; the forward's value is put back after it, as without checkpointing.
     assert model.body.last is forward_value
+
+
+class CachedLength(nn.Module):
+    """Grows a scale buffer when a longer sequence comes (its length then kept as a 0-dim tensor, as transformers'
+    dynamic RoPE keeps it) and resets both for a short one: what the forward does depends on the length held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.limit: int | torch.Tensor = 4
+        self.register_buffer("scale", torch.ones(WIDTH), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = torch.tensor(x.shape[1])
+        if length > self.limit:
+            self.register_buffer("scale", torch.full((WIDTH,), 0.5), persistent=False)
+            self.limit = length
+        elif length < 4 < self.limit:
+            self.register_buffer("scale", torch.ones(WIDTH), persistent=False)
+            self.limit = 4
+        return torch.tanh(self.inp(x) * self.scale)
+
+
+@pytest.mark.parametrize("protect_buffers", [True, False])
+def test_a_length_kept_as_a_small_tensor_is_replayed_with_the_buffer_it_decides(protect_buffers: bool) -> None:
+    torch.manual_seed(0)
+    plain = Head(CachedLength())
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"], protect_buffers=protect_buffers))
+    grown = model.body.limit
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        for length in (6, 3, 6, 3):  # grown by an eval-free long step, then reset by a short one
+            x = tokens(length)[:, :length]
+            grads = [torch.autograd.grad(loss_of(twin, x), list(twin.parameters())) for twin in (plain, model)]
+            assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+            assert sentinel.settle()["body"].mismatches == 0
+            sentinel.next_step()
+    assert grown == 4 and model.body.limit == plain.body.limit == 4
+    assert torch.equal(model.body.scale, plain.body.scale)
 
 
 class LateCount(nn.Module):

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
@@ -211,3 +212,43 @@ def test_a_lightning_fit_logs_no_divergence_and_leaves_the_cache_as_it_was(
     )
     assert module.model.config.use_cache is True
     assert checkpointed_modules(module) == {}
+
+
+class RotaryAttention(nn.Module):
+    """An attention block holding transformers' own rotary embedding, as models that keep it per layer do."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        cos, sin = self.rotary(x, torch.arange(length).expand(batch, length))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_a_dynamic_rotary_embedding_reset_by_a_short_step_after_a_long_eval_call_keeps_exact_gradients() -> None:
+    config = LlamaConfig(
+        hidden_size=16,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    torch.manual_seed(0)
+    plain = nn.Sequential(RotaryAttention(config))
+    model = nn.Sequential(RotaryAttention(config))
+    model.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    inputs = torch.randn(2, 20, 16, generator=torch.Generator().manual_seed(1))
+    for twin in (plain, model):
+        with torch.no_grad():
+            twin.eval()(inputs)  # longer than max_position_embeddings: the frequencies grow
+        twin.train()
+    x = inputs[:, :6]  # shorter: the forward resets them
+    grads = [torch.autograd.grad(twin(x).pow(2).mean(), list(twin.parameters())) for twin in (plain, model)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    report = check_recomputation(model, lambda: model(x).pow(2).mean(), attribution=True)
+    assert (report.grad_divergence, [region.cause for region in report.regions]) == (0.0, [None])

@@ -278,9 +278,11 @@ class AttributeReplay:
     what a forward changes is known at that very call, not from a call before (a counter, an attribute created
     lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the attributes the
     forward created or deleted, and those whose value it started from is immutable
-    (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`) or a generator. The value a tensor or a
-    container started from is not held until the recomputation (that would keep its memory alive): recomputation
-    starts from the forward's value, and the forward's value is put back after it.
+    (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`), a generator, or a tensor whose storage
+    holds at most 256 bytes (a length or a count kept as a tensor, which decides what the forward does as a number
+    would). The value a larger tensor or a container started from is not held until the recomputation (that would
+    keep its memory alive): recomputation starts from the forward's value, and the forward's value is put back after
+    it.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
@@ -362,6 +364,14 @@ class AttributeReplay:
                 self._attributes[index][name] = value
 
 
+# The largest storage, in bytes, of a tensor attribute whose starting value recomputation gets back: a length, a
+# step count or a flag kept as a tensor (transformers' dynamic RoPE keeps its cached length as one), which decides
+# what the forward does, as a number would.
+_HELD_BYTES = 256
+
+
 def _held(value: Any) -> bool:
     """Whether the value a forward started from is held for its recomputation (see :class:`AttributeReplay`)."""
-    return value is _MISSING or isinstance(value, (*SCALARS, torch.Generator))
+    if value is _MISSING or isinstance(value, (*SCALARS, torch.Generator)):
+        return True
+    return type(value) is torch.Tensor and value.untyped_storage().nbytes() <= _HELD_BYTES
