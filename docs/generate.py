@@ -53,6 +53,11 @@ def causes_page() -> str:
         "under `CheckpointingCLI` the warnings and the summary write them as the YAML does",
         "(`preserve_host_rng: true` under `trainer.strategy.init_args.checkpointing`), and the audit as its YAML and",
         "flags do (`--calibrate-noise`).",
+        "",
+        "A region counts as diverged when the check's gradients diverged too; a cause that changed the region's state",
+        "(`buffer_mutation`, `parameter_write`, `metric_update`, `attribute_mutation`) counts whatever the gradients.",
+        "A region whose recomputation differed while the gradients agree (a cache the forward built, found built by",
+        "the recomputation, which then runs fewer ops) keeps its cause with the verdict `noise`, and no warning.",
     ]
     for cause, hint in CAUSE_HINTS.items():
         sections += [

@@ -29,6 +29,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.verify.attribution import Attribution, observer
 from lightning_ckpt_determinism.verify.attribution.observer import CallRecord
+from lightning_ckpt_determinism.verify.outcome import region_outcome, report_diverged
 from tests.helpers import (
     DIM,
     AllToAllBlock,
@@ -620,6 +621,49 @@ def test_a_side_effect_recomputation_repeats_is_an_attribute_mutation_with_exact
         model, lambda: F.mse_loss(model(x), y), attribution=True, exclude_attributes=["history"]
     )
     assert_clean(excluded)
+
+
+def cosines(rows: int) -> torch.Tensor:
+    return torch.arange(float(rows))[:, None].expand(rows, DIM).cos().contiguous()
+
+
+class CachedTableBlock(PlainBlock):
+    """Keeps a table of cosines as a plain attribute, a row per input row, grown when a larger batch comes (a tensor
+    larger than a replayed one): the forward grows it, the recomputation finds it grown and runs fewer ops, with the
+    same values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = cosines(10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table.shape[0] < x.shape[0]:
+            self.table = cosines(x.shape[0])
+        return x + torch.tanh(self.linear(x) * self.table[: x.shape[0]])
+
+
+def test_a_recomputation_that_runs_other_ops_with_exact_gradients_has_a_cause_but_no_divergence():
+    torch.manual_seed(0)
+    plain = stack_with(CachedTableBlock, position=1)
+    model, report = attributed(lambda: CachedTableBlock(), position=1)
+    model.load_state_dict(plain.state_dict())
+    x, y = batch()
+    for twin in (plain, model):
+        twin.blocks[1].table = cosines(10)
+        twin.zero_grad()
+        F.mse_loss(twin(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    region = only_finding(report)
+    # The recomputation skipped the table's ops: a cause of its own, found, but not a divergence of the gradients.
+    assert (report.grad_divergence, report.diverged, region.cause, region.diverged) == (
+        0.0,
+        False,
+        "python_state",
+        False,
+    )
+    assert region.first_divergent_op is not None and region.first_divergent_op == ("aten.arange.default", 0)
+    assert not report_diverged(report)
+    assert region_outcome(region).verdict == "noise"
 
 
 class CounterOnlyBlock(PlainBlock):

@@ -168,9 +168,11 @@ class RegionReport:
             shape or the sequence of ops changed).
         first_divergent_op: The first op that differed, as ``(aten name, position among the region's ops from
             0)``; ``None`` when none did.
-        diverged: Whether the difference counts against the verdict: always when ``cause`` is set, except that a
-            ``"nondeterministic_kernel"`` only counts when the gradients diverge beyond the tolerance and the
-            noise floor.
+        diverged: Whether the difference counts against the verdict: when ``cause`` is set and the gradients
+            diverged beyond the tolerance and the noise floor, or whatever the gradients for a cause that changed the
+            region's state (``buffer_mutation``, ``parameter_write``, ``metric_update``, ``attribute_mutation``). A
+            recomputation that ran other ops but gave the gradients of the pass without it (a cache rebuilt in the
+            forward and found built in the recomputation) has its cause and ``diverged`` false.
         cause: A :class:`~lightning_ckpt_determinism.verify.cause.Cause` when recomputation did not reproduce the
             forward; ``None`` when it reproduced every compared value and buffer exactly.
         hint: What to change, for people: :data:`CAUSE_HINTS` of ``cause`` followed by what was found (the

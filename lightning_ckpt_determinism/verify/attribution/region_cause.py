@@ -137,7 +137,9 @@ def region_reports(
         names: The checkpointed regions.
         calls: The evidence of every observed call of the pass.
         mutated: The buffers recomputation changed, by region.
-        gradients_diverged: Whether the check's gradients diverged (a ``nondeterministic_kernel`` counts only then).
+        gradients_diverged: Whether the check's gradients diverged: a cause of values (an op that differed, a
+            recomputation that failed) counts only then; a cause that changed state (buffers, parameters,
+            metrics) counts whatever the gradients.
         host_rng_explained: The regions whose difference the host-RNG replay made go away.
 
     Example::
@@ -187,7 +189,7 @@ def _region_report(
         ops_compared=sum(call.compared for call in calls),
         max_abs_diff=max_abs_diff,
         first_divergent_op=first_op,
-        diverged=cause is not None and (cause != Cause.NONDETERMINISTIC_KERNEL or gradients_diverged),
+        diverged=cause is not None and (gradients_diverged or cause.state_change is not None),
         cause=cause,
         hint=hint,
         buffer_mutations=buffers,
