@@ -609,6 +609,23 @@ class HeldNoiseModule(StackModule):
         return super().training_step(((x - self.running_mean) * (1 + 0.1 * noise) * scale, y), batch_idx)
 
 
+class OwnBackwardModule(StackModule):
+    """Overrides ``backward`` (the loss doubled, as a loss scale of the user's would) and counts its calls and those of
+    its ``on_before_backward`` hook."""
+
+    def __init__(self, block: str = "DropoutBlock") -> None:
+        super().__init__(block=block)
+        self.backward_calls = 0
+        self.hooks_seen = 0
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.hooks_seen += 1
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.backward_calls += 1
+        (loss * 2.0).backward(*args, **kwargs)
+
+
 class BatchOnlyModule(StackModule):
     """``training_step(self, batch)`` without ``batch_idx``, which Lightning allows."""
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.plugins import MixedPrecision, Precision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn import functional as F
 
@@ -34,6 +34,7 @@ from tests.helpers import (
     MaskingModule,
     MomentumTeacherModule,
     NumpyNoiseBlock,
+    OwnBackwardModule,
     PlainMetricsModule,
     ReentrantHeadModule,
     SkipsOnItsSecondCallModule,
@@ -158,6 +159,24 @@ def read_training_metrics(log_dir: Path) -> list[dict[str, str]]:
     ]
 
 
+class StaticLossScale(Precision):
+    """Scales the loss by 8 in ``pre_backward`` and the gradients back before each optimizer step."""
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        return super().pre_backward(tensor * 8.0, module)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):  # type: ignore[no-untyped-def,override]
+        def unscaled() -> object:
+            loss = closure()
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if parameter.grad is not None:
+                        parameter.grad.div_(8.0)
+            return loss
+
+        return optimizer.step(unscaled, **kwargs)
+
+
 # Each makes the Trainer arguments of one way to train (plugins hold state, so every run gets new ones).
 TRAINING_SETUPS: dict[str, Callable[[], dict]] = {
     "plain": dict,
@@ -166,6 +185,7 @@ TRAINING_SETUPS: dict[str, Callable[[], dict]] = {
     "bf16_mixed": lambda: {"precision": "bf16-mixed"},
     # On CPU `precision="16-mixed"` becomes bf16: the plugin gives fp16 autocast with a GradScaler.
     "fp16_grad_scaler": lambda: {"plugins": [MixedPrecision("16-mixed", "cpu")]},
+    "static_loss_scale": lambda: {"plugins": [StaticLossScale()]},
 }
 
 
@@ -373,6 +393,7 @@ PATTERNS = {
     "training_step_without_batch_idx": BatchOnlyModule,
     "reentrant_checkpoint_elsewhere": ReentrantHeadModule,
     "generators_and_a_tensor_attribute": HeldNoiseModule,
+    "own_backward": OwnBackwardModule,
 }
 
 
@@ -387,7 +408,8 @@ def test_training_code_patterns_train_bit_identically_and_log_zero(tmp_path, pat
     plain, monitored = modules
     for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
         assert torch.equal(expected, actual), key
-    assert vars(plain).get("steps_seen") == vars(monitored).get("steps_seen")
+    for counter in ("steps_seen", "backward_calls", "hooks_seen"):
+        assert vars(plain).get(counter) == vars(monitored).get(counter), counter
     if pattern == "collected_outputs":
         assert len(monitored.collected) == len(plain.collected) == 4
         assert all(torch.equal(a, b) for a, b in zip(plain.collected, monitored.collected, strict=True))
@@ -626,3 +648,40 @@ def test_a_reference_that_returns_no_loss_is_an_error_finding(tmp_path):
     assert monitor.last_report.error is not None
     assert "the reference pass's `training_step` returned None" in monitor.last_report.error
     assert monitor.history[0].diverged and monitor.history[0].grad_divergence == math.inf
+
+
+class PartialFreeze(pl.Callback):
+    """Zeroes the gradient of the first block's first rows after each backward, as a partial freeze does."""
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.model.blocks[0].linear.weight.grad[:2].zero_()
+
+
+def test_a_callback_that_changes_gradients_before_the_monitor_is_named_with_the_order_that_fixes_it(tmp_path):
+    histories = {}
+    for order in ("freeze_first", "monitor_first"):
+        monitor = RecomputationMonitor(every_n_steps=1)
+        callbacks = [PartialFreeze(), monitor] if order == "freeze_first" else [monitor, PartialFreeze()]
+        kwargs = trainer_kwargs(
+            tmp_path / order,
+            callbacks=callbacks,
+            strategy=SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"])),
+        )
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(**kwargs)
+        if order == "freeze_first":
+            with (
+                pytest.warns(
+                    LightningCkptDeterminismWarning,
+                    match=r"`PartialFreeze` run `on_after_backward` before `RecomputationMonitor`.* List"
+                    r" `RecomputationMonitor` before them in `callbacks`\.",
+                ),
+                pytest.warns(LightningCkptDeterminismWarning, match="recomputation diverged"),
+            ):
+                trainer.fit(StackModule(block="PlainBlock"))
+        else:
+            trainer.fit(StackModule(block="PlainBlock"))
+        histories[order] = [entry.grad_divergence for entry in monitor.history]
+    # Listed first, the freeze's zeros read as a divergence; listed after the monitor, the checks are exact.
+    assert all(divergence > 0 for divergence in histories["freeze_first"])
+    assert histories["monitor_first"] == [0.0] * 4

@@ -30,7 +30,7 @@ from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.lightning.reference import free_memory, reference_subset
 from lightning_ckpt_determinism.lightning.results import CheckResults
 from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
-from lightning_ckpt_determinism.lightning.step import StepCapture, lightning_internals
+from lightning_ckpt_determinism.lightning.step import StepCapture, after_backward_before, lightning_internals
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelMetrics, SentinelWatch
 from lightning_ckpt_determinism.verify.cause import Syntax
@@ -271,6 +271,14 @@ class RecomputationMonitor(Callback):
                 f" {type(trainer.strategy).__name__}: {unchecked}. Its sentinel still compares each step's"
                 " recomputation. To check gradients too, check the same model on one device, under DDP or under FSDP2"
                 " (`ModelParallelCheckpointingStrategy`).",
+                category=LightningCkptDeterminismWarning,
+            )
+        earlier = after_backward_before(trainer.callbacks, self)  # type: ignore[attr-defined]
+        if earlier and not self._checks_off:
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: {', '.join(f'`{name}`' for name in earlier)} run `on_after_backward`"
+                " before `RecomputationMonitor`, which checks gradients there: a change they make to the gradients"
+                " would read as a divergence. List `RecomputationMonitor` before them in `callbacks`.",
                 category=LightningCkptDeterminismWarning,
             )
         if not trainer.loggers:

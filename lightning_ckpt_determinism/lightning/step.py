@@ -17,6 +17,7 @@ from lightning_ckpt_determinism.verify.state import StepState
 __all__ = [
     "SkippedStep",
     "StepCapture",
+    "after_backward_before",
     "lightning_internals",
     "live_reference",
     "logging_suppressed",
@@ -38,6 +39,27 @@ def lightning_internals() -> frozenset[str]:
 
 class SkippedStep(Exception):
     """The training step returned ``None``: Lightning skips the batch, so the check does too."""
+
+
+def after_backward_before(callbacks: list[pl.Callback], callback: pl.Callback) -> list[str]:
+    """The class names of the callbacks listed before ``callback`` that override ``on_after_backward``: Lightning runs
+    them first, so a check made in ``callback``'s ``on_after_backward`` would compare the gradients they leave.
+
+    Example::
+
+        >>> class Clip(pl.Callback):
+        ...     def on_after_backward(self, trainer, pl_module):
+        ...         pass
+        >>> mine = pl.Callback()
+        >>> after_backward_before([Clip(), pl.Callback(), mine, Clip()], mine)
+        ['Clip']
+    """
+    earlier = callbacks[: callbacks.index(callback)] if callback in callbacks else []
+    return [
+        type(other).__name__
+        for other in earlier
+        if getattr(type(other), "on_after_backward", None) is not pl.Callback.on_after_backward
+    ]
 
 
 def training_step_arguments(pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> tuple[Any, ...]:
@@ -78,6 +100,25 @@ def logging_suppressed(pl_module: "pl.LightningModule") -> Iterator[None]:
                 setattr(pl_module, name, own[name])
             else:
                 delattr(pl_module, name)
+
+
+@contextlib.contextmanager
+def _before_backward_hooks_off(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Iterator[None]:
+    """Make the callbacks' and the module's ``on_before_backward`` do nothing: the precision plugin's
+    ``pre_backward`` calls them, and they ran for the live loss already."""
+    # `Trainer.callbacks` is set by Lightning's callback connector, not declared on the class.
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    own = pl_module.__dict__.get("on_before_backward")
+    trainer.callbacks = []  # type: ignore[attr-defined]
+    pl_module.on_before_backward = _ignore  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        trainer.callbacks = callbacks  # type: ignore[attr-defined]
+        if own is None:
+            del pl_module.on_before_backward
+        else:
+            pl_module.on_before_backward = own  # type: ignore[method-assign]
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
@@ -203,9 +244,10 @@ def live_reference(
     The forward goes through the strategy's own wrapper (``strategy.training_step``: DDP, FSDP), with the captured
     arguments and logging suppressed; with ``loss_fn`` (manual optimization) it calls ``loss_fn`` on the module. The
     loss is divided by ``accumulate_grad_batches`` under automatic optimization, prepared by the strategy for
-    backward (DDP's ``prepare_for_backward`` under manual optimization), scaled by the precision plugin's GradScaler
-    when there is one, and backpropagated with a plain ``backward()``: ``strategy.backward`` would run the
-    ``on_before_backward``/``on_after_backward`` hooks again.
+    backward (DDP's ``prepare_for_backward`` under manual optimization), then handed to the precision plugin's
+    ``pre_backward`` (its GradScaler, or a scale of the user's) and ``backward`` (the module's ``backward``, which a
+    user may override), as ``strategy.backward`` does, without the ``on_before_backward``/``on_after_backward``
+    hooks: they ran for the live loss.
     """
     strategy = trainer.strategy
 
@@ -222,8 +264,11 @@ def live_reference(
             if pl_module.automatic_optimization:
                 loss = loss / trainer.accumulate_grad_batches
             strategy.pre_backward(loss)
-            scaler = getattr(strategy.precision_plugin, "scaler", None)
-            (loss if scaler is None else scaler.scale(loss)).backward()
+            precision = strategy.precision_plugin
+            with _before_backward_hooks_off(trainer, pl_module):
+                loss = precision.pre_backward(loss, pl_module)
+            optimizer = trainer.optimizers[0] if pl_module.automatic_optimization and trainer.optimizers else None
+            precision.backward(loss, pl_module, optimizer)
         return returned
 
     return run

@@ -243,10 +243,12 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             " function of the region's inputs only, or leave this module out of checkpointing."
         ),
         Cause.PYTHON_STATE: _hints(
-            "The forward reads Python state that changed before recomputation (a list or dict it appends to, another"
-            " object's field, a global; the region's own scalar attributes, such as counters and flags, are"
-            " replayed): compute it outside the checkpointed module and pass it in, or change it only outside"
-            " forward."
+            "The forward reads Python state that changed before recomputation (a list or dict it appends to, a"
+            " tensor attribute it changes in place, another object's field, a global; the region's own scalar"
+            " attributes, such as counters and flags, are replayed): compute it outside the checkpointed module and"
+            " pass it in, change it only outside forward, or register a tensor it changes as a buffer, which {}"
+            " replays.",
+            _checkpointing("protect_buffers"),
         ),
         Cause.PARAMETER_WRITE: _hints(
             "The region writes a parameter in place in forward (a decay or clamp under `no_grad`, an `nn.Embedding`"
@@ -259,8 +261,9 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
             " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
             " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
-            " state in module attributes, buffers or generators the check restores, or check with {} for kernels"
-            " that are not reproducible.",
+            " state in buffers, generators, or numbers and tensors held directly as module attributes, which the"
+            " check restores (a tensor inside a list or dict is not), or check with {} for kernels that are not"
+            " reproducible.",
             _CALIBRATE_NOISE,
         ),
         Cause.ATTRIBUTE_MUTATION: _hints(
