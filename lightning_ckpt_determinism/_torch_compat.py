@@ -82,6 +82,7 @@ __all__ = [
     "tree_map",
     "version_counter",
     "view_base",
+    "waited",
     "written_tensors",
 ]
 
@@ -91,6 +92,28 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 
 StopRecomputationError = _StopRecomputationError
 disable_current_modes = _disable_current_modes
+
+# A functional collective's result before its wait (tensor parallelism's all-reduce, `RowwiseParallel`): a wrapper
+# whose inner tensor holds the result only once waited for (>= 2.2; `trigger_wait` waits once, then hands it back).
+_AsyncCollectiveTensor: Any = None
+if torch.distributed.is_available():  # a build without torch.distributed has none
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor as _AsyncCollectiveTensor
+
+
+def waited(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or, for a functional collective's result not waited for yet, its values once the collective is
+    done (the wait the op that uses it would make, made first; it is made once).
+
+    Example::
+
+        >>> values = torch.ones(2)
+        >>> waited(values) is values
+        True
+    """
+    if _AsyncCollectiveTensor is not None and isinstance(tensor, _AsyncCollectiveTensor):
+        return tensor.trigger_wait()
+    return tensor
+
 
 # The functorch config the partitioner reads: `activation_memory_budget` (>= 2.4), `enable_autograd_cache` (>= 2.5).
 functorch_config: Any = torch._functorch.config

@@ -7,6 +7,7 @@ default, so that a hang fails the test instead of stalling it. Each rank writes 
 scenario, what the check or the monitor found.
 """
 
+import copy
 import json
 import sys
 import warnings
@@ -32,12 +33,15 @@ from lightning_ckpt_determinism import (
     RecomputationReport,
     apply_activation_checkpointing,
     check_recomputation,
+    recomputation_sentinel,
 )
 from tests.helpers import (
     DIM,
     ShardedStackModule,
+    SquaredMLPBlock,
     StackModule,
     TensorParallelStackModule,
+    TrailingAllReduceBlock,
     close_process_group,
     make_stack,
     parallelize_blocks,
@@ -110,6 +114,37 @@ def _with_defect(module: StackModule, defect: bool) -> StackModule:
     return module
 
 
+def path_of_one_rank() -> list[float]:
+    """Regions ending in an all-reduce after their last saved tensor take a path of their own on rank 1 at step 2:
+    the largest difference of their gradients from a plain twin's at each step."""
+    plain = make_stack(TrailingAllReduceBlock)
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["TrailingAllReduceBlock"]))
+    rank, differences = dist.get_rank(), []
+    for step in range(4):
+        for twin in (plain, model):
+            for block in twin.blocks:
+                block.detour = step == 2 and rank == 1
+        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
+        grads = [torch.autograd.grad(twin(x).square().sum(), list(twin.parameters())) for twin in (plain, model)]
+        differences.append(max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True)))
+    return differences
+
+
+def tensor_parallel_sentinel(mesh: Any) -> list[int]:
+    """The exact sentinel over regions that save an all-reduce's result under tensor parallelism, twenty steps: what
+    it compared and found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(SquaredMLPBlock() for _ in range(3)))
+    parallelize_blocks(model, mesh)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["SquaredMLPBlock"]))
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        for step in range(20):
+            model(torch.randn(16, DIM, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+    report = sentinel.report()
+    return [report.compared, report.mismatches]
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     results: dict[str, Any] = {}
@@ -142,6 +177,8 @@ def main(out_dir: Path) -> None:
         )
         module = _with_defect(TensorParallelStackModule(), defect)
         results[f"tp_fit_{name}"] = fit(module, tp, _monitor(defect), out_dir)
+    results["path_of_one_rank"] = path_of_one_rank()
+    results["tp_sentinel"] = tensor_parallel_sentinel(mesh)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 

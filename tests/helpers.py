@@ -199,6 +199,34 @@ class MLPBlock(NoiseOption):
         return x + self.down(self.noisy(torch.tanh(self.up(x))))
 
 
+class SquaredMLPBlock(MLPBlock):
+    """Squares its down projection: under tensor parallelism it saves the all-reduce's result (``RowwiseParallel``),
+    a collective's output not waited for yet when it is saved."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.down(torch.tanh(self.up(x)))
+        return x + hidden * hidden
+
+
+class TrailingAllReduceBlock(nn.Module):
+    """Ends in an all-reduce after the last tensor it saves (a synchronised statistic); ``detour`` adds a sine before
+    it, another code path."""
+
+    detour = False
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        hidden = self.linear(x)
+        if self.detour:
+            hidden = torch.sin(hidden)
+        return x + all_reduce(torch.tanh(hidden)) / torch.distributed.get_world_size()
+
+
 def parallelize_blocks(model: nn.Module, mesh: Any) -> None:
     """Shard every :class:`MLPBlock` of ``model`` over ``mesh`` with tensor parallelism (``parallelize_module``)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

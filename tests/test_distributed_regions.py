@@ -75,3 +75,17 @@ def test_the_monitor_under_tensor_parallelism_is_exact_and_names_the_defect(foun
     assert defect["history"] == rank1["tp_fit_numpy_noise"]["history"]
     assert all(diverged and divergence > 0.0 for _, divergence, diverged in defect["history"])
     assert defect["regions"] == [[REGIONS[0], None], [REGIONS[1], "host_rng"], [REGIONS[2], None]]
+
+
+def test_a_path_one_rank_takes_alone_keeps_its_collectives_in_step_and_its_gradients_exact(found):
+    # The regions end in an all-reduce after their last saved tensor; rank 1 alone takes a new path at step 2. Were
+    # that rank alone to recompute to the regions' end, it would run the all-reduce again, out of step with rank 0.
+    for rank in found:
+        assert rank["path_of_one_rank"] == [0.0] * 4
+
+
+def test_the_sentinel_reads_an_all_reduce_result_once_it_is_done(found):
+    # Tensor parallelism's all-reduce returns before its values are in; the regions save that result.
+    for rank in found:
+        compared, mismatches = rank["tp_sentinel"]
+        assert compared > 0 and mismatches == 0

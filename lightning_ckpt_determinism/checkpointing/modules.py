@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import OptimizedModule, own_buffers
+from lightning_ckpt_determinism._torch_compat import OptimizedModule, own_buffers, waited
 
 __all__ = [
     "SCALARS",
@@ -60,9 +60,10 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The tensors with storage of their own that hold ``tensor``'s values: the tensor itself, this rank's shard of a
-    DTensor, or the inner tensors of a wrapper subclass (``__tensor_flatten__``, torch's protocol for subclasses such
-    as quantized weights: in its order, flattened again where one is a subclass itself); ``None`` for a subclass
-    whose values are nowhere to be read (no storage and no ``__tensor_flatten__``).
+    DTensor, a functional collective's result once waited for, or the inner tensors of a wrapper subclass
+    (``__tensor_flatten__``, torch's protocol for subclasses such as quantized weights: in its order, flattened again
+    where one is a subclass itself); ``None`` for a subclass whose values are nowhere to be read (no storage and no
+    ``__tensor_flatten__``).
 
     A wrapper subclass has no storage of its own: an op run on it with Python dispatch off (as the package's own
     reads are) would read no memory, so the package reads its inner tensors instead.
@@ -78,7 +79,10 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """
     if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
         return (tensor,)
-    tensor = local_tensor(tensor)
+    # A collective's result not waited for yet (tensor parallelism's all-reduce) holds its values only once waited for.
+    tensor = waited(local_tensor(tensor))
+    if type(tensor) is torch.Tensor:
+        return (tensor,)
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None:
         return (tensor,) if _own_storage(tensor) is not None else None

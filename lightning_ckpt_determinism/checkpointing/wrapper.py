@@ -396,7 +396,7 @@ class CheckpointedForward:
     def _path_taken(self, key: _CallKey, path: _Path, learned: RegionProfile | None) -> bool:
         """A forward of ``key`` took ``path`` (and a probe ``learned`` its profile): the profile of that path becomes
         the region's :attr:`profile` (``None`` for a path no profile knows); whether its recomputation must run to its
-        end (a saved tensor filled late, a path not known, or an ``nn.RReLU`` in training mode)."""
+        end (a saved tensor filled late, a path not known on one process, or an ``nn.RReLU`` in training mode)."""
         if learned is not None:
             self._replay_buffers(learned.buffers)
             self._profiles.pop((key, path), None)
@@ -411,7 +411,14 @@ class CheckpointedForward:
             )
         self._paths[key] = path
         self.profile = self._profiles.get((key, path))
-        if self.profile is None or self.profile.filled_late:
+        if self.profile is None:
+            # A path no profile knows may hold a tensor filled late, so it recomputes to its end; but not across
+            # ranks: one rank may take the path alone, and on that rank alone the recomputation would then run the
+            # collectives after the region's last saved tensor again (the others stop early), out of step with the
+            # others. There it stops as torch's checkpoint does (a module `nn.RReLU` still recomputes to its end).
+            if not _across_ranks():
+                return True
+        elif self.profile.filled_late:
             return True
         # A region holding an `nn.RReLU` in training mode recomputes to its end whatever its profile says: a path that
         # runs it may look like one learned without it (a LayerDrop choosing between like-shaped layers).
@@ -617,7 +624,8 @@ class _EagerCall:
         first: Whether this is the region's first eager call, which looks for checkpointing around and inside it.
         key: The call's key, by which the region keeps what it learns (``None``: the call neither learns nor
             checks its path, as for a region dynamo could not trace).
-        full: Whether its recomputations run to the region's end (a saved tensor filled late, or a path not known).
+        full: Whether its recomputations run to the region's end (a saved tensor filled late, a path not known on one
+            process, or an ``nn.RReLU`` in training mode).
         runs: How many times torch ran it: the forward, then each recomputation.
         observed: Whether a saved-tensor observer kept the forward's tensors (torch compares them after each
             recomputation).
@@ -707,6 +715,12 @@ def _output_node(out: Any) -> type | None:
             return None
     node = out.grad_fn
     return None if node is None else type(node)
+
+
+def _across_ranks() -> bool:
+    """Whether this process trains with others (a process group of more than one rank)."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def _mark_end() -> None:
