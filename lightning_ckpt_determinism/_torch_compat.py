@@ -94,7 +94,8 @@ StopRecomputationError = _StopRecomputationError
 disable_current_modes = _disable_current_modes
 
 # A functional collective's result before its wait (tensor parallelism's all-reduce, `RowwiseParallel`): a wrapper
-# whose inner tensor holds the result only once waited for (>= 2.2; `trigger_wait` waits once, then hands it back).
+# whose inner tensor holds the result only once waited for (`trigger_wait` waits once, then hands the inner tensor
+# back; checked on 2.13).
 _AsyncCollectiveTensor: Any = None
 if torch.distributed.is_available():  # a build without torch.distributed has none
     from torch.distributed._functional_collectives import AsyncCollectiveTensor as _AsyncCollectiveTensor
@@ -102,7 +103,8 @@ if torch.distributed.is_available():  # a build without torch.distributed has no
 
 def waited(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or, for a functional collective's result not waited for yet, its values once the collective is
-    done (the wait the op that uses it would make, made first; it is made once).
+    done (the wait the op that uses it would make, made first; it is made once). ``AsyncCollectiveTensor`` and its
+    ``trigger_wait``: checked on 2.13.
 
     Example::
 

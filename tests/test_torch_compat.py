@@ -185,6 +185,19 @@ def test_the_nodes_made_count_each_op_recorded_for_backward_and_nothing_else() -
     assert compat.autograd_nodes_made() - start == 0
 
 
+@pins("waited")
+def test_a_collective_result_not_waited_for_is_waited_for_once_and_read_as_its_inner_tensor() -> None:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    values = torch.arange(3.0)
+    pending = AsyncCollectiveTensor(values)
+    assert not pending.completed
+    done = compat.waited(pending)
+    assert type(done) is torch.Tensor and done.tolist() == [0.0, 1.0, 2.0]
+    assert pending.completed and compat.waited(pending) is values  # waited for once
+    assert compat.waited(values) is values
+
+
 @pins("checkpoint_saved_counter")
 def test_the_saved_counter_counts_each_tensor_a_checkpointed_forward_saves_and_nothing_outside() -> None:
     counts: list[tuple[int, int] | None] = []
