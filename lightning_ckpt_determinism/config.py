@@ -327,7 +327,10 @@ class CheckpointingConfig:
             all of them; ``2`` every second one, trading half the memory saving for half the recomputation.
         save_ops: Op-level selective checkpointing: ops whose outputs are kept instead of recomputed, as
             ``"aten.mm"`` (every overload) or ``"aten.mm.default"`` (one overload). Saving matmuls keeps the
-            expensive results and recomputes only the cheap pointwise ops, at the cost of their memory.
+            expensive results and recomputes only the cheap pointwise ops, at the cost of their memory. An op whose
+            output a later op writes in place cannot be kept (torch refuses it in backward: "Tensor cached during
+            selective activation checkpoint has been mutated"): an ``addmm`` before an in-place ReLU, or CPU
+            dropout's ``empty_like``, ``bernoulli_`` and ``div_``; the memory budget never keeps such an output.
         preserve_rng_state: Replay torch's CPU and accelerator RNG during recomputation (torch's own mechanism).
             Turning it off saves a little time and makes dropout masks differ between forward and recomputation.
         preserve_host_rng: Also capture Python's ``random`` and NumPy's global RNG at the original forward and

@@ -284,3 +284,22 @@ def test_save_ops_and_kept_routing_count_as_kept_when_checkpointed() -> None:
     costly = next(entry for entry in kept.candidates if entry.name == "blocks.1")
     # Three products of ROWS x DIM floats are kept besides the input.
     assert costly.checkpointed_bytes == by_name["blocks.1"].checkpointed_bytes + 3 * ROWS * DIM * 4
+
+
+def test_a_candidate_keeping_other_op_outputs_is_refused_by_planning_and_checkpointed_again_by_apply() -> None:
+    kept = CheckpointingConfig(**CONFIG, save_ops=["aten.addmm"])  # type: ignore[arg-type]
+    model = _mixed()
+    apply_activation_checkpointing(model, kept)
+    with pytest.raises(
+        CheckpointingConfigError,
+        match=r"`memory_budget`: `blocks.0`, .* checkpointed already, keeping other op outputs .* call"
+        r" `remove_activation_checkpointing\(model\)` first",
+    ):
+        _plan(model, 0.5)
+    assert all(module.forward.config == kept for module in checkpointed_modules(model).values())  # left as it was
+    fresh = _mixed()
+    plan = _plan(fresh, 0.5)
+    assert plan.apply(model) == plan.checkpointed
+    # A plan's modules keep what the plan measured: its config, not the one they were checkpointed with before.
+    assert list(checkpointed_modules(model)) == plan.checkpointed
+    assert all(module.forward.config == plan.config for module in checkpointed_modules(model).values())

@@ -1,6 +1,7 @@
 """Tests for `budget_granularity="op"`: the op plan equals a brute-force optimum over the test's own measurement of
 every op call, stays within its budget, never costs more as the budget grows, and trains bit-identically."""
 
+import copy
 import itertools
 import math
 import warnings
@@ -316,3 +317,43 @@ def test_the_bytes_a_step_under_the_plan_holds_equal_the_planned_bytes(fraction:
     apply_activation_checkpointing(every, CheckpointingConfig(**CONFIG))  # type: ignore[arg-type]
     least = sum(entry.checkpointed_bytes for entry in plan.candidates)
     assert _held_after_forward(model) - _held_after_forward(every) == plan.kept_bytes - least
+
+
+class InPlaceBlock(nn.Module):
+    """A linear layer whose output an in-place ReLU overwrites, and a dropout (on the CPU an ``empty_like`` that
+    ``bernoulli_`` fills): op outputs written in place later in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        self.act, self.drop = nn.ReLU(inplace=True), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.out(torch.sin(self.act(self.inp(x)))))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.8, 0.95, 0.98])
+def test_an_op_output_written_in_place_later_is_never_kept_and_the_plan_trains_exactly(fraction: float) -> None:
+    torch.manual_seed(0)
+    model = Stack([InPlaceBlock(), InPlaceBlock()], dim=DIM)
+    twin = copy.deepcopy(model)
+    config = CheckpointingConfig(classes=["InPlaceBlock"], memory_budget=fraction, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
+    plan.apply(model)
+    for name, calls in plan.saved_ops.items():
+        ops = [op for _, op in calls]
+        assert "aten.empty_like.default" not in ops, name
+        # The first `addmm` of a block is the one the in-place ReLU overwrites.
+        first_addmm = next(call for call in plan_op_calls(plan, name) if call.op == "aten.addmm.default")
+        assert first_addmm.index not in [index for index, _ in calls], name
+    for step in range(2):
+        for net in (model, twin):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            _closure(net)
+        for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad), name
+
+
+def plan_op_calls(plan: CheckpointingPlan, name: str) -> list[OpFigures]:
+    return next(figures.ops for figures in plan.candidates if figures.name == name)

@@ -37,7 +37,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import (
     keep_op_calls,
     remove_activation_checkpointing,
 )
-from lightning_ckpt_determinism.config import CheckpointingConfig, parse_memory_budget
+from lightning_ckpt_determinism.config import CheckpointingConfig, parse_memory_budget, resolve_ops
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 __all__ = [
@@ -93,7 +93,8 @@ class CheckpointingPlan:
     def apply(self, model: nn.Module) -> list[str]:
         """Checkpoint exactly :attr:`checkpointed` among the config's candidates of ``model``, with the config's other
         fields, each keeping the op calls :attr:`saved_ops` lists for it; candidates checkpointed before and not
-        planned are made plain again.
+        planned are made plain again, and planned ones checkpointed before keeping other op outputs are checkpointed
+        again with this config.
 
         Args:
             model: The model planned for (or a twin with the same module names).
@@ -111,7 +112,7 @@ class CheckpointingPlan:
         """
         candidates = select_modules(model, self.config)
         for name, module in candidates.items():
-            if name not in self.checkpointed and is_checkpointed(module):
+            if (name not in self.checkpointed and is_checkpointed(module)) or _other_config(module, self.config):
                 remove_activation_checkpointing(module)
         chosen = {name: module for name, module in candidates.items() if name in self.checkpointed}
         checkpoint_selected(model, chosen, self.config)
@@ -196,8 +197,8 @@ def plan_activation_checkpointing(
 
     Raises:
         CheckpointingConfigError: If ``config.memory_budget`` is ``None`` or ``"auto"`` (which reads the free memory
-            a training step leaves after its first optimizer step: give it to a checkpointing strategy), or the config
-            matches no module.
+            a training step leaves after its first optimizer step: give it to a checkpointing strategy), the config
+            matches no module, or a module it matches is checkpointed already keeping other op outputs.
 
     Example::
 
@@ -266,6 +267,14 @@ def measure_candidates(
         [('1', 32, ['aten.tanh.default'])]
     """
     candidates = select_modules(model, config)
+    other = [name for name, module in candidates.items() if _other_config(module, config)]
+    if other:
+        raise CheckpointingConfigError(
+            f"`memory_budget`: {', '.join(f'`{name}`' for name in other)} checkpointed already, keeping other op"
+            " outputs (`save_ops`, `keep_data_dependent`) than this config would: call"
+            " `remove_activation_checkpointing(model)` first, or plan with the `save_ops` and `keep_data_dependent`"
+            " they were checkpointed with."
+        )
     parameter = next((p for p in model.parameters() if p.is_floating_point()), torch.empty(0))
     rates = rates_for(config, parameter.device, parameter.dtype)
     added = {name: module for name, module in candidates.items() if not is_checkpointed(module)}
@@ -285,6 +294,17 @@ def measure_candidates(
         for module in added.values():
             remove_activation_checkpointing(module)
     return meter.figures()
+
+
+def _other_config(module: nn.Module, config: CheckpointingConfig) -> bool:
+    """Whether ``module`` is checkpointed keeping other op outputs than ``config`` keeps (other ``save_ops`` or
+    ``keep_data_dependent``), which the plan's figures would not be."""
+    if not is_checkpointed(module):
+        return False
+    own = module.__dict__["forward"].config
+    return own.keep_data_dependent != config.keep_data_dependent or set(resolve_ops(own.save_ops)) != set(
+        resolve_ops(config.save_ops)
+    )
 
 
 def check_budget_device(config: CheckpointingConfig, device: torch.device) -> None:

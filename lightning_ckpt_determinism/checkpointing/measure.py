@@ -35,7 +35,7 @@ step. Compiled regions are not seen: the compiler recomputes them itself and cal
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves
+from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves, written_tensors
 from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates, op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
@@ -289,8 +289,16 @@ class _OpCalls:
     def __init__(self, state: frozenset[int | None]) -> None:
         self.figures: list[OpFigures] = []
         self._state = state
+        # The storage of each output that may be kept, with its call: the latest op to allocate at an address.
+        self._owners: dict[int | None, int] = {}
 
     def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool, cost: int) -> None:
+        # An output written in place later in the forward cannot be kept: selective checkpointing refuses a kept
+        # tensor that changed after it was kept (CPU dropout fills `empty_like`'s output with `bernoulli_`; an
+        # in-place ReLU overwrites the `addmm` before it).
+        for written in _storages(written_tensors(func, args, kwargs)):
+            if (index := self._owners.pop(written, None)) is not None:
+                self.figures[index] = replace(self.figures[index], bytes=0)
         tensors = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
         fresh = _storages(tensors)
         # An output of its own: no alias in the op's schema (views, in-place and out= ops have one), and no storage
@@ -300,6 +308,11 @@ class _OpCalls:
         whole = len(fresh) == len({*map(_storage_of, tensors)})
         own = bool(tensors) and whole and not aliases and not shared
         size = sum(fresh.values()) if own and not kept else 0
+        for storage in fresh.keys() - shared:
+            if size:
+                self._owners[storage] = len(self.figures)
+            else:
+                self._owners.pop(storage, None)
         self.figures.append(OpFigures(len(self.figures), str(func), size, cost, op_flops(func, args, kwargs, out)))
 
 
