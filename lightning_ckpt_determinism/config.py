@@ -408,8 +408,20 @@ class CheckpointingConfig:
         for name in ("classes", "names", "save_ops"):
             value = getattr(self, name)
             if isinstance(value, str) and not (name == "classes" and value == AUTO_CLASSES):
+                if name == "classes" and value.lower() != value and value.lower() == AUTO_CLASSES:
+                    raise CheckpointingConfigError(f"`classes` must be 'auto' or a list, got {value!r}; write 'auto'.")
+                if name == "classes" and difflib.get_close_matches(value, [AUTO_CLASSES], n=1, cutoff=0.75):
+                    raise CheckpointingConfigError(
+                        f"`classes` must be 'auto' or a list, got {value!r}: did you mean 'auto'? A class name goes"
+                        f" in a list: [{value!r}]."
+                    )
                 # `list("Block")` would silently select classes named "B", "l", ...
                 raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
+        if not isinstance(self.classes, str) and AUTO_CLASSES in self.classes:
+            raise CheckpointingConfigError(
+                f"`classes` holds {AUTO_CLASSES!r} in a list ({list(self.classes)!r}): 'auto' is a value of its own,"
+                " which chooses the layers itself; write `classes: auto` (`classes='auto'`), or list class names only."
+            )
         if self.classes != AUTO_CLASSES:
             object.__setattr__(self, "classes", _class_entries(self.classes))
         for name in ("names", "save_ops"):

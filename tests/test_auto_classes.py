@@ -71,6 +71,23 @@ def test_a_single_class_name_is_still_refused_and_auto_is_not_a_class_name() -> 
     assert CheckpointingConfig(classes="auto").classes == "auto"
 
 
+@pytest.mark.parametrize(
+    ("classes", "message"),
+    [
+        ("Auto", r"^`classes` must be 'auto' or a list, got 'Auto'; write 'auto'\.$"),
+        ("autp", r"^`classes` must be 'auto' or a list, got 'autp': did you mean 'auto'\? A class name goes in a list"),
+        (
+            ["auto"],
+            r"^`classes` holds 'auto' in a list \(\['auto'\]\): 'auto' is a value of its own.* write `classes: auto`",
+        ),
+        (["auto", "Linear"], r"^`classes` holds 'auto' in a list \(\['auto', 'Linear'\]\)"),
+    ],
+)
+def test_auto_misspelt_or_in_a_list_is_refused_saying_how_to_write_it(classes: object, message: str) -> None:
+    with pytest.raises(CheckpointingConfigError, match=message):
+        CheckpointingConfig(classes=classes)  # type: ignore[arg-type]
+
+
 def test_auto_from_yaml_names_its_choice_in_the_setup_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(

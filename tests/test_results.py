@@ -32,7 +32,7 @@ def test_skipped_checks_are_kept_and_counted_and_a_fit_starts_afresh() -> None:
     results.start_fit()
     assert results.summary.skipped == 0
     assert len(results.history) == 2
-    assert "ran 0 periodic checks this fit (the first step, then every 1 steps)" in results.text(None)
+    assert "ran 0 periodic checks this fit (the first step, then every step)" in results.text(None)
 
 
 def test_a_rate_limited_warning_is_said_not_shown_so_nothing_points_to_it() -> None:

@@ -558,6 +558,19 @@ def test_config_matching_nothing_lists_classes_and_names_and_wraps_nothing() -> 
     assert checkpointed_modules(model) == {}
 
 
+def test_a_container_named_is_refused_with_its_children_s_pattern_and_a_glob_takes_its_children() -> None:
+    model = make_stack(PlainBlock)
+    with pytest.raises(
+        ValueError,
+        match=r"`names` entry 'blocks' matches `blocks`, a ModuleList, which has no forward of its own and is never"
+        r" called: .* Select the modules it holds, as 'blocks\.\*'\.",
+    ):
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks"]))
+    assert checkpointed_modules(model) == {}
+    # A glob matching the container and its children selects the children, which run.
+    assert apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks*"])) == BLOCKS
+
+
 def test_no_match_message_samples_twelve_names_of_a_large_model() -> None:
     with pytest.raises(ValueError, match=r"its module names include \['inp', .*'blocks\.4\.linear', '\.\.\.'\]"):
         apply_activation_checkpointing(make_stack(PlainBlock, n=10), CheckpointingConfig(classes=["Block"]))

@@ -37,7 +37,8 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
 
     Raises:
         CheckpointingConfigError: If nothing matches (the message lists the module classes and a sample of module
-            names), or if ``every_n`` exceeds the number of matched modules.
+            names), if a ``names`` entry matches only containers without a forward (``ModuleList``), or if
+            ``every_n`` exceeds the number of matched modules.
 
     Example::
 
@@ -52,10 +53,12 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
     classes = tuple(resolve_class_path(path) for path in paths if "." in path)
     wrapped_names = [name for name, sub in named_modules(module) if is_checkpointed(sub)]
 
+    _refuse_containers(module, config)
+
     def matches(name: str, sub: nn.Module) -> bool:
         if is_checkpointed(sub):
             return True
-        if any(wrapped.startswith(name + ".") for wrapped in wrapped_names):
+        if not _callable(sub) or any(wrapped.startswith(name + ".") for wrapped in wrapped_names):
             return False
         if name in chosen or isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
             return True
@@ -77,6 +80,24 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
             f" {type(module).__name__} ({[name for name, _ in matched]}). Use an `every_n` of at most {len(matched)}."
         )
     return {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
+
+
+def _callable(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own: a container (``ModuleList``, ``ModuleDict``) is never called."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _refuse_containers(module: nn.Module, config: CheckpointingConfig) -> None:
+    """Refuse a ``names`` entry that matches only containers, which would checkpoint nothing."""
+    for pattern in config.names:
+        found = [(name, sub) for name, sub in named_modules(module) if name and fnmatch.fnmatchcase(name, pattern)]
+        if found and not any(_callable(sub) for _, sub in found):
+            name, sub = found[0]
+            raise CheckpointingConfigError(
+                f"`names` entry {pattern!r} matches `{name}`, a {type(sub).__name__}, which has no forward of its own"
+                f" and is never called: checkpointing it would checkpoint nothing. Select the modules it holds, as"
+                f" {name + '.*'!r}."
+            )
 
 
 def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfig) -> list[str]:

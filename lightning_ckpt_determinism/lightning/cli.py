@@ -43,7 +43,7 @@ from lightning_ckpt_determinism._library_compat import (
     package_message_in,
     rejected_value,
 )
-from lightning_ckpt_determinism.config import choice_message, class_path_meant, resolve_class_path
+from lightning_ckpt_determinism.config import AUTO_CLASSES, choice_message, class_path_meant, resolve_class_path
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
@@ -271,6 +271,8 @@ def _in_package_words(rejected: str) -> str:
     found = _KEY_AND_REASON.fullmatch(rejected)
     single = list_expected(found[2]) if found else None
     if found is not None and single is not None:
+        if found[1].endswith("classes") and difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
+            return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
         return f"`{found[1]}` must be a list, got {single}; write [{single}]."
     choice = literal_rejection(found[2]) if found else None
     if found is None or choice is None:

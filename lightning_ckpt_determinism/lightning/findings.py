@@ -261,7 +261,8 @@ class FitSummary:
         )
         parts = [
             f"lightning_ckpt_determinism: RecomputationMonitor ran {periodic} periodic check"
-            f"{'s' if periodic != 1 else ''} this fit (the first step, then every {every_n_steps} steps{skipped})"
+            f"{'s' if periodic != 1 else ''} this fit (the first step, then every"
+            f" {'step' if every_n_steps == 1 else f'{every_n_steps} steps'}{skipped})"
             f"{follow_ups}"
         ]
         if self.unchecked is not None:

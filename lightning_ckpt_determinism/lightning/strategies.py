@@ -235,11 +235,27 @@ class ActivationCheckpointingMixin(ModelSetupHook):
             if self.checkpointing.memory_budget is not None
             else ""
         )
-        rank_zero_info(
-            f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)} modules"
-            f" ({_summary(selected)}{chose}); every_n={self.checkpointing.every_n},"
-            f" save_ops={self.checkpointing.save_ops or 'none'}.{pending}"
+        unwatched = (
+            " Nothing checks its recomputation: add `RecomputationMonitor` to the Trainer's callbacks."
+            if not _monitored(root)
+            else ""
         )
+        rank_zero_info(
+            f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)}"
+            f" module{'s' if len(selected) != 1 else ''} ({_summary(selected)}{chose});"
+            f" every_n={self.checkpointing.every_n}, save_ops={self.checkpointing.save_ops or 'none'}.{pending}"
+            f"{unwatched}"
+        )
+
+
+def _monitored(root: nn.Module) -> bool:
+    """Whether the Trainer fitting ``root`` has a ``RecomputationMonitor`` (``True`` where no Trainer is attached)."""
+    from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
+
+    trainer = getattr(root, "_trainer", None)
+    if trainer is None:
+        return True
+    return any(isinstance(callback, RecomputationMonitor) for callback in trainer.callbacks)
 
 
 def _routing_line(regions: list[str]) -> str:
