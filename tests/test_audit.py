@@ -259,7 +259,12 @@ CHECKPOINTING = (
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         ("selects_nothing", r"error: `CheckpointingConfig` matches no module of BrokenModule"),
         ("bad_json_path", r"error: `--json` '.*no_dir/out\.json' cannot be written"),
-        ("zero_batches", r"argument --batches: must be an integer >= 1, got '0'"),
+        # One line, not argparse's usage block first.
+        (
+            "zero_batches",
+            r"^lightning-ckpt-determinism audit: error: argument --batches: must be an integer >= 1, got '0' \(see"
+            r" `lightning-ckpt-determinism audit --help`\)\n$",
+        ),
         # As `CheckpointingConfig(every_n=0)` says it, and `CheckpointingCLI`: with the field's key.
         (
             "every_n_zero",

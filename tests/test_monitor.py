@@ -685,3 +685,28 @@ def test_a_callback_that_changes_gradients_before_the_monitor_is_named_with_the_
     # Listed first, the freeze's zeros read as a divergence; listed after the monitor, the checks are exact.
     assert all(divergence > 0 for divergence in histories["freeze_first"])
     assert histories["monitor_first"] == [0.0] * 4
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes need Python 3.11")
+def test_a_fit_whose_recomputation_raises_says_under_the_error_what_names_the_region(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        fit(tmp_path, monitor=monitor, block="InPlaceReluBlock", max_steps=2)
+    assert raised.value.__notes__ == [
+        "lightning_ckpt_determinism: raised in backward, where the checkpointed regions are recomputed. If their"
+        " recomputation raised it, `python -m lightning_ckpt_determinism audit --config <the run's config>` names the"
+        " region, the cause and the fix."
+    ]
+
+
+class RaisesAtSecondStep(StackModule):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            raise ValueError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_error_outside_backward_gets_no_note(tmp_path):
+    with pytest.raises(ValueError, match="the user's own error") as raised:
+        fit(tmp_path, module=RaisesAtSecondStep(), monitor=RecomputationMonitor(every_n_steps=1), max_steps=3)
+    assert getattr(raised.value, "__notes__", []) == []

@@ -3,6 +3,7 @@
 import argparse
 import math
 from pathlib import Path
+from typing import NoReturn
 
 __all__ = ["EXIT_DIVERGED", "EXIT_OK", "EXIT_USAGE", "PROGRAM", "UsageError", "parser"]
 
@@ -16,6 +17,14 @@ class UsageError(Exception):
     """A problem with the command line or the configuration: reported in one line, exit code 2."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, saying a usage error in one line (with where to find the usage) rather than the usage
+    block and the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``lightning-ckpt-determinism`` parser, with its ``audit`` command.
 
@@ -25,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
         >>> args.config, args.batches, overrides
         ([PosixPath('run.yaml')], 1, ['--trainer.max_steps=3'])
     """
-    parser = argparse.ArgumentParser(prog=PROGRAM, description="Check that activation recomputation is exact.")
+    parser = _OneLineParser(prog=PROGRAM, description="Check that activation recomputation is exact.")
     commands = parser.add_subparsers(dest="command", required=True)
     audit = commands.add_parser(
         "audit",

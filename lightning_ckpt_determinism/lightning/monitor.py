@@ -30,7 +30,12 @@ from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.lightning.reference import free_memory, reference_subset
 from lightning_ckpt_determinism.lightning.results import CheckResults
 from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
-from lightning_ckpt_determinism.lightning.step import StepCapture, after_backward_before, lightning_internals
+from lightning_ckpt_determinism.lightning.step import (
+    StepCapture,
+    after_backward_before,
+    lightning_internals,
+    raised_in_backward,
+)
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelMetrics, SentinelWatch
 from lightning_ckpt_determinism.verify.cause import Syntax
@@ -403,6 +408,16 @@ class RecomputationMonitor(Callback):
         self._disarm()
         self._watch.stop()
         self._fit_output.release()
+        if self._enabled and raised_in_backward(exception):
+            line = (
+                "lightning_ckpt_determinism: raised in backward, where the checkpointed regions are recomputed. If"
+                " their recomputation raised it, `python -m lightning_ckpt_determinism audit --config <the run's"
+                " config>` names the region, the cause and the fix."
+            )
+            if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the error, where people read it
+                exception.add_note(line)
+            else:
+                rank_zero_warn(line, category=LightningCkptDeterminismWarning)
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "lightning_internals",
     "live_reference",
     "logging_suppressed",
+    "raised_in_backward",
     "training_step_arguments",
     "training_step_loss",
 ]
@@ -60,6 +62,26 @@ def after_backward_before(callbacks: list[pl.Callback], callback: pl.Callback) -
         for other in earlier
         if getattr(type(other), "on_after_backward", None) is not pl.Callback.on_after_backward
     ]
+
+
+def raised_in_backward(error: BaseException) -> bool:
+    """Whether ``error`` was raised in autograd's backward or in torch's checkpoint (where a recomputation runs).
+
+    Example::
+
+        >>> raised_in_backward(ValueError("not in a backward"))
+        False
+    """
+    trace = error.__traceback__
+    while trace is not None:
+        code = trace.tb_frame.f_code
+        if code.co_name == "_engine_run_backward" or code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        trace = trace.tb_next
+    return False
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 def training_step_arguments(pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> tuple[Any, ...]:
