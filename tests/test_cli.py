@@ -557,7 +557,7 @@ def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
         "error: `trainer.strategy.checkpointing`: `CheckpointingConfig` matches no module of StackModule:"
         " classes=['DropoutBlok']"
     )
-    assert line.endswith(" Did you mean 'DropoutBlock' for 'DropoutBlok'?")
+    assert "names=[]. Did you mean 'DropoutBlock' for 'DropoutBlok'? The model's module classes" in line
 
 
 def test_a_single_class_where_a_list_is_expected_is_one_line_with_the_yaml_fix(

@@ -215,7 +215,8 @@ def test_config_matching_nothing_fails_at_setup_before_any_step(tmp_path: Path) 
         )
     )
     message = (
-        r"matches no module of StackModule: classes=\['Block'\], names=\['blocks\.\*'\]\. The model's module classes"
+        r"matches no module of StackModule: classes=\['Block'\], names=\['blocks\.\*'\]\."
+        r" Did you mean 'model\.blocks\.\*' for 'blocks\.\*'\? The model's module classes"
         r" are \['Dropout', 'DropoutBlock', 'Linear', 'ModuleList', 'Stack', 'StackModule'\]; its module names include"
         r" \['model', 'model\.inp', 'model\.blocks', .*\]\. Names are relative to the module the config is applied to"
     )

@@ -571,6 +571,17 @@ def test_a_container_named_is_refused_with_its_children_s_pattern_and_a_glob_tak
     assert apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks*"])) == BLOCKS
 
 
+def test_a_name_pattern_missing_its_parent_is_offered_with_it_first() -> None:
+    root = nn.Module()
+    root.model = make_stack(PlainBlock)
+    with pytest.raises(
+        ValueError,
+        match=r"names=\['blocks\.\*'\]\. Did you mean 'model\.blocks\.\*' for 'blocks\.\*'\? The model's"
+        r" module classes",
+    ):
+        apply_activation_checkpointing(root, CheckpointingConfig(names=["blocks.*"]))
+
+
 def test_no_match_message_samples_twelve_names_of_a_large_model() -> None:
     with pytest.raises(ValueError, match=r"its module names include \['inp', .*'blocks\.4\.linear', '\.\.\.'\]"):
         apply_activation_checkpointing(make_stack(PlainBlock, n=10), CheckpointingConfig(classes=["Block"]))

@@ -166,13 +166,28 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
     class_names = sorted({type(sub).__name__ for _, sub in named_modules(module)})
     module_names = [name for name, _ in named_modules(module) if name]
     sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
+    meant = _did_you_mean(class_entries(config), class_names) + _names_meant(module_names, config.names)
     return (
         f"`CheckpointingConfig` matches no module of {type(module).__name__}:"
         f" classes={_classes_shown(module, config)},"
-        f" names={config.names}. The model's module classes are {class_names}; its module names include"
+        f" names={config.names}.{meant} The model's module classes are {class_names}; its module names include"
         f" {sample}. Names are relative to the module the config is applied to (the LightningModule under a"
-        f" strategy).{_did_you_mean(class_entries(config), class_names)}"
+        f" strategy)."
     )
+
+
+def _names_meant(module_names: list[str], patterns: list[str]) -> str:
+    """`` Did you mean 'model.blocks.*' for 'blocks.*'?`` for each pattern that matches under a top-level child."""
+    children = list(dict.fromkeys(name.split(".")[0] for name in module_names))
+    meant = []
+    for pattern in patterns:
+        if any(fnmatch.fnmatchcase(name, pattern) for name in module_names):
+            continue
+        prefixed = (f"{child}.{pattern}" for child in children)
+        found = next((p for p in prefixed if any(fnmatch.fnmatchcase(name, p) for name in module_names)), None)
+        if found is not None:
+            meant.append(f" Did you mean {found!r} for {pattern!r}?")
+    return "".join(meant)
 
 
 def _did_you_mean(entries: list[str], class_names: list[str]) -> str:
