@@ -417,7 +417,7 @@ class CheckpointingConfig:
                     )
                 # `list("Block")` would silently select classes named "B", "l", ...
                 raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
-        if not isinstance(self.classes, str) and AUTO_CLASSES in self.classes:
+        if isinstance(self.classes, (list, tuple)) and AUTO_CLASSES in self.classes:
             raise CheckpointingConfigError(
                 f"`classes` holds {AUTO_CLASSES!r} in a list ({list(self.classes)!r}): 'auto' is a value of its own,"
                 " which chooses the layers itself; write `classes: auto` (`classes='auto'`), or list class names only."

@@ -92,7 +92,8 @@ def test_a_fit_with_a_budget_checkpoints_the_plan_from_the_second_step_bit_ident
     assert "applied to 6 modules" in setup
     assert setup.endswith(
         "The memory_budget's plan is pending: the first batch measures these 6 checkpointed, and from the second the"
-        " plan keeps some of them plain (its own line says which)."
+        " plan keeps some of them plain (its own line says which). Nothing checks its recomputation: add"
+        " `RecomputationMonitor` to the Trainer's callbacks."
     )
     _, plain = _fit(tmp_path / "plain")
     for (name, weight), plain_weight in zip(module.named_parameters(), plain.parameters(), strict=True):

@@ -252,10 +252,13 @@ def _monitored(root: nn.Module) -> bool:
     """Whether the Trainer fitting ``root`` has a ``RecomputationMonitor`` (``True`` where no Trainer is attached)."""
     from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 
-    trainer = getattr(root, "_trainer", None)
-    if trainer is None:
+    if not isinstance(root, pl.LightningModule):
         return True
-    return any(isinstance(callback, RecomputationMonitor) for callback in trainer.callbacks)
+    try:
+        callbacks = root.trainer.callbacks  # type: ignore[attr-defined]
+    except RuntimeError:  # not attached to a Trainer
+        return True
+    return any(isinstance(callback, RecomputationMonitor) for callback in callbacks)
 
 
 def _routing_line(regions: list[str]) -> str:
