@@ -202,6 +202,23 @@ def test_an_unmeetable_budget_checkpoints_everything_and_warns_once_with_the_lea
     assert plan.checkpointed == [f"blocks.{index}" for index in range(6)]
 
 
+@pytest.mark.parametrize("granularity", ["module", "op"])
+def test_an_int_budget_that_reads_like_a_percentage_says_how_to_write_one(granularity: str) -> None:
+    model = _mixed()
+    config = CheckpointingConfig(**CONFIG, memory_budget=50, budget_granularity=granularity)
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
+    (message,) = [str(warning.message) for warning in caught]
+    assert message.startswith("lightning_ckpt_determinism: `memory_budget` of 50 bytes (")
+    assert message.endswith(" An int is bytes: for 50 % of what they keep plainly, write '50%' or 0.5.")
+    assert plan.budget_bytes == 50
+    # The percentage it names plans as the fraction it spells.
+    halved = plan_activation_checkpointing(
+        model, CheckpointingConfig(**CONFIG, memory_budget="50%"), lambda: _closure(model)
+    )
+    assert halved.budget_bytes == sum(entry.plain_bytes for entry in halved.candidates) // 2
+
+
 def test_a_candidate_that_did_not_run_stays_checkpointed() -> None:
     model = _mixed()
     skipped = model.blocks[2]

@@ -356,11 +356,11 @@ def plan_from_figures(
     else:
         raise CheckpointingConfigError(f"`memory_budget` must be bytes or a fraction here, got {budget!r}.")
     if config.budget_granularity == "op":
-        return _op_plan(figures, config, budget_bytes)
+        return _op_plan(figures, config, budget_bytes, _percent_hint(budget))
     costs = [entry.flops if config.budget_cost == "flops" else entry.cost for entry in figures]
     chosen = choose_checkpointed(figures, budget_bytes, costs)
     if chosen is None:
-        _warn_unmet(figures, budget_bytes)
+        _warn_unmet(figures, budget_bytes, _percent_hint(budget))
         chosen = {entry.name for entry in figures}
     kept = sum(entry.checkpointed_bytes if entry.name in chosen else entry.plain_bytes for entry in figures)
     return CheckpointingPlan(
@@ -381,22 +381,31 @@ def _share(costs: Sequence[int], figures: Sequence[RegionFigures], chosen: set[s
     return recomputed / total if total else 0.0
 
 
-def _warn_unmet(figures: Sequence[RegionFigures], budget_bytes: int) -> None:
+def _percent_hint(budget: object) -> str:
+    """For an int budget that reads like a percentage (2 to 100 bytes), how to write the percentage it likely meant."""
+    if isinstance(budget, int) and 1 < budget <= 100:
+        return f" An int is bytes: for {budget} % of what they keep plainly, write '{budget}%' or {budget / 100}."
+    return ""
+
+
+def _warn_unmet(figures: Sequence[RegionFigures], budget_bytes: int, hint: str = "") -> None:
     least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
     warnings.warn(
         f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({format_bytes(budget_bytes)})"
         f" cannot be met: the matched modules keep at least {least} bytes ({format_bytes(least)}) for backward."
-        " Checkpointing all of them.",
+        f" Checkpointing all of them.{hint}",
         LightningCkptDeterminismWarning,
         stacklevel=3,
     )
 
 
-def _op_plan(figures: Sequence[RegionFigures], config: CheckpointingConfig, budget_bytes: int) -> CheckpointingPlan:
+def _op_plan(
+    figures: Sequence[RegionFigures], config: CheckpointingConfig, budget_bytes: int, hint: str
+) -> CheckpointingPlan:
     """The op-granularity plan (see :mod:`~lightning_ckpt_determinism.checkpointing.op_choice`)."""
     choice = choose_kept_ops(figures, budget_bytes)
     if choice is None:
-        _warn_unmet(figures, budget_bytes)
+        _warn_unmet(figures, budget_bytes, hint)
         kept: dict[str, tuple[int, ...]] = {entry.name: () for entry in figures}
         kept_bytes = sum(entry.checkpointed_bytes for entry in figures)
         cost = sum(entry.cost for entry in figures)
