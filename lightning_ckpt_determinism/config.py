@@ -330,7 +330,9 @@ class CheckpointingConfig:
             expensive results and recomputes only the cheap pointwise ops, at the cost of their memory. An op whose
             output a later op writes in place cannot be kept (torch refuses it in backward: "Tensor cached during
             selective activation checkpoint has been mutated"): an ``addmm`` before an in-place ReLU, or CPU
-            dropout's ``empty_like``, ``bernoulli_`` and ``div_``; the memory budget never keeps such an output.
+            dropout's ``empty_like``, ``bernoulli_`` and ``div_``; the memory budget never keeps such an output. A
+            composite op (``aten.matmul``, ``aten.linear``) is refused, naming the ops autograd runs for it
+            (``aten.mm``, ``aten.addmm``): checkpointing never sees it.
         preserve_rng_state: Replay torch's CPU and accelerator RNG during recomputation (torch's own mechanism).
             Turning it off saves a little time and makes dropout masks differ between forward and recomputation.
         preserve_host_rng: Also capture Python's ``random`` and NumPy's global RNG at the original forward and
@@ -704,11 +706,52 @@ def _resolve_op(name: str) -> list[OpOverload]:
         ) from err
     if not isinstance(packet, OpOverloadPacket):
         raise CheckpointingConfigError(f"`save_ops` entry {name!r} is not an op, got {type(packet).__name__}.")
-    if len(parts) == 2:
-        return [getattr(packet, overload) for overload in packet.overloads()]
-    try:
-        return [getattr(packet, parts[2])]
-    except AttributeError as err:
+    overloads = packet.overloads() if len(parts) == 2 else [parts[2]]
+    if parts[2:] and parts[2] not in packet.overloads():
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} names an unknown overload; {namespace}.{op_name} has {packet.overloads()}."
-        ) from err
+        )
+    ops = [getattr(packet, overload) for overload in overloads]
+    # An `out=` overload is never differentiated: what autograd runs is the functional one.
+    pairs = zip(overloads, ops, strict=True)
+    known = [_decomposed_before_dispatch(op) for overload, op in pairs if not overload.endswith("out")]
+    if any(known) and all(composite is not False for composite in known):
+        raise CheckpointingConfigError(_composite_message(name, f"{namespace}.{op_name}"))
+    return ops
+
+
+def _decomposed_before_dispatch(op: OpOverload) -> bool | None:
+    """Whether autograd runs ``op`` as the ops it is written in (a ``CompositeImplicitAutograd`` kernel): then the
+    selective-checkpointing policy, which sees the ops below autograd, never sees ``op`` itself. ``None`` for an
+    overload the dispatcher does not know (``aten.einsum.sublist``)."""
+    try:
+        return bool(op.has_kernel_for_dispatch_key(torch.DispatchKey.CompositeImplicitAutograd))
+    except RuntimeError:
+        return None
+
+
+_COMPOSITE_RUNS = {
+    "aten.matmul": "'aten.mm' or, batched, 'aten.bmm'",
+    "aten.linear": "'aten.addmm' or, without a bias, 'aten.mm'",
+    "aten.einsum": "'aten.bmm'",
+    "aten.scaled_dot_product_attention": "'aten._scaled_dot_product_flash_attention',"
+    " 'aten._scaled_dot_product_efficient_attention' or 'aten._scaled_dot_product_cudnn_attention' on CUDA,"
+    " 'aten.bmm' in its math path",
+    "aten.layer_norm": "'aten.native_layer_norm'",
+    "aten.group_norm": "'aten.native_group_norm'",
+    "aten.batch_norm": "'aten.native_batch_norm'",
+    "aten.softmax": "'aten._softmax'",
+    "aten.conv1d": "'aten.convolution'",
+    "aten.conv2d": "'aten.convolution'",
+    "aten.conv3d": "'aten.convolution'",
+}
+
+
+def _composite_message(name: str, packet: str) -> str:
+    runs = _COMPOSITE_RUNS.get(packet)
+    listed = "name the ops it runs, which a `TorchDispatchMode` or the profiler lists"
+    instead = f"name what it runs: {runs}" if runs else listed
+    return (
+        f"`save_ops` entry {name!r} is a composite op: autograd runs it as the ops it is written in, so"
+        f" checkpointing never sees it and would keep nothing for it; {instead}."
+    )

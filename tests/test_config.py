@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import io
 import pickle
+import re
 import sys
 import typing
 from pathlib import Path
@@ -19,6 +20,8 @@ import yaml
 from jsonargparse import ArgumentParser
 from jsonargparse.typing import NonNegativeFloat, NotEmptyStr, PositiveInt
 from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_ckpt_determinism
 from lightning_ckpt_determinism import (
@@ -131,6 +134,49 @@ def test_resolve_class_path_returns_the_class() -> None:
 def test_unknown_save_op_is_rejected(op: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CheckpointingConfig(classes=["Block"], save_ops=[op])
+
+
+class _OpsRun(TorchDispatchMode):
+    """The op packets that run below autograd: what selective checkpointing's policy sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+_X = torch.randn(2, 4, 8, requires_grad=True)
+_W = torch.randn(8, 8, requires_grad=True)
+
+
+@pytest.mark.parametrize(
+    ("entry", "call", "named"),
+    [
+        ("aten.matmul", lambda: torch.matmul(_X, _W), "'aten.mm'"),
+        ("aten.linear", lambda: F.linear(_X, _W, _W[0]), "'aten.addmm'"),
+        ("aten.einsum", lambda: torch.einsum("bij,jk->bik", _X, _W), "'aten.bmm'"),
+        ("aten.layer_norm.default", lambda: F.layer_norm(_X, (8,)), "'aten.native_layer_norm'"),
+        ("aten.softmax", lambda: _X.softmax(-1), "'aten._softmax'"),
+        ("aten.rms_norm", lambda: F.rms_norm(_X, (8,)), "a `TorchDispatchMode` or the profiler lists"),
+    ],
+)
+def test_a_composite_save_op_is_refused_naming_the_ops_autograd_runs_for_it(entry: str, call, named: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=f"^`save_ops` entry '{re.escape(entry)}' is a composite op: ") as raised:
+        CheckpointingConfig(classes=["Block"], save_ops=[entry])
+    message = str(raised.value)
+    assert message.endswith(f"{named}.") or f": {named}" in message
+    # Ground truth: the entry never reaches the ops checkpointing sees, and the op the message names does.
+    ops = _OpsRun()
+    with ops:
+        call()
+    packet = ".".join(entry.split(".")[:2])
+    assert packet not in ops.seen
+    if named.startswith("'"):
+        assert named.strip("'") in ops.seen
+        CheckpointingConfig(classes=["Block"], save_ops=[named.strip("'")])
 
 
 def test_resolve_ops_expands_packets_to_every_overload_without_duplicates() -> None:
