@@ -271,6 +271,12 @@ CHECKPOINTING = (
             r"cannot be loaded: `trainer\.strategy\.checkpointing\.every_n` must be an integer >= 1, got 0\.$",
         ),
         ("no_command", r"the following arguments are required: command"),
+        # A typo of the audit's own option is named as one, not handed to the YAML's parser to blame the config.
+        (
+            "misspelt_option",
+            r"^lightning-ckpt-determinism audit: error: unknown option --batch: did you mean --batches\? \(see"
+            r" `lightning-ckpt-determinism audit --help`\)\n$",
+        ),
     ],
 )
 def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(case, message, capsys, tmp_path):
@@ -298,6 +304,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         "zero_batches": ["audit", "--config", broken, "--batches", "0"],
         "every_n_zero": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.every_n=0"],
         "no_command": [],
+        "misspelt_option": ["audit", "--config", broken, "--batch", "2"],
     }[case]
     assert main(argv) == 2
     err = capsys.readouterr().err

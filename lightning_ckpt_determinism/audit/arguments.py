@@ -1,11 +1,13 @@
 """The audit's command line: its arguments, their types, and the exit codes."""
 
 import argparse
+import difflib
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-__all__ = ["EXIT_DIVERGED", "EXIT_OK", "EXIT_USAGE", "PROGRAM", "UsageError", "parser"]
+__all__ = ["EXIT_DIVERGED", "EXIT_OK", "EXIT_USAGE", "PROGRAM", "UsageError", "misspelt_option", "parser"]
 
 EXIT_OK = 0
 EXIT_DIVERGED = 1
@@ -20,6 +22,15 @@ class UsageError(Exception):
 class _OneLineParser(argparse.ArgumentParser):
     """argparse's parser, saying a usage error in one line (with where to find the usage) rather than the usage
     block and the error."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.long_options: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        """argparse's ``add_argument``, noting the long options in :attr:`long_options`."""
+        self.long_options += [name for name in names if isinstance(name, str) and name.startswith("--")]
+        return super().add_argument(*names, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
@@ -48,6 +59,39 @@ def parser() -> argparse.ArgumentParser:
         ),
         allow_abbrev=False,
     )
+    _audit_arguments(audit)
+    return parser
+
+
+def misspelt_option(overrides: Sequence[str]) -> str | None:
+    """The usage error for the first of ``overrides`` (what the audit's own options left for LightningCLI) that is
+    not dotted and is close to one of the audit's options, or ``None``: a typo such as ``--batch`` would otherwise
+    reach the YAML's parser, which blames the config.
+
+    Args:
+        overrides: The arguments ``parse_known_args`` did not recognise.
+
+    Example::
+
+        >>> misspelt_option(["--batch", "2"])
+        'unknown option --batch: did you mean --batches?'
+        >>> misspelt_option(["--trainer.max_steps=3"]) is None
+        True
+    """
+    audit = _OneLineParser(add_help=False)
+    _audit_arguments(audit)
+    for argument in overrides:
+        name = argument.split("=", 1)[0]
+        if not name.startswith("--") or "." in name:
+            continue
+        close = difflib.get_close_matches(name, audit.long_options, n=1, cutoff=0.75)
+        if close:
+            return f"unknown option {name}: did you mean {close[0]}?"
+    return None
+
+
+def _audit_arguments(audit: argparse.ArgumentParser) -> None:
+    """Add the ``audit`` command's options to ``audit``."""
     audit.add_argument(
         "--config",
         required=True,
@@ -79,7 +123,6 @@ def parser() -> argparse.ArgumentParser:
     audit.add_argument(
         "--data", metavar="CLASS_PATH", help="the LightningDataModule class, when the YAML's `data` names no class_path"
     )
-    return parser
 
 
 def _positive_int(text: str) -> int:

@@ -26,7 +26,15 @@ import lightning.pytorch as pl
 import torch
 from tqdm import tqdm
 
-from lightning_ckpt_determinism.audit.arguments import EXIT_DIVERGED, EXIT_OK, EXIT_USAGE, PROGRAM, UsageError, parser
+from lightning_ckpt_determinism.audit.arguments import (
+    EXIT_DIVERGED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROGRAM,
+    UsageError,
+    misspelt_option,
+    parser,
+)
 from lightning_ckpt_determinism.audit.files import finite, json_target, replace_atomically
 from lightning_ckpt_determinism.audit.loading import (
     build,
@@ -93,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, overrides = parser().parse_known_args(argv)
     except SystemExit as exit_:  # argparse printed the usage and the error, or the help
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    misspelt = misspelt_option(overrides)
+    if misspelt is not None:
+        print(f"{PROGRAM} audit: error: {misspelt} (see `{PROGRAM} audit --help`)", file=sys.stderr)
+        return EXIT_USAGE
     args.overrides = overrides
     try:
         with _importable_from(os.getcwd()):
