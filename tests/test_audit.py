@@ -77,6 +77,26 @@ def test_subprocess_audit_of_a_broken_config_prints_the_table_writes_json_and_ex
     assert written["checks"][0]["regions"][2]["cause"] == "host_rng"
     assert written["regions"][2]["hint"] == Cause.HOST_RNG.hints.audit
     assert written["checks"][0]["regions"][2]["hint"] == Cause.HOST_RNG.hints.python
+    # docs/audit.md's table names every key the report holds, at each level.
+    documented = json_report_keys_documented()
+    assert list(documented) == list(written)
+    check_keys, region_keys = documented["checks"]
+    assert check_keys == list(written["checks"][0])
+    assert region_keys == list(written["checks"][0]["regions"][0])
+
+
+def json_report_keys_documented() -> dict[str, tuple[list[str], list[str]]]:
+    """docs/audit.md's JSON table: each row's keys, with the names it lists and those of its regions in brackets."""
+    text = (REPO / "docs" / "audit.md").read_text().split("## The JSON report", 1)[1]
+    keys: dict[str, tuple[list[str], list[str]]] = {}
+    for row in re.findall(r"^\| (`.*?`(?:, `.*?`)?) \| (.*) \|$", text, re.M):
+        names, held = row
+        outer = re.sub(r"\(each `RegionReport`: [^)]*\)", "", held)
+        inner = re.search(r"\(each `RegionReport`: ([^)]*)\)", held)
+        listed = re.findall(r"`(\w+)`", outer.split(":", 1)[1]) if ":" in outer else []
+        for name in re.findall(r"`(\w+)`", names):
+            keys[name] = (listed, re.findall(r"`(\w+)`", inner.group(1)) if inner else [])
+    return keys
 
 
 def test_the_console_script_is_the_cli_main():

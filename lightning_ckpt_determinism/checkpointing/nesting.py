@@ -56,9 +56,10 @@ def _describe(frame: FrameType | None, region_code: CodeType) -> tuple[str, str]
         )
     if os.path.join("transformers", "") in code.co_filename:
         return (
-            "transformers' gradient checkpointing (`gradient_checkpointing_enable()`)",
-            "do not call `gradient_checkpointing_enable()` (or call `gradient_checkpointing_disable()`): this"
-            " package's regions replace it",
+            "transformers' gradient checkpointing (`activation_checkpointing_enable()`, formerly"
+            " `gradient_checkpointing_enable()`)",
+            "do not call `activation_checkpointing_enable()` or `gradient_checkpointing_enable()` (or call the"
+            " matching `..._disable()`): this package's regions replace it",
         )
     if code.co_filename.endswith(os.path.join("_checkpoint", "checkpoint_wrapper.py")):
         return (
