@@ -211,6 +211,23 @@ def test_a_mistake_reads_the_same_from_python_and_from_yaml_with_the_fields_key(
 
 
 @pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(("written", "said"), [("off", "False"), ("yes", "True")])
+def test_a_bare_off_that_yaml_reads_as_a_boolean_says_to_quote_it(
+    written: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _config_with(tmp_path, "monitor", "sentinel", "light")
+    path.write_text(path.read_text().replace("sentinel: light", f"sentinel: {written}"))
+    assert f"sentinel: {written}\n" in path.read_text()
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(path, tmp_path))
+    quoted = "'off'" if written == "off" else "the choice"
+    assert _error_lines(capsys.readouterr().err) == [
+        f"error: `trainer.callbacks.sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare off,"
+        f" no, on or yes as {said.lower()}: write {quoted} in quotes."
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_mistake_of_the_whole_config_is_named_by_the_configs_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

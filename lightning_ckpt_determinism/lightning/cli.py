@@ -25,6 +25,7 @@ import os
 import re
 import sys
 from argparse import ArgumentError
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -278,4 +279,12 @@ def _in_package_words(rejected: str) -> str:
     if found is None or choice is None:
         return rejected
     choices, value = choice
-    return choice_message(found[1], value, choices)
+    return choice_message(found[1], value, choices) + _yaml_boolean(value, choices)
+
+
+def _yaml_boolean(value: object, choices: Sequence[object]) -> str:
+    """What to write where YAML read a bare ``off`` (``no``, ``on``, ``yes``) as a boolean the ``Literal`` refuses."""
+    if str(value) not in ("False", "True"):
+        return ""
+    quoted = "'off'" if "off" in choices and str(value) == "False" else "the choice"
+    return f" YAML reads a bare off, no, on or yes as {str(value).lower()}: write {quoted} in quotes."
