@@ -523,10 +523,12 @@ def resolve_class_path(path: str) -> type:
 
 
 def _not_importable(path: str, err: Exception | None, meant: str | None = None) -> CheckpointingConfigError:
-    did_you_mean = "" if meant is None else f" Did you mean {meant!r}?"
+    if meant is not None:
+        instead = f" Did you mean {meant!r}? Its bare class name, {meant.rpartition('.')[2]!r}, matches it too."
+    else:
+        instead = f" Use a bare class name such as {path.rpartition('.')[2]!r} or a dotted path to an importable class."
     return CheckpointingConfigError(
-        f"`classes` entry {path!r} cannot be imported ({err or 'not a dotted path'}).{did_you_mean} Use a bare class"
-        f" name such as {path.rpartition('.')[2]!r} or a dotted path to an importable class."
+        f"`classes` entry {path!r} cannot be imported ({err or 'not a dotted path'}).{instead}"
     )
 
 
@@ -639,6 +641,12 @@ def _class_entries(value: Any) -> list[str]:
             entries.append(_class_entry(entry))
         elif isinstance(entry, str):
             entries.append(entry)
+        elif isinstance(entry, torch.nn.Module):
+            name = type(entry).__name__
+            raise CheckpointingConfigError(
+                f"`classes` must be a list of class names, dotted paths or classes, got a {name} module; give its"
+                f" class, {name} (or '{name}'), or select modules by name with `names`."
+            )
         else:
             raise CheckpointingConfigError(
                 f"`classes` must be a list of class names, dotted paths or classes, got the entry {entry!r}"

@@ -120,6 +120,16 @@ def test_resolve_class_path_returns_the_class() -> None:
     assert resolve_class_path("tests.helpers.DropoutBlock").__name__ == "DropoutBlock"
 
 
+def test_a_module_given_for_a_class_is_named_by_its_class_in_one_line() -> None:
+    block = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(CheckpointingConfigError) as raised:
+        CheckpointingConfig(classes=[block])
+    assert str(raised.value) == (
+        "`classes` must be a list of class names, dotted paths or classes, got a Sequential module; give its class,"
+        " Sequential (or 'Sequential'), or select modules by name with `names`."
+    )
+
+
 @pytest.mark.parametrize(
     ("op", "message"),
     [

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointError
 from examples.gpt import GPT, Block
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    CheckpointingConfigError,
     LightningCkptDeterminismWarning,
     apply_activation_checkpointing,
     checkpoint_module,
@@ -29,6 +30,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapping_module
 from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS
+from lightning_ckpt_determinism.errors import CheckpointingTypeError
 from tests.helpers import (
     DIM,
     BatchNormBlock,
@@ -268,6 +270,35 @@ def test_applying_twice_keeps_every_n_selection() -> None:
     assert apply_activation_checkpointing(model, config) == ["blocks.1", "blocks.3"]
     assert apply_activation_checkpointing(model, config) == ["blocks.1", "blocks.3"]
     assert list(checkpointed_modules(model)) == ["blocks.1", "blocks.3"]
+
+
+def test_applying_another_config_over_one_is_refused_until_it_is_removed() -> None:
+    model = make_stack(PlainBlock, n=4)
+    reference = copy.deepcopy(model)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["PlainBlock"]))
+    halved = CheckpointingConfig(classes=["PlainBlock"], every_n=2)
+    with pytest.raises(
+        CheckpointingConfigError,
+        match=r"^`blocks\.1`, `blocks\.3` are checkpointed already with another `CheckpointingConfig`, which applying"
+        r" this one would not change: call `remove_activation_checkpointing\(model\)` first, then apply this one\.$",
+    ):
+        apply_activation_checkpointing(model, halved)
+    # Nothing half-applied: the first config stands, and the step is the plain twin's.
+    assert list(checkpointed_modules(model)) == [f"blocks.{index}" for index in range(4)]
+    assert _unequal(step_gradients(reference), step_gradients(model)) == []
+    remove_activation_checkpointing(model)
+    assert apply_activation_checkpointing(model, halved) == ["blocks.1", "blocks.3"]
+    assert list(checkpointed_modules(model)) == ["blocks.1", "blocks.3"]
+
+
+def test_a_mapping_for_a_config_is_refused_in_one_line_saying_how_to_build_one() -> None:
+    model = make_stack(PlainBlock)
+    with pytest.raises(
+        CheckpointingTypeError,
+        match=r"^`config` must be a `CheckpointingConfig`, got dict: build one with `CheckpointingConfig\(classes=",
+    ):
+        apply_activation_checkpointing(model, {"classes": ["PlainBlock"]})  # type: ignore[arg-type]
+    assert checkpointed_modules(model) == {}
 
 
 def test_remove_restores_the_plain_forward() -> None:
@@ -580,6 +611,27 @@ def test_a_name_pattern_missing_its_parent_is_offered_with_it_first() -> None:
         r" module classes",
     ):
         apply_activation_checkpointing(root, CheckpointingConfig(names=["blocks.*"]))
+
+
+def test_a_name_written_with_python_indexing_is_offered_as_a_module_name() -> None:
+    root = nn.Module()
+    root.model = make_stack(PlainBlock)
+    with pytest.raises(
+        ValueError, match=r"names=\['blocks\[1\]'\]\. Did you mean 'model\.blocks\.1' for 'blocks\[1\]'\? "
+    ):
+        apply_activation_checkpointing(root, CheckpointingConfig(names=["blocks[1]"]))
+    assert apply_activation_checkpointing(root, CheckpointingConfig(names=["model.blocks.1"])) == ["model.blocks.1"]
+
+
+def test_the_class_of_the_module_applied_to_is_named_as_never_a_region() -> None:
+    model = make_stack(PlainBlock)
+    with pytest.raises(
+        ValueError,
+        match=r"classes=\['Stack'\], names=\[\]\. Stack is the module the config is applied to, never a region"
+        r" itself: name the blocks inside it\. The model's",
+    ):
+        apply_activation_checkpointing(model, CheckpointingConfig(classes=["Stack"]))
+    assert checkpointed_modules(model) == {}
 
 
 def test_no_match_message_samples_twelve_names_of_a_large_model() -> None:

@@ -33,6 +33,7 @@ from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter, Re
 from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
 from lightning_ckpt_determinism.checkpointing.selection import checkpoint_selected, select_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import (
+    checkpointing_config,
     is_checkpointed,
     keep_op_calls,
     remove_activation_checkpointing,
@@ -299,9 +300,9 @@ def measure_candidates(
 def _other_config(module: nn.Module, config: CheckpointingConfig) -> bool:
     """Whether ``module`` is checkpointed keeping other op outputs than ``config`` keeps (other ``save_ops`` or
     ``keep_data_dependent``), which the plan's figures would not be."""
-    if not is_checkpointed(module):
+    own = checkpointing_config(module)
+    if own is None:
         return False
-    own = module.__dict__["forward"].config
     return own.keep_data_dependent != config.keep_data_dependent or set(resolve_ops(own.save_ops)) != set(
         resolve_ops(config.save_ops)
     )

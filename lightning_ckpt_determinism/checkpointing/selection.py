@@ -2,6 +2,7 @@
 
 import difflib
 import fnmatch
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -10,7 +11,7 @@ from torch import nn
 from lightning_ckpt_determinism.checkpointing.auto import auto_layers
 from lightning_ckpt_determinism.checkpointing.kv_cache import switch_off_kv_caches
 from lightning_ckpt_determinism.checkpointing.modules import named_modules
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, is_checkpointed
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module, checkpointing_config, is_checkpointed
 from lightning_ckpt_determinism.config import (
     AUTO_CLASSES,
     CheckpointingConfig,
@@ -18,7 +19,11 @@ from lightning_ckpt_determinism.config import (
     class_name,
     resolve_class_path,
 )
-from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    CheckpointingTypeError,
+    LightningCkptDeterminismWarning,
+)
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_selected", "select_modules"]
 
@@ -47,6 +52,12 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
         >>> list(select_modules(model, CheckpointingConfig(classes=["Linear"], every_n=2)))
         ['1', '3']
     """
+    return _select(module, config)[0]
+
+
+def _select(module: nn.Module, config: CheckpointingConfig) -> tuple[dict[str, nn.Module], set[str]]:
+    """:func:`select_modules`' selection, and the names of the modules ``config`` matches by its own entries (not
+    only as checkpointed already)."""
     paths = class_entries(config)  # the config stores classes as paths
     chosen = set(auto_layers(module).names) if config.classes == AUTO_CLASSES else set()
     bare_names = {path for path in paths if "." not in path}
@@ -55,14 +66,17 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
 
     _refuse_containers(module, config)
 
+    def named(name: str, sub: nn.Module) -> bool:
+        if name in chosen or isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
+            return True
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
+
     def matches(name: str, sub: nn.Module) -> bool:
         if is_checkpointed(sub):
             return True
         if not _callable(sub) or any(wrapped.startswith(name + ".") for wrapped in wrapped_names):
             return False
-        if name in chosen or isinstance(sub, classes) or any(base.__name__ in bare_names for base in type(sub).__mro__):
-            return True
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in config.names)
+        return named(name, sub)
 
     matched: list[tuple[str, nn.Module]] = []
     for name, sub in named_modules(module):
@@ -79,7 +93,8 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
             f"`every_n`={config.every_n} selects none of the {len(matched)} matched modules of"
             f" {type(module).__name__} ({[name for name, _ in matched]}). Use an `every_n` of at most {len(matched)}."
         )
-    return {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
+    selected = {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
+    return selected, {name for name, sub in matched if named(name, sub)}
 
 
 def _callable(module: nn.Module) -> bool:
@@ -123,8 +138,10 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
         The names of the checkpointed modules, in module order.
 
     Raises:
-        CheckpointingConfigError: If ``config`` matches no module or ``every_n`` skips every match (nothing is
-            wrapped then).
+        CheckpointingConfigError: If ``config`` matches no module, ``every_n`` skips every match, or a module it
+            selects is checkpointed already with another config (nothing is wrapped then: call
+            :func:`~lightning_ckpt_determinism.remove_activation_checkpointing` first).
+        CheckpointingTypeError: If ``config`` is not a ``CheckpointingConfig``.
 
     Example::
 
@@ -135,7 +152,23 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
         >>> list(model.state_dict())
         ['0.weight', '0.bias', '2.weight', '2.bias']
     """
-    selected = select_modules(module, config)
+    if not isinstance(config, CheckpointingConfig):
+        raise CheckpointingTypeError(
+            f"`config` must be a `CheckpointingConfig`, got {type(config).__name__}: build one with"
+            " `CheckpointingConfig(classes=[...])` (`CheckpointingConfig(**mapping)` from a mapping)."
+        )
+    selected, named = _select(module, config)
+    # A module checkpointed before counts as selected; one this config names itself would keep the other config.
+    other = [
+        name for name, sub in selected.items() if name in named and checkpointing_config(sub) not in (None, config)
+    ]
+    if other:
+        listed = ", ".join(f"`{name}`" for name in other[:4]) + (" ..." if len(other) > 4 else "")
+        raise CheckpointingConfigError(
+            f"{listed} {'is' if len(other) == 1 else 'are'} checkpointed already with another `CheckpointingConfig`,"
+            " which applying this one would not change: call `remove_activation_checkpointing(model)` first, then"
+            " apply this one."
+        )
     checkpoint_selected(module, selected, config)
     return list(selected)
 
@@ -166,7 +199,11 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
     class_names = sorted({type(sub).__name__ for _, sub in named_modules(module)})
     module_names = [name for name, _ in named_modules(module) if name]
     sample = module_names[:12] + (["..."] if len(module_names) > 12 else [])
-    meant = _did_you_mean(class_entries(config), class_names) + _names_meant(module_names, config.names)
+    meant = (
+        _root_named(module, config)
+        + _did_you_mean(class_entries(config), class_names)
+        + _names_meant(module_names, config.names)
+    )
     return (
         f"`CheckpointingConfig` matches no module of {type(module).__name__}:"
         f" classes={_classes_shown(module, config)},"
@@ -176,15 +213,28 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
     )
 
 
+def _root_named(module: nn.Module, config: CheckpointingConfig) -> str:
+    """A sentence for a class entry that names the module the config is applied to, which is never a region."""
+    own = {base.__name__ for base in type(module).__mro__} | {f"{type(module).__module__}.{type(module).__qualname__}"}
+    if not any(entry in own for entry in class_entries(config)):
+        return ""
+    return (
+        f" {type(module).__name__} is the module the config is applied to, never a region itself: name the blocks"
+        " inside it."
+    )
+
+
 def _names_meant(module_names: list[str], patterns: list[str]) -> str:
-    """`` Did you mean 'model.blocks.*' for 'blocks.*'?`` for each pattern that matches under a top-level child."""
+    """`` Did you mean 'model.blocks.*' for 'blocks.*'?`` for each pattern that matches as a module name's tail
+    (under a top-level child) or with Python's indexing written as names are (``blocks[0]`` for ``blocks.0``)."""
     children = list(dict.fromkeys(name.split(".")[0] for name in module_names))
     meant = []
     for pattern in patterns:
         if any(fnmatch.fnmatchcase(name, pattern) for name in module_names):
             continue
-        prefixed = (f"{child}.{pattern}" for child in children)
-        found = next((p for p in prefixed if any(fnmatch.fnmatchcase(name, p) for name in module_names)), None)
+        dotted = re.sub(r"\[(\d+)\]", r".\1", pattern)
+        tried = [dotted, *(f"{child}.{dotted}" for child in children)]
+        found = next((p for p in tried if any(fnmatch.fnmatchcase(name, p) for name in module_names)), None)
         if found is not None:
             meant.append(f" Did you mean {found!r} for {pattern!r}?")
     return "".join(meant)

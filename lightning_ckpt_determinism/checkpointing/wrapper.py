@@ -86,6 +86,7 @@ __all__ = [
     "RegionCall",
     "checkpoint_module",
     "checkpointed_modules",
+    "checkpointing_config",
     "checkpointing_disabled",
     "is_checkpointed",
     "keep_op_calls",
@@ -743,6 +744,21 @@ def is_checkpointed(module: nn.Module) -> bool:
         False
     """
     return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+def checkpointing_config(module: nn.Module) -> CheckpointingConfig | None:
+    """The config ``module`` was checkpointed with, or ``None`` when it is not checkpointed.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Linear"], every_n=1))
+        >>> checkpointing_config(layer).classes, checkpointing_config(torch.nn.ReLU())
+        (['Linear'], None)
+    """
+    wrapper = module.__dict__.get("forward")
+    return wrapper.config if isinstance(wrapper, CheckpointedForward) else None
 
 
 def routes(module: nn.Module) -> bool | None:
