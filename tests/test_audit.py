@@ -291,6 +291,20 @@ CHECKPOINTING = (
             r"cannot be loaded: `trainer\.strategy\.checkpointing\.every_n` must be an integer >= 1, got 0\.$",
         ),
         ("no_command", r"the following arguments are required: command"),
+        # An argument that is neither an audit option nor a dotted override is the command line's, not the YAML's.
+        (
+            "unknown_option",
+            r"^lightning-ckpt-determinism audit: error: unrecognized arguments: --foo 3: on the audit's command line,"
+            r" neither its own option \(see `--help`\) nor a dotted LightningCLI override such as"
+            r" --trainer\.max_steps=3\n$",
+        ),
+        # An override the config refuses is named with the file.
+        (
+            "misspelt_override",
+            r"error: .*broken_python_state\.yaml with --trainer\.strategy\.init_args\.checkpointing\.evry_n=2"
+            r" cannot be loaded: `trainer\.strategy\.checkpointing`: Option 'evry_n' is not accepted; did you mean"
+            r" `every_n`\?\n$",
+        ),
         # A typo of the audit's own option is named as one, not handed to the YAML's parser to blame the config.
         (
             "misspelt_option",
@@ -325,6 +339,8 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         "every_n_zero": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.every_n=0"],
         "no_command": [],
         "misspelt_option": ["audit", "--config", broken, "--batch", "2"],
+        "unknown_option": ["audit", "--config", broken, "--foo", "3"],
+        "misspelt_override": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.evry_n=2"],
     }[case]
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -341,6 +341,45 @@ def _edited(tmp_path: Path, edit: Any) -> Path:
     return path
 
 
+def _monitor_flat(config: dict[str, Any]) -> None:
+    config["trainer"]["callbacks"][0].update(config["trainer"]["callbacks"][0].pop("init_args"))
+
+
+def _strategy_flat(config: dict[str, Any]) -> None:
+    config["trainer"]["strategy"].update(config["trainer"]["strategy"].pop("init_args"))
+
+
+def _checkpointing_under_trainer(config: dict[str, Any]) -> None:
+    config["trainer"]["checkpointing"] = config["trainer"]["strategy"]["init_args"].pop("checkpointing")
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            _monitor_flat,
+            "`trainer.callbacks[0]`: `{first}` sits beside `class_path`; put the arguments under `init_args:`.",
+        ),
+        (
+            _strategy_flat,
+            "`trainer.strategy`: `checkpointing` sits beside `class_path`; put the arguments under `init_args:`.",
+        ),
+        (
+            _checkpointing_under_trainer,
+            "`trainer.checkpointing`: a `checkpointing` config belongs to the strategy; put it under"
+            " `trainer.strategy.init_args.checkpointing`.",
+        ),
+    ],
+)
+def test_arguments_out_of_their_init_args_are_named_where_they_sit(
+    edit: Any, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = next(iter(yaml.safe_load(BASE_CONFIG.read_text())["trainer"]["callbacks"][0]["init_args"]))
+    line = _cli_error(capsys, _argv(_edited(tmp_path, edit), tmp_path))
+    assert line == "error: " + said.format(first=first)
+
+
 @pytest.mark.usefixtures("in_process")
 def test_an_unknown_class_path_names_the_missing_attribute(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _edited(tmp_path, lambda config: config["model"].update(class_path="examples.gpt.GPTModul"))
@@ -554,7 +593,8 @@ def test_a_misspelt_class_path_is_one_line_with_the_path_it_meant(
 
     line = _cli_error(capsys, _argv(_edited(tmp_path, misspell), tmp_path))
     assert line.startswith(f"error: `trainer.strategy.checkpointing.classes` entry {entry!r} cannot be imported (")
-    assert f"). Did you mean {meant!r}? Use a bare class name" in line
+    bare = meant.rpartition(".")[2]
+    assert line.endswith(f"). Did you mean {meant!r}? Its bare class name, {bare!r}, matches it too.")
 
 
 def test_a_misspelt_class_is_one_line_with_the_class_it_meant(

@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 
 from lightning_ckpt_determinism.audit.arguments import UsageError
-from lightning_ckpt_determinism.lightning.cli import configuration_error, yaml_error
+from lightning_ckpt_determinism.lightning.cli import configuration_error, misplaced_arguments, yaml_error
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
@@ -70,8 +70,14 @@ def build(args: argparse.Namespace) -> _ParsedFit:
                 parser_kwargs={"exit_on_error": False},
             )
     except Exception as err:
-        message = configuration_error(err) or " ".join(str(err).split())
-        raise UsageError(f"{where} cannot be loaded: {import_hint(message)}") from err
+        message = misplaced_arguments(sections) or configuration_error(err) or " ".join(str(err).split())
+        if message.startswith("unrecognized arguments:"):
+            raise UsageError(
+                f"{message}: on the audit's command line, neither its own option (see `--help`) nor a dotted"
+                " LightningCLI override such as --trainer.max_steps=3"
+            ) from err
+        given = f"{where} with {' '.join(args.overrides)}" if args.overrides else where
+        raise UsageError(f"{given} cannot be loaded: {import_hint(message)}") from err
     strategy = cli.trainer.strategy
     if cli.config[cli.subcommand].trainer.strategy == "auto":
         raise UsageError(

@@ -19,6 +19,7 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 Any other error keeps its traceback.
 """
 
+import contextlib
 import difflib
 import inspect
 import os
@@ -50,7 +51,7 @@ from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
-__all__ = ["CheckpointingCLI", "configuration_error", "yaml_error"]
+__all__ = ["CheckpointingCLI", "configuration_error", "misplaced_arguments", "yaml_error"]
 
 TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
 """Set to ``1`` to see the traceback of a fit that ``on_divergence: raise`` stopped, rather than its one line."""
@@ -102,6 +103,9 @@ class CheckpointingCLI(LightningCLI):
             said = _one_line(err)
             if said is None:
                 raise
+            misplaced = misplaced_arguments(_configs(sys.argv[1:] if given is None else given))
+            if said[1] == 2 and misplaced is not None:
+                said = (misplaced, 2)
             print(f"error: {said[0]}", file=sys.stderr)
             sys.exit(said[1])
 
@@ -164,6 +168,62 @@ def config_file_error(args: Any) -> str | None:
         except yaml.YAMLError as err:
             return yaml_error(path, text, err)
     return None
+
+
+_CLASS_KEYS = ("class_path", "init_args", "dict_kwargs")
+
+
+def misplaced_arguments(configs: list[Any]) -> str | None:
+    """The first argument a config puts beside a ``class_path`` instead of under its ``init_args``, or the strategy's
+    ``checkpointing`` put under ``trainer``, said in one line; ``None`` when there is none. LightningCLI refuses both
+    in words that blame something else ("Option 'class_path' is not accepted").
+
+    Args:
+        configs: The loaded ``--config`` files, in order.
+
+    Example::
+
+        >>> monitor = {"class_path": "lightning_ckpt_determinism.RecomputationMonitor", "every_n_steps": 1}
+        >>> misplaced_arguments([{"trainer": {"callbacks": [monitor]}}])
+        '`trainer.callbacks[0]`: `every_n_steps` sits beside `class_path`; put the arguments under `init_args:`.'
+    """
+    for config in configs:
+        trainer = config.get("trainer") if isinstance(config, dict) else None
+        if isinstance(trainer, dict) and "checkpointing" in trainer:
+            return (
+                "`trainer.checkpointing`: a `checkpointing` config belongs to the strategy; put it under"
+                " `trainer.strategy.init_args.checkpointing`."
+            )
+        found = _beside_class_path(config, "")
+        if found is not None:
+            return f"`{found[0]}`: `{found[1]}` sits beside `class_path`; put the arguments under `init_args:`."
+    return None
+
+
+def _beside_class_path(node: Any, key: str) -> tuple[str, str] | None:
+    if isinstance(node, list):
+        return next(
+            filter(None, (_beside_class_path(item, f"{key}[{index}]") for index, item in enumerate(node))), None
+        )
+    if not isinstance(node, dict):
+        return None
+    if "class_path" in node:
+        extra = [name for name in node if name not in _CLASS_KEYS]
+        if extra:
+            return key, str(extra[0])
+    inner = (_beside_class_path(value, f"{key}.{name}" if key else str(name)) for name, value in node.items())
+    return next(filter(None, inner), None)
+
+
+def _configs(args: Any) -> list[Any]:
+    """The YAML of each ``--config`` file in ``args`` that loads (a list of strings; anything else holds none)."""
+    if not isinstance(args, (list, tuple)):
+        return []
+    loaded = []
+    for path in _config_paths([str(arg) for arg in args]):
+        with contextlib.suppress(OSError, UnicodeDecodeError, yaml.YAMLError):
+            loaded.append(yaml.safe_load(path.read_text(encoding="utf-8")))
+    return loaded
 
 
 def _config_paths(args: list[str]) -> list[Path]:
