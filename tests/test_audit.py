@@ -305,6 +305,12 @@ CHECKPOINTING = (
             r" cannot be loaded: `trainer\.strategy\.checkpointing`: Option 'evry_n' is not accepted; did you mean"
             r" `every_n`\?\n$",
         ),
+        # An argument beside its class_path is named where it sits.
+        (
+            "flat_monitor",
+            r"flat\.yaml cannot be loaded: `trainer\.callbacks\[0\]`: `every_n_steps` sits beside `class_path`; put"
+            r" the arguments under `init_args:`\.\n$",
+        ),
         # A typo of the audit's own option is named as one, not handed to the YAML's parser to blame the config.
         (
             "misspelt_option",
@@ -339,6 +345,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         "every_n_zero": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.every_n=0"],
         "no_command": [],
         "misspelt_option": ["audit", "--config", broken, "--batch", "2"],
+        "flat_monitor": ["audit", "--config", str(_flat_monitor(Path(broken), tmp_path))],
         "unknown_option": ["audit", "--config", broken, "--foo", "3"],
         "misspelt_override": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.evry_n=2"],
     }[case]
@@ -346,6 +353,16 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert "Traceback" not in err
+
+
+def _flat_monitor(config: Path, tmp_path: Path) -> Path:
+    """``config`` with its monitor's arguments beside its ``class_path``, not under ``init_args``."""
+    path = tmp_path / "flat.yaml"
+    path.write_text(config.read_text().replace("      init_args:\n        every_n_steps", "      every_n_steps"))
+    assert "    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n      every_n_steps: 10\n" in (
+        path.read_text()
+    )
+    return path
 
 
 def write_classless_config(tmp_path: Path) -> Path:
