@@ -98,6 +98,7 @@ def test_an_unknown_override_is_a_one_line_usage_error(capsys: pytest.CaptureFix
     code, _, err = audit(capsys, "--config", str(CLEAN), "--trainer.strategy.init_args.checkpointing.every_nn=2")
     assert code == 2
     assert err.splitlines() == [
-        f"lightning-ckpt-determinism audit: error: {CLEAN} cannot be loaded:"
-        " `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted; did you mean `every_n`?"
+        f"lightning-ckpt-determinism audit: error: {CLEAN} with --trainer.strategy.init_args.checkpointing.every_nn=2"
+        " cannot be loaded: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted; did you mean"
+        " `every_n`?"
     ]
