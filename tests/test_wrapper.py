@@ -3,6 +3,7 @@ reproduces."""
 
 import copy
 import pickle
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -602,25 +603,27 @@ def test_a_container_named_is_refused_with_its_children_s_pattern_and_a_glob_tak
     assert apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks*"])) == BLOCKS
 
 
-def test_a_name_pattern_missing_its_parent_is_offered_with_it_first() -> None:
+@pytest.mark.parametrize(
+    ("written", "meant", "selected"),
+    [
+        # Missing its parent: offered with it first.
+        ("blocks.*", "model.blocks.*", [f"model.{name}" for name in BLOCKS]),
+        # Python's indexing: offered as the module name.
+        ("blocks[1]", "model.blocks.1", ["model.blocks.1"]),
+    ],
+)
+def test_a_name_pattern_that_matches_nothing_offers_the_one_meant(
+    written: str, meant: str, selected: list[str]
+) -> None:
     root = nn.Module()
     root.model = make_stack(PlainBlock)
     with pytest.raises(
         ValueError,
-        match=r"names=\['blocks\.\*'\]\. Did you mean 'model\.blocks\.\*' for 'blocks\.\*'\? The model's"
-        r" module classes",
+        match=rf"names=\[{re.escape(repr(written))}\]\. Did you mean {re.escape(repr(meant))} for"
+        rf" {re.escape(repr(written))}\? The model's module classes",
     ):
-        apply_activation_checkpointing(root, CheckpointingConfig(names=["blocks.*"]))
-
-
-def test_a_name_written_with_python_indexing_is_offered_as_a_module_name() -> None:
-    root = nn.Module()
-    root.model = make_stack(PlainBlock)
-    with pytest.raises(
-        ValueError, match=r"names=\['blocks\[1\]'\]\. Did you mean 'model\.blocks\.1' for 'blocks\[1\]'\? "
-    ):
-        apply_activation_checkpointing(root, CheckpointingConfig(names=["blocks[1]"]))
-    assert apply_activation_checkpointing(root, CheckpointingConfig(names=["model.blocks.1"])) == ["model.blocks.1"]
+        apply_activation_checkpointing(root, CheckpointingConfig(names=[written]))
+    assert apply_activation_checkpointing(root, CheckpointingConfig(names=[meant])) == selected
 
 
 def test_the_class_of_the_module_applied_to_is_named_as_never_a_region() -> None:
