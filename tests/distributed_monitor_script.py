@@ -36,6 +36,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
 )
 from lightning_ckpt_determinism.verify.gradients import local_tensor
+from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from tests.helpers import (
     DIM,
     DropoutBlock,
@@ -325,6 +326,28 @@ def main(kind: str, out_dir: Path) -> None:
         # The same, the sentinel watching every other step: both ranks watch and read the same steps.
         monitor = RecomputationMonitor(every_n_steps=50, sentinel_every_n_steps=2)
         run(kind, out_dir, "sentinel_every_other", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+        # The sentinel's own code failing on rank 1 only, at its second region forward: both ranks stop it alike.
+        real = RegionCall.forward_done
+        RegionCall.forward_done = _failing_on_rank_one(real, call=2)  # type: ignore[method-assign]
+        try:
+            dropout = {"classes": ["DropoutBlock"]}
+            run(kind, out_dir, "sentinel_fails_on_rank_one", "DropoutBlock", every_step(), dropout, {})
+        finally:
+            RegionCall.forward_done = real  # type: ignore[method-assign]
+
+
+def _failing_on_rank_one(real: Callable[..., Any], call: int) -> Callable[..., Any]:
+    """``real``, raising ``RuntimeError("injected")`` on rank 1 from its ``call``-th call there on."""
+    calls = [0]
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        if dist.get_rank() == 1:
+            calls[0] += 1
+            if calls[0] >= call:
+                raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    return fails
 
 
 def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonitor], ignore: dict[str, Any]) -> None:

@@ -258,6 +258,22 @@ def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_ste
     assert result(out_dir, "sentinel_every_other", 1)["warnings"] == []
 
 
+def test_ddp_a_failure_of_the_sentinels_own_on_rank_one_stops_it_on_both_ranks_and_training_is_unchanged(ddp):
+    rank0, rank1 = result(ddp, "sentinel_fails_on_rank_one", 0), result(ddp, "sentinel_fails_on_rank_one", 1)
+    assert rank0["global_step"] == rank1["global_step"] == 4
+    stopped = [message for message in rank0["warnings"] if "the sentinel stopped" in message]
+    assert stopped == [
+        "lightning_ckpt_determinism: the sentinel stopped after a failure of its own (on another rank); training goes"
+        " on, and the periodic check still runs. Please report it."
+    ]
+    assert rank1["warnings"] == []
+    # The periodic check ran at every step on both ranks, exact; the weights are those of the clean fit.
+    assert [(entry["step"], entry["grad_divergence"]) for entry in rank0["history"]] == [(n, 0.0) for n in range(4)]
+    assert rank0["history"] == rank1["history"]
+    for rank in (0, 1):
+        assert_equal_states(state(ddp, "sentinel_fails_on_rank_one", rank), state(ddp, "clean_dropout", rank))
+
+
 def test_ddp_with_unused_parameters_trains_on_through_two_pass_checks_clean_and_defective(ddp):
     # `attribution="always"` checks every step with the two-pass engine on the bare module; a branch used on even
     # batches only leaves parameters unused under `find_unused_parameters=True`. A backward outside DDP's forward

@@ -1,6 +1,7 @@
 """A Lightning callback that periodically checks that recomputation reproduces the forward pass."""
 
 import contextlib
+import traceback
 from dataclasses import asdict
 from typing import Any, Literal, get_args
 
@@ -319,7 +320,13 @@ class RecomputationMonitor(Callback):
         if not self._enabled or self._checks_off or not self._schedule.due(trainer.global_step):
             return
         # No hook runs where the step starts: the capture wraps `training_step` itself for this step.
-        capture = StepCapture(pl_module, batch_idx, self._internals, frozenset(self._written_parameters))
+        capture = StepCapture(
+            pl_module,
+            batch_idx,
+            self._internals,
+            frozenset(self._written_parameters),
+            contain_failures=trainer.world_size == 1,
+        )
         self._capture = self._armed.enter_context(capture.installed())
         self._gradients_before = None
 
@@ -336,6 +343,10 @@ class RecomputationMonitor(Callback):
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         capture, support = self._capture, self._support
+        if capture is not None and capture.failure is not None:
+            self._capture = None
+            self._check_failed(trainer.global_step, capture.failure)
+            return
         if capture is None or not capture.captured or support is None:
             return
         self._capture = None  # only the step's first backward is checked (LBFGS calls its closure again)
@@ -359,7 +370,15 @@ class RecomputationMonitor(Callback):
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
         with self._watch.paused():
-            report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
+            try:
+                report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
+            except Exception as err:
+                # The check puts the state after the step and its gradients back whatever it raises. On several
+                # processes another rank may wait in a collective of this check: there it raises.
+                if trainer.world_size > 1:
+                    raise
+                self._check_failed(step, err)
+                return
         if report is None:
             self._results.skipped(step, "non-finite gradients (the GradScaler skips this step)")
             return
@@ -496,6 +515,20 @@ class RecomputationMonitor(Callback):
     def _disarm(self) -> None:
         self._armed.close()
         self._capture = None
+
+    def _check_failed(self, step: int, err: Exception) -> None:
+        """A check that raised on one process is skipped: the step trains on as it would without the monitor."""
+        where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ is not None else []
+        at = "".join(f", raised at {frame.filename}:{frame.lineno} in {frame.name}" for frame in where)
+        reason = f"{type(err).__name__}: {err}{at}"
+        self._results.skipped(step, f"the check failed ({reason})")
+        self._results.warn_once(
+            "check_failed",
+            f"lightning_ckpt_determinism: the check at step {step} failed ({reason}) and was skipped; training goes"
+            " on as without the monitor. If the error is in your `training_step`, which the check runs again from"
+            " the step's start, make it safe to run twice or give the monitor a `loss_fn`; otherwise please report"
+            " it.",
+        )
 
     def _skip_changed_parameters(self, step: int, changed: list[str]) -> None:
         """Skip a check whose ``training_step`` changed parameters in place (on any rank): the capture copies them

@@ -166,6 +166,8 @@ class StepCapture:
         internal_attributes: Attributes the state never captures nor restores (Lightning's own bookkeeping).
         written_parameters: Parameters an earlier step wrote in place in ``training_step``: their values are captured
             with the state, so that a check can rerun the step from where it started.
+        contain_failures: Whether a failure of the capture itself is kept in :attr:`failure` (the step then runs
+            uncaptured) rather than raised: on one process, where no other rank waits for this one's check.
     """
 
     def __init__(
@@ -174,11 +176,15 @@ class StepCapture:
         batch_idx: int,
         internal_attributes: frozenset[str],
         written_parameters: frozenset[str] = frozenset(),
+        *,
+        contain_failures: bool = False,
     ) -> None:
         self.pl_module = pl_module
         self.batch_idx = batch_idx
         self._internal = internal_attributes
         self.written_parameters = written_parameters
+        self._contain = contain_failures
+        self.failure: Exception | None = None
         self._state: StepState | None = None
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
@@ -231,8 +237,15 @@ class StepCapture:
 
     def _run(self, real: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
-        self._state = StepState(self.pl_module, self._internal, self.written_parameters)
-        self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
+        try:
+            state = StepState(self.pl_module, self._internal, self.written_parameters)
+            self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
+        except Exception as err:
+            if not self._contain:
+                raise
+            self.failure = err
+        else:
+            self._state = state
         output = real(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:

@@ -256,8 +256,11 @@ class SentinelWatch:
                 self._unlogged.setdefault(step, _StepCounts()).compared += record.compared
             if any(row):
                 differed.append((step, record))
-            else:
+                continue
+            try:
                 sentinel.read(record, clean=True)
+            except Exception as err:  # the sentinel stopped; the next read stops it on every rank alike
+                self._pending.append((step, None, err))
         if not differed:
             return []
         try:

@@ -31,6 +31,11 @@ class CallOwner(Protocol):
     mode: DigestMode
     plans: DigestPlans
 
+    @property
+    def failure(self) -> Exception | None: ...
+
+    def _stop(self, err: Exception) -> None: ...
+
     def _failed(self, region: str, what: str, err: Exception) -> None: ...
 
     def _unreadable(self, region: str, tensor: torch.Tensor) -> None: ...
@@ -71,9 +76,21 @@ class KeptTensor:
     def __ne__(self, other: object) -> bool:
         if self.broken:
             return False
-        tensor = recomputed_tensor(other)
-        if tensor is not None:
-            return self.call.recomputed(self, tensor)
+        try:
+            tensor = recomputed_tensor(other)
+            if tensor is not None:
+                if self.call.sentinel.failure is not None:  # stopped: torch's own metadata check alone
+                    local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+                    return self.strict and (local.shape, local.dtype, local.device) != (
+                        self.shape,
+                        self.dtype,
+                        self.device,
+                    )
+                return self.call.recomputed(self, tensor)
+        except Exception as err:  # the sentinel's own failure stops it, never the backward
+            self.broken = True
+            self.call.sentinel._stop(err)
+            return False
         if isinstance(other, Recomputed):  # freed since
             return False
         # The recomputation ran outside the sentinel (torch's metadata, or nothing under "none").

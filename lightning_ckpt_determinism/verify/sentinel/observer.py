@@ -84,6 +84,7 @@ class RecomputationSentinel:
         self._recomputing: RegionCall | None = None
         self._paused = 0
         self._failures: set[tuple[str, str]] = set()
+        self._failure: Exception | None = None
 
     @property
     def regions(self) -> list[str]:
@@ -111,6 +112,28 @@ class RecomputationSentinel:
         """Whether it reads the region calls starting now: not while paused (the saved-tensor observer hook)."""
         return not self._paused
 
+    @property
+    def failure(self) -> Exception | None:
+        """The failure of its own that stopped the sentinel, or ``None``: an error in its hooks inside a forward or
+        a backward is caught there, never raised into the training step, and the sentinel observes nothing after it
+        (:meth:`end_step` raises it).
+
+        Example::
+
+            >>> RecomputationSentinel(torch.nn.Linear(2, 2)).failure is None
+            True
+        """
+        return self._failure
+
+    def _stop(self, err: Exception) -> None:
+        """A failure of the sentinel's own code in a hook: it observes nothing from now on, and says why at the
+        step's end (:meth:`end_step`)."""
+        if self._failure is None:
+            self._failure = err
+            self._paused += 1  # never lifted: every hook sees the sentinel paused
+            self._open = []
+            self._recomputing = None
+
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
         """Entered around each forward of an eagerly checkpointed region (the saved-tensor observer hook)."""
@@ -118,22 +141,36 @@ class RecomputationSentinel:
         if self._paused or name is None:
             yield
             return
-        layout = self._layouts.get(name) if self.mode.tier == "light" else None
-        call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
-        self._forward_versions[name] = self._parameters[name].now()[1]
+        try:
+            layout = self._layouts.get(name) if self.mode.tier == "light" else None
+            call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
+            self._forward_versions[name] = self._parameters[name].now()[1]
+        except Exception as err:  # the sentinel's own failure stops it, never the step
+            self._stop(err)
+            yield
+            return
         self._open.append(call)
         finished = False
         try:
             yield
             finished = True
         finally:
-            self._open.pop()
-            if call.saved:
-                call.forward_done(digest=finished, profile=region_profile(module), packs=region_saved(module))
-                if finished:
-                    self._saved_bytes.setdefault(name, call.saved_bytes)
-                    self._step.calls.append(call)
-                    self._step.updated()
+            if self._open and self._open[-1] is call:
+                self._open.pop()
+                self._forward_done(call, module, finished=finished)
+
+    def _forward_done(self, call: RegionCall, module: nn.Module, *, finished: bool) -> None:
+        """Close ``call`` once its forward returned (``finished``) or raised, and add it to the step."""
+        if not call.saved:
+            return
+        try:
+            call.forward_done(digest=finished, profile=region_profile(module), packs=region_saved(module))
+            if finished:
+                self._saved_bytes.setdefault(call.region, call.saved_bytes)
+                self._step.calls.append(call)
+                self._step.updated()
+        except Exception as err:
+            self._stop(err)
 
     @contextlib.contextmanager
     def region_recompute(
@@ -241,7 +278,10 @@ class RecomputationSentinel:
             tier: What the next step digests, if not the sentinel's own tier (the monitor escalates a step to
                 ``"exact"`` after a finding).
         """
-        self._step.weigh()  # what the step so far kept is weighed before the next one adds to it
+        try:
+            self._step.weigh()  # what the step so far kept is weighed before the next one adds to it
+        except Exception as err:
+            self._stop(err)
         self.mode = DigestMode(tier or self.tier, self.mode.offset + 1)
 
     @contextlib.contextmanager
@@ -257,12 +297,17 @@ class RecomputationSentinel:
         """Close the comparisons made since the last call into one :class:`SentinelStep`, unread (nothing is read
         back from the device): the monitor calls it at every training batch's end.
 
+        Raises:
+            Exception: The sentinel's own :attr:`failure`, if one stopped it.
+
         Example::
 
             >>> sentinel = RecomputationSentinel(torch.nn.Linear(2, 2))
             >>> sentinel.read(sentinel.end_step())
             {}
         """
+        if self._failure is not None:
+            raise self._failure
         if self._recomputing is not None:
             self._recomputing.recomputation_done()
         step, self._step = self._step, SentinelStep(self)
@@ -277,10 +322,17 @@ class RecomputationSentinel:
             step: A step from :meth:`end_step`.
             clean: The caller knows that nothing differed (every rank's :meth:`SentinelStep.mismatch_counts` was
                 zero): no comparison is read back.
+
+        Raises:
+            Exception: A failure of the sentinel's own reading the step: it stops (see :attr:`failure`).
         """
         if step.read is not None:
             return step.read
-        found = step.read = step.regions(clean=clean)
+        try:
+            found = step.read = step.regions(clean=clean)
+        except Exception as err:
+            self._stop(err)
+            raise
         self._unread = [other for other in self._unread if other is not step]
         self._totals = added(self._totals, found)
         return found
@@ -304,11 +356,14 @@ class RecomputationSentinel:
             >>> sentinel.report().compared, sentinel.report().mismatches
             (2, 0)
         """
-        if self._recomputing is not None:
-            self._recomputing.recomputation_done()
         regions = self._totals
-        for step in [*self._unread, self._step]:
-            regions = added(regions, step.regions(clean=False))
+        try:
+            if self._recomputing is not None:
+                self._recomputing.recomputation_done()
+            for step in [*self._unread, self._step]:
+                regions = added(regions, step.regions(clean=False))
+        except Exception as err:  # what was read before stays; the sentinel stops
+            self._stop(err)
         compared = sum(region.compared for region in regions.values())
         mismatches = sum(region.mismatches for region in regions.values())
         not_compared = sum(region.not_compared for region in regions.values())

@@ -1,0 +1,156 @@
+"""The monitor's own failures end no fit and change no training: an error inside the sentinel's hooks (in a forward,
+in a backward's recomputation, at a step's end) stops the sentinel with one warning, and a periodic check that
+raises on one process is skipped with one warning; the fit trains on exactly as a fit without checkpointing does."""
+
+import itertools
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+)
+from lightning_ckpt_determinism.verify import live_step
+from lightning_ckpt_determinism.verify.sentinel import recomputation_sentinel
+from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
+from lightning_ckpt_determinism.verify.sentinel.state import RegionParameters
+from lightning_ckpt_determinism.verify.sentinel.step import SentinelStep
+from lightning_ckpt_determinism.verify.state import StepState
+from tests.helpers import StackModule, batch, make_stack, trainer_kwargs
+
+STEPS = 4
+
+
+def failing_from(call: int, real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real``, raising ``RuntimeError("injected")`` from its ``call``-th call on."""
+    calls = itertools.count(1)
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        if next(calls) >= call:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    return fails
+
+
+def train(tmp_path: Path, monitor: RecomputationMonitor | None) -> tuple[pl.Trainer, dict[str, torch.Tensor]]:
+    """A seeded fit of a dropout stack, checkpointed under ``monitor``, or plain without one; its final weights and
+    optimizer state."""
+    pl.seed_everything(0, verbose=False)
+    module = StackModule(lr=0.01)
+    strategy = (
+        SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+        if monitor is not None
+        else "auto"
+    )
+    callbacks = [monitor] if monitor is not None else []
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path / str(monitor is None), callbacks=callbacks, strategy=strategy, max_steps=STEPS)
+    )
+    trainer.fit(module)
+    found = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    for param, state in trainer.optimizers[0].state_dict()["state"].items():
+        found[f"momentum {param}"] = state["momentum_buffer"].clone()
+    return trainer, found
+
+
+def monitored_fit(tmp_path: Path) -> tuple[pl.Trainer, dict[str, torch.Tensor], RecomputationMonitor, list[str]]:
+    """The fit under a monitor checking every step, the package's own warnings it gave (the loggerless note left
+    out), and the plain twin's fit checked against it."""
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer, found = train(tmp_path, monitor)
+    said = [
+        str(warning.message)
+        for warning in caught
+        if warning.category is LightningCkptDeterminismWarning and "without a logger" not in str(warning.message)
+    ]
+    _, plain = train(tmp_path, None)
+    assert trainer.global_step == STEPS
+    assert list(found) == list(plain)
+    for key, expected in plain.items():
+        assert torch.equal(found[key], expected), key
+    return trainer, found, monitor, said
+
+
+# Where the sentinel's own code runs inside the step: at a region's forward, at its end, at each recomputed tensor
+# torch compares, when the step's sums are weighed, and when a clean step is read.
+SENTINEL_PARTS = {
+    "region_forward_start": (RegionParameters, "now", 3),
+    "region_forward_end": (RegionCall, "forward_done", 2),
+    "recomputed_tensor": (RegionCall, "recomputed", 4),
+    "weighing": (SentinelStep, "weigh", 2),
+    "clean_read": (SentinelStep, "regions", 1),
+}
+
+
+@pytest.mark.parametrize("part", sorted(SENTINEL_PARTS))
+def test_a_failure_inside_the_sentinel_stops_it_with_one_warning_and_training_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    owner, name, call = SENTINEL_PARTS[part]
+    monkeypatch.setattr(owner, name, failing_from(call, getattr(owner, name)))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [
+        "lightning_ckpt_determinism: the sentinel stopped after a failure of its own (RuntimeError: injected);"
+        " training goes on, and the periodic check still runs. Please report it."
+    ]
+    # The periodic check still ran at every step, and found the stack exact.
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
+    report = monitor.sentinel_report
+    assert report is not None and report.mismatches == 0
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "call"),
+    [(live_step, "compare_gradients", 2), (StepState, "__init__", 1)],
+    ids=["inside_the_check", "capturing_the_step"],
+)
+def test_a_check_that_raises_on_one_process_is_skipped_with_one_warning_and_training_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, call: int
+) -> None:
+    monkeypatch.setattr(owner, name, failing_from(call, getattr(owner, name)))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    failed = STEPS - (call - 1)
+    history = list(monitor.history)
+    assert [record.grad_divergence for record in history[: call - 1]] == [0.0] * (call - 1)
+    skipped = [record.skipped or "" for record in history[call - 1 :]]
+    assert len(skipped) == failed
+    assert all(reason.startswith("the check failed (RuntimeError: injected, raised at ") for reason in skipped)
+    (warning,) = said
+    assert warning.startswith(f"lightning_ckpt_determinism: the check at step {call - 1} failed (RuntimeError:")
+    assert warning.endswith(
+        "and was skipped; training goes on as without the monitor. If the error is in your `training_step`, which"
+        " the check runs again from the step's start, make it safe to run twice or give the monitor a `loss_fn`;"
+        " otherwise please report it."
+    )
+
+
+def test_a_standalone_sentinel_that_fails_in_a_backward_leaves_the_gradients_exact_and_names_its_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(RegionCall, "recomputed", failing_from(1, RegionCall.recomputed))
+    x, y = batch()
+    gradients = []
+    for checkpointed in (False, True):
+        model = make_stack()
+        if checkpointed:
+            apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"]))
+        torch.manual_seed(3)
+        with recomputation_sentinel(model) as sentinel:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        gradients.append([param.grad for param in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*gradients, strict=True))
+    assert isinstance(sentinel.failure, RuntimeError) and str(sentinel.failure) == "injected"
+    with pytest.raises(RuntimeError, match=r"^injected$"):
+        sentinel.end_step()
