@@ -10,6 +10,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 from lightning_ckpt_determinism.verify.digest import (
     EXACT,
     SAMPLE_STRIDE,
+    WEIGHT_BYTES,
     DigestMode,
     DigestPlans,
     digest,
@@ -219,3 +220,18 @@ def test_a_fingerprint_is_the_metadata_and_exact_digest_of_any_layout() -> None:
     assert not fingerprint(values.reshape(40, 6)).same_as(found)
     unreadable = fingerprint(torch.zeros(2, 2).to_sparse())
     assert unreadable.digest is None and not unreadable.same_as(unreadable)
+
+
+def test_plans_cached_for_shapes_that_vary_stay_bounded_and_digest_alike_after_the_cache_starts_again() -> None:
+    # Sequence lengths that vary from step to step: each length has its own row count, so its own weights.
+    plans = DigestPlans()
+    kept = torch.randn(8, 33, 64)
+    before = plans.digest_of(kept, EXACT)
+    unbounded = 0
+    for length in range(1, 2100):
+        found = plans.digest_of(torch.ones(length, 16), EXACT)
+        unbounded += (length + 8) * 8  # `length` row weights and 8 column weights (float32 pairs), 8 bytes each
+        assert plans.held_bytes <= WEIGHT_BYTES
+        assert found is not None and found.item() == digest(torch.ones(length, 16)).item()
+    assert unbounded > WEIGHT_BYTES  # the cache started again at least once
+    assert torch.equal(plans.digest_of(kept, EXACT), before)

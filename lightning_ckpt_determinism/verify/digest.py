@@ -56,6 +56,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 __all__ = [
     "EXACT",
     "SAMPLE_STRIDE",
+    "WEIGHT_BYTES",
     "DigestMode",
     "DigestPlans",
     "DigestTier",
@@ -358,7 +359,24 @@ class DigestPlans:
     def __init__(self) -> None:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
         self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._weight_bytes = 0
         self._vectors: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes its cached weights and vectors hold on their devices. The caches are bounded, so that shapes
+        that vary from step to step (sequence lengths) cannot grow them: at most :data:`WEIGHT_BYTES` of weights,
+        1,024 vectors and 4,096 plans, each cache cleared when a new entry would pass its bound.
+
+        Example::
+
+            >>> plans = DigestPlans()
+            >>> _ = plans.digest_of(torch.zeros(4, 64), EXACT)
+            >>> plans.held_bytes  # the weights of 4 rows and 32 columns, 8 bytes each
+            288
+        """
+        vectors = sum(vector.numel() * vector.element_size() for vector in self._vectors.values())
+        return self._weight_bytes + vectors
 
     def digest_of(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
         """``tensor``'s digest (a 0-dimensional ``int64`` tensor on its device), or ``None`` when it is not
@@ -413,6 +431,8 @@ class DigestPlans:
         try:
             plan = self._plans.get(key, _UNPLANNED)
             if plan is _UNPLANNED:
+                if len(self._plans) >= _PLANS:
+                    self._plans.clear()  # shapes that vary from step to step bound the cache
                 plan = self._plans[key] = _Plan.of(data)
             return None if plan is None else plan.read(data, mode)
         except RuntimeError:
@@ -502,7 +522,13 @@ class DigestPlans:
         key = (rows, columns, device)
         weights = self._weights.get(key)
         if weights is None:
-            weights = self._weights[key] = torch.cat([row_weights(rows, device), column_weights(columns, device)])
+            weights = torch.cat([row_weights(rows, device), column_weights(columns, device)])
+            size = weights.numel() * weights.element_size()
+            if self._weight_bytes + size > WEIGHT_BYTES:
+                self._weights.clear()  # shapes that vary from step to step bound the cache
+                self._weight_bytes = 0
+            self._weights[key] = weights
+            self._weight_bytes += size
         return weights
 
     def vector(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -605,6 +631,13 @@ _UNPLANNED = object.__new__(_Plan)
 # of each comparison, the slots a recomputation compares (a few hundred for a model of fixed shapes, as the light
 # tier's rotation and windows turn; a few bytes each).
 _VECTORS = 1024
+
+# The plans `DigestPlans` keeps (a few hundred bytes each), one per shape, strides and dtype read.
+_PLANS = 4096
+
+WEIGHT_BYTES = 1 << 24
+"""The most bytes of row and column weights a :class:`DigestPlans` keeps, over all its devices (16 MiB: the
+weights of a million rows); past it the cache starts again."""
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
 # 64-bit integers.
