@@ -7,7 +7,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, SingleDeviceCheckpointingStrategy
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+)
 from lightning_ckpt_determinism.lightning.step import logging_suppressed
 from tests.helpers import StackModule, trainer_kwargs
 
@@ -57,15 +62,29 @@ def test_only_a_checked_steps_rerun_runs_with_logging_suppressed_and_every_step_
     assert _own(module) == []
 
 
-@pytest.mark.parametrize(("fail_at", "step"), [(1, "the live step"), (2, "the check's rerun")])
-def test_the_modules_own_methods_are_back_when_the_step_raises(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, fail_at: int, step: str
+def test_the_modules_own_methods_are_back_when_the_live_step_raises(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(RecordingModule, "fail_at", fail_at)
+    monkeypatch.setattr(RecordingModule, "fail_at", 1)
     module = RecordingModule()
     with pytest.raises(RuntimeError, match="the step fails here"):
         _fit(tmp_path, module, max_steps=3)
-    assert len(module.seen) == fail_at, step
+    assert len(module.seen) == 1
+    assert _own(module) == []
+    assert module.training_step.__func__ is RecordingModule.training_step
+
+
+def test_a_check_whose_rerun_raises_is_skipped_and_the_modules_own_methods_are_back(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(RecordingModule, "fail_at", 2)
+    module = RecordingModule()
+    with pytest.warns(
+        LightningCkptDeterminismWarning, match=r"the check at step 0 failed \(RuntimeError: the step fails"
+    ):
+        _fit(tmp_path, module, max_steps=3)
+    # The rerun of step 0 raised: the fit went on, step 2 was checked again, each call with the methods it expects.
+    assert module.seen == [(0, ()), (0, ("log", "log_dict")), (1, ()), (2, ()), (2, ("log", "log_dict"))]
     assert _own(module) == []
     assert module.training_step.__func__ is RecordingModule.training_step
 

@@ -521,6 +521,7 @@ class RecomputationMonitor(Callback):
         where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ is not None else []
         at = "".join(f", raised at {frame.filename}:{frame.lineno} in {frame.name}" for frame in where)
         reason = f"{type(err).__name__}: {err}{at}"
+        self._schedule.checked_this_fit = True  # the next check comes `every_n_steps` on, not at the next step
         self._results.skipped(step, f"the check failed ({reason})")
         self._results.warn_once(
             "check_failed",
