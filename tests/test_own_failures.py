@@ -20,7 +20,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
 )
 from lightning_ckpt_determinism.verify import live_step
-from lightning_ckpt_determinism.verify.sentinel import recomputation_sentinel
+from lightning_ckpt_determinism.verify.sentinel import observer, recomputation_sentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from lightning_ckpt_determinism.verify.sentinel.state import RegionParameters
 from lightning_ckpt_determinism.verify.sentinel.step import SentinelStep
@@ -109,6 +109,19 @@ def test_a_failure_inside_the_sentinel_stops_it_with_one_warning_and_training_is
     assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
     report = monitor.sentinel_report
     assert report is not None and report.mismatches == 0
+
+
+def test_a_sentinel_that_cannot_start_leaves_the_fit_training_unchanged_and_checked_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(observer, "compiled_regions", failing_from(1, observer.compiled_regions))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [
+        "lightning_ckpt_determinism: the sentinel could not start (RuntimeError: injected); training goes on without"
+        " it. Please report it."
+    ]
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
+    assert monitor.sentinel_report is None
 
 
 @pytest.mark.parametrize(

@@ -270,7 +270,7 @@ class RecomputationMonitor(Callback):
                 problem or "`RecomputationMonitor` has nothing to check on another rank; see the error it raised."
             )
         if self.sentinel != "off":
-            self._watch.start(pl_module)
+            self._watch.start(trainer, pl_module)
         if unchecked is not None:
             rank_zero_warn(
                 f"lightning_ckpt_determinism: `RecomputationMonitor` runs no gradient check under"

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
-from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
+from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Cause, Syntax, respelt
 from lightning_ckpt_determinism.verify.sentinel import (
     RecomputationSentinel,
@@ -139,10 +139,25 @@ class SentinelWatch:
         self._active = False
         self.step = 0
 
-    def start(self, pl_module: "pl.LightningModule") -> None:
-        """Enter the sentinel for the fit (every region of ``pl_module`` is watched)."""
+    def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Enter the sentinel for the fit (every region of ``pl_module`` is watched). A failure of its own to start
+        on any rank leaves it off on every rank, with one warning: the fit trains on without it."""
         self.stop()
-        self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, mode=self.tier))
+        self.sentinel, failure = None, None
+        try:
+            self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, mode=self.tier))
+        except Exception as err:
+            failure = err
+        if agree(trainer.strategy, failure is not None):
+            self._entered.close()
+            self.sentinel, self._active = None, False
+            reason = f"{type(failure).__name__}: {failure}" if failure is not None else "on another rank"
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: the sentinel could not start ({reason}); training goes on without it."
+                " Please report it.",
+                category=LightningCkptDeterminismWarning,
+            )
+            return
         self._pending, self._unlogged, self._batches_since_logged, self._watched_since_logged = [], {}, 0, 0
         self._watching = True
         self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
