@@ -141,12 +141,14 @@ class RecomputationSentinel:
         if self._paused or name is None:
             yield
             return
+        call: RegionCall | None = None
         try:
             layout = self._layouts.get(name) if self.mode.tier == "light" else None
             call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
             self._stop(err)
+        if self._failure is not None or call is None:
             yield
             return
         self._open.append(call)
