@@ -80,12 +80,7 @@ class KeptTensor:
             tensor = recomputed_tensor(other)
             if tensor is not None:
                 if self.call.sentinel.failure is not None:  # stopped: torch's own metadata check alone
-                    local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
-                    return self.strict and (local.shape, local.dtype, local.device) != (
-                        self.shape,
-                        self.dtype,
-                        self.device,
-                    )
+                    return self.strict and not self.same_metadata(tensor)
                 return self.call.recomputed(self, tensor)
         except Exception as err:  # the sentinel's own failure stops it, never the backward
             self.broken = True
@@ -106,6 +101,11 @@ class KeptTensor:
 
     def metadata(self) -> dict[str, Any]:
         return {"shape": self.shape, "dtype": self.dtype, "device": self.device}
+
+    def same_metadata(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (this rank's shard of a DTensor) has the shape, dtype and device kept."""
+        local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+        return (local.shape, local.dtype, local.device) == (self.shape, self.dtype, self.device)
 
     def describe(self) -> str:
         return describe_saved(self.position, self.producer or None, self.shape, self.dtype)
@@ -373,7 +373,7 @@ class RegionCall:
         digests (stacked at the call's last tensor) at the step's end."""
         self.sentinel._comparing(self)
         local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
-        if (local.shape, local.dtype, local.device) != (saved.shape, saved.dtype, saved.device):
+        if not saved.same_metadata(local):
             if saved.strict:
                 return True  # torch raises its CheckpointError, naming the metadata
             recomputed_as = f"{tuple(local.shape)} {local.dtype} on {local.device}"

@@ -148,7 +148,7 @@ class RecomputationSentinel:
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
             self._stop(err)
-        if self._failure is not None or call is None:
+        if call is None:
             yield
             return
         self._open.append(call)
