@@ -44,6 +44,7 @@ from tests.helpers import (
     ShardedStackModule,
     StackModule,
     close_process_group,
+    failing_from,
     manual_loss,
     trainer_kwargs,
 )
@@ -328,26 +329,12 @@ def main(kind: str, out_dir: Path) -> None:
         run(kind, out_dir, "sentinel_every_other", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
         # The sentinel's own code failing on rank 1 only, at its second region forward: both ranks stop it alike.
         real = RegionCall.forward_done
-        RegionCall.forward_done = _failing_on_rank_one(real, call=2)  # type: ignore[method-assign]
+        RegionCall.forward_done = failing_from(2, real, when=lambda: dist.get_rank() == 1)  # type: ignore[method-assign]
         try:
             dropout = {"classes": ["DropoutBlock"]}
             run(kind, out_dir, "sentinel_fails_on_rank_one", "DropoutBlock", every_step(), dropout, {})
         finally:
             RegionCall.forward_done = real  # type: ignore[method-assign]
-
-
-def _failing_on_rank_one(real: Callable[..., Any], call: int) -> Callable[..., Any]:
-    """``real``, raising ``RuntimeError("injected")`` on rank 1 from its ``call``-th call there on."""
-    calls = [0]
-
-    def fails(*args: Any, **kwargs: Any) -> Any:
-        if dist.get_rank() == 1:
-            calls[0] += 1
-            if calls[0] >= call:
-                raise RuntimeError("injected")
-        return real(*args, **kwargs)
-
-    return fails
 
 
 def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonitor], ignore: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import random
@@ -393,6 +394,30 @@ class StackModule(pl.LightningModule):
         generator = torch.Generator().manual_seed(2)
         x = torch.randn(64, DIM, generator=generator)
         return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+def failing_from(call: int, real: Callable[..., Any], when: Callable[[], bool] = lambda: True) -> Callable[..., Any]:
+    """``real``, raising ``RuntimeError("injected")`` from its ``call``-th call on; only calls made while ``when()``
+    holds (on one rank, say) count and fail."""
+    calls = itertools.count(1)
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        if when() and next(calls) >= call:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    return fails
+
+
+def trained_state(module: nn.Module, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """Copies of what a fit ends with: every tensor of ``module``'s state dict and of each optimizer's state."""
+    found = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    for index, optimizer in enumerate(trainer.optimizers):
+        for param, state in optimizer.state_dict()["state"].items():
+            found.update(
+                {f"optimizer {index}: {param}.{key}": v.clone() for key, v in state.items() if torch.is_tensor(v)}
+            )
+    return found
 
 
 def trainer_kwargs(tmp_path: object, **overrides: object) -> dict[str, object]:

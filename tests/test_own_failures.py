@@ -2,9 +2,7 @@
 in a backward's recomputation, at a step's end) stops the sentinel with one warning, and a periodic check that
 raises on one process is skipped with one warning; the fit trains on exactly as a fit without checkpointing does."""
 
-import itertools
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +23,9 @@ from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from lightning_ckpt_determinism.verify.sentinel.state import RegionParameters
 from lightning_ckpt_determinism.verify.sentinel.step import SentinelStep
 from lightning_ckpt_determinism.verify.state import StepState
-from tests.helpers import StackModule, batch, make_stack, trainer_kwargs
+from tests.helpers import StackModule, batch, failing_from, make_stack, trained_state, trainer_kwargs
 
 STEPS = 4
-
-
-def failing_from(call: int, real: Callable[..., Any]) -> Callable[..., Any]:
-    """``real``, raising ``RuntimeError("injected")`` from its ``call``-th call on."""
-    calls = itertools.count(1)
-
-    def fails(*args: Any, **kwargs: Any) -> Any:
-        if next(calls) >= call:
-            raise RuntimeError("injected")
-        return real(*args, **kwargs)
-
-    return fails
 
 
 def train(tmp_path: Path, monitor: RecomputationMonitor | None) -> tuple[pl.Trainer, dict[str, torch.Tensor]]:
@@ -57,10 +43,7 @@ def train(tmp_path: Path, monitor: RecomputationMonitor | None) -> tuple[pl.Trai
         **trainer_kwargs(tmp_path / str(monitor is None), callbacks=callbacks, strategy=strategy, max_steps=STEPS)
     )
     trainer.fit(module)
-    found = {key: value.detach().clone() for key, value in module.state_dict().items()}
-    for param, state in trainer.optimizers[0].state_dict()["state"].items():
-        found[f"momentum {param}"] = state["momentum_buffer"].clone()
-    return trainer, found
+    return trainer, trained_state(module, trainer)
 
 
 def monitored_fit(tmp_path: Path) -> tuple[pl.Trainer, dict[str, torch.Tensor], RecomputationMonitor, list[str]]:

@@ -21,7 +21,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
-from tests.helpers import DIM, DropoutBlock, Stack, StackModule, trainer_kwargs
+from tests.helpers import DIM, DropoutBlock, Stack, StackModule, trained_state, trainer_kwargs
 
 # Lightning 2.6 and later (the floor suite runs 2.5).
 EMA_WEIGHT_AVERAGING = getattr(callbacks, "EMAWeightAveraging", None)
@@ -171,11 +171,7 @@ def train(tmp_path: Path, scenario: Scenario, way: str) -> tuple[dict[str, torch
         )
         trainer = pl.Trainer(**trainer_kwargs(folder, strategy=strategy, callbacks=callbacks, **kwargs))
         trainer.fit(module, ckpt_path=folder / "last.ckpt" if resumed else None)
-    found = {key: value.detach().clone() for key, value in module.state_dict().items()}
-    for index, optimizer in enumerate(trainer.optimizers):
-        for param, state in optimizer.state_dict()["state"].items():
-            found.update({f"optimizer {index}: {param}.{key}": v for key, v in state.items() if torch.is_tensor(v)})
-    return found, monitor
+    return trained_state(module, trainer), monitor
 
 
 def _legs(scenario: Scenario) -> list[tuple[int | None, bool]]:
