@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
+from lightning_ckpt_determinism.verify import digest as digest_module
 from lightning_ckpt_determinism.verify.digest import (
     EXACT,
     SAMPLE_STRIDE,
@@ -69,7 +70,12 @@ TENSORS = {
     [EXACT, DigestMode("sampled", 0), DigestMode("sampled", 3), DigestMode("sampled", SAMPLE_STRIDE + 5)],
     ids=["exact", "window 0", "window 3", "wrapped"],
 )
-def test_digests_are_the_documented_integer_formula_on_any_bits(name: str, mode: DigestMode) -> None:
+@pytest.mark.parametrize("one_pass", [True, False], ids=["in one pass", "from row and column sums"])
+def test_digests_are_the_documented_integer_formula_on_any_bits(
+    name: str, mode: DigestMode, one_pass: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not one_pass:
+        monkeypatch.setattr(digest_module, "ONE_PASS_WORDS", -1)
     tensor = TENSORS[name]()
     found = digests([tensor, tensor.clone()], mode)
     assert found.dtype == torch.int64

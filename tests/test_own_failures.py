@@ -67,12 +67,12 @@ def monitored_fit(tmp_path: Path) -> tuple[pl.Trainer, dict[str, torch.Tensor], 
 
 
 # Where the sentinel's own code runs inside the step: at a region's forward, at its end, at each recomputed tensor
-# torch compares, when the step's sums are weighed, and when a clean step is read.
+# torch compares, when the step's digests are compared, and when a clean step is read.
 SENTINEL_PARTS = {
     "region_forward_start": (RegionParameters, "now", 3),
     "region_forward_end": (RegionCall, "forward_done", 2),
     "recomputed_tensor": (RegionCall, "recomputed", 4),
-    "weighing": (SentinelStep, "weigh", 2),
+    "comparing_the_step": (SentinelStep, "flags", 1),
     "clean_read": (SentinelStep, "regions", 1),
 }
 

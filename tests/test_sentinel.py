@@ -19,13 +19,14 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     recomputation_sentinel,
 )
+from lightning_ckpt_determinism.verify import digest as digest_module
 from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestPlans, DigestTier
-from lightning_ckpt_determinism.verify.sentinel import step as sentinel_step
 from tests.helpers import (
     BatchNormBlock,
     CounterScaleBlock,
     DropoutBlock,
     KeywordTupleBlock,
+    MLPBlock,
     NumpyNoiseBlock,
     PlainBlock,
     PythonRandomBlock,
@@ -309,14 +310,15 @@ def test_a_sentinel_counts_only_its_own_models_regions_when_another_has_the_same
     assert watched_steps(other, mode="exact").regions["blocks.1"].mismatches > 0
 
 
-def _weighed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every region call weighs its own sums into digests as it goes: none are kept for the step to weigh (the ground
-    truth of the step's weighing)."""
-    monkeypatch.setattr(sentinel_step, "WEIGHED_LATER", -1)
+def _by_row_and_column_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every digest is weighed from its matrix's row and column sums, none in one pass (the ground truth of the
+    one-pass digests)."""
+    monkeypatch.setattr(digest_module, "ONE_PASS_WORDS", -1)
+    monkeypatch.setattr(digest_module, "ONE_PASS_WORDS_OFF_CPU", -1)
 
 
 def _counting_weighings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many tensors each weighing of sums into digests took, in order."""
+    """How many tensors each weighing of several tensors' sums into digests took, in order."""
     counted: list[int] = []
     weighed = DigestPlans.combined
 
@@ -330,20 +332,47 @@ def _counting_weighings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
-def test_the_step_weighs_every_calls_sums_in_one_go_and_reports_what_calls_weighing_their_own_report(
+def test_each_tier_reports_with_one_pass_digests_what_it_reports_with_digests_weighed_from_sums(
     block: Callable[[], nn.Module], mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weighings = _counting_weighings(monkeypatch)
-    by_step = watched_steps(checkpointed(stack_with(block)), mode=mode)
-    # The light tier weighs once a step for its three regions' forwards and recomputations; the others, whose calls
-    # digest every saved tensor, weigh each region call's forward and its recomputation.
-    assert len(weighings) == (3 if mode == "light" else 3 * 3 * 2)
-    weighings.clear()
-    _weighed_at_once(monkeypatch)
-    at_once = watched_steps(checkpointed(stack_with(block)), mode=mode)
+    one_pass = watched_steps(checkpointed(stack_with(block)), mode=mode)
+    # This stack's saved tensors are small: each is digested in one pass, and none weighed with others.
+    assert weighings == []
+    _by_row_and_column_sums(monkeypatch)
+    from_sums = watched_steps(checkpointed(stack_with(block)), mode=mode)
+    # From sums, each region call's forward and each recomputation weighs its tensors' together (three regions,
+    # three steps).
     assert len(weighings) == 3 * 3 * 2
-    assert by_step == at_once and by_step.compared > 0
-    assert [region.mismatches > 0 for region in by_step.regions.values()] == [False, block is CounterScaleBlock, False]
+    assert one_pass == from_sums and one_pass.compared > 0
+    assert [region.mismatches > 0 for region in one_pass.regions.values()] == [False, block is CounterScaleBlock, False]
+
+
+class NoisyMLPBlock(MLPBlock):
+    """An MLP block whose hidden activation gets NumPy noise, drawn again by recomputation."""
+
+    noise = True
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block", [MLPBlock, NoisyMLPBlock], ids=["clean", "noise"])
+def test_a_call_whose_tensors_are_digested_some_in_one_pass_some_from_sums_reports_the_same(
+    block: Callable[[], nn.Module], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def report(one_pass_words: int) -> Any:
+        monkeypatch.setattr(digest_module, "ONE_PASS_WORDS", one_pass_words)
+        np.random.seed(0)
+        return watched_steps(checkpointed(stack_with(block)), mode=mode)
+
+    weighings = _counting_weighings(monkeypatch)
+    # The MLP block saves tensors of its width and of twice its width (64 and 128 words): a bound between them digests
+    # the first in one pass and weighs the others from their sums, in one call (its forward and its recomputation,
+    # three steps), while the plain blocks' calls keep a digest each: the step compares both kinds together.
+    mixed = report(100)
+    assert len(weighings) == 3 * 2
+    assert mixed == report(digest_module.ONE_PASS_WORDS) == report(-1)
+    assert mixed.compared > 0
+    assert [region.mismatches > 0 for region in mixed.regions.values()] == [False, block is NoisyMLPBlock, False]
 
 
 @pytest.mark.parametrize("mode", ["light", "exact"])
@@ -362,7 +391,7 @@ def test_a_call_recomputed_twice_in_a_step_is_compared_at_each_recomputation(
 
     once = watched_steps(checkpointed(stack_with(block)), steps=1, mode=mode)
     by_step = backward_twice()
-    _weighed_at_once(monkeypatch)
+    _by_row_and_column_sums(monkeypatch)
     assert backward_twice() == by_step
     assert by_step.compared == 2 * once.compared > 0
     assert by_step.regions["blocks.1"].mismatches == 2 * once.regions["blocks.1"].mismatches
@@ -372,7 +401,7 @@ def test_a_call_recomputed_twice_in_a_step_is_compared_at_each_recomputation(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
-def test_on_cuda_each_tier_finds_what_it_finds_on_the_cpu_weighed_by_step_or_by_call(
+def test_on_cuda_each_tier_finds_what_it_finds_on_the_cpu_in_one_pass_or_from_sums(
     block: Callable[[], nn.Module], mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def report_on(device: str) -> Any:
@@ -382,7 +411,7 @@ def test_on_cuda_each_tier_finds_what_it_finds_on_the_cpu_weighed_by_step_or_by_
 
     on_cpu = report_on("cpu")
     by_step = report_on("cuda")
-    _weighed_at_once(monkeypatch)
+    _by_row_and_column_sums(monkeypatch)
     assert report_on("cuda") == by_step
     assert [region.mismatches for region in by_step.regions.values()] == [
         region.mismatches for region in on_cpu.regions.values()

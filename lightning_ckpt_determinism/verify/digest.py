@@ -12,8 +12,10 @@ elements (the last dimension of an activation, several for a ``(batch, seq, 1)``
 in 64-bit integers, wrapping around: row sums weighted by odd row weights ``a`` (:func:`row_weights`) and column sums
 weighted by even column weights ``b`` (:func:`column_weights`), both drawn from the position by multiplicative
 hashes. Integer sums are exact and independent of the order of summation, so the same bits give the same digest
-whatever the thread count, kernel or device; NaN, ``-0.0`` and every other bit pattern are told apart. Nothing larger
-than one tensor's row and column sums is ever held: no full-size temporary on any device. Every single changed word
+whatever the thread count, kernel or device; NaN, ``-0.0`` and every other bit pattern are told apart. A small matrix
+is weighed in one pass instead, each word times ``a[r] + b[c]`` and summed (the same integer, in two kernels and
+a temporary of its size: :data:`ONE_PASS_WORDS`); of a larger one nothing bigger than its row and column sums is held,
+so no temporary of a large tensor's size is made on any device. Every single changed word
 changes the digest (``a[r] + b[c]`` is odd, so invertible modulo the wrap), and so do values moved to other rows,
 words moved within a row (the column sums change), a tensor rescaled, a ``float32`` or ``bfloat16`` one negated. What a
 digest misses: changes that cancel in every row sum and every column sum at once (four words of a rectangle changed by
@@ -358,7 +360,7 @@ class DigestPlans:
 
     def __init__(self) -> None:
         self._plans: dict[tuple[torch.Size, tuple[int, ...], torch.dtype], _Plan | None] = {}
-        self._weights: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._weights: dict[tuple[int, int, torch.device, bool], torch.Tensor] = {}
         self._weight_bytes = 0
         self._vectors: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
@@ -372,8 +374,8 @@ class DigestPlans:
 
             >>> plans = DigestPlans()
             >>> _ = plans.digest_of(torch.zeros(4, 64), EXACT)
-            >>> plans.held_bytes  # the weights of 4 rows and 32 columns, 8 bytes each
-            288
+            >>> plans.held_bytes  # a weight for each of its 4 rows of 32 words (one pass), 8 bytes each
+            1024
         """
         vectors = sum(vector.numel() * vector.element_size() for vector in self._vectors.values())
         return self._weight_bytes + vectors
@@ -449,8 +451,27 @@ class DigestPlans:
             matrix: The words.
         """
         rows, columns = matrix.shape
+        if rows * columns <= _one_pass_words(matrix.device):  # each word times its row's weight plus its column's
+            return matrix.mul(self._weights_of(rows, columns, matrix.device, each_word=True)).sum(dtype=torch.int64)
         sums = torch.cat([matrix.sum(1, dtype=torch.int64), matrix.sum(0, dtype=torch.int64)])
         return self._weighted(sums, rows, columns)
+
+    def digest_or_sums(self, matrix: torch.Tensor) -> Sums | torch.Tensor:
+        """A word matrix's digest where it is small enough to weigh in one pass (:data:`ONE_PASS_WORDS`), else its
+        row and column sums, for :meth:`combined` to weigh with others': the cheaper of the two for each size.
+
+        Args:
+            matrix: The words, from :meth:`read`.
+
+        Example::
+
+            >>> plans = DigestPlans()
+            >>> plans.digest_or_sums(torch.ones(2, 2, dtype=torch.int64)).shape
+            torch.Size([])
+        """
+        if matrix.numel() <= _one_pass_words(matrix.device):
+            return self.digest(matrix)
+        return self.sums(matrix)
 
     @staticmethod
     def sums(matrix: torch.Tensor) -> Sums:
@@ -517,12 +538,14 @@ class DigestPlans:
             return torch.dot(sums, weights)
         return (sums * weights).sum()  # integer dot products are CPU-only
 
-    def _weights_of(self, rows: int, columns: int, device: torch.device) -> torch.Tensor:
-        """The weights of ``rows`` row sums then ``columns`` column sums, made once per count and device."""
-        key = (rows, columns, device)
+    def _weights_of(self, rows: int, columns: int, device: torch.device, *, each_word: bool = False) -> torch.Tensor:
+        """The weights of ``rows`` row sums then ``columns`` column sums, or (``each_word``) the ``(rows, columns)``
+        matrix of each word's row weight plus its column weight; made once per counts and device."""
+        key = (rows, columns, device, each_word)
         weights = self._weights.get(key)
         if weights is None:
-            weights = torch.cat([row_weights(rows, device), column_weights(columns, device)])
+            row, column = row_weights(rows, device), column_weights(columns, device)
+            weights = row.view(rows, 1) + column if each_word else torch.cat([row, column])
             size = weights.numel() * weights.element_size()
             if self._weight_bytes + size > WEIGHT_BYTES:
                 self._weights.clear()  # shapes that vary from step to step bound the cache
@@ -638,6 +661,21 @@ _PLANS = 4096
 WEIGHT_BYTES = 1 << 24
 """The most bytes of row and column weights a :class:`DigestPlans` keeps, over all its devices (16 MiB: the
 weights of a million rows); past it the cache starts again."""
+
+ONE_PASS_WORDS = 1 << 13
+"""The most words of a matrix on the CPU that :meth:`DigestPlans.digest` weighs in one pass, each word times its row's
+weight plus its column's, then summed: two kernels and nothing to weigh after, where row and column sums take two
+kernels and two more to weigh them. The product is a temporary of the matrix's size (64 KiB at most) and the weights
+a matrix of that size, kept. Past it the sums are cheaper on a CPU, which multiplies 64-bit integers one at a time."""
+
+ONE_PASS_WORDS_OFF_CPU = 1 << 18
+"""The same bound on other devices (2 MiB of words), where a product costs about what a sum does and each kernel
+launch costs the host the same whatever its size: bounded by the memory of the temporary and of the kept weights."""
+
+
+def _one_pass_words(device: torch.device) -> int:
+    return ONE_PASS_WORDS if device.type == "cpu" else ONE_PASS_WORDS_OFF_CPU
+
 
 # 0x9E3779B97F4A7C15 (2^64 over the golden ratio) and 0xC2B2AE3D27D4EB4F (a 64-bit prime of xxHash), as signed
 # 64-bit integers.

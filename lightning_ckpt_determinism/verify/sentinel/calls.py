@@ -1,7 +1,7 @@
 """One region call as the sentinel sees it: the tensors its forward saves, kept as digests once their values are
 final, and their comparison with the recomputation's (see the package's description)."""
 
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +22,10 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
 __all__ = ["KeptTensor", "RegionCall"]
+
+Digests = torch.Tensor | list[torch.Tensor]
+"""The digests of some of a call's saved tensors, in slot order: a digest each, where each was small enough to digest
+in one pass, else one vector, weighed from their row and column sums together."""
 
 
 class CallOwner(Protocol):
@@ -45,8 +49,6 @@ class CallOwner(Protocol):
     def _comparing(self, call: "RegionCall") -> None: ...
 
     def _compared(self, call: "RegionCall") -> None: ...
-
-    def _keeps(self, words: int) -> bool: ...
 
 
 class KeptTensor:
@@ -117,13 +119,12 @@ class RegionCall:
     Which saved tensors it digests: every one, or under the light tier the targets of the region's
     :class:`~lightning_ckpt_determinism.verify.sentinel.light_layout.SavedLayout` (``targets``); a call of a region
     without a layout yet looks at every saved tensor, learns the layout at its forward's end and digests that step's
-    targets. Each digested tensor's row and column sums are taken once its value is final (see the package's
-    description). In the light tier, the forward's, and each recomputation's, are kept for the step to weigh into
-    digests with every other call's in one go
-    (:meth:`~lightning_ckpt_determinism.verify.sentinel.step.SentinelStep.weigh`) while the step has room for them
-    (:data:`~lightning_ckpt_determinism.verify.sentinel.step.WEIGHED_LATER`); otherwise the forward's are weighed when
-    the region's forward ends, and each recomputation's at the comparison of the last of them. The others are given
-    back as torch's own extractor would keep them.
+    targets. Each digested tensor is read once its value is final (see the package's description): a small read (the
+    light and sampled tiers' windows, as a rule) is digested in one pass, a larger one by its row and column sums
+    (:meth:`~lightning_ckpt_determinism.verify.digest.DigestPlans.digest_or_sums`). Where a forward's, or a
+    recomputation's, were all digested in one pass, they are kept as they are until the step compares every call's in
+    one go; else they are weighed into one vector when the forward ends, and at the comparison of the recomputation's
+    last tensor. The others are given back as torch's own extractor would keep them.
     """
 
     def __init__(
@@ -152,13 +153,10 @@ class RegionCall:
         self.slotted: list[KeptTensor] = []
         self.saved_bytes = 0
         self.not_compared = 0 if layout is None else layout.left_out
-        self.forward: torch.Tensor | None = None
-        self.comparisons: list[tuple[list[int], torch.Tensor]] = []
-        # Sums kept for the step to weigh: the forward's, and each recomputation's with the slots it compares.
-        self._forward_sums: list[Sums | torch.Tensor] | None = None
-        self._recomputed_sums: list[tuple[list[int], list[Sums | torch.Tensor]]] = []
+        # The forward's digests by slot, once the forward returned; each recomputation's, with the slots it compares.
+        self.forward: Digests | None = None
+        self.comparisons: list[tuple[list[int], Digests]] = []
         self.metadata_mismatches: list[str] = []
-        # Each digested tensor's row and column sums (a subclass's digest), weighted into digests together.
         self._digests: list[Sums | torch.Tensor] = []
         self._held: list[tuple[KeptTensor, torch.Tensor]] = []
         self._recomputed: list[tuple[int, Sums | torch.Tensor]] = []
@@ -217,15 +215,18 @@ class RegionCall:
         self.slotted.append(saved)
 
     def _digest(self, local: torch.Tensor, saved: KeptTensor) -> Sums | torch.Tensor | None:
-        """``local``'s row and column sums in ``saved``'s mode (a subclass's digest), weighted with the call's others
-        once they are all taken; ``None`` for a tensor without bits to read (or unreadable)."""
+        """``local``'s digest in ``saved``'s mode, or its row and column sums to weigh with the call's others
+        (:meth:`~lightning_ckpt_determinism.verify.digest.DigestPlans.digest_or_sums`); ``None`` for a tensor without
+        bits to read (or unreadable)."""
         plans = self.sentinel.plans
         try:
             with no_python_dispatch():  # a dispatch mode of the region (selective checkpointing) must not see it
                 if type(local) is not torch.Tensor:  # a subclass: its inner tensors
                     return plans.digest_of(local, saved.mode)
                 matrix = plans.read(local, saved.mode)
-                return None if matrix is None else plans.sums(matrix)
+                if matrix is None:
+                    return None
+                return plans.digest_or_sums(matrix)
         except Exception as err:
             self.sentinel._failed(self.region, saved.describe(), err)
             return None
@@ -267,62 +268,33 @@ class RegionCall:
                 self.sentinel._learned(self.region, None)  # another code path: its layout is learned again
             for saved, local in held:
                 self._take(saved, local)
-            if self._digests and self._keeps(self._digests):
-                self._forward_sums = self._digests
-            elif self._digests:
+            if self._digests:
                 try:
-                    with no_python_dispatch():
-                        self.forward = self.sentinel.plans.combined(self._digests)
+                    self.forward = self._joined(self._digests)
                 except Exception as err:
-                    self._forward_failed(err)
+                    self.sentinel._failed(self.region, "the forward's digests", err)
+                    self.not_compared += len(self.slotted)
+                    self.slotted = []
         self._digests, self._held = [], []
+
+    def _joined(self, found: list[Sums | torch.Tensor]) -> Digests:
+        """``found`` as :data:`Digests`: as they are where each is a digest, else weighed together."""
+        if all(type(entry) is not tuple for entry in found):
+            return found  # type: ignore[return-value]
+        with no_python_dispatch():
+            return self.sentinel.plans.combined(found)
 
     @property
     def digested(self) -> bool:
-        """Whether the forward's digests are taken (weighed, or waiting for the step to weigh them)."""
-        return self.forward is not None or self._forward_sums is not None
+        """Whether the forward's digests are taken."""
+        return self.forward is not None
 
     @property
     def compared(self) -> int:
-        """How many saved tensors the call's recomputations compared by digest (weighed or not)."""
+        """How many saved tensors the call's recomputations compared by digest."""
         if not self.digested:
             return 0
-        return sum(len(slots) for slots, _ in self.comparisons) + sum(len(slots) for slots, _ in self._recomputed_sums)
-
-    def unweighed(self) -> list[list[Sums | torch.Tensor]]:
-        """The sums kept for the step to weigh, in the order :meth:`weighed` takes their digests: the forward's (if
-        kept), then each recomputation's."""
-        found = [] if self._forward_sums is None else [self._forward_sums]
-        return found + [sums for _, sums in self._recomputed_sums]
-
-    def weighed(self, digests: Sequence[torch.Tensor] | None, err: Exception | None = None) -> None:
-        """The digests of :meth:`unweighed`'s sums, in its order; ``None`` (with ``err``) when weighing failed: what
-        they would have compared counts as not compared."""
-        forward, recomputed = self._forward_sums, self._recomputed_sums
-        self._forward_sums, self._recomputed_sums = None, []
-        if digests is None:
-            if forward is not None:
-                self._forward_failed(err)  # type: ignore[arg-type]
-            else:
-                self._recomputation_failed(err, sum(len(slots) for slots, _ in recomputed))  # type: ignore[arg-type]
-            return
-        if forward is not None:
-            self.forward, digests = digests[0], digests[1:]
-        self.comparisons.extend((slots, found) for (slots, _), found in zip(recomputed, digests, strict=True))
-
-    def _keeps(self, found: Sequence[Sums | torch.Tensor]) -> bool:
-        """Whether ``found`` is kept for the step to weigh: in the light tier, whose calls digest so few tensors that
-        weighing them is most of their kernels, while the step has room for them."""
-        return self.mode.tier == "light" and self.sentinel._keeps(words_of(found))
-
-    def _forward_failed(self, err: Exception) -> None:
-        self.sentinel._failed(self.region, "the forward's digests", err)
-        self.not_compared += len(self.slotted)
-        self.slotted = []
-
-    def _recomputation_failed(self, err: Exception, compared: int) -> None:
-        self.sentinel._failed(self.region, "the recomputation's digests", err)
-        self.not_compared += compared
+        return sum(len(slots) for slots, _ in self.comparisons)
 
     def _another_path(self, profile: RegionProfile | None) -> None:
         """The call took another path than the one its profile was learned on: of what it digested as it went, only
@@ -389,39 +361,33 @@ class RegionCall:
         return False
 
     def recomputation_done(self) -> None:
-        """Weight this recomputation's sums into its digests, or keep them for the step to weigh (also reached later,
+        """Keep this recomputation's digests for the step to compare, any sums among them weighed (also reached later,
         when the last tensor's holder was freed)."""
         if self._recomputed:
             slots = [slot for slot, _ in self._recomputed]
-            found = [digest for _, digest in self._recomputed]
-            if self._keeps(found):
-                self._recomputed_sums.append((slots, found))
-            else:
-                try:
-                    with no_python_dispatch():
-                        self.comparisons.append((slots, self.sentinel.plans.combined(found)))
-                except Exception as err:
-                    self._recomputation_failed(err, len(slots))
+            try:
+                self.comparisons.append((slots, self._joined([found for _, found in self._recomputed])))
+            except Exception as err:
+                self.sentinel._failed(self.region, "the recomputation's digests", err)
+                self.not_compared += len(slots)
         self._recomputed = []
         self.sentinel._compared(self)
 
-    def pairs(self) -> Iterator[tuple[list[Any], torch.Tensor, torch.Tensor]]:
-        """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones."""
+    def pairs(self) -> Iterator[tuple[list[Any], Digests, Digests]]:
+        """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones (both a
+        vector, or both a digest each)."""
         forward = self.forward
         if forward is None:  # nothing digested, so no slots
             return
         for slots, recomputed in self.comparisons:
             items: list[Any] = [self.slotted[slot] for slot in slots]
-            if len(slots) == len(forward) and slots == list(range(len(slots))):
+            if isinstance(forward, list):
+                yield items, [forward[slot] for slot in slots], recomputed
+            elif len(slots) == len(forward) and slots == list(range(len(slots))):
                 yield items, forward, recomputed
             else:
                 kept = forward.index_select(0, self.sentinel.plans.vector(tuple(slots), forward.device))
                 yield items, kept, recomputed
-
-
-def words_of(found: Sequence[Sums | torch.Tensor]) -> int:
-    """The words of row and column sums (a subclass's digest counting one) in ``found``."""
-    return sum(entry[0].numel() + entry[1].numel() if isinstance(entry, tuple) else 1 for entry in found)
 
 
 def is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:

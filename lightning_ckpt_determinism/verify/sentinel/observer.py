@@ -268,22 +268,13 @@ class RecomputationSentinel:
             self._recomputing = None
         self._step.updated()
 
-    def _keeps(self, words: int) -> bool:
-        """Whether the step under way keeps ``words`` words of a call's sums to weigh with the others'."""
-        return self._step.keeps(words)
-
     def next_step(self, tier: SentinelMode | None = None) -> None:
-        """Move the windows on, so that every element (and, in the light tier, every saved tensor) comes round; the
-        sums kept so far are weighed into digests (:meth:`SentinelStep.weigh`), so that none outlive their step.
+        """Move the windows on, so that every element (and, in the light tier, every saved tensor) comes round.
 
         Args:
             tier: What the next step digests, if not the sentinel's own tier (the monitor escalates a step to
                 ``"exact"`` after a finding).
         """
-        try:
-            self._step.weigh()  # what the step so far kept is weighed before the next one adds to it
-        except Exception as err:
-            self._stop(err)
         self.mode = DigestMode(tier or self.tier, self.mode.offset + 1)
 
     @contextlib.contextmanager
@@ -313,7 +304,6 @@ class RecomputationSentinel:
         if self._recomputing is not None:
             self._recomputing.recomputation_done()
         step, self._step = self._step, SentinelStep(self)
-        step.weigh()
         self._unread.append(step)
         return step
 

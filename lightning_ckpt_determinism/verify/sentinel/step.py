@@ -23,12 +23,6 @@ class StepOwner(Protocol):
 
 Entry = tuple[str, list[Any]]
 
-WEIGHED_LATER = 1 << 15
-"""The most words of row and column sums (8 bytes each: 256 KiB) a step of the light tier keeps for weighing in one
-go; a region call whose sums would not fit weighs its own at once. Sums read again at the step's end cost more than
-they save once they outgrow a core's cache: keeping up to 1 MiB cost the sampled tier about 2 % of a step at width 128
-on a 2-core CPU, which is why it and the exact tier weigh each call's own."""
-
 
 class SentinelStep:
     """What one step compared, kept on the device until it is read
@@ -54,48 +48,11 @@ class SentinelStep:
         self.changes: list[tuple[str, StateChange]] = []
         self.read: dict[str, SentinelRegion] | None = None
         self._flags: tuple[list[Entry], torch.Tensor | None] | None = None
-        self._kept = 0
 
     @property
     def compared(self) -> int:
         """Saved tensors compared in this step (known on the host)."""
         return sum(call.compared + len(call.metadata_mismatches) for call in self.calls)
-
-    def keeps(self, words: int) -> bool:
-        """Whether the step has room to keep ``words`` more words of sums for :meth:`weigh` (counted if so).
-
-        Args:
-            words: A region call's sums, in words (:func:`~lightning_ckpt_determinism.verify.sentinel.calls.words_of`).
-        """
-        if self._kept + words > WEIGHED_LATER:
-            return False
-        self._kept += words
-        return True
-
-    def weigh(self) -> None:
-        """Weigh the row and column sums every call of the step kept (its forward's, its recomputations') into their
-        digests, all in one go: a few kernels for the step rather than four for each region call's forward and each
-        recomputation. The sentinel weighs a step when it ends and when the next one starts, and its comparison
-        weighs any sums a late recomputation adds."""
-        pending = [(call, found) for call in self.calls if (found := call.unweighed())]
-        self._kept = 0
-        if not pending:
-            return
-        lengths = [len(sums) for _, found in pending for sums in found]
-        try:
-            with no_python_dispatch():
-                digests = self._sentinel.plans.combined(
-                    [entry for _, found in pending for sums in found for entry in sums]
-                )
-                parts = digests.split(lengths)
-        except Exception as err:
-            for call, _ in pending:
-                call.weighed(None, err)
-            return
-        at = 0
-        for call, found in pending:
-            call.weighed(parts[at : at + len(found)])
-            at += len(found)
 
     def updated(self) -> None:
         """Something was added to the step (comparisons made after :meth:`flags` are compared again)."""
@@ -134,21 +91,27 @@ class SentinelStep:
         """Every comparison of the step, in order, and whether each differed (an int64 vector, on the device;
         ``None`` when nothing was compared): one comparison for all of them."""
         if self._flags is None:
-            self.weigh()
+            # Digests kept one by one are stacked in one go, ahead of the vectors (exact calls', buffers').
             layout: list[Entry] = []
-            forward, recomputed = [], []
+            one_by_one: list[tuple[torch.Tensor, torch.Tensor]] = []
+            vectors: list[tuple[Entry, torch.Tensor, torch.Tensor]] = []
             for call in self.calls:
                 for items, before, after in call.pairs():
-                    layout.append((call.region, items))
-                    forward.append(before)
-                    recomputed.append(after)
-            for region, items, before, after in self.state_pairs:
-                layout.append((region, items))
-                forward.append(before)
-                recomputed.append(after)
+                    if isinstance(before, list):
+                        layout.append((call.region, items))
+                        one_by_one.extend(zip(before, after, strict=True))  # type: ignore[arg-type]
+                    else:
+                        vectors.append(((call.region, items), before, after))  # type: ignore[arg-type]
+            vectors.extend(((region, items), before, after) for region, items, before, after in self.state_pairs)
+            layout.extend(entry for entry, _, _ in vectors)
             flags = None
-            if forward:
+            if layout:
                 with no_python_dispatch():
+                    forward = [before for _, before, _ in vectors]
+                    recomputed = [after for _, _, after in vectors]
+                    if one_by_one:
+                        forward.insert(0, torch.stack([before for before, _ in one_by_one]))
+                        recomputed.insert(0, torch.stack([after for _, after in one_by_one]))
                     flags = (torch.cat(forward) != torch.cat(recomputed)).to(torch.int64)
             self._flags = (layout, flags)
         return self._flags
