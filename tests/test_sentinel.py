@@ -375,6 +375,41 @@ def test_a_call_whose_tensors_are_digested_some_in_one_pass_some_from_sums_repor
     assert [region.mismatches > 0 for region in mixed.regions.values()] == [False, block is NoisyMLPBlock, False]
 
 
+def test_a_recomputation_that_compares_only_the_forwards_small_tensors_is_compared_with_the_forwards_weighed_digests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(digest_module, "ONE_PASS_WORDS", 100)
+    every = watched_steps(checkpointed(stack_with(MLPBlock)), steps=1, mode="exact")
+    # The recomputation fails to read the MLP block's large tensors (128 words): it compares its small ones, each
+    # digested in one pass, against the forward's, which weighed its large and small ones into one vector.
+    digest_or_sums = DigestPlans.digest_or_sums
+
+    def failing_large_recomputed(self: DigestPlans, matrix: torch.Tensor) -> Any:
+        if recomputing and matrix.numel() > 100:
+            raise RuntimeError("injected")
+        return digest_or_sums(self, matrix)
+
+    recomputing = False
+    monkeypatch.setattr(DigestPlans, "digest_or_sums", failing_large_recomputed)
+    model = checkpointed(stack_with(MLPBlock))
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        loss = F.mse_loss(*_outputs_and_targets(model))
+        recomputing = True
+        loss.backward()
+    report = sentinel.report()
+    assert sentinel.failure is None
+    left_out = every.regions["blocks.1"].compared - report.regions["blocks.1"].compared
+    assert left_out > 0 and report.regions["blocks.1"].not_compared == left_out
+    assert report.regions["blocks.1"].compared > 0 and report.compared == every.compared - left_out
+    # The same values in the two forms compare equal: a digest each, stacked, against the forward's vector.
+    assert report.mismatches == 0
+
+
+def _outputs_and_targets(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch(seed=0)
+    return model(x), y
+
+
 @pytest.mark.parametrize("mode", ["light", "exact"])
 @pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
 def test_a_call_recomputed_twice_in_a_step_is_compared_at_each_recomputation(

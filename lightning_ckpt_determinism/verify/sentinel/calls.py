@@ -374,20 +374,31 @@ class RegionCall:
         self.sentinel._compared(self)
 
     def pairs(self) -> Iterator[tuple[list[Any], Digests, Digests]]:
-        """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones (both a
-        vector, or both a digest each)."""
+        """Each recomputation's saved tensors, with the forward's digests of them and the recomputed ones: both a
+        digest each, or both a vector (a recomputation that compared only some of the forward's tensors may have
+        digested in one pass all it compared, where the forward weighed sums)."""
         forward = self.forward
         if forward is None:  # nothing digested, so no slots
             return
         for slots, recomputed in self.comparisons:
             items: list[Any] = [self.slotted[slot] for slot in slots]
             if isinstance(forward, list):
-                yield items, [forward[slot] for slot in slots], recomputed
+                before: Digests = [forward[slot] for slot in slots]
             elif len(slots) == len(forward) and slots == list(range(len(slots))):
-                yield items, forward, recomputed
+                before = forward
             else:
-                kept = forward.index_select(0, self.sentinel.plans.vector(tuple(slots), forward.device))
-                yield items, kept, recomputed
+                before = forward.index_select(0, self.sentinel.plans.vector(tuple(slots), forward.device))
+            if isinstance(before, list) != isinstance(recomputed, list):
+                before, recomputed = as_vector(before), as_vector(recomputed)
+            yield items, before, recomputed
+
+
+def as_vector(found: Digests) -> torch.Tensor:
+    """``found`` as one vector of digests."""
+    if not isinstance(found, list):
+        return found
+    with no_python_dispatch():
+        return torch.stack(found)
 
 
 def is_state(tensor: torch.Tensor, local: torch.Tensor, buffers: frozenset[int | None]) -> bool:
