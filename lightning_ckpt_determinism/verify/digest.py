@@ -450,11 +450,8 @@ class DigestPlans:
         Args:
             matrix: The words.
         """
-        rows, columns = matrix.shape
-        if rows * columns <= _one_pass_words(matrix.device):  # each word times its row's weight plus its column's
-            return matrix.mul(self._weights_of(rows, columns, matrix.device, each_word=True)).sum(dtype=torch.int64)
-        sums = torch.cat([matrix.sum(1, dtype=torch.int64), matrix.sum(0, dtype=torch.int64)])
-        return self._weighted(sums, rows, columns)
+        found = self.digest_or_sums(matrix)
+        return found if not isinstance(found, tuple) else self._weighted_sums(found)
 
     def digest_or_sums(self, matrix: torch.Tensor) -> Sums | torch.Tensor:
         """A word matrix's digest where it is small enough to weigh in one pass (:data:`ONE_PASS_WORDS`), else its
@@ -469,8 +466,9 @@ class DigestPlans:
             >>> plans.digest_or_sums(torch.ones(2, 2, dtype=torch.int64)).shape
             torch.Size([])
         """
-        if matrix.numel() <= _one_pass_words(matrix.device):
-            return self.digest(matrix)
+        rows, columns = matrix.shape
+        if rows * columns <= _one_pass_words(matrix.device):  # each word times its row's weight plus its column's
+            return matrix.mul(self._weights_of(rows, columns, matrix.device, each_word=True)).sum(dtype=torch.int64)
         return self.sums(matrix)
 
     @staticmethod
@@ -509,7 +507,7 @@ class DigestPlans:
             only = found[0]
             if not isinstance(only, tuple):
                 return only.view(1)
-            return self._weighted(torch.cat(only), only[0].shape[0], only[1].shape[0]).view(1)
+            return self._weighted_sums(only).view(1)
         device = (found[0][0] if isinstance(found[0], tuple) else found[0]).device
         # A zero first, so that the running sum starts at zero and a tensor without elements adds nothing.
         zero = self.vector((0,), device)
@@ -530,6 +528,10 @@ class DigestPlans:
         # Where the running sum starts, after the leading zero, and where each tensor ends.
         ends = running.index_select(0, self.vector((0, *accumulate(lengths)), device))
         return ends[1:] - ends[:-1]
+
+    def _weighted_sums(self, sums: Sums) -> torch.Tensor:
+        """The digest of one matrix from its row and column sums."""
+        return self._weighted(torch.cat(sums), sums[0].shape[0], sums[1].shape[0])
 
     def _weighted(self, sums: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
         """The dot product of ``rows`` row sums then ``columns`` column sums with their weights."""
