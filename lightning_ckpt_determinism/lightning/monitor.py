@@ -116,10 +116,11 @@ class RecomputationMonitor(Callback):
         sentinel: On every training step (see ``sentinel_every_n_steps``), compare tensors the checkpointed regions save
             for backward, after their recomputation, with the forward's, through digests on the device (see
             :func:`~lightning_ckpt_determinism.recomputation_sentinel` and docs/performance.md for the costs):
-            ``"light"`` (the default) digests, per region call, its last saved tensor, its last floating-point one and
-            one more in turn (every saved tensor within as many steps as the region saves), each through a window of its
-            rows; ``"sampled"`` every saved tensor through that window (every element within 16 steps); ``"exact"``
-            every element; ``"off"`` nothing. The counts stay on the device and are read at Lightning's logging steps
+            ``"light"`` (the default) digests, per region call, its last saved tensor, its last floating-point one
+            computed from the region's values (with an autograd history) and one more in turn (every saved tensor within
+            as many steps as the region saves), each through a window of its rows; ``"sampled"`` every saved tensor
+            through that window (every element within 16 steps); ``"exact"`` every element; ``"off"`` nothing. The
+            counts stay on the device and are read at Lightning's logging steps
             (``log_every_n_steps``), at check steps and at the fit's end, so a finding is read at most
             ``min(log_every_n_steps, every_n_steps)`` steps after it happened (with ``on_divergence="raise"``, at every
             step before the optimizer step: one small all-reduce and host read per step); the counts are in

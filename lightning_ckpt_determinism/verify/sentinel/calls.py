@@ -146,7 +146,7 @@ class RegionCall:
         self.positions: Container[int] = EVERY_POSITION if self.targets is None else self.targets
         # Light without a layout: the layout is learned from this call, at its forward's end.
         self.learning = layout is None and self.mode.tier == "light"
-        self._seen: list[tuple[int, bool]] = []
+        self._seen: list[tuple[int, int]] = []
         # How many tensors the forward saved, known when it ends.
         self.packs = 0
         self.saved: list[KeptTensor] = []
@@ -195,14 +195,18 @@ class RegionCall:
         return saved
 
     def _roll(self, saved: KeptTensor, local: torch.Tensor) -> None:
-        """A learning call notes each comparable activation and holds only the last one and the last floating-point
-        one (the targets it digests), so that learning holds no more memory than two tensors."""
+        """A learning call notes each comparable activation and holds only the last one and the last computed
+        floating-point one (the targets it digests; the last floating-point one while none has a history), so that
+        learning holds no more memory than two tensors."""
         if not readable(local):
             self._unreadable(local)
             return
-        floating = local.dtype.is_floating_point
-        self._seen.append((saved.position, floating))
-        kept = [] if floating else [entry for entry in self._held if entry[1].dtype.is_floating_point]
+        kind = _kind(saved, local)
+        self._seen.append((saved.position, kind))
+        # The held one that stays besides the new one: the best candidate for the computed target, unless the new
+        # one is at least as good (a later one of the same kind wins).
+        best = max((_kind(held, tensor) for held, tensor in self._held), default=0)
+        kept = [] if kind >= best else [entry for entry in self._held if _kind(*entry) == best][-1:]
         self._held = [*kept, (saved, local)]
 
     def _take(self, saved: KeptTensor, local: torch.Tensor) -> None:
@@ -326,12 +330,13 @@ class RegionCall:
                     comparable.append((saved, local))
                 else:
                     self._unreadable(local)
-            seen = [(saved.position, local.dtype.is_floating_point) for saved, local in comparable]
+            seen = [(saved.position, _kind(saved, local)) for saved, local in comparable]
             held = comparable
         layout = SavedLayout(
             saved=self.packs,
             compared=tuple(position for position, _ in seen),
-            floating=tuple(position for position, floating in seen if floating),
+            floating=tuple(position for position, kind in seen if kind >= _FLOATING),
+            derived=tuple(position for position, kind in seen if kind == _COMPUTED),
             left_out=self.not_compared,
         )
         self.sentinel._learned(self.region, layout)
@@ -391,6 +396,20 @@ class RegionCall:
             if isinstance(before, list) != isinstance(recomputed, list):
                 before, recomputed = as_vector(before), as_vector(recomputed)
             yield items, before, recomputed
+
+
+# How `_kind` ranks a saved floating-point activation: without an autograd history (dropout's noise), or with one
+# (computed from the region's values).
+_FLOATING = 1
+_COMPUTED = 2
+
+
+def _kind(saved: KeptTensor, local: torch.Tensor) -> int:
+    """How well a saved activation stands for the region's values: 2 for a floating-point one with an autograd
+    history, 1 for one without (dropout's noise), 0 for any other dtype."""
+    if not local.dtype.is_floating_point:
+        return 0
+    return _COMPUTED if saved.producer else _FLOATING
 
 
 def as_vector(found: Digests) -> torch.Tensor:

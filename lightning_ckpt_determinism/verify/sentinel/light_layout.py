@@ -5,8 +5,11 @@ from one call whose every saved tensor was looked at, says how many there are an
 sentinel can compare (not parameters or buffers, not opaque workspaces, with bits to read). At each later call, the
 light tier digests only :meth:`SavedLayout.targets`:
 
-- the region's last compared saved tensor and its last floating-point one, at every step: a change anywhere upstream
-  of them (a redrawn dropout mask, host noise in the first op, a counter, rows reordered, another scale) reaches them;
+- the region's last compared saved tensor and its last floating-point one computed from the region's values (one an
+  op autograd records made: it has a history), at every step: a change anywhere upstream of them (a redrawn dropout
+  mask, host noise in the first op, a counter, rows reordered, another scale) reaches them. A region ending in dropout
+  saves dropout's noise last, which no value upstream reaches; the computed one before it does. Where no
+  floating-point one has a history, the last floating-point one stands in;
 - one more position, rotating from step to step over the compared ones, so that a change confined to one saved
   tensor of a side branch, which no later saved tensor depends on, is seen within as many steps as the region has
   compared saved tensors. Its window of elements moves on once per turn, so that every window of every tensor comes
@@ -31,21 +34,24 @@ class SavedLayout:
         saved: How many tensors a call saves.
         compared: The positions of those the sentinel compares (activations with bits to read), in order.
         floating: The positions among ``compared`` holding floating-point tensors, in order.
+        derived: The positions among ``floating`` whose tensors have an autograd history (a ``grad_fn``) when saved:
+            computed from the region's values, unlike dropout's noise.
         left_out: Activations among them the sentinel cannot compare (opaque workspaces, tensors without bits to
             read): each call counts them as not compared.
 
     Example::
 
-        >>> layout = SavedLayout(saved=5, compared=(0, 2, 3), floating=(0, 2))
-        >>> sorted(layout.targets(DigestMode("light", offset=1)))  # the last, the last float, and position 2 in turn
-        [2, 3]
-        >>> sorted(layout.targets(DigestMode("light", offset=3)))
+        >>> layout = SavedLayout(saved=5, compared=(0, 2, 3), floating=(0, 2), derived=(0,))
+        >>> sorted(layout.targets(DigestMode("light", offset=1)))  # the last, the last computed float, 2 in turn
         [0, 2, 3]
+        >>> sorted(layout.targets(DigestMode("light", offset=3)))
+        [0, 3]
     """
 
     saved: int
     compared: tuple[int, ...]
     floating: tuple[int, ...]
+    derived: tuple[int, ...] = ()
     left_out: int = 0
 
     def targets(self, mode: DigestMode) -> dict[int, DigestMode]:
@@ -62,8 +68,9 @@ class SavedLayout:
         if not self.compared:
             return {}
         chosen = {self.compared[-1]: mode}
-        if self.floating:
-            chosen.setdefault(self.floating[-1], mode)
+        computed = self.derived or self.floating
+        if computed:
+            chosen.setdefault(computed[-1], mode)
         turn, position = divmod(mode.offset, len(self.compared))
         chosen.setdefault(self.compared[position], DigestMode(mode.tier, turn))
         return chosen
