@@ -109,7 +109,7 @@ def _fits(size: ModelSize, device: torch.device, rounds: int, steps: int) -> dic
     return {"times": times, "mismatches": mismatches, "size": {"dim": size.dim, "dropout": size.dropout}}
 
 
-def _watched(
+def watched(
     regions: Regions, sentinel: RecomputationSentinel, step: Callable[[], object], device: torch.device
 ) -> None:
     """One training step under ``sentinel``, as the monitor runs it: the windows moved on, the step's comparisons
@@ -140,7 +140,7 @@ def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) 
 
     def hooks_only() -> None:
         with _constant_digests(device):
-            _watched(regions, constant, step, device)
+            watched(regions, constant, step, device)
 
     paused = RecomputationSentinel(model, mode="light")
 
@@ -150,7 +150,7 @@ def _breakdown(size: ModelSize, device: torch.device, rounds: int, warmup: int) 
 
     functions: dict[str, Callable[[], object]] = {
         "step": step,
-        **{tier: partial(_watched, regions, sentinel, step, device) for tier, sentinel in sentinels.items()},
+        **{tier: partial(watched, regions, sentinel, step, device) for tier, sentinel in sentinels.items()},
         "light hooks only": hooks_only,
         UNWATCHED: unwatched,
         # An A/A control: the same step again, whose ratio to the step is this run's noise at this size.
@@ -177,10 +177,10 @@ def _peaks(size: ModelSize, device: torch.device) -> dict[str, float]:
     peaks = {}
     for tier in TIERS:
         sentinel = RecomputationSentinel(model, mode=tier)  # type: ignore[arg-type]
-        first = _step_peak_bytes(partial(_watched, regions, sentinel, step, device), device)
+        first = _step_peak_bytes(partial(watched, regions, sentinel, step, device), device)
         if tier == "light":
             peaks["light, its first step"] = first / plain
-        peaks[tier] = _step_peak_bytes(partial(_watched, regions, sentinel, step, device), device) / plain
+        peaks[tier] = _step_peak_bytes(partial(watched, regions, sentinel, step, device), device) / plain
     return peaks
 
 

@@ -12,8 +12,18 @@ from typing import Any, get_args
 import pytest
 import torch
 
-from benchmarks import budget, compiled, memory, moe, monitor, saved_tensors, sentinel_host, wrapper_overhead
-from benchmarks.common import ModelSize
+from benchmarks import (
+    budget,
+    compiled,
+    digest_floor,
+    memory,
+    moe,
+    monitor,
+    saved_tensors,
+    sentinel_host,
+    wrapper_overhead,
+)
+from benchmarks.common import ModelSize, lm_loss, make_batch
 from benchmarks.run import main
 from lightning_ckpt_determinism.verify.digest import DigestTier
 from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
@@ -389,3 +399,28 @@ def test_the_sentinels_host_time_is_clocked_at_each_place_its_code_runs_and_the_
     assert _finite_positive(found["step ms"])
     assert (RegionCall.save, KeptTensor.__ne__) == hooks
     assert "| 16 |" in sentinel_host.table({16: found}, tier)
+
+
+def test_the_digest_floor_compares_what_the_light_tier_compares_and_sees_a_recomputation_that_differs() -> None:
+    size = ModelSize(layers=2, dim=32, heads=2, seq_len=16, batch_size=2, vocab_size=32)
+    cpu = torch.device("cpu")
+    found = digest_floor.measure(size, cpu, rounds=4, warmup=1)
+    # The light tier's rule over the same layout: as many saved tensors a step (each block's last, dropout's noise, the
+    # computed one before it and one in turn, which never fell on those two here), nothing differing on this model.
+    assert found["floor compared"] == found["light compared"] == 6.0
+    assert found["floor mismatches"] == 0
+    assert all(_finite_positive(found[f"{a}/{b}"]) for a, b in digest_floor.RATIOS)
+    # It compares values: a weight written between the forward and the recomputation changes what block 0 recomputes
+    # after it, and the floor's digests differ there (torch's own check compares shapes only): its computed target
+    # alone (the noise and the rotating target, layer norm's mean, are not downstream of that weight; block 1 is
+    # recomputed from its saved input).
+    model = digest_floor.floor_model(size, cpu)
+    model.floor.next_step()
+    loss = lm_loss(model, *make_batch(size, cpu))
+    with torch.no_grad():
+        model.blocks[0].mlp[0].weight.add_(1.0)
+    loss.backward()
+    assert model.floor.end_step() == 1
+    model.floor.next_step()
+    lm_loss(model, *make_batch(size, cpu)).backward()
+    assert model.floor.end_step() == 0
