@@ -173,11 +173,11 @@ class DigestFloor:
         assert self._learning is not None
         if tensor.untyped_storage().data_ptr() in self._state or not readable(tensor):
             return
-        computed = tensor.grad_fn is not None
+        computed = tensor.requires_grad
         self._learning.append((position, tensor, computed, self.plans.digest_of(tensor, self.mode)))
 
     def _learn(self, seen: list[tuple[int, torch.Tensor, bool, torch.Tensor | None]]) -> None:
-        """The layout of the call just run: every activation compared, those with an autograd history computed from the
+        """The layout of the call just run: every activation compared, those that require grad computed from the
         region's values, those whose digest changed since they were saved filled late."""
         self._learning = None
         self.filled_late = frozenset(

@@ -117,7 +117,7 @@ class RecomputationMonitor(Callback):
             for backward, after their recomputation, with the forward's, through digests on the device (see
             :func:`~lightning_ckpt_determinism.recomputation_sentinel` and docs/performance.md for the costs):
             ``"light"`` (the default) digests, per region call, its last saved tensor, its last floating-point one
-            computed from the region's values (with an autograd history) and one more in turn (every saved tensor within
+            computed from the region's values (one that requires grad) and one more in turn (every saved tensor within
             as many steps as the region saves), each through a window of its rows; ``"sampled"`` every saved tensor
             through that window (every element within 16 steps); ``"exact"`` every element; ``"off"`` nothing. The
             counts stay on the device and are read at Lightning's logging steps

@@ -196,7 +196,7 @@ class RegionCall:
 
     def _roll(self, saved: KeptTensor, local: torch.Tensor) -> None:
         """A learning call notes each comparable activation and holds only the last one and the last computed
-        floating-point one (the targets it digests; the last floating-point one while none has a history), so that
+        floating-point one (the targets it digests; the last floating-point one while none requires grad), so that
         learning holds no more memory than two tensors."""
         if not readable(local):
             self._unreadable(local)
@@ -398,18 +398,19 @@ class RegionCall:
             yield items, before, recomputed
 
 
-# How `_kind` ranks a saved floating-point activation: without an autograd history (dropout's noise), or with one
-# (computed from the region's values).
+# How `_kind` ranks a saved floating-point activation: one that does not require grad (dropout's noise), or one that
+# does (computed from the region's values or inputs autograd tracks).
 _FLOATING = 1
 _COMPUTED = 2
 
 
 def _kind(saved: KeptTensor, local: torch.Tensor) -> int:
-    """How well a saved activation stands for the region's values: 2 for a floating-point one with an autograd
-    history, 1 for one without (dropout's noise), 0 for any other dtype."""
+    """How well a saved activation stands for the region's values: 2 for a floating-point one that requires grad (one
+    with a ``grad_fn``, or a DTensor's shard of one), 1 for one that does not (dropout's noise), 0 for any other
+    dtype."""
     if not local.dtype.is_floating_point:
         return 0
-    return _COMPUTED if saved.producer else _FLOATING
+    return _COMPUTED if saved.producer or local.requires_grad else _FLOATING
 
 
 def as_vector(found: Digests) -> torch.Tensor:

@@ -5,11 +5,11 @@ from one call whose every saved tensor was looked at, says how many there are an
 sentinel can compare (not parameters or buffers, not opaque workspaces, with bits to read). At each later call, the
 light tier digests only :meth:`SavedLayout.targets`:
 
-- the region's last compared saved tensor and its last floating-point one computed from the region's values (one an
-  op autograd records made: it has a history), at every step: a change anywhere upstream of them (a redrawn dropout
-  mask, host noise in the first op, a counter, rows reordered, another scale) reaches them. A region ending in dropout
-  saves dropout's noise last, which no value upstream reaches; the computed one before it does. Where no
-  floating-point one has a history, the last floating-point one stands in;
+- the region's last compared saved tensor and its last floating-point one computed from the region's values (one that
+  requires grad), at every step: a change anywhere upstream of them (a redrawn dropout mask, host noise in the first
+  op, a counter, rows reordered, another scale) reaches them. A region ending in dropout saves dropout's noise last,
+  which no value upstream reaches; the computed one before it does. Where no floating-point one requires grad, the
+  last floating-point one stands in;
 - one more position, rotating from step to step over the compared ones, so that a change confined to one saved
   tensor of a side branch, which no later saved tensor depends on, is seen within as many steps as the region has
   compared saved tensors. Its window of elements moves on once per turn, so that every window of every tensor comes
@@ -34,8 +34,8 @@ class SavedLayout:
         saved: How many tensors a call saves.
         compared: The positions of those the sentinel compares (activations with bits to read), in order.
         floating: The positions among ``compared`` holding floating-point tensors, in order.
-        derived: The positions among ``floating`` whose tensors have an autograd history (a ``grad_fn``) when saved:
-            computed from the region's values, unlike dropout's noise.
+        derived: The positions among ``floating`` whose tensors require grad when saved: computed from the region's
+            values or inputs autograd tracks, unlike dropout's noise.
         left_out: Activations among them the sentinel cannot compare (opaque workspaces, tensors without bits to
             read): each call counts them as not compared.
 
