@@ -177,8 +177,8 @@ class DigestFloor:
         self._learning.append((position, tensor, computed, self.plans.digest_of(tensor, self.mode)))
 
     def _learn(self, seen: list[tuple[int, torch.Tensor, bool, torch.Tensor | None]]) -> None:
-        """The layout of the call just run: every activation compared, those that require grad computed from the
-        region's values, those whose digest changed since they were saved filled late."""
+        """The layout of the call just run: every activation compared, those that require grad counted as computed
+        from the region's values, those whose digest changed since they were saved as filled late."""
         self._learning = None
         self.filled_late = frozenset(
             position
@@ -210,7 +210,8 @@ class FloorGPT(HandCheckpointedGPT):
 
 def floor_model(size: ModelSize, device: torch.device) -> FloorGPT:
     """The benchmark GPT of ``size``, with the weights of every other variant, and its :class:`DigestFloor`, which has
-    learned its layout from one forward and backward (its gradients dropped)."""
+    learned its layout from one forward and backward (its gradients dropped). The floor's extractor is registered in
+    torch's registry under :data:`CHECK`, in place of any earlier model's: one floor model runs at a time."""
     torch.manual_seed(0)
     model = FloorGPT(size.vocab_size, size.seq_len, size.dim, size.heads, size.layers, size.dropout).to(device)
     model.floor = DigestFloor()
