@@ -405,9 +405,8 @@ _COMPUTED = 2
 
 
 def _kind(saved: KeptTensor, local: torch.Tensor) -> int:
-    """How well a saved activation stands for the region's values: 2 for a floating-point one that requires grad (one
-    with a ``grad_fn``, or a DTensor's shard of one), 1 for one that does not (dropout's noise), 0 for any other
-    dtype."""
+    """How well a saved activation stands for the region's values: 2 for a floating-point one autograd tracks (it has a
+    ``grad_fn``, or its local tensor requires grad), 1 for one it does not (dropout's noise), 0 for any other dtype."""
     if not local.dtype.is_floating_point:
         return 0
     return _COMPUTED if saved.producer or local.requires_grad else _FLOATING
