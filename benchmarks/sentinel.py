@@ -192,20 +192,19 @@ def _constant_digests(device: torch.device) -> Iterator[None]:
     def constant_read(self: Any, tensor: torch.Tensor, mode: Any) -> torch.Tensor:
         return constant
 
-    def constant_sums(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return constant, constant
+    def constant_digest(self: Any, matrix: torch.Tensor) -> torch.Tensor:
+        return constant
 
     def constant_combined(self: Any, found: Any) -> torch.Tensor:
         return constant.expand(len(found))
 
     plans = digest_module.DigestPlans
-    real = plans.read, plans.sums, plans.combined
-    plans.read, plans.sums, plans.combined = constant_read, staticmethod(constant_sums), constant_combined  # type: ignore[method-assign,assignment]
+    real = plans.read, plans.digest_or_sums, plans.combined
+    plans.read, plans.digest_or_sums, plans.combined = constant_read, constant_digest, constant_combined  # type: ignore[method-assign]
     try:
         yield
     finally:
-        plans.read, plans.combined = real[0], real[2]  # type: ignore[method-assign]
-        plans.sums = staticmethod(real[1])  # type: ignore[method-assign,assignment]
+        plans.read, plans.digest_or_sums, plans.combined = real  # type: ignore[method-assign]
 
 
 def scaling(sizes: list[ModelSize], device: torch.device, rounds: int) -> list[dict[str, float]]:

@@ -20,12 +20,14 @@ from benchmarks import (
     moe,
     monitor,
     saved_tensors,
+    sentinel,
     sentinel_host,
     wrapper_overhead,
 )
-from benchmarks.common import ModelSize, lm_loss, make_batch
+from benchmarks.common import ModelSize, Regions, Variant, build_model, lm_loss, make_batch
 from benchmarks.run import main
-from lightning_ckpt_determinism.verify.digest import DigestTier
+from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
+from lightning_ckpt_determinism.verify.digest import DigestPlans, DigestTier
 from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -424,3 +426,34 @@ def test_the_digest_floor_compares_what_the_light_tier_compares_and_sees_a_recom
     model.floor.next_step()
     lm_loss(model, *make_batch(size, cpu)).backward()
     assert model.floor.end_step() == 0
+
+
+def test_the_sentinel_benchmarks_hooks_only_variant_keeps_the_light_tiers_bookkeeping_with_constant_digests(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # "light hooks only" must run the light tier's whole path per saved tensor with its digests replaced, not fail in
+    # it: a sentinel that cannot read a tensor leaves it out (a warning) and skips the bookkeeping it is meant to time.
+    size = ModelSize(layers=2, dim=32, heads=2, seq_len=16, batch_size=2, vocab_size=32)
+    cpu = torch.device("cpu")
+    model = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), cpu)
+    regions = Regions(model)
+    lm_loss(model, *make_batch(size, cpu)).backward()  # the regions' profiles: both sentinels learn alike after it
+    real, constant = RecomputationSentinel(model, mode="light"), RecomputationSentinel(model, mode="light")
+
+    def step(watching: RecomputationSentinel) -> None:
+        with regions.observed_by(watching):
+            lm_loss(model, *make_batch(size, cpu)).backward()
+        watching.settle()
+        watching.next_step()
+
+    read = DigestPlans.read
+    for _ in range(3):
+        step(real)
+        with sentinel._constant_digests(cpu):
+            step(constant)
+    assert DigestPlans.read is read  # put back
+    assert caplog.records == []
+    # Each block: its learning step's two fixed targets, then three a step (the rotating one besides).
+    assert constant.report().compared == real.report().compared == 2 * (2 + 3 + 3)
+    assert constant.report().not_compared == real.report().not_compared == 0
+    assert constant.report().mismatches == 0
