@@ -1,6 +1,7 @@
 """What the benchmarks share: the model size, the GPT variants, one training step and timing statistics."""
 
 import gc
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -124,11 +125,14 @@ def interleaved_times(
     device: torch.device,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Time each function once per round, round-robin, rotating the order every round.
+    """Time each function once per round, in a fresh order every round (shuffled, seeded, so that every process of a
+    distributed benchmark runs the same order).
 
-    Rotating keeps any variant from always running right after the same other one (caches, allocator state,
-    CPU frequency), and interleaving makes slow drift of a shared machine hit every variant alike. Round ``r``
-    of each list is measured within seconds of round ``r`` of the others, so per-round ratios pair them.
+    A shuffle gives every variant every other one as its predecessor, whose caches, allocator state and model it
+    inherits: a rotation would keep each variant right after the same one, so that a variant following another step of
+    its own model ran warm and one following another model's ran cold, every round. Interleaving makes slow drift of a
+    shared machine hit every variant alike. Round ``r`` of each list is measured within seconds of round ``r`` of the
+    others, so per-round ratios pair them.
 
     Args:
         functions: What to time, by name.
@@ -143,10 +147,11 @@ def interleaved_times(
     """
     names = list(functions)
     times: dict[str, list[float]] = {name: [] for name in names}
+    order = random.Random(0)
     for index in range(warmup + rounds):
-        shift = index % len(names)
+        order.shuffle(names)
         gc.collect(1)  # the young generations, where a step's garbage cycles are, outside the timed calls
-        for name in names[shift:] + names[:shift]:
+        for name in names:
             synchronize(device)
             start = clock()
             functions[name]()

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, get_args
 
@@ -24,7 +25,7 @@ from benchmarks import (
     sentinel_host,
     wrapper_overhead,
 )
-from benchmarks.common import ModelSize, Regions, Variant, build_model, lm_loss, make_batch
+from benchmarks.common import ModelSize, Regions, Variant, build_model, interleaved_times, lm_loss, make_batch
 from benchmarks.run import main
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
 from lightning_ckpt_determinism.verify.digest import DigestPlans, DigestTier
@@ -457,3 +458,19 @@ def test_the_sentinel_benchmarks_hooks_only_variant_keeps_the_light_tiers_bookke
     assert constant.report().compared == real.report().compared == 2 * (2 + 3 + 3)
     assert constant.report().not_compared == real.report().not_compared == 0
     assert constant.report().mismatches == 0
+
+
+def test_interleaved_rounds_run_each_variant_once_a_round_after_every_other_and_alike_in_every_process() -> None:
+    calls: list[str] = []
+    functions = {name: partial(calls.append, name) for name in "abcd"}
+    times = interleaved_times(functions, rounds=30, warmup=2, device=torch.device("cpu"))
+    assert {name: len(found) for name, found in times.items()} == dict.fromkeys("abcd", 30)
+    rounds = [calls[at : at + 4] for at in range(0, len(calls), 4)]
+    assert all(sorted(order) == list("abcd") for order in rounds)
+    # Every variant runs right after every other one in some round (a rotation keeps each after the same one).
+    followed = {(order[at - 1], order[at]) for order in rounds for at in range(1, 4)}
+    assert followed == {(a, b) for a in "abcd" for b in "abcd" if a != b}
+    # Seeded: a second run (another process of a distributed benchmark) takes the same orders.
+    again: list[str] = []
+    interleaved_times({name: partial(again.append, name) for name in "abcd"}, 30, 2, torch.device("cpu"))
+    assert again == calls
