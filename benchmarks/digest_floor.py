@@ -1,26 +1,36 @@
-"""What the light tier's digests cost on their own, with nothing of the package around them: a floor for the tier.
+"""What a sentinel tier's digests cost on their own, with nothing of the package around them: a floor for the tier.
 
 The benchmark GPT's blocks are checkpointed by hand (``torch.utils.checkpoint``, non-reentrant, torch's own metadata
-check), and a bare extractor digests, at the forward and after the recomputation, what the light tier digests: the same
-positions (its rule, :meth:`~lightning_ckpt_determinism.verify.sentinel.light_layout.SavedLayout.targets`, over a layout
-learned from the first block call), the same windows moving on with the steps, and the same formula
-(:class:`~lightning_ckpt_determinism.verify.digest.DigestPlans`). A tensor whose values are written after it is saved
-is digested when the block's forward returns, as the sentinel does. The step compares every pair in one comparison and
-reads the result back, as the step-level benchmark does with the sentinel.
+check), and a bare extractor digests, at the forward and after the recomputation, what the tier digests: the same
+positions (every activation a block saves, learned from the first block call; under the light tier its rule,
+:meth:`~lightning_ckpt_determinism.verify.sentinel.light_layout.SavedLayout.targets`, over that layout), the same
+windows moving on with the steps (all of each tensor under ``"exact"``), and the same formula
+(:class:`~lightning_ckpt_determinism.verify.digest.DigestPlans`: a small read weighed in one pass, a larger one by its
+row and column sums, weighed with the call's others). A tensor whose values are written after it is saved is digested
+when the block's forward returns, as the sentinel does. Each block call keeps its digests as the sentinel keeps a
+region call's: its sums weighed when its forward returns and once its recomputation's last tensor is digested, so
+that no sums outlive the call. The step compares every pair in one comparison and reads the result back, as the
+step-level benchmark does with the sentinel.
 
 It leaves out everything else the sentinel does: the region contexts, the parameter and buffer watch, the profiles and
 code paths, failure handling, the report. So its ratio over the same hand-written step without digests is about the
-least any implementation of the light tier's coverage costs on the machine; the light tier's own ratio over the
-package's step without a sentinel is measured in the same rounds, beside it.
+least any implementation of the tier's coverage costs on the machine; the tier's own ratio over the package's step
+without a sentinel is measured in the same rounds, beside it.
 
-``python -m benchmarks.digest_floor --dims 128 --rounds 61`` prints one row per width.
+At widths of 256 and more, glibc's allocator gives memory back and faults it in again at a rate that depends on each
+variant's history (thousands of minor page faults a step for one variant, none for another), enough to move a ratio
+by 5 %. Pinning it, ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=68719476736`` in the environment, leaves
+no page faults in a step.
+
+``python -m benchmarks.digest_floor --dims 128 --rounds 61 --tier light`` prints one row per width; prefix it with
+those two settings to pin the allocator.
 """
 
 import argparse
 import statistics
 import sys
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -41,7 +51,7 @@ from benchmarks.common import (
 )
 from benchmarks.sentinel import THREADS, watched
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
-from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, readable
+from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, DigestTier, Sums, readable
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
 CHECK = "lightning_ckpt_determinism_benchmark_digest_floor"
@@ -50,20 +60,46 @@ CHECK = "lightning_ckpt_determinism_benchmark_digest_floor"
 _default_extractor = torch_checkpoint._default_meta_extractor
 
 
+Found = Sums | torch.Tensor
+"""A tensor's digest, or its row and column sums where its read is too large for one pass."""
+
+Digests = list[torch.Tensor] | torch.Tensor
+"""A block call's digests: a digest each, where each was taken in one pass, else one vector, weighed from their sums
+together."""
+
+
+class _Call:
+    """One block call's digests, as the sentinel keeps a region call's: the forward's, joined when its forward
+    returns, and its recomputation's, joined once the last of them is taken, so that no sums outlive the call."""
+
+    __slots__ = ("forward", "kept", "recomputed", "remaining")
+
+    def __init__(self) -> None:
+        self.kept: list[_Kept] = []
+        self.forward: Digests | None = None
+        self.recomputed: list[Found | None] = []
+        self.remaining = 0
+
+
 class _Kept:
-    """What torch keeps of a target at the forward: its digest, once taken (``None`` while its values are written)."""
+    """What torch keeps of a target at the forward: its call, its slot there and its digest, once taken (``None``
+    while its values are written)."""
 
-    __slots__ = ("digest", "floor", "mode")
+    __slots__ = ("call", "digest", "floor", "mode", "slot")
 
-    def __init__(self, floor: "DigestFloor", mode: DigestMode) -> None:
-        self.floor, self.mode = floor, mode
-        self.digest: torch.Tensor | None = None
+    def __init__(self, floor: "DigestFloor", mode: DigestMode, call: _Call) -> None:
+        self.floor, self.mode, self.call = floor, mode, call
+        self.slot = len(call.kept)
+        call.kept.append(self)
+        self.digest: Found | None = None
 
     def __ne__(self, other: object) -> bool:
-        if isinstance(other, _Recomputed) and self.digest is not None:
-            found = self.floor.digest(other.tensor, self.mode)
-            if found is not None:
-                self.floor.pairs.append((self.digest, found))
+        call = self.call
+        if isinstance(other, _Recomputed) and call.forward is not None:
+            call.recomputed[self.slot] = self.floor.digest(other.tensor, self.mode)
+            call.remaining -= 1
+            if call.remaining == 0:
+                self.floor.recomputed(call)
         return False
 
     __hash__ = None  # type: ignore[assignment]
@@ -88,19 +124,23 @@ class DigestFloor:
     """The bare extractor of one hand-checkpointed model: a position count per block call, the step's targets, the
     digests kept in pairs for the step's one comparison.
 
+    Args:
+        tier: The sentinel tier whose digests it takes: ``"light"`` its targets, ``"sampled"`` and ``"exact"`` every
+            activation a block saves.
+
     Example::
 
-        >>> floor = DigestFloor()
+        >>> floor = DigestFloor("sampled")
         >>> floor.next_step(); floor.end_step()
         0
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tier: DigestTier = "light") -> None:
         self.plans = DigestPlans()
-        self.mode = DigestMode("light")
+        self.mode = DigestMode(tier)
         self.layout: SavedLayout | None = None
         self.filled_late: frozenset[int] = frozenset()
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pairs: list[tuple[Digests, Digests]] = []
         self.compared = 0
         # Digests replaced by a constant: what the floor costs besides them.
         self.constant = False
@@ -109,6 +149,7 @@ class DigestFloor:
         self._position = 0
         self._in_forward = False
         self._held: list[tuple[_Kept, torch.Tensor]] = []
+        self._call = _Call()
         self._learning: list[tuple[int, torch.Tensor, bool, torch.Tensor | None]] | None = None
         self._state: set[int] = set()
 
@@ -119,27 +160,57 @@ class DigestFloor:
 
     def next_step(self) -> None:
         """Move the windows and the rotating target on, as the sentinel's ``next_step`` does."""
-        self.mode = DigestMode("light", self.mode.offset + 1)
+        self.mode = self.mode.next_step()
 
     def end_step(self) -> int:
-        """Compare the step's pairs in one comparison and read back how many differed (with constant digests, none
-        counts as compared)."""
+        """Compare the step's digests in one comparison (one more where some calls weighed sums) and read back how
+        many differed (with constant digests, none counts as compared)."""
         pairs, self.pairs = self.pairs, []
-        self.compared += 0 if self.constant else len(pairs)
-        if not pairs:
-            return 0
-        forward = torch.stack([before for before, _ in pairs])
-        recomputed = torch.stack([after for _, after in pairs])
-        return int((forward != recomputed).sum())
+        singles: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        vectors: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for before, after in pairs:
+            if isinstance(before, list) and isinstance(after, list):
+                singles[0].extend(before)
+                singles[1].extend(after)
+            else:
+                vectors[0].append(before if isinstance(before, torch.Tensor) else torch.stack(before))
+                vectors[1].append(after if isinstance(after, torch.Tensor) else torch.stack(after))
+        self.compared += 0 if self.constant else len(singles[0]) + sum(vector.numel() for vector in vectors[0])
+        differing = [
+            (join(forward) != join(recomputed)).sum()
+            for join, (forward, recomputed) in ((torch.stack, singles), (torch.cat, vectors))
+            if forward
+        ]
+        return int(sum(differing)) if differing else 0
 
-    def digest(self, tensor: torch.Tensor, mode: DigestMode) -> torch.Tensor | None:
-        """``tensor``'s digest as the light tier takes it (or the constant, while :attr:`constant`)."""
-        return self._zero if self.constant else self.plans.digest_of(tensor, mode)
+    def recomputed(self, call: _Call) -> None:
+        """``call``'s recomputation is digested: its digests joined, paired with the forward's for the step."""
+        found = call.recomputed
+        if call.forward is not None and all(entry is not None for entry in found):
+            self.pairs.append((call.forward, self._joined(found)))  # type: ignore[arg-type]
+        call.forward, call.recomputed = None, []
+
+    def digest(self, tensor: torch.Tensor, mode: DigestMode) -> Found | None:
+        """``tensor``'s digest as the sentinel takes it, or its row and column sums where its read is too large for
+        one pass (or the constant, while :attr:`constant`)."""
+        if self.constant:
+            return self._zero
+        matrix = self.plans.read(tensor, mode)
+        return None if matrix is None else self.plans.digest_or_sums(matrix)
+
+    def targets(self) -> dict[int, DigestMode]:
+        """The positions a block call digests at this step, each with the mode its digest reads."""
+        if self.layout is None:
+            return {}
+        if self.mode.tier == "light":
+            return self.layout.targets(self.mode)
+        return dict.fromkeys(self.layout.compared, self.mode)
 
     def run_block(self, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One block's forward or recomputation, its saved tensors counted from zero."""
         self._position, self._in_forward = 0, True
-        self._targets = self.layout.targets(self.mode) if self.layout is not None else {}
+        self._targets = self.targets()
+        call = self._call = _Call()
         try:
             out = block(x)
         finally:
@@ -149,6 +220,10 @@ class DigestFloor:
         for kept, tensor in self._held:
             kept.digest = self.digest(tensor, kept.mode)
         self._held = []
+        found = [kept.digest for kept in call.kept]
+        if found and all(entry is not None for entry in found):
+            call.forward = self._joined(found)  # type: ignore[arg-type]
+            call.recomputed, call.remaining = [None] * len(found), len(found)
         return out
 
     def extract(self, tensor: torch.Tensor) -> Any:
@@ -162,7 +237,7 @@ class DigestFloor:
         mode = self._targets.get(position)
         if mode is None:
             return _default_extractor(tensor)
-        kept = _Kept(self, mode)
+        kept = _Kept(self, mode, self._call)
         if position in self.filled_late:
             self._held.append((kept, tensor))
         else:
@@ -175,6 +250,12 @@ class DigestFloor:
             return
         computed = tensor.requires_grad
         self._learning.append((position, tensor, computed, self.plans.digest_of(tensor, self.mode)))
+
+    def _joined(self, found: list[Found]) -> Digests:
+        """A call's digests as the sentinel keeps them: as they are where each is a digest, else weighed together."""
+        if all(type(entry) is not tuple for entry in found):
+            return found  # type: ignore[return-value]
+        return self.plans.combined(found)
 
     def _learn(self, seen: list[tuple[int, torch.Tensor, bool, torch.Tensor | None]]) -> None:
         """The layout of the call just run: every activation compared, those that require grad counted as computed
@@ -208,13 +289,14 @@ class FloorGPT(HandCheckpointedGPT):
         return self.head(self.ln_f(x))
 
 
-def floor_model(size: ModelSize, device: torch.device) -> FloorGPT:
-    """The benchmark GPT of ``size``, with the weights of every other variant, and its :class:`DigestFloor`, which has
-    learned its layout from one forward and backward (its gradients dropped). The floor's extractor is registered in
-    torch's registry under :data:`CHECK`, in place of any earlier model's: one floor model runs at a time."""
+def floor_model(size: ModelSize, device: torch.device, tier: DigestTier = "light") -> FloorGPT:
+    """The benchmark GPT of ``size``, with the weights of every other variant, and its :class:`DigestFloor` of
+    ``tier``, which has learned its layout from one forward and backward (its gradients dropped). The floor's extractor
+    is registered in torch's registry under :data:`CHECK`, in place of any earlier model's: one floor model runs at a
+    time."""
     torch.manual_seed(0)
     model = FloorGPT(size.vocab_size, size.seq_len, size.dim, size.heads, size.layers, size.dropout).to(device)
-    model.floor = DigestFloor()
+    model.floor = DigestFloor(tier)
     torch_checkpoint._allowed_determinism_checks_to_fns[CHECK] = model.floor.extract
     model.floor.watch(model)
     lm_loss(model, *make_batch(size, device)).backward()
@@ -233,7 +315,7 @@ def floor_step(model: FloorGPT, step: Any) -> int:
 RATIOS = (
     ("floor", "hand"),
     ("floor, digests constant", "hand"),
-    ("light", "step"),
+    ("sentinel", "step"),
     ("step", "hand"),
     ("hand again", "hand"),
 )
@@ -248,28 +330,31 @@ def _with_constant_digests(model: FloorGPT, step: Any) -> int:
         model.floor.constant = False
 
 
-def measure(size: ModelSize, device: torch.device, rounds: int, warmup: int = 3) -> dict[str, float]:
-    """The floor's and the light tier's step-level ratios, interleaved in one process.
+def measure(
+    size: ModelSize, device: torch.device, rounds: int, warmup: int = 3, tier: DigestTier = "light"
+) -> dict[str, float]:
+    """The floor's and the sentinel's step-level ratios at ``tier``, interleaved in one process.
 
     Args:
         size: The benchmark GPT's shape.
         device: Where to train.
         rounds: Interleaved rounds of each variant.
-        warmup: Untimed rounds first, after one step of the light tier, which learns its layouts (the floor learns
+        warmup: Untimed rounds first, after one step of the sentinel, which learns its layouts (the floor learns
             its own when it is made).
+        tier: The sentinel's tier, and the floor's.
 
     Returns:
         ``"step ms"`` (the hand-written step), the medians of ``"floor/hand"``, ``"floor, digests constant/hand"``
-        (what the floor costs besides its digests), ``"light/step"`` (the package's step
-        without a sentinel), ``"step/hand"`` and ``"hand again/hand"`` (the run's noise), the saved tensors each
-        compares a step after their first (``"floor compared"``, ``"light compared"``: each digested at the forward
-        and after the recomputation) and the floor's mismatches.
+        (what the floor costs besides its digests), ``"sentinel/step"`` (over the package's step without a
+        sentinel), ``"step/hand"`` and ``"hand again/hand"`` (the run's noise), the saved tensors each compares a step
+        after their first (``"floor compared"``, ``"sentinel compared"``: each digested at the forward and after the
+        recomputation) and the floor's mismatches.
 
     Example::
 
         >>> size = ModelSize(layers=2, dim=32, heads=2, seq_len=16, batch_size=2, vocab_size=32)
         >>> found = measure(size, torch.device("cpu"), rounds=1, warmup=2)
-        >>> found["floor mismatches"], found["floor compared"] == found["light compared"]
+        >>> found["floor mismatches"], found["floor compared"] == found["sentinel compared"]
         (0, True)
     """
 
@@ -278,59 +363,60 @@ def measure(size: ModelSize, device: torch.device, rounds: int, warmup: int = 3)
         return partial(train_step, model, make_optimizer(model), inputs, targets)
 
     hand = made(build_model(size, Variant("hand", hand=True), device))
-    floor = floor_model(size, device)
+    floor = floor_model(size, device, tier)
     floored = made(floor)
     mismatches = []
     package = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), device)
     step = made(package)
-    sentinel = RecomputationSentinel(package, mode="light")
+    sentinel = RecomputationSentinel(package, mode=tier)
     regions = Regions(package)
     functions = {
         "hand": hand,
         "floor": lambda: mismatches.append(floor_step(floor, floored)),
         "floor, digests constant": partial(_with_constant_digests, floor, floored),
         "step": step,
-        "light": partial(watched, regions, sentinel, step, device),
+        "sentinel": partial(watched, regions, sentinel, step, device),
         "hand again": hand,
     }
     with torch_threads(THREADS):
-        functions["light"]()  # its first step, which learns the layouts: left out of the counts
-        floor_before, light_before = floor.floor.compared, sentinel.report().compared
+        functions["sentinel"]()  # its first step, which learns the layouts: left out of the counts
+        floor_before, sentinel_before = floor.floor.compared, sentinel.report().compared
         times = interleaved_times(functions, rounds, warmup, device)
     steps = rounds + warmup
     return {
         "step ms": statistics.median(times["hand"]) * 1e3,
         **{f"{a}/{b}": statistics.median(paired_ratios(times[a], times[b])) for a, b in RATIOS},
         "floor compared": (floor.floor.compared - floor_before) / steps,
-        "light compared": (sentinel.report().compared - light_before) / steps,
+        "sentinel compared": (sentinel.report().compared - sentinel_before) / steps,
         "floor mismatches": sum(mismatches),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the floor's and the light tier's step-level ratios for models of several widths.
+    """Print the floor's and a sentinel tier's step-level ratios for models of several widths.
 
     Example::
 
-        python -m benchmarks.digest_floor --dims 128 --rounds 61
+        python -m benchmarks.digest_floor --dims 128 --rounds 61 --tier sampled
     """
     parser = argparse.ArgumentParser(prog="python -m benchmarks.digest_floor", description=main.__doc__)
     parser.add_argument("--dims", default="128", help="model widths, comma-separated (sequence = width / 2)")
     parser.add_argument("--rounds", type=int, default=61, help="interleaved rounds of each variant")
+    parser.add_argument("--tier", choices=get_args(DigestTier), default="light", help="the sentinel's tier")
     args = parser.parse_args(argv)
     print(
-        "| width | hand step ms | floor / hand | floor, digests constant / hand | `light` / step | step / hand"
+        f"| width | hand step ms | floor / hand | floor, digests constant / hand | `{args.tier}` / step | step / hand"
         " | hand again / hand | compared a step |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for dim in (int(text) for text in args.dims.split(",")):
         size = ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
-        found = measure(size, torch.device("cpu"), args.rounds)
+        found = measure(size, torch.device("cpu"), args.rounds, tier=args.tier)
         print(
             f"| {dim} | {found['step ms']:.1f} | **{found['floor/hand']:.3f}** |"
-            f" {found['floor, digests constant/hand']:.3f} | {found['light/step']:.3f} |"
+            f" {found['floor, digests constant/hand']:.3f} | {found['sentinel/step']:.3f} |"
             f" {found['step/hand']:.3f} | {found['hand again/hand']:.3f} |"
-            f" {found['floor compared']:.1f} (light {found['light compared']:.1f}) |"
+            f" {found['floor compared']:.1f} (sentinel {found['sentinel compared']:.1f}) |"
         )
     return 0
 

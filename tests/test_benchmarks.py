@@ -28,6 +28,7 @@ from benchmarks import (
 from benchmarks.common import ModelSize, Regions, Variant, build_model, interleaved_times, lm_loss, make_batch
 from benchmarks.run import main
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
+from lightning_ckpt_determinism.verify import digest
 from lightning_ckpt_determinism.verify.digest import DigestPlans, DigestTier
 from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
 
@@ -404,26 +405,37 @@ def test_the_sentinels_host_time_is_clocked_at_each_place_its_code_runs_and_the_
     assert "| 16 |" in sentinel_host.table({16: found}, tier)
 
 
-def test_the_digest_floor_compares_what_the_light_tier_compares_and_sees_a_recomputation_that_differs() -> None:
+@pytest.mark.parametrize(
+    ("tier", "compared", "downstream", "by_sums"),
+    # The light tier's rule over the block's layout: each block's last saved tensor (dropout's noise), the computed one
+    # before it and one in turn, which never fell on those two here. Sampled and exact: every activation of each block
+    # (20 a call). Downstream of the first MLP weight, block 0 saves two activations: GELU's input and output. Last,
+    # every read weighed from its row and column sums, as the exact tier weighs reads too large for one pass.
+    [("light", 6.0, 1, False), ("sampled", 40.0, 2, False), ("exact", 40.0, 2, False), ("exact", 40.0, 2, True)],
+)
+def test_the_digest_floor_compares_what_its_tier_compares_and_sees_a_recomputation_that_differs(
+    tier: DigestTier, compared: float, downstream: int, by_sums: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if by_sums:
+        monkeypatch.setattr(digest, "ONE_PASS_WORDS", 0)
     size = ModelSize(layers=2, dim=32, heads=2, seq_len=16, batch_size=2, vocab_size=32)
     cpu = torch.device("cpu")
-    found = digest_floor.measure(size, cpu, rounds=4, warmup=1)
-    # The light tier's rule over the same layout: as many saved tensors a step (each block's last, dropout's noise, the
-    # computed one before it and one in turn, which never fell on those two here), nothing differing on this model.
-    assert found["floor compared"] == found["light compared"] == 6.0
+    found = digest_floor.measure(size, cpu, rounds=4, warmup=1, tier=tier)
+    # As many saved tensors a step as the sentinel of the same tier, nothing differing on this model.
+    assert found["floor compared"] == found["sentinel compared"] == compared
     assert found["floor mismatches"] == 0
     assert all(_finite_positive(found[f"{a}/{b}"]) for a, b in digest_floor.RATIOS)
     # It compares values: a weight written between the forward and the recomputation changes what block 0 recomputes
-    # after it, and the floor's digests differ there (torch's own check compares shapes only): its computed target
-    # alone (the noise and the rotating target, layer norm's mean, are not downstream of that weight; block 1 is
-    # recomputed from its saved input).
-    model = digest_floor.floor_model(size, cpu)
+    # after it, and the floor's digests differ there (torch's own check compares shapes only): at the saved tensors
+    # downstream of that weight that the tier digests (the light tier's noise and rotating target, layer norm's mean,
+    # are not; block 1 is recomputed from its saved input).
+    model = digest_floor.floor_model(size, cpu, tier)
     model.floor.next_step()
     loss = lm_loss(model, *make_batch(size, cpu))
     with torch.no_grad():
         model.blocks[0].mlp[0].weight.add_(1.0)
     loss.backward()
-    assert model.floor.end_step() == 1
+    assert model.floor.end_step() == downstream
     model.floor.next_step()
     lm_loss(model, *make_batch(size, cpu)).backward()
     assert model.floor.end_step() == 0
