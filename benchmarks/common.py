@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.nn import functional as F
@@ -118,6 +118,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+Named = TypeVar("Named")
+
+
+def round_orders(names: Sequence[Named], rounds: int) -> Iterator[list[Named]]:
+    """The order of each of ``rounds`` rounds in which every one of ``names`` runs once: a fresh shuffle each round,
+    seeded, so that every variant runs right after every other one in some round (a rotation would keep each right
+    after the same one, whose caches, allocator state and model it inherits) and every process of a distributed
+    benchmark takes the same orders.
+
+    Args:
+        names: The variants.
+        rounds: How many orders.
+
+    Example::
+
+        >>> orders = list(round_orders("abc", 20))
+        >>> all(sorted(order) == ["a", "b", "c"] for order in orders), orders == list(round_orders("abc", 20))
+        (True, True)
+    """
+    order, shuffled = random.Random(0), list(names)
+    for _ in range(rounds):
+        order.shuffle(shuffled)
+        yield list(shuffled)
+
+
 def interleaved_times(
     functions: Mapping[str, Callable[[], object]],
     rounds: int,
@@ -125,14 +150,10 @@ def interleaved_times(
     device: torch.device,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Time each function once per round, in a fresh order every round (shuffled, seeded, so that every process of a
-    distributed benchmark runs the same order).
+    """Time each function once per round, in a fresh order every round (:func:`round_orders`).
 
-    A shuffle gives every variant every other one as its predecessor, whose caches, allocator state and model it
-    inherits: a rotation would keep each variant right after the same one, so that a variant following another step of
-    its own model ran warm and one following another model's ran cold, every round. Interleaving makes slow drift of a
-    shared machine hit every variant alike. Round ``r`` of each list is measured within seconds of round ``r`` of the
-    others, so per-round ratios pair them.
+    Interleaving makes slow drift of a shared machine hit every variant alike. Round ``r`` of each list is measured
+    within seconds of round ``r`` of the others, so per-round ratios pair them.
 
     Args:
         functions: What to time, by name.
@@ -145,11 +166,8 @@ def interleaved_times(
     Returns:
         Seconds per call, by name, one entry per timed round.
     """
-    names = list(functions)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    order = random.Random(0)
-    for index in range(warmup + rounds):
-        order.shuffle(names)
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for index, names in enumerate(round_orders(list(functions), warmup + rounds)):
         gc.collect(1)  # the young generations, where a step's garbage cycles are, outside the timed calls
         for name in names:
             synchronize(device)

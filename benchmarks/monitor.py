@@ -36,6 +36,7 @@ from benchmarks.common import (
     make_batch,
     make_optimizer,
     paired_ratios,
+    round_orders,
     summary,
     synchronize,
     train_step,
@@ -233,7 +234,8 @@ def run_lightning(
     returned instead). It
     always checks the first step of a fit, then every ``every_n_steps``; the first period is warm-up, and the
     following ``periods`` whole periods are measured, each holding exactly one check, so the figures are the
-    steady-state rate of a long run. The runs go round-robin, ``rounds`` times, the order rotated every round.
+    steady-state rate of a long run. Each of ``rounds`` rounds runs every kind once, in a fresh seeded shuffle
+    (:func:`~benchmarks.common.round_orders`).
     Each step is timed from its start to the next one's (data loading, the check, forward, backward, optimizer
     and hooks), and the throughput is given two ways:
 
@@ -270,10 +272,8 @@ def run_lightning(
     in_run: dict[str, list[float]] = {name: [] for name in monitors}
     checks: list[int] = []
     divergences: list[float] = []
-    names = list(monitors)
-    for index in range(rounds):
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
+    for names in round_orders(list(monitors), rounds):
+        for name in names:
             kwargs = monitors[name]
             monitor = None
             if kwargs is not None:

@@ -344,8 +344,8 @@ def _notes(result: dict[str, Any]) -> list[str]:
     lightning_result = result["lightning"]
     period = lightning_result["every_n_steps"]
     notes = [
-        "Times: median over interleaved rounds (each round runs every variant once, single steps in a shuffled order,"
-        " whole fits in a rotated one, after warm-up);"
+        "Times: median over interleaved rounds (each round runs every variant once, in a fresh seeded shuffle, after"
+        " warm-up);"
         " ratios: median of per-round ratios; spread: interquartile range and min-max.",
         "Step time: 'package' is the default config, '+host_rng' adds preserve_host_rng=True; the blocks hold no"
         " buffers, so the package skips buffer protection and 'package' adds only its wrapper to torch's checkpoint.",

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.common import Regions, interleaved_times, torch_threads
+from benchmarks.common import Regions, interleaved_times, round_orders, torch_threads
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, apply_activation_checkpointing
 from lightning_ckpt_determinism._torch_compat import determinism_checks
 from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS, InRegionCall, recomputing
@@ -222,10 +222,8 @@ def extractor_ns(rounds: int = 41, repeats: int = 2000) -> dict[str, dict[str, f
     }
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in timings}
     try:
-        for index in range(rounds + 2):
-            keys = list(timings)
-            shift = index % len(keys)
-            for key in keys[shift:] + keys[:shift]:
+        for index, keys in enumerate(round_orders(list(timings), rounds + 2)):
+            for key in keys:
                 elapsed = timings[key]()
                 if index >= 2:
                     samples[key].append(elapsed)

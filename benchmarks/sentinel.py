@@ -2,7 +2,7 @@
 
 The fits train the benchmark GPT under ``SingleDeviceCheckpointingStrategy`` with ``RecomputationMonitor`` checking
 the first step only (``every_n_steps`` past the fit), so the runs differ by the sentinel alone, at two widths, each
-with and without dropout. The modes go round-robin, the order rotated every round, with two torch threads, and each
+with and without dropout. Each round runs every mode once, in a fresh seeded shuffle, with two torch threads, and each
 ratio is the median of per-round ratios of whole ``Trainer.fit`` times; ``off again/off`` pairs two runs without the
 sentinel, the noise floor. The peak memory is a training step's with each tier over without, once the tier is past
 its first step (and, for the light tier, at its first step too, where it learns what each region saves). The
@@ -34,6 +34,7 @@ from benchmarks.common import (
     make_batch,
     make_optimizer,
     paired_ratios,
+    round_orders,
     summary,
     synchronize,
     torch_threads,
@@ -93,9 +94,8 @@ def run(
 def _fits(size: ModelSize, device: torch.device, rounds: int, steps: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     mismatches = 0
-    for index in range(rounds):
-        shift = index % len(MODES)
-        for mode in MODES[shift:] + MODES[:shift]:
+    for modes in round_orders(MODES, rounds):
+        for mode in modes:
             # Checks the first step only, in every mode alike.
             tier = "off" if mode.startswith("off") else mode
             monitor = RecomputationMonitor(every_n_steps=steps + 1, on_divergence="ignore", sentinel=tier)  # type: ignore[arg-type]

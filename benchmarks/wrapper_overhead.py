@@ -11,7 +11,6 @@ Run ``python -m benchmarks.wrapper_overhead --rounds 4000``.
 import argparse
 import copy
 import gc
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.common import torch_threads
+from benchmarks.common import round_orders, torch_threads
 from examples.gpt import Block
 from lightning_ckpt_determinism import CheckpointingConfig
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpoint_module
@@ -99,16 +98,12 @@ def measure(rounds: int, warmup: int) -> dict[str, dict[str, list[int]]]:
     x = {name: torch.randn(shape) for name, shape in shapes.items()}
     grad = {name: torch.ones(shape) for name, shape in shapes.items()}
     clock = time.thread_time_ns
-    order = random.Random(0)
     gc.disable()
     try:
-        for index in range(warmup + rounds):
+        for index, order in enumerate(round_orders(names, warmup + rounds)):
             if index % 100 == 0:
                 gc.collect()
-            # A fresh order each round: a rotation would keep each variant right after the same one (whose caches it
-            # then inherits), a shuffle gives every variant every predecessor.
-            order.shuffle(names)
-            for name in names:
+            for name in order:
                 call, module = made[name]
                 for parameter in module.parameters():
                     parameter.grad = None
