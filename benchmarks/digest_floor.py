@@ -144,7 +144,7 @@ class DigestFloor:
         self.compared = 0
         # Digests replaced by a constant: what the floor costs besides them.
         self.constant = False
-        self._zero = torch.zeros((), dtype=torch.int64)
+        self._zeros: dict[torch.device, torch.Tensor] = {}
         self._targets: dict[int, DigestMode] = {}
         self._position = 0
         self._in_forward = False
@@ -194,7 +194,10 @@ class DigestFloor:
         """``tensor``'s digest as the sentinel takes it, or its row and column sums where its read is too large for
         one pass (or the constant, while :attr:`constant`)."""
         if self.constant:
-            return self._zero
+            zero = self._zeros.get(tensor.device)
+            if zero is None:
+                zero = self._zeros[tensor.device] = torch.zeros((), dtype=torch.int64, device=tensor.device)
+            return zero
         matrix = self.plans.read(tensor, mode)
         return None if matrix is None else self.plans.digest_or_sums(matrix)
 
@@ -403,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dims", default="128", help="model widths, comma-separated (sequence = width / 2)")
     parser.add_argument("--rounds", type=int, default=61, help="interleaved rounds of each variant")
     parser.add_argument("--tier", choices=get_args(DigestTier), default="light", help="the sentinel's tier")
+    parser.add_argument("--device", default="cpu", help="where to train (cuda on a GPU)")
     args = parser.parse_args(argv)
     print(
         f"| width | hand step ms | floor / hand | floor, digests constant / hand | `{args.tier}` / step | step / hand"
@@ -411,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for dim in (int(text) for text in args.dims.split(",")):
         size = ModelSize(layers=4, dim=dim, heads=4, seq_len=dim // 2, batch_size=8, vocab_size=256)
-        found = measure(size, torch.device("cpu"), args.rounds, tier=args.tier)
+        found = measure(size, torch.device(args.device), args.rounds, tier=args.tier)
         print(
             f"| {dim} | {found['step ms']:.1f} | **{found['floor/hand']:.3f}** |"
             f" {found['floor, digests constant/hand']:.3f} | {found['sentinel/step']:.3f} |"
