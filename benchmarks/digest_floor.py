@@ -52,6 +52,7 @@ from benchmarks.common import (
 from benchmarks.sentinel import THREADS, watched
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
 from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, DigestTier, Sums, readable
+from lightning_ckpt_determinism.verify.sentinel.calls import Digests, as_vector, joined
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
 CHECK = "lightning_ckpt_determinism_benchmark_digest_floor"
@@ -62,10 +63,6 @@ _default_extractor = torch_checkpoint._default_meta_extractor
 
 Found = Sums | torch.Tensor
 """A tensor's digest, or its row and column sums where its read is too large for one pass."""
-
-Digests = list[torch.Tensor] | torch.Tensor
-"""A block call's digests: a digest each, where each was taken in one pass, else one vector, weighed from their sums
-together."""
 
 
 class _Call:
@@ -173,8 +170,8 @@ class DigestFloor:
                 singles[0].extend(before)
                 singles[1].extend(after)
             else:
-                vectors[0].append(before if isinstance(before, torch.Tensor) else torch.stack(before))
-                vectors[1].append(after if isinstance(after, torch.Tensor) else torch.stack(after))
+                vectors[0].append(as_vector(before))
+                vectors[1].append(as_vector(after))
         self.compared += 0 if self.constant else len(singles[0]) + sum(vector.numel() for vector in vectors[0])
         differing = [
             (join(forward) != join(recomputed)).sum()
@@ -187,7 +184,7 @@ class DigestFloor:
         """``call``'s recomputation is digested: its digests joined, paired with the forward's for the step."""
         found = call.recomputed
         if call.forward is not None and all(entry is not None for entry in found):
-            self.pairs.append((call.forward, self._joined(found)))  # type: ignore[arg-type]
+            self.pairs.append((call.forward, joined(self.plans, found)))  # type: ignore[arg-type]
         call.forward, call.recomputed = None, []
 
     def digest(self, tensor: torch.Tensor, mode: DigestMode) -> Found | None:
@@ -225,7 +222,7 @@ class DigestFloor:
         self._held = []
         found = [kept.digest for kept in call.kept]
         if found and all(entry is not None for entry in found):
-            call.forward = self._joined(found)  # type: ignore[arg-type]
+            call.forward = joined(self.plans, found)  # type: ignore[arg-type]
             call.recomputed, call.remaining = [None] * len(found), len(found)
         return out
 
@@ -253,12 +250,6 @@ class DigestFloor:
             return
         computed = tensor.requires_grad
         self._learning.append((position, tensor, computed, self.plans.digest_of(tensor, self.mode)))
-
-    def _joined(self, found: list[Found]) -> Digests:
-        """A call's digests as the sentinel keeps them: as they are where each is a digest, else weighed together."""
-        if all(type(entry) is not tuple for entry in found):
-            return found  # type: ignore[return-value]
-        return self.plans.combined(found)
 
     def _learn(self, seen: list[tuple[int, torch.Tensor, bool, torch.Tensor | None]]) -> None:
         """The layout of the call just run: every activation compared, those that require grad counted as computed

@@ -21,7 +21,7 @@ from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Su
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
-__all__ = ["KeptTensor", "RegionCall"]
+__all__ = ["Digests", "KeptTensor", "RegionCall", "as_vector", "joined"]
 
 Digests = torch.Tensor | list[torch.Tensor]
 """The digests of some of a call's saved tensors, in slot order: a digest each, where each was small enough to digest
@@ -274,19 +274,12 @@ class RegionCall:
                 self._take(saved, local)
             if self._digests:
                 try:
-                    self.forward = self._joined(self._digests)
+                    self.forward = joined(self.sentinel.plans, self._digests)
                 except Exception as err:
                     self.sentinel._failed(self.region, "the forward's digests", err)
                     self.not_compared += len(self.slotted)
                     self.slotted = []
         self._digests, self._held = [], []
-
-    def _joined(self, found: list[Sums | torch.Tensor]) -> Digests:
-        """``found`` as :data:`Digests`: as they are where each is a digest, else weighed together."""
-        if all(type(entry) is not tuple for entry in found):
-            return found  # type: ignore[return-value]
-        with no_python_dispatch():
-            return self.sentinel.plans.combined(found)
 
     @property
     def digested(self) -> bool:
@@ -371,7 +364,7 @@ class RegionCall:
         if self._recomputed:
             slots = [slot for slot, _ in self._recomputed]
             try:
-                self.comparisons.append((slots, self._joined([found for _, found in self._recomputed])))
+                self.comparisons.append((slots, joined(self.sentinel.plans, [found for _, found in self._recomputed])))
             except Exception as err:
                 self.sentinel._failed(self.region, "the recomputation's digests", err)
                 self.not_compared += len(slots)
@@ -412,8 +405,39 @@ def _kind(saved: KeptTensor, local: torch.Tensor) -> int:
     return _COMPUTED if saved.producer or local.requires_grad else _FLOATING
 
 
+def joined(plans: DigestPlans, found: list[Sums | torch.Tensor]) -> Digests:
+    """Some saved tensors' digests as :data:`Digests`: as they are where each is a digest, else weighed together from
+    their sums (:meth:`~lightning_ckpt_determinism.verify.digest.DigestPlans.combined`).
+
+    Args:
+        plans: Where the weights come from.
+        found: Each tensor's digest or row and column sums, from
+            :meth:`~lightning_ckpt_determinism.verify.digest.DigestPlans.digest_or_sums`.
+
+    Example::
+
+        >>> plans = DigestPlans()
+        >>> matrix = torch.arange(6).view(2, 3)
+        >>> joined(plans, [plans.digest(matrix)])[0] == joined(plans, [plans.sums(matrix)])[0]
+        tensor(True)
+    """
+    if all(type(entry) is not tuple for entry in found):
+        return found  # type: ignore[return-value]
+    with no_python_dispatch():
+        return plans.combined(found)
+
+
 def as_vector(found: Digests) -> torch.Tensor:
-    """``found`` as one vector of digests."""
+    """``found`` as one vector of digests.
+
+    Args:
+        found: A digest each, or one vector already.
+
+    Example::
+
+        >>> as_vector([torch.tensor(3), torch.tensor(5)]).tolist()
+        [3, 5]
+    """
     if not isinstance(found, list):
         return found
     with no_python_dispatch():
