@@ -77,11 +77,23 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"reference_regions": 0}, r"`reference_regions` must be None, 'auto' or an integer >= 1, got 0\."),
         ({"sentinel": "always"}, r"`sentinel` can be light, sampled, exact, off, got 'always'\."),
         ({"sentinel_every_n_steps": 0}, r"`sentinel_every_n_steps` must be an integer >= 1, got 0\."),
+        (
+            {"exclude_attributes": 5},
+            r"`exclude_attributes` must be a list of attribute names \(non-empty strings\), got 5\.",
+        ),
+        ({"exclude_attributes": "steps"}, r"`exclude_attributes` must be a list .*, got 'steps'\."),
+        ({"exclude_attributes": ["steps", ""]}, r"`exclude_attributes` must be a list .*, got \['steps', ''\]\."),
+        ({"exclude_attributes": [1]}, r"`exclude_attributes` must be a list .*, got \[1\]\."),
     ],
 )
 def test_each_argument_is_checked_with_the_config_error(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(CheckpointingConfigError, match=f"^{message}"):
         RecomputationMonitor(**kwargs)  # type: ignore[arg-type]
+
+
+def test_exclude_attributes_takes_any_collection_of_names() -> None:
+    assert sorted(RecomputationMonitor(exclude_attributes=("steps", "seen")).exclude_attributes) == ["seen", "steps"]
+    assert RecomputationMonitor(exclude_attributes={"steps"}).exclude_attributes == ["steps"]
 
 
 def test_checks_first_step_then_every_n_optimizer_steps(tmp_path):

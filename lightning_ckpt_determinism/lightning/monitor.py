@@ -571,7 +571,9 @@ def _hint_syntax(syntax: object) -> Syntax:
 def _attribute_names(names: list[str] | None) -> list[str]:
     if names is None:
         return []
-    if isinstance(names, str) or not all(isinstance(name, str) and name for name in names):
+    if not isinstance(names, list | tuple | set | frozenset) or not all(
+        isinstance(name, str) and name for name in names
+    ):
         raise CheckpointingConfigError(
             f"`exclude_attributes` must be a list of attribute names (non-empty strings), got {names!r}."
         )
