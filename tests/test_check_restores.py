@@ -27,6 +27,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
 )
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.verify.state import StepState
 from tests.helpers import trainer_kwargs
 from tests.test_verdicts import WIDTH, Around, loss_of, same_state, seeded, tokens
 
@@ -144,6 +145,21 @@ class TensorAttribute(Outside):
         return 1.0 + 0.1 * self.calls
 
 
+class NanStatistic(nn.Module):
+    """A region that keeps diagnostics as attributes, NaN at every pass: the mean of activations above 100 (there are
+    none) as a float, and as a NumPy array made afresh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        self.mean_of_large = h[h.abs() > 100].mean().item()
+        self.stats = np.array([self.mean_of_large, 1.0])
+        return torch.tanh(h)
+
+
 @dataclass(frozen=True)
 class Case:
     """A model, and whether its checkpointed copy trains like the plain one (recomputation writes nothing twice)."""
@@ -162,6 +178,8 @@ CASES = {
     "a parameter decayed inside a region": Case(lambda: Outside(Clamped(decay=True)), like_plain=False),
     "a generator created lazily": Case(LazyGenerator),
     "a tensor attribute": Case(TensorAttribute),
+    # NaN is not `==` to itself: a NaN set again by recomputation is the same value, not a mutation.
+    "a NaN statistic kept as an attribute": Case(lambda: Outside(NanStatistic())),
 }
 
 
@@ -384,3 +402,123 @@ def test_the_monitor_checking_every_step_changes_no_training(tmp_path, name: str
             assert not record.diverged, record
     last = monitor.last_report
     assert last is not None and last.cause != "outside_state" and last.not_restored == [], last
+
+
+class TwoLosses(pl.LightningModule):
+    """Manual optimization: a second loss backwards through the graph the first kept (``retain_graph=True``), a
+    graph that saved a tensor the module holds: a buffer the forward multiplies by, or an activation it keeps as an
+    attribute."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.held = held
+        self.inp, self.body, self.head = nn.Linear(WIDTH, WIDTH), Around(nn.Tanh()), nn.Linear(WIDTH, 1)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.inp(x))
+        if self.held == "attribute":
+            self.activation = torch.tanh(h)  # `head` saves it for backward
+            return self.head(self.activation)
+        return self.head(h * self.gain)  # `mul` saves the buffer for backward
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        out = self(x)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(F.mse_loss(out, y), retain_graph=True)
+        self.manual_backward(out.abs().mean())
+        optimizer.step()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        x = torch.randn(4 * STEPS, WIDTH, generator=torch.Generator().manual_seed(2))
+        return DataLoader(TensorDataset(x, x.sum(dim=-1, keepdim=True)), batch_size=4)
+
+
+def first_loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(module(x), y)
+
+
+@pytest.mark.parametrize("held", ["buffer", "attribute"])
+def test_a_second_backward_through_a_kept_graph_runs_after_each_check(tmp_path, held: str) -> None:
+    # Putting back a value the tensor still holds would bump its version counter: the second backward would refuse
+    # the graph that saved it, and the fit would end.
+    def fit_two_losses(monitor: RecomputationMonitor | None) -> TwoLosses:
+        pl.seed_everything(0, verbose=False)
+        module = TwoLosses(held)
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["body"]))
+        callbacks = [monitor] if monitor is not None else []
+        pl.Trainer(**trainer_kwargs(tmp_path, callbacks=callbacks, strategy=strategy, max_steps=STEPS)).fit(module)
+        return module
+
+    monitor = RecomputationMonitor(every_n_steps=1, loss_fn=first_loss)
+    assert same_state(fit_two_losses(None), fit_two_losses(monitor))
+    assert [(record.step, record.skipped, record.grad_divergence) for record in monitor.history] == [
+        (step, None, 0.0) for step in range(STEPS)
+    ]
+
+
+class KeepsPredictions(CaseModule):
+    """Keeps its last validation predictions as an attribute: an inference tensor when ``trainer.validate`` ran."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.predictions = self.model(batch[0])
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
+def test_an_inference_tensor_kept_by_validation_before_the_fit_leaves_every_check_running(tmp_path) -> None:
+    # Putting it back in place outside inference mode is refused: every check failed and was skipped.
+    def validated_then_fit(monitor: RecomputationMonitor | None) -> KeepsPredictions:
+        pl.seed_everything(0, verbose=False)
+        module = KeepsPredictions(CASES["a tensor attribute"].build)
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.body"]))
+        callbacks = [monitor] if monitor is not None else []
+        trainer = pl.Trainer(
+            **trainer_kwargs(
+                tmp_path,
+                callbacks=callbacks,
+                strategy=strategy,
+                max_steps=STEPS,
+                limit_val_batches=1,
+                num_sanity_val_steps=0,  # the fit's own validation would bind a tensor made under `no_grad`
+            )
+        )
+        trainer.validate(module, verbose=False)
+        assert module.predictions.is_inference()
+        trainer.fit(module)
+        return module
+
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel="off")
+    plain = validated_then_fit(None)
+    monitored = validated_then_fit(monitor)
+    assert same_state(plain, monitored) and held_state(plain.model) == held_state(monitored.model)
+    assert [(record.step, record.skipped, record.grad_divergence) for record in monitor.history] == [
+        (step, None, 0.0) for step in range(STEPS)
+    ]
+
+
+def test_state_is_put_back_bit_for_bit_and_written_only_where_it_changed() -> None:
+    model = nn.BatchNorm1d(2)
+    model.zero = torch.zeros(2)
+    with torch.inference_mode():
+        model.predictions = torch.zeros(2)
+    state = StepState(model)
+    model.zero.neg_()  # -0.0 is `==` to 0.0, and still another value
+    with torch.inference_mode():
+        model.predictions.add_(1.0)
+    state.restore()
+    assert model.zero.tolist() == [0.0, 0.0] and not model.zero.signbit().any()
+    assert model.predictions.tolist() == [0.0, 0.0]
+    # What holds its captured value is not written: its version counter, which a kept graph checks, stays.
+    versions = model.running_mean._version, model.zero._version
+    state.restore()
+    assert (model.running_mean._version, model.zero._version) == versions

@@ -1,6 +1,7 @@
 """`same_values` and `same_item` (`checkpointing/equality.py`), which the first-call probe and the checks share, held
 against the checks' own elementwise difference: equal exactly where that difference is zero."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,3 +41,10 @@ def test_same_item_compares_tensors_by_values_and_anything_else_by_type_and_equa
     assert same_item(3, 3) and not same_item(3, 3.0) and not same_item(True, 1)
     assert not same_item(torch.ones(2), torch.ones(2) + 1)
     assert not same_item([torch.ones(2)], [torch.ones(2)])  # `==` that is not a truth value: unequal, never raised
+
+
+def test_same_item_takes_nan_for_nan_in_the_same_parts_of_a_number() -> None:
+    assert same_item(NAN, float("nan")) and same_item(np.float32(NAN), np.float32(NAN))
+    assert same_item(complex(NAN, 1.0), complex(NAN, 1.0))
+    assert not same_item(complex(NAN, 1.0), complex(1.0, NAN)) and not same_item(complex(NAN, 1.0), complex(NAN, 2.0))
+    assert not same_item(NAN, 1.0) and not same_item(np.float32(NAN), NAN)

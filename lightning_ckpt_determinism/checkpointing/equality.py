@@ -4,6 +4,8 @@ The probe of a region's first call and the checks read it alike: NaN in the same
 infinity, counts as equal. DTensors are compared as this rank's local shards, so no comparison runs a collective.
 """
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -38,7 +40,8 @@ def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
 
 
 def same_item(first: Any, second: Any) -> bool:
-    """Identity, or equal values: tensors by :func:`same_values`, anything else of one type by a usable ``==``.
+    """Identity, or equal values: tensors by :func:`same_values`, anything else of one type by a usable ``==`` (a
+    number holding NaN equal to one holding NaN in the same parts).
 
     Args:
         first: One value (an attribute, a container's item).
@@ -48,12 +51,25 @@ def same_item(first: Any, second: Any) -> bool:
 
         >>> same_item(1, 1), same_item(1, 1.0), same_item(torch.ones(2), torch.ones(2))
         (True, False, True)
+        >>> same_item(float("nan"), float("nan")), same_item(complex(1, float("nan")), complex(float("nan"), 1))
+        (True, False)
     """
     if first is second:
         return True
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
         return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and same_values(first, second)
     try:
-        return type(first) is type(second) and bool(first == second)
+        if type(first) is not type(second):
+            return False
+        return bool(first == second) or (isinstance(first, numbers.Complex) and _both_nan_alike(first, second))
     except Exception:  # a value whose `==` is not a truth value
         return False
+
+
+def _both_nan_alike(first: numbers.Complex, second: numbers.Complex) -> bool:
+    """Whether two numbers that are not ``==`` hold NaN in the same parts and equal values in the others (a float
+    attribute set to NaN at each pass, ``float("nan") != float("nan")``)."""
+    return all(
+        one == other or (math.isnan(one) and math.isnan(other))
+        for one, other in ((first.real, second.real), (first.imag, second.imag))
+    )

@@ -148,7 +148,8 @@ class StepState:
         return self._parameters.unrestored()
 
     def restore(self) -> None:
-        """Put everything captured back; can be called any number of times."""
+        """Put everything captured back; can be called any number of times. A tensor that still holds its captured
+        bits is not written, so its version counter stays (a graph kept for a second backward checks it)."""
         restore_rng(self._rng)
         self._generators.restore()
         self._tensors.restore()
@@ -181,10 +182,11 @@ class _BufferSnapshot:
 
     def restore(self) -> None:
         with torch.no_grad():
-            # Always copied: kernels such as batch_norm update running statistics without bumping `_version`.
+            # Compared, not trusted to `_version`: kernels such as batch_norm update running statistics without
+            # bumping it.
             for _, owner, key, buffer, value in self._entries:
                 own_buffers(owner)[key] = buffer
-                buffer.copy_(value)
+                _put_back(buffer, value)
 
 
 class _TensorAttributes:
@@ -200,7 +202,7 @@ class _TensorAttributes:
         with torch.no_grad():
             for owner, name, tensor, value in self._entries:
                 vars(owner)[name] = tensor
-                tensor.copy_(value)
+                _put_back(tensor, value)
 
 
 class _ParameterSnapshot:
@@ -230,7 +232,38 @@ class _ParameterSnapshot:
             for name, value in self._copies.items():
                 param, version = self._versions[name]
                 if self._always or version_counter(param) != version:
-                    param.copy_(value)
+                    _put_back(param, value)
+
+
+def _put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give ``tensor`` its captured ``value`` in place, unless it holds it bit for bit already: a write bumps the
+    version counter, and a graph kept for a second backward (``retain_graph=True``) that saved the tensor would then
+    refuse to run; an inference tensor (made under ``torch.inference_mode``, by ``trainer.validate`` before the fit)
+    is written inside inference mode, the only place it can be."""
+    if _same_bits(tensor, value):
+        return
+    if tensor.is_inference():
+        with torch.inference_mode():
+            tensor.copy_(value)
+    else:
+        tensor.copy_(value)
+
+
+def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether two plain strided tensors hold the same bits (``-0.0`` is not ``0.0``, a NaN is its own payload);
+    ``False`` for anything else, which is then written."""
+    if type(tensor) is not torch.Tensor or type(value) is not torch.Tensor or tensor.layout != torch.strided:
+        return False
+    if (tensor.shape, tensor.dtype, tensor.device) != (value.shape, value.dtype, value.device) or tensor.is_quantized:
+        return False
+    if tensor.is_complex():
+        tensor, value = torch.view_as_real(tensor), torch.view_as_real(value)
+    bits = _BITS.get(tensor.element_size())
+    return bits is not None and torch.equal(tensor.detach().view(bits), value.detach().view(bits))
+
+
+# By element size: an integer dtype that reads an element's bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _GeneratorSnapshot:
@@ -471,12 +504,19 @@ def _same_attribute(current: Any, value: Any) -> bool:
 def _same_nested(first: Any, second: Any) -> bool:
     """Equal generator states or arrays: NumPy's states hold arrays in tuples and dicts, torch's a tensor."""
     if isinstance(first, np.ndarray) or isinstance(second, np.ndarray):
-        return isinstance(first, np.ndarray) and isinstance(second, np.ndarray) and np.array_equal(first, second)
+        return isinstance(first, np.ndarray) and isinstance(second, np.ndarray) and _same_array(first, second)
     if isinstance(first, dict) and isinstance(second, dict):
         return first.keys() == second.keys() and all(_same_nested(first[key], second[key]) for key in first)
     if isinstance(first, tuple | list) and isinstance(second, tuple | list):
         return len(first) == len(second) and all(_same_nested(a, b) for a, b in zip(first, second, strict=True))
     return same_item(first, second)
+
+
+def _same_array(first: np.ndarray, second: np.ndarray) -> bool:
+    """Equal arrays, NaN equal to NaN where the dtype can hold it."""
+    if np.array_equal(first, second):
+        return True
+    return first.dtype == second.dtype and first.dtype.kind in "fc" and np.array_equal(first, second, equal_nan=True)
 
 
 def _same_contents(container: Any, copy: Any) -> bool:
