@@ -433,6 +433,37 @@ def test_a_call_recomputed_twice_in_a_step_is_compared_at_each_recomputation(
     assert (by_step.mismatches > 0) == (block is CounterScaleBlock)
 
 
+@pytest.mark.parametrize("mode", ["light", "exact"])
+@pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])
+def test_a_recomputation_after_its_forwards_step_ended_is_counted_in_the_step_it_runs_in(
+    block: Callable[[], nn.Module], mode: str
+) -> None:
+    once = watched_steps(checkpointed(stack_with(block)), steps=1, mode=mode).regions["blocks.1"]
+    assert once.compared > 0
+    model = checkpointed(stack_with(block))
+    x, y = batch()
+    with recomputation_sentinel(model, mode=mode) as sentinel:
+        loss = F.mse_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        first = sentinel.settle()["blocks.1"]
+        sentinel.next_step()
+        loss.backward()  # the graph kept: recomputed again, in the next step
+        second = sentinel.settle()["blocks.1"]
+        sentinel.next_step()
+        late = F.mse_loss(model(x), y)
+        before = sentinel.settle()["blocks.1"]
+        late.backward()  # a forward in one step, its backward in the next
+        after = sentinel.settle()["blocks.1"]
+    counted = [first, second, after]
+    assert [(region.compared > 0, region.mismatches > 0) for region in counted] == [
+        (True, block is CounterScaleBlock)
+    ] * 3
+    if mode == "exact":  # the light tier's targets rotate from step to step
+        assert first == second == once and after.compared == once.compared
+    assert (before.compared, before.mismatches) == (0, 0)
+    assert sentinel.report().regions["blocks.1"].compared == sum(region.compared for region in counted)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block", [DropoutBlock, CounterScaleBlock], ids=["clean", "counter"])

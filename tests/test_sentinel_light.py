@@ -183,3 +183,40 @@ def test_exact_keeps_working_for_a_release_with_a_deprecation_warning_and_modes_
     assert RecomputationSentinel(model).tier == "light"
     with pytest.raises(ValueError, match="`mode` can be light, sampled, exact, got 'every'"):
         RecomputationSentinel(model, mode="every")  # type: ignore[arg-type]
+
+
+class WeightLast(nn.Module):
+    """Host noise in its first op (not replayed: host RNG is off), then a linear layer whose saved weight autograd
+    computed from parameters alone: its cast to bfloat16 under ``torch.autocast``, or a weight-norm weight. The weight
+    is saved last, and no value of the call reaches it."""
+
+    def __init__(self, weight: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        if weight == "weight norm":
+            nn.utils.parametrizations.weight_norm(self.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(x * float(1 + np.random.rand())))
+
+
+@pytest.mark.parametrize("weight", ["autocast cast", "weight norm"])
+def test_the_light_tier_never_spends_a_fixed_target_on_a_weight_computed_from_parameters_alone(weight: str) -> None:
+    def found_by_step(mode: str) -> list[tuple[int, int]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(DIM, DIM), WeightLast(weight))
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["1"], preserve_host_rng=False))
+        found = []
+        with recomputation_sentinel(model, mode=mode) as sentinel:  # type: ignore[arg-type]
+            for step in range(STEPS):
+                sentinel.next_step()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=weight == "autocast cast"):
+                    out = model(batch(seed=step)[0])
+                out.float().pow(2).sum().backward()
+                region = sentinel.settle()["1"]
+                found.append((region.compared, region.mismatches))
+        return found
+
+    # Ground truth: the exact tier sees the noise at every step.
+    assert all(mismatches > 0 for _, mismatches in found_by_step("exact"))
+    assert all(mismatches > 0 for _, mismatches in found_by_step("light"))

@@ -80,11 +80,11 @@ def recomputation_sentinel(
         module: The model whose checkpointed regions to watch.
         mode: What to digest. ``"light"`` (the default): per region call, the last saved tensor, the last
             floating-point one computed from the region's values (one that requires grad, unlike dropout's
-            noise) and one more whose position rotates with :meth:`RecomputationSentinel.next_step`,
-            each through a window of about one element in 16 of each row, the window moving on with the steps
-            (every saved tensor is compared within as many steps as the region saves tensors).
-            ``"sampled"``: every saved tensor, through that window. ``"exact"``: every element of every saved
-            tensor.
+            noise; neither is a tensor computed from parameters alone, such as a weight's autocast cast) and one
+            more whose position rotates with :meth:`RecomputationSentinel.next_step`, each through a window of
+            about one element in 16 of each row, the window moving on with the steps (every saved tensor is
+            compared within as many steps as the region saves tensors). ``"sampled"``: every saved tensor, through
+            that window. ``"exact"``: every element of every saved tensor.
         exact: Deprecated: ``True`` means ``mode="exact"``, ``False`` means ``mode="sampled"``.
 
     Yields:

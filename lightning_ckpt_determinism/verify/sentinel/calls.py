@@ -1,6 +1,7 @@
 """One region call as the sentinel sees it: the tensors its forward saves, kept as digests once their values are
 final, and their comparison with the recomputation's (see the package's description)."""
 
+import copy
 from collections.abc import Container, Iterator
 from typing import Any, Protocol
 
@@ -46,7 +47,7 @@ class CallOwner(Protocol):
 
     def _learned(self, region: str, layout: SavedLayout | None) -> None: ...
 
-    def _comparing(self, call: "RegionCall") -> None: ...
+    def _comparing(self, call: "RegionCall") -> "RegionCall": ...
 
     def _compared(self, call: "RegionCall") -> None: ...
 
@@ -136,6 +137,8 @@ class RegionCall:
         layout: SavedLayout | None,
     ) -> None:
         self.sentinel = sentinel
+        # The sentinel's step that counts what this call compares (set when its forward joins one).
+        self.step: object | None = None
         self.region = region
         self.buffers = buffers
         self.profile = profile
@@ -147,6 +150,8 @@ class RegionCall:
         # Light without a layout: the layout is learned from this call, at its forward's end.
         self.learning = layout is None and self.mode.tier == "light"
         self._seen: list[tuple[int, int]] = []
+        # The positions a learning call saw computed from parameters alone (see `SavedLayout.weights`).
+        self._weights: set[int] = set()
         # How many tensors the forward saved, known when it ends.
         self.packs = 0
         self.saved: list[KeptTensor] = []
@@ -176,6 +181,8 @@ class RegionCall:
             saved.producer = tensor.grad_fn.name() if tensor.grad_fn is not None else ""
             if is_state(tensor, local, self.buffers):
                 return saved
+            if self.learning and _from_parameters(tensor):
+                self._weights.add(position)
             if self.targets is not None:
                 saved.mode = self.targets[position]
             self.saved_bytes += (
@@ -201,13 +208,25 @@ class RegionCall:
         if not readable(local):
             self._unreadable(local)
             return
-        kind = _kind(saved, local)
+        kind = self._kind(saved, local)
         self._seen.append((saved.position, kind))
+        if kind == _WEIGHTS:  # never a fixed target: not held
+            return
         # The held one that stays besides the new one: the best candidate for the computed target, unless the new
         # one is at least as good (a later one of the same kind wins).
-        best = max((_kind(held, tensor) for held, tensor in self._held), default=0)
-        kept = [] if kind >= best else [entry for entry in self._held if _kind(*entry) == best][-1:]
+        best = max((self._kind(held, tensor) for held, tensor in self._held), default=0)
+        kept = [] if kind >= best else [entry for entry in self._held if self._kind(*entry) == best][-1:]
         self._held = [*kept, (saved, local)]
+
+    def _kind(self, saved: KeptTensor, local: torch.Tensor) -> int:
+        """How well a saved activation stands for the region's values: :data:`_COMPUTED` for a floating-point one
+        autograd tracks (it has a ``grad_fn``, or its local tensor requires grad), :data:`_FLOATING` for one it does
+        not (dropout's noise), :data:`_WEIGHTS` for one computed from parameters alone, 0 for any other dtype."""
+        if saved.position in self._weights:
+            return _WEIGHTS
+        if not local.dtype.is_floating_point:
+            return 0
+        return _COMPUTED if saved.producer or local.requires_grad else _FLOATING
 
     def _take(self, saved: KeptTensor, local: torch.Tensor) -> None:
         found = self._digest(local, saved)
@@ -323,7 +342,7 @@ class RegionCall:
                     comparable.append((saved, local))
                 else:
                     self._unreadable(local)
-            seen = [(saved.position, _kind(saved, local)) for saved, local in comparable]
+            seen = [(saved.position, self._kind(saved, local)) for saved, local in comparable]
             held = comparable
         layout = SavedLayout(
             saved=self.packs,
@@ -331,6 +350,7 @@ class RegionCall:
             floating=tuple(position for position, kind in seen if kind >= _FLOATING),
             derived=tuple(position for position, kind in seen if kind == _COMPUTED),
             left_out=self.not_compared,
+            weights=tuple(position for position, kind in seen if kind == _WEIGHTS),
         )
         self.sentinel._learned(self.region, layout)
         targets = layout.targets(self.mode)
@@ -341,7 +361,9 @@ class RegionCall:
     def recomputed(self, saved: KeptTensor, tensor: torch.Tensor) -> bool:
         """torch compares ``saved`` with its recomputation: the metadata and the digest now, the comparison of the
         digests (stacked at the call's last tensor) at the step's end."""
-        self.sentinel._comparing(self)
+        call = self.sentinel._comparing(self)
+        if call is not self:  # the call continues in a later step (see `continued`)
+            return call.recomputed(saved, tensor)
         local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
         if not saved.same_metadata(local):
             if saved.strict:
@@ -357,6 +379,28 @@ class RegionCall:
         if saved is self.saved[-1]:
             self.recomputation_done()
         return False
+
+    def continued(self) -> "RegionCall":
+        """This call, for a step after the one its forward ran in: the forward's digests shared, the comparisons its
+        own from now on, so that each step counts what was compared in it (a graph kept with ``retain_graph=True``
+        and run backward again after its step ended; a backward run after the step of its forward). The saved
+        tensors torch keeps compare through the continuation.
+
+        Example::
+
+            >>> from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel
+            >>> call = RegionCall(RecomputationSentinel(torch.nn.Linear(2, 2)), "0", frozenset(), None, None)
+            >>> call.comparisons.append(([0], [torch.tensor(1)]))
+            >>> later = call.continued()
+            >>> later.comparisons, len(call.comparisons), later.forward is call.forward
+            ([], 1, True)
+        """
+        later = copy.copy(self)
+        later.comparisons, later.metadata_mismatches, later.not_compared = [], [], 0
+        later._recomputed, later._digests, later._held = [], [], []
+        for saved in self.saved:
+            saved.call = later
+        return later
 
     def recomputation_done(self) -> None:
         """Keep this recomputation's digests for the step to compare, any sums among them weighed (also reached later,
@@ -391,18 +435,45 @@ class RegionCall:
             yield items, before, recomputed
 
 
-# How `_kind` ranks a saved floating-point activation: one that does not require grad (dropout's noise), or one that
-# does (computed from the region's values or inputs autograd tracks).
+# How `RegionCall._kind` ranks a saved activation: one computed from parameters alone (below every other), a
+# floating-point one that does not require grad (dropout's noise), or one that does (computed from the region's values
+# or inputs autograd tracks).
+_WEIGHTS = -1
 _FLOATING = 1
 _COMPUTED = 2
 
+# The most autograd nodes `_from_parameters` walks: a weight's cast, transpose or reparametrization takes a few.
+_WEIGHT_NODES = 16
 
-def _kind(saved: KeptTensor, local: torch.Tensor) -> int:
-    """How well a saved activation stands for the region's values: 2 for a floating-point one autograd tracks (it has a
-    ``grad_fn``, or its local tensor requires grad), 1 for one it does not (dropout's noise), 0 for any other dtype."""
-    if not local.dtype.is_floating_point:
-        return 0
-    return _COMPUTED if saved.producer or local.requires_grad else _FLOATING
+
+def _from_parameters(tensor: torch.Tensor) -> bool:
+    """Whether autograd computed ``tensor`` from parameters alone: every path back through its graph ends, within a few
+    nodes, at the gradient accumulator of an ``nn.Parameter`` (a weight cast to ``torch.autocast``'s dtype, a
+    weight-norm weight). A path that ends anywhere else (an input, a tensor autograd does not track) makes it the
+    region's own; so does a tensor without a graph.
+
+    Args:
+        tensor: A saved tensor.
+
+    Example::
+
+        >>> linear = nn.Linear(2, 2)
+        >>> _from_parameters(linear.weight.to(torch.bfloat16)), _from_parameters(linear(torch.ones(1, 2)))
+        (True, False)
+    """
+    pending = [tensor.grad_fn]
+    walked = 0
+    while pending:
+        node = pending.pop()
+        walked += 1
+        if node is None or walked > _WEIGHT_NODES:
+            return False
+        if type(node).__name__ == "AccumulateGrad":
+            if not isinstance(getattr(node, "variable", None), nn.Parameter):
+                return False
+            continue
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return True
 
 
 def joined(plans: DigestPlans, found: list[Sums | torch.Tensor]) -> Digests:

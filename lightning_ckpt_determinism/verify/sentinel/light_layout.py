@@ -9,7 +9,9 @@ light tier digests only :meth:`SavedLayout.targets`:
   requires grad), at every step: a change anywhere upstream of them (a redrawn dropout mask, host noise in the first
   op, a counter, rows reordered, another scale) reaches them. A region ending in dropout saves dropout's noise last,
   which no value upstream reaches; the computed one before it does. Where no floating-point one requires grad, the
-  last floating-point one stands in;
+  last floating-point one stands in. Neither is a tensor computed from the region's parameters alone (``weights``: a
+  weight cast to ``torch.autocast``'s dtype, which a linear layer saves last, or a weight-norm weight): no value of
+  the call reaches it, and a change of the parameters reaches the activations computed from them;
 - one more position, rotating from step to step over the compared ones, so that a change confined to one saved
   tensor of a side branch, which no later saved tensor depends on, is seen within as many steps as the region has
   compared saved tensors. Its window of elements moves on once per turn, so that every window of every tensor comes
@@ -19,7 +21,7 @@ A call that took another code path than its layout's (another number of saved te
 from another op) is still compared where its targets fell, and the region's layout is learned again at its next call.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_ckpt_determinism.verify.digest import DigestMode
 
@@ -38,6 +40,8 @@ class SavedLayout:
             values or inputs autograd tracks, unlike dropout's noise.
         left_out: Activations among them the sentinel cannot compare (opaque workspaces, tensors without bits to
             read): each call counts them as not compared.
+        weights: The positions among ``compared`` whose tensors autograd computed from the region's parameters alone
+            (not in ``floating`` nor ``derived``): compared in turn, never a fixed target.
 
     Example::
 
@@ -46,6 +50,9 @@ class SavedLayout:
         [0, 2, 3]
         >>> sorted(layout.targets(DigestMode("light", offset=3)))
         [0, 3]
+        >>> cast = SavedLayout(saved=3, compared=(0, 1, 2), floating=(0, 1), derived=(1,), weights=(2,))
+        >>> sorted(cast.targets(DigestMode("light", offset=0)))  # the weight cast saved last only in turn
+        [0, 1]
     """
 
     saved: int
@@ -53,6 +60,16 @@ class SavedLayout:
     floating: tuple[int, ...]
     derived: tuple[int, ...] = ()
     left_out: int = 0
+    weights: tuple[int, ...] = ()
+    # The fixed targets, worked out once: the last compared activation and the last computed one.
+    _last: int | None = field(default=None, init=False, repr=False, compare=False)
+    _computed: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        activations = [position for position in self.compared if position not in self.weights] or self.compared
+        computed = self.derived or self.floating
+        object.__setattr__(self, "_last", activations[-1] if activations else None)
+        object.__setattr__(self, "_computed", computed[-1] if computed else None)
 
     def targets(self, mode: DigestMode) -> dict[int, DigestMode]:
         """The positions a call digests at ``mode``'s step, each with the mode its digests read.
@@ -65,12 +82,11 @@ class SavedLayout:
             >>> SavedLayout(saved=2, compared=(0, 1), floating=(0,)).targets(DigestMode("light", offset=4))
             {1: DigestMode(tier='light', offset=4), 0: DigestMode(tier='light', offset=4)}
         """
-        if not self.compared:
+        if self._last is None:
             return {}
-        chosen = {self.compared[-1]: mode}
-        computed = self.derived or self.floating
-        if computed:
-            chosen.setdefault(computed[-1], mode)
+        chosen = {self._last: mode}
+        if self._computed is not None:
+            chosen.setdefault(self._computed, mode)
         turn, position = divmod(mode.offset, len(self.compared))
         chosen.setdefault(self.compared[position], DigestMode(mode.tier, turn))
         return chosen

@@ -169,8 +169,7 @@ class RecomputationSentinel:
             call.forward_done(digest=finished, profile=region_profile(module), packs=region_saved(module))
             if finished:
                 self._saved_bytes.setdefault(call.region, call.saved_bytes)
-                self._step.calls.append(call)
-                self._step.updated()
+                self._joined(call)
         except Exception as err:
             self._stop(err)
 
@@ -256,11 +255,23 @@ class RecomputationSentinel:
         self._step.state_pairs.append((region, items, before, after))
         self._step.updated()
 
-    def _comparing(self, call: RegionCall) -> None:
-        """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested."""
+    def _joined(self, call: RegionCall) -> None:
+        """``call`` is counted in the step under way."""
+        call.step = self._step
+        self._step.calls.append(call)
+        self._step.updated()
+
+    def _comparing(self, call: RegionCall) -> RegionCall:
+        """torch compares ``call``'s recomputation now: one left unfinished (its last holder freed) is digested. A
+        call whose step has ended (its graph kept and run backward again, or run backward after the step) continues
+        in the step under way, which counts what it compares: the call that compares is returned."""
+        if call.step is not None and call.step is not self._step:  # `None`: a backward inside its own forward
+            call = call.continued()
+            self._joined(call)
         if self._recomputing is not None and self._recomputing is not call:
             self._recomputing.recomputation_done()
         self._recomputing = call
+        return call
 
     def _compared(self, call: RegionCall) -> None:
         """``call``'s recomputation is digested."""
@@ -288,7 +299,9 @@ class RecomputationSentinel:
 
     def end_step(self) -> SentinelStep:
         """Close the comparisons made since the last call into one :class:`SentinelStep`, unread (nothing is read
-        back from the device): the monitor calls it at every training batch's end.
+        back from the device): the monitor calls it at every training batch's end. A region call recomputed after
+        its step closed (a graph kept with ``retain_graph=True`` and run backward again) is counted in the step
+        under way.
 
         Raises:
             Exception: The sentinel's own :attr:`failure`, if one stopped it.
