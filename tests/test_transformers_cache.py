@@ -21,7 +21,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters
 from tests.test_transformers import build, gradients, lm_loss, token_ids
 
-DROPPED = "lightning_ckpt_determinism: checkpointed `{}` regions were called with {} while training"
+DROPPED = "lightning_ckpt_determinism: checkpointed `{}` regions were called with {} with grad enabled"
 ATTENTIONS = ("eager", "sdpa")
 
 
@@ -78,6 +78,20 @@ def test_gpt2_with_its_cache_on_trains_with_the_gradients_of_no_checkpointing(
         assert model(input_ids=ids, use_cache=True).past_key_values.get_seq_length() == ids.shape[1]
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_gpt2_in_eval_mode_with_grad_and_its_cache_asked_has_the_gradients_of_no_checkpointing(attention: str) -> None:
+    # Log-probabilities with gradients (dropout off by `eval()`): the regions are checkpointed, so the cache is dropped.
+    model, layer = build("gpt2", attention)
+    model.eval()
+    ids = token_ids()
+    closure = lm_loss(model, ids, use_cache=True)
+    plain = gradients(model, closure)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    checkpointed, messages = recorded(lambda: gradients(model, closure))
+    assert_same(plain, checkpointed)
+    assert messages == [DROPPED.format("GPT2Block", "`use_cache`, `cache`")] * 2
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_gpt2_blocks_checkpointed_below_the_model_drop_the_cache_it_passes_by_position(
@@ -100,7 +114,7 @@ def test_a_check_of_gpt2_called_with_use_cache_finds_nothing(attention: str) -> 
     model, layer = build("gpt2", attention)
     apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
     closure = lm_loss(model, token_ids(), attention_mask=padding_mask(True), use_cache=True)
-    with pytest.warns(LightningCkptDeterminismWarning, match="regions were called with `use_cache`, `cache` while"):
+    with pytest.warns(LightningCkptDeterminismWarning, match="regions were called with `use_cache`, `cache` with grad"):
         report = check_recomputation(model, closure, attribution=True)
     assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
     assert [(region.ops_compared > 0, region.cause) for region in report.regions] == [(True, None)] * 2

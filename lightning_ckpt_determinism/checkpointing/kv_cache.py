@@ -1,4 +1,4 @@
-"""Key-value caches (Hugging Face transformers) kept out of checkpointed regions while training.
+"""Key-value caches (Hugging Face transformers) kept out of checkpointed regions while grad is enabled.
 
 A transformers attention layer appends the step's keys and values to its cache in forward. Recomputation runs the
 forward again and appends them a second time: eager attention then fails in backward on mismatched sizes, and sdpa
@@ -7,13 +7,13 @@ cache off in training; so does this package:
 
 - applying checkpointing to a region inside a transformers ``PreTrainedModel`` whose ``config.use_cache`` is true
   sets it to ``False``, with one info line, until the last such region of that model is removed again;
-- a region that is a transformers layer (its class, or a base of it, comes from ``transformers``), called while
-  training with grad enabled, gets ``use_cache=False`` and no cache object (``cache``, ``past_key_values``,
-  ``past_key_value``, ``layer_past``), as transformers' ``GradientCheckpointingLayer`` does, with one warning. It
-  does so whether they come as keywords or as positional arguments (transformers 5's ``GPT2Model`` passes its cache
-  to ``GPT2Block`` by position, and an explicit ``use_cache=True`` overrides the config): the positions are read
-  from the layer's ``forward`` signature once, when the region is made. Other modules keep their arguments,
-  whatever their names.
+- a region that is a transformers layer (its class, or a base of it, comes from ``transformers``), called with grad
+  enabled (in training, or in eval mode for log-probabilities with gradients), gets ``use_cache=False`` and no cache
+  object (``cache``, ``past_key_values``, ``past_key_value``, ``layer_past``), as transformers'
+  ``GradientCheckpointingLayer`` does, with one warning. It does so whether they come as keywords or as positional
+  arguments (transformers 5's ``GPT2Model`` passes its cache to ``GPT2Block`` by position, and an explicit
+  ``use_cache=True`` overrides the config): the positions are read from the layer's ``forward`` signature once, when
+  the region is made. Other modules keep their arguments, whatever their names.
 
 transformers is never imported: its models are recognised by the name and module of a base class.
 """
@@ -195,7 +195,7 @@ class CacheParameters:
         by keyword or by position (warned once).
 
         Args:
-            args: The positional arguments of a region call while training with grad enabled.
+            args: The positional arguments of a region call with grad enabled.
             kwargs: Its keyword arguments.
 
         Returns:
@@ -215,9 +215,9 @@ class CacheParameters:
         dropped = {*by_keyword, *(name for _, name in by_position)}
         warnings.warn(
             f"lightning_ckpt_determinism: checkpointed `{self.region_class}` regions were called with"
-            f" {', '.join(f'`{name}`' for name in _DROPPED if name in dropped)} while training; they run without a"
+            f" {', '.join(f'`{name}`' for name in _DROPPED if name in dropped)} with grad enabled; they run without a"
             " key-value cache (as transformers' own gradient checkpointing does), since recomputation would fill it a"
-            " second time. Pass `use_cache=False` in training to silence this.",
+            " second time. Pass `use_cache=False` when grad is enabled to silence this.",
             LightningCkptDeterminismWarning,
             stacklevel=2,
         )

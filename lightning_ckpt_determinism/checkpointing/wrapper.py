@@ -331,8 +331,9 @@ class CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._cache_parameters is not None and self.module.training and torch.is_grad_enabled():
-            # Also with checkpointing off, so that a check's reference pass runs the same forward.
+        if self._cache_parameters is not None and torch.is_grad_enabled():
+            # Also with checkpointing off, so that a check's reference pass runs the same forward; in eval mode too,
+            # where a region with grad enabled is checkpointed all the same.
             args, kwargs = self._cache_parameters.without_cache(args, kwargs)
         if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
