@@ -23,7 +23,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.lightning.reference import plain_regions, regions_that_fit
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from tests.helpers import ArmedBlock, StackModule, trainer_kwargs
+from tests.helpers import ArmedBlock, PlainBlock, StackModule, trainer_kwargs
 
 METRIC = "recompute/sentinel/mismatches"
 
@@ -229,6 +229,49 @@ def _weights(tmp_path: Path, sentinel: str | None, every: int = 1) -> dict[str, 
     module = StackModule(block="DropoutBlock")
     fit(tmp_path, monitor, module, steps=6)
     return {name: value.clone() for name, value in module.state_dict().items()}
+
+
+class BranchAtOneStep(PlainBlock):
+    """Exact, but gates its ``tanh`` by a ``sigmoid`` at one step only (``branch_at``): a code path its first call
+    did not take. The step is set on it before each batch."""
+
+    def __init__(self, branch_at: int = 3) -> None:
+        super().__init__()
+        self.branch_at = branch_at
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        if self.step == self.branch_at:
+            return x + torch.tanh(hidden) * torch.sigmoid(hidden)
+        return x + torch.tanh(hidden)
+
+
+class BranchingModule(StackModule):
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock", n=2)
+        torch.manual_seed(1)
+        self.model.blocks = torch.nn.ModuleList([BranchAtOneStep(), BranchAtOneStep()])
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for block in self.model.blocks:
+            block.step = self.global_step
+
+
+def test_a_step_whose_every_call_takes_a_new_code_path_is_said_to_compare_nothing_for_that_reason(
+    tmp_path: Path,
+) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, sentinel="exact")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, monitor, BranchingModule(), steps=6)
+    messages = [str(warning.message) for warning in caught if warning.category is LightningCkptDeterminismWarning]
+    said = [message for message in messages if "compared nothing" in message]
+    assert len(said) == 1 and "at step 3: every call it met took a code path its region had not learned yet" in said[0]
+    compared = dict(logged(tmp_path, "recompute/sentinel/compared"))
+    assert [step for step, count in compared.items() if count == 0] == [3]  # the step after is compared again
+    report = monitor.sentinel_report
+    assert report is not None and report.on_new_paths == report.not_compared > 0
 
 
 def test_training_is_bit_identical_with_the_sentinel_on_and_off(tmp_path: Path) -> None:

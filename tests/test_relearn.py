@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable
 from typing import get_args
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -379,6 +380,64 @@ def test_a_call_on_another_path_is_probed_at_the_next_call_of_its_kind(monkeypat
     for step in range(2, 5):
         loss_of(model, tokens(step)).backward()
     assert (CountingProbe.made, wrapper.profile.filled_late) == (2, frozenset({1}))
+
+
+class SkippedOrNoisy(nn.Module):
+    """Passes its input through when ``skip`` is set (a LayerDrop-like branch chosen per call), and otherwise
+    scales a tanh by host noise drawn in forward when ``noisy`` (a real defect: recomputation draws other noise), by
+    a constant when not."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.noisy = noisy
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skip:
+            return x * 1.0
+        scale = float(np.random.rand()) if self.noisy else 0.5
+        return x + torch.tanh(self.inp(x) * scale)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("noisy", [True, False], ids=["host noise", "exact"])
+def test_a_branch_taken_every_other_call_is_compared_from_its_second_call_on(tier: str, noisy: bool) -> None:
+    torch.manual_seed(0)
+    np.random.seed(0)
+    model = Head(SkippedOrNoisy(noisy))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    seen = []
+    for step in range(12):
+        model.body.skip = step % 2 == 0  # the branch that computes is taken every other call, never twice in a row
+        with recomputation_sentinel(model, mode=tier) as sentinel:
+            loss_of(model, tokens(step)).backward()
+        if not model.body.skip:
+            region = sentinel.report().regions["body"]
+            seen.append((region.compared > 0, region.mismatches > 0))
+    # Its first call takes a path the region has not learned; every later one is compared, and the noise seen.
+    assert seen == [(False, False)] + [(True, noisy)] * 5
+
+
+def test_a_path_seen_once_is_probed_for_eight_calls_then_again_when_it_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wrapper_module, "FirstForwardProbe", CountingProbe)
+    CountingProbe.made = 0
+    torch.manual_seed(0)
+    model = Head(SkippedOrNoisy(noisy=False))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+
+    def calls(skips: list[bool]) -> int:
+        for step, skip in enumerate(skips):
+            model.body.skip = skip
+            loss_of(model, tokens(step)).backward()
+        return CountingProbe.made
+
+    assert calls([True, False]) == 1  # the first call learns the skipping path; the computing one is new
+    assert calls([True] * 12) == 1 + wrapper_module._PROBES_FOR_A_PATH  # probed for, then given up
+    assert calls([False, False]) == 2 + wrapper_module._PROBES_FOR_A_PATH  # back: the next call that takes it learns
+    assert calls([True, False] * 3) == 2 + wrapper_module._PROBES_FOR_A_PATH  # both paths known: no more probes
 
 
 @pytest.mark.parametrize("early_stop", [True, False])

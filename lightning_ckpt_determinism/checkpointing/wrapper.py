@@ -111,6 +111,10 @@ _Path = tuple[int, int, type | None]
 # How many profiles a region keeps (train and eval, a few code paths); the oldest goes first.
 _PROFILES = 8
 
+# How many calls in a row probe for a code path seen without a profile while they take other paths (a branch taken
+# every other call is learned at the next call that takes it; a rare one is probed for again when it comes back).
+_PROBES_FOR_A_PATH = 8
+
 _TRAINING = operator.attrgetter("training")
 
 
@@ -288,6 +292,8 @@ class CheckpointedForward:
         # Profiles by key and path, and each key's path at its last call (expected next).
         self._profiles: dict[tuple[_CallKey, _Path], RegionProfile] = {}
         self._paths: dict[_CallKey, _Path] = {}
+        # How many more calls of each key probe for its expected path while it has no profile (see `_next_path`).
+        self._probes_left: dict[_CallKey, int] = {}
         # The generators the profiles replay, where they are held: one replaced makes the region learn again.
         self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
         # The buffers every profile replays: those any call was seen to change.
@@ -314,6 +320,7 @@ class CheckpointedForward:
         # Learned again after loading: it holds generators and module references of this process.
         state["profile"] = None
         state["_profiles"], state["_paths"], state["_generators"], state["_replayed"] = {}, {}, (), frozenset()
+        state["_probes_left"] = {}
         state["region_observer"] = state["saved_observer"] = None
         return state
 
@@ -411,8 +418,8 @@ class CheckpointedForward:
                 for name, value in vars(owner).items()
                 if isinstance(value, torch.Generator)
             )
-        self._paths[key] = path
         self.profile = self._profiles.get((key, path))
+        self._paths[key] = self._next_path(key, path)
         if self.profile is None:
             # A path no profile knows may hold a tensor filled late, so it recomputes to its end; but not across
             # ranks: one rank may take the path alone, and on that rank alone the recomputation would then run the
@@ -425,6 +432,21 @@ class CheckpointedForward:
         # A region holding an `nn.RReLU` in training mode recomputes to its end whatever its profile says: a path that
         # runs it may look like one learned without it (a LayerDrop choosing between like-shaped layers).
         return any(key[0][at] for at in self._rrelu)
+
+    def _next_path(self, key: _CallKey, path: _Path) -> _Path:
+        """The path the next call of ``key`` is expected to take, whose profile it starts with: the one this call
+        took. A path taken without a profile stays expected instead while the calls probing for it take other paths,
+        at most :data:`_PROBES_FOR_A_PATH` calls, so that the next call that takes it learns it: a branch taken every
+        other call would otherwise never be learned, each probe taking the other, known path."""
+        expected = self._paths.get(key)
+        if self.profile is None:
+            self._probes_left[key] = _PROBES_FOR_A_PATH
+            return path
+        left = self._probes_left.pop(key, 0)
+        if expected is None or expected == path or (key, expected) in self._profiles or left <= 1:
+            return path
+        self._probes_left[key] = left - 1
+        return expected
 
     def _replay_buffers(self, names: frozenset[str]) -> None:
         """Every profile, and the call under way, replays ``names`` too: what the region replays only grows."""

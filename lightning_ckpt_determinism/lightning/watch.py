@@ -436,6 +436,11 @@ class SentinelWatch:
         report = self.sentinel.report()
         if report.compiled and len(report.compiled) == len(report.regions):
             why = "every checkpointed region is compiled, and the compiler recomputes it out of the sentinel's sight"
+        elif report.not_compared and report.on_new_paths == report.not_compared:
+            why = (
+                "every call it met took a code path its region had not learned yet (a branch taken for the first"
+                " time; the next call that takes it is learned and compared)"
+            )
         elif report.not_compared:
             why = (
                 f"the {report.not_compared} saved tensors it met were left out (opaque workspaces, tensors without"

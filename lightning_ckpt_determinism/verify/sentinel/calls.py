@@ -158,6 +158,8 @@ class RegionCall:
         self.slotted: list[KeptTensor] = []
         self.saved_bytes = 0
         self.not_compared = 0 if layout is None else layout.left_out
+        # Of those, the tensors left out because the call took a code path its region had not learned yet.
+        self.on_new_paths = 0
         # The forward's digests by slot, once the forward returned; each recomputation's, with the slots it compares.
         self.forward: Digests | None = None
         self.comparisons: list[tuple[list[int], Digests]] = []
@@ -320,13 +322,15 @@ class RegionCall:
         kept = [(saved, found) for saved, found in digested if saved.position not in early]
         for saved in self.slotted:
             saved.slot = None
-        self.not_compared += len(self.slotted) - len(kept)
+        dropped = len(self.slotted) - len(kept)
         self.slotted, self._digests = [saved for saved, _ in kept], [found for _, found in kept]
         for slot, saved in enumerate(self.slotted):
             saved.slot = slot
         if profile is None:
-            self.not_compared += len(self._held)
+            dropped += len(self._held)
+            self.on_new_paths += dropped
             self._held = []
+        self.not_compared += dropped
 
     def _learn(self, held: list[tuple[KeptTensor, torch.Tensor]]) -> list[tuple[KeptTensor, torch.Tensor]]:
         """Learn the region's layout from this call, and keep the held activations its targets name.
@@ -396,7 +400,7 @@ class RegionCall:
             ([], 1, True)
         """
         later = copy.copy(self)
-        later.comparisons, later.metadata_mismatches, later.not_compared = [], [], 0
+        later.comparisons, later.metadata_mismatches, later.not_compared, later.on_new_paths = [], [], 0, 0
         later._recomputed, later._digests, later._held = [], [], []
         for saved in self.saved:
             saved.call = later

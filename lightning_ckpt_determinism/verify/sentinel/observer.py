@@ -372,7 +372,8 @@ class RecomputationSentinel:
         compared = sum(region.compared for region in regions.values())
         mismatches = sum(region.mismatches for region in regions.values())
         not_compared = sum(region.not_compared for region in regions.values())
-        return SentinelReport(compared, mismatches, dict(regions), list(self._compiled), not_compared)
+        on_new_paths = sum(region.on_new_paths for region in regions.values())
+        return SentinelReport(compared, mismatches, dict(regions), list(self._compiled), not_compared, on_new_paths)
 
 
 def tier_of(mode: str, exact: bool | None, *, stacklevel: int) -> SentinelMode:

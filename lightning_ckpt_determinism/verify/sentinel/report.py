@@ -19,8 +19,10 @@ class SentinelRegion:
         first_mismatch: The first that differed: its position among the region's saved tensors, the op that
             produced it, its shape and dtype (and what differed, for metadata), or the parameter or buffer and what
             recomputation did to it; ``None`` when none did.
-        not_compared: Saved tensors (activations) left out: opaque workspaces, tensors without bits to read, and any
-            the sentinel failed to read.
+        not_compared: Saved tensors (activations) left out: opaque workspaces, tensors without bits to read, any the
+            sentinel failed to read, and those of calls that took a code path the region had not learned yet.
+        on_new_paths: Of ``not_compared``, those of calls that took a code path the region had not learned yet (its
+            next call that takes that path learns it, and is compared).
         cause: The cause of ``first_mismatch`` when the sentinel knows it (``"parameter_write"``,
             ``"buffer_mutation"``, ``"metric_update"``); ``None`` for a saved tensor, whose cause a full check names.
 
@@ -35,6 +37,7 @@ class SentinelRegion:
     first_mismatch: str | None = None
     not_compared: int = 0
     cause: Cause | None = None
+    on_new_paths: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class SentinelReport:
         compiled: The regions inside compiled modules, recomputed by the compiler (not compared unless they
             graph-break).
         not_compared: Saved tensors left out, over every region.
+        on_new_paths: Of ``not_compared``, those of calls on code paths their region had not learned yet.
 
     Example::
 
@@ -61,6 +65,7 @@ class SentinelReport:
     regions: dict[str, SentinelRegion]
     compiled: list[str] = field(default_factory=list)
     not_compared: int = 0
+    on_new_paths: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,5 +92,6 @@ def added(totals: dict[str, SentinelRegion], found: dict[str, SentinelRegion]) -
             region.first_mismatch if first else total.first_mismatch,
             total.not_compared + region.not_compared,
             region.cause if first else total.cause,
+            total.on_new_paths + region.on_new_paths,
         )
     return added

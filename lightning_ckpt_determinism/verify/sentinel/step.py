@@ -124,6 +124,7 @@ class SentinelStep:
         found: dict[str, list[Any]] = {name: [] for name in names}
         compared = dict.fromkeys(names, 0)
         not_compared = dict.fromkeys(names, 0)
+        on_new_paths = dict.fromkeys(names, 0)
         at = 0
         for owner, items in layout:
             compared[owner] += sum(isinstance(item, KeptTensor) for item in items)
@@ -134,6 +135,7 @@ class SentinelStep:
         for call in self.calls:
             compared[call.region] += len(call.metadata_mismatches)
             not_compared[call.region] += call.not_compared
+            on_new_paths[call.region] += call.on_new_paths
             found[call.region].extend(StateChange(text, None) for text in call.metadata_mismatches)
         for owner, change in self.changes:
             found[owner].append(change)
@@ -144,6 +146,7 @@ class SentinelStep:
                 first_mismatch=found[name][0].describe() if found[name] else None,
                 not_compared=not_compared[name],
                 cause=found[name][0].cause if found[name] else None,
+                on_new_paths=on_new_paths[name],
             )
             for name in names
         }
