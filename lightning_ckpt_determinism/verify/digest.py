@@ -57,6 +57,7 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 
 __all__ = [
     "EXACT",
+    "INTEGER_OF_SIZE",
     "SAMPLE_STRIDE",
     "WEIGHT_BYTES",
     "DigestMode",
@@ -174,7 +175,7 @@ def _readable(data: torch.Tensor) -> bool:
     if data.layout != torch.strided or data.is_quantized or data.is_meta:
         return False
     size = data.element_size() // 2 if data.is_complex() else data.element_size()
-    return size in _WORD
+    return size in INTEGER_OF_SIZE
 
 
 def words(tensor: torch.Tensor, mode: DigestMode = EXACT) -> torch.Tensor | None:
@@ -599,7 +600,7 @@ class _Plan:
     def __init__(self, tensor: torch.Tensor) -> None:
         shape, size = tensor.shape, tensor.element_size()
         word = _word_size(shape[-1] if shape else 1, size)
-        self.element, self.word = _WORD[size], _WORD[max(word, size)]
+        self.element, self.word = INTEGER_OF_SIZE[size], INTEGER_OF_SIZE[max(word, size)]
         self.per_word = word // size or 1
         self.widen = word < 4
         self.empty = tensor.numel() == 0
@@ -684,8 +685,8 @@ def _one_pass_words(device: torch.device) -> int:
 _ROW_HASH = 0x9E3779B97F4A7C15 - 2**64
 _COLUMN_HASH = 0xC2B2AE3D27D4EB4F - 2**64
 
-# By byte size: the integer type of an element or a word.
-_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INTEGER_OF_SIZE: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""By byte size: the integer dtype that reads an element's or a word's bits."""
 
 
 def _word_size(last: int, size: int) -> int:

@@ -48,6 +48,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     is_fsdp1_unit,
 )
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
+from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
 
 __all__ = ["StepState", "named_metrics"]
 
@@ -258,12 +259,8 @@ def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
         return False
     if tensor.is_complex():
         tensor, value = torch.view_as_real(tensor), torch.view_as_real(value)
-    bits = _BITS.get(tensor.element_size())
+    bits = INTEGER_OF_SIZE.get(tensor.element_size())
     return bits is not None and torch.equal(tensor.detach().view(bits), value.detach().view(bits))
-
-
-# By element size: an integer dtype that reads an element's bits.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _GeneratorSnapshot:
