@@ -52,7 +52,7 @@ from benchmarks.common import (
 from benchmarks.sentinel import THREADS, watched
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
 from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, DigestTier, Sums, readable
-from lightning_ckpt_determinism.verify.sentinel.calls import Digests, as_vector, joined
+from lightning_ckpt_determinism.verify.sentinel.calls import Digests, as_vector, from_parameters, joined
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
 CHECK = "lightning_ckpt_determinism_benchmark_digest_floor"
@@ -248,24 +248,30 @@ class DigestFloor:
         assert self._learning is not None
         if tensor.untyped_storage().data_ptr() in self._state or not readable(tensor):
             return
-        computed = tensor.requires_grad
-        self._learning.append((position, tensor, computed, self.plans.digest_of(tensor, self.mode)))
+        self._learning.append((position, tensor, from_parameters(tensor), self.plans.digest_of(tensor, self.mode)))
 
     def _learn(self, seen: list[tuple[int, torch.Tensor, bool, torch.Tensor | None]]) -> None:
-        """The layout of the call just run: every activation compared, those that require grad counted as computed
-        from the region's values, those whose digest changed since they were saved as filled late."""
+        """The layout of the call just run, as the light tier learns it: every activation compared, those computed
+        from parameters alone (a weight's cast under autocast) as weights, of the others those that require grad
+        counted as computed from the region's values, and those whose digest changed since they were saved as filled
+        late."""
         self._learning = None
         self.filled_late = frozenset(
             position
             for position, tensor, _, at_save in seen
             if at_save is None or not torch.equal(at_save, self.plans.digest_of(tensor, self.mode))
         )
-        floating = [(position, computed) for position, tensor, computed, _ in seen if tensor.dtype.is_floating_point]
+        floating = [
+            (position, tensor.requires_grad)
+            for position, tensor, weight, _ in seen
+            if tensor.dtype.is_floating_point and not weight
+        ]
         self.layout = SavedLayout(
             saved=self._position,
             compared=tuple(position for position, _, _, _ in seen),
             floating=tuple(position for position, _ in floating),
             derived=tuple(position for position, computed in floating if computed),
+            weights=tuple(position for position, _, weight, _ in seen if weight),
         )
 
 

@@ -27,9 +27,9 @@ from benchmarks import (
 )
 from benchmarks.common import ModelSize, Regions, Variant, build_model, interleaved_times, lm_loss, make_batch
 from benchmarks.run import main
-from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel
+from lightning_ckpt_determinism import CheckpointingConfig, RecomputationSentinel, recomputation_sentinel
 from lightning_ckpt_determinism.verify import digest
-from lightning_ckpt_determinism.verify.digest import DigestPlans, DigestTier
+from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, DigestTier
 from lightning_ckpt_determinism.verify.sentinel.calls import KeptTensor, RegionCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -439,6 +439,27 @@ def test_the_digest_floor_compares_what_its_tier_compares_and_sees_a_recomputati
     model.floor.next_step()
     lm_loss(model, *make_batch(size, cpu)).backward()
     assert model.floor.end_step() == 0
+
+
+def test_the_digest_floor_learns_the_layout_the_light_tier_learns_under_autocast() -> None:
+    # Under autocast each linear layer saves its weight's bf16 cast, computed from parameters alone: the light tier
+    # never makes it a fixed target, and the floor, timed as that tier's cost, must not either.
+    size = ModelSize(layers=2, dim=32, heads=2, seq_len=16, batch_size=2, vocab_size=32)
+    cpu = torch.device("cpu")
+    batch = make_batch(size, cpu)
+    floor = digest_floor.floor_model(size, cpu, "light")
+    floor.floor.layout = None
+    floor.floor.watch(floor)
+    package = build_model(size, Variant("package", config=CheckpointingConfig(classes=["Block"])), cpu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lm_loss(floor, *batch).backward()
+        with recomputation_sentinel(package, mode="light") as sentinel:
+            lm_loss(package, *batch).backward()
+    floor.floor.end_step()
+    learned = sentinel._layouts["blocks.0"]
+    assert floor.floor.layout is not None and learned.weights  # the casts are there to be told apart
+    assert floor.floor.layout.targets(DigestMode("light")) == learned.targets(DigestMode("light"))
+    assert floor.floor.layout == learned
 
 
 def test_the_sentinel_benchmarks_hooks_only_variant_keeps_the_light_tiers_bookkeeping_with_constant_digests(

@@ -22,7 +22,7 @@ from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Su
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
 
-__all__ = ["Digests", "KeptTensor", "RegionCall", "as_vector", "joined"]
+__all__ = ["Digests", "KeptTensor", "RegionCall", "as_vector", "from_parameters", "joined"]
 
 Digests = torch.Tensor | list[torch.Tensor]
 """The digests of some of a call's saved tensors, in slot order: a digest each, where each was small enough to digest
@@ -183,7 +183,7 @@ class RegionCall:
             saved.producer = tensor.grad_fn.name() if tensor.grad_fn is not None else ""
             if is_state(tensor, local, self.buffers):
                 return saved
-            if self.learning and _from_parameters(tensor):
+            if self.learning and from_parameters(tensor):
                 self._weights.add(position)
             if self.targets is not None:
                 saved.mode = self.targets[position]
@@ -446,11 +446,11 @@ _WEIGHTS = -1
 _FLOATING = 1
 _COMPUTED = 2
 
-# The most autograd nodes `_from_parameters` walks: a weight's cast, transpose or reparametrization takes a few.
+# The most autograd nodes `from_parameters` walks: a weight's cast, transpose or reparametrization takes a few.
 _WEIGHT_NODES = 16
 
 
-def _from_parameters(tensor: torch.Tensor) -> bool:
+def from_parameters(tensor: torch.Tensor) -> bool:
     """Whether autograd computed ``tensor`` from parameters alone: every path back through its graph ends, within a few
     nodes, at the gradient accumulator of an ``nn.Parameter`` (a weight cast to ``torch.autocast``'s dtype, a
     weight-norm weight). A path that ends anywhere else (an input, a tensor autograd does not track) makes it the
@@ -462,7 +462,7 @@ def _from_parameters(tensor: torch.Tensor) -> bool:
     Example::
 
         >>> linear = nn.Linear(2, 2)
-        >>> _from_parameters(linear.weight.to(torch.bfloat16)), _from_parameters(linear(torch.ones(1, 2)))
+        >>> from_parameters(linear.weight.to(torch.bfloat16)), from_parameters(linear(torch.ones(1, 2)))
         (True, False)
     """
     pending = [tensor.grad_fn]
