@@ -115,16 +115,17 @@ def _with_defect(module: StackModule, defect: bool) -> StackModule:
 
 
 def path_of_one_rank() -> list[float]:
-    """Regions ending in an all-reduce after their last saved tensor take a path of their own on rank 1 at step 2:
-    the largest difference of their gradients from a plain twin's at each step."""
+    """Regions ending in an all-reduce after their last saved tensor take a path of their own on rank 1 at steps 2
+    and 9 (rank 1 then probes for it at the calls after each, rank 0 does not): the largest difference of their
+    gradients from a plain twin's at each step."""
     plain = make_stack(TrailingAllReduceBlock)
     model = copy.deepcopy(plain)
     apply_activation_checkpointing(model, CheckpointingConfig(classes=["TrailingAllReduceBlock"]))
     rank, differences = dist.get_rank(), []
-    for step in range(4):
+    for step in range(12):
         for twin in (plain, model):
             for block in twin.blocks:
-                block.detour = step == 2 and rank == 1
+                block.detour = step in (2, 9) and rank == 1
         x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
         grads = [torch.autograd.grad(twin(x).square().sum(), list(twin.parameters())) for twin in (plain, model)]
         differences.append(max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True)))

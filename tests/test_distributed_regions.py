@@ -78,10 +78,11 @@ def test_the_monitor_under_tensor_parallelism_is_exact_and_names_the_defect(foun
 
 
 def test_a_path_one_rank_takes_alone_keeps_its_collectives_in_step_and_its_gradients_exact(found):
-    # The regions end in an all-reduce after their last saved tensor; rank 1 alone takes a new path at step 2. Were
-    # that rank alone to recompute to the regions' end, it would run the all-reduce again, out of step with rank 0.
+    # The regions end in an all-reduce after their last saved tensor; rank 1 alone takes a new path at steps 2 and 9,
+    # and probes for it alone at the steps after each. Were that rank alone to recompute to the regions' end, it would
+    # run the all-reduce again, out of step with rank 0.
     for rank in found:
-        assert rank["path_of_one_rank"] == [0.0] * 4
+        assert rank["path_of_one_rank"] == [0.0] * 12
 
 
 def test_the_sentinel_reads_an_all_reduce_result_once_it_is_done(found):
