@@ -419,25 +419,45 @@ def test_a_branch_taken_every_other_call_is_compared_from_its_second_call_on(tie
     assert seen == [(False, False)] + [(True, noisy)] * 5
 
 
-def test_a_path_seen_once_is_probed_for_eight_calls_then_again_when_it_comes_back(
+class ThreePaths(nn.Module):
+    """Takes one of three code paths, chosen per call by ``path``: its input passed through, ``tanh``, or ``tanh``
+    gated by ``sigmoid``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.path = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == 0:
+            return x * 1.0
+        hidden = self.inp(x)
+        return x + (torch.tanh(hidden) if self.path == 1 else torch.tanh(hidden) * torch.sigmoid(hidden))
+
+
+def test_a_path_seen_once_is_probed_for_eight_calls_then_half_as_long_for_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(wrapper_module, "FirstForwardProbe", CountingProbe)
     CountingProbe.made = 0
     torch.manual_seed(0)
-    model = Head(SkippedOrNoisy(noisy=False))
+    model = Head(ThreePaths())
     apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
 
-    def calls(skips: list[bool]) -> int:
-        for step, skip in enumerate(skips):
-            model.body.skip = skip
+    def probes(paths: list[int]) -> int:
+        before = CountingProbe.made
+        for step, path in enumerate(paths):
+            model.body.path = path
             loss_of(model, tokens(step)).backward()
-        return CountingProbe.made
+        return CountingProbe.made - before
 
-    assert calls([True, False]) == 1  # the first call learns the skipping path; the computing one is new
-    assert calls([True] * 12) == 1 + wrapper_module._PROBES_FOR_A_PATH  # probed for, then given up
-    assert calls([False, False]) == 2 + wrapper_module._PROBES_FOR_A_PATH  # back: the next call that takes it learns
-    assert calls([True, False] * 3) == 2 + wrapper_module._PROBES_FOR_A_PATH  # both paths known: no more probes
+    assert probes([0, 1]) == 1  # the first call learns the passing path; the tanh one is new
+    assert probes([0] * 12) == 8  # the calls after it probe for it, then give up
+    assert probes([2] + [0] * 12) == 4  # the next new path is probed for half as long
+    assert probes([1, 1]) == 1  # back: the call after the new one probes, takes it and learns it
+    assert probes([2, 0, 2]) == 2  # the gated path again: probed for by the call after it, and learned as it returns
+    assert probes([0, 1, 2] * 3) == 0  # every path known: no more probes
+    assert len(model.body.forward._profiles) == 3
 
 
 @pytest.mark.parametrize("early_stop", [True, False])

@@ -111,8 +111,8 @@ _Path = tuple[int, int, type | None]
 # How many profiles a region keeps (train and eval, a few code paths); the oldest goes first.
 _PROFILES = 8
 
-# How many calls in a row probe for a code path seen without a profile while they take other paths (a branch taken
-# every other call is learned at the next call that takes it; a rare one is probed for again when it comes back).
+# How many calls in a row probe for a code path seen without a profile while they take other paths, at first (a branch
+# taken every other call is learned at the next call that takes it); halved each time a key gives up on a path.
 _PROBES_FOR_A_PATH = 8
 
 _TRAINING = operator.attrgetter("training")
@@ -292,8 +292,10 @@ class CheckpointedForward:
         # Profiles by key and path, and each key's path at its last call (expected next).
         self._profiles: dict[tuple[_CallKey, _Path], RegionProfile] = {}
         self._paths: dict[_CallKey, _Path] = {}
-        # How many more calls of each key probe for its expected path while it has no profile (see `_next_path`).
+        # How many more calls of each key probe for its expected path while it has no profile, and for how many calls
+        # each key probes for the next such path (see `_next_path`).
         self._probes_left: dict[_CallKey, int] = {}
+        self._probe_budget: dict[_CallKey, int] = {}
         # The generators the profiles replay, where they are held: one replaced makes the region learn again.
         self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
         # The buffers every profile replays: those any call was seen to change.
@@ -320,7 +322,7 @@ class CheckpointedForward:
         # Learned again after loading: it holds generators and module references of this process.
         state["profile"] = None
         state["_profiles"], state["_paths"], state["_generators"], state["_replayed"] = {}, {}, (), frozenset()
-        state["_probes_left"] = {}
+        state["_probes_left"], state["_probe_budget"] = {}, {}
         state["region_observer"] = state["saved_observer"] = None
         return state
 
@@ -436,14 +438,19 @@ class CheckpointedForward:
     def _next_path(self, key: _CallKey, path: _Path) -> _Path:
         """The path the next call of ``key`` is expected to take, whose profile it starts with: the one this call
         took. A path taken without a profile stays expected instead while the calls probing for it take other paths,
-        at most :data:`_PROBES_FOR_A_PATH` calls, so that the next call that takes it learns it: a branch taken every
-        other call would otherwise never be learned, each probe taking the other, known path."""
+        so that the next call that takes it learns it: a branch taken every other call would otherwise never be
+        learned, each probe taking the other, known path. A key probes for such a path :data:`_PROBES_FOR_A_PATH`
+        calls at first, half as many after each time it gave up, and at least the one call after it: a region whose
+        paths rarely come back (experts without tokens) probes about as often as one that never waits for a path."""
         expected = self._paths.get(key)
         if self.profile is None:
-            self._probes_left[key] = _PROBES_FOR_A_PATH
+            self._probes_left[key] = self._probe_budget.get(key, _PROBES_FOR_A_PATH)
             return path
         left = self._probes_left.pop(key, 0)
-        if expected is None or expected == path or (key, expected) in self._profiles or left <= 1:
+        if expected is None or expected == path or (key, expected) in self._profiles or not left:
+            return path
+        if left == 1:  # given up: the next path waited for is probed for half as long
+            self._probe_budget[key] = max(1, self._probe_budget.get(key, _PROBES_FOR_A_PATH) // 2)
             return path
         self._probes_left[key] = left - 1
         return expected
