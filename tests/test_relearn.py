@@ -22,6 +22,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe
 from lightning_ckpt_determinism.verify.digest import DigestTier
+from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from tests.test_verdicts import (
     WIDTH,
     Around,
@@ -417,6 +418,82 @@ def test_a_branch_taken_every_other_call_is_compared_from_its_second_call_on(tie
             seen.append((region.compared > 0, region.mismatches > 0))
     # Its first call takes a path the region has not learned; every later one is compared, and the noise seen.
     assert seen == [(False, False)] + [(True, noisy)] * 5
+
+
+class OneOrTwoStages(nn.Module):
+    """Runs a first stage at every call and a second one unless ``skip`` is set: both paths save activations. When
+    ``counted``, the second stage reads a counter kept in a dict, which recomputation does not replay (a real
+    defect)."""
+
+    def __init__(self, counted: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+        self.counted = counted
+        self.state = {"calls": 0}
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x))
+        if not self.skip:
+            self.state["calls"] += 1
+            scale = 1 + 0.01 * self.state["calls"] if self.counted else 1.0
+            hidden = torch.sigmoid(self.second(hidden * scale))
+        return hidden * 2
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("counted", [True, False], ids=["dict counter", "exact"])
+def test_paths_that_alternate_are_each_compared_at_their_own_last_activations(tier: str, counted: bool) -> None:
+    # The light tier fixes a call's targets when it starts: after a call on another path than its layout's, each call
+    # learns its own as it goes, so that the second stage's output, downstream of the defect, is compared.
+    torch.manual_seed(0)
+    plain = Head(OneOrTwoStages(counted))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    seen = []
+    with recomputation_sentinel(model, mode=tier) as sentinel:
+        for step in range(10):
+            for twin in (plain, model):
+                twin.body.skip = step % 2 == 0
+                twin.zero_grad()
+                loss_of(twin, tokens(step)).backward()
+            grads = zip(plain.parameters(), model.parameters(), strict=True)
+            exact = all(a.grad is b.grad is None or torch.equal(a.grad, b.grad) for a, b in grads)
+            before = sum(found for found, _ in seen)
+            seen.append((sentinel.report().mismatches - before, exact))
+    # The twin: the full path's gradients differ at every call with the counter; the skipping path's never.
+    assert [exact for _, exact in seen] == [True, not counted] * 5
+    # The full path is new at step 1 (not compared); from its second call on, each defect is seen at its step.
+    assert [found > 0 for found, _ in seen] == [False, False] + [False, counted] * 4
+
+
+def test_a_region_whose_paths_settle_keeps_the_light_tiers_layout_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    handled = []
+    save = RegionCall.save
+    monkeypatch.setattr(RegionCall, "save", lambda call, *args: handled.append(1) or save(call, *args))
+    torch.manual_seed(0)
+    model = Head(OneOrTwoStages(counted=False))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+
+    def tensors_handled(skips: list[bool]) -> list[int]:
+        counts = []
+        for step, skip in enumerate(skips):
+            model.body.skip = skip
+            handled.clear()
+            loss_of(model, tokens(step)).backward()
+            counts.append(len(handled))
+        return counts
+
+    with recomputation_sentinel(model, mode="light"):
+        tensors_handled([False] * 2 + [True, False] * 4)  # both paths learned; the calls alternate
+        alternating = tensors_handled([True, False])
+        settled = tensors_handled([False] * 17)
+    # Alternating calls hand the light tier every saved tensor (each learns its own targets); once the region took one
+    # path for 16 calls in a row, its layout holds again, and the light tier handles its targets alone.
+    full = settled[0]
+    assert alternating[1] == full > 3
+    assert settled[-1] <= 3
 
 
 class ThreePaths(nn.Module):

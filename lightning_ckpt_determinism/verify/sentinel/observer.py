@@ -33,6 +33,10 @@ __all__ = ["RecomputationSentinel", "SentinelMode", "tier_of"]
 
 _log = logging.getLogger("lightning_ckpt_determinism.verify.sentinel")
 
+# How many calls in a row must learn one layout before a region whose calls took other paths than their layout's
+# keeps a layout again under the light tier (see `RecomputationSentinel._learned`).
+_STEADY_CALLS = 16
+
 SentinelMode = DigestTier
 """What the sentinel digests: a few saved tensors per region call with a window of each row (``"light"``), every
 saved tensor with a window of each row (``"sampled"``), or every element of every saved tensor (``"exact"``): the
@@ -74,6 +78,10 @@ class RecomputationSentinel:
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._layouts: dict[str, SavedLayout] = {}
+        # Under the light tier, the regions whose calls take other code paths than the layout they start with (a
+        # LayerDrop, a branch): each of their calls learns its own targets as it goes, until enough calls in a row
+        # learned one layout (by name, how many so far).
+        self._varying: dict[str, int] = {}
         # What every digest of a step reads, made once per step: a call's reads at its forward and at its
         # recomputation take it from the call, so the two read the same words.
         self.mode = DigestMode(self.tier)
@@ -143,7 +151,7 @@ class RecomputationSentinel:
             return
         call: RegionCall | None = None
         try:
-            layout = self._layouts.get(name) if self.mode.tier == "light" else None
+            layout = self._layouts.get(name) if self.mode.tier == "light" and name not in self._varying else None
             call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
@@ -211,11 +219,25 @@ class RecomputationSentinel:
         return self._open[-1].plan()
 
     def _learned(self, region: str, layout: SavedLayout | None) -> None:
-        """A call learned ``region``'s layout (``None``: a call did not match it, and the next call learns it)."""
+        """A call learned ``region``'s layout, or (``None``) took another code path than the layout it started with.
+
+        The light tier fixes a call's targets from its region's layout when the call starts, so a call on another path
+        would digest that path's positions, not its own last activations: after one such call, each of the region's
+        calls learns its own targets as it goes (:meth:`RegionCall.plan` handles every tensor and holds its last
+        ones), until :data:`_STEADY_CALLS` calls in a row learned the same layout.
+        """
         if layout is None:
             self._layouts.pop(region, None)
-        else:
-            self._layouts[region] = layout
+            self._varying[region] = 0
+            return
+        steady = self._varying.get(region)
+        if steady is not None:
+            steady = steady + 1 if layout == self._layouts.get(region) else 0
+            if steady + 1 >= _STEADY_CALLS:
+                del self._varying[region]
+            else:
+                self._varying[region] = steady
+        self._layouts[region] = layout
 
     def _unreadable(self, region: str, tensor: torch.Tensor) -> None:
         """``region`` saves a tensor subclass whose values the sentinel cannot read: left out (said once per region
