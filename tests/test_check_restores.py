@@ -522,3 +522,14 @@ def test_state_is_put_back_bit_for_bit_and_written_only_where_it_changed() -> No
     versions = model.running_mean._version, model.zero._version
     state.restore()
     assert (model.running_mean._version, model.zero._version) == versions
+
+
+def test_a_buffer_registered_as_none_that_a_step_creates_is_removed_again_and_named() -> None:
+    model = nn.Module()
+    model.register_buffer("average", None)
+    state = StepState(model)
+    model.average = torch.ones(2)  # sized at the first forward
+    assert state.differing_buffers() == ["average"]
+    state.restore()
+    assert model.average is None
+    assert model._buffers == {"average": None}  # still registered, as before the step

@@ -135,6 +135,43 @@ class LazyCounter(nn.Module):
         return torch.tanh(self.inp(x) * (1.0 + 0.1 * self.calls))
 
 
+class NormOnSomeCalls(nn.Module):
+    """A linear layer, then BatchNorm over (batch, sequence) unless ``skip`` is set: a path that does not reach the
+    norm's statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if not self.skip:
+            h = self.norm(h.flatten(0, 1)).view_as(h)
+        return torch.tanh(h)
+
+
+class LazyAverage(nn.Module):
+    """Subtracts a moving average of its features, a buffer registered as ``None`` and sized at the first call in
+    training, updated in place at every later one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("average", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        with torch.no_grad():
+            mean = h.mean((0, 1))
+            if self.average is None:
+                self.average = mean.clone()
+            else:
+                self.average.mul_(0.9).add_(0.1 * mean)
+        return torch.tanh(h - self.average)
+
+
 class WarmedUpScale(nn.Module):
     """A scale it leaves alone for two calls and halves at every call after: an attribute that starts changing."""
 
@@ -270,6 +307,35 @@ def test_batchnorm_first_called_in_eval_mode_updates_its_statistics_once_per_tra
     assert_exact(result)
     norm = result.checkpointed.body.layer
     assert int(norm.num_batches_tracked) == STEPS - 1
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_batchnorm_whose_statistics_start_moving_after_a_warm_up_updates_them_once_per_step(tier: str) -> None:
+    # Momentum 0 at the first call changes only the counter; BatchNorm's kernel updates the statistics from step 1 on
+    # without a version bump.
+    def warmed_up_from_step_1(model: nn.Module, step: int) -> None:
+        model.body.layer.momentum = 0.1 if step >= 1 else 0.0
+
+    result = twins(lambda: Head(Channels(nn.BatchNorm1d(6, momentum=0.0), 3)), tier, warmed_up_from_step_1)
+    assert_exact(result)
+    assert not torch.equal(result.checkpointed.body.layer.running_mean, torch.zeros(6))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_batchnorm_first_reached_on_a_later_path_updates_its_statistics_once_per_step(tier: str) -> None:
+    def norm_from_step_1(model: nn.Module, step: int) -> None:
+        model.body.skip = step == 0
+
+    result = twins(lambda: Head(NormOnSomeCalls()), tier, norm_from_step_1)
+    assert_exact(result)
+    assert int(result.checkpointed.body.norm.num_batches_tracked) == STEPS - 1
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_buffer_registered_as_none_and_created_at_the_first_call_is_replayed(tier: str) -> None:
+    result = twins(lambda: Head(LazyAverage()), tier)
+    assert_exact(result)
+    assert result.checkpointed.body.average is not None
 
 
 @pytest.mark.parametrize("tier", TIERS)

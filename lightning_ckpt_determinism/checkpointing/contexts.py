@@ -170,8 +170,10 @@ class ForwardState:
         self._replays_generators = generators
         self._changed = changed
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        self._watched: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []
+        self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
         self._late: list[tuple[nn.Module, str]] = []
+        # The buffers the forward created where it found ``None`` (a buffer sized at the first forward).
+        self._created: list[tuple[nn.Module, str]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def capture(self) -> AbstractContextManager[None]:
@@ -182,7 +184,7 @@ class ForwardState:
         """The recompute context: the forward's state in, the live state back afterwards, whatever is raised. Decided
         at each recomputation, once the forward has ended: with no buffer or generator to replay (none captured, none
         changed late), the shared :data:`NO_CONTEXT`."""
-        if self._captured or self._late or self._generators:
+        if self._captured or self._late or self._created or self._generators:
             return _Replay(self)
         return NO_CONTEXT
 
@@ -204,9 +206,9 @@ class _Capture:
         cloned = []
         for name, owner, key in state._slots:
             buffer = own_buffers(owner).get(key)
-            if buffer is None:
-                continue
-            if profile is None or name in profile.buffers:
+            if buffer is None:  # registered as `None`: watched, in case the forward creates it
+                state._watched.append((name, owner, key, None, 0))
+            elif profile is None or name in profile.buffers:
                 cloned.append((owner, key, buffer))
             else:
                 state._watched.append((name, owner, key, buffer, version_counter(buffer)))
@@ -221,10 +223,17 @@ class _Capture:
         if exc_type is not None:
             return
         state = self._state
-        for name, owner, key, buffer, version in state._watched:
-            if own_buffers(owner).get(key) is not buffer or version_counter(buffer) != version:
+        changed = {
+            owner
+            for _, owner, key, buffer, version in state._watched
+            if own_buffers(owner).get(key) is not buffer or (buffer is not None and version_counter(buffer) != version)
+        }
+        # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
+        # updates its running statistics in place, its counter bumps one): they count as changed with it.
+        for name, owner, key, buffer, _ in state._watched:
+            if owner in changed:
                 state._changed(name)
-                state._late.append((owner, key))
+                (state._created if buffer is None else state._late).append((owner, key))
         state._watched = []
 
 
@@ -240,7 +249,7 @@ class _Replay:
 
     def __enter__(self) -> None:
         state, swapped = self._state, self._swapped
-        if state._captured or state._late:
+        if state._captured or state._late or state._created:
             with torch.no_grad(), disable_current_modes():
                 for owner, key, buffer, value in state._captured:
                     swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
@@ -250,6 +259,11 @@ class _Replay:
                     live = own_buffers(owner).get(key)
                     if live is not None:
                         swapped.append((owner, key, live, live, live.detach().clone()))
+                for owner, key in state._created:  # recomputed from no buffer, as the forward was
+                    live = own_buffers(owner).get(key)
+                    if live is not None:
+                        swapped.append((owner, key, live, live, live.detach().clone()))
+                        own_buffers(owner)[key] = None
         self._live_generators = [(generator, generator.get_state()) for generator, _ in state._generators]
         for generator, generator_state in state._generators:
             generator.set_state(generator_state)

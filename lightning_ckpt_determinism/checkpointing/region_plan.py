@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_ckpt_determinism._torch_compat import own_buffers
 from lightning_ckpt_determinism.checkpointing.compile_context import ContextPairFn, eager_only_options, region_contexts
 from lightning_ckpt_determinism.checkpointing.contexts import BufferSlot
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
 
@@ -34,7 +34,8 @@ class RegionPlan:
         protect_buffers: Recompute from the buffer values the forward started from (``protect_buffers``, and the
             region holds buffers: a region without any skips the context and its cost).
         save_ops: The ops whose outputs are saved rather than recomputed (``save_ops``, resolved).
-        buffer_slots: The region's buffers, worked out once.
+        buffer_slots: The region's buffers, worked out once: those registered as ``None`` too (a buffer sized at
+            the first forward), which a forward may create.
 
     Example::
 
@@ -59,7 +60,11 @@ class RegionPlan:
             module: The region.
             config: How to checkpoint it.
         """
-        slots = tuple((name, owner, key) for name, (owner, key, _) in buffer_slots(module).items())
+        slots = tuple(
+            (f"{prefix}.{key}" if prefix else key, owner, key)
+            for prefix, owner in module.named_modules()
+            for key in own_buffers(owner)
+        )
         protect_buffers = config.protect_buffers and bool(slots)
         save_ops = frozenset(resolve_ops(config.save_ops))
         return cls(config=config, protect_buffers=protect_buffers, save_ops=save_ops, buffer_slots=slots)

@@ -456,7 +456,12 @@ class CheckpointedForward:
         return expected
 
     def _replay_buffers(self, names: frozenset[str]) -> None:
-        """Every profile, and the call under way, replays ``names`` too: what the region replays only grows."""
+        """Every profile, and the call under way, replays ``names`` too, with the other buffers of the modules that
+        hold them (BatchNorm's kernel updates its running statistics without a version bump, so a later change of
+        theirs could not be seen; a momentum of 0 at the first call changes only its counter): what the region
+        replays only grows."""
+        owners = {owner for name, owner, _ in self.plan.buffer_slots if name in names}
+        names = names | {name for name, owner, _ in self.plan.buffer_slots if owner in owners}
         if names <= self._replayed:
             return
         replayed = self._replayed = self._replayed | names

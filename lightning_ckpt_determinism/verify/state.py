@@ -164,7 +164,8 @@ class StepState:
 
 
 class _BufferSnapshot:
-    """The buffer objects of a module and copies of their values."""
+    """The buffer objects of a module and copies of their values, and the buffers registered as ``None`` (a buffer
+    sized at the first forward: one the step creates is removed again)."""
 
     def __init__(self, module: nn.Module) -> None:
         with torch.no_grad():
@@ -172,6 +173,12 @@ class _BufferSnapshot:
                 (name, owner, key, buffer, buffer.clone())
                 for name, (owner, key, buffer) in buffer_slots(module).items()
             ]
+        self._empty = [
+            (f"{prefix}.{key}" if prefix else key, owner, key)
+            for prefix, owner in module.named_modules()
+            for key, buffer in own_buffers(owner).items()
+            if buffer is None
+        ]
 
     def differing(self) -> list[str]:
         differing = []
@@ -179,6 +186,7 @@ class _BufferSnapshot:
             current = own_buffers(owner).get(key)
             if current is None or not same_values(value, current):
                 differing.append(name)
+        differing.extend(name for name, owner, key in self._empty if own_buffers(owner).get(key) is not None)
         return differing
 
     def restore(self) -> None:
@@ -188,6 +196,8 @@ class _BufferSnapshot:
             for _, owner, key, buffer, value in self._entries:
                 own_buffers(owner)[key] = buffer
                 _put_back(buffer, value)
+        for _, owner, key in self._empty:
+            own_buffers(owner)[key] = None
 
 
 class _TensorAttributes:
