@@ -130,8 +130,11 @@ class ForwardState:
     captured; otherwise only those the profile lists are, and every other buffer is checked at the forward's end by
     identity and version counter, so that one first changed later (or replaced by assignment) is reported to
     ``changed`` and captured from the next forward on. That forward's own recomputation starts from the value the
-    forward left, and gives it back afterwards: the buffer is changed once, as without checkpointing, though the
-    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it).
+    forward left, and gives it back afterwards, with the other buffers of its module (BatchNorm's kernel updates its
+    running statistics without a version bump): the buffer is changed once, as without checkpointing, though the
+    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it). A buffer
+    registered as ``None`` that the forward creates is taken away for its recomputation, which creates its own, and
+    put back after it.
 
     Args:
         module: The region.
@@ -223,16 +226,16 @@ class _Capture:
         if exc_type is not None:
             return
         state = self._state
-        changed = {
-            owner
-            for _, owner, key, buffer, version in state._watched
-            if own_buffers(owner).get(key) is not buffer or (buffer is not None and version_counter(buffer) != version)
-        }
-        # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
-        # updates its running statistics in place, its counter bumps one): they count as changed with it.
-        for name, owner, key, buffer, _ in state._watched:
-            if owner in changed:
+        owners = set()
+        for name, owner, key, buffer, version in state._watched:
+            if own_buffers(owner).get(key) is not buffer or (buffer is not None and version_counter(buffer) != version):
                 state._changed(name)
+                owners.add(owner)
+        # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
+        # updates its running statistics in place, its counter bumps one): they are given back after recomputation
+        # with it.
+        for _, owner, key, buffer, _ in state._watched:
+            if owner in owners:
                 (state._created if buffer is None else state._late).append((owner, key))
         state._watched = []
 
