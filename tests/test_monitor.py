@@ -600,6 +600,45 @@ def test_where_no_gradient_check_can_run_the_sentinel_runs_alone_and_training_is
         trainer.fit(StackModule())
 
 
+class FetchesItsBatches(StackModule):
+    """Lightning's ``training_step(self, dataloader_iter)``: the step takes its batch from the iterator itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def training_step(self, dataloader_iter):  # type: ignore[override]
+        (x, y), batch_idx, _ = next(dataloader_iter)
+        self.seen = [*self.seen, batch_idx]
+        return F.mse_loss(self.model(x), y)
+
+
+def test_a_training_step_that_fetches_its_own_batches_runs_the_sentinel_alone_and_trains_as_without_it(tmp_path):
+    # A check would rerun the step, which would take the next batch: none runs, and the fit trains the batches the
+    # twin trains. The monitor's own metrics reach `callback_metrics` (Lightning asks `self.log` for a batch size here).
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path / "monitored", callbacks=[monitor], strategy=strategy))
+    module = FetchesItsBatches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(module)
+    messages = [str(w.message) for w in caught]
+    said = [m for m in messages if "runs no gradient check" in m]
+    assert len(said) == 1 and "`training_step(self, dataloader_iter)` fetches its own batches" in said[0]
+    assert any("No gradient check runs for a `training_step` that fetches its own batches" in m for m in messages)
+    assert list(monitor.history) == [] and monitor.sentinel_report.mismatches > 0
+    assert trainer.callback_metrics["recompute/sentinel/mismatches"] > 0
+    pl.seed_everything(0, verbose=False)
+    twin = FetchesItsBatches()
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    pl.Trainer(**trainer_kwargs(tmp_path / "twin", strategy=strategy)).fit(twin)
+    assert module.seen == twin.seen == list(range(len(module.seen)))
+    assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
+
+
 class LBFGSModule(StackModule):
     """Trained with LBFGS, whose step calls the training closure several times."""
 

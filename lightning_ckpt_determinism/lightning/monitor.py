@@ -34,6 +34,7 @@ from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
 from lightning_ckpt_determinism.lightning.step import (
     StepCapture,
     after_backward_before,
+    fetches_its_batches,
     lightning_internals,
     raised_in_backward,
 )
@@ -45,6 +46,12 @@ from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
 
 __all__ = ["RecomputationMonitor"]
+
+
+_CHECK_ELSEWHERE = (
+    "check the same model on one device, under DDP or under FSDP2 (`ModelParallelCheckpointingStrategy`), with a"
+    " `training_step` given its batch, or with `check_recomputation(model, closure)` on a batch"
+)
 
 
 class RecomputationMonitor(Callback):
@@ -209,8 +216,10 @@ class RecomputationMonitor(Callback):
         )
         self.history = self._results.history
         self._enabled = False
-        # Whether this fit's strategy allows no gradient check (`StrategySupport.check_unavailable`).
+        # Whether this fit allows no gradient check (`StrategySupport.check_unavailable`, or a `training_step` that
+        # fetches its own batches), and where, as a finding's warning says it.
         self._checks_off = False
+        self._unchecked_here = "under this strategy"
         self._support: StrategySupport | None = None
         self._capture: StepCapture | None = None
         self._armed = contextlib.ExitStack()
@@ -261,7 +270,11 @@ class RecomputationMonitor(Callback):
         problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         unattributed = None if self._support is None else self._support.two_pass_unavailable()
         unchecked = None if self._support is None else self._support.check_unavailable()
-        problem = problem or self._refused_here(type(trainer.strategy).__name__, unattributed, unchecked)
+        where, self._unchecked_here = f"under {type(trainer.strategy).__name__}", "under this strategy"
+        if unchecked is None and (fetched := fetches_its_batches(pl_module)) is not None:
+            unchecked, where = fetched, f"for `{type(pl_module).__name__}`"
+            self._unchecked_here = "for a `training_step` that fetches its own batches"
+        problem = problem or self._refused_here(where, unattributed, unchecked)
         self._checks_off = unchecked is not None
         self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
@@ -274,10 +287,8 @@ class RecomputationMonitor(Callback):
             self._watch.start(trainer, pl_module)
         if unchecked is not None:
             rank_zero_warn(
-                f"lightning_ckpt_determinism: `RecomputationMonitor` runs no gradient check under"
-                f" {type(trainer.strategy).__name__}: {unchecked}. Its sentinel still compares each step's"
-                " recomputation. To check gradients too, check the same model on one device, under DDP or under FSDP2"
-                " (`ModelParallelCheckpointingStrategy`).",
+                f"lightning_ckpt_determinism: `RecomputationMonitor` runs no gradient check {where}: {unchecked}."
+                f" Its sentinel still compares each step's recomputation. To check gradients too, {_CHECK_ELSEWHERE}.",
                 category=LightningCkptDeterminismWarning,
             )
         earlier = after_backward_before(trainer.callbacks, self)  # type: ignore[attr-defined]
@@ -296,19 +307,19 @@ class RecomputationMonitor(Callback):
                 category=LightningCkptDeterminismWarning,
             )
 
-    def _refused_here(self, strategy: str, unattributed: str | None, unchecked: str | None) -> str | None:
-        """Why this monitor's settings cannot run under ``strategy``, whose support says why it cannot attribute
+    def _refused_here(self, where: str, unattributed: str | None, unchecked: str | None) -> str | None:
+        """Why this monitor's settings cannot run ``where`` (under a strategy, for a module), which cannot attribute
         (``unattributed``) or check gradients (``unchecked``); ``None`` where they can."""
         if unattributed is not None and self.attribution == "always":
             return (
-                f"`RecomputationMonitor(attribution='always')` cannot run under {strategy}: {unattributed}. Use"
+                f"`RecomputationMonitor(attribution='always')` cannot run {where}: {unattributed}. Use"
                 " `attribution='on_divergence'` (the live check, which names no region there) or FSDP2"
                 " (`ModelParallelCheckpointingStrategy`)."
             )
         if unchecked is not None and self.sentinel == "off":
             return (
-                f"`RecomputationMonitor(sentinel='off')` has nothing to do under {strategy}: {unchecked}. Turn the"
-                " sentinel on, or check the same model on one device, under DDP or under FSDP2."
+                f"`RecomputationMonitor(sentinel='off')` has nothing to do {where}: {unchecked}. Turn the"
+                f" sentinel on, or {_CHECK_ELSEWHERE}."
             )
         return None
 
@@ -477,7 +488,7 @@ class RecomputationMonitor(Callback):
         elif last:
             then = "The fit ended before a check could name the cause: run the audit on this config to name it."
         elif self._checks_off:
-            then = "No gradient check runs under this strategy: run the audit on this config to name the cause."
+            then = f"No gradient check runs {self._unchecked_here}: run the audit on this config to name the cause."
         else:
             then = f"Step {step + 1} is checked in full, every saved tensor compared, to name the op and cause."
         warned = self._watch.respond(

@@ -177,7 +177,10 @@ class CheckResults:
         shown = f"{self.log_prefix}/grad_divergence"
         for name, value in logged.items():
             prog_bar = self.prog_bar and name == shown
-            pl_module.log(name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar)
+            # `batch_size`: a `training_step(self, dataloader_iter)` gives Lightning none to infer.
+            pl_module.log(
+                name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar, batch_size=1
+            )
 
     def warn_once(self, key: str, message: str) -> bool:
         """Warn on rank zero when a kind of finding first shows, and again when it recurs ``every_n_steps`` checks

@@ -19,6 +19,7 @@ __all__ = [
     "SkippedStep",
     "StepCapture",
     "after_backward_before",
+    "fetches_its_batches",
     "lightning_internals",
     "live_reference",
     "logging_suppressed",
@@ -82,6 +83,26 @@ def raised_in_backward(error: BaseException) -> bool:
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def fetches_its_batches(pl_module: "pl.LightningModule") -> str | None:
+    """Why no check can rerun ``pl_module``'s training step, where it fetches its own batches
+    (``training_step(self, dataloader_iter)``: a rerun would take the next batch); ``None`` for a step that is given
+    its batch.
+
+    Example::
+
+        >>> class FetchesItsOwn(pl.LightningModule):
+        ...     def training_step(self, dataloader_iter): ...
+        >>> fetches_its_batches(FetchesItsOwn()) is not None, fetches_its_batches(pl.LightningModule())
+        (True, None)
+    """
+    if not is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        return None
+    return (
+        "its `training_step(self, dataloader_iter)` fetches its own batches, so a check's rerun of the step would"
+        " train on the next batch"
+    )
 
 
 def training_step_arguments(pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> tuple[Any, ...]:
