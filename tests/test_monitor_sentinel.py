@@ -408,3 +408,29 @@ def test_compared_per_step_is_the_same_whatever_the_logging_interval(tmp_path: P
     assert per_step > 0 and each == [(step, per_step) for step in range(8)] and each_per_step == each
     assert fourth == [(3, 4 * per_step), (7, 4 * per_step)]
     assert fourth_per_step == [(3, per_step), (7, per_step)]
+
+
+def test_compared_per_step_counts_from_the_first_step_of_a_second_fit(tmp_path: Path) -> None:
+    # A second `fit` of the same Trainer starts at step 8 (as a resumed fit starts past 0): its first period holds
+    # four steps, not twelve.
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(
+        tmp_path,
+        max_steps=8,
+        strategy=strategy,
+        callbacks=[RecomputationMonitor(every_n_steps=100, sentinel="sampled")],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=4,
+    )
+    trainer = pl.Trainer(**kwargs)
+    module = StackModule(block="PlainBlock")
+    trainer.fit(module)
+    trainer.fit_loop.epoch_loop.max_steps = 16
+    trainer.fit(module)
+    compared = logged(tmp_path, "recompute/sentinel/compared")
+    per_step = logged(tmp_path, "recompute/sentinel/compared_per_step")
+    assert [step for step, _ in per_step] == [3, 7, 11, 15]
+    each = per_step[0][1]
+    assert each > 0 and per_step == [(step, each) for step in (3, 7, 11, 15)]
+    assert compared == [(step, 4 * each) for step in (3, 7, 11, 15)]

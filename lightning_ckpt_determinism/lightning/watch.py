@@ -160,7 +160,8 @@ class SentinelWatch:
             return
         self._pending, self._unlogged, self._batches_since_logged, self._watched_since_logged = [], {}, 0, 0
         self._watching = True
-        self._warned, self._logged_step, self._said_nothing_compared = {}, -1, False
+        # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
+        self._warned, self._logged_step, self._said_nothing_compared = {}, trainer.global_step - 1, False
         self._exact_from = None
         self._active = True
         self._pause_between_batches()  # until the first batch starts: the sanity check runs before it
