@@ -761,3 +761,18 @@ def test_an_error_outside_backward_gets_no_note(tmp_path):
     with pytest.raises(ValueError, match="the user's own error") as raised:
         fit(tmp_path, module=RaisesAtSecondStep(), monitor=RecomputationMonitor(every_n_steps=1), max_steps=3)
     assert getattr(raised.value, "__notes__", []) == []
+
+
+@pytest.mark.parametrize("max_steps", [1, 3])
+def test_a_monitor_reused_for_a_new_model_checks_the_first_step_of_its_second_fit(tmp_path, max_steps):
+    # A sweep reusing one monitor: its first fit's last check was at step 0 (`max_steps=1`) or its first step is
+    # long past; the second fit, of a model with host noise in a block, is checked at its own first step.
+    monitor = RecomputationMonitor(every_n_steps=100, on_divergence="ignore")
+    fit(tmp_path / "clean", module=StackModule(block="PlainBlock"), monitor=monitor, block="PlainBlock", max_steps=1)
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False)]
+    noisy = StackModule(block="PlainBlock")
+    noisy.model.blocks[1] = NumpyNoiseBlock()
+    config = {"names": ["model.blocks.1"]}
+    fit(tmp_path / "noisy", module=noisy, monitor=monitor, block="PlainBlock", max_steps=max_steps, config=config)
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (0, True)]
+    assert monitor.last_report is not None and monitor.last_report.diverged

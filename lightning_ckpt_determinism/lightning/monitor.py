@@ -219,6 +219,8 @@ class RecomputationMonitor(Callback):
         # Whether this fit allows no gradient check (`StrategySupport.check_unavailable`, or a `training_step` that
         # fetches its own batches), and where, as a finding's warning says it.
         self._checks_off = False
+        # The global steps whose check diverged in this fit.
+        self._diverged_in_fit: set[int] = set()
         self._unchecked_here = "under this strategy"
         self._support: StrategySupport | None = None
         self._capture: StepCapture | None = None
@@ -260,6 +262,7 @@ class RecomputationMonitor(Callback):
         self._said_nothing_to_check = False
         self._internals = lightning_internals()
         self._schedule.start_fit()
+        self._diverged_in_fit = set()
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
@@ -402,6 +405,8 @@ class RecomputationMonitor(Callback):
         self._schedule.checked_this_fit = True
         self.last_report = report
         self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up)
+        if report.diverged:
+            self._diverged_in_fit.add(step)
 
     @override
     def on_before_optimizer_step(
@@ -479,7 +484,8 @@ class RecomputationMonitor(Callback):
         """Warn or raise on the sentinel's ``findings``; after a warning, the next step is checked in full with every
         element digested, unless a check of the finding's step already named the cause or the fit ends."""
         step = self._watch.step
-        checked = {record.step for record in self.history if record.diverged and self.attribution != "never"}
+        # This fit's checks alone: a reused monitor's history holds an earlier fit's records of the same steps.
+        checked = self._diverged_in_fit if self.attribution != "never" else set()
         named = bool(findings) and all(finding.step in checked for finding in findings)
         if named and all(finding.step in self._results.warned_steps for finding in findings):
             then = "The check of that step names the cause (see its warning)."

@@ -17,6 +17,8 @@ class CheckSchedule:
         checked_this_fit: Whether a check ran (or was skipped for a reason) in this fit.
         follow_up: The global step from which a sentinel finding asks for a check with attribution, or ``None``.
         retry: The global step from which a skipped check is retried, or ``None``.
+        checked_in_fit: The global step last checked in this fit, or ``-1``: a second fit of the same monitor (a new
+            model from step 0) checks its first step even where the last fit's last check was at that step.
 
     Example::
 
@@ -34,11 +36,13 @@ class CheckSchedule:
     checked_this_fit: bool = False
     follow_up: int | None = None
     retry: int | None = None
+    checked_in_fit: int = -1
 
     def start_fit(self) -> None:
         """A fit starts: its first step is checked; nothing is pending from an earlier fit."""
         self.checked_this_fit = False
         self.follow_up = self.retry = None
+        self.checked_in_fit = -1
 
     def due(self, step: int) -> bool:
         """Whether the training batch starting at global ``step`` is checked (a due retry is then taken).
@@ -46,9 +50,9 @@ class CheckSchedule:
         Args:
             step: The global step at the batch's start.
         """
-        follow_up = self.follow_up is not None and step >= self.follow_up and step != self.last_checked
-        retry = self.retry is not None and step >= self.retry and step != self.last_checked
-        if step == self.last_checked and not follow_up:
+        follow_up = self.follow_up is not None and step >= self.follow_up and step != self.checked_in_fit
+        retry = self.retry is not None and step >= self.retry and step != self.checked_in_fit
+        if step == self.checked_in_fit and not follow_up:
             return False
         if self.checked_this_fit and step % self.every_n_steps and not (follow_up or retry):
             return False
@@ -61,7 +65,7 @@ class CheckSchedule:
         Args:
             step: The global step checked.
         """
-        self.last_checked = step
+        self.last_checked = self.checked_in_fit = step
 
     def skipped(self, step: int) -> None:
         """The check of ``step`` was skipped for something the next check captures: that one is due next step.
