@@ -18,6 +18,7 @@ __all__ = [
     "ModelSetupHook",
     "class_refusing",
     "is_unknown_strategy_error",
+    "lightning_logs_this_batch",
     "list_expected",
     "literal_rejection",
     "metric_state_names",
@@ -65,6 +66,23 @@ class ModelSetupHook:
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return self._around_setup_model(model, super()._setup_model)  # type: ignore[misc]
+
+
+def lightning_logs_this_batch(trainer: Any) -> bool:
+    """Whether Lightning writes the training batch ending now to its loggers: its logger connector's
+    ``should_update_logs`` (Lightning 2.0 to 2.6), which counts batches that stepped, once per batch whatever the
+    number of optimizers (``global_step`` counts each optimizer's step). Read in ``on_train_batch_end``.
+
+    Example::
+
+        >>> class Connector:
+        ...     should_update_logs = True
+        >>> class Trainer:
+        ...     _logger_connector = Connector()
+        >>> lightning_logs_this_batch(Trainer())
+        True
+    """
+    return bool(trainer._logger_connector.should_update_logs)
 
 
 def metric_state_names(metric: Any) -> list[str]:

@@ -105,6 +105,7 @@ def test_every_entry_is_pinned_here() -> None:
         "metric_state_names",
         "class_refusing",
         "list_expected",
+        "lightning_logs_this_batch",
         "ModelSetupHook",
     }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}

@@ -434,3 +434,49 @@ def test_compared_per_step_counts_from_the_first_step_of_a_second_fit(tmp_path: 
     each = per_step[0][1]
     assert each > 0 and per_step == [(step, each) for step in (3, 7, 11, 15)]
     assert compared == [(step, 4 * each) for step in (3, 7, 11, 15)]
+
+
+class TwoOptimizers(StackModule):
+    """Manual optimization stepping two optimizers a batch: the global step moves on by two at each batch."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        for optimizer in self.optimizers():
+            loss = self.loss(batch)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.log("train/loss", loss)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        blocks = list(self.model.blocks)
+        return [
+            torch.optim.SGD([p for block in blocks[:1] for p in block.parameters()], lr=0.1),
+            torch.optim.SGD([p for block in blocks[1:] for p in block.parameters()], lr=0.1),
+        ]
+
+
+def test_with_two_optimizers_the_sentinels_counts_are_logged_with_lightnings_own_metrics(tmp_path: Path) -> None:
+    # Lightning logs once per batch that stepped, whatever the number of optimizers: its `train/loss` and the
+    # sentinel's counts reach the logger at the same batches, each batch's counts once.
+    monitor = RecomputationMonitor(every_n_steps=100, sentinel="sampled", loss_fn=lambda m, b, i: m.loss(b))
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(
+        tmp_path, max_steps=12, strategy=strategy, callbacks=[monitor], logger=CSVLogger(tmp_path), log_every_n_steps=2
+    )
+    pl.Trainer(**kwargs).fit(TwoOptimizers())
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    losses = [row for row in rows if row.get("train/loss")]
+    compared = [row for row in rows if row.get("recompute/sentinel/compared")]
+    assert len(losses) == 3 and len(compared) == 3  # six batches, logged at every second one
+    per_step = {float(row["recompute/sentinel/compared_per_step"]) for row in compared}
+    assert len(per_step) == 1 and per_step.pop() > 0

@@ -426,7 +426,7 @@ class RecomputationMonitor(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
-        self._watch.step_ended()
+        self._watch.step_ended(next_step=trainer.global_step)
         logging = self._watch.metrics_due(trainer)
         step = self._watch.step
         # Read at epoch ends and check steps too, so that `EarlyStopping` and `ModelCheckpoint` find the counts in

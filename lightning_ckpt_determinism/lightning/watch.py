@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_ckpt_determinism._library_compat import lightning_logs_this_batch
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Cause, Syntax, respelt
@@ -133,6 +134,11 @@ class SentinelWatch:
         self._watching = True
         self._warned: dict[str, int] = {}
         self._logged_step = -1
+        # The last global step the logged periods cover, that of the batch that ended last, and that of each unlogged
+        # batch by the step it started at: a batch covers one global step per optimizer step it took (two optimizers
+        # stepping, two), so that `compared_per_step` counts global steps.
+        self._covered = self._last_end = -1
+        self._ends: dict[int, int] = {}
         self._said_nothing_compared = False
         self._exact_from: int | None = None
         # False once the sentinel stopped after a failure of its own (its report stays readable).
@@ -162,6 +168,8 @@ class SentinelWatch:
         self._watching = True
         # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
         self._warned, self._logged_step, self._said_nothing_compared = {}, trainer.global_step - 1, False
+        self._covered = self._last_end = trainer.global_step - 1
+        self._ends = {}
         self._exact_from = None
         self._active = True
         self._pause_between_batches()  # until the first batch starts: the sanity check runs before it
@@ -216,15 +224,19 @@ class SentinelWatch:
         self._resume()
         self.sentinel.next_step("exact" if step == self._exact_from else None)
 
-    def step_ended(self, *, batch_end: bool = True) -> None:
+    def step_ended(self, *, batch_end: bool = True, next_step: int | None = None) -> None:
         """Close what was compared since the last call into one record, unread (no host read, no collective); at a
         batch's end, pause the sentinel until the next batch starts.
 
         Args:
             batch_end: Whether a training batch ends (``False`` before the optimizer step, under ``"raise"``).
+            next_step: The global step after the batch, where it ends (one more than where it started per optimizer
+                step it took).
         """
         if batch_end:
             self._pause_between_batches()
+        if next_step is not None:
+            self._last_end = self._ends[self.step] = max(next_step - 1, self.step)
         if self.sentinel is None or not self._active:
             return
         self._batches_since_logged += batch_end
@@ -365,8 +377,7 @@ class SentinelWatch:
         Args:
             trainer: The Trainer.
         """
-        every = getattr(trainer, "log_every_n_steps", 50)
-        due = trainer.global_step > self.step and every > 0 and (self.step + 1) % every == 0
+        due = trainer.global_step > self.step and lightning_logs_this_batch(trainer)
         return due and self._logged_step != self.step and self._active
 
     def metrics(self, *, last: bool = False) -> SentinelMetrics | None:
@@ -384,23 +395,26 @@ class SentinelWatch:
         """
         if self.sentinel is None or not self._active or (last and not self._batches_since_logged):
             return None
-        first = since_step = self._logged_step
-        self._logged_step = self.step
+        first = since_step = self._covered
+        end = max(self._last_end, self.step)
+        self._logged_step, self._covered = self.step, end
         unlogged, self._unlogged, self._batches_since_logged = self._unlogged, {}, 0
         watched, self._watched_since_logged = self._watched_since_logged, 0
+        ends, self._ends = self._ends, {}
         points: list[tuple[int, dict[str, float]]] = []
         since = _StepCounts()
         for step in sorted(unlogged):
             _add(since, unlogged[step])
             if unlogged[step].mismatches:
-                points.append((step, self._values(since, step - since_step)))
-                since, since_step = _StepCounts(), step
+                at = ends.get(step, step)
+                points.append((step, self._values(since, at - since_step)))
+                since, since_step = _StepCounts(), at
         if not points or points[-1][0] != self.step:
-            points.append((self.step, self._values(since, self.step - since_step)))
+            points.append((self.step, self._values(since, end - since_step)))
         total = self._total(unlogged)
         if watched and not total.compared and not total.mismatches:
             self._nothing_compared()
-        return SentinelMetrics(points, self._values(total, self.step - first))
+        return SentinelMetrics(points, self._values(total, end - first))
 
     def so_far(self) -> dict[str, float] | None:
         """What ``trainer.callback_metrics`` gets between logging steps (at check steps and epoch ends): the counts
@@ -408,7 +422,7 @@ class SentinelWatch:
         is nothing to show."""
         if self.sentinel is None or not self._active:
             return None
-        return self._values(self._total(self._unlogged), self.step - self._logged_step)
+        return self._values(self._total(self._unlogged), max(self._last_end, self.step) - self._covered)
 
     @staticmethod
     def _total(unlogged: dict[int, _StepCounts]) -> _StepCounts:
