@@ -37,6 +37,9 @@ _PACKAGE_MESSAGE = re.compile(r"^ *- (`.+)$", re.MULTILINE)
 _REFUSED_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*Option '([^']+)' is not accepted")
 # jsonargparse's reason for a single value where a list is expected (4.x).
 _LIST_EXPECTED = re.compile(r"Expected a <class 'list'>(?:, got|\. Got value:) (.*)")
+# jsonargparse's reason for a value a `Callable` argument refuses (4.x): a path to nothing, or a function whose
+# return annotation is not the one the argument's type names.
+_CALLABLE_REFUSED = re.compile(r"expects a function or a callable class: (.*)")
 # jsonargparse's reason for a value a `Literal` refuses.
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
 
@@ -221,8 +224,13 @@ def rejected_value(text: str) -> str:
     if not keys:
         return lines[0]
     indent = " " * (len(lines[at]) - len(lines[at].lstrip()) + 2)
-    block = list(takewhile(lambda line: line.startswith(indent), lines[at + 1 :]))
+    block = [
+        line for line in takewhile(lambda line: line.startswith(indent) or not line.strip(), lines[at + 1 :]) if line
+    ]
     reason = lines[at].split('":', 1)[1].strip() or next(iter(block), "").strip()
+    refused = next((match[1] for line in block if (match := _CALLABLE_REFUSED.search(line))), None)
+    if refused is not None:
+        return f"`{'.'.join(keys)}`: {refused}"
     options = [number for number, line in enumerate(block) if line.startswith(indent + "  - ")]
     if reason.startswith("Does not validate against any of the Union subtypes") and options:
         # Of the alternatives, the class whose arguments were given is the one meant, else the first (None is last).

@@ -380,6 +380,31 @@ def test_arguments_out_of_their_init_args_are_named_where_they_sit(
     assert line == "error: " + said.format(first=first)
 
 
+def loss_without_annotation(module: Any, batch: Any, batch_idx: int):  # type: ignore[no-untyped-def]
+    """A `loss_fn` as the docs write it, without its return annotation."""
+    return module.training_step(batch, batch_idx)
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (
+            "tests.test_cli.loss_without_annotation",
+            "Expected 'tests.test_cli.loss_without_annotation' to be a function that returns <class 'Tensor'>."
+            " Annotate its return type, as `def loss(module, batch, batch_idx) -> torch.Tensor:`.",
+        ),
+        ("tests.test_cli.no_such_loss", "module 'tests.test_cli' has no attribute 'no_such_loss'"),
+    ],
+)
+def test_a_loss_fn_the_cli_refuses_says_why_in_one_line(
+    value: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(loss_fn=value))
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line == f"error: `trainer.callbacks.loss_fn`: {said}"
+
+
 @pytest.mark.usefixtures("in_process")
 def test_an_unknown_class_path_names_the_missing_attribute(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _edited(tmp_path, lambda config: config["model"].update(class_path="examples.gpt.GPTModul"))

@@ -335,6 +335,8 @@ def _in_package_words(rejected: str) -> str:
         if found[1].endswith("classes") and difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
         return f"`{found[1]}` must be a list, got {single}; write [{single}]."
+    if found is not None and "to be a function that returns" in found[2]:
+        return f"{rejected} Annotate its return type, as `def loss(module, batch, batch_idx) -> torch.Tensor:`."
     choice = literal_rejection(found[2]) if found else None
     if found is None or choice is None:
         return rejected
