@@ -16,6 +16,7 @@ from torch import nn
 __all__ = [
     "METRIC_BOOKKEEPING",
     "ModelSetupHook",
+    "bool_expected",
     "class_refusing",
     "is_unknown_strategy_error",
     "lightning_logs_this_batch",
@@ -40,6 +41,8 @@ _LIST_EXPECTED = re.compile(r"Expected a <class 'list'>(?:, got|\. Got value:) (
 # jsonargparse's reason for a value a `Callable` argument refuses (4.x): a path to nothing, or a function whose
 # return annotation is not the one the argument's type names.
 _CALLABLE_REFUSED = re.compile(r"expects a function or a callable class: (.*)")
+# jsonargparse's reason for a value a `bool` argument refuses (4.x).
+_BOOL_EXPECTED = re.compile(r"Expected a <class 'bool'>\. Got value: (.*)")
 # jsonargparse's reason for a value a `Literal` refuses.
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
 
@@ -165,6 +168,19 @@ def class_refusing(text: str) -> tuple[str, str] | None:
     """
     found = _REFUSED_OPTION.search(text)
     return None if found is None else (found[1], found[2])
+
+
+def bool_expected(reason: str) -> str | None:
+    """The value jsonargparse's ``reason`` says a ``bool`` argument refused, as it prints it; ``None`` for another
+    reason.
+
+    Example::
+
+        >>> bool_expected("Expected a <class 'bool'>. Got value: 2")
+        '2'
+    """
+    found = _BOOL_EXPECTED.fullmatch(reason)
+    return None if found is None else found[1]
 
 
 def list_expected(reason: str) -> str | None:

@@ -380,6 +380,15 @@ def test_arguments_out_of_their_init_args_are_named_where_they_sit(
     assert line == "error: " + said.format(first=first)
 
 
+@pytest.mark.usefixtures("in_process")
+def test_a_flag_given_another_value_in_yaml_is_said_as_python_says_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(prog_bar=2))
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line == "error: `trainer.callbacks.prog_bar` must be True or False, got 2."
+
+
 def loss_without_annotation(module: Any, batch: Any, batch_idx: int):  # type: ignore[no-untyped-def]
     """A `loss_fn` as the docs write it, without its return annotation."""
     return module.training_step(batch, batch_idx)

@@ -105,6 +105,7 @@ def test_every_entry_is_pinned_here() -> None:
         "metric_state_names",
         "class_refusing",
         "list_expected",
+        "bool_expected",
         "lightning_logs_this_batch",
         "ModelSetupHook",
     }
@@ -125,3 +126,13 @@ def test_the_model_setup_hook_is_handed_the_lightning_strategys_own_setup_model(
     assert probe._setup_model(model) is model
     (setup,) = handed
     assert setup.__self__ is probe and setup.__func__ is strategy._setup_model
+
+
+def test_a_value_a_bool_argument_refuses_is_read_as_jsonargparse_prints_it() -> None:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--flag", type=bool)
+    with pytest.raises(ArgumentError) as raised:
+        parser.parse_object({"flag": 2})
+    found = compat.rejected_value(str(raised.value))
+    assert found.startswith("`flag`: ")
+    assert compat.bool_expected(found.removeprefix("`flag`: ")) == "2"

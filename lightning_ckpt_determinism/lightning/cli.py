@@ -38,6 +38,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_ckpt_determinism import errors
 from lightning_ckpt_determinism._library_compat import (
+    bool_expected,
     class_refusing,
     is_unknown_strategy_error,
     list_expected,
@@ -335,6 +336,9 @@ def _in_package_words(rejected: str) -> str:
         if found[1].endswith("classes") and difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
         return f"`{found[1]}` must be a list, got {single}; write [{single}]."
+    flag = bool_expected(found[2]) if found else None
+    if found is not None and flag is not None:
+        return f"`{found[1]}` must be True or False, got {flag}."
     if found is not None and "to be a function that returns" in found[2]:
         return f"{rejected} Annotate its return type, as `def loss(module, batch, batch_idx) -> torch.Tensor:`."
     choice = literal_rejection(found[2]) if found else None
