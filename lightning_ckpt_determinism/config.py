@@ -431,9 +431,10 @@ class CheckpointingConfig:
             wrong = [entry for entry in value if not isinstance(entry, str)]
             if wrong:
                 # An op object or a number would fail later, far from the config, with a TypeError or AttributeError.
+                write = "module names as globs ('model.blocks.*')" if name == "names" else "ops as strings ('aten.mm')"
                 raise CheckpointingConfigError(
                     f"`{name}` must be a list of strings, got the entry {wrong[0]!r} ({type(wrong[0]).__name__});"
-                    " write names as globs and ops as 'aten.mm'."
+                    f" write {write}."
                 )
         for name in RECOMPUTE_SWITCHES:
             check_bool(name, getattr(self, name))

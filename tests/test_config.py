@@ -339,8 +339,14 @@ def test_a_model_wrapped_with_a_config_of_restricted_types_saves_and_loads() -> 
             r"`classes` must be a list of class names, dotted paths or classes, got the entry 3 \(int\)",
         ),
         ({"classes": torch.nn.Linear}, r"`classes` must be a list, got the class Linear; use \[Linear\]"),
-        ({"classes": ["Linear"], "names": [3]}, r"`names` must be a list of strings, got the entry 3 \(int\)"),
-        ({"classes": ["Linear"], "save_ops": [torch.ops.aten.mm.default]}, r"`save_ops` must be a list of strings"),
+        (
+            {"classes": ["Linear"], "names": [3]},
+            r"`names` must be a list of strings, got the entry 3 \(int\); write module names as globs \('model",
+        ),
+        (
+            {"classes": ["Linear"], "save_ops": [torch.ops.aten.mm.default]},
+            r"`save_ops` must be a list of strings, got .*; write ops as strings \('aten.mm'\)\.$",
+        ),
         (
             {"classes": ["Linear"], "keep_data_dependent": "no"},
             r"`keep_data_dependent` must be True or False, got 'no'",
