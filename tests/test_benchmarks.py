@@ -20,6 +20,7 @@ from benchmarks import (
     memory,
     moe,
     monitor,
+    probes,
     saved_tensors,
     sentinel,
     sentinel_host,
@@ -507,3 +508,12 @@ def test_interleaved_rounds_run_each_variant_once_a_round_after_every_other_and_
     again: list[str] = []
     interleaved_times({name: partial(again.append, name) for name in "abcd"}, 30, 2, torch.device("cpu"))
     assert again == calls
+
+
+def test_the_probe_benchmark_counts_the_probes_of_varying_paths_and_times_a_probed_step() -> None:
+    result = probes.run(steps=20, rounds=2, widths=(16,))
+    # The LayerDrop region learns its skipping path at its first call and its layer's path at its fourth (the probe
+    # after the layer's first call took the skipping path): three probes, none after.
+    assert result["layer_drop_probes"] == 3
+    assert all(isinstance(count, int) and 1 <= count <= 40 for count in result["expert_probes"].values())
+    assert _finite_positive(result["probed_step"][16])
