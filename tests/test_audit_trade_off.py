@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from lightning_ckpt_determinism import CheckpointingConfig
 from lightning_ckpt_determinism.audit import main
 from lightning_ckpt_determinism.audit.plot import stairs
-from lightning_ckpt_determinism.audit.trade_off import SWEEP, TradeOffPoint
+from lightning_ckpt_determinism.audit.trade_off import SWEEP, TradeOffPoint, trade_off
 from lightning_ckpt_determinism.checkpointing.budget_plan import format_bytes, measure_candidates, plan_from_figures
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 from tests.test_audit import CHECKPOINTING, audit, write_config
@@ -223,3 +223,10 @@ def test_plot_needs_an_svg_path_and_a_budget_each_a_one_line_error(capsys, tmp_p
     assert err.startswith(f"lightning-ckpt-determinism audit: error: `--plot` {str(picture)!r} draws a `memory_budget`")
     assert "set `memory_budget` under `trainer.strategy.init_args.checkpointing`, or leave out `--plot`" in err
     assert not picture.exists()
+
+
+def test_the_trade_off_of_candidates_that_save_nothing_plans_at_one_byte_instead_of_failing() -> None:
+    figures = [RegionFigures("a", 0, 0, 0, 1, 0, ()), RegionFigures("b", 0, 0, 0, 0, 0, ())]
+    found = trade_off(plan_from_figures(figures, CheckpointingConfig(names=["a", "b"], memory_budget="50%")))
+    for curve in found.curves.values():
+        assert [point.kept_bytes for point in curve] == [0]

@@ -320,3 +320,23 @@ def test_a_candidate_keeping_other_op_outputs_is_refused_by_planning_and_checkpo
     # A plan's modules keep what the plan measured: its config, not the one they were checkpointed with before.
     assert list(checkpointed_modules(model)) == plan.checkpointed
     assert all(module.forward.config == plan.config for module in checkpointed_modules(model).values())
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["model compiled", "each block compiled"])
+def test_a_compiled_model_is_planned_from_its_eager_measurement(whole: bool) -> None:
+    # The compiler recomputes compiled regions out of the meter's sight: the measured step runs uncompiled, and the
+    # plan is the eager model's (it was a 0-byte plan of candidates that "did not run").
+    eager = _plan(_mixed(), 0.5)
+    model = _mixed()
+    torch._dynamo.reset()
+    try:
+        if whole:
+            model.compile(backend="aot_eager")
+        else:
+            for block in model.blocks:
+                block.compile(backend="aot_eager")
+        compiled = _plan(model, 0.5)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.candidates == eager.candidates and compiled.checkpointed == eager.checkpointed
+    assert [entry.calls for entry in compiled.candidates] == [1] * 6

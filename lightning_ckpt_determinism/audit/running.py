@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _importable_from(os.getcwd()):
             return _audit(args)
-    except UsageError as err:
+    except (UsageError, CheckpointingConfigError) as err:
         print(f"{PROGRAM} audit: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -112,8 +112,9 @@ def trade_off(plan: CheckpointingPlan) -> TradeOff:
     sweep = {least + (plain - least) * step // (SWEEP - 1) for step in range(SWEEP)}
     module = replace(plan.config, budget_granularity="module")
     # Also where the module curve steps: the op curve is then known at every module plan's bytes.
-    steps = {_quietly(figures, replace(module, memory_budget=budget)).kept_bytes for budget in sweep}
-    budgets = sorted(sweep | steps)
+    steps = {_quietly(figures, replace(module, memory_budget=max(budget, 1))).kept_bytes for budget in sweep}
+    # At least a byte, the least budget a config takes (a model whose candidates save nothing plans at 0).
+    budgets = sorted({max(budget, 1) for budget in sweep | steps})
     curves: dict[str, tuple[TradeOffPoint, ...]] = {}
     plans: dict[str, TradeOffPoint] = {}
     for granularity in GRANULARITIES:
@@ -123,7 +124,7 @@ def trade_off(plan: CheckpointingPlan) -> TradeOff:
         )
         own = granularity == plan.config.budget_granularity
         plans[granularity] = _point(
-            plan if own else _quietly(figures, replace(config, memory_budget=plan.budget_bytes))
+            plan if own else _quietly(figures, replace(config, memory_budget=max(plan.budget_bytes, 1)))
         )
     config = plan.config
     return TradeOff(config.budget_granularity, config.budget_cost, plan.budget_bytes, curves, plans)

@@ -248,7 +248,9 @@ def measure_candidates(
     model: nn.Module, config: CheckpointingConfig, closure: Callable[[], object], *, ops: bool | None = None
 ) -> list[RegionFigures]:
     """The figures of every module ``config`` matches, measured in one step of ``closure`` with every one of them
-    checkpointed (those checkpointed already stay so, the others are made plain again afterwards).
+    checkpointed (those checkpointed already stay so, the others are made plain again afterwards). A compiled model
+    runs that step uncompiled (``torch.compiler.set_stance("force_eager")``), as a checkpointing strategy measures it:
+    the compiler recomputes its regions out of the meter's sight.
 
     Args:
         model: The model; ``config``'s names are relative to it.
@@ -289,7 +291,7 @@ def measure_candidates(
             ops=config.budget_granularity == "op" if ops is None else ops,
             rates=rates,
         )
-        with meter.measuring():
+        with torch.compiler.set_stance("force_eager"), meter.measuring():
             closure()
     finally:
         for module in added.values():
