@@ -3,6 +3,7 @@ than at its first (another code path, another mode, a new attribute or generator
 is held against a plain twin (the same weights and seeds, trained side by side) under the sentinel, in every tier,
 and the check before every step. The later calls are the ones that matter: every step must be bit-identical."""
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable
@@ -532,6 +533,56 @@ def test_paths_that_alternate_are_each_compared_at_their_own_last_activations(ti
     assert [exact for _, exact in seen] == [True, not counted] * 5
     # The full path is new at step 1 (not compared); from its second call on, each defect is seen at its step.
     assert [found > 0 for found, _ in seen] == [False, False] + [False, counted] * 4
+
+
+class ThreeWayCycle(nn.Module):
+    """Takes one of three paths in turn, by its own call counter; the third scales its last op by a counter kept in a
+    dict, which recomputation does not replay (a real defect), when ``counted``."""
+
+    def __init__(self, counted: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+        self.counted = counted
+        self.state = {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.inp(x)
+        if self.calls % 3 == 2:
+            return x + torch.tanh(self.out(h))
+        if self.calls % 3 == 1:
+            return x + torch.sigmoid(self.out(torch.relu(h))) * torch.tanh(h)
+        self.state["calls"] += 1
+        scale = 1 + 0.01 * self.state["calls"] if self.counted else 1.0
+        return x + torch.tanh(self.out(torch.sin(h)) * scale)  # only the last saved tensor differs
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["dict counter", "exact"])
+def test_a_probed_call_after_unwatched_steps_is_compared_at_its_own_last_activations_by_the_light_tier(
+    counted: bool,
+) -> None:
+    # The sentinel pauses at every other step (`sentinel_every_n_steps=2`), so it misses the calls that change path:
+    # a watched call the region probes starts with the layout of another path. It learns its own targets, so the light
+    # tier flags the steps the exact tier flags, and compares something at each.
+    found = {}
+    for tier in ("light", "exact"):
+        torch.manual_seed(0)
+        model = Head(ThreeWayCycle(counted))
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+        seen = []
+        with recomputation_sentinel(model, mode=tier) as sentinel:
+            for step in range(12):
+                before = sentinel.report()
+                with sentinel.paused() if step % 2 else contextlib.nullcontext():
+                    loss_of(model, tokens(step)).backward()
+                after = sentinel.report()
+                if step % 2 == 0:
+                    seen.append((after.mismatches > before.mismatches, after.compared > before.compared))
+        found[tier] = seen
+    assert found["light"] == found["exact"]
+    assert any(differed for differed, _ in found["exact"]) == counted
 
 
 def test_a_region_whose_paths_settle_keeps_the_light_tiers_layout_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,8 +151,11 @@ class RecomputationSentinel:
             return
         call: RegionCall | None = None
         try:
-            layout = self._layouts.get(name) if self.mode.tier == "light" and name not in self._varying else None
-            call = RegionCall(self, name, self._buffers[name], region_profile(module), layout)
+            profile = region_profile(module)
+            # A call the region probes (its path unknown or unsure) learns its own targets too, as the first call.
+            steady = self.mode.tier == "light" and name not in self._varying and profile is not None
+            layout = self._layouts.get(name) if steady else None
+            call = RegionCall(self, name, self._buffers[name], profile, layout)
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
             self._stop(err)
