@@ -389,6 +389,22 @@ def test_a_flag_given_another_value_in_yaml_is_said_as_python_says_it(
     assert line == "error: `trainer.callbacks.prog_bar` must be True or False, got 2."
 
 
+def _return_annotation_required() -> bool:
+    """Whether the installed jsonargparse refuses a function without a return annotation for a ``Callable`` returning
+    a tensor, as `RecomputationMonitor.loss_fn` is typed (4.53 does)."""
+    from collections.abc import Callable
+
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--loss_fn", type=Callable[[Any, Any, int], torch.Tensor])
+    try:
+        parser.parse_object({"loss_fn": "tests.test_cli.loss_without_annotation"})
+    except Exception:
+        return True
+    return False
+
+
 def loss_without_annotation(module: Any, batch: Any, batch_idx: int):  # type: ignore[no-untyped-def]
     """A `loss_fn` as the docs write it, without its return annotation."""
     return module.training_step(batch, batch_idx)
@@ -409,6 +425,8 @@ def loss_without_annotation(module: Any, batch: Any, batch_idx: int):  # type: i
 def test_a_loss_fn_the_cli_refuses_says_why_in_one_line(
     value: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    if value.endswith("without_annotation") and not _return_annotation_required():
+        pytest.skip("this jsonargparse takes a function without its return annotation (4.51 does)")
     config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(loss_fn=value))
     line = _cli_error(capsys, _argv(config, tmp_path))
     assert line == f"error: `trainer.callbacks.loss_fn`: {said}"
