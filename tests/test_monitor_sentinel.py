@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -480,3 +481,37 @@ def test_with_two_optimizers_the_sentinels_counts_are_logged_with_lightnings_own
     assert len(losses) == 3 and len(compared) == 3  # six batches, logged at every second one
     per_step = {float(row["recompute/sentinel/compared_per_step"]) for row in compared}
     assert len(per_step) == 1 and per_step.pop() > 0
+
+
+class NoisyFromItsThirdCall(PlainBlock):
+    """Exact at its first two calls (step 0's forward and recomputation), NumPy noise from then on: a defect the
+    sentinel finds at step 1, and a follow-up check finds too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(1)
+        h = torch.tanh(self.linear(x))
+        if len(self.calls) > 2:
+            h = h * (1 + torch.from_numpy(np.random.standard_normal(x.shape).astype(np.float32)))
+        return x + h
+
+
+def test_a_reused_monitors_finding_is_followed_up_though_an_earlier_fit_diverged_at_that_step(tmp_path: Path) -> None:
+    # The first fit's follow-up check of step 3 diverged; the second fit, of another model, has its finding at step 3
+    # and no check there: that finding is not named by the first fit's check, and step 4 is checked in full.
+    monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
+    first = StackModule(block="PlainBlock", n=3)
+    first.model.blocks[1] = NoisyFromItsThirdCall()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(tmp_path / "first", monitor, first, steps=6)
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (3, True)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "second", monitor, armed_module(step=3), steps=6)
+    said = [str(warning.message) for warning in caught if "the sentinel saw" in str(warning.message)]
+    assert len(said) == 1 and "at step 3" in said[0] and "Step 4 is checked in full" in said[0]
+    assert [(entry.step, entry.diverged) for entry in monitor.history][2:] == [(0, False), (4, False)]
