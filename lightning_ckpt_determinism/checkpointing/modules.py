@@ -12,6 +12,7 @@ from lightning_ckpt_determinism._torch_compat import OptimizedModule, own_buffer
 
 __all__ = [
     "SCALARS",
+    "buffer_keys",
     "buffer_slots",
     "generator_slots",
     "is_framework_attribute",
@@ -170,8 +171,28 @@ def named_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield region_name(name), sub
 
 
+def buffer_keys(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """Every buffer registered on ``module`` and its submodules, as its name, the module that holds it and its key
+    there: those registered as ``None`` too (a buffer sized at the first forward).
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> norm = torch.nn.BatchNorm1d(2, track_running_stats=False)
+        >>> [name for name, _, _ in buffer_keys(norm)]
+        ['running_mean', 'running_var', 'num_batches_tracked']
+    """
+    return [
+        (f"{prefix}.{key}" if prefix else key, owner, key)
+        for prefix, owner in module.named_modules()
+        for key in own_buffers(owner)
+    ]
+
+
 def buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
-    """Each buffer of ``module`` by its name, with the module that holds it and its key there.
+    """Each buffer of ``module`` that holds a tensor, by its name, with the module that holds it and its key there.
 
     Args:
         module: The root module.
@@ -182,10 +203,10 @@ def buffer_slots(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Ten
         ['running_mean', 'running_var', 'num_batches_tracked']
     """
     slots = {}
-    for prefix, owner in module.named_modules():
-        for key, buffer in own_buffers(owner).items():
-            if buffer is not None:
-                slots[f"{prefix}.{key}" if prefix else key] = (owner, key, buffer)
+    for name, owner, key in buffer_keys(module):
+        buffer = own_buffers(owner)[key]
+        if buffer is not None:
+            slots[name] = (owner, key, buffer)
     return slots
 
 

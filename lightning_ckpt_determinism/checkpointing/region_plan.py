@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import own_buffers
 from lightning_ckpt_determinism.checkpointing.compile_context import ContextPairFn, eager_only_options, region_contexts
 from lightning_ckpt_determinism.checkpointing.contexts import BufferSlot
+from lightning_ckpt_determinism.checkpointing.modules import buffer_keys
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.config import CheckpointingConfig, resolve_ops
 
@@ -60,11 +60,7 @@ class RegionPlan:
             module: The region.
             config: How to checkpoint it.
         """
-        slots = tuple(
-            (f"{prefix}.{key}" if prefix else key, owner, key)
-            for prefix, owner in module.named_modules()
-            for key in own_buffers(owner)
-        )
+        slots = tuple(buffer_keys(module))
         protect_buffers = config.protect_buffers and bool(slots)
         save_ops = frozenset(resolve_ops(config.save_ops))
         return cls(config=config, protect_buffers=protect_buffers, save_ops=save_ops, buffer_slots=slots)

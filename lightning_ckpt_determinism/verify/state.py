@@ -43,6 +43,7 @@ from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, ow
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
+    buffer_keys,
     buffer_slots,
     is_framework_attribute,
     is_fsdp1_unit,
@@ -174,10 +175,7 @@ class _BufferSnapshot:
                 for name, (owner, key, buffer) in buffer_slots(module).items()
             ]
         self._empty = [
-            (f"{prefix}.{key}" if prefix else key, owner, key)
-            for prefix, owner in module.named_modules()
-            for key, buffer in own_buffers(owner).items()
-            if buffer is None
+            (name, owner, key) for name, owner, key in buffer_keys(module) if own_buffers(owner)[key] is None
         ]
 
     def differing(self) -> list[str]:
