@@ -174,9 +174,9 @@ class ForwardState:
         self._changed = changed
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
-        self._late: list[tuple[nn.Module, str]] = []
-        # The buffers the forward created where it found ``None`` (a buffer sized at the first forward).
-        self._created: list[tuple[nn.Module, str]] = []
+        # The buffers changed late, each with whether the forward created it where it found ``None`` (a buffer sized
+        # at the first forward).
+        self._late: list[tuple[nn.Module, str, bool]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def capture(self) -> AbstractContextManager[None]:
@@ -187,7 +187,7 @@ class ForwardState:
         """The recompute context: the forward's state in, the live state back afterwards, whatever is raised. Decided
         at each recomputation, once the forward has ended: with no buffer or generator to replay (none captured, none
         changed late), the shared :data:`NO_CONTEXT`."""
-        if self._captured or self._late or self._created or self._generators:
+        if self._captured or self._late or self._generators:
             return _Replay(self)
         return NO_CONTEXT
 
@@ -234,9 +234,9 @@ class _Capture:
         # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
         # updates its running statistics in place, its counter bumps one): they are given back after recomputation
         # with it.
-        for _, owner, key, buffer, _ in state._watched:
-            if owner in owners:
-                (state._created if buffer is None else state._late).append((owner, key))
+        state._late.extend(
+            (owner, key, buffer is None) for _, owner, key, buffer, _ in state._watched if owner in owners
+        )
         state._watched = []
 
 
@@ -252,21 +252,18 @@ class _Replay:
 
     def __enter__(self) -> None:
         state, swapped = self._state, self._swapped
-        if state._captured or state._late or state._created:
+        if state._captured or state._late:
             with torch.no_grad(), disable_current_modes():
                 for owner, key, buffer, value in state._captured:
                     swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
                     buffer.data.copy_(value)
                     own_buffers(owner)[key] = buffer
-                for owner, key in state._late:
+                for owner, key, created in state._late:
                     live = own_buffers(owner).get(key)
                     if live is not None:
                         swapped.append((owner, key, live, live, live.detach().clone()))
-                for owner, key in state._created:  # recomputed from no buffer, as the forward was
-                    live = own_buffers(owner).get(key)
-                    if live is not None:
-                        swapped.append((owner, key, live, live, live.detach().clone()))
-                        own_buffers(owner)[key] = None
+                        if created:  # recomputed from no buffer, as the forward was
+                            own_buffers(owner)[key] = None
         self._live_generators = [(generator, generator.get_state()) for generator, _ in state._generators]
         for generator, generator_state in state._generators:
             generator.set_state(generator_state)
