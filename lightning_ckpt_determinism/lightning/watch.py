@@ -235,10 +235,10 @@ class SentinelWatch:
         """
         if batch_end:
             self._pause_between_batches()
-        if next_step is not None:
-            self._last_end = self._ends[self.step] = max(next_step - 1, self.step)
         if self.sentinel is None or not self._active:
             return
+        if next_step is not None:  # cleared at each logged period, as the counts are
+            self._last_end = self._ends[self.step] = max(next_step - 1, self.step)
         self._batches_since_logged += batch_end
         if not self._watching:
             return
@@ -396,7 +396,7 @@ class SentinelWatch:
         if self.sentinel is None or not self._active or (last and not self._batches_since_logged):
             return None
         first = since_step = self._covered
-        end = max(self._last_end, self.step)
+        end = self._period_end
         self._logged_step, self._covered = self.step, end
         unlogged, self._unlogged, self._batches_since_logged = self._unlogged, {}, 0
         watched, self._watched_since_logged = self._watched_since_logged, 0
@@ -422,7 +422,12 @@ class SentinelWatch:
         is nothing to show."""
         if self.sentinel is None or not self._active:
             return None
-        return self._values(self._total(self._unlogged), max(self._last_end, self.step) - self._covered)
+        return self._values(self._total(self._unlogged), self._period_end - self._covered)
+
+    @property
+    def _period_end(self) -> int:
+        """The last global step the period under way covers: that of the batch that ended last."""
+        return max(self._last_end, self.step)
 
     @staticmethod
     def _total(unlogged: dict[int, _StepCounts]) -> _StepCounts:
