@@ -109,12 +109,12 @@ def trade_off(plan: CheckpointingPlan) -> TradeOff:
     ran = [entry for entry in figures if entry.calls]
     least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in ran)
     plain = sum(entry.plain_bytes for entry in figures)
-    sweep = {least + (plain - least) * step // (SWEEP - 1) for step in range(SWEEP)}
+    # At least a byte, the least budget a config takes (a model whose candidates save nothing plans at 0).
+    sweep = {max(least + (plain - least) * step // (SWEEP - 1), 1) for step in range(SWEEP)}
     module = replace(plan.config, budget_granularity="module")
     # Also where the module curve steps: the op curve is then known at every module plan's bytes.
-    steps = {_quietly(figures, replace(module, memory_budget=max(budget, 1))).kept_bytes for budget in sweep}
-    # At least a byte, the least budget a config takes (a model whose candidates save nothing plans at 0).
-    budgets = sorted({max(budget, 1) for budget in sweep | steps})
+    steps = {max(_quietly(figures, replace(module, memory_budget=budget)).kept_bytes, 1) for budget in sweep}
+    budgets = sorted(sweep | steps)
     curves: dict[str, tuple[TradeOffPoint, ...]] = {}
     plans: dict[str, TradeOffPoint] = {}
     for granularity in GRANULARITIES:
