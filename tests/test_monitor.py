@@ -4,6 +4,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -563,35 +564,44 @@ class _NoCheckStrategy(SingleDeviceCheckpointingStrategy):
     _monitor_support = _NoCheckSupport
 
 
+def _sentinel_alone(
+    tmp_path: Any, make_module: Callable[[], Any], strategy: type, monitor: RecomputationMonitor
+) -> tuple[pl.Trainer, Any, list[str], Any]:
+    """A fit of ``make_module()`` under ``strategy`` with ``monitor``, where dropout masks are redrawn at recomputation
+    (the sentinel sees it at every step), and its plain twin's fit without the monitor: the trainer, the monitored
+    module, the package's warnings and the twin."""
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path / "alone", callbacks=[monitor], strategy=strategy(checkpointing=config))
+    )
+    module = make_module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(module)
+    pl.seed_everything(0, verbose=False)
+    twin = make_module()
+    pl.Trainer(**trainer_kwargs(tmp_path / "twin", strategy=strategy(checkpointing=config))).fit(twin)
+    return trainer, module, [str(w.message) for w in caught], twin
+
+
 def test_where_no_gradient_check_can_run_the_sentinel_runs_alone_and_training_is_untouched(tmp_path, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("a gradient check ran")
 
     monkeypatch.setattr(checks_module, "check_live_step", never)
     monkeypatch.setattr(checks_module, "check_recomputation", never)
-    # Dropout masks redrawn at recomputation: the sentinel sees it at every step; no check follows.
-    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
     monitor = RecomputationMonitor(every_n_steps=1)
-    pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(
-        **trainer_kwargs(tmp_path / "alone", callbacks=[monitor], strategy=_NoCheckStrategy(checkpointing=config))
-    )
-    module = StackModule()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", LightningCkptDeterminismWarning)
-        trainer.fit(module)
-    messages = [str(w.message) for w in caught]
+    _, module, messages, twin = _sentinel_alone(tmp_path, StackModule, _NoCheckStrategy, monitor)
     said = [m for m in messages if "runs no gradient check" in m]
     assert len(said) == 1 and "this strategy's gradients cannot be set aside" in said[0]
     sentinel = [m for m in messages if "the sentinel saw" in m]
     assert sentinel and all("No gradient check runs under this strategy" in m for m in sentinel)
     assert list(monitor.history) == [] and monitor.sentinel_report.mismatches > 0
     # Ground truth: the same fit without the monitor trains to the same weights.
-    pl.seed_everything(0, verbose=False)
-    twin = StackModule()
-    pl.Trainer(**trainer_kwargs(tmp_path / "twin", strategy=_NoCheckStrategy(checkpointing=config))).fit(twin)
     assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
 
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
     off = RecomputationMonitor(sentinel="off")
     trainer = pl.Trainer(
         **trainer_kwargs(tmp_path / "off", callbacks=[off], strategy=_NoCheckStrategy(checkpointing=config))
@@ -616,25 +626,14 @@ class FetchesItsBatches(StackModule):
 def test_a_training_step_that_fetches_its_own_batches_runs_the_sentinel_alone_and_trains_as_without_it(tmp_path):
     # A check would rerun the step, which would take the next batch: none runs, and the fit trains the batches the
     # twin trains. The monitor's own metrics reach `callback_metrics` (Lightning asks `self.log` for a batch size here).
-    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
     monitor = RecomputationMonitor(every_n_steps=1)
-    pl.seed_everything(0, verbose=False)
-    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
-    trainer = pl.Trainer(**trainer_kwargs(tmp_path / "monitored", callbacks=[monitor], strategy=strategy))
-    module = FetchesItsBatches()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", LightningCkptDeterminismWarning)
-        trainer.fit(module)
-    messages = [str(w.message) for w in caught]
+    strategy = SingleDeviceCheckpointingStrategy
+    trainer, module, messages, twin = _sentinel_alone(tmp_path, FetchesItsBatches, strategy, monitor)
     said = [m for m in messages if "runs no gradient check" in m]
     assert len(said) == 1 and "`training_step(self, dataloader_iter)` fetches its own batches" in said[0]
     assert any("No gradient check runs for a `training_step` that fetches its own batches" in m for m in messages)
     assert list(monitor.history) == [] and monitor.sentinel_report.mismatches > 0
     assert trainer.callback_metrics["recompute/sentinel/mismatches"] > 0
-    pl.seed_everything(0, verbose=False)
-    twin = FetchesItsBatches()
-    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
-    pl.Trainer(**trainer_kwargs(tmp_path / "twin", strategy=strategy)).fit(twin)
     assert module.seen == twin.seen == list(range(len(module.seen)))
     assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
 
