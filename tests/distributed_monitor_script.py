@@ -216,6 +216,7 @@ def _run(
         "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
         "error": error,
         "sharded": any(local_tensor(param) is not param for param in module.parameters()),
+        "compared": monitor.sentinel_report.compared if monitor and monitor.sentinel_report else None,
         "regions": [
             [region.name, region.cause]
             for region in (monitor.last_report.regions if monitor and monitor.last_report else [])

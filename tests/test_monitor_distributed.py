@@ -242,6 +242,10 @@ def test_ddp_the_sentinel_sees_a_defect_on_rank_one_only_at_every_step_and_warns
     assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True)]
     assert "The check of that step names the cause" in sentinel[0]
     assert rank0["history"] == rank1["history"]
+    # What was compared is summed over the same ranks as the mismatches.
+    assert rank0["compared"] > 0 and rank1["compared"] > 0
+    compared = logged(out_dir, "sentinel_rank_one", "recompute/sentinel/compared")
+    assert sum(compared) == rank0["compared"] + rank1["compared"]
 
 
 def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_steps_alike_on_both_ranks(ddp):

@@ -99,7 +99,7 @@ class SentinelMetrics:
 
 @dataclass
 class _StepCounts:
-    """What one read step compared and found (on this rank; mismatches summed over ranks)."""
+    """What one read step compared and found, summed over ranks."""
 
     compared: int = 0
     mismatches: dict[str, int] = field(default_factory=dict)
@@ -270,18 +270,22 @@ class SentinelWatch:
             except Exception as err:
                 failed, found = err, None
             counts.append(found if found is not None else torch.zeros(regions, dtype=torch.int64, device=device))
-        flag = torch.tensor([int(failed is not None)], dtype=torch.int64, device=device)
-        reduced = all_reduce(strategy)(torch.cat([*counts, flag]), "sum").tolist()
+        # Each record's mismatches per region, then what every record compared, then the failure flag: summed over
+        # ranks in one collective, so that `compared` and `mismatches` count the same ranks.
+        compared = [record.compared if record is not None else 0 for _, record, _ in pending]
+        tail = torch.tensor([*compared, int(failed is not None)], dtype=torch.int64, device=device)
+        reduced = all_reduce(strategy)(torch.cat([*counts, tail]), "sum").tolist()
         if reduced[-1]:
             self._fail(failed)
             return []
+        compared_by_all = reduced[len(pending) * regions : -1]
         differed = []
         for index, (step, record, _) in enumerate(pending):
             row = reduced[index * regions : (index + 1) * regions]
+            if compared_by_all[index]:
+                self._unlogged.setdefault(step, _StepCounts()).compared += compared_by_all[index]
             if record is None:  # only with a failure, which the flag carries
                 continue
-            if record.compared:
-                self._unlogged.setdefault(step, _StepCounts()).compared += record.compared
             if any(row):
                 differed.append((step, record))
                 continue
@@ -386,7 +390,7 @@ class SentinelWatch:
 
         ``{prefix}/sentinel/compared`` counts the saved tensors compared (``compared_per_step`` the same per
         training step, alike whatever the logging interval); ``{prefix}/sentinel/mismatches`` the
-        mismatches, summed over ranks, given only when something was compared or differed;
+        mismatches, given only when something was compared or differed (both summed over ranks);
         ``{prefix}/sentinel/regions/<name>/mismatches`` for each region that had any. The loggers get a point at
         each step that had mismatches (counting the steps since the previous point) and one at the current step.
 
