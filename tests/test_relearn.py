@@ -35,6 +35,7 @@ from tests.test_verdicts import (
     Trial,
     loss_of,
     same_state,
+    seeded,
     tokens,
     trial,
 )
@@ -366,6 +367,57 @@ def test_a_generator_replaced_by_a_new_one_is_replayed(tier: str) -> None:
 
     result = twins(lambda: Head(HeldGenerator()), tier, replace_generator)
     assert_exact(result)
+
+
+class EvalWarmUp(nn.Module):
+    """Runs its inner layers in eval mode at its first ``warm_up`` calls (at every call with ``None``) and sets them
+    back to training mode after, without ``try``/``finally``, as a warm-up is often written: a recomputation that
+    stops after the region's last saved tensor (tanh's output in eval mode) stops before the switch back."""
+
+    def __init__(self, warm_up: int | None = 1) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(0.25))
+        self.warm_up = warm_up
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.warm_up is not None and self.calls > self.warm_up:
+            return self.inner(x)
+        self.inner.eval()
+        out = self.inner(x)
+        self.inner.train()
+        return out
+
+
+def training_flags(model: nn.Module) -> list[bool]:
+    return [module.training for module in model.modules()]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("warm_up", [1, None], ids=["at the first call", "at every call"])
+def test_a_region_that_runs_layers_in_eval_mode_and_back_leaves_them_as_its_forward_did(
+    tier: str, warm_up: int | None
+) -> None:
+    result = twins(lambda: Head(EvalWarmUp(warm_up)), tier)
+    assert_exact(result)
+    assert training_flags(result.checkpointed) == training_flags(result.plain) == [True] * 7
+
+
+def test_a_region_recomputed_after_its_model_was_put_in_eval_mode_recomputes_in_the_forwards_mode() -> None:
+    torch.manual_seed(0)
+    plain = Head(Around(nn.Dropout(0.5)))
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, CheckpointingConfig(names=["body"]))
+    gradients = []
+    for model in (plain, checkpointed):
+        seeded(0)
+        loss = loss_of(model, tokens(0))
+        model.eval()  # between the forward and the backward: the recomputation runs in training mode as the forward
+        loss.backward()
+        gradients.append([param.grad for param in model.parameters()])
+        assert training_flags(model) == [False] * 6
+    assert all(map(torch.equal, *gradients))
 
 
 def save_2_tensors(x: torch.Tensor) -> torch.Tensor:

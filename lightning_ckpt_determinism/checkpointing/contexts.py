@@ -4,7 +4,8 @@ torch enters a region's recompute context each time the region is recomputed: tw
 (``autograd.grad(..., create_graph=True)`` and then a backward through it) or with ``retain_graph=True``. A
 :class:`Reenterable` enters fresh contexts from factories at each entry, so every recomputation starts from the same
 state: the same host RNG, the same buffer values and generator states. (The attributes a forward rebinds are put
-back by the region's call itself, :class:`AttributeReplay`.)
+back by the region's call itself, :class:`AttributeReplay`, and its modules' ``training`` flags by
+:class:`TrainingModes`.)
 """
 
 import contextlib
@@ -29,7 +30,9 @@ __all__ = [
     "ForwardState",
     "HostRNGReplay",
     "Reenterable",
+    "TrainingModes",
     "same_context",
+    "training_flags",
 ]
 
 BufferSlot = tuple[str, nn.Module, str]
@@ -278,6 +281,65 @@ class _Replay:
                     own_buffers(owner)[key] = live
 
 
+_TRAINING = operator.attrgetter("training")
+
+
+def training_flags(modules: Sequence[nn.Module]) -> tuple[bool, ...]:
+    """The ``training`` flag of each module.
+
+    Example::
+
+        >>> training_flags([torch.nn.Linear(2, 2), torch.nn.Dropout().eval()])
+        (True, False)
+    """
+    return tuple(map(_TRAINING, modules))
+
+
+class TrainingModes:
+    """The ``training`` flags of a region's modules for one recomputation: as its forward started (where known), then
+    the live ones back, whatever is raised.
+
+    A forward that runs a layer in eval mode and switches it back would otherwise leave it in eval mode: its
+    recomputation stops after the region's last saved tensor (torch's early stop), before the switch back. A model put
+    in eval mode between a forward and its backward is recomputed as its forward ran.
+
+    Args:
+        modules: The region's modules.
+        started: Their flags as the forward started, or ``None`` where not known (the recomputation starts from the
+            live ones).
+
+    Example::
+
+        >>> layer = torch.nn.Dropout().eval()
+        >>> with TrainingModes([layer], started=(True,)):
+        ...     layer.training
+        True
+        >>> layer.training
+        False
+    """
+
+    __slots__ = ("_live", "_modules", "_started")
+
+    def __init__(self, modules: Sequence[nn.Module], started: tuple[bool, ...] | None) -> None:
+        self._modules = modules
+        self._started = started
+        self._live: tuple[bool, ...] = ()
+
+    def __enter__(self) -> None:
+        self._live = live = training_flags(self._modules)
+        if self._started is not None and self._started != live:
+            _set_training(self._modules, self._started)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if training_flags(self._modules) != self._live:
+            _set_training(self._modules, self._live)
+
+
+def _set_training(modules: Sequence[nn.Module], flags: tuple[bool, ...]) -> None:
+    for module, flag in zip(modules, flags, strict=True):
+        module.training = flag
+
+
 _MISSING = object()
 # An attribute whose starting value is not held: recomputation starts from its live value, which it gets back after.
 _LIVE = object()
@@ -287,7 +349,8 @@ class AttributeReplay:
     """The plain attributes one forward of a region rebinds, creates or deletes, put back as the forward found them for
     each of its recomputations, then returned to their live values.
 
-    The values of the modules' own attributes (framework bookkeeping, ``training``, hooks and FSDP's flags, left out)
+    The values of the modules' own attributes (framework bookkeeping, hooks and FSDP's flags, left out; ``training``
+    is :class:`TrainingModes`'s)
     are read as the forward starts and compared by identity as it ends, with how many attributes each module holds:
     what a forward changes is known at that very call, not from a call before (a counter, an attribute created
     lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the attributes the

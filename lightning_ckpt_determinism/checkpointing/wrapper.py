@@ -34,7 +34,6 @@ torch's frame counts what it saves.
 
 import contextlib
 import logging
-import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -62,7 +61,9 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     ForwardState,
     HostRNGReplay,
     Reenterable,
+    TrainingModes,
     same_context,
+    training_flags,
 )
 from lightning_ckpt_determinism.checkpointing.determinism_check import (
     DETERMINISM_CHECKS,
@@ -114,8 +115,6 @@ _PROFILES = 8
 # How many calls in a row probe for a code path seen without a profile while they take other paths, at first (a branch
 # taken every other call is learned at the next call that takes it); halved each time a key gives up on a path.
 _PROBES_FOR_A_PATH = 8
-
-_TRAINING = operator.attrgetter("training")
 
 
 @dataclass(frozen=True)
@@ -379,7 +378,7 @@ class CheckpointedForward:
         self._probed = True
         attributes = tuple(map(vars, self._modules))
         sizes = tuple(map(len, attributes))
-        key = (tuple(map(_TRAINING, self._modules)), sizes)
+        key = (training_flags(self._modules), sizes)
         if self._attribute_slots[0] != sizes:
             self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
         path = self._paths.get(key)
@@ -691,7 +690,8 @@ class _EagerCall:
             entered = self.contexts[0] if forward else self.contexts[1]
         if not forward:
             recomputing(observed=self.observed)
-            with entered, wrapper._saved_recompute(), self.attributes.replay():
+            modes = TrainingModes(wrapper._modules, None if self.key is None else self.key[0])
+            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             if self.full:
                 _mark_end()
