@@ -763,6 +763,17 @@ class LiveStorages(TorchDispatchMode):
         return sum({id(storage): storage.nbytes() for storage in live if storage is not None}.values())
 
 
+class LazyBlock(nn.Module):
+    """A lazy linear layer, then tanh: its parameters get their values at its first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.LazyLinear(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x))
+
+
 class MomentumTeacherModule(StackModule):
     """Updates a momentum teacher (a frozen copy of the model) in place at the start of ``training_step``."""
 

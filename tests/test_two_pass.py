@@ -171,6 +171,12 @@ def test_bad_input_raises_clear_errors():
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="has no parameter that requires grad"):
         check_recomputation(frozen, lambda: frozen(torch.ones(1, 2)).sum())
+    lazy = nn.Sequential(nn.LazyLinear(2), nn.Tanh())
+    apply_activation_checkpointing(lazy, CheckpointingConfig(names=["1"]))
+    said = r"lazy modules have not initialised yet \(0.weight, 0.bias\): run one forward"
+    with pytest.raises(ValueError, match=said):
+        check_recomputation(lazy, lambda: lazy(torch.ones(1, 2)).sum())
+    assert torch.nn.parameter.is_lazy(lazy[0].weight)
 
 
 def reference_divergence(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:

@@ -379,7 +379,7 @@ class RecomputationMonitor(Callback):
         self._schedule.checking(step)
         changed = capture.changed_parameters()
         if agree(trainer.strategy, bool(changed)):
-            self._skip_changed_parameters(step, changed)
+            self._skip_changed_parameters(step, changed, capture.initialised_parameters())
             return
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
@@ -549,16 +549,27 @@ class RecomputationMonitor(Callback):
             " it.",
         )
 
-    def _skip_changed_parameters(self, step: int, changed: list[str]) -> None:
+    def _skip_changed_parameters(self, step: int, changed: list[str], initialised: list[str]) -> None:
         """Skip a check whose ``training_step`` changed parameters in place (on any rank): the capture copies them
-        from the next step on, which is then checked."""
+        from the next step on, which is then checked. Parameters of lazy modules that the step initialised are not
+        written again: the next step is checked without copying them."""
         self._schedule.skipped(step)
+        written = [name for name in changed if name not in initialised]
+        if changed and not written:
+            self._results.skipped(step, "lazy modules initialised their parameters in training_step")
+            self._results.warn_once(
+                "initialised_parameters",
+                f"lightning_ckpt_determinism: the check at step {step} was skipped: its `training_step` initialised"
+                f" the parameters of lazy modules ({_some(changed)}), which a rerun of the step cannot undo. The next"
+                " step is checked; initialise them before the fit (one forward in `setup`) to check this one too.",
+            )
+            return
         self._results.skipped(step, "parameters changed in place in training_step")
-        self._written_parameters.update(changed)
+        self._written_parameters.update(written)
         self._results.warn_once(
             "changed_parameters",
             f"lightning_ckpt_determinism: the check at step {step} was skipped: `training_step` changed parameters"
-            f" in place ({', '.join(changed[:3]) or 'on another rank'}{' ...' if len(changed) > 3 else ''}), which"
+            f" in place ({_some(written)}), which"
             " the check had not copied. It copies them from now on, and checks the next step.",
         )
 
@@ -579,6 +590,11 @@ class RecomputationMonitor(Callback):
             )
             return None
         return plain
+
+
+def _some(names: list[str]) -> str:
+    """The first three of ``names`` for a message (``on another rank`` for none)."""
+    return f"{', '.join(names[:3]) or 'on another rank'}{' ...' if len(names) > 3 else ''}"
 
 
 def _hint_syntax(syntax: object) -> Syntax:

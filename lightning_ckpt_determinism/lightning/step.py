@@ -252,6 +252,10 @@ class StepCapture:
         """
         return self.state.unrestored_parameters()
 
+    def initialised_parameters(self) -> list[str]:
+        """The parameters of lazy modules the step initialised (:meth:`StepState.initialised_parameters`)."""
+        return self.state.initialised_parameters()
+
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh copies of the captured arguments (a step may change its batch in place)."""
         return _copy_tensors(self.args), _copy_tensors(self.kwargs)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
 from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, own_buffers, version_counter
@@ -149,6 +150,20 @@ class StepState:
         """
         return self._parameters.unrestored()
 
+    def initialised_parameters(self) -> list[str]:
+        """The names of the parameters of lazy modules (``nn.LazyLinear`` ...) that had no values at capture and have
+        now: a forward since initialised them, which no rerun of the step could undo.
+
+        Example::
+
+            >>> model = torch.nn.LazyLinear(2)
+            >>> state = StepState(model)
+            >>> _ = model(torch.ones(1, 3))
+            >>> state.initialised_parameters()
+            ['weight', 'bias']
+        """
+        return self._parameters.initialised()
+
     def restore(self) -> None:
         """Put everything captured back; can be called any number of times. A tensor that still holds its captured
         bits is not written, so its version counter stays (a graph kept for a second backward checks it)."""
@@ -224,10 +239,16 @@ class _ParameterSnapshot:
     def __init__(self, module: nn.Module, names: Iterable[str] | None) -> None:
         named = dict(module.named_parameters())
         self._always = names is not None
+        # A lazy module's parameters have no values to copy until its first forward initialises them.
+        self.lazy = [name for name, param in named.items() if is_lazy(param)]
         copied = named if names is None else {name: named[name] for name in names if name in named}
+        copied = {name: param for name, param in copied.items() if not is_lazy(param)}
         self._versions = {name: (param, version_counter(param)) for name, param in named.items()}
         with torch.no_grad():
             self._copies = {name: param.detach().clone() for name, param in copied.items()}
+
+    def initialised(self) -> list[str]:
+        return [name for name in self.lazy if not is_lazy(self._versions[name][0])]
 
     def unrestored(self) -> list[str]:
         return [

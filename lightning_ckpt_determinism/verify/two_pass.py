@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism.checkpointing.modules import region_name
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
@@ -143,7 +144,7 @@ def check_recomputation(
     Raises:
         CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``), or if
             ``module`` has no region checkpointed by this package (its answer would say nothing).
-        ValueError: If ``module`` has no parameter that requires grad.
+        ValueError: If ``module`` has no parameter that requires grad, or one a lazy module has not initialised yet.
 
     Example::
 
@@ -162,6 +163,13 @@ def check_recomputation(
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"`module` ({type(module).__name__}) has no parameter that requires grad to compare.")
+    lazy = [name for name, p in named if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"`module` ({type(module).__name__}) has parameters its lazy modules have not initialised yet"
+            f" ({', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''}): run one forward of the model before checking"
+            " it (the check must not initialise them, which would change training)."
+        )
     regions = list(checkpointed_modules(module))
     if not regions:
         raise CheckpointingConfigError(_no_region_message(module))
