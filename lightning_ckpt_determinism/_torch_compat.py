@@ -49,6 +49,7 @@ __all__ = [
     "checkpoint_codes",
     "checkpoint_debug_enabled",
     "checkpoint_saved_counter",
+    "comm_hook_states",
     "compile_options",
     "compiled_call",
     "compiled_inner",
@@ -302,6 +303,18 @@ version_counter: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor a view was taken from, ``Tensor._base``; ``None`` for a tensor that is not a view (>= 1.0)."""
     return tensor._base
+
+
+def comm_hook_states(module: nn.Module) -> list[object]:
+    """The states of the Python communication hooks registered on a ``DistributedDataParallel`` module
+    (``register_comm_hook``: PowerSGD's ``PowerSGDState`` ...), none for any other module (``_comm_hooks``, >= 2.0).
+
+    Example::
+
+        >>> comm_hook_states(torch.nn.Linear(2, 2))
+        []
+    """
+    return [state for _, state in getattr(module, "_comm_hooks", ()) if state is not None]
 
 
 def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
@@ -35,6 +37,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     apply_activation_checkpointing,
 )
+from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from tests.helpers import (
@@ -131,6 +134,27 @@ class RankOneCheckpointedModule(StackModule):
             apply_activation_checkpointing(self, CheckpointingConfig(classes=["DropoutBlock"]))
 
 
+class UnevenEpochsModule(StackModule):
+    """Reads a dataset of its own on each rank: three batches an epoch on rank 0, two on rank 1 (Lightning's
+    distributed sampler off), so that the ranks' epochs end at different steps."""
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(2 + dist.get_rank())
+        x = torch.randn(8 * (3 - dist.get_rank()), DIM, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+class PowerSGDModule(StackModule):
+    """Registers PowerSGD as DDP's communication hook (as Lightning's ``ddp_comm_hook`` does on CUDA): a hook whose
+    state (error feedback, iteration count, warm-start factors) advances at every backward through DDP."""
+
+    def on_train_start(self) -> None:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, warm_start=True, random_seed=0
+        )
+        self.trainer.strategy.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
 def _fsdp1_on_the_cpu() -> None:
     """Let Lightning's ``FSDPStrategy`` run on CPU processes: it passes ``device_id=None`` there, which torch's FSDP1
     refuses without an accelerator; given the CPU device, FSDP1 shards and reduces over gloo as it does over NCCL."""
@@ -192,14 +216,9 @@ def _run(
         module.model.blocks[1] = replace_block()
     config = None if checkpointing is None else CheckpointingConfig(**checkpointing)
     run_dir = out_dir / name
+    callbacks = [monitor] if monitor is not None else []
     kwargs = trainer_kwargs(
-        run_dir,
-        max_steps=4,
-        devices=2,
-        callbacks=[monitor] if monitor is not None else [],
-        logger=CSVLogger(run_dir),
-        log_every_n_steps=1,
-        **setup,
+        run_dir, devices=2, callbacks=callbacks, logger=CSVLogger(run_dir), **{"log_every_n_steps": 1, **setup}
     )
     trainer = pl.Trainer(**{**kwargs, "strategy": _strategy(kind, config, **(ddp_options or {}))})
     error = None
@@ -313,6 +332,30 @@ def main(kind: str, out_dir: Path) -> None:
             branch = partial(SometimesBranchBlock, noisy=noisy)
             options = {"module_class": BranchingModule, "ddp_options": unused}
             run(kind, out_dir, name, "PlainBlock", monitor, branching, {}, branch, **options)  # type: ignore[arg-type]
+        dropout = {"classes": ["DropoutBlock"]}
+        # `reference_regions="auto"` where the ranks have room for different numbers of regions (on CUDA their free
+        # memory differs; here rank 0 has room for one region, rank 1 for all): regions holding a collective run
+        # plainly on every rank alike.
+        real_free_memory = monitor_module.free_memory
+        monitor_module.free_memory = lambda device: 1 if dist.get_rank() == 0 else 1 << 40
+        try:
+            sync = {"classes": ["SyncNormBlock"]}
+            run(kind, out_dir, "auto_reference_monitored", "SyncNormBlock", every_step(), sync, {})
+        finally:
+            monitor_module.free_memory = real_free_memory
+        run(kind, out_dir, "auto_reference_plain", "SyncNormBlock", None, None, {})
+        # A stateful communication hook: the check's reference starts from the hook's state at the step's start,
+        # and the state the live step left is put back.
+        options = {"module_class": PowerSGDModule}
+        run(kind, out_dir, "powersgd_monitored", "PlainBlock", every_step(), {"classes": ["PlainBlock"]}, {}, **options)  # type: ignore[arg-type]
+        run(kind, out_dir, "powersgd_plain", "PlainBlock", None, None, {}, **options)  # type: ignore[arg-type]
+        # Epochs of different lengths on the two ranks (each reads its own data): the sentinel is read at steps
+        # every rank reads it at, not at one rank's epoch end.
+        uneven = {"use_distributed_sampler": False, "log_every_n_steps": 50}
+        options = {"module_class": UnevenEpochsModule}
+        monitor = RecomputationMonitor(every_n_steps=50)
+        run(kind, out_dir, "uneven_epochs_monitored", "DropoutBlock", monitor, dropout, uneven, **options)  # type: ignore[arg-type]
+        run(kind, out_dir, "uneven_epochs_plain", "DropoutBlock", None, None, uneven, **options)  # type: ignore[arg-type]
         # A sparse gradient (SGD's momentum buffer sparse too), checked every step: bit-identical training.
         sparse = {"classes": ["PlainBlock", "SparseTableBlock"]}
         run(kind, out_dir, "sparse_monitored", "PlainBlock", every_step(), sparse, {}, SparseTableBlock)

@@ -183,6 +183,35 @@ def test_a_buffer_updated_again_on_rank_one_only_is_found_on_every_rank(runs):
     assert rank1["warnings"] == []
 
 
+def test_ddp_auto_reference_regions_are_the_same_on_every_rank_whatever_each_has_room_for(ddp):
+    first, second = (result(ddp, "auto_reference_monitored", rank) for rank in (0, 1))
+    assert first["error"] is None and first["global_step"] == second["global_step"] == 4
+    # Rank 0 has room for one region: both ranks run one plainly per check, rotating, and find nothing.
+    regions = [entry["checked_regions"] for entry in first["history"]]
+    assert regions == [entry["checked_regions"] for entry in second["history"]]
+    assert regions == [["model.blocks.0"], ["model.blocks.1"], ["model.blocks.2"], ["model.blocks.0"]]
+    assert [entry["grad_divergence"] for entry in first["history"]] == [0.0] * 4
+    for rank in (0, 1):
+        assert_equal_states(state(ddp, "auto_reference_monitored", rank), state(ddp, "auto_reference_plain", rank))
+
+
+def test_ddp_a_stateful_communication_hook_is_checked_at_zero_and_trains_bit_identically(ddp):
+    for rank in (0, 1):
+        monitored = result(ddp, "powersgd_monitored", rank)
+        assert [(entry["step"], entry["grad_divergence"]) for entry in monitored["history"]] == [
+            (step, 0.0) for step in range(4)
+        ]
+        assert_equal_states(state(ddp, "powersgd_monitored", rank), state(ddp, "powersgd_plain", rank))
+
+
+def test_ddp_epochs_of_different_lengths_on_the_ranks_train_on_as_without_the_monitor(ddp):
+    first, second = (result(ddp, "uneven_epochs_monitored", rank) for rank in (0, 1))
+    assert first["global_step"] == second["global_step"] == 4
+    assert first["history"] == second["history"] and [entry["step"] for entry in first["history"]] == [0]
+    for rank in (0, 1):
+        assert_equal_states(state(ddp, "uneven_epochs_monitored", rank), state(ddp, "uneven_epochs_plain", rank))
+
+
 def test_ddp_raise_mode_stops_every_rank_alike_with_the_finding(ddp):
     out_dir = ddp
     for rank in (0, 1):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import fx, nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_debug_enabled
@@ -546,6 +547,17 @@ def test_fsdp1_flat_parameters_are_one_per_unit_and_their_views_are_told_apart(t
         assert compat.is_fsdp1_parameter_view(flats[1][:6].view(2, 3))
         assert not compat.is_fsdp1_parameter_view(flats[1])
         assert not compat.is_fsdp1_parameter_view(nn.Parameter(torch.ones(4))[:2])
+
+
+@pins("comm_hook_states")
+def test_comm_hook_states_are_those_registered_on_a_ddp_module(tmp_path: Path) -> None:
+    assert compat.comm_hook_states(nn.Linear(2, 2)) == []
+    with one_process_group(tmp_path):
+        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        assert compat.comm_hook_states(model) == []
+        state = powerSGD_hook.PowerSGDState(process_group=None)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        assert compat.comm_hook_states(model) == [state]
 
 
 @pins("version_counter", "view_base", "own_buffers")

@@ -285,9 +285,9 @@ class CheckpointedForward:
         # a learning call's forward ends, and after a call whose path matched no profile.
         self.profile: RegionProfile | None = None
         # The region's modules, whose modes and attributes key its profiles.
-        self._modules = tuple(module.modules())
+        self._region_modules = tuple(module.modules())
         # Where its `nn.RReLU` modules are among them: one in training mode fills its noise after saving it.
-        self._rrelu = tuple(at for at, sub in enumerate(self._modules) if isinstance(sub, nn.RReLU))
+        self._rrelu = tuple(at for at, sub in enumerate(self._region_modules) if isinstance(sub, nn.RReLU))
         # Profiles by key and path, and each key's path at its last call (expected next).
         self._profiles: dict[tuple[_CallKey, _Path], RegionProfile] = {}
         self._paths: dict[_CallKey, _Path] = {}
@@ -366,7 +366,7 @@ class CheckpointedForward:
                 return self._forward_from(flat, num_positional, keys)
             if not fallback:
                 contexts = self._make_contexts(flat)
-                attributes = tuple(map(vars, self._modules))
+                attributes = tuple(map(vars, self._region_modules))
                 replay = AttributeReplay(attributes, AttributeReplay.slots_of(attributes))
                 fallback.append(_EagerCall(self, num_positional, keys, contexts, replay, first=False))
             return fallback[0].run(*flat)
@@ -376,9 +376,9 @@ class CheckpointedForward:
     def _eager_call(self, inputs: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
         first = not self._probed
         self._probed = True
-        attributes = tuple(map(vars, self._modules))
+        attributes = tuple(map(vars, self._region_modules))
         sizes = tuple(map(len, attributes))
-        key = (training_flags(self._modules), sizes)
+        key = (training_flags(self._region_modules), sizes)
         if self._attribute_slots[0] != sizes:
             self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
         path = self._paths.get(key)
@@ -415,7 +415,7 @@ class CheckpointedForward:
                 del self._profiles[next(iter(self._profiles))]
             self._generators = tuple(
                 (vars(owner), name, value)
-                for owner in self._modules
+                for owner in self._region_modules
                 for name, value in vars(owner).items()
                 if isinstance(value, torch.Generator)
             )
@@ -690,7 +690,7 @@ class _EagerCall:
             entered = self.contexts[0] if forward else self.contexts[1]
         if not forward:
             recomputing(observed=self.observed)
-            modes = TrainingModes(wrapper._modules, None if self.key is None else self.key[0])
+            modes = TrainingModes(wrapper._region_modules, None if self.key is None else self.key[0])
             with entered, wrapper._saved_recompute(), self.attributes.replay(), modes:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             if self.full:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
@@ -120,7 +121,7 @@ class StepCheck:
         """:func:`check_live_step` of the step, its reference run through the strategy."""
         trainer, pl_module, capture, settings = self.trainer, self.pl_module, self.capture, self.settings
         strategy = trainer.strategy
-        reference = live_reference(
+        live_reference_pass = live_reference(
             trainer,
             pl_module,
             capture,
@@ -128,6 +129,24 @@ class StepCheck:
             settings.loss_fn,
             capture.batch_idx,
         )
+        # DDP's communication hooks run in the reference's backward too: from the states the live step started from,
+        # then back to those it left.
+        after_step = CommHookStates(strategy.model)
+
+        def reference() -> float:
+            capture.comm_hooks.restore()
+            return live_reference_pass()
+
+        try:
+            return self._compare_live(reference, gradients_before)
+        finally:
+            after_step.restore()
+
+    def _compare_live(
+        self, reference: Callable[[], float], gradients_before: list[torch.Tensor | None] | None
+    ) -> RecomputationReport | None:
+        """:func:`check_live_step` with this ``reference`` pass."""
+        pl_module, capture, settings, strategy = self.pl_module, self.capture, self.settings, self.trainer.strategy
         return check_live_step(
             pl_module,
             reference,

@@ -1,6 +1,7 @@
 """A Lightning callback that periodically checks that recomputation reproduces the forward pass."""
 
 import contextlib
+import math
 import traceback
 from dataclasses import asdict
 from typing import Any, Literal, get_args
@@ -27,8 +28,8 @@ from lightning_ckpt_determinism.errors import CheckpointingConfigError, Lightnin
 from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
 from lightning_ckpt_determinism.lightning.findings import CheckRecord
 from lightning_ckpt_determinism.lightning.fit_output import FitOutput
-from lightning_ckpt_determinism.lightning.parallel import agree
-from lightning_ckpt_determinism.lightning.reference import free_memory, reference_subset
+from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, same_on_every_rank
+from lightning_ckpt_determinism.lightning.reference import free_memory, plain_regions, regions_that_fit_now
 from lightning_ckpt_determinism.lightning.results import CheckResults
 from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
 from lightning_ckpt_determinism.lightning.step import (
@@ -233,6 +234,9 @@ class RecomputationMonitor(Callback):
             prefix=self.log_prefix,
             every_n_steps=self.sentinel_every_n_steps,
         )
+        # Whether every rank's training epochs end at the same batch, so that all read the sentinel (a collective)
+        # together at an epoch's end.
+        self._epochs_end_together = True
         # Parameters a skipped step wrote in place in `training_step`: captured from the next check on.
         self._written_parameters: set[str] = set()
         # Whether this fit said that no module is checkpointed (a memory budget's plan may leave every one plain).
@@ -327,6 +331,19 @@ class RecomputationMonitor(Callback):
         return None
 
     @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        batches = trainer.num_training_batches
+        known = not getattr(trainer, "reload_dataloaders_every_n_epochs", 0) and math.isfinite(batches)
+        self._epochs_end_together = same_on_every_rank(trainer.strategy, int(batches) if known else -1) and known
+        if not self._epochs_end_together and trainer.world_size > 1 and self.sentinel != "off":
+            rank_zero_info(
+                "lightning_ckpt_determinism: the ranks' training epochs may end at different batches (their"
+                " dataloaders differ in length, have none, or are reloaded): the sentinel's counts reach"
+                " `trainer.callback_metrics` at logging and check steps, not at epoch ends, where the ranks would not"
+                " read them together."
+            )
+
+    @override
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
@@ -340,6 +357,7 @@ class RecomputationMonitor(Callback):
             batch_idx,
             self._internals,
             frozenset(self._written_parameters),
+            wrapper=trainer.strategy.model,
             contain_failures=trainer.world_size == 1,
         )
         self._capture = self._armed.enter_context(capture.installed())
@@ -431,7 +449,8 @@ class RecomputationMonitor(Callback):
         step = self._watch.step
         # Read at epoch ends and check steps too, so that `EarlyStopping` and `ModelCheckpoint` find the counts in
         # `trainer.callback_metrics` from the first step (checked) and at every epoch end, however short the epoch.
-        shown = self._schedule.last_checked == step or trainer.is_last_batch or trainer.global_step == trainer.max_steps
+        epoch_end = trainer.is_last_batch and self._epochs_end_together
+        shown = self._schedule.last_checked == step or epoch_end or trainer.global_step == trainer.max_steps
         if logging or shown:
             self._respond(trainer, self._watch.read(trainer))
         if logging:
@@ -578,9 +597,15 @@ class RecomputationMonitor(Callback):
     ) -> list[tuple[str, nn.Module]] | None:
         """The regions the reference runs plainly at this check (``None``: all), rotating with ``reference_regions``."""
         regions = list(checkpointed_modules(pl_module).items())
-        saved = list(self._watch.saved_bytes.values())
-        free = free_memory(trainer.strategy.root_device) if self.reference_regions == "auto" else None
-        plain = reference_subset(regions, self.reference_regions, saved, free, self._results.checks)
+        count = self.reference_regions
+        if count == "auto":
+            # Every rank runs the same regions plainly, the fewest any rank has room for: a region run plainly on one
+            # rank and recomputed on another would run its collectives on one rank only.
+            strategy = trainer.strategy
+            fit = regions_that_fit_now(list(self._watch.saved_bytes.values()), free_memory(strategy.root_device))
+            fewest = torch.tensor([len(regions) if fit is None else fit], device=strategy.root_device)
+            count = int(all_reduce(strategy)(fewest, "min").item())
+        plain = plain_regions(regions, None if count is None else int(count), self._results.checks)
         if plain is not None and is_compiled(pl_module):
             # Each subset would be another set of guards, one recompile each, past dynamo's limit on a deep model.
             self._results.warn_once(

@@ -10,7 +10,7 @@ import torch
 
 from lightning_ckpt_determinism.verify.live_step import AllReduce
 
-__all__ = ["agree", "all_reduce", "gather"]
+__all__ = ["agree", "all_reduce", "gather", "same_on_every_rank"]
 
 
 def all_reduce(strategy: Any) -> AllReduce:
@@ -25,6 +25,13 @@ def all_reduce(strategy: Any) -> AllReduce:
 def agree(strategy: Any, decision: bool) -> bool:
     """``decision`` on any rank makes it the decision of every rank."""
     return bool(strategy.reduce_boolean_decision(decision, all=False))
+
+
+def same_on_every_rank(strategy: Any, value: int) -> bool:
+    """Whether every rank passed the same ``value`` (one collective on several processes)."""
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=strategy.root_device)
+    largest, negated_smallest = all_reduce(strategy)(extremes, "max").tolist()
+    return bool(largest == -negated_smallest)
 
 
 def gather(strategy: Any, value: Any) -> list[Any]:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["MEMORY_MARGIN", "free_memory", "plain_regions", "reference_subset", "regions_that_fit"]
+__all__ = ["MEMORY_MARGIN", "free_memory", "plain_regions", "regions_that_fit", "regions_that_fit_now"]
 
 _Region = TypeVar("_Region")
 
@@ -83,28 +83,17 @@ def plain_regions(
     return [regions[(start + offset) % len(regions)] for offset in range(count)]
 
 
-def reference_subset(
-    regions: Sequence[_Region],
-    count: int | str | None,
-    saved_bytes: Sequence[int],
-    free_bytes: int | None,
-    checks: int,
-) -> list[_Region] | None:
-    """The regions the reference runs plainly at the ``checks``-th check, as ``reference_regions`` says; ``None`` for
-    all of them.
+def regions_that_fit_now(saved_bytes: Sequence[int], free_bytes: int | None) -> int | None:
+    """How many regions ``reference_regions="auto"`` runs plainly on this rank: as many as fit ``free_bytes``
+    (:func:`regions_that_fit`); ``None`` (all of them) where the free memory is unknown or nothing was measured.
 
     Args:
-        regions: The checkpointed regions, in module order.
-        count: ``reference_regions``: how many, ``"auto"`` (as many as fit ``free_bytes``), or ``None``.
         saved_bytes: What each region saves for backward, as the sentinel measured it (empty when unmeasured).
-        free_bytes: The device's free memory (:func:`free_memory`); ``None`` where unknown, and ``"auto"`` takes all.
-        checks: How many checks ran before this one.
+        free_bytes: The device's free memory (:func:`free_memory`); ``None`` where unknown.
 
     Example::
 
-        >>> reference_subset(["a", "b", "c"], "auto", [100, 300, 200], free_bytes=700, checks=0)
-        ['a', 'b']
+        >>> regions_that_fit_now([100, 300, 200], free_bytes=700), regions_that_fit_now([100], free_bytes=None)
+        (2, None)
     """
-    if count == "auto":
-        count = None if free_bytes is None or not saved_bytes else regions_that_fit(saved_bytes, free_bytes)
-    return plain_regions(regions, None if count is None else int(count), checks)
+    return None if free_bytes is None or not saved_bytes else regions_that_fit(saved_bytes, free_bytes)

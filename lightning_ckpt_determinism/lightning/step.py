@@ -12,6 +12,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
+from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -187,6 +188,7 @@ class StepCapture:
         internal_attributes: Attributes the state never captures nor restores (Lightning's own bookkeeping).
         written_parameters: Parameters an earlier step wrote in place in ``training_step``: their values are captured
             with the state, so that a check can rerun the step from where it started.
+        wrapper: The strategy's wrapper of the module (DDP's), whose communication hook states are captured too.
         contain_failures: Whether a failure of the capture itself is kept in :attr:`failure` (the step then runs
             uncaptured) rather than raised: on one process, where no other rank waits for this one's check.
     """
@@ -198,9 +200,12 @@ class StepCapture:
         internal_attributes: frozenset[str],
         written_parameters: frozenset[str] = frozenset(),
         *,
+        wrapper: nn.Module | None = None,
         contain_failures: bool = False,
     ) -> None:
         self.pl_module = pl_module
+        self._wrapper = wrapper
+        self.comm_hooks = CommHookStates(None)
         self.batch_idx = batch_idx
         self._internal = internal_attributes
         self.written_parameters = written_parameters
@@ -264,6 +269,7 @@ class StepCapture:
         # Before anything of the step runs: later hooks and callbacks may draw random numbers or change the batch.
         try:
             state = StepState(self.pl_module, self._internal, self.written_parameters)
+            self.comm_hooks = CommHookStates(self._wrapper)
             self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         except Exception as err:
             if not self._contain:

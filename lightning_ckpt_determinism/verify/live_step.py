@@ -38,11 +38,11 @@ from lightning_ckpt_determinism.verify.state import StepState
 
 __all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
 
-AllReduce = Callable[[torch.Tensor, Literal["sum", "max"]], torch.Tensor]
+AllReduce = Callable[[torch.Tensor, Literal["sum", "max", "min"]], torch.Tensor]
 """``all_reduce(tensor, op)``: the tensor reduced over every rank with ``op``; the identity on one process."""
 
 
-def _local_only(tensor: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
+def _local_only(tensor: torch.Tensor, op: Literal["sum", "max", "min"]) -> torch.Tensor:
     return tensor
 
 
