@@ -623,6 +623,27 @@ def test_a_side_effect_recomputation_repeats_is_an_attribute_mutation_with_exact
     assert_clean(excluded)
 
 
+class StatsBlock(PlainBlock):
+    """Keeps the last batch's per-feature mean and deviation (for logging) as a tuple of tensors and in a dict of
+    tuples, both rebound at each pass with the same values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.logged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_stats = (x.detach().mean(0), x.detach().std(0))
+        self.logged["stats"] = (x.detach().amin(0), x.detach().amax(0))
+        return super().forward(x)
+
+
+def test_tuples_of_tensors_a_pass_rebinds_with_the_same_values_are_no_attribute_mutation():
+    _, report = attributed(StatsBlock)
+    assert_clean(report)
+    assert report.attribute_mutations == []
+
+
 def cosines(rows: int) -> torch.Tensor:
     return torch.arange(float(rows))[:, None].expand(rows, DIM).cos().contiguous()
 

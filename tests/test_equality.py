@@ -40,7 +40,26 @@ def test_same_item_compares_tensors_by_values_and_anything_else_by_type_and_equa
     assert not same_item(torch.ones(1), 1.0)
     assert same_item(3, 3) and not same_item(3, 3.0) and not same_item(True, 1)
     assert not same_item(torch.ones(2), torch.ones(2) + 1)
-    assert not same_item([torch.ones(2)], [torch.ones(2)])  # `==` that is not a truth value: unequal, never raised
+    assert not same_item(Ambiguous(), Ambiguous())  # `==` that is not a truth value: unequal, never raised
+
+
+def test_same_item_compares_tuples_lists_dicts_and_arrays_item_by_item() -> None:
+    stats = (torch.ones(2), torch.tensor([NAN, 2.0]))
+    assert same_item(stats, tuple(value.clone() for value in stats))
+    assert not same_item(stats, (torch.ones(2), torch.tensor([NAN, 3.0])))
+    assert not same_item(stats, list(stats)) and not same_item(stats, stats[:1])
+    assert same_item({8: [torch.ones(2)]}, {8: [torch.ones(2)]}) and not same_item({8: [torch.ones(2)]}, {9: [1]})
+    assert same_item([np.array([NAN, 1.0])], [np.array([NAN, 1.0])])
+    assert not same_item(np.zeros(2), np.zeros(3)) and not same_item(np.zeros(2), np.zeros(2, dtype=np.int64))
+
+
+class Ambiguous:
+    """An object whose ``==`` returns a tensor of several elements."""
+
+    def __eq__(self, other: object) -> torch.Tensor:  # type: ignore[override]
+        return torch.ones(2) == torch.ones(2)
+
+    __hash__ = object.__hash__
 
 
 def test_same_item_takes_nan_for_nan_in_the_same_parts_of_a_number() -> None:

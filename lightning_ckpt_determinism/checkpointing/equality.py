@@ -8,6 +8,7 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor
@@ -40,8 +41,9 @@ def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
 
 
 def same_item(first: Any, second: Any) -> bool:
-    """Identity, or equal values: tensors by :func:`same_values`, anything else of one type by a usable ``==`` (a
-    number holding NaN equal to one holding NaN in the same parts).
+    """Identity, or equal values: tensors by :func:`same_values`, NumPy arrays alike, tuples, lists and dicts item by
+    item, anything else of one type by a usable ``==`` (a number holding NaN equal to one holding NaN in the same
+    parts).
 
     Args:
         first: One value (an attribute, a container's item).
@@ -53,14 +55,24 @@ def same_item(first: Any, second: Any) -> bool:
         (True, False, True)
         >>> same_item(float("nan"), float("nan")), same_item(complex(1, float("nan")), complex(float("nan"), 1))
         (True, False)
+        >>> same_item((torch.ones(2), torch.zeros(2)), (torch.ones(2), torch.zeros(2)))
+        True
     """
     if first is second:
         return True
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
         return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and same_values(first, second)
+    if type(first) is not type(second):
+        return False
+    # Item by item: `==` over tensors in a tuple, list or dict is no truth value.
+    if isinstance(first, tuple | list):
+        return len(first) == len(second) and all(map(same_item, first, second))
+    if isinstance(first, dict):
+        return first.keys() == second.keys() and all(same_item(value, second[key]) for key, value in first.items())
+    if isinstance(first, np.ndarray):
+        nan = first.dtype.kind in "fc"
+        return first.shape == second.shape and first.dtype == second.dtype and np.array_equal(first, second, nan)
     try:
-        if type(first) is not type(second):
-            return False
         return bool(first == second) or (isinstance(first, numbers.Complex) and _both_nan_alike(first, second))
     except Exception:  # a value whose `==` is not a truth value
         return False
