@@ -62,6 +62,8 @@ __all__ = [
     "functorch_config",
     "graphsafe_run_with_rng_state",
     "hit_recompile_limit",
+    "hook_dicts",
+    "hook_handles_made",
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
@@ -322,6 +324,51 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     an entry can be swapped without ``register_buffer``'s checks or a ``__setattr__`` hook (>= 1.0)."""
     buffers: dict[str, torch.Tensor | None] = module._buffers
     return buffers
+
+
+# The hook dictionaries of a module, each keyed by its hooks' handle ids (`Module.__init__`; the `_with_kwargs` and
+# `_always_called` ones mark hooks of `_forward_hooks` and `_forward_pre_hooks`, >= 2.0 and 2.1).
+_HOOK_DICTS = (
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def hook_dicts(attributes: dict[str, Any]) -> list[dict[int, Any]]:
+    """The non-empty hook dictionaries of a module, from its attribute dict (``vars(module)``), keyed by handle id
+    (the dictionaries ``Module.__init__`` makes, >= 2.1).
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> handle = layer.register_forward_hook(lambda module, inputs, output: None)
+        >>> [list(hooks) == [handle.id] for hooks in hook_dicts(vars(layer))]
+        [True]
+    """
+    return [hooks for name in _HOOK_DICTS if (hooks := attributes.get(name))]
+
+
+def hook_handles_made() -> int:
+    """The id torch gives the next hook handle, one more for every hook registered in this process on any module or
+    tensor (``RemovableHandle.next_id``, >= 1.0): a hook registered after this call has this id or a larger one.
+
+    Example::
+
+        >>> made = hook_handles_made()
+        >>> torch.nn.Linear(2, 2).register_forward_hook(lambda *args: None).id >= made
+        True
+    """
+    made: int = torch.utils.hooks.RemovableHandle.next_id
+    return made
 
 
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:

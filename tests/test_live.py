@@ -180,6 +180,23 @@ def test_step_state_restores_plain_attributes_in_place_and_leaves_module_interna
     assert int(model.blocks[0].norm.num_batches_tracked) == 0
 
 
+def test_step_state_restores_the_hooks_of_every_module_in_their_order():
+    model = make_stack(DropoutBlock, n=1).eval()  # no dropout: the same output at every call
+    x = batch()[0]
+    kept = model.head.register_forward_hook(lambda module, inputs, output: output + 1)
+    gone = model.head.register_forward_hook(lambda module, inputs, output: output * 2)
+    expected = model(x)
+    state = StepState(model)
+    gone.remove()
+    model.inp.register_forward_pre_hook(lambda module, inputs: (inputs[0] * 3,))
+    model.head.register_forward_hook(lambda module, inputs, output: output * 5, prepend=True)
+    state.restore()
+    assert torch.equal(model(x), expected)  # (out + 1) * 2, as before the step
+    assert [hook_id for hook_id in model.head._forward_hooks] == [kept.id, gone.id]
+    state.restore()  # again: nothing to do
+    assert torch.equal(model(x), expected)
+
+
 def test_step_state_restores_containers_nested_in_plain_attributes_and_deques():
     model = make_stack(DropoutBlock, n=1)
     model.outputs = defaultdict(list, {"train": [1]})

@@ -420,6 +420,30 @@ def test_a_region_recomputed_after_its_model_was_put_in_eval_mode_recomputes_in_
     assert all(map(torch.equal, *gradients))
 
 
+class HookedOnce(nn.Module):
+    """Registers a forward hook that halves its activation's output at its first call, behind an attribute it
+    creates then (as transformers installs its output-capturing hooks): the same output at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "hooked", False):
+            self.act.register_forward_hook(lambda module, inputs, output: output * 0.5)
+            self.hooked = True
+        return x + self.act(self.inp(x))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_hook_registered_once_behind_an_attribute_the_forward_creates_is_registered_once(tier: str) -> None:
+    result = twins(lambda: Head(HookedOnce()), tier)
+    assert_exact(result)
+    for model in (result.plain, result.checkpointed):
+        assert len(model.body.act._forward_hooks) == 1
+
+
 def save_2_tensors(x: torch.Tensor) -> torch.Tensor:
     return x.sin().exp()
 

@@ -560,6 +560,31 @@ def test_comm_hook_states_are_those_registered_on_a_ddp_module(tmp_path: Path) -
         assert compat.comm_hook_states(model) == [state]
 
 
+@pins("hook_dicts", "hook_handles_made")
+def test_hook_dicts_hold_every_kind_of_module_hook_by_its_handle_id() -> None:
+    layer = nn.Linear(2, 2)
+    assert compat.hook_dicts(vars(layer)) == []
+    made = compat.hook_handles_made()
+    handles = [
+        layer.register_forward_pre_hook(lambda *args: None),
+        layer.register_forward_pre_hook(lambda *args, **kwargs: None, with_kwargs=True),
+        layer.register_forward_hook(lambda *args: None, always_call=True),
+        layer.register_full_backward_pre_hook(lambda *args: None),
+        layer.register_full_backward_hook(lambda *args: None),
+        layer.register_state_dict_post_hook(lambda *args: None),
+        layer.register_state_dict_pre_hook(lambda *args: None),
+        layer.register_load_state_dict_pre_hook(lambda *args: None),
+        layer.register_load_state_dict_post_hook(lambda *args: None),
+    ]
+    assert [handle.id for handle in handles] == list(range(made, made + len(handles)))
+    assert compat.hook_handles_made() == made + len(handles)
+    held = {key for hooks in compat.hook_dicts(vars(layer)) for key in hooks}
+    assert held == {handle.id for handle in handles}
+    for handle in handles:
+        handle.remove()
+    assert compat.hook_dicts(vars(layer)) == []
+
+
 @pins("version_counter", "view_base", "own_buffers")
 def test_version_counters_view_bases_and_own_buffers_are_what_torch_keeps() -> None:
     tensor = torch.zeros(3)

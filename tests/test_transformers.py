@@ -120,6 +120,28 @@ def test_attribution_of_a_clean_model_finds_nothing(name: str, attention: str) -
     ] * 2
 
 
+def test_checks_of_a_model_returning_its_hidden_states_leave_its_output_hooks_as_training_does() -> None:
+    # transformers installs its output-capturing hooks at the first call that asks for hidden states, behind an
+    # attribute it creates: the checks put both back, and the recomputation registers none.
+    plain, layer = build("llama", "eager")
+    model, _ = build("llama", "eager")
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    counts = []
+    for step in range(3):
+        ids = token_ids(step)
+        report = check_recomputation(model, lambda ids=ids: hidden_states_loss(model, ids))
+        assert (report.diverged, report.grad_divergence, report.attribute_mutations) == (False, 0.0, [])
+        grads = [gradients(twin, lambda twin=twin, ids=ids: hidden_states_loss(twin, ids)) for twin in (plain, model)]
+        assert all(torch.equal(grads[0][key], grads[1][key]) for key in grads[0])
+        counts.append([len(twin(input_ids=ids, output_hidden_states=True).hidden_states) for twin in (plain, model)])
+    assert counts == [[3, 3]] * 3
+
+
+def hidden_states_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    return out.loss + sum(state.square().mean() for state in out.hidden_states)
+
+
 def test_a_cache_passed_in_training_is_dropped_with_a_warning_and_the_gradients_stay_exact() -> None:
     model, layer = build("llama", "eager")
     ids = token_ids()

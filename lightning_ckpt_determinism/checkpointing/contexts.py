@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import disable_current_modes, own_buffers, version_counter
+from lightning_ckpt_determinism._torch_compat import (
+    disable_current_modes,
+    hook_handles_made,
+    own_buffers,
+    version_counter,
+)
+from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot, hooks_added_since
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, generator_slots, is_framework_attribute
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, replaying_host_rng
@@ -350,8 +356,8 @@ class AttributeReplay:
     each of its recomputations, then returned to their live values.
 
     The values of the modules' own attributes (framework bookkeeping, hooks and FSDP's flags, left out; ``training``
-    is :class:`TrainingModes`'s)
-    are read as the forward starts and compared by identity as it ends, with how many attributes each module holds:
+    is :class:`TrainingModes`'s) are read as the forward starts and compared by identity as it ends, with how many
+    attributes each module holds:
     what a forward changes is known at that very call, not from a call before (a counter, an attribute created
     lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the attributes the
     forward created or deleted, and those whose value it started from is immutable
@@ -359,7 +365,9 @@ class AttributeReplay:
     holds at most 256 bytes (a length or a count kept as a tensor, which decides what the forward does as a number
     would). The value a larger tensor or a container started from is not held until the recomputation (that would
     keep its memory alive): recomputation starts from the forward's value, and the forward's value is put back after
-    it.
+    it. Hooks the forward registered on the region's modules are left out of each recomputation, and the live hooks
+    are back after it: a forward that registers a hook once, behind an attribute it creates, registers it again in a
+    recomputation that starts without that attribute.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
@@ -379,7 +387,7 @@ class AttributeReplay:
         1
     """
 
-    __slots__ = ("_attributes", "_found", "_sizes", "_slots", "_values")
+    __slots__ = ("_attributes", "_found", "_hooks", "_hooks_made", "_sizes", "_slots", "_values")
 
     def __init__(self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]]) -> None:
         self._attributes = attributes
@@ -387,6 +395,9 @@ class AttributeReplay:
         self._sizes: list[int] = []
         self._values: list[Any] = []
         self._found: dict[tuple[int, str], Any] = {}
+        self._hooks_made = 0
+        # The hooks the forward registered on the region's modules, by the dictionary that holds them.
+        self._hooks: list[tuple[dict[int, Any], list[int]]] = []
 
     @staticmethod
     def slots_of(attributes: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -400,6 +411,7 @@ class AttributeReplay:
         attributes = self._attributes
         self._sizes = list(map(len, attributes))
         self._values = [attributes[index].get(name, _MISSING) for index, name in self._slots]
+        self._hooks_made = hook_handles_made()
 
     def end(self) -> None:
         """The forward ended: keep what it rebound, created or deleted, as it was at the start."""
@@ -419,19 +431,28 @@ class AttributeReplay:
                     if (index, name) not in watched and not is_framework_attribute(name):
                         found[index, name] = _MISSING
         self._values, self._found = [], found
+        # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
+        moved = hook_handles_made() != self._hooks_made
+        self._hooks = hooks_added_since(attributes, self._hooks_made) if moved else []
 
     def replay(self) -> AbstractContextManager[None]:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
-        return self._replayed() if self._found else NO_CONTEXT
+        return self._replayed() if self._found or self._hooks else NO_CONTEXT
 
     @contextlib.contextmanager
     def _replayed(self) -> Iterator[None]:
         live = {(index, name): self._attributes[index].get(name, _MISSING) for index, name in self._found}
+        hooks = HookSnapshot(self._attributes) if self._hooks else None
         self._set({at: value for at, value in self._found.items() if value is not _LIVE})
+        for registered, ids in self._hooks:
+            for key in ids:
+                registered.pop(key, None)
         try:
             yield
         finally:
             self._set(live)
+            if hooks is not None:
+                hooks.restore()
 
     def _set(self, values: dict[tuple[int, str], Any]) -> None:
         for (index, name), value in values.items():

@@ -42,6 +42,7 @@ from torch.nn.parameter import is_lazy
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
 from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, own_buffers, version_counter
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
+from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot
 from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
     buffer_keys,
@@ -97,6 +98,8 @@ class StepState:
         self._tensors = _TensorAttributes(self._python.tensors)
         self._parameters = _ParameterSnapshot(module, parameters)
         self._training = {sub: sub.training for sub in module.modules()}
+        # A hook the step registers once, behind an attribute it creates, comes back with that attribute.
+        self._hooks = HookSnapshot([vars(sub) for sub in module.modules()])
         self._grad_enabled = torch.is_grad_enabled()
 
     def differing_buffers(self) -> list[str]:
@@ -173,6 +176,7 @@ class StepState:
         self._parameters.restore()
         self._buffers.restore()
         self._metrics.restore()
+        self._hooks.restore()
         self._python.restore()
         for sub, mode in self._training.items():
             sub.training = mode
