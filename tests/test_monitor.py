@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision, Precision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -702,6 +703,62 @@ def test_a_step_that_initialises_lazy_modules_is_skipped_as_such_and_the_next_is
     ]
     assert module.state_dict().keys() == plain.state_dict().keys()
     assert all(torch.equal(value, plain.state_dict()[key]) for key, value in module.state_dict().items())
+
+
+def test_two_monitors_in_one_trainer_are_refused_at_fit_start_in_one_line(tmp_path):
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+    callbacks = [RecomputationMonitor(), RecomputationMonitor(log_prefix="again")]
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=callbacks, strategy=strategy))
+    module = StackModule()
+    before = {key: value.clone() for key, value in module.state_dict().items()}
+    twice = r"^`RecomputationMonitor` is in the Trainer's callbacks 2 times: give it once\."
+    with pytest.raises(CheckpointingConfigError, match=twice):
+        trainer.fit(module)
+    assert all(torch.equal(value, before[key]) for key, value in module.state_dict().items())
+
+
+def test_a_barebones_trainer_is_told_where_the_metrics_go_and_gets_no_logging_call(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = fit(tmp_path, monitor=monitor, barebones=True, log_every_n_steps=None)
+    said = [str(w.message) for w in caught]
+    assert [m for m in said if "RecomputationMonitor" in m and "barebones" in m] == [
+        "`RecomputationMonitor` runs under `Trainer(barebones=True)`, which turns logging off: its metrics go only to"
+        " its `history` (and its findings to warnings). Leave `barebones` off to log them."
+    ]
+    # Lightning refuses each `self.log` under barebones: only the module's own, one a step, reached it.
+    assert sum("You are trying to `self.log()`" in m for m in said) == 4
+    assert [(entry.step, entry.grad_divergence) for entry in monitor.history] == [(step, 0.0) for step in range(4)]
+    assert dict(trainer.callback_metrics) == {}
+
+
+def test_batches_without_a_backward_are_not_said_to_have_compared_nothing_and_train_as_without_the_monitor(tmp_path):
+    # StochasticWeightAveraging's last epoch recomputes the BatchNorm statistics with forwards only.
+    states = []
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1))):
+        swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+        overrides = {"max_steps": -1, "max_epochs": 2, "limit_train_batches": 3, "callbacks_extra": [swa]}
+        overrides.update(logger=CSVLogger(tmp_path / name), log_every_n_steps=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LightningCkptDeterminismWarning)
+            _, module = fit_with(tmp_path / name, monitor, "BatchNormBlock", **overrides)
+        states.append(module.state_dict())
+        assert [str(w.message) for w in caught if "compared nothing" in str(w.message)] == []
+        if monitor is not None:
+            assert monitor.sentinel_report.compared > 0 and monitor.sentinel_report.mismatches == 0
+    assert all(torch.equal(value, states[0][key]) for key, value in states[1].items())
+
+
+def fit_with(tmp_path, monitor, block, callbacks_extra=(), **overrides):
+    """:func:`fit` with more callbacks after the monitor."""
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[block]))
+    callbacks = [*([monitor] if monitor is not None else []), *callbacks_extra]
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=callbacks, strategy=strategy, **overrides))
+    module = StackModule(block=block)
+    trainer.fit(module)
+    return trainer, module
 
 
 def test_a_metric_held_in_a_plain_dict_is_updated_once_per_step(tmp_path):

@@ -281,7 +281,7 @@ class RecomputationMonitor(Callback):
         if unchecked is None and (fetched := fetches_its_batches(pl_module)) is not None:
             unchecked, where = fetched, f"for `{type(pl_module).__name__}`"
             self._unchecked_here = "for a `training_step` that fetches its own batches"
-        problem = problem or self._refused_here(where, unattributed, unchecked)
+        problem = problem or self._refused_here(where, unattributed, unchecked) or _given_twice(trainer)
         self._checks_off = unchecked is not None
         self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
@@ -306,7 +306,13 @@ class RecomputationMonitor(Callback):
                 " would read as a divergence. List `RecomputationMonitor` before them in `callbacks`.",
                 category=LightningCkptDeterminismWarning,
             )
-        if not trainer.loggers:
+        if trainer.barebones:
+            rank_zero_warn(
+                "`RecomputationMonitor` runs under `Trainer(barebones=True)`, which turns logging off: its metrics go"
+                " only to its `history` (and its findings to warnings). Leave `barebones` off to log them.",
+                category=LightningCkptDeterminismWarning,
+            )
+        elif not trainer.loggers:
             rank_zero_warn(
                 "`RecomputationMonitor` runs under a Trainer without a logger: its metrics go only to its"
                 " `history` and to `trainer.callback_metrics`. Give the Trainer a logger (TensorBoard, CSV ...) to"
@@ -365,6 +371,7 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        self._watch.backward_started()
         if self._capture is None or not self._capture.captured or self._support is None:
             return
         held = [grad for _, grad in self._support.gradient_holders(pl_module)]
@@ -615,6 +622,18 @@ class RecomputationMonitor(Callback):
             )
             return None
         return plain
+
+
+def _given_twice(trainer: "pl.Trainer") -> str | None:
+    """Why the Trainer's callbacks cannot hold several monitors; ``None`` where they hold one."""
+    monitors = sum(isinstance(callback, RecomputationMonitor) for callback in trainer.callbacks)  # type: ignore[attr-defined]
+    if monitors < 2:
+        return None
+    return (
+        f"`RecomputationMonitor` is in the Trainer's callbacks {monitors} times: give it once. One monitor checks"
+        " every checkpointed region; several would check each step again, and only the last one's sentinel would see"
+        " the regions."
+    )
 
 
 def _some(names: list[str]) -> str:

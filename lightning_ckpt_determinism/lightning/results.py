@@ -172,7 +172,7 @@ class CheckResults:
             return
         for logger in trainer.loggers if loggers else []:
             logger.log_metrics(logged, step=step)
-        if pl_module is None:
+        if pl_module is None or trainer.barebones:  # `Trainer(barebones=True)` takes no `self.log`
             return
         shown = f"{self.log_prefix}/grad_divergence"
         for name, value in logged.items():

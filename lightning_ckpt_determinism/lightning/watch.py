@@ -127,11 +127,13 @@ class SentinelWatch:
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
         self._unlogged: dict[int, _StepCounts] = {}
         # Training batches since the last logged step (a period that compared nothing still has its 0 to log), and
-        # those of them the sentinel watched.
+        # those of them the sentinel watched that ran a backward (one without, such as the statistics epoch of
+        # `StochasticWeightAveraging`, recomputes nothing).
         self._batches_since_logged = 0
         self._watched_since_logged = 0
-        # Whether the sentinel watches the batch under way (see `every_n_steps`).
+        # Whether the sentinel watches the batch under way (see `every_n_steps`), and whether it ran a backward.
         self._watching = True
+        self._backward_ran = False
         self._warned: dict[str, int] = {}
         self._logged_step = -1
         # The last global step the logged periods cover, that of the batch that ended last, and that of each unlogged
@@ -214,6 +216,7 @@ class SentinelWatch:
         """A training batch starts at global step ``step``: the sentinel watches until it ends, and the windows move
         on (the tier is ``"exact"`` at an escalated step)."""
         self.step = step
+        self._backward_ran = False
         if self.sentinel is None:
             return
         if self._exact_from is not None and step > self._exact_from:
@@ -223,6 +226,10 @@ class SentinelWatch:
             return  # paused as between batches: the step runs as without a sentinel
         self._resume()
         self.sentinel.next_step("exact" if step == self._exact_from else None)
+
+    def backward_started(self) -> None:
+        """The batch under way runs a backward, which recomputes its regions."""
+        self._backward_ran = True
 
     def step_ended(self, *, batch_end: bool = True, next_step: int | None = None) -> None:
         """Close what was compared since the last call into one record, unread (no host read, no collective); at a
@@ -242,7 +249,7 @@ class SentinelWatch:
         self._batches_since_logged += batch_end
         if not self._watching:
             return
-        self._watched_since_logged += batch_end
+        self._watched_since_logged += batch_end and self._backward_ran
         try:
             self._pending.append((self.step, self.sentinel.end_step(), None))
         except Exception as err:
