@@ -750,6 +750,30 @@ def test_batches_without_a_backward_are_not_said_to_have_compared_nothing_and_tr
     assert all(torch.equal(value, states[0][key]) for key, value in states[1].items())
 
 
+class StreamedBatches(torch.utils.data.IterableDataset):
+    """Three batches of (inputs, targets), streamed: a dataloader without a length."""
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            x = torch.randn(8, 8, generator=generator)
+            yield x, x.sum(dim=1, keepdim=True)
+
+
+class StreamingModule(StackModule):
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(StreamedBatches(), batch_size=None)
+
+
+def test_a_dataloader_without_a_length_shows_the_counts_at_the_epochs_end_on_one_process(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=50)
+    trainer, _ = fit(tmp_path, module=StreamingModule(), monitor=monitor, max_steps=-1, max_epochs=1)
+    assert trainer.global_step == 3
+    # Read at step 0 (checked) and at the epoch's end (step 2), however long the logging interval.
+    compared = monitor.sentinel_report.compared
+    assert compared > 0 and trainer.callback_metrics["recompute/sentinel/compared"] == compared
+
+
 def fit_with(tmp_path, monitor, block, callbacks_extra=(), **overrides):
     """:func:`fit` with more callbacks after the monitor."""
     pl.seed_everything(0, verbose=False)

@@ -338,10 +338,13 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.world_size == 1:
+            self._epochs_end_together = True
+            return
         batches = trainer.num_training_batches
         known = not getattr(trainer, "reload_dataloaders_every_n_epochs", 0) and math.isfinite(batches)
         self._epochs_end_together = same_on_every_rank(trainer.strategy, int(batches) if known else -1) and known
-        if not self._epochs_end_together and trainer.world_size > 1 and self.sentinel != "off":
+        if not self._epochs_end_together and self.sentinel != "off":
             rank_zero_info(
                 "lightning_ckpt_determinism: the ranks' training epochs may end at different batches (their"
                 " dataloaders differ in length, have none, or are reloaded): the sentinel's counts reach"
