@@ -326,8 +326,8 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return buffers
 
 
-# The hook dictionaries of a module, each keyed by its hooks' handle ids (`Module.__init__`; the `_with_kwargs` and
-# `_always_called` ones mark hooks of `_forward_hooks` and `_forward_pre_hooks`, >= 2.0 and 2.1).
+# The hook dictionaries of a module, each keyed by its hooks' handle ids (`Module.__init__`, >= 2.1, which added
+# `_forward_hooks_always_called`; the `_with_kwargs` ones mark hooks of `_forward_hooks` and `_forward_pre_hooks`).
 _HOOK_DICTS = (
     "_backward_pre_hooks",
     "_backward_hooks",
@@ -344,17 +344,17 @@ _HOOK_DICTS = (
 
 
 def hook_dicts(attributes: dict[str, Any]) -> list[dict[int, Any]]:
-    """The non-empty hook dictionaries of a module, from its attribute dict (``vars(module)``), keyed by handle id
-    (the dictionaries ``Module.__init__`` makes, >= 2.1).
+    """The hook dictionaries of a module, empty ones included, from its attribute dict (``vars(module)``), keyed by
+    handle id (the dictionaries ``Module.__init__`` makes, >= 2.1).
 
     Example::
 
         >>> layer = torch.nn.Linear(2, 2)
         >>> handle = layer.register_forward_hook(lambda module, inputs, output: None)
-        >>> [list(hooks) == [handle.id] for hooks in hook_dicts(vars(layer))]
-        [True]
+        >>> [list(hooks) for hooks in hook_dicts(vars(layer)) if hooks] == [[handle.id]]
+        True
     """
-    return [hooks for name in _HOOK_DICTS if (hooks := attributes.get(name))]
+    return [attributes[name] for name in _HOOK_DICTS if name in attributes]
 
 
 def hook_handles_made() -> int:

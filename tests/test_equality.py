@@ -51,6 +51,18 @@ def test_same_item_compares_tuples_lists_dicts_and_arrays_item_by_item() -> None
     assert same_item({8: [torch.ones(2)]}, {8: [torch.ones(2)]}) and not same_item({8: [torch.ones(2)]}, {9: [1]})
     assert same_item([np.array([NAN, 1.0])], [np.array([NAN, 1.0])])
     assert not same_item(np.zeros(2), np.zeros(3)) and not same_item(np.zeros(2), np.zeros(2, dtype=np.int64))
+    tensors = np.empty(2, dtype=object)
+    tensors[:] = [torch.ones(2), torch.zeros(3)]
+    assert same_item(tensors, tensors.copy()) and not same_item(tensors, np.array([1, 2], dtype=object))
+
+
+def test_same_item_answers_unequal_where_no_comparison_ends_and_never_raises() -> None:
+    loop: list[object] = []
+    loop.append(loop)
+    again: list[object] = []
+    again.append(again)
+    assert not same_item(loop, again)
+    assert not same_item({"a": Ambiguous()}, {"a": Ambiguous()})
 
 
 class Ambiguous:

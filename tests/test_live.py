@@ -197,6 +197,19 @@ def test_step_state_restores_the_hooks_of_every_module_in_their_order():
     assert torch.equal(model(x), expected)
 
 
+def test_a_check_leaves_a_hook_the_step_removed_removed_as_training_does():
+    # The check restores the step's start for its reference pass, then what the live step left.
+    model = make_stack(DropoutBlock, n=1).eval()
+    handle = model.head.register_forward_hook(lambda module, inputs, output: output * 2)
+    entry = StepState(model)
+    handle.remove()  # by a callback's `on_before_backward`, which the reference pass does not rerun
+    after_step = StepState(model)
+    entry.restore()
+    assert len(model.head._forward_hooks) == 1  # the reference starts where the step started
+    after_step.restore()
+    assert len(model.head._forward_hooks) == 0
+
+
 def test_step_state_restores_containers_nested_in_plain_attributes_and_deques():
     model = make_stack(DropoutBlock, n=1)
     model.outputs = defaultdict(list, {"train": [1]})

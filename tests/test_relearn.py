@@ -390,7 +390,7 @@ class EvalWarmUp(nn.Module):
         return out
 
 
-def training_flags(model: nn.Module) -> list[bool]:
+def flags_of(model: nn.Module) -> list[bool]:
     return [module.training for module in model.modules()]
 
 
@@ -401,7 +401,7 @@ def test_a_region_that_runs_layers_in_eval_mode_and_back_leaves_them_as_its_forw
 ) -> None:
     result = twins(lambda: Head(EvalWarmUp(warm_up)), tier)
     assert_exact(result)
-    assert training_flags(result.checkpointed) == training_flags(result.plain) == [True] * 7
+    assert flags_of(result.checkpointed) == flags_of(result.plain) == [True] * 7
 
 
 def test_a_region_recomputed_after_its_model_was_put_in_eval_mode_recomputes_in_the_forwards_mode() -> None:
@@ -416,7 +416,7 @@ def test_a_region_recomputed_after_its_model_was_put_in_eval_mode_recomputes_in_
         model.eval()  # between the forward and the backward: the recomputation runs in training mode as the forward
         loss.backward()
         gradients.append([param.grad for param in model.parameters()])
-        assert training_flags(model) == [False] * 6
+        assert flags_of(model) == [False] * 6
     assert all(map(torch.equal, *gradients))
 
 

@@ -563,7 +563,7 @@ def test_comm_hook_states_are_those_registered_on_a_ddp_module(tmp_path: Path) -
 @pins("hook_dicts", "hook_handles_made")
 def test_hook_dicts_hold_every_kind_of_module_hook_by_its_handle_id() -> None:
     layer = nn.Linear(2, 2)
-    assert compat.hook_dicts(vars(layer)) == []
+    assert len(compat.hook_dicts(vars(layer))) == 11 and not any(compat.hook_dicts(vars(layer)))
     made = compat.hook_handles_made()
     handles = [
         layer.register_forward_pre_hook(lambda *args: None),
@@ -582,7 +582,7 @@ def test_hook_dicts_hold_every_kind_of_module_hook_by_its_handle_id() -> None:
     assert held == {handle.id for handle in handles}
     for handle in handles:
         handle.remove()
-    assert compat.hook_dicts(vars(layer)) == []
+    assert not any(compat.hook_dicts(vars(layer)))
 
 
 @pins("version_counter", "view_base", "own_buffers")

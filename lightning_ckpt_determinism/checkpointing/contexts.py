@@ -367,7 +367,8 @@ class AttributeReplay:
     keep its memory alive): recomputation starts from the forward's value, and the forward's value is put back after
     it. Hooks the forward registered on the region's modules are left out of each recomputation, and the live hooks
     are back after it: a forward that registers a hook once, behind an attribute it creates, registers it again in a
-    recomputation that starts without that attribute.
+    recomputation that starts without that attribute. A hook the forward removed is not put back for the
+    recomputation (a one-shot hook that removes itself): the sentinel sees what it changed.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.

@@ -64,18 +64,26 @@ def same_item(first: Any, second: Any) -> bool:
         return isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and same_values(first, second)
     if type(first) is not type(second):
         return False
-    # Item by item: `==` over tensors in a tuple, list or dict is no truth value.
+    try:
+        return _same_of_one_type(first, second)
+    except Exception:  # a value whose `==` is no truth value, a container that holds itself
+        return False
+
+
+def _same_of_one_type(first: Any, second: Any) -> bool:
+    """:func:`same_item` of two values of one type that are not tensors."""
+    # Item by item: `==` over tensors in a tuple, list, dict or object array is no truth value.
     if isinstance(first, tuple | list):
         return len(first) == len(second) and all(map(same_item, first, second))
     if isinstance(first, dict):
         return first.keys() == second.keys() and all(same_item(value, second[key]) for key, value in first.items())
     if isinstance(first, np.ndarray):
-        nan = first.dtype.kind in "fc"
-        return first.shape == second.shape and first.dtype == second.dtype and np.array_equal(first, second, nan)
-    try:
-        return bool(first == second) or (isinstance(first, numbers.Complex) and _both_nan_alike(first, second))
-    except Exception:  # a value whose `==` is not a truth value
-        return False
+        if first.shape != second.shape or first.dtype != second.dtype:
+            return False
+        if first.dtype.kind == "O":
+            return all(map(same_item, first.flat, second.flat))
+        return bool(np.array_equal(first, second, equal_nan=first.dtype.kind in "fc"))
+    return bool(first == second) or (isinstance(first, numbers.Complex) and _both_nan_alike(first, second))
 
 
 def _both_nan_alike(first: numbers.Complex, second: numbers.Complex) -> bool:

@@ -28,18 +28,17 @@ class HookSnapshot:
         True
     """
 
-    __slots__ = ("_attributes", "_held", "_made")
+    __slots__ = ("_held", "_made")
 
     def __init__(self, attributes: Sequence[dict[str, Any]]) -> None:
-        self._attributes = attributes
         self._made = hook_handles_made()
+        # Every dictionary, empty ones too: a hook removed since from one that holds none now comes back.
         self._held = [(hooks, dict(hooks)) for held in attributes for hooks in hook_dicts(held)]
 
     def restore(self) -> None:
+        """Put the hooks back as they were when the snapshot was taken."""
         if hook_handles_made() == self._made and all(len(hooks) == len(held) for hooks, held in self._held):
-            return  # nothing registered nor removed since
-        for hooks, _ in hooks_added_since(self._attributes, self._made):
-            hooks.clear()  # put back whole below, or left empty as it was
+            return  # nothing registered (that moves the count) nor removed (that shrinks a dictionary) since
         for hooks, held in self._held:
             if hooks.keys() != held.keys():
                 hooks.clear()

@@ -120,7 +120,6 @@ class StepCheck:
     ) -> RecomputationReport | None:
         """:func:`check_live_step` of the step, its reference run through the strategy."""
         trainer, pl_module, capture, settings = self.trainer, self.pl_module, self.capture, self.settings
-        strategy = trainer.strategy
         live_reference_pass = live_reference(
             trainer,
             pl_module,
@@ -131,16 +130,14 @@ class StepCheck:
         )
         # DDP's communication hooks run in the reference's backward too: from the states the live step started from,
         # then back to those it left.
-        after_step = CommHookStates(strategy.model)
+        hooks = capture.comm_hooks if capture.comm_hooks is not None else CommHookStates(None)
+        with hooks.replaying() as start_over:
 
-        def reference() -> float:
-            capture.comm_hooks.restore()
-            return live_reference_pass()
+            def reference() -> float:
+                start_over()
+                return live_reference_pass()
 
-        try:
             return self._compare_live(reference, gradients_before)
-        finally:
-            after_step.restore()
 
     def _compare_live(
         self, reference: Callable[[], float], gradients_before: list[torch.Tensor | None] | None

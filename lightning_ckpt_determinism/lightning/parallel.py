@@ -28,7 +28,17 @@ def agree(strategy: Any, decision: bool) -> bool:
 
 
 def same_on_every_rank(strategy: Any, value: int) -> bool:
-    """Whether every rank passed the same ``value`` (one collective on several processes)."""
+    """Whether every rank passed the same ``value`` (one collective on several processes).
+
+    Example::
+
+        >>> class OneDevice:  # a strategy on one device: `reduce` gives its tensor back
+        ...     root_device = torch.device("cpu")
+        ...     def reduce(self, tensor, reduce_op):
+        ...         return tensor
+        >>> same_on_every_rank(OneDevice(), 3)
+        True
+    """
     extremes = torch.tensor([value, -value], dtype=torch.int64, device=strategy.root_device)
     largest, negated_smallest = all_reduce(strategy)(extremes, "max").tolist()
     return bool(largest == -negated_smallest)

@@ -205,7 +205,8 @@ class StepCapture:
     ) -> None:
         self.pl_module = pl_module
         self._wrapper = wrapper
-        self.comm_hooks = CommHookStates(None)
+        # The data of DDP's communication hook states as the step started, where it has any (see `CommHookStates`).
+        self.comm_hooks: CommHookStates | None = None
         self.batch_idx = batch_idx
         self._internal = internal_attributes
         self.written_parameters = written_parameters

@@ -244,7 +244,7 @@ class _ParameterSnapshot:
         named = dict(module.named_parameters())
         self._always = names is not None
         # A lazy module's parameters have no values to copy until its first forward initialises them.
-        self.lazy = [name for name, param in named.items() if is_lazy(param)]
+        self._lazy = [name for name, param in named.items() if is_lazy(param)]
         copied = named if names is None else {name: named[name] for name in names if name in named}
         copied = {name: param for name, param in copied.items() if not is_lazy(param)}
         self._versions = {name: (param, version_counter(param)) for name, param in named.items()}
@@ -252,7 +252,8 @@ class _ParameterSnapshot:
             self._copies = {name: param.detach().clone() for name, param in copied.items()}
 
     def initialised(self) -> list[str]:
-        return [name for name in self.lazy if not is_lazy(self._versions[name][0])]
+        """The parameters that were a lazy module's without values at capture and have values now."""
+        return [name for name in self._lazy if not is_lazy(self._versions[name][0])]
 
     def unrestored(self) -> list[str]:
         return [
@@ -523,36 +524,16 @@ def _same_attribute(current: Any, value: Any) -> bool:
     if type(current) is not type(value):
         return False
     if isinstance(value, _GENERATORS):
-        return _same_nested(_generator_state(current), _generator_state(value))
-    if isinstance(value, np.ndarray):
-        return _same_nested(current, value)
+        return same_item(_generator_state(current), _generator_state(value))
     if _is_object(value):
         return _same_contents(vars(current), vars(value))
     return same_item(current, value)
 
 
-def _same_nested(first: Any, second: Any) -> bool:
-    """Equal generator states or arrays: NumPy's states hold arrays in tuples and dicts, torch's a tensor."""
-    if isinstance(first, np.ndarray) or isinstance(second, np.ndarray):
-        return isinstance(first, np.ndarray) and isinstance(second, np.ndarray) and _same_array(first, second)
-    if isinstance(first, dict) and isinstance(second, dict):
-        return first.keys() == second.keys() and all(_same_nested(first[key], second[key]) for key in first)
-    if isinstance(first, tuple | list) and isinstance(second, tuple | list):
-        return len(first) == len(second) and all(_same_nested(a, b) for a, b in zip(first, second, strict=True))
-    return same_item(first, second)
-
-
-def _same_array(first: np.ndarray, second: np.ndarray) -> bool:
-    """Equal arrays, NaN equal to NaN where the dtype can hold it."""
-    if np.array_equal(first, second):
-        return True
-    return first.dtype == second.dtype and first.dtype.kind in "fc" and np.array_equal(first, second, equal_nan=True)
-
-
 def _same_contents(container: Any, copy: Any) -> bool:
     """Whether a container or array holds what ``copy`` (its copy at capture, shallow for a container) held."""
     if isinstance(container, np.ndarray):
-        return _same_nested(container, copy)
+        return same_item(container, copy)
     if isinstance(container, dict):
         return container.keys() == copy.keys() and all(same_item(container[key], copy[key]) for key in container)
     if isinstance(container, set):
