@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -353,6 +354,38 @@ def test_an_op_output_written_in_place_later_is_never_kept_and_the_plan_trains_e
             _closure(net)
         for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
             assert torch.equal(ours.grad, theirs.grad), name
+
+
+class NoisyBlock(nn.Module):
+    """Adds noise drawn in forward to a linear layer's output, then sines and a dropout: random ops whose output a plan
+    could keep, with another random op after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + torch.randn_like(x)
+        return F.dropout(h.sin().sin().sin(), 0.5, training=self.training)
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.6, 0.9])
+def test_a_random_ops_output_is_never_kept_and_the_plan_trains_exactly(budget: float) -> None:
+    torch.manual_seed(0)
+    model = Stack([NoisyBlock(), NoisyBlock()], dim=DIM)
+    twin = copy.deepcopy(model)
+    config = CheckpointingConfig(classes=["NoisyBlock"], memory_budget=budget, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
+    plan.apply(model)
+    random = {"aten.randn_like.default", "aten.native_dropout.default", "aten.bernoulli_.float"}
+    for name in plan.saved_ops:
+        assert all(call.bytes == 0 for call in plan_op_calls(plan, name) if call.op in random), name
+    for net in (model, twin):
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        _closure(net)
+    for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad), name
 
 
 def plan_op_calls(plan: CheckpointingPlan, name: str) -> list[OpFigures]:

@@ -48,7 +48,12 @@ from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_
 from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates, op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan, SavedTensorObserver, kept_by_torch
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
-from lightning_ckpt_determinism.checkpointing.routing import fits_size_rule, input_limit, is_data_dependent
+from lightning_ckpt_determinism.checkpointing.routing import (
+    fits_size_rule,
+    input_limit,
+    is_data_dependent,
+    is_random_op,
+)
 from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
 from lightning_ckpt_determinism.config import resolve_ops
 
@@ -306,7 +311,8 @@ class _OpCalls:
         aliases = returns_alias(func)
         shared = fresh.keys() & (_storages(tree_leaves((args, kwargs))).keys() | self._state)
         whole = len(fresh) == len({*map(_storage_of, tensors)})
-        own = bool(tensors) and whole and not aliases and not shared
+        # Nor a random op's: recomputation would not run it, and the random ops after it would draw other numbers.
+        own = bool(tensors) and whole and not aliases and not shared and not is_random_op(func)
         size = sum(fresh.values()) if own and not kept else 0
         for storage in fresh.keys() - shared:
             if size:

@@ -38,7 +38,15 @@ from lightning_ckpt_determinism._torch_compat import (
     tree_map,
 )
 
-__all__ = ["CompiledPolicy", "KeptOutputs", "fits_size_rule", "input_limit", "is_data_dependent", "mark_region_inputs"]
+__all__ = [
+    "CompiledPolicy",
+    "KeptOutputs",
+    "fits_size_rule",
+    "input_limit",
+    "is_data_dependent",
+    "is_random_op",
+    "mark_region_inputs",
+]
 
 _aten = torch.ops.aten
 _TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -57,6 +65,19 @@ _UNTAGGED_PACKETS = frozenset(
 _UNTAGGED_OVERLOADS = frozenset({_aten.max.dim, _aten.min.dim})
 _MASK_DTYPES = (torch.bool, torch.uint8)
 _RECOMPUTED = object()
+
+
+def is_random_op(func: Any) -> bool:
+    """Whether ``func`` draws from a random generator (``torch.Tag.nondeterministic_seeded``: dropout, ``rand*``,
+    ``bernoulli`` ...): an op whose output selective checkpointing keeps is not run again in recomputation, so a
+    random one left out would shift what every later random op of the recomputation draws.
+
+    Example::
+
+        >>> is_random_op(torch.ops.aten.native_dropout.default), is_random_op(torch.ops.aten.addmm.default)
+        (True, False)
+    """
+    return isinstance(func, OpOverload) and torch.Tag.nondeterministic_seeded in func.tags
 
 
 def is_data_dependent(func: Any, args: tuple[Any, ...]) -> bool:

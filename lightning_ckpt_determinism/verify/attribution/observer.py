@@ -62,7 +62,7 @@ from lightning_ckpt_determinism.checkpointing.rng import (
     replaying_host_rng,
     same_host_rng,
 )
-from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent
+from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent, is_random_op
 from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
 from lightning_ckpt_determinism.verify.attribution.evidence import (
     CallEvidence,
@@ -272,7 +272,7 @@ class CallRecord:
             index,
             str(func),
             kind,
-            random=_is_random(func),
+            random=is_random_op(func),
             same_inputs=same_inputs,
             diff=diff,
             buffer_input=any(position in changed for position in recorded.buffer_inputs),
@@ -610,10 +610,6 @@ def _keep_data_dependent(kept: KeptOutputs | None) -> KeepDataDependent:
     if kept is not None and kept.keep:
         return "on"
     return "unguarded" if kept is not None and kept.dropped else "off"
-
-
-def _is_random(func: OpOverload) -> bool:
-    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 def _flatten(value: Any) -> list[Any]:

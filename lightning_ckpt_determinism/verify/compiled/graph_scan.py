@@ -58,6 +58,7 @@ from lightning_ckpt_determinism._torch_compat import (
     set_compiled_call,
     set_dynamo_context,
 )
+from lightning_ckpt_determinism.checkpointing.routing import is_random_op
 
 __all__ = ["GraphScan", "scanned"]
 
@@ -139,13 +140,9 @@ def _target_name(target: Any) -> str:
     return str(target) if isinstance(target, OpOverload) else getattr(target, "__name__", str(target))
 
 
-def _is_seeded(target: Any) -> bool:
-    return isinstance(target, OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
 def _fresh_draw(node: fx.Node) -> bool:
     """Whether the node reads the generator itself (not a seed or a state it is given)."""
-    return node.target is _RUN_AND_SAVE or _is_seeded(node.target)
+    return node.target is _RUN_AND_SAVE or is_random_op(node.target)
 
 
 def _drawn_from(node: fx.Node, drawn: dict[fx.Node, str]) -> str | None:
@@ -161,7 +158,7 @@ def _random_op(node: fx.Node) -> str | None:
         return _target_name(node.args[1] if node.target in _SEEDED_BY else node.args[0])
     if node.target in (torch.ops.prims.inductor_random.default, torch.ops.prims.inductor_randint.default):
         return _target_name(node.target)
-    if _is_seeded(node.target) and not _target_name(node.target).startswith("prims.inductor_"):
+    if is_random_op(node.target) and not _target_name(node.target).startswith("prims.inductor_"):
         return _target_name(node.target)
     return None
 
