@@ -39,6 +39,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.verify.gradients import local_tensor
+from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from tests.helpers import (
     DIM,
@@ -371,6 +372,17 @@ def main(kind: str, out_dir: Path) -> None:
         # The same, the sentinel watching every other step: both ranks watch and read the same steps.
         monitor = RecomputationMonitor(every_n_steps=50, sentinel_every_n_steps=2)
         run(kind, out_dir, "sentinel_every_other", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+        # The sentinel failing to read a clean record on rank 1 only: the failure joins the next read's reduced
+        # flag (no record is added on rank 1 alone, which would change the length every rank reduces).
+        real_read = RecomputationSentinel.read
+        RecomputationSentinel.read = failing_from(  # type: ignore[method-assign]
+            1, real_read, when=lambda: dist.get_rank() == 1
+        )
+        try:
+            dropout = {"classes": ["DropoutBlock"]}
+            run(kind, out_dir, "sentinel_read_fails_on_rank_one", "DropoutBlock", RecomputationMonitor(), dropout, {})
+        finally:
+            RecomputationSentinel.read = real_read  # type: ignore[method-assign]
         # The sentinel's own code failing on rank 1 only, at its second region forward: both ranks stop it alike.
         real = RegionCall.forward_done
         RegionCall.forward_done = failing_from(2, real, when=lambda: dist.get_rank() == 1)  # type: ignore[method-assign]

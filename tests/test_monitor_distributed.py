@@ -307,6 +307,15 @@ def test_ddp_a_failure_of_the_sentinels_own_on_rank_one_stops_it_on_both_ranks_a
         assert_equal_states(state(ddp, "sentinel_fails_on_rank_one", rank), state(ddp, "clean_dropout", rank))
 
 
+def test_ddp_a_failure_reading_a_clean_record_on_rank_one_stops_the_sentinel_on_both_ranks_alike(ddp):
+    rank0, rank1 = (result(ddp, "sentinel_read_fails_on_rank_one", rank) for rank in (0, 1))
+    assert rank0["global_step"] == rank1["global_step"] == 4
+    stopped = [message for message in rank0["warnings"] if "the sentinel stopped" in message]
+    assert len(stopped) == 1 and "(on another rank)" in stopped[0]
+    for rank in (0, 1):
+        assert_equal_states(state(ddp, "sentinel_read_fails_on_rank_one", rank), state(ddp, "clean_dropout", rank))
+
+
 def test_ddp_with_unused_parameters_trains_on_through_two_pass_checks_clean_and_defective(ddp):
     # `attribution="always"` checks every step with the two-pass engine on the bare module; a branch used on even
     # batches only leaves parameters unused under `find_unused_parameters=True`. A backward outside DDP's forward

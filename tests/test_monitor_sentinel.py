@@ -175,6 +175,35 @@ def test_a_defect_read_at_a_later_logging_step_is_warned_and_logged_at_the_step_
     assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (5, False)]
 
 
+@pytest.mark.parametrize("end", ["max_steps", "max_epochs"])
+def test_a_finding_at_the_fits_last_step_promises_no_check_after_it(tmp_path: Path, end: str) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    # The fit's last step is 3, whichever limit ends it.
+    limit = {"max_steps": 4} if end == "max_steps" else {"max_steps": -1, "max_epochs": 1, "limit_train_batches": 4}
+    kwargs = trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor], log_every_n_steps=50, **limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        pl.Trainer(**kwargs).fit(armed_module(step=3))
+    said = [str(w.message) for w in caught if "the sentinel saw" in str(w.message)]
+    assert len(said) == 1 and "at step 3" in said[0]
+    ended = "The fit ended before a check could name the cause: run the audit on this config to name it."
+    assert said[0].endswith(ended)
+
+
+def test_a_region_that_differed_once_reads_clean_again_in_callback_metrics(tmp_path: Path) -> None:
+    # Lightning keeps a metric's last value: the region's count goes back to 0 there once its periods are clean; the
+    # loggers keep the point of the step that differed.
+    monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LightningCkptDeterminismWarning)
+        trainer = fit(tmp_path, monitor, armed_module(step=2), steps=8)
+    metrics = trainer.callback_metrics
+    assert metrics["recompute/sentinel/regions/model.blocks.1/mismatches"] == 0.0
+    assert logged(tmp_path, "recompute/sentinel/regions/model.blocks.1/mismatches") == [(2, 1.0)]
+
+
 def test_under_gradient_accumulation_the_follow_up_check_is_the_next_global_steps(tmp_path: Path) -> None:
     # The defect is in the recomputation of step 0's first micro-batch: the sentinel's finding asks for a full check,
     # which the next micro-batch of the same step must not take (a second history and logger entry for step 0).

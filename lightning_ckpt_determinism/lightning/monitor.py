@@ -462,7 +462,7 @@ class RecomputationMonitor(Callback):
         epoch_end = trainer.is_last_batch and self._epochs_end_together
         shown = self._schedule.last_checked == step or epoch_end or trainer.global_step == trainer.max_steps
         if logging or shown:
-            self._respond(trainer, self._watch.read(trainer))
+            self._respond(trainer, self._watch.read(trainer), last=_last_batch_of_fit(trainer))
         if logging:
             self._publish(trainer, pl_module, self._watch.metrics())
         elif shown:
@@ -520,10 +520,10 @@ class RecomputationMonitor(Callback):
             then = "The check of that step names the cause (see its warning)."
         elif named:
             then = "The check of that step names the cause (in `history` and the fit's summary)."
-        elif last:
-            then = "The fit ended before a check could name the cause: run the audit on this config to name it."
         elif self._checks_off:
             then = f"No gradient check runs {self._unchecked_here}: run the audit on this config to name the cause."
+        elif last:
+            then = "The fit ended before a check could name the cause: run the audit on this config to name it."
         else:
             then = f"Step {step + 1} is checked in full, every saved tensor compared, to name the op and cause."
         warned = self._watch.respond(
@@ -625,6 +625,15 @@ class RecomputationMonitor(Callback):
             )
             return None
         return plain
+
+
+def _last_batch_of_fit(trainer: "pl.Trainer") -> bool:
+    """Whether the fit ends after the training batch ending now (at ``max_steps``, or at the last batch of the last
+    epoch), so that no step after it is checked."""
+    if trainer.max_steps > -1 and trainer.global_step >= trainer.max_steps:
+        return True
+    epochs = trainer.max_epochs
+    return bool(trainer.is_last_batch) and epochs not in (None, -1) and trainer.current_epoch + 1 >= epochs
 
 
 def _given_twice(trainer: "pl.Trainer") -> str | None:

@@ -71,6 +71,8 @@ class CheckResults:
         self._warned: dict[str, int] = {}
         # The steps whose check warned this fit (a rate-limited one did not): only those may be pointed to.
         self.warned_steps: set[int] = set()
+        # The per-region metrics put in `trainer.callback_metrics` this fit (see `_region_keys_kept`).
+        self._regions: set[str] = set()
 
     def start_fit(
         self, syntax: Syntax = "python", unattributed: str | None = None, unchecked: str | None = None
@@ -85,6 +87,7 @@ class CheckResults:
         self.summary = FitSummary(unchecked=unchecked)
         self._warned, self.syntax, self.unattributed = {}, syntax, unattributed
         self.warned_steps = set()
+        self._regions = set()
 
     def skipped(self, step: int, reason: str) -> None:
         """Keep a check of ``step`` skipped for ``reason``.
@@ -175,7 +178,7 @@ class CheckResults:
         if pl_module is None or trainer.barebones:  # `Trainer(barebones=True)` takes no `self.log`
             return
         shown = f"{self.log_prefix}/grad_divergence"
-        for name, value in logged.items():
+        for name, value in _region_keys_kept(logged, self._regions).items():
             prog_bar = self.prog_bar and name == shown
             # `batch_size`: a `training_step(self, dataloader_iter)` gives Lightning none to infer.
             pl_module.log(
@@ -209,3 +212,23 @@ class CheckResults:
         """
         text = respelt(self.summary.text(self.every_n_steps, sentinel), self.syntax)
         return text if plan is None else f"{text} It trained under a {plan.summary()}."
+
+
+def _region_keys_kept(values: dict[str, float], earlier: set[str]) -> dict[str, float]:
+    """``values`` with 0.0 for each per-region metric put in ``earlier`` this fit and absent now, where ``values`` are
+    of its kind (a check's, the sentinel's): Lightning keeps a key's last value in ``trainer.callback_metrics``, where
+    a region that differed once would read as differing for the rest of the fit (``EarlyStopping`` on it would stop
+    on a clean epoch). ``earlier`` takes the per-region keys of ``values``.
+
+    Example::
+
+        >>> earlier = set()
+        >>> _region_keys_kept({"p/m": 1.0, "p/regions/a/m": 1.0}, earlier)
+        {'p/m': 1.0, 'p/regions/a/m': 1.0}
+        >>> _region_keys_kept({"p/m": 0.0}, earlier), _region_keys_kept({"p/other/m": 0.0}, earlier)
+        ({'p/regions/a/m': 0.0, 'p/m': 0.0}, {'p/other/m': 0.0})
+    """
+    kinds = {key.rsplit("/", 1)[0] for key in values}
+    absent = sorted(key for key in earlier - values.keys() if key.split("/regions/", 1)[0] in kinds)
+    earlier.update(key for key in values if "/regions/" in key)
+    return {**dict.fromkeys(absent, 0.0), **values}

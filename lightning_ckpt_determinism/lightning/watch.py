@@ -125,6 +125,9 @@ class SentinelWatch:
         self._between_batches = contextlib.ExitStack()
         self._is_between_batches = False
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
+        # A failure of this rank's own reading a clean record, reduced with the next read's counts: one more record on
+        # this rank alone would change the length of what every rank reduces.
+        self._failed_read: Exception | None = None
         self._unlogged: dict[int, _StepCounts] = {}
         # Training batches since the last logged step (a period that compared nothing still has its 0 to log), and
         # those of them the sentinel watched that ran a backward (one without, such as the statistics epoch of
@@ -167,6 +170,7 @@ class SentinelWatch:
             )
             return
         self._pending, self._unlogged, self._batches_since_logged, self._watched_since_logged = [], {}, 0, 0
+        self._failed_read = None
         self._watching = True
         # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
         self._warned, self._logged_step, self._said_nothing_compared = {}, trainer.global_step - 1, False
@@ -269,7 +273,8 @@ class SentinelWatch:
         strategy = trainer.strategy
         device = strategy.root_device
         regions = len(sentinel.regions)
-        failed = next((error for _, _, error in pending if error is not None), None)
+        failed = next((error for _, _, error in pending if error is not None), self._failed_read)
+        self._failed_read = None
         counts = []
         for _, record, _ in pending:
             try:
@@ -299,7 +304,7 @@ class SentinelWatch:
             try:
                 sentinel.read(record, clean=True)
             except Exception as err:  # the sentinel stopped; the next read stops it on every rank alike
-                self._pending.append((step, None, err))
+                self._failed_read = err
         if not differed:
             return []
         try:
