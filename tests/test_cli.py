@@ -701,3 +701,36 @@ def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
     assert _error_lines(capsys.readouterr().err) == [
         "error: `trainer.strategy.checkpointing`: Option 'clases' is not accepted; did you mean `classes`?"
     ]
+
+
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        (
+            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n        every_n_steps: 5\n",
+            "error: `trainer.strategy.checkpointing`: Option 'every_n_steps' is not accepted; `every_n_steps` is an"
+            " argument of `RecomputationMonitor`: put it under the monitor's `init_args` in `trainer.callbacks`",
+        ),
+        (
+            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n"
+            "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
+            "      init_args:\n        every_n: 2\n",
+            "error: `trainer.callbacks`: Option 'every_n' is not accepted; `every_n` is a field of"
+            " `CheckpointingConfig`: put it under `trainer.strategy.init_args.checkpointing`",
+        ),
+    ],
+    ids=["a monitor's argument under checkpointing", "a checkpointing field under the monitor"],
+)
+def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, expected: str
+) -> None:
+    # The close names on the other side (`every_n` and `every_n_steps`) mean something else: no "did you mean".
+    config = tmp_path / "misplaced.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        f"{where}model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    assert _error_lines(capsys.readouterr().err) == [expected]

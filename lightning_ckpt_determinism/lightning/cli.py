@@ -20,6 +20,7 @@ Any other error keeps its traceback.
 """
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import os
@@ -46,7 +47,13 @@ from lightning_ckpt_determinism._library_compat import (
     package_message_in,
     rejected_value,
 )
-from lightning_ckpt_determinism.config import AUTO_CLASSES, choice_message, class_path_meant, resolve_class_path
+from lightning_ckpt_determinism.config import (
+    AUTO_CLASSES,
+    CheckpointingConfig,
+    choice_message,
+    class_path_meant,
+    resolve_class_path,
+)
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
@@ -289,7 +296,38 @@ def configuration_error(err: Exception) -> str | None:
         return stock
     if not isinstance(err, ArgumentError):
         return None
+    elsewhere = _belongs_elsewhere(str(err))
+    if elsewhere is not None:
+        return _in_package_words(rejected_value(str(err))) + elsewhere
     return _in_package_words(rejected_value(str(err))) + _option_meant(str(err)) + _class_path_meant(str(err))
+
+
+_REFUSED = re.compile(r"Option '([^']+)' is not accepted")
+
+
+def _belongs_elsewhere(text: str) -> str | None:
+    """``; `x` is an argument of ...`` for a monitor's argument given to the checkpointing config, or a checkpointing
+    field given to the monitor: a close name on the wrong side would change what the setting means (`every_n_steps`
+    is not `every_n`)."""
+    refused = _REFUSED.search(text)
+    if refused is None:
+        return None
+    # A strategy refuses `checkpointing.<field>`; the config and the monitor refuse `<field>`.
+    path = refused[1].split(".")
+    under_checkpointing = path[0] == "checkpointing" or 'Parser key "checkpointing"' in text
+    name = path[1] if path[0] == "checkpointing" and len(path) > 1 else path[0]
+    monitor = set(inspect.signature(RecomputationMonitor).parameters)
+    config = {field.name for field in dataclasses.fields(CheckpointingConfig)}
+    if under_checkpointing and name in monitor - config:
+        return (
+            f"; `{name}` is an argument of `RecomputationMonitor`: put it under the monitor's `init_args` in"
+            " `trainer.callbacks`"
+        )
+    if "trainer.callbacks" in text and name in config - monitor:
+        return (
+            f"; `{name}` is a field of `CheckpointingConfig`: put it under `trainer.strategy.init_args.checkpointing`"
+        )
+    return None
 
 
 def _class_path_meant(text: str) -> str:
