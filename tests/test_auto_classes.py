@@ -60,9 +60,15 @@ def test_auto_chooses_the_blocks_fsdp1_units_wrap_not_the_units(tmp_path: Path) 
         assert [type(region).__name__ for region in checkpointed_modules(model).values()] == ["Sequential"] * 3
 
 
-def test_auto_in_a_model_without_layers_to_choose_says_what_it_looked_for() -> None:
-    with pytest.raises(CheckpointingConfigError, match=r"classes=auto \(found no GradientCheckpointingLayer and no"):
+def test_auto_in_a_model_without_layers_to_choose_says_what_it_looked_for_and_how_to_name_blocks() -> None:
+    with pytest.raises(
+        CheckpointingConfigError, match=r"classes=auto \(found no GradientCheckpointingLayer and no"
+    ) as raised:
         apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), CheckpointingConfig(classes="auto"))
+    assert (
+        "finds transformer layers only: name the blocks to checkpoint with `classes=[...]` (one of the classes below)"
+        " or `names=[...]` (globs of the names below)." in str(raised.value)
+    )
 
 
 def test_a_single_class_name_is_still_refused_and_auto_is_not_a_class_name() -> None:

@@ -204,6 +204,12 @@ def _nothing_matched_message(module: nn.Module, config: CheckpointingConfig) -> 
         + _did_you_mean(class_entries(config), class_names)
         + _names_meant(module_names, config.names)
     )
+    if config.classes == AUTO_CLASSES and not config.names:
+        meant += (
+            " `classes=auto` (what a strategy given by name, such as 'ddp_checkpointing', uses) finds transformer"
+            " layers only: name the blocks to checkpoint with `classes=[...]` (one of the classes below) or"
+            " `names=[...]` (globs of the names below)."
+        )
     return (
         f"`CheckpointingConfig` matches no module of {type(module).__name__}:"
         f" classes={_classes_shown(module, config)},"
