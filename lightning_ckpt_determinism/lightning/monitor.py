@@ -455,6 +455,8 @@ class RecomputationMonitor(Callback):
     ) -> None:
         self._disarm()
         self._watch.step_ended(next_step=trainer.global_step)
+        plan = getattr(trainer.strategy, "checkpointing_plan", None)
+        self._watch.all_plain = plan is not None and not plan.checkpointed
         logging = self._watch.metrics_due(trainer)
         step = self._watch.step
         # Read at epoch ends and check steps too, so that `EarlyStopping` and `ModelCheckpoint` find the counts in

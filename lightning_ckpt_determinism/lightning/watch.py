@@ -28,10 +28,8 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
 
 from lightning_ckpt_determinism._library_compat import lightning_logs_this_batch
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Cause, Syntax, respelt
@@ -130,8 +128,8 @@ class SentinelWatch:
         # A failure of this rank's own reading a clean record, reduced with the next read's counts: one more record on
         # this rank alone would change the length of what every rank reduces.
         self._failed_read: Exception | None = None
-        # The model whose regions the sentinel watches.
-        self._module: nn.Module = nn.Module()
+        # Whether a memory budget's plan keeps every module plain: there is nothing to compare.
+        self.all_plain = False
         self._unlogged: dict[int, _StepCounts] = {}
         # Training batches since the last logged step (a period that compared nothing still has its 0 to log), and
         # those of them the sentinel watched that ran a backward (one without, such as the statistics epoch of
@@ -161,7 +159,6 @@ class SentinelWatch:
         self.sentinel, failure = None, None
         try:
             self.sentinel = self._entered.enter_context(recomputation_sentinel(pl_module, mode=self.tier))
-            self._module = pl_module
         except Exception as err:
             failure = err
         if agree(trainer.strategy, failure is not None):
@@ -471,8 +468,8 @@ class SentinelWatch:
 
     def _nothing_compared(self) -> None:
         """Say once per fit why a logged period compared nothing."""
-        if self._said_nothing_compared or self.sentinel is None or not checkpointed_modules(self._module):
-            return  # without a checkpointed region (a budget's plan left all plain) the monitor says so itself
+        if self._said_nothing_compared or self.sentinel is None or self.all_plain:
+            return  # without a checkpointed region the monitor says so itself
         self._said_nothing_compared = True
         report = self.sentinel.report()
         if report.compiled and len(report.compiled) == len(report.regions):
