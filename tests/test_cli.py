@@ -734,3 +734,37 @@ def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
     with pytest.raises(SystemExit, match=r"^2$"):
         CheckpointingCLI(args=["fit", "--config", str(config)])
     assert _error_lines(capsys.readouterr().err) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        (
+            "  strategy:\n    class_path: single_device_checkpointing\n"
+            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n",
+            "error: `trainer.strategy`: `single_device_checkpointing` is a registered name, which takes no arguments:"
+            " to configure it, give its class as `class_path:`"
+            " `lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`, with the arguments under `init_args:`.",
+        ),
+        (
+            "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n"
+            "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
+            "      init_args:\n        - 2\n",
+            "error: `trainer.callbacks`: the `init_args` of `lightning_ckpt_determinism.RecomputationMonitor` are a"
+            " list; write them as `name: value` lines, one argument each",
+        ),
+    ],
+    ids=["a registered name given arguments", "init_args as a list"],
+)
+def test_a_class_written_in_the_wrong_form_is_one_line_with_the_form_to_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str, expected: str
+) -> None:
+    config = tmp_path / "form.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        f"{strategy}model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    assert _error_lines(capsys.readouterr().err) == [expected]

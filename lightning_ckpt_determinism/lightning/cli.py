@@ -296,6 +296,15 @@ def configuration_error(err: Exception) -> str | None:
         return stock
     if not isinstance(err, ArgumentError):
         return None
+    named = _registered_name_given_arguments(str(err))
+    if named is not None:
+        return named
+    listed = _INIT_ARGS_LISTED.search(str(err))
+    if listed is not None:
+        return (
+            f"`{listed[1]}`: the `init_args` of `{listed[2]}` are a list; write them as `name: value` lines, one"
+            " argument each"
+        )
     elsewhere = _belongs_elsewhere(str(err))
     if elsewhere is not None:
         return _in_package_words(rejected_value(str(err))) + elsewhere
@@ -303,6 +312,30 @@ def configuration_error(err: Exception) -> str | None:
 
 
 _REFUSED = re.compile(r"Option '([^']+)' is not accepted")
+_INIT_ARGS_LISTED = re.compile(
+    r"Parser key \"([\w.]+)\":.*?Problem with given class_path '([\w.]+)':\s*'list' object has no attribute 'keys'",
+    re.DOTALL,
+)
+_NAME_AS_CLASS_PATH = re.compile(r"Expected a dot import path string: (\w+)")
+_ARGUMENT_OVER_A_NAME = re.compile(r"NestedArg\(key='([\w.]+)'")
+
+
+def _registered_name_given_arguments(text: str) -> str | None:
+    """One line for a strategy's registered name given arguments (``class_path: ddp_checkpointing`` with
+    ``init_args``, or ``--trainer.strategy.checkpointing.classes`` over ``strategy: ddp_checkpointing``): a name takes
+    none, its class does."""
+    if 'Parser key "trainer.strategy"' not in text:
+        return None
+    as_class_path, over_a_name = _NAME_AS_CLASS_PATH.search(text), _ARGUMENT_OVER_A_NAME.search(text)
+    if as_class_path is None or as_class_path[1] not in REGISTERED:
+        return None
+    name = as_class_path[1]
+    argument = f" (`{over_a_name[1]}` here)" if over_a_name is not None else ""
+    return (
+        f"`trainer.strategy`: `{name}` is a registered name, which takes no arguments{argument}: to configure it, give"
+        f" its class as `class_path:` `lightning_ckpt_determinism.{REGISTERED[name].__name__}`, with the arguments"
+        " under `init_args:`."
+    )
 
 
 def _belongs_elsewhere(text: str) -> str | None:
