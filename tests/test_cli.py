@@ -768,3 +768,19 @@ def test_a_class_written_in_the_wrong_form_is_one_line_with_the_form_to_write(
     with pytest.raises(SystemExit, match=r"^2$"):
         CheckpointingCLI(args=["fit", "--config", str(config)])
     assert _error_lines(capsys.readouterr().err) == [expected]
+
+
+def test_a_field_refused_when_the_strategy_sets_the_model_up_is_named_by_its_full_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "every.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n        every_n: 5\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config)])
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith("error: `trainer.strategy.checkpointing.every_n`=5 selects none of the 3 matched modules")

@@ -67,6 +67,15 @@ TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
 _CONFIG_OPTIONS = ("--config", "-c")
 _KEY_AND_REASON = re.compile(r"`([^`]+)`: (.*)")
 _WHOLE_CONFIG, _WHOLE_CONFIG_KEY = "`CheckpointingConfig` ", "`trainer.strategy.checkpointing`"
+# A message that starts with a field's name (found when the strategy sets the model up) is named by its full key.
+_FIELD_FIRST = re.compile(r"^`(\w+)`")
+
+
+def _keyed_field(found: re.Match[str]) -> str:
+    fields = {field.name for field in dataclasses.fields(CheckpointingConfig)}
+    return f"`trainer.strategy.checkpointing.{found[1]}`" if found[1] in fields else found[0]
+
+
 # Python's words for a class path whose module has no such name, as jsonargparse passes them on.
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 # The package's error that ended a spawned process, last in the traceback text its parent receives.
@@ -285,7 +294,9 @@ def configuration_error(err: Exception) -> str | None:
     """
     if isinstance(err, CheckpointingConfigError):
         # A mistake of the config as a whole found when the strategy sets the model up, named by the config's key.
-        return f"{_WHOLE_CONFIG_KEY}: {err}" if str(err).startswith(_WHOLE_CONFIG) else str(err)
+        if str(err).startswith(_WHOLE_CONFIG):
+            return f"{_WHOLE_CONFIG_KEY}: {err}"
+        return _FIELD_FIRST.sub(_keyed_field, str(err), count=1)
     package_message = package_message_in(str(err))
     if package_message is not None:
         return package_message
