@@ -288,7 +288,7 @@ def configuration_error(err: Exception) -> str | None:
     Example::
 
         >>> configuration_error(CheckpointingConfigError("`every_n` must be positive"))
-        '`every_n` must be positive'
+        '`trainer.strategy.checkpointing.every_n` must be positive'
         >>> configuration_error(ValueError("dropout probability has to be between 0 and 1")) is None
         True
     """
