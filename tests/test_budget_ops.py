@@ -335,12 +335,7 @@ class InPlaceBlock(nn.Module):
 
 @pytest.mark.parametrize("fraction", [0.5, 0.8, 0.95, 0.98])
 def test_an_op_output_written_in_place_later_is_never_kept_and_the_plan_trains_exactly(fraction: float) -> None:
-    torch.manual_seed(0)
-    model = Stack([InPlaceBlock(), InPlaceBlock()], dim=DIM)
-    twin = copy.deepcopy(model)
-    config = CheckpointingConfig(classes=["InPlaceBlock"], memory_budget=fraction, budget_granularity="op")
-    plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
-    plan.apply(model)
+    model, twin, plan = _planned_with_twin(InPlaceBlock, fraction)
     for name, calls in plan.saved_ops.items():
         ops = [op for _, op in calls]
         assert "aten.empty_like.default" not in ops, name
@@ -348,12 +343,7 @@ def test_an_op_output_written_in_place_later_is_never_kept_and_the_plan_trains_e
         first_addmm = next(call for call in plan_op_calls(plan, name) if call.op == "aten.addmm.default")
         assert first_addmm.index not in [index for index, _ in calls], name
     for step in range(2):
-        for net in (model, twin):
-            net.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            _closure(net)
-        for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
-            assert torch.equal(ours.grad, theirs.grad), name
+        _assert_same_gradients(model, twin, seed=step)
 
 
 class NoisyBlock(nn.Module):
@@ -371,18 +361,30 @@ class NoisyBlock(nn.Module):
 
 @pytest.mark.parametrize("budget", [0.3, 0.6, 0.9])
 def test_a_random_ops_output_is_never_kept_and_the_plan_trains_exactly(budget: float) -> None:
-    torch.manual_seed(0)
-    model = Stack([NoisyBlock(), NoisyBlock()], dim=DIM)
-    twin = copy.deepcopy(model)
-    config = CheckpointingConfig(classes=["NoisyBlock"], memory_budget=budget, budget_granularity="op")
-    plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
-    plan.apply(model)
+    model, twin, plan = _planned_with_twin(NoisyBlock, budget)
     random = {"aten.randn_like.default", "aten.native_dropout.default", "aten.bernoulli_.float"}
     for name in plan.saved_ops:
         assert all(call.bytes == 0 for call in plan_op_calls(plan, name) if call.op in random), name
+    _assert_same_gradients(model, twin, seed=1)
+
+
+def _planned_with_twin(block: type[nn.Module], budget: float) -> tuple[nn.Module, nn.Module, CheckpointingPlan]:
+    """A seeded stack of two ``block`` s under an op-granularity plan for ``budget``, its plain twin and the plan."""
+    torch.manual_seed(0)
+    model = Stack([block(), block()], dim=DIM)
+    twin = copy.deepcopy(model)
+    config = CheckpointingConfig(classes=[block.__name__], memory_budget=budget, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: _closure(model))
+    plan.apply(model)
+    return model, twin, plan
+
+
+def _assert_same_gradients(model: nn.Module, twin: nn.Module, *, seed: int) -> None:
+    """One closure of ``model`` and of its plain ``twin`` from the same seed gives them the same gradients, bit for
+    bit."""
     for net in (model, twin):
         net.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
+        torch.manual_seed(seed)
         _closure(net)
     for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(ours.grad, theirs.grad), name

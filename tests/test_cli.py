@@ -649,19 +649,29 @@ def test_a_misspelt_class_path_is_one_line_with_the_path_it_meant(
     assert line.endswith(f"). Did you mean {meant!r}? Its bare class name, {bare!r}, matches it too.")
 
 
-def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = tmp_path / "misspelt.yaml"
+_SINGLE_DEVICE = (
+    "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+    "    init_args:\n      checkpointing:\n"
+)
+
+
+def _yaml_error_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], trainer_tail: str) -> list[str]:
+    """The lines from the first ``error:`` on of `CheckpointingCLI` given one YAML file: a one-step Trainer whose
+    entries end with ``trainer_tail`` (indented under ``trainer:``), and the `StackModule`."""
+    config = tmp_path / "run.yaml"
     config.write_text(
         f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
-        "    init_args:\n      checkpointing:\n        classes: [DropoutBlok]\n"
-        "model:\n  class_path: tests.helpers.StackModule\n"
+        f"{trainer_tail}model:\n  class_path: tests.helpers.StackModule\n"
     )
     with pytest.raises(SystemExit, match=r"^2$"):
         CheckpointingCLI(args=["fit", "--config", str(config)])
-    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    return _error_lines(capsys.readouterr().err)
+
+
+def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (line,) = _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + "        classes: [DropoutBlok]\n")
     assert line.startswith(
         "error: `trainer.strategy.checkpointing`: `CheckpointingConfig` matches no module of StackModule:"
         " classes=['DropoutBlok']"
@@ -672,16 +682,7 @@ def test_a_misspelt_class_is_one_line_with_the_class_it_meant(
 def test_a_single_class_where_a_list_is_expected_is_one_line_with_the_yaml_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "single.yaml"
-    config.write_text(
-        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
-        "    init_args:\n      checkpointing:\n        classes: DropoutBlock\n"
-        "model:\n  class_path: tests.helpers.StackModule\n"
-    )
-    with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config)])
-    assert _error_lines(capsys.readouterr().err) == [
+    assert _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + "        classes: DropoutBlock\n") == [
         "error: `trainer.strategy.checkpointing.classes` must be a list, got DropoutBlock; write [DropoutBlock]."
     ]
 
@@ -689,16 +690,7 @@ def test_a_single_class_where_a_list_is_expected_is_one_line_with_the_yaml_fix(
 def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "option.yaml"
-    config.write_text(
-        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
-        "    init_args:\n      checkpointing:\n        clases: [DropoutBlock]\n"
-        "model:\n  class_path: tests.helpers.StackModule\n"
-    )
-    with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config)])
-    assert _error_lines(capsys.readouterr().err) == [
+    assert _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + "        clases: [DropoutBlock]\n") == [
         "error: `trainer.strategy.checkpointing`: Option 'clases' is not accepted; did you mean `classes`?"
     ]
 
@@ -707,12 +699,12 @@ def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
     ("where", "expected"),
     [
         (
-            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n        every_n_steps: 5\n",
+            "        classes: [DropoutBlock]\n        every_n_steps: 5\n",
             "error: `trainer.strategy.checkpointing`: Option 'every_n_steps' is not accepted; `every_n_steps` is an"
             " argument of `RecomputationMonitor`: put it under the monitor's `init_args` in `trainer.callbacks`",
         ),
         (
-            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n"
+            "        classes: [DropoutBlock]\n"
             "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
             "      init_args:\n        every_n: 2\n",
             "error: `trainer.callbacks`: Option 'every_n' is not accepted; `every_n` is a field of"
@@ -725,15 +717,7 @@ def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, expected: str
 ) -> None:
     # The close names on the other side (`every_n` and `every_n_steps`) mean something else: no "did you mean".
-    config = tmp_path / "misplaced.yaml"
-    config.write_text(
-        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
-        f"{where}model:\n  class_path: tests.helpers.StackModule\n"
-    )
-    with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config)])
-    assert _error_lines(capsys.readouterr().err) == [expected]
+    assert _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + where) == [expected]
 
 
 @pytest.mark.parametrize(
@@ -747,8 +731,7 @@ def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
             " `lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`, with the arguments under `init_args:`.",
         ),
         (
-            "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
-            "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n"
+            _SINGLE_DEVICE + "        classes: [DropoutBlock]\n"
             "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
             "      init_args:\n        - 2\n",
             "error: `trainer.callbacks`: the `init_args` of `lightning_ckpt_determinism.RecomputationMonitor` are a"
@@ -760,27 +743,12 @@ def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
 def test_a_class_written_in_the_wrong_form_is_one_line_with_the_form_to_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str, expected: str
 ) -> None:
-    config = tmp_path / "form.yaml"
-    config.write_text(
-        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        f"{strategy}model:\n  class_path: tests.helpers.StackModule\n"
-    )
-    with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config)])
-    assert _error_lines(capsys.readouterr().err) == [expected]
+    assert _yaml_error_lines(tmp_path, capsys, strategy) == [expected]
 
 
 def test_a_field_refused_when_the_strategy_sets_the_model_up_is_named_by_its_full_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = tmp_path / "every.yaml"
-    config.write_text(
-        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        "  strategy:\n    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
-        "    init_args:\n      checkpointing:\n        classes: [DropoutBlock]\n        every_n: 5\n"
-        "model:\n  class_path: tests.helpers.StackModule\n"
-    )
-    with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config)])
-    (line,) = _error_lines(capsys.readouterr().err)
+    tail = _SINGLE_DEVICE + "        classes: [DropoutBlock]\n        every_n: 5\n"
+    (line,) = _yaml_error_lines(tmp_path, capsys, tail)
     assert line.startswith("error: `trainer.strategy.checkpointing.every_n`=5 selects none of the 3 matched modules")
