@@ -192,6 +192,38 @@ def test_a_finding_at_the_fits_last_step_promises_no_check_after_it(tmp_path: Pa
     assert said[0].endswith(ended)
 
 
+class _StopAfter(pl.Callback):
+    """Stops the fit after the training batch of global step ``step``, as `EarlyStopping` does after a validation."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.should_stop = trainer.global_step > self.step
+
+
+def test_a_fit_stopped_before_the_check_a_finding_promised_says_so_at_its_end(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    callbacks = [monitor, _StopAfter(step=2)]
+    kwargs = trainer_kwargs(
+        tmp_path, max_steps=8, strategy=strategy, callbacks=callbacks, logger=CSVLogger(tmp_path), log_every_n_steps=1
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer = pl.Trainer(**kwargs)
+        trainer.fit(armed_module(step=2))
+    said = [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]
+    assert trainer.global_step == 3
+    assert any("at step 2" in line and "Step 3 is checked in full" in line for line in said), said
+    assert [entry.step for entry in monitor.history] == [0]  # step 3's check never ran
+    assert (
+        "lightning_ckpt_determinism: the fit ended before step 3, whose check was to name the cause of the"
+        " sentinel's finding: run the audit on this config to name it." in said
+    )
+
+
 def test_a_region_that_differed_once_reads_clean_again_in_callback_metrics(tmp_path: Path) -> None:
     # Lightning keeps a metric's last value: the region's count goes back to 0 there once its periods are clean; the
     # loggers keep the point of the step that differed.

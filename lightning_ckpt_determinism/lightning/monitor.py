@@ -490,6 +490,13 @@ class RecomputationMonitor(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
         self._respond(trainer, self._watch.read(trainer), last=True)
+        if self._schedule.follow_up is not None:
+            # Stopped early (`EarlyStopping`, `should_stop`) after a finding promised the next step's full check.
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: the fit ended before step {self._schedule.follow_up}, whose check was"
+                " to name the cause of the sentinel's finding: run the audit on this config to name it.",
+                category=LightningCkptDeterminismWarning,
+            )
         if trainer.loggers:
             # Lightning takes no `self.log` here: what is left goes to the loggers only.
             self._publish(trainer, None, self._watch.metrics(last=True))
