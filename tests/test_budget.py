@@ -219,6 +219,23 @@ def test_an_int_budget_that_reads_like_a_percentage_says_how_to_write_one(granul
     assert halved.budget_bytes == sum(entry.plain_bytes for entry in halved.candidates) // 2
 
 
+def test_an_int_budget_of_one_says_how_to_write_everything() -> None:
+    model = _mixed()
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        plan = plan_activation_checkpointing(
+            model, CheckpointingConfig(**CONFIG, memory_budget=1), lambda: _closure(model)
+        )
+    (message,) = [str(warning.message) for warning in caught]
+    assert message.startswith("lightning_ckpt_determinism: `memory_budget` of 1 bytes (")
+    assert message.endswith(" An int is bytes: for all of what they keep plainly, write 1.0 or '100%'.")
+    assert plan.budget_bytes == 1
+    # What it likely meant keeps every module plain.
+    meant = plan_activation_checkpointing(
+        model, CheckpointingConfig(**CONFIG, memory_budget=1.0), lambda: _closure(model)
+    )
+    assert meant.checkpointed == []
+
+
 def test_a_candidate_that_did_not_run_stays_checkpointed() -> None:
     model = _mixed()
     skipped = model.blocks[2]

@@ -385,7 +385,10 @@ def _share(costs: Sequence[int], figures: Sequence[RegionFigures], chosen: set[s
 
 
 def _percent_hint(budget: object) -> str:
-    """For an int budget that reads like a percentage (2 to 100 bytes), how to write the percentage it likely meant."""
+    """For an int budget that reads like a fraction or a percentage (1 to 100 bytes), how to write what it likely
+    meant (``1`` written for ``1.0``, everything kept plainly)."""
+    if budget == 1 and isinstance(budget, int):
+        return " An int is bytes: for all of what they keep plainly, write 1.0 or '100%'."
     if isinstance(budget, int) and 1 < budget <= 100:
         return f" An int is bytes: for {budget} % of what they keep plainly, write '{budget}%' or {budget / 100}."
     return ""
