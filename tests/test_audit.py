@@ -277,7 +277,11 @@ CHECKPOINTING = (
             r" \{classes: \[Block\]\}\}`\n$",
         ),
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
-        ("selects_nothing", r"error: `CheckpointingConfig` matches no module of BrokenModule"),
+        # Named by the config's key, as `CheckpointingCLI` names it.
+        (
+            "selects_nothing",
+            r"error: `trainer\.strategy\.checkpointing`: `CheckpointingConfig` matches no module of BrokenModule",
+        ),
         ("bad_json_path", r"error: `--json` '.*no_dir/out\.json' cannot be written"),
         # One line, not argparse's usage block first.
         (
@@ -289,6 +293,10 @@ CHECKPOINTING = (
         (
             "every_n_zero",
             r"cannot be loaded: `trainer\.strategy\.checkpointing\.every_n` must be an integer >= 1, got 0\.$",
+        ),
+        (
+            "auto_budget_on_cpu",
+            r"error: `trainer\.strategy\.checkpointing\.memory_budget`='auto' needs a CUDA device, the model is on cpu",
         ),
         ("no_command", r"the following arguments are required: command"),
         # An argument that is neither an audit option nor a dotted override is the command line's, not the YAML's.
@@ -343,6 +351,12 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         "bad_json_path": ["audit", "--config", broken, "--json", str(tmp_path / "no_dir" / "out.json")],
         "zero_batches": ["audit", "--config", broken, "--batches", "0"],
         "every_n_zero": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.every_n=0"],
+        "auto_budget_on_cpu": [
+            "audit",
+            "--config",
+            broken,
+            "--trainer.strategy.init_args.checkpointing.memory_budget=auto",
+        ],
         "no_command": [],
         "misspelt_option": ["audit", "--config", broken, "--batch", "2"],
         "flat_monitor": ["audit", "--config", str(_flat_monitor(Path(broken), tmp_path))],

@@ -62,6 +62,7 @@ from lightning_ckpt_determinism.checkpointing.budget_plan import (
     plan_from_figures,
 )
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.lightning.cli import configuration_error
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
     logging_suppressed,
@@ -109,9 +110,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _importable_from(os.getcwd()):
             return _audit(args)
-    except (UsageError, CheckpointingConfigError) as err:
+    except CheckpointingConfigError as err:
+        print(f"{PROGRAM} audit: error: {_keyed(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as err:
         print(f"{PROGRAM} audit: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _keyed(err: CheckpointingConfigError) -> str:
+    """``err`` naming the config's key, as `fit` names it (``trainer.strategy.checkpointing.every_n``)."""
+    return configuration_error(err) or str(err)
 
 
 @contextlib.contextmanager
@@ -191,6 +200,8 @@ def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
     model = cast(pl.LightningModule, strategy.precision_plugin.convert_module(model)).to(strategy.root_device)
     try:
         strategy.apply_checkpointing(strategy.select_for_checkpointing(model), model)
+    except CheckpointingConfigError as err:
+        raise UsageError(_keyed(err)) from err
     except ValueError as err:
         raise UsageError(str(err)) from err
     model.train()
@@ -203,7 +214,7 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
     try:
         check_plannable(strategy.checkpointing, strategy.root_device)
     except CheckpointingConfigError as err:
-        raise UsageError(str(err)) from err
+        raise UsageError(_keyed(err)) from err
     for batch_idx, batch in enumerate(loader):
         batch = model.transfer_batch_to_device(batch, strategy.root_device, 0)
 
@@ -217,7 +228,7 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
         except SkippedStep:
             continue
         except CheckpointingConfigError as err:
-            raise UsageError(str(err)) from err
+            raise UsageError(_keyed(err)) from err
     raise UsageError("the training data gave no batch whose `training_step` returned a loss to plan the budget on")
 
 
