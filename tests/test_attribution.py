@@ -493,6 +493,19 @@ def test_a_defect_under_a_gradient_penalty_is_named_once_on_its_region():
     assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.bernoulli_.float"
 
 
+def test_host_rng_under_a_gradient_penalty_is_its_regions_cause_not_outside_state():
+    # The penalty's backward recomputes the region before the loss is computed: the loss differs through
+    # recomputation itself, which says nothing of state outside the regions.
+    model = stack_with(NumpyNoiseBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    np.random.seed(0)
+    report = check_recomputation(model, penalised_loss(model), attribution=True)
+    assert report.diverged and report.grad_divergence > 0
+    assert report.cause is None  # the step's cause is its region's
+    region = only_finding(report)
+    assert (region.name, region.diverged, region.cause) == ("blocks.1", True, "host_rng")
+
+
 @pytest.mark.parametrize("position", [0, 2])
 def test_an_input_modified_in_place_after_the_forward_is_a_recompute_error_of_its_region(position):
     _, report = attributed(InPlaceReluBlock, position=position)

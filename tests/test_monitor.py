@@ -379,6 +379,23 @@ def test_a_gradient_penalty_trains_with_the_monitor_and_logs_zero(tmp_path, bloc
     )
 
 
+def test_host_rng_under_a_gradient_penalty_is_named_on_its_regions_not_as_outside_state(tmp_path):
+    # The penalty's backward recomputes every region inside `training_step`, before the loss: the live loss differs
+    # from the reference's through recomputation itself, so it is no sign of state outside the regions.
+    monitor = RecomputationMonitor(every_n_steps=1)
+    module = GradientPenaltyModule(block="NumpyNoiseBlock")
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        fit(tmp_path, module=module, monitor=monitor, block="NumpyNoiseBlock", max_steps=2)
+    said = [str(warning.message) for warning in caught if "recomputation diverged at step" in str(warning.message)]
+    assert len(said) == 2  # each step checked
+    assert all("cause host_rng" in line and "Recomputation is not the cause" not in line for line in said)
+    report = monitor.last_report
+    assert report is not None and report.diverged and report.cause is None
+    assert {(region.name, region.cause) for region in report.regions if region.diverged} == {
+        (f"model.blocks.{index}", "host_rng") for index in range(3)
+    }
+
+
 @pytest.mark.parametrize(
     ("block", "config"), [("DropoutBlock", {"preserve_rng_state": False}), ("NumpyNoiseBlock", {})]
 )

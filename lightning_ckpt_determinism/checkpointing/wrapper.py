@@ -93,6 +93,7 @@ __all__ = [
     "keep_op_calls",
     "observing",
     "observing_saved_tensors",
+    "recomputations",
     "remove_activation_checkpointing",
     "routes",
     "run_plainly",
@@ -315,6 +316,8 @@ class CheckpointedForward:
         self.kept_calls: dict[int, str] = {}
         # Whether a call ran another op than the plan says at a kept position (said once per region).
         self.said_mismatch = False
+        # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
+        self.recomputations = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -689,6 +692,7 @@ class _EagerCall:
         if self.contexts is not None:
             entered = self.contexts[0] if forward else self.contexts[1]
         if not forward:
+            wrapper.recomputations += 1
             recomputing(observed=self.observed)
             modes = TrainingModes(wrapper._region_modules, None if self.key is None else self.key[0])
             with entered, wrapper._saved_recompute(), self.attributes.replay(), modes:
@@ -813,6 +817,25 @@ def routes(module: nn.Module) -> bool | None:
     """
     wrapper = module.__dict__.get("forward")
     return wrapper.data_dependent if isinstance(wrapper, CheckpointedForward) else None
+
+
+def recomputations(module: nn.Module) -> int:
+    """How many eager recomputations the checkpointed regions in ``module`` have run so far: a check compares the
+    count before and after a forward to know whether a backward inside it (a gradient penalty) recomputed a region.
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> recomputations(model)
+        1
+    """
+    return sum(vars(sub)["forward"].recomputations for sub in checkpointed_modules(module).values())
 
 
 def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:

@@ -156,6 +156,7 @@ class StepCheck:
             calibrate_noise=settings.calibrate_noise,
             skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
             live_loss=capture.loss,
+            recomputed_in_forward=capture.recomputed_in_forward,
             exclude_attributes=settings.exclude_attributes,
             internal_attributes=settings.internals,
             written_parameters=capture.written_parameters,

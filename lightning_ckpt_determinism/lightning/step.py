@@ -12,6 +12,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
+from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
@@ -216,6 +217,8 @@ class StepCapture:
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.loss = float("nan")
+        # Whether `training_step` recomputed a region before it returned the loss (a gradient penalty).
+        self.recomputed_in_forward = False
 
     @property
     def captured(self) -> bool:
@@ -278,7 +281,9 @@ class StepCapture:
             self.failure = err
         else:
             self._state = state
+        before = recomputations(self.pl_module)
         output = real(*args, **kwargs)
+        self.recomputed_in_forward = recomputations(self.pl_module) > before
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.loss = float(loss.detach())

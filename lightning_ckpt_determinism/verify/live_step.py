@@ -186,6 +186,7 @@ def check_live_step(
     calibrate_noise: bool = False,
     skip_non_finite: bool = False,
     live_loss: float = float("nan"),
+    recomputed_in_forward: bool = False,
     exclude_attributes: Iterable[str] = (),
     internal_attributes: Iterable[str] = (),
     written_parameters: Iterable[str] | None = None,
@@ -204,7 +205,8 @@ def check_live_step(
     checkpointed regions are compared alike (``"attribute_mutation"``, ``attribute_mutations``): recomputation that
     repeats a forward's side effect (a list appended to) shows there. Gradients that diverge after a reference whose
     loss already differs from ``live_loss`` are cause ``"outside_state"``: the forward differed before anything was
-    recomputed (with ``calibrate_noise``, only when both reference passes agree on the loss).
+    recomputed (with ``calibrate_noise``, only when both reference passes agree on the loss; never where the live
+    step recomputed a region before its loss, ``recomputed_in_forward``).
 
     Args:
         module: The model: the state after the step is captured from it.
@@ -222,6 +224,8 @@ def check_live_step(
         skip_non_finite: Return ``None`` when the live gradients hold inf or NaN on any rank (a GradScaler skips
             that step).
         live_loss: The live step's loss, reported as ``checkpointed_loss``.
+        recomputed_in_forward: The live step recomputed a region before its loss was computed (a gradient penalty):
+            a loss that differs is then no sign of ``"outside_state"``.
         exclude_attributes: Attribute names never compared on any module (they are still put back), as in
             :func:`~lightning_ckpt_determinism.check_recomputation`: values that legitimately differ.
         internal_attributes: Attribute names the state after the step never captures nor restores (a framework's
@@ -303,6 +307,7 @@ def check_live_step(
         ),
         reference_loss=reference_loss,
         checkpointed_loss=live_loss,
+        recomputed_in_forward=recomputed_in_forward,
         calibration=calibration,
         not_restored=not_restored,
         # The counts are the most over ranks; the names this rank's own.

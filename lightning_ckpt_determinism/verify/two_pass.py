@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism.checkpointing.modules import region_name
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, recomputations
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
@@ -264,6 +264,7 @@ def _compare(
         gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
         checkpointed_loss=checkpointed.loss,
+        recomputed_in_forward=checkpointed.recomputed_in_forward,
         calibration=calibration,
         not_restored=not_restored,
         regions=regions,
@@ -300,11 +301,13 @@ def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list
 
 @dataclass(frozen=True)
 class _Outcome:
-    """What one checkpointed pass gave: its loss and gradients, or the error it raised (``nan`` and ``None``)."""
+    """What one checkpointed pass gave: its loss and gradients, or the error it raised (``nan`` and ``None``), and
+    whether it recomputed a region before its loss was computed."""
 
     loss: float
     gradients: _Gradients | None
     error: Exception | None
+    recomputed_in_forward: bool = False
 
 
 @dataclass(frozen=True)
@@ -367,9 +370,22 @@ class _Passes:
         self._exclude = exclude_attributes
         self._after_reference: StepState | None = None
         self.compiled = is_compiled(module)
-        self._take = partial(_gradients, closure, params, use_backward=use_backward)
+        self._take = partial(_gradients, self._counted(closure), params, use_backward=use_backward)
         self._agreed = agree if agree is not None else bool
         self._ran = False
+        # Whether the last pass recomputed a region before its closure returned the loss (a gradient penalty).
+        self._recomputed_in_forward = False
+
+    def _counted(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """``closure``, noting whether it recomputed a region before it returned."""
+
+        def counted() -> torch.Tensor:
+            before = recomputations(self.module)
+            loss = closure()
+            self._recomputed_in_forward = recomputations(self.module) > before
+            return loss
+
+        return counted
 
     def reference(self) -> tuple[float, _Gradients]:
         """A reference pass: checkpointing off, the compiler's own recomputation off too."""
@@ -406,7 +422,9 @@ class _Passes:
             error = err
         if observer is not None:
             observer.finish(error)
-        return _Outcome(math.nan, None, error) if error is not None else _Outcome(loss, grads, None)
+        if error is not None:
+            return _Outcome(math.nan, None, error, self._recomputed_in_forward)
+        return _Outcome(loss, grads, None, self._recomputed_in_forward)
 
     def diverges_eagerly(self, observer: Attribution, tolerance: float, noise_floor: float) -> bool:
         """The same step, both passes, rerun eagerly with ``observer``: whether it diverges too."""
