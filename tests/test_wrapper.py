@@ -792,3 +792,32 @@ def test_save_ops_alone_gives_torch_its_own_pair_of_dispatch_modes(checkpoint_ca
     forward, recompute = checkpoint_calls[1]["context_fn"]()
     assert isinstance(forward, TorchDispatchMode)
     assert isinstance(recompute, TorchDispatchMode)
+
+
+class LazyDropoutBlock(nn.Module):
+    """A lazy linear layer, then dropout: its initialisation draws from torch's RNG before the dropout mask, in the
+    forward only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.drop = nn.LazyLinear(8), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.tanh(self.inp(x)))
+
+
+def test_a_call_that_initialises_lazy_modules_runs_plainly_and_trains_as_the_twin():
+    torch.manual_seed(0)
+    model = nn.Sequential(LazyDropoutBlock(), nn.Linear(8, 1))
+    twin = copy.deepcopy(model)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["LazyDropoutBlock"]))
+    x = torch.randn(4, 6)
+    for step in range(3):
+        for net in (model, twin):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            net(x).sum().backward()
+        for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad), (step, name)
+        # The initialising call ran plainly; each later one is checkpointed and recomputed once.
+        assert wrapping_module.recomputations(model) == step

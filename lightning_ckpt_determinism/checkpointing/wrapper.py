@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ckpt_determinism._torch_compat import (
@@ -287,6 +288,9 @@ class CheckpointedForward:
         self.profile: RegionProfile | None = None
         # The region's modules, whose modes and attributes key its profiles.
         self._region_modules = tuple(module.modules())
+        # Its lazy modules not initialised yet: their initialisation draws from torch's RNG in the forward alone, so
+        # a call that initialises them runs plainly (a recomputation would draw what follows from other numbers).
+        self._lazy = tuple(sub for sub in self._region_modules if isinstance(sub, LazyModuleMixin))
         # Where its `nn.RReLU` modules are among them: one in training mode fills its noise after saving it.
         self._rrelu = tuple(at for at, sub in enumerate(self._region_modules) if isinstance(sub, nn.RReLU))
         # Profiles by key and path, and each key's path at its last call (expected next).
@@ -346,7 +350,7 @@ class CheckpointedForward:
             # Also with checkpointing off, so that a check's reference pass runs the same forward; in eval mode too,
             # where a region with grad enabled is checkpointed all the same.
             args, kwargs = self._cache_parameters.without_cache(args, kwargs)
-        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
+        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled() or self._initialises():
             return self.plain_forward(*args, **kwargs)
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values()) if kwargs else args
@@ -355,6 +359,13 @@ class CheckpointedForward:
             context_fn = self.plan.compiled_context(next(self.module.buffers(), None) is not None)
             return self._checkpoint(self._traced_run(len(args), tuple(kwargs)), inputs, context_fn)
         return self._eager_call(inputs, len(args), tuple(kwargs))
+
+    def _initialises(self) -> bool:
+        """Whether this call initialises lazy modules of the region (each becomes its plain class once it has)."""
+        if not self._lazy:
+            return False
+        self._lazy = tuple(sub for sub in self._lazy if isinstance(sub, LazyModuleMixin))
+        return any(sub.has_uninitialized_params() for sub in self._lazy)  # type: ignore[operator]
 
     def _traced_run(self, num_positional: int, keys: tuple[str, ...]) -> Callable[..., Any]:
         """The function a traced call checkpoints. A region dynamo cannot trace (it graph-breaks inside) has torch run
