@@ -299,3 +299,31 @@ def test_extra_passes_of_attribution_follow_the_agreed_decision():
     report = check_recomputation(model, closure, attribution=True, agree=lambda decision: True)
     assert (alone, len(passes)) == (2, 3)
     assert report.grad_divergence == 0.0 and not report.diverged
+
+
+class ReentrantInside(nn.Module):
+    """Runs its linear layer through torch's reentrant checkpoint, as transformers' own checkpointing can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.linear, x, use_reentrant=True)
+
+
+def test_reentrant_checkpointing_elsewhere_is_one_line_naming_gradients_backward():
+    torch.manual_seed(0)
+    # The gradients of the first layer come through the reentrant checkpoint's backward.
+    model = nn.Sequential(nn.Linear(4, 4), ReentrantInside(), nn.Linear(4, 4), nn.Tanh())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["2"]))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(
+        ValueError,
+        match=r"^lightning_ckpt_determinism: the model runs reentrant checkpointing .*"
+        r'call `check_recomputation\(\.\.\., gradients="backward"\)`, or switch it to',
+    ):
+        check_recomputation(model, lambda: model(x).sum())
+    # What the line says to do checks it.
+    report = check_recomputation(model, lambda: model(x).sum(), gradients="backward")
+    assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)

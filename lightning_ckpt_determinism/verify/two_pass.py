@@ -492,6 +492,22 @@ def _same(first: _Gradients | None, second: _Gradients | None) -> bool:
     return first is not None and second is not None and gradient_divergence(first, second)[0] == 0.0
 
 
+def _autograd_gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> _Gradients:
+    """``torch.autograd.grad`` of ``loss`` for ``params``; torch's refusal under reentrant checkpointing as one line
+    with the fix."""
+    try:
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+        raise ValueError(
+            "lightning_ckpt_determinism: the model runs reentrant checkpointing (`use_reentrant=True`; transformers'"
+            " `gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True})`, for instance),"
+            " whose gradients `torch.autograd.grad` cannot take: call `check_recomputation(...,"
+            " gradients=\"backward\")`, or switch it to `use_reentrant=False`."
+        ) from err
+
+
 def _gradients(
     closure: Callable[[], torch.Tensor],
     params: list[nn.Parameter],
@@ -513,7 +529,7 @@ def _gradients(
                 " parameters with grad enabled."
             )
         if not use_backward:
-            return float(loss.detach()), list(torch.autograd.grad(loss, params, allow_unused=True))
+            return float(loss.detach()), _autograd_gradients(loss, params)
         try:
             loss.backward()
         finally:
