@@ -350,7 +350,7 @@ class CheckpointedForward:
             # Also with checkpointing off, so that a check's reference pass runs the same forward; in eval mode too,
             # where a region with grad enabled is checkpointed all the same.
             args, kwargs = self._cache_parameters.without_cache(args, kwargs)
-        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled() or self._initialises():
+        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled() or (self._lazy and self._initialises()):
             return self.plain_forward(*args, **kwargs)
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values()) if kwargs else args
@@ -362,8 +362,6 @@ class CheckpointedForward:
 
     def _initialises(self) -> bool:
         """Whether this call initialises lazy modules of the region (each becomes its plain class once it has)."""
-        if not self._lazy:
-            return False
         self._lazy = tuple(sub for sub in self._lazy if isinstance(sub, LazyModuleMixin))
         return any(sub.has_uninitialized_params() for sub in self._lazy)  # type: ignore[operator]
 
