@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt_determinism.verify.cause import Cause
+from lightning_ckpt_determinism.verify.compare import worst_parameters
 from lightning_ckpt_determinism.verify.core import gradients_diverge
 from lightning_ckpt_determinism.verify.outcome import diverging, region_outcome, report_diverged
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
@@ -156,9 +157,9 @@ def divergence_message(
     for finding in errors[:1]:
         where = f" on rank {finding.rank}" if several else ""
         parts.append(f"Recomputation failed{where}: {(finding.error or '').rstrip('.')}.")
-    if report.worst_parameters and not errors:
-        worst = ", ".join(f"{name} ({diff:.3g})" for name, diff in report.worst_parameters)
-        parts.append(f"The worst parameters: {worst}.")
+    worst = _worst_parameters_over_ranks(findings.ranks) if findings.ranks else report.worst_parameters
+    if worst and not errors:
+        parts.append(f"The worst parameters: {', '.join(f'{name} ({diff:.3g})' for name, diff in worst)}.")
     sentences: dict[str, list[int]] = {}
     for finding in findings.ranks:
         for region in finding.regions[:_NAMED_REGIONS]:
@@ -184,6 +185,17 @@ def divergence_message(
     elif attribution == "never":
         parts.append("Set `attribution` to be told which region and op.")
     return " ".join([*parts, _GENERIC_CAUSES])
+
+
+def _worst_parameters_over_ranks(ranks: list[RankFindings]) -> list[tuple[str, float]]:
+    """The worst parameters of every rank's findings, each by its largest difference on any rank: a two-pass check
+    compares each rank's own gradients, so a rank alone may hold the worst (the live check's figures are reduced
+    already, the same on every rank)."""
+    largest: dict[str, float] = {}
+    for finding in ranks:
+        for name, diff in finding.worst_parameters:
+            largest[name] = max(diff, largest.get(name, diff))
+    return worst_parameters(largest)
 
 
 def _headline(step: int, findings: Findings, tolerance: float) -> str:

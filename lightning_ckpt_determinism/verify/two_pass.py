@@ -504,7 +504,7 @@ def _autograd_gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> _Grad
             "lightning_ckpt_determinism: the model runs reentrant checkpointing (`use_reentrant=True`; transformers'"
             " `gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True})`, for instance),"
             " whose gradients `torch.autograd.grad` cannot take: call `check_recomputation(...,"
-            " gradients=\"backward\")`, or switch it to `use_reentrant=False`."
+            ' gradients="backward")`, or switch it to `use_reentrant=False`.'
         ) from err
 
 
