@@ -145,6 +145,30 @@ class TensorAttribute(Outside):
         return 1.0 + 0.1 * self.calls
 
 
+class ContainedTensors(Outside):
+    """Counts its calls in a tensor inside a dict and in a tensor and a NumPy array inside a list, each updated in
+    place (running sums kept for logging)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = {"calls": torch.zeros(())}
+        self.history = [torch.zeros(2), np.zeros(1)]
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats["calls"].add_(1.0)
+        self.history[0].add_(1.0)
+        self.history[1] += 1
+        return 1.0 + 0.1 * self.stats["calls"] + 0.01 * self.history[0].sum() * float(self.history[1][0])
+
+
+class FrozenByTurns(Outside):
+    """Freezes and unfreezes its head at every other call (`requires_grad_`)."""
+
+    def scale(self, x: torch.Tensor) -> float:
+        self.head.requires_grad_(not self.head.weight.requires_grad)
+        return 1.0
+
+
 class NanStatistic(nn.Module):
     """A region that keeps diagnostics as attributes, NaN at every pass: the mean of activations above 100 (there are
     none) as a float, and as a NumPy array made afresh."""
@@ -178,6 +202,8 @@ CASES = {
     "a parameter decayed inside a region": Case(lambda: Outside(Clamped(decay=True)), like_plain=False),
     "a generator created lazily": Case(LazyGenerator),
     "a tensor attribute": Case(TensorAttribute),
+    "tensors and an array inside containers": Case(ContainedTensors),
+    "a head frozen by turns": Case(FrozenByTurns),
     # NaN is not `==` to itself: a NaN set again by recomputation is the same value, not a mutation.
     "a NaN statistic kept as an attribute": Case(lambda: Outside(NanStatistic())),
 }
@@ -192,6 +218,9 @@ def held_state(model: nn.Module) -> list[object]:
         getattr(model, "hist", np.zeros(0)).tolist(),
         None if noise is None else noise.get_state().tolist(),
         float(getattr(model, "calls", torch.zeros(()))),
+        [float(value) for value in getattr(model, "stats", {}).values()],
+        [value.tolist() for value in getattr(model, "history", [])],
+        [param.requires_grad for param in model.parameters()],
     ]
 
 

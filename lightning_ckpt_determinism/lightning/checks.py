@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
+from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
 from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
@@ -90,6 +91,16 @@ class StepCheck:
             plain: The regions the reference runs plainly (``None``: all of them).
             gradients_before: What the gradient holders held before the live backward.
         """
+        # A step that set a learning rate or stepped a scheduler has it so again after the check's reruns.
+        after_step = OptimizerSettings(self.trainer)
+        try:
+            return self._run(plain, gradients_before)
+        finally:
+            after_step.restore()
+
+    def _run(
+        self, plain: list[tuple[str, nn.Module]] | None, gradients_before: list[torch.Tensor | None] | None
+    ) -> RecomputationReport | None:
         settings = self.settings
         two_pass = self.support.two_pass_unavailable() is None
         if two_pass and (
@@ -135,6 +146,7 @@ class StepCheck:
 
             def reference() -> float:
                 start_over()
+                capture.restore_optimizer_settings()
                 return live_reference_pass()
 
             return self._compare_live(reference, gradients_before)
@@ -178,6 +190,7 @@ class StepCheck:
 
         def closure() -> torch.Tensor:
             args, kwargs = capture.arguments()
+            capture.restore_optimizer_settings()
             if loss_fn is not None:
                 return loss_fn(pl_module, args[0], capture.batch_idx)
             return self.support.two_pass_loss(pl_module, *args, **kwargs)

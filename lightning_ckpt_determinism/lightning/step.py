@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
+from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -208,6 +209,8 @@ class StepCapture:
         self._wrapper = wrapper
         # The data of DDP's communication hook states as the step started, where it has any (see `CommHookStates`).
         self.comm_hooks: CommHookStates | None = None
+        # The optimizers' hyperparameters and the schedulers' states as the step started.
+        self._optimizer_settings: OptimizerSettings | None = None
         self.batch_idx = batch_idx
         self._internal = internal_attributes
         self.written_parameters = written_parameters
@@ -265,6 +268,12 @@ class StepCapture:
         """The parameters of lazy modules the step initialised (:meth:`StepState.initialised_parameters`)."""
         return self.state.initialised_parameters()
 
+    def restore_optimizer_settings(self) -> None:
+        """Give the optimizers the hyperparameters and the schedulers the states the step started from (a rerun of
+        ``training_step`` that reads its learning rate reads the live step's)."""
+        if self._optimizer_settings is not None:
+            self._optimizer_settings.restore()
+
     def arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Fresh copies of the captured arguments (a step may change its batch in place)."""
         return _copy_tensors(self.args), _copy_tensors(self.kwargs)
@@ -274,6 +283,7 @@ class StepCapture:
         try:
             state = StepState(self.pl_module, self._internal, self.written_parameters)
             self.comm_hooks = CommHookStates(self._wrapper)
+            self._optimizer_settings = OptimizerSettings(self.pl_module.trainer)
             self.args, self.kwargs = _copy_tensors(args), _copy_tensors(kwargs)
         except Exception as err:
             if not self._contain:

@@ -261,9 +261,8 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
             " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
             " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
-            " state in buffers, generators, or numbers and tensors held directly as module attributes, which the"
-            " check restores (a tensor inside a list or dict is not), or check with {} for kernels that are not"
-            " reproducible.",
+            " state in buffers, generators, or numbers, tensors and arrays held as module attributes or in their"
+            " lists and dicts, which the check restores, or check with {} for kernels that are not reproducible.",
             _CALIBRATE_NOISE,
         ),
         Cause.ATTRIBUTE_MUTATION: _hints(

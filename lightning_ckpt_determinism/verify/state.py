@@ -219,17 +219,19 @@ class _BufferSnapshot:
 
 class _TensorAttributes:
     """Tensors held as plain attributes (not parameters, not buffers: ``self.running_loss = torch.zeros(())``) of a
-    module or of an object it holds, as objects and values: a step that updates one in place or rebinds it is put
-    back."""
+    module or of an object it holds, or inside the containers they hold (``self.stats["loss_sum"]``), as objects and
+    values: a step that updates one in place or rebinds an attribute is put back (a container gets its tensors back
+    with its contents)."""
 
-    def __init__(self, held: list[tuple[object, str, torch.Tensor]]) -> None:
+    def __init__(self, held: list[tuple[object | None, str, torch.Tensor]]) -> None:
         with torch.no_grad():
             self._entries = [(owner, name, tensor, tensor.detach().clone()) for owner, name, tensor in held]
 
     def restore(self) -> None:
         with torch.no_grad():
             for owner, name, tensor, value in self._entries:
-                vars(owner)[name] = tensor
+                if owner is not None:
+                    vars(owner)[name] = tensor
                 _put_back(tensor, value)
 
 
@@ -248,6 +250,8 @@ class _ParameterSnapshot:
         copied = named if names is None else {name: named[name] for name in names if name in named}
         copied = {name: param for name, param in copied.items() if not is_lazy(param)}
         self._versions = {name: (param, version_counter(param)) for name, param in named.items()}
+        # A step that freezes or unfreezes parameters (`requires_grad_`) is rerun from the flags it started with.
+        self._requires_grad = [(param, param.requires_grad) for param in named.values()]
         with torch.no_grad():
             self._copies = {name: param.detach().clone() for name, param in copied.items()}
 
@@ -263,6 +267,9 @@ class _ParameterSnapshot:
         ]
 
     def restore(self) -> None:
+        for param, flag in self._requires_grad:
+            if param.requires_grad != flag:
+                param.requires_grad_(flag)
         with torch.no_grad():
             for name, value in self._copies.items():
                 param, version = self._versions[name]
@@ -406,7 +413,8 @@ class _PythonState:
         # The random generators held as attributes or in their plain containers, and the tensors held as attributes,
         # found on the way.
         self._found: dict[int, Any] = {}
-        self.tensors: list[tuple[object, str, torch.Tensor]] = []
+        # The tensors held as attributes, with their owners, and those inside containers, without (``None``).
+        self.tensors: list[tuple[object | None, str, torch.Tensor]] = []
         # An object several modules hold (transformers' `config` on every layer) is copied once.
         self._objects: dict[int, list[tuple[Any, Any]]] = {}
         for prefix, sub in module.named_modules():
@@ -437,14 +445,26 @@ class _PythonState:
             own = vars(value)
             # One level: the object's tensors and arrays by value, the objects it holds by reference.
             self.tensors.extend((value, key, item) for key, item in own.items() if type(item) is torch.Tensor)
-            contents = _contents(own) + [(item, item.copy()) for item in own.values() if isinstance(item, np.ndarray)]
-            self._objects[id(value)] = contents
+            contents = self._objects[id(value)] = self._held(_contents(own))
         else:
-            contents = _contents(value)
-        self._found.update(
-            (id(item), item) for _, copy in contents for item in _items(copy) if isinstance(item, _GENERATORS)
-        )
+            contents = self._held(_contents(value))
         return contents
+
+    def _held(self, containers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+        """``containers`` (with their copies) and the arrays they hold, with copies; their tensors and generators are
+        noted on the way."""
+        noted = {id(tensor) for _, _, tensor in self.tensors}
+        arrays: dict[int, tuple[Any, Any]] = {}
+        for _, copy in containers:
+            for item in _items(copy):
+                if isinstance(item, _GENERATORS):
+                    self._found[id(item)] = item
+                elif type(item) is torch.Tensor and id(item) not in noted and not is_fsdp1_parameter_view(item):
+                    noted.add(id(item))
+                    self.tensors.append((None, "", item))
+                elif isinstance(item, np.ndarray):
+                    arrays.setdefault(id(item), (item, item.copy()))
+        return containers + list(arrays.values())
 
     def _captures(self, name: str) -> bool:
         return name not in self._exclude and not is_framework_attribute(name)

@@ -493,10 +493,11 @@ def _same(first: _Gradients | None, second: _Gradients | None) -> bool:
 
 
 def _autograd_gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> _Gradients:
-    """``torch.autograd.grad`` of ``loss`` for ``params``; torch's refusal under reentrant checkpointing as one line
-    with the fix."""
+    """``torch.autograd.grad`` of ``loss`` for ``params``, ``None`` for those the pass froze (as ``backward()``
+    leaves them); torch's refusal under reentrant checkpointing as one line with the fix."""
+    wanted = [param for param in params if param.requires_grad]
     try:
-        return list(torch.autograd.grad(loss, params, allow_unused=True))
+        taken = iter(torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ())
     except RuntimeError as err:
         if "use_reentrant=True" not in str(err):
             raise
@@ -506,6 +507,7 @@ def _autograd_gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> _Grad
             " whose gradients `torch.autograd.grad` cannot take: call `check_recomputation(...,"
             ' gradients="backward")`, or switch it to `use_reentrant=False`.'
         ) from err
+    return [next(taken) if param.requires_grad else None for param in params]
 
 
 def _gradients(
