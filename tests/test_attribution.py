@@ -1,4 +1,5 @@
 import csv
+import itertools
 import logging
 import math
 import random
@@ -504,6 +505,25 @@ def test_host_rng_under_a_gradient_penalty_is_its_regions_cause_not_outside_stat
     assert report.cause is None  # the step's cause is its region's
     region = only_finding(report)
     assert (region.name, region.diverged, region.cause) == ("blocks.1", True, "host_rng")
+
+
+def test_state_outside_the_regions_under_a_gradient_penalty_is_outside_state_where_every_region_is_exact():
+    # The penalty recomputes the regions before the loss, but attribution finds each recomputation exact: the loss
+    # differs through the counter that scales the input, read anew by each pass.
+    model = stack_with(PlainBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    x, y = batch()
+    calls = itertools.count()
+
+    def closure() -> torch.Tensor:
+        inputs = (x * (1.0 + 0.1 * (next(calls) % 2))).requires_grad_()
+        out = model(inputs)
+        (input_grad,) = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        return F.mse_loss(out, y) + input_grad.square().sum()
+
+    report = check_recomputation(model, closure, attribution=True)
+    assert report.diverged and report.cause == "outside_state"
+    assert [(region.diverged, region.cause) for region in report.regions] == [(False, None)] * 3
 
 
 @pytest.mark.parametrize("position", [0, 2])

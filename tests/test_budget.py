@@ -226,7 +226,7 @@ def test_an_int_budget_of_one_says_how_to_write_everything() -> None:
             model, CheckpointingConfig(**CONFIG, memory_budget=1), lambda: _closure(model)
         )
     (message,) = [str(warning.message) for warning in caught]
-    assert message.startswith("lightning_ckpt_determinism: `memory_budget` of 1 bytes (")
+    assert message.startswith("lightning_ckpt_determinism: `memory_budget` of 1 byte (")
     assert message.endswith(" An int is bytes: for all of what they keep plainly, write 1.0 or '100%'.")
     assert plan.budget_bytes == 1
     # What it likely meant keeps every module plain.

@@ -565,3 +565,39 @@ def test_compiled_kernels_that_differ_run_to_run_are_not_blamed_on_the_compilers
     assert report.cause == "nondeterministic_kernel"
     assert report.hint is not None and "differs from itself run to run" in report.hint
     assert all(region.cause is None for region in report.regions)
+
+
+class LazyBlock(nn.Module):
+    """A lazy linear layer, then tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.LazyLinear(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x))
+
+
+def test_lazy_blocks_initialised_before_compiling_one_by_one_share_one_graph_without_recompiles() -> None:
+    # The eager check of lazy modules is never traced: a guard on it would fail once eager calls prune it.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[LazyBlock() for _ in range(6)])
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["LazyBlock"]))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x)  # initialises them, as a model summary or a dry run does
+    graphs: list[fx.GraphModule] = []
+
+    def backend(graph: fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(graph)
+        return aot_eager(graph, inputs)
+
+    for block in model:
+        block.compile(backend=backend)
+    compiled = []
+    for _ in range(3):
+        model(x).sum().backward()
+        compiled.append(len(graphs))
+    # One graph for the first block, whose input needs no grad, one shared by the five others; no recompile after.
+    assert compiled == [2, 2, 2]
+    assert not counters["graph_break"]

@@ -397,9 +397,9 @@ def _percent_hint(budget: object) -> str:
 def _warn_unmet(figures: Sequence[RegionFigures], budget_bytes: int, hint: str = "") -> None:
     least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
     warnings.warn(
-        f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} bytes ({format_bytes(budget_bytes)})"
-        f" cannot be met: the matched modules keep at least {least} bytes ({format_bytes(least)}) for backward."
-        f" Checkpointing all of them.{hint}",
+        f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} byte{'s' * (budget_bytes != 1)}"
+        f" ({format_bytes(budget_bytes)}) cannot be met: the matched modules keep at least {least} bytes"
+        f" ({format_bytes(least)}) for backward. Checkpointing all of them.{hint}",
         LightningCkptDeterminismWarning,
         stacklevel=3,
     )

@@ -350,7 +350,7 @@ class CheckpointedForward:
             # Also with checkpointing off, so that a check's reference pass runs the same forward; in eval mode too,
             # where a region with grad enabled is checkpointed all the same.
             args, kwargs = self._cache_parameters.without_cache(args, kwargs)
-        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled() or (self._lazy and self._initialises()):
+        if _SWITCH.disabled or self.plain_depth or not torch.is_grad_enabled():
             return self.plain_forward(*args, **kwargs)
         # Keyword tensors travel as positional inputs so torch sees their devices when it stashes RNG state.
         inputs = (*args, *kwargs.values()) if kwargs else args
@@ -358,12 +358,20 @@ class CheckpointedForward:
         if torch.compiler.is_compiling():
             context_fn = self.plan.compiled_context(next(self.module.buffers(), None) is not None)
             return self._checkpoint(self._traced_run(len(args), tuple(kwargs)), inputs, context_fn)
+        if self._lazy and self._initialises():
+            return self.plain_forward(*args, **kwargs)
         return self._eager_call(inputs, len(args), tuple(kwargs))
 
     def _initialises(self) -> bool:
-        """Whether this call initialises lazy modules of the region (each becomes its plain class once it has)."""
-        self._lazy = tuple(sub for sub in self._lazy if isinstance(sub, LazyModuleMixin))
-        return any(sub.has_uninitialized_params() for sub in self._lazy)  # type: ignore[operator]
+        """Whether this eager call initialises lazy modules of the region (a traced call never asks: a guard on
+        :attr:`_lazy` would go stale as eager calls prune it)."""
+        # An initialised one has become its plain class (`cls_to_become`), or reports no uninitialised parameter.
+        self._lazy = tuple(
+            sub
+            for sub in self._lazy
+            if isinstance(sub, LazyModuleMixin) and sub.has_uninitialized_params()  # type: ignore[operator]
+        )
+        return bool(self._lazy)
 
     def _traced_run(self, num_positional: int, keys: tuple[str, ...]) -> Callable[..., Any]:
         """The function a traced call checkpoints. A region dynamo cannot trace (it graph-breaks inside) has torch run

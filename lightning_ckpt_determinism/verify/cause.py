@@ -331,9 +331,9 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
         Cause.OUTSIDE_STATE: (
             "in `RecomputationReport.cause`: the gradients diverged and the step's forward already computed "
             "another loss in the reference pass than in the checkpointed one, before anything was recomputed. No "
-            "region is blamed; with `calibrate_noise`, only when the reference passes agree with each other. Never "
-            "where the step recomputed a region before its loss (a gradient penalty's backward in the forward): "
-            "there the regions' own causes stand."
+            "region is blamed; with `calibrate_noise`, only when the reference passes agree with each other. Where the "
+            "step recomputed an eager region before its loss (a gradient penalty's backward in the forward), only "
+            "when attribution found every region exact: otherwise the regions' own causes stand."
         ),
         Cause.ATTRIBUTE_MUTATION: (
             "a plain Python attribute of a module inside a region (a list, a dict) ended the checkpointed step "

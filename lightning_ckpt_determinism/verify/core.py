@@ -267,8 +267,8 @@ class StepEvidence:
         gradients_diverged: The verdict on the gradients (:func:`gradients_diverge`).
         reference_loss: The reference pass's loss.
         checkpointed_loss: The checkpointed (or live) pass's loss; ``nan`` when it raised.
-        recomputed_in_forward: The checkpointed pass recomputed a region before its loss was computed (a backward
-            inside the step, as a gradient penalty runs): its loss may differ through recomputation itself.
+        recomputed_in_forward: The checkpointed pass recomputed an eager region before its loss was computed (a
+            backward inside the step, as a gradient penalty runs): its loss may differ through recomputation itself.
         calibration: The noise floor and whether the reference passes agree (:func:`calibrate`).
         not_restored: Parameters written in place that the check had no copy of.
         regions: The regions' reports (attribution); empty without.
@@ -313,10 +313,9 @@ def _decide(evidence: StepEvidence) -> _Decision:
             # A region's forward wrote parameters the check did not put back: the reference pass wrote them first,
             # and the checkpointed pass started from its values. The write is the finding, not outside state.
             regions = _with_forward_writes(regions, evidence.forward_writes)
-        elif not evidence.not_restored and not evidence.recomputed_in_forward:
+        elif not evidence.not_restored and not _recomputed_before_loss(evidence.recomputed_in_forward, regions):
             # The forward itself differed, before anything was recomputed, and no parameter the check could not put
-            # back explains it: what the regions saw differ is its echo. (A backward inside the forward recomputes
-            # regions before the loss: there a different loss may be recomputation's own doing.)
+            # back explains it: what the regions saw differ is its echo.
             cause = Cause.OUTSIDE_STATE
             regions = [replace(region, diverged=False) for region in regions]
     elif cause is None and not evidence.gradients_diverged and evidence.step_buffers:
@@ -326,6 +325,13 @@ def _decide(evidence: StepEvidence) -> _Decision:
     if cause is None:
         return _Decision(None, None, regions)
     return _Decision(cause, cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL), regions)
+
+
+def _recomputed_before_loss(recomputed_in_forward: bool, regions: list[RegionReport]) -> bool:
+    """Whether recomputation may explain a loss that differs: a backward inside the forward (a gradient penalty)
+    recomputed regions before the loss, and attribution either blamed one or did not run (then no cause is guessed;
+    where every attributed region recomputed exactly, the difference is outside them after all)."""
+    return recomputed_in_forward and (not regions or any(region.diverged for region in regions))
 
 
 def _with_forward_writes(regions: list[RegionReport], written: frozenset[str]) -> list[RegionReport]:
@@ -356,11 +362,11 @@ def step_report(
 
     The step diverged when its gradients did or step-level state differs. Its cause, in order: ``"outside_state"``
     when the gradients diverged, the reference passes agree on the loss (with ``calibrate_noise``), no region blames
-    a kernel that differs run to run, the checked passes computed other losses without recomputing a region before
-    them (``recomputed_in_forward``: a gradient penalty's backward inside the forward), and every parameter written
-    in place was put back (a region's forward write the check did not put back is that region's
-    ``"parameter_write"`` instead); else a cause of the whole step found already; else, where the gradients agree,
-    ``"buffer_mutation"`` or ``"attribute_mutation"`` for step-level state that differs.
+    a kernel that differs run to run, the checked passes computed other losses (where they recomputed an eager
+    region before them, ``recomputed_in_forward``, as a gradient penalty does: only when attribution found every
+    region exact), and every parameter written in place was put back (a region's forward write the check did not
+    put back is that region's ``"parameter_write"`` instead); else a cause of the whole step found already; else,
+    where the gradients agree, ``"buffer_mutation"`` or ``"attribute_mutation"`` for step-level state that differs.
 
     Args:
         evidence: What the passes showed.

@@ -257,9 +257,9 @@ class RecomputationReport:
             region report places them (without attribution; ``buffer_mutations`` names them), else
             ``"attribute_mutation"`` when attributes do;
             ``"outside_state"`` when the gradients diverged and the reference pass's loss differs from the
-            checkpointed one, which recomputation cannot explain (the forward ran before anything was recomputed: a
-            step that recomputed a region before its loss, as a gradient penalty does, never gets it); no region is
-            then counted as diverged. ``None`` otherwise.
+            checkpointed one, which recomputation cannot explain (the forward ran before anything was recomputed; a
+            step that recomputed an eager region before its loss, as a gradient penalty does, gets it only where
+            attribution found every region exact); no region is then counted as diverged. ``None`` otherwise.
         hint: :data:`CAUSE_HINTS` of ``cause`` (with a note on compiled kernels for ``"nondeterministic_kernel"``,
             the buffers changed for ``"buffer_mutation"``); ``None`` when ``cause`` is.
         not_restored: The parameters the step or the check's passes wrote in place that the check had no copy of

@@ -380,6 +380,7 @@ class _Passes:
         """``closure``, noting whether it recomputed a region before it returned."""
 
         def counted() -> torch.Tensor:
+            self._recomputed_in_forward = False  # a pass that raises recomputed nothing the loss depends on
             before = recomputations(self.module)
             loss = closure()
             self._recomputed_in_forward = recomputations(self.module) > before
