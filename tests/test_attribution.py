@@ -27,6 +27,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     check_recomputation,
 )
+from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.verify.attribution import Attribution, observer
 from lightning_ckpt_determinism.verify.attribution.observer import CallRecord
@@ -524,6 +525,24 @@ def test_state_outside_the_regions_under_a_gradient_penalty_is_outside_state_whe
     report = check_recomputation(model, closure, attribution=True)
     assert report.diverged and report.cause == "outside_state"
     assert [(region.diverged, region.cause) for region in report.regions] == [(False, None)] * 3
+
+
+def test_where_a_regions_parameters_live_is_learned_again_at_its_recomputation():
+    # FSDP2 frees a gathered parameter after the forward and gathers it again, elsewhere, for the backward: a tensor
+    # the recomputation writes in place where the parameter lived in the forward is no write to the parameter.
+    model = stack_with(PlainBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    observer = Attribution(model)
+    x, y = batch()
+    with observer.observing():
+        loss = F.mse_loss(model(x), y)
+        forward = [dict(call.parameter_storages) for call in observer.calls]
+        for param in model.blocks.parameters():
+            param.data = param.data.clone()  # moved, as FSDP2's gathering for the backward moves it
+        torch.autograd.grad(loss, list(model.parameters()))
+    moved = [{storage_pointer(param): f"{name}" for name, param in block.named_parameters()} for block in model.blocks]
+    assert [dict(call.parameter_storages) for call in observer.calls] == moved
+    assert all(not set(before) & set(after) for before, after in zip(forward, moved, strict=True))
 
 
 @pytest.mark.parametrize("position", [0, 2])

@@ -364,7 +364,9 @@ class CallRecord:
                 noted.append(name)
 
     def start_observing(self) -> None:
-        """Learn, at each forward, where the region's buffers and parameters live (FSDP2 swaps parameters in)."""
+        """Learn, at each forward and recomputation, where the region's buffers and parameters live: FSDP2 frees a
+        gathered parameter after the forward and gathers it again, elsewhere, for the backward, where a tensor the
+        recomputation writes may have taken the forward's place."""
         module = self.module
         self.buffer_ids = frozenset(id(buffer) for buffer in module.buffers())
         self.buffer_storages = frozenset(storage_pointer(buffer) for buffer in module.buffers())
@@ -533,6 +535,7 @@ class Attribution:
     def _recompute(self, call: CallRecord) -> Iterator[None]:
         """Entered at each recomputation of ``call``: the first is compared with the forward, later ones only run."""
         self._last_recomputed = call
+        call.start_observing()
         replayed = call.host_rng_before if self._replay_host_rng is not None else None
         with replaying_host_rng(replayed) if replayed is not None else contextlib.nullcontext():
             # The recorded copies were released after the first comparison, and a later recomputation replays the
