@@ -174,6 +174,20 @@ class LazyAverage(nn.Module):
         return torch.tanh(h - self.average)
 
 
+class RegisteredAverage(LazyAverage):
+    """:class:`LazyAverage` registering its buffer at its first call (``register_buffer`` in forward), not as ``None``
+    beforehand."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "average"):
+            self.register_buffer("average", None)
+        return super().forward(x)
+
+
 class WarmedUpScale(nn.Module):
     """A scale it leaves alone for two calls and halves at every call after: an attribute that starts changing."""
 
@@ -336,6 +350,13 @@ def test_batchnorm_first_reached_on_a_later_path_updates_its_statistics_once_per
 @pytest.mark.parametrize("tier", TIERS)
 def test_a_buffer_registered_as_none_and_created_at_the_first_call_is_replayed(tier: str) -> None:
     result = twins(lambda: Head(LazyAverage()), tier)
+    assert_exact(result)
+    assert result.checkpointed.body.average is not None
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_buffer_registered_in_the_first_forward_is_protected_from_the_next_call_on(tier: str) -> None:
+    result = twins(lambda: Head(RegisteredAverage()), tier)
     assert_exact(result)
     assert result.checkpointed.body.average is not None
 

@@ -78,6 +78,12 @@ from lightning_ckpt_determinism.checkpointing.modules import named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.region_plan import RegionPlan
+from lightning_ckpt_determinism.checkpointing.registered_buffers import (
+    RegisteredBuffer,
+    buffer_count,
+    buffers_left_out,
+    registered_since,
+)
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -288,6 +294,8 @@ class CheckpointedForward:
         self.profile: RegionProfile | None = None
         # The region's modules, whose modes and attributes key its profiles.
         self._region_modules = tuple(module.modules())
+        # How many buffers they held when the plan was made: a forward that registers one makes the plan again.
+        self._buffer_count = buffer_count(map(vars, self._region_modules))
         # Its lazy modules not initialised yet: their initialisation draws from torch's RNG in the forward alone, so
         # a call that initialises them runs plainly (a recomputation would draw what follows from other numbers).
         self._lazy = tuple(sub for sub in self._region_modules if isinstance(sub, LazyModuleMixin))
@@ -398,6 +406,9 @@ class CheckpointedForward:
         self._probed = True
         attributes = tuple(map(vars, self._region_modules))
         sizes = tuple(map(len, attributes))
+        buffers = buffer_count(attributes)
+        if buffers != self._buffer_count:
+            self._buffers_registered(buffers)
         key = (training_flags(self._region_modules), sizes)
         if self._attribute_slots[0] != sizes:
             self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
@@ -416,6 +427,16 @@ class CheckpointedForward:
         torch_keeps = self.profile is not None and self._watching_observer() is None and self._frame_counted
         call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key, torch_keeps=torch_keeps)
         return self._checkpoint(call.run, inputs, context_fn, torch_keeps=torch_keeps)
+
+    def _buffers_registered(self, count: int) -> list[RegisteredBuffer]:
+        """The region's modules hold ``count`` buffers now, another number than when its plan was made (a buffer
+        registered in a forward, sized at its first call): the plan takes them in, and every call learns again which
+        buffers it changes, so that the new ones are protected too. Returns those the plan did not know."""
+        registered = registered_since(self._region_modules, self.plan.buffer_slots)
+        self._buffer_count = count
+        self.plan = RegionPlan.of(self.module, self.config)
+        self._profiles.clear()
+        return registered
 
     def _generators_in_place(self) -> bool:
         """Whether the modules still hold the generators the profiles replay (none was replaced by a new one)."""
@@ -684,6 +705,7 @@ class _EagerCall:
         runs: How many times torch ran it: the forward, then each recomputation.
         observed: Whether a saved-tensor observer kept the forward's tensors (torch compares them after each
             recomputation).
+        registered: The buffers its forward registered, left out of each recomputation.
         torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
             observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
     """
@@ -699,6 +721,7 @@ class _EagerCall:
     full: bool = field(default=False, init=False)
     runs: int = field(default=0, init=False)
     observed: bool = field(default=False, init=False)
+    registered: list[RegisteredBuffer] = field(default_factory=list, init=False)
 
     def run(self, *flat: Any) -> Any:
         """The region's forward at the first run, a recomputation at each later one."""
@@ -712,7 +735,8 @@ class _EagerCall:
             wrapper.recomputations += 1
             recomputing(observed=self.observed)
             modes = TrainingModes(wrapper._region_modules, None if self.key is None else self.key[0])
-            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes:
+            left_out = buffers_left_out(self.registered) if self.registered else NO_CONTEXT
+            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             if self.full:
                 _mark_end()
@@ -731,6 +755,10 @@ class _EagerCall:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
                 nodes = autograd_nodes_made() - start
             self.attributes.end()
+            count = buffer_count(map(vars, wrapper._region_modules))
+            if count != wrapper._buffer_count:
+                self.registered = wrapper._buffers_registered(count)
+                probe = None  # what it learned predates the buffers: the next call learns again
             # torch's frame counts what a call torch keeps saved; where it counts otherwise than the package's
             # extractor (a backward run inside the forward saves tensors the extractor leaves out of its count), or
             # cannot be read, the region's later calls count with the extractor.

@@ -184,8 +184,9 @@ class StepState:
 
 
 class _BufferSnapshot:
-    """The buffer objects of a module and copies of their values, and the buffers registered as ``None`` (a buffer
-    sized at the first forward: one the step creates is removed again)."""
+    """The buffer objects of a module and copies of their values, the buffers registered as ``None`` (a buffer
+    sized at the first forward: one the step creates is removed again), and the keys each module registered (a
+    buffer the step registers, in a first forward, is unregistered again)."""
 
     def __init__(self, module: nn.Module) -> None:
         with torch.no_grad():
@@ -196,6 +197,7 @@ class _BufferSnapshot:
         self._empty = [
             (name, owner, key) for name, owner, key in buffer_keys(module) if own_buffers(owner)[key] is None
         ]
+        self._registered = [(owner, set(own_buffers(owner))) for owner in module.modules()]
 
     def differing(self) -> list[str]:
         differing = []
@@ -215,6 +217,10 @@ class _BufferSnapshot:
                 _put_back(buffer, value)
         for _, owner, key in self._empty:
             own_buffers(owner)[key] = None
+        for owner, keys in self._registered:
+            registered = own_buffers(owner)
+            for key in [key for key in registered if key not in keys]:
+                del registered[key]
 
 
 class _TensorAttributes:
