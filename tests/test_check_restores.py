@@ -562,3 +562,32 @@ def test_a_buffer_registered_as_none_that_a_step_creates_is_removed_again_and_na
     state.restore()
     assert model.average is None
     assert model._buffers == {"average": None}  # still registered, as before the step
+
+
+class HookedInTrainingStep(CaseModule):
+    """Registers a forward hook on its checkpointed block once, from step 1 on, keeping the handle on the block."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        body = self.model.body
+        if self.global_step >= 1 and not hasattr(body, "handle"):
+            body.handle = body.register_forward_hook(lambda module, args, out: out * 0.5)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_hook_handle_training_step_keeps_is_no_divergence_and_stays_the_live_one(tmp_path) -> None:
+    # Each rerun of the step registers the hook again, under another handle id: the same hook all the same.
+    runs = []
+    for monitor in (None, RecomputationMonitor(every_n_steps=1, sentinel="off", on_divergence="raise")):
+        pl.seed_everything(0, verbose=False)
+        module = HookedInTrainingStep(Outside)
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.body"]))
+        callbacks = [monitor] if monitor is not None else []
+        kwargs = trainer_kwargs(tmp_path / str(len(runs)), callbacks=callbacks, strategy=strategy, max_steps=STEPS)
+        pl.Trainer(**kwargs).fit(module)
+        runs.append(module)
+    assert [record.grad_divergence for record in monitor.history] == [0.0] * STEPS
+    assert same_state(*runs)
+    body = runs[1].model.body
+    assert list(body._forward_hooks) == [body.handle.id]
+    body.handle.remove()  # the handle the step kept removes the hook
+    assert not body._forward_hooks

@@ -79,3 +79,13 @@ def test_same_item_takes_nan_for_nan_in_the_same_parts_of_a_number() -> None:
     assert same_item(complex(NAN, 1.0), complex(NAN, 1.0))
     assert not same_item(complex(NAN, 1.0), complex(1.0, NAN)) and not same_item(complex(NAN, 1.0), complex(NAN, 2.0))
     assert not same_item(NAN, 1.0) and not same_item(np.float32(NAN), NAN)
+
+
+def test_hook_handles_are_the_same_where_they_were_registered_into_the_same_hooks() -> None:
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    handle = first.register_forward_hook(lambda *args: None)
+    again = first.register_forward_hook(lambda *args: None)  # a step run again registers under another id
+    elsewhere = second.register_forward_hook(lambda *args: None)
+    assert handle.id != again.id
+    assert same_item(handle, again) and same_item([handle], [again])
+    assert not same_item(handle, elsewhere)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor
 
@@ -42,8 +43,8 @@ def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
 
 def same_item(first: Any, second: Any) -> bool:
     """Identity, or equal values: tensors by :func:`same_values`, NumPy arrays alike, tuples, lists and dicts item by
-    item, anything else of one type by a usable ``==`` (a number holding NaN equal to one holding NaN in the same
-    parts).
+    item, hook handles by the hooks they were registered into, anything else of one type by a usable ``==`` (a
+    number holding NaN equal to one holding NaN in the same parts).
 
     Args:
         first: One value (an attribute, a container's item).
@@ -72,6 +73,9 @@ def same_item(first: Any, second: Any) -> bool:
 
 def _same_of_one_type(first: Any, second: Any) -> bool:
     """:func:`same_item` of two values of one type that are not tensors."""
+    if isinstance(first, RemovableHandle):
+        # A step run again registers its hook again, under another id: a handle into the same hooks is the same.
+        return first.hooks_dict_ref() is second.hooks_dict_ref()
     # Item by item: `==` over tensors in a tuple, list, dict or object array is no truth value.
     if isinstance(first, tuple | list):
         return len(first) == len(second) and all(map(same_item, first, second))

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
 from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, own_buffers, version_counter
@@ -551,6 +552,8 @@ def _same_attribute(current: Any, value: Any) -> bool:
         return False
     if isinstance(value, _GENERATORS):
         return same_item(_generator_state(current), _generator_state(value))
+    if isinstance(value, RemovableHandle):
+        return same_item(current, value)  # by the hooks it was registered into, not by its id
     if _is_object(value):
         return _same_contents(vars(current), vars(value))
     return same_item(current, value)
