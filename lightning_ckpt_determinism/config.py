@@ -559,7 +559,9 @@ def _path_meant(holder: Any, parts: list[str], depth: int) -> str | None:
     for a package, of its modules, with the rest of the path kept."""
     names = [name for name in dir(holder) if not name.startswith("_")]
     names += [module.name for module in pkgutil.iter_modules(getattr(holder, "__path__", None) or [])]
-    close = difflib.get_close_matches(parts[depth], names, n=1)
+    # Closer than difflib's default: `transformers.LlamaDecoderLayer` (not exported there) must not be "meant" as
+    # `transformers.LxmertXLayer`; the bare name is then the advice.
+    close = difflib.get_close_matches(parts[depth], names, n=1, cutoff=0.75)
     return ".".join([*parts[:depth], close[0], *parts[depth + 1 :]]) if close else None
 
 

@@ -231,6 +231,16 @@ def test_config_checks_raise_the_config_error(kwargs: dict[str, object], message
         CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
 
 
+def test_a_class_path_to_a_module_that_does_not_export_it_advises_the_bare_name_not_a_far_one() -> None:
+    # `torch` has no `Linear` (it lives in `torch.nn`): no name of `torch` is close enough to be the one meant.
+    with pytest.raises(CheckpointingConfigError) as raised:
+        resolve_class_path("torch.Linear")
+    assert str(raised.value) == (
+        "`classes` entry 'torch.Linear' cannot be imported (module 'torch' has no attribute 'Linear'). Use a bare"
+        " class name such as 'Linear' or a dotted path to an importable class."
+    )
+
+
 def test_resolvers_raise_the_config_error() -> None:
     with pytest.raises(CheckpointingConfigError, match=r"^`classes` entry 'torch.nn.NoSuchLayer' cannot be imported"):
         resolve_class_path("torch.nn.NoSuchLayer")
