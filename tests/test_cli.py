@@ -710,8 +710,17 @@ def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
             "error: `trainer.callbacks`: Option 'every_n' is not accepted; `every_n` is a field of"
             " `CheckpointingConfig`: put it under `trainer.strategy.init_args.checkpointing`",
         ),
+        (
+            "        classes: [DropoutBlock]\n      every_n_steps: 5\n",
+            "error: `trainer.strategy`: Option 'every_n_steps' is not accepted; `every_n_steps` is an argument of"
+            " `RecomputationMonitor`: put it under the monitor's `init_args` in `trainer.callbacks`",
+        ),
     ],
-    ids=["a monitor's argument under checkpointing", "a checkpointing field under the monitor"],
+    ids=[
+        "a monitor's argument under checkpointing",
+        "a checkpointing field under the monitor",
+        "a monitor's argument under the strategy",
+    ],
 )
 def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, expected: str

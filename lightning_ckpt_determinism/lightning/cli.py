@@ -350,9 +350,9 @@ def _registered_name_given_arguments(text: str) -> str | None:
 
 
 def _belongs_elsewhere(text: str) -> str | None:
-    """``; `x` is an argument of ...`` for a monitor's argument given to the checkpointing config, or a checkpointing
-    field given to the monitor: a close name on the wrong side would change what the setting means (`every_n_steps`
-    is not `every_n`)."""
+    """``; `x` is an argument of ...`` for a monitor's argument given to the checkpointing config or the strategy, or
+    a checkpointing field given to the monitor: a close name on the wrong side would change what the setting means
+    (`every_n_steps` is not `every_n`)."""
     refused = _REFUSED.search(text)
     if refused is None:
         return None
@@ -362,7 +362,8 @@ def _belongs_elsewhere(text: str) -> str | None:
     name = path[1] if path[0] == "checkpointing" and len(path) > 1 else path[0]
     monitor = set(inspect.signature(RecomputationMonitor).parameters)
     config = {field.name for field in dataclasses.fields(CheckpointingConfig)}
-    if under_checkpointing and name in monitor - config:
+    under_strategy = under_checkpointing or 'Parser key "trainer.strategy"' in text
+    if under_strategy and name in monitor - config:
         return (
             f"; `{name}` is an argument of `RecomputationMonitor`: put it under the monitor's `init_args` in"
             " `trainer.callbacks`"
