@@ -274,7 +274,7 @@ CHECKPOINTING = (
             r"error: .*no_strategy\.yaml sets no `trainer\.strategy`, so nothing is checkpointed; give it one of this"
             r" package's strategies with `checkpointing`, e\.g\. `class_path:"
             r" lightning_ckpt_determinism\.SingleDeviceCheckpointingStrategy` with `init_args: \{checkpointing:"
-            r" \{classes: \[Block\]\}\}`\n$",
+            r" \{classes: auto\}\}` \(a transformer's layers\) or `\{classes: \[YourBlock\]\}`\n$",
         ),
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         # Named by the config's key, as `CheckpointingCLI` names it.

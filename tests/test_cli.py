@@ -578,7 +578,7 @@ def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
     assert line.endswith(
         " `strategy: single_device_checkpointing` or `ddp_checkpointing`, which checkpoint `classes: auto`, or"
         " `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy` with `init_args: {checkpointing:"
-        " {classes: [Block]}}`) under `trainer`, or remove the monitor."
+        " {classes: [YourBlock]}}`) under `trainer`, or remove the monitor."
     )
 
 

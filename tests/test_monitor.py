@@ -260,8 +260,9 @@ def test_a_fit_without_a_checkpointed_module_stops_at_fit_start_saying_what_to_a
     message = str(raised.value)
     assert message.startswith(
         "`RecomputationMonitor` has nothing to check: no module of StackModule is checkpointed at fit start under"
-        " SingleDeviceStrategy. Add a checkpointing strategy (e.g."
-        " `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[...]))`"
+        ' SingleDeviceStrategy. Add a checkpointing strategy (e.g. `strategy="single_device_checkpointing"` or'
+        ' `"ddp_checkpointing"`, which checkpoint `classes="auto"`, or'
+        " `DDPCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[YourBlock]))`;"
     )
     assert "`apply_activation_checkpointing` in `configure_model`" in message
     assert "\n" not in message

@@ -84,7 +84,7 @@ def build(args: argparse.Namespace) -> _ParsedFit:
             f"{where} sets no `trainer.strategy`, so nothing is checkpointed; give it one of this package's"
             " strategies with `checkpointing`, e.g. `class_path:"
             " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy` with `init_args: {checkpointing:"
-            " {classes: [Block]}}`"
+            " {classes: auto}}` (a transformer's layers) or `{classes: [YourBlock]}`"
         )
     if not isinstance(strategy, ActivationCheckpointingMixin):
         raise UsageError(

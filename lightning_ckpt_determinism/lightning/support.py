@@ -225,11 +225,12 @@ def unmonitored(
             return (
                 f"{nothing} `strategy: single_device_checkpointing` or `ddp_checkpointing`, which checkpoint"
                 " `classes: auto`, or `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy` with"
-                " `init_args: {checkpointing: {classes: [Block]}}`) under `trainer`, or remove the monitor."
+                " `init_args: {checkpointing: {classes: [YourBlock]}}`) under `trainer`, or remove the monitor."
             )
         return (
-            f"{nothing} `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[...]))`,"
-            " `DDPCheckpointingStrategy`, `FSDPCheckpointingStrategy`, `ModelParallelCheckpointingStrategy`) or call"
-            " `apply_activation_checkpointing` in `configure_model`, or remove the monitor."
+            f'{nothing} `strategy="single_device_checkpointing"` or `"ddp_checkpointing"`, which checkpoint'
+            ' `classes="auto"`, or `DDPCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=[YourBlock]))`;'
+            " `SingleDevice`, `FSDP` and `ModelParallel` alike) or call `apply_activation_checkpointing` in"
+            " `configure_model`, or remove the monitor."
         )
     return None
