@@ -688,3 +688,12 @@ def test_a_progress_bar_shows_on_a_terminal_for_several_batches_only(batches, sh
     monkeypatch.setattr(sys, "stdout", io.StringIO())
     assert main(["audit", "--config", str(CONFIGS / "broken_python_state.yaml"), "--batches", batches]) == 1
     assert (f"audit:   0%|          | 0/{batches}" in terminal.getvalue()) is shown
+
+
+@pytest.mark.filterwarnings("default::lightning_ckpt_determinism.LightningCkptDeterminismWarning")
+def test_a_warning_of_the_package_is_printed_as_its_one_line_as_a_fit_prints_it(capsys, tmp_path):
+    argv = ["audit", "--config", str(CONFIGS / "broken_python_state.yaml")]
+    main([*argv, "--trainer.strategy.init_args.checkpointing.memory_budget=50"])
+    lines = capsys.readouterr().err.splitlines()
+    said = [line for line in lines if "`memory_budget` of 50 bytes" in line]
+    assert len(said) == 1 and said[0].startswith("lightning_ckpt_determinism: `memory_budget` of 50 bytes (50 B)")

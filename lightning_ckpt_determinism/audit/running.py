@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -61,7 +62,7 @@ from lightning_ckpt_determinism.checkpointing.budget_plan import (
     measure_candidates,
     plan_from_figures,
 )
-from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.cli import configuration_error
 from lightning_ckpt_determinism.lightning.step import (
     SkippedStep,
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     args.overrides = overrides
     try:
-        with _importable_from(os.getcwd()):
+        with _importable_from(os.getcwd()), _own_warnings_as_lines():
             return _audit(args)
     except CheckpointingConfigError as err:
         print(f"{PROGRAM} audit: error: {_keyed(err)}", file=sys.stderr)
@@ -116,6 +117,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"{PROGRAM} audit: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+@contextlib.contextmanager
+def _own_warnings_as_lines() -> Iterator[None]:
+    """The package's warnings printed inside this block as their one line, as a fit prints them (Python's default
+    puts the path and line of the audit's code that asked first)."""
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, LightningCkptDeterminismWarning):
+            print(str(message), file=sys.stderr)
+        else:
+            shown(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _keyed(err: CheckpointingConfigError) -> str:
