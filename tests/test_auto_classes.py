@@ -119,7 +119,7 @@ def test_auto_from_yaml_names_its_choice_in_the_setup_line(tmp_path: Path, caplo
         StackModule(block="PlainBlock"), CheckpointingConfig(names=["model.blocks.*"])
     )
     assert named == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
-    chose = "chosen by `classes: auto`: the 3 PlainBlock of the ModuleList `model.blocks`"
+    chose = "chosen by `auto`: the 3 PlainBlock of the ModuleList `model.blocks`"
     assert f"applied to 3 modules (3 x PlainBlock, {chose})" in line
 
 

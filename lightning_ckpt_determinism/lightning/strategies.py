@@ -226,7 +226,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         checkpoint_selected(root, selected, self.checkpointing)
         self._applied_checkpointing.update(selected)
         chose = (
-            f", chosen by `classes: auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
+            f", chosen by `auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
         )
         # Under a budget every match is checkpointed for the first batch's measurement only: say the plan is to come.
         pending = (
