@@ -1,4 +1,6 @@
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -7,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from lightning_ckpt_determinism import CheckpointingConfig, RecomputationMonitor, SingleDeviceCheckpointingStrategy
+from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
 from tests.helpers import StackModule, trainer_kwargs
 
 
@@ -62,3 +65,45 @@ def test_learning_rates_set_in_training_step_are_as_without_the_monitor(tmp_path
     ours, theirs = trainer.optimizers[0].state_dict()["state"], plain_trainer.optimizers[0].state_dict()["state"]
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[at][key], theirs[at][key]) for at in ours for key in ours[at])
+
+
+class HoldsAModule:
+    """A learning-rate lambda that is an object holding a module (and a lock), as a warm-up tied to a model is."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.lock = threading.Lock()
+
+    def __call__(self, epoch: int) -> float:
+        return 0.5**epoch
+
+
+def _trainer_with(optimizer: torch.optim.Optimizer, scheduler: Any = None) -> Any:
+    configs = [] if scheduler is None else [SimpleNamespace(scheduler=scheduler)]
+    return SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=configs)
+
+
+def test_a_scheduler_is_put_back_holding_its_live_objects_never_copies_of_them() -> None:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    warm_up = HoldsAModule(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warm_up)
+    settings = OptimizerSettings(_trainer_with(optimizer, scheduler))  # a lock cannot be deep-copied: no copy made
+    scheduler.step()
+    scheduler.step()
+    settings.restore()
+    assert (scheduler.last_epoch, optimizer.param_groups[0]["lr"]) == (0, 0.1)
+    assert scheduler.lr_lambdas[0] is warm_up and warm_up.module is model
+
+
+def test_a_tensor_learning_rate_set_to_a_float_is_put_back_as_the_same_tensor() -> None:
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([param], lr=torch.tensor(0.1), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    lr, betas = optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["betas"]
+    settings = OptimizerSettings(_trainer_with(optimizer))
+    optimizer.param_groups[0]["lr"] = 0.5
+    betas[0].fill_(0.5)
+    settings.restore()
+    group = optimizer.param_groups[0]
+    assert group["lr"] is lr and float(lr) == pytest.approx(0.1)
+    assert group["betas"][0] is betas[0] and float(betas[0]) == pytest.approx(0.9)

@@ -1,6 +1,5 @@
 """The Trainer's optimizer hyperparameters and learning-rate schedulers, which a ``training_step`` may change."""
 
-import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,32 +33,46 @@ class OptimizerSettings:
     """
 
     def __init__(self, trainer: "pl.Trainer") -> None:
+        # Each value with a copy of what it holds: a tensor (a `capturable` lr, betas) is written back into itself,
+        # so that it stays the object a compiled optimizer step guards on.
         self._groups = [
-            (group, {key: _copied(value) for key, value in group.items() if key != "params"})
+            (group, {key: (value, _values(value)) for key, value in group.items() if key != "params"})
             for optimizer in trainer.optimizers
             for group in optimizer.param_groups
         ]
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        self._schedulers = [(scheduler, copy.deepcopy(scheduler.state_dict())) for scheduler in schedulers]
+        self._schedulers = [(scheduler, _values(scheduler.state_dict())) for scheduler in schedulers]
 
     def restore(self) -> None:
         """Put the captured settings back; can be called any number of times."""
         for group, saved in self._groups:
             for key in [key for key in group if key != "params" and key not in saved]:
                 del group[key]  # set by the step
-            for key, value in saved.items():
-                current = group.get(key)
-                if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
-                    with torch.no_grad():
-                        current.copy_(value)  # a tensor learning rate (`capturable`) stays the same object
-                else:
-                    group[key] = _copied(value)
+            for key, (value, held) in saved.items():
+                group[key] = _put_back(value, held)
         for scheduler, state in self._schedulers:
-            scheduler.load_state_dict(copy.deepcopy(state))
+            scheduler.load_state_dict(_values(state))
 
 
-def _copied(value: Any) -> Any:
-    """A hyperparameter as it is now: a tensor's values, a container's contents."""
+def _values(value: Any) -> Any:
+    """What ``value`` holds as it is now: tensors cloned, dicts, lists and tuples copied item by item, anything else
+    (a number, a string, a lambda's object, a module a scheduler holds) by reference, never deep-copied."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    return copy.copy(value)
+    if isinstance(value, dict):
+        return {key: _values(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(map(_values, value)) if type(value) in (list, tuple) else value
+    return value
+
+
+def _put_back(value: Any, held: Any) -> Any:
+    """``value`` (a setting as captured) holding ``held`` again: a tensor, or the tensors of a tuple, written back in
+    place; anything else given as copied."""
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            value.copy_(held)
+        return value
+    if type(value) is tuple and any(isinstance(item, torch.Tensor) for item in value):
+        return tuple(map(_put_back, value, held))
+    return _values(held)

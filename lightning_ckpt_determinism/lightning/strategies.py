@@ -225,9 +225,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         root = root if root is not None else self.lightning_module  # type: ignore[attr-defined]
         checkpoint_selected(root, selected, self.checkpointing)
         self._applied_checkpointing.update(selected)
-        chose = (
-            f", chosen by `auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
-        )
+        chose = f", chosen by `auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
         # Under a budget every match is checkpointed for the first batch's measurement only: say the plan is to come.
         pending = (
             f" The memory_budget's plan is pending: the first batch measures these {len(selected)} checkpointed, and"
