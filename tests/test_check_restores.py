@@ -591,3 +591,16 @@ def test_a_hook_handle_training_step_keeps_is_no_divergence_and_stays_the_live_o
     assert list(body._forward_hooks) == [body.handle.id]
     body.handle.remove()  # the handle the step kept removes the hook
     assert not body._forward_hooks
+
+
+def test_small_tensors_in_containers_are_put_back_by_value_large_ones_and_long_lists_by_reference() -> None:
+    # Copying a dataset, a cache or every step's loss at each check would cost their size: those stay references.
+    model = nn.Linear(2, 2)
+    model.stats = {"sum": torch.zeros(()), "cache": torch.zeros(1024)}
+    model.losses = [torch.zeros(()) for _ in range(100)]
+    state = StepState(model)
+    for tensor in (model.stats["sum"], model.stats["cache"], model.losses[0]):
+        tensor.add_(1.0)
+    state.restore()
+    assert float(model.stats["sum"]) == 0.0
+    assert float(model.stats["cache"].sum()) == 1024.0 and float(model.losses[0]) == 1.0

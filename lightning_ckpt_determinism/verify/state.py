@@ -422,6 +422,7 @@ class _PythonState:
         self._found: dict[int, Any] = {}
         # The tensors held as attributes, with their owners, and those inside containers, without (``None``).
         self.tensors: list[tuple[object | None, str, torch.Tensor]] = []
+        self._noted: set[int] = set()
         # An object several modules hold (transformers' `config` on every layer) is copied once.
         self._objects: dict[int, list[tuple[Any, Any]]] = {}
         for prefix, sub in module.named_modules():
@@ -443,6 +444,7 @@ class _PythonState:
             return []
         if type(value) is torch.Tensor:
             self.tensors.append((owner, name, value))
+            self._noted.add(id(value))
             return []
         if isinstance(value, np.ndarray):
             return [(value, value.copy())]
@@ -451,26 +453,30 @@ class _PythonState:
                 return self._objects[id(value)]
             own = vars(value)
             # One level: the object's tensors and arrays by value, the objects it holds by reference.
-            self.tensors.extend((value, key, item) for key, item in own.items() if type(item) is torch.Tensor)
+            held = [(value, key, item) for key, item in own.items() if type(item) is torch.Tensor]
+            self.tensors.extend(held)
+            self._noted.update(id(item) for _, _, item in held)
             contents = self._objects[id(value)] = self._held(_contents(own))
         else:
             contents = self._held(_contents(value))
         return contents
 
     def _held(self, containers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-        """``containers`` (with their copies) and the arrays they hold, with copies; their tensors and generators are
-        noted on the way."""
-        noted = {id(tensor) for _, _, tensor in self.tensors}
+        """``containers`` (with their copies) and the small arrays they hold, with copies; their small tensors and
+        their generators are noted on the way (see :func:`_held_by_value`)."""
         arrays: dict[int, tuple[Any, Any]] = {}
         for _, copy in containers:
-            for item in _items(copy):
+            items = _items(copy)
+            for item in items:
                 if isinstance(item, _GENERATORS):
                     self._found[id(item)] = item
-                elif type(item) is torch.Tensor and id(item) not in noted and not is_fsdp1_parameter_view(item):
-                    noted.add(id(item))
-                    self.tensors.append((None, "", item))
+                elif not _held_by_value(item, len(items)) or id(item) in self._noted:
+                    continue
                 elif isinstance(item, np.ndarray):
                     arrays.setdefault(id(item), (item, item.copy()))
+                else:
+                    self._noted.add(id(item))
+                    self.tensors.append((None, "", item))
         return containers + list(arrays.values())
 
     def _captures(self, name: str) -> bool:
@@ -508,6 +514,27 @@ class _PythonState:
                 for container, copy in contents:
                     _refill(container, copy)
                 attributes[name] = original
+
+
+# What a container holds that a check puts back by value: a tensor or an array of at most this many bytes (a running
+# sum, a count, a small statistic) in a container of at most this many items. A larger one (a dataset, a cache) or a
+# long list (every step's loss, appended) is kept by reference: copying it at each check would cost its size in
+# memory and time, and a step rarely writes it in place.
+_HELD_BYTES = 256
+_HELD_ITEMS = 64
+
+
+def _held_by_value(item: object, siblings: int) -> bool:
+    """Whether a check puts ``item``, held in a container of ``siblings`` items, back by value."""
+    if siblings > _HELD_ITEMS:
+        return False
+    if isinstance(item, np.ndarray):
+        return item.nbytes <= _HELD_BYTES
+    return (
+        type(item) is torch.Tensor
+        and not is_fsdp1_parameter_view(item)
+        and item.untyped_storage().nbytes() <= _HELD_BYTES
+    )
 
 
 def _is_plain(value: object) -> bool:
