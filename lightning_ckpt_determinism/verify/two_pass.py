@@ -494,8 +494,8 @@ def _same(first: _Gradients | None, second: _Gradients | None) -> bool:
 
 
 def _autograd_gradients(loss: torch.Tensor, params: list[nn.Parameter]) -> _Gradients:
-    """``torch.autograd.grad`` of ``loss`` for ``params``, ``None`` for those the pass froze (as ``backward()``
-    leaves them); torch's refusal under reentrant checkpointing as one line with the fix."""
+    """``torch.autograd.grad`` of ``loss`` for ``params``, ``None`` for those that no longer require grad when it is
+    taken (the pass froze them); torch's refusal under reentrant checkpointing as one line with the fix."""
     wanted = [param for param in params if param.requires_grad]
     try:
         taken = iter(torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ())
