@@ -407,6 +407,11 @@ class AttributeReplay:
             (index, name) for index, held in enumerate(attributes) for name in held if not is_framework_attribute(name)
         ]
 
+    @property
+    def dicts(self) -> Sequence[dict[str, Any]]:
+        """The attribute dictionaries (``vars(module)``) of the region's modules."""
+        return self._attributes
+
     def start(self) -> None:
         """The forward starts: the watched values, and how many attributes each module holds."""
         attributes = self._attributes

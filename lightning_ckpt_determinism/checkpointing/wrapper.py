@@ -755,7 +755,7 @@ class _EagerCall:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
                 nodes = autograd_nodes_made() - start
             self.attributes.end()
-            count = buffer_count(map(vars, wrapper._region_modules))
+            count = buffer_count(self.attributes.dicts)
             if count != wrapper._buffer_count:
                 self.registered = wrapper._buffers_registered(count)
                 probe = None  # what it learned predates the buffers: the next call learns again
