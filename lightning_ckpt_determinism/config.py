@@ -418,6 +418,11 @@ class CheckpointingConfig:
                         f" in a list: [{value!r}]."
                     )
                 # `list("Block")` would silently select classes named "B", "l", ...
+                if name == "classes":
+                    raise CheckpointingConfigError(
+                        f"`classes` must be a list of strings or 'auto', got {value!r}; use [{value!r}], or 'auto'"
+                        " for a transformer's layers."
+                    )
                 raise CheckpointingConfigError(f"`{name}` must be a list of strings, got {value!r}; use [{value!r}].")
         if isinstance(self.classes, (list, tuple)) and AUTO_CLASSES in self.classes:
             raise CheckpointingConfigError(

@@ -72,8 +72,12 @@ def test_auto_in_a_model_without_layers_to_choose_says_what_it_looked_for_and_ho
 
 
 def test_a_single_class_name_is_still_refused_and_auto_is_not_a_class_name() -> None:
-    with pytest.raises(CheckpointingConfigError, match=r"`classes` must be a list of strings, got 'Block'"):
+    with pytest.raises(CheckpointingConfigError) as raised:
         CheckpointingConfig(classes="Block")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "`classes` must be a list of strings or 'auto', got 'Block'; use ['Block'], or 'auto' for a transformer's"
+        " layers."
+    )
     assert CheckpointingConfig(classes="auto").classes == "auto"
 
 

@@ -386,7 +386,7 @@ def test_a_flag_given_another_value_in_yaml_is_said_as_python_says_it(
 ) -> None:
     config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(prog_bar=2))
     line = _cli_error(capsys, _argv(config, tmp_path))
-    assert line == "error: `trainer.callbacks.prog_bar` must be True or False, got 2."
+    assert line == "error: `trainer.callbacks.prog_bar` must be true or false, got 2."
 
 
 def _return_annotation_required() -> bool:
@@ -683,7 +683,8 @@ def test_a_single_class_where_a_list_is_expected_is_one_line_with_the_yaml_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + "        classes: DropoutBlock\n") == [
-        "error: `trainer.strategy.checkpointing.classes` must be a list, got DropoutBlock; write [DropoutBlock]."
+        "error: `trainer.strategy.checkpointing.classes` must be auto or a list, got DropoutBlock; write"
+        " [DropoutBlock], or auto for a transformer's layers."
     ]
 
 

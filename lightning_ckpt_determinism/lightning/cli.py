@@ -418,10 +418,15 @@ def _in_package_words(rejected: str) -> str:
     if found is not None and single is not None:
         if found[1].endswith("classes") and difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
+        if found[1].endswith("classes"):
+            return (
+                f"`{found[1]}` must be auto or a list, got {single}; write [{single}], or auto for a transformer's"
+                " layers."
+            )
         return f"`{found[1]}` must be a list, got {single}; write [{single}]."
     flag = bool_expected(found[2]) if found else None
     if found is not None and flag is not None:
-        return f"`{found[1]}` must be True or False, got {flag}."
+        return f"`{found[1]}` must be true or false, got {flag}."
     if found is not None and "to be a function that returns" in found[2]:
         return f"{rejected} Annotate its return type, as `def loss(module, batch, batch_idx) -> torch.Tensor:`."
     choice = literal_rejection(found[2]) if found else None
