@@ -334,10 +334,15 @@ def test_buffers_are_restored_after_attribution_found_a_mutation():
     assert all(torch.equal(before[name], buffer) for name, buffer in model.named_buffers())
 
 
-def test_forward_copies_are_held_only_until_their_region_is_recomputed():
-    model = stack_with(DropoutBlock)
+def observed_stack(block: Callable[[], nn.Module]) -> tuple[nn.Module, Attribution]:
+    """:func:`stack_with` ``block``, its blocks checkpointed, and an attribution observer of it."""
+    model = stack_with(block)
     apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
-    observer = Attribution(model)
+    return model, Attribution(model)
+
+
+def test_forward_copies_are_held_only_until_their_region_is_recomputed():
+    model, observer = observed_stack(DropoutBlock)
     x, y = batch()
     with observer.observing():
         loss = F.mse_loss(model(x), y)
@@ -530,9 +535,7 @@ def test_state_outside_the_regions_under_a_gradient_penalty_is_outside_state_whe
 def test_where_a_regions_parameters_live_is_learned_again_at_its_recomputation():
     # FSDP2 frees a gathered parameter after the forward and gathers it again, elsewhere, for the backward: a tensor
     # the recomputation writes in place where the parameter lived in the forward is no write to the parameter.
-    model = stack_with(PlainBlock)
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
-    observer = Attribution(model)
+    model, observer = observed_stack(PlainBlock)
     x, y = batch()
     with observer.observing():
         loss = F.mse_loss(model(x), y)
@@ -540,7 +543,7 @@ def test_where_a_regions_parameters_live_is_learned_again_at_its_recomputation()
         for param in model.blocks.parameters():
             param.data = param.data.clone()  # moved, as FSDP2's gathering for the backward moves it
         torch.autograd.grad(loss, list(model.parameters()))
-    moved = [{storage_pointer(param): f"{name}" for name, param in block.named_parameters()} for block in model.blocks]
+    moved = [{storage_pointer(param): name for name, param in block.named_parameters()} for block in model.blocks]
     assert [dict(call.parameter_storages) for call in observer.calls] == moved
     assert all(not set(before) & set(after) for before, after in zip(forward, moved, strict=True))
 

@@ -416,14 +416,13 @@ def _in_package_words(rejected: str) -> str:
     found = _KEY_AND_REASON.fullmatch(rejected)
     single = list_expected(found[2]) if found else None
     if found is not None and single is not None:
-        if found[1].endswith("classes") and difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
+        if not found[1].endswith("classes"):
+            return f"`{found[1]}` must be a list, got {single}; write [{single}]."
+        if difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
-        if found[1].endswith("classes"):
-            return (
-                f"`{found[1]}` must be auto or a list, got {single}; write [{single}], or auto for a transformer's"
-                " layers."
-            )
-        return f"`{found[1]}` must be a list, got {single}; write [{single}]."
+        return (
+            f"`{found[1]}` must be auto or a list, got {single}; write [{single}], or auto for a transformer's layers."
+        )
     flag = bool_expected(found[2]) if found else None
     if found is not None and flag is not None:
         return f"`{found[1]}` must be true or false, got {flag}."

@@ -61,8 +61,8 @@ def _values(value: Any) -> Any:
         return value.detach().clone()
     if isinstance(value, dict):
         return {key: _values(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(map(_values, value)) if type(value) in (list, tuple) else value
+    if type(value) in (list, tuple):
+        return type(value)(map(_values, value))
     return value
 
 
