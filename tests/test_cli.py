@@ -42,13 +42,13 @@ MISTAKES = {
         "monitor",
         "tolerance",
         -1,
-        "`trainer.callbacks.tolerance` must be a non-negative float, got -1.",
+        "`trainer.callbacks[0].tolerance` must be a non-negative float, got -1.",
     ),
     "every_n_steps": (
         "monitor",
         "every_n_steps",
         0,
-        "`trainer.callbacks.every_n_steps` must be an integer >= 1, got 0.",
+        "`trainer.callbacks[0].every_n_steps` must be an integer >= 1, got 0.",
     ),
     "save_ops": (
         "checkpointing",
@@ -73,19 +73,19 @@ MISTAKES = {
         "monitor",
         "history_size",
         0,
-        "`trainer.callbacks.history_size` must be an integer >= 1, got 0.",
+        "`trainer.callbacks[0].history_size` must be an integer >= 1, got 0.",
     ),
     "log_prefix": (
         "monitor",
         "log_prefix",
         "",
-        "`trainer.callbacks.log_prefix` must be a non-empty string, got ''.",
+        "`trainer.callbacks[0].log_prefix` must be a non-empty string, got ''.",
     ),
     "reference_regions": (
         "monitor",
         "reference_regions",
         0,
-        "`trainer.callbacks.reference_regions` must be None, 'auto' or an integer >= 1, got 0.",
+        "`trainer.callbacks[0].reference_regions` must be None, 'auto' or an integer >= 1, got 0.",
     ),
     "checkpointing_null": (
         "strategy",
@@ -188,7 +188,7 @@ BOTH_ROUTES = [
     ("monitor", "history_size", 0),
     ("monitor", "reference_regions", 0),
 ]
-KEYS = {"checkpointing": "trainer.strategy.checkpointing", "monitor": "trainer.callbacks"}
+KEYS = {"checkpointing": "trainer.strategy.checkpointing", "monitor": "trainer.callbacks[0]"}
 
 
 def _python_error(where: str, field: str, value: object) -> str:
@@ -222,7 +222,7 @@ def test_a_bare_off_that_yaml_reads_as_a_boolean_says_to_quote_it(
         train.main(_argv(path, tmp_path))
     quoted = "'off'" if written == "off" else "the choice"
     assert _error_lines(capsys.readouterr().err) == [
-        f"error: `trainer.callbacks.sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare off,"
+        f"error: `trainer.callbacks[0].sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare off,"
         f" no, on or yes as {said.lower()}: write {quoted} in quotes."
     ]
 
@@ -386,7 +386,7 @@ def test_a_flag_given_another_value_in_yaml_is_said_as_python_says_it(
 ) -> None:
     config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(prog_bar=2))
     line = _cli_error(capsys, _argv(config, tmp_path))
-    assert line == "error: `trainer.callbacks.prog_bar` must be true or false, got 2."
+    assert line == "error: `trainer.callbacks[0].prog_bar` must be true or false, got 2."
 
 
 def _return_annotation_required() -> bool:
@@ -429,7 +429,7 @@ def test_a_loss_fn_the_cli_refuses_says_why_in_one_line(
         pytest.skip("this jsonargparse takes a function without its return annotation (4.51 does)")
     config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(loss_fn=value))
     line = _cli_error(capsys, _argv(config, tmp_path))
-    assert line == f"error: `trainer.callbacks.loss_fn`: {said}"
+    assert line == f"error: `trainer.callbacks[0].loss_fn`: {said}"
 
 
 @pytest.mark.usefixtures("in_process")
@@ -708,7 +708,7 @@ def test_a_misspelt_option_is_one_line_with_the_option_it_meant(
             "        classes: [DropoutBlock]\n"
             "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
             "      init_args:\n        every_n: 2\n",
-            "error: `trainer.callbacks`: Option 'every_n' is not accepted; `every_n` is a field of"
+            "error: `trainer.callbacks[0]`: Option 'every_n' is not accepted; `every_n` is a field of"
             " `CheckpointingConfig`: put it under `trainer.strategy.init_args.checkpointing`",
         ),
         (
@@ -728,6 +728,31 @@ def test_an_argument_on_the_wrong_side_is_one_line_saying_where_it_belongs(
 ) -> None:
     # The close names on the other side (`every_n` and `every_n_steps`) mean something else: no "did you mean".
     assert _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + where) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("argument", "expected"),
+    [
+        ("sentinel: heavy", "`trainer.callbacks[1].sentinel` can be light, sampled, exact, off, got 'heavy'."),
+        ("every_n_steps: 0", "`trainer.callbacks[1].every_n_steps` must be an integer >= 1, got 0."),
+        (
+            "every_n_stps: 2",
+            "`trainer.callbacks[1]`: Option 'every_n_stps' is not accepted; did you mean `every_n_steps`?",
+        ),
+    ],
+    ids=["a choice", "a value its constructor refuses", "an option it does not take"],
+)
+def test_a_mistake_of_a_monitor_listed_second_names_its_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argument: str, expected: str
+) -> None:
+    # jsonargparse names the list alone (`trainer.callbacks`); where several callbacks are listed the index says which.
+    callbacks = (
+        "  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+        f"    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n      init_args:\n        {argument}\n"
+    )
+    assert _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + "        classes: [DropoutBlock]\n" + callbacks) == [
+        f"error: {expected}"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ of every alternative it tried. This CLI prints the one line that matters, naming
   it gives in Python and the field named by its key, checked before anything is built:
   ``error: `trainer.strategy.checkpointing.every_n` must be an integer >= 1, got 0.``;
 - a value outside a ``Literal``, in the same words as the package's choices:
-  ``error: `trainer.callbacks.on_divergence` can be warn, raise, ignore, got 'stop'.``;
+  ``error: `trainer.callbacks[0].on_divergence` can be warn, raise, ignore, got 'stop'.``;
 - any other value that a signature rejects while parsing: ``error: `trainer.max_steps`: Expected an int ...``;
 - a ``class_path`` that names nothing: ``error: `model`: module 'examples.gpt' has no attribute 'GPTModul'``;
 - a YAML syntax error in a ``--config`` file, with its place: ``error: run.yaml:3:4: invalid YAML: ...``;
@@ -120,9 +120,10 @@ class CheckpointingCLI(LightningCLI):
             said = _one_line(err)
             if said is None:
                 raise
-            misplaced = misplaced_arguments(_configs(sys.argv[1:] if given is None else given))
-            if said[1] == 2 and misplaced is not None:
-                said = (misplaced, 2)
+            configs = _configs(sys.argv[1:] if given is None else given)
+            misplaced = misplaced_arguments(configs)
+            if said[1] == 2:
+                said = (misplaced or _callback_indexed(said[0], configs), 2)
             print(f"error: {said[0]}", file=sys.stderr)
             sys.exit(said[1])
 
@@ -215,6 +216,52 @@ def misplaced_arguments(configs: list[Any]) -> str | None:
         if found is not None:
             return f"`{found[0]}`: `{found[1]}` sits beside `class_path`; put the arguments under `init_args:`."
     return None
+
+
+def _callback_indexed(message: str, configs: list[Any]) -> str:
+    """``message`` with its leading ``trainer.callbacks`` key pointed at the callback it is about, by its index in the
+    config's list (jsonargparse names the list alone): the one callback whose ``init_args`` hold the field named.
+    ``message`` as it is where no single callback does.
+
+    Args:
+        message: The line about to be printed.
+        configs: The loaded ``--config`` files, in order.
+
+    Example::
+
+        >>> monitor = {"class_path": "RecomputationMonitor", "init_args": {"sentinel": "heavy"}}
+        >>> configs = [{"trainer": {"callbacks": [{"class_path": "LearningRateMonitor"}, monitor]}}]
+        >>> _callback_indexed("`trainer.callbacks.sentinel` can be light, sampled, exact, off, got 'heavy'.", configs)
+        "`trainer.callbacks[1].sentinel` can be light, sampled, exact, off, got 'heavy'."
+    """
+    found = _CALLBACKS_KEY.match(message)
+    refused = _REFUSED.search(message)
+    field = found[1] if found is not None and found[1] else refused[1] if refused is not None else None
+    if found is None or field is None:
+        return message
+    holding = [index for index, init_args in _callbacks_init_args(configs) if field in init_args]
+    if len(holding) != 1:
+        return message
+    key = f"trainer.callbacks[{holding[0]}]" + (f".{found[1]}" if found[1] else "")
+    return f"`{key}`{message[found.end() :]}"
+
+
+_CALLBACKS_KEY = re.compile(r"^`trainer\.callbacks(?:\.(\w+))?`")
+
+
+def _callbacks_init_args(configs: list[Any]) -> list[tuple[int, dict[str, Any]]]:
+    """``(index, init_args)`` of each callback in the last config that lists callbacks (a later file replaces the
+    list of an earlier one)."""
+    for config in reversed(configs):
+        trainer = config.get("trainer") if isinstance(config, dict) else None
+        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+        if isinstance(callbacks, list):
+            return [
+                (index, callback["init_args"])
+                for index, callback in enumerate(callbacks)
+                if isinstance(callback, dict) and isinstance(callback.get("init_args"), dict)
+            ]
+    return []
 
 
 def _beside_class_path(node: Any, key: str) -> tuple[str, str] | None:

@@ -77,8 +77,8 @@ def located(message: str, key: str, fields: set[str]) -> str:
 def _package_values(value: Any, key: str) -> Iterator[tuple[str, Any, dict[str, Any]]]:
     """``(key, constructor, arguments)`` of each package value under ``value``, in the order of the config."""
     if isinstance(value, list):
-        for item in value:
-            yield from _package_values(item, key)
+        for index, item in enumerate(value):
+            yield from _package_values(item, f"{key}[{index}]")
         return
     if not isinstance(value, Namespace):
         return
