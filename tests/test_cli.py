@@ -222,8 +222,8 @@ def test_a_bare_off_that_yaml_reads_as_a_boolean_says_to_quote_it(
         train.main(_argv(path, tmp_path))
     quoted = "'off'" if written == "off" else "the choice"
     assert _error_lines(capsys.readouterr().err) == [
-        f"error: `trainer.callbacks[0].sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare off,"
-        f" no, on or yes as {said.lower()}: write {quoted} in quotes."
+        f"error: `trainer.callbacks[0].sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare"
+        f" off, no, on or yes as {said.lower()}: write {quoted} in quotes."
     ]
 
 
