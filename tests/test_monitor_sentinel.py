@@ -472,30 +472,40 @@ def test_compared_per_step_is_the_same_whatever_the_logging_interval(tmp_path: P
     assert fourth_per_step == [(3, per_step), (7, per_step)]
 
 
-def test_compared_per_step_counts_from_the_first_step_of_a_second_fit(tmp_path: Path) -> None:
-    # A second `fit` of the same Trainer starts at step 8 (as a resumed fit starts past 0): its first period holds
-    # four steps, not twelve.
-    pl.seed_everything(0, verbose=False)
-    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
-    kwargs = trainer_kwargs(
-        tmp_path,
-        max_steps=8,
-        strategy=strategy,
-        callbacks=[RecomputationMonitor(every_n_steps=100, sentinel="sampled")],
-        logger=CSVLogger(tmp_path),
-        log_every_n_steps=4,
-    )
-    trainer = pl.Trainer(**kwargs)
-    module = StackModule(block="PlainBlock")
-    trainer.fit(module)
-    trainer.fit_loop.epoch_loop.max_steps = 16
-    trainer.fit(module)
+@pytest.mark.parametrize("how", ["second fit", "resumed"])
+def test_compared_per_step_counts_from_the_first_step_of_a_second_fit(tmp_path: Path, how: str) -> None:
+    # A second `fit` of the same Trainer, or a fit resumed from a checkpoint (whose global step Lightning restores
+    # after `on_fit_start`), starts at step 8: its first period holds four steps, not twelve.
+    def trainer(root: Path, max_steps: int) -> pl.Trainer:
+        pl.seed_everything(0, verbose=False)
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+        kwargs = trainer_kwargs(
+            root,
+            max_steps=max_steps,
+            strategy=strategy,
+            callbacks=[RecomputationMonitor(every_n_steps=100, sentinel="sampled")],
+            logger=CSVLogger(root),
+            log_every_n_steps=4,
+        )
+        return pl.Trainer(**kwargs)
+
+    first, module = trainer(tmp_path, 8), StackModule(block="PlainBlock")
+    first.fit(module)
+    if how == "second fit":
+        first.fit_loop.epoch_loop.max_steps = 16
+        first.fit(module)
+        steps = [3, 7, 11, 15]
+    else:
+        first.save_checkpoint(tmp_path / "step8.ckpt")
+        tmp_path = tmp_path / "resumed"
+        trainer(tmp_path, 16).fit(StackModule(block="PlainBlock"), ckpt_path=tmp_path.parent / "step8.ckpt")
+        steps = [11, 15]
     compared = logged(tmp_path, "recompute/sentinel/compared")
     per_step = logged(tmp_path, "recompute/sentinel/compared_per_step")
-    assert [step for step, _ in per_step] == [3, 7, 11, 15]
+    assert [step for step, _ in per_step] == steps
     each = per_step[0][1]
-    assert each > 0 and per_step == [(step, each) for step in (3, 7, 11, 15)]
-    assert compared == [(step, 4 * each) for step in (3, 7, 11, 15)]
+    assert each > 0 and per_step == [(step, each) for step in steps]
+    assert compared == [(step, 4 * each) for step in steps]
 
 
 class TwoOptimizers(StackModule):

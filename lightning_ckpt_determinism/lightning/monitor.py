@@ -338,6 +338,7 @@ class RecomputationMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._watch.train_starts(trainer.global_step)
         if trainer.world_size == 1:
             self._epochs_end_together = True
             return

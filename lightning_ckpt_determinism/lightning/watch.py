@@ -175,12 +175,21 @@ class SentinelWatch:
         self._failed_read = None
         self._watching = True
         # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
-        self._warned, self._logged_step, self._said_nothing_compared = {}, trainer.global_step - 1, False
-        self._covered = self._last_end = trainer.global_step - 1
-        self._ends = {}
+        self._warned, self._said_nothing_compared = {}, False
+        self.train_starts(trainer.global_step)
         self._exact_from = None
         self._active = True
         self._pause_between_batches()  # until the first batch starts: the sanity check runs before it
+
+    def train_starts(self, global_step: int) -> None:
+        """The first period counts from ``global_step``, the fit's first: past 0 in a second ``fit`` and in a fit
+        resumed from a checkpoint, whose loops Lightning restores after ``on_fit_start``.
+
+        Args:
+            global_step: The Trainer's global step as training starts.
+        """
+        self._logged_step = self._covered = self._last_end = global_step - 1
+        self._ends = {}
 
     def stop(self) -> None:
         """Leave the sentinel (its report stays readable)."""
