@@ -282,6 +282,29 @@ def test_every_other_step_watched_catches_a_defect_at_a_watched_step_and_compare
     assert report is not None and report.compared == sum(compared.values())
 
 
+def test_a_period_that_compares_nothing_leaves_the_total_and_its_regions_as_the_last_period_logged_them(
+    tmp_path: Path,
+) -> None:
+    # Every block draws NumPy noise: each watched step (0 and 4) differs in each region; the steps between compare
+    # nothing, and `trainer.callback_metrics` keeps the counts of the last period that compared.
+    seen: list[tuple[float, float]] = []
+
+    class Reader(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            metrics = trainer.callback_metrics
+            regions = sum(float(v) for k, v in metrics.items() if k.startswith("recompute/sentinel/regions/"))
+            seen.append((float(metrics[METRIC]), regions))
+
+    monitor = RecomputationMonitor(every_n_steps=100, sentinel_every_n_steps=4, on_divergence="ignore")
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(tmp_path, max_steps=6, strategy=strategy, callbacks=[monitor, Reader()])
+    pl.Trainer(**kwargs, log_every_n_steps=1).fit(StackModule(block="NumpyNoiseBlock"))
+    first = seen[0][0]
+    assert first > 0 and all(total == regions for total, regions in seen)
+    assert [total for total, _ in seen] == [first] * 4 + [seen[4][0]] * 2 and seen[4][0] > 0
+
+
 def _weights(tmp_path: Path, sentinel: str | None, every: int = 1) -> dict[str, Any]:
     monitor = (
         None

@@ -215,20 +215,27 @@ class CheckResults:
 
 
 def _region_keys_kept(values: dict[str, float], earlier: set[str]) -> dict[str, float]:
-    """``values`` with 0.0 for each per-region metric put in ``earlier`` this fit and absent now, where ``values`` are
-    of its kind (a check's, the sentinel's): Lightning keeps a key's last value in ``trainer.callback_metrics``, where
-    a region that differed once would read as differing for the rest of the fit (``EarlyStopping`` on it would stop
-    on a clean epoch). ``earlier`` takes the per-region keys of ``values``.
+    """``values`` with 0.0 for each per-region metric put in ``earlier`` this fit and absent now, where ``values``
+    carry its total (``p/m`` for ``p/regions/a/m``): Lightning keeps a key's last value in
+    ``trainer.callback_metrics``, where a region that differed once would read as differing for the rest of the fit
+    (``EarlyStopping`` on it would stop on a clean epoch). Where ``values`` leave the total out (a sentinel period that
+    compared nothing), both keep their last values, so that a region's count never contradicts its total.
+    ``earlier`` takes the per-region keys of ``values``.
 
     Example::
 
         >>> earlier = set()
         >>> _region_keys_kept({"p/m": 1.0, "p/regions/a/m": 1.0}, earlier)
         {'p/m': 1.0, 'p/regions/a/m': 1.0}
-        >>> _region_keys_kept({"p/m": 0.0}, earlier), _region_keys_kept({"p/other/m": 0.0}, earlier)
-        ({'p/regions/a/m': 0.0, 'p/m': 0.0}, {'p/other/m': 0.0})
+        >>> _region_keys_kept({"p/m": 0.0}, earlier), _region_keys_kept({"p/compared": 0.0}, earlier)
+        ({'p/regions/a/m': 0.0, 'p/m': 0.0}, {'p/compared': 0.0})
     """
-    kinds = {key.rsplit("/", 1)[0] for key in values}
-    absent = sorted(key for key in earlier - values.keys() if key.split("/regions/", 1)[0] in kinds)
+    absent = sorted(key for key in earlier - values.keys() if _total_of(key) in values)
     earlier.update(key for key in values if "/regions/" in key)
     return {**dict.fromkeys(absent, 0.0), **values}
+
+
+def _total_of(key: str) -> str:
+    """The total of a per-region metric: ``p/m`` for ``p/regions/a/m``."""
+    kind, _, region_metric = key.partition("/regions/")
+    return f"{kind}/{region_metric.rsplit('/', 1)[-1]}"
