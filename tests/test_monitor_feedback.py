@@ -151,6 +151,21 @@ def test_a_forward_that_differs_before_any_recomputation_blames_state_outside_th
     assert len(messages) == 1 and "Region `" not in messages[0]
 
 
+def test_a_finding_held_back_asks_for_no_check_when_the_one_shown_was_checked_already(tmp_path: Path) -> None:
+    # Dropout redrawn in recomputation, logged every 5 steps: one read holds the findings of steps 1-5. Step 4's
+    # finding is the one shown (step 0's warned 4 steps before), and the periodic check of step 4 named its cause:
+    # no follow-up check runs for the findings held back.
+    monitor = RecomputationMonitor(every_n_steps=4)
+    with pytest.warns(LightningCkptDeterminismWarning) as record:
+        fit(tmp_path, monitor, max_steps=6, log_every_n_steps=5, config={"preserve_rng_state": False})
+    messages = [
+        str(warning.message) for warning in record if "the sentinel saw region `model.blocks.0`" in str(warning.message)
+    ]
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, True), (4, True)]
+    assert len(messages) == 2 and "at step 4:" in messages[1]
+    assert messages[1].endswith("The check of that step names the cause (in `history` and the fit's summary).")
+
+
 def test_the_sentinel_points_to_a_checks_warning_only_when_that_warning_was_shown(tmp_path: Path) -> None:
     # Dropout redrawn in recomputation: every step differs; the check at step 4 repeats step 0's finding and its
     # warning is held back (a finding warns again only `every_n_steps` checks later).

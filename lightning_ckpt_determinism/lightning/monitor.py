@@ -525,8 +525,10 @@ class RecomputationMonitor(Callback):
         step = self._watch.step
         # This fit's checks alone: a reused monitor's history holds an earlier fit's records of the same steps.
         checked = self._diverged_in_fit if self.attribution != "never" else set()
-        named = bool(findings) and all(finding.step in checked for finding in findings)
-        if named and all(finding.step in self._results.warned_steps for finding in findings):
+        # Decided over the findings that warn: one a region's earlier warning holds back promises nothing.
+        told = findings if self.on_divergence == "raise" else self._watch.due(findings, self.every_n_steps)
+        named = bool(told) and all(finding.step in checked for finding in told)
+        if named and all(finding.step in self._results.warned_steps for finding in told):
             then = "The check of that step names the cause (see its warning)."
         elif named:
             then = "The check of that step names the cause (in `history` and the fit's summary)."

@@ -388,15 +388,28 @@ class SentinelWatch:
         if on_divergence == "raise":
             messages = (respelt(finding.message(several_ranks), syntax) for finding in findings)
             raise RecomputationDivergenceError(" ".join(messages))
-        warned = False
+        due = self.due(findings, every_n_steps)
+        for finding in due:
+            self._warned[finding.region] = finding.step
+            rank_zero_warn(
+                respelt(finding.message(several_ranks, then), syntax), category=LightningCkptDeterminismWarning
+            )
+        return bool(due)
+
+    def due(self, findings: list[SentinelFinding], every_n_steps: int) -> list[SentinelFinding]:
+        """The ``findings`` that warn: a region's first, and one ``every_n_steps`` after its last warning.
+
+        Args:
+            findings: What :meth:`read` returned.
+            every_n_steps: Steps before a region warns again.
+        """
+        last = dict(self._warned)
+        due = []
         for finding in findings:
-            last = self._warned.get(finding.region)
-            if last is None or finding.step - last >= every_n_steps:
-                self._warned[finding.region] = finding.step
-                message = respelt(finding.message(several_ranks, then), syntax)
-                rank_zero_warn(message, category=LightningCkptDeterminismWarning)
-                warned = True
-        return warned
+            if finding.region not in last or finding.step - last[finding.region] >= every_n_steps:
+                last[finding.region] = finding.step
+                due.append(finding)
+        return due
 
     def metrics_due(self, trainer: "pl.Trainer") -> bool:
         """Whether the batch ending now completes a step Lightning logs at (``log_every_n_steps``) not logged yet.
