@@ -774,6 +774,19 @@ class LazyBlock(nn.Module):
         return torch.tanh(self.inp(x))
 
 
+class LazyNormBlock(nn.Module):
+    """A linear layer, then a lazy batch norm without affine parameters: only its statistics, buffers, get their
+    values at its first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.norm = nn.LazyBatchNorm1d(affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.inp(x)))
+
+
 class MomentumTeacherModule(StackModule):
     """Updates a momentum teacher (a frozen copy of the model) in place at the start of ``training_step``."""
 

@@ -701,24 +701,39 @@ def test_parameters_a_step_changes_in_place_are_copied_after_the_first_skip_and_
         assert torch.equal(expected, actual), key
 
 
-def test_a_step_that_initialises_lazy_modules_is_skipped_as_such_and_the_next_is_checked_without_copies(tmp_path):
-    _, plain = fit(tmp_path / "plain", block="LazyBlock", checkpointing=False)
+@pytest.mark.parametrize(
+    ("block", "initialised"),
+    [
+        ("LazyBlock", "model.blocks.0.inp.weight, model.blocks.0.inp.bias, model.blocks.1.inp.weight ..."),
+        (
+            "LazyNormBlock",
+            "model.blocks.0.norm.running_mean, model.blocks.0.norm.running_var, model.blocks.1.norm.running_mean ...",
+        ),
+    ],
+    ids=["lazy parameters", "lazy buffers only"],
+)
+def test_a_step_that_initialises_lazy_modules_is_skipped_as_such_and_the_next_is_checked_without_copies(
+    tmp_path, block, initialised
+):
+    _, plain = fit(tmp_path / "plain", block=block, checkpointing=False)
     monitor = RecomputationMonitor(every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LightningCkptDeterminismWarning)
-        _, module = fit(tmp_path / "monitored", block="LazyBlock", monitor=monitor)
+        _, module = fit(tmp_path / "monitored", block=block, monitor=monitor)
     said = [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]
-    assert [m for m in said if "skipped" in m] == [
-        "lightning_ckpt_determinism: the check at step 0 was skipped: its `training_step` initialised the parameters"
-        " of lazy modules (model.blocks.0.inp.weight, model.blocks.0.inp.bias, model.blocks.1.inp.weight ...), which a"
-        " rerun of the step cannot undo. The next step is checked; initialise them before the fit (one forward in"
-        " `setup`) to check this one too."
+    assert [m for m in said if "skipped" in m or "could not" in m or "failed" in m] == [
+        "lightning_ckpt_determinism: the check at step 0 was skipped: its `training_step` initialised lazy modules"
+        f" ({initialised}), which a rerun of the step cannot undo. The next step is checked; initialise them before the"
+        " fit (one forward in `setup`) to check this one too."
     ]
     skipped, *checked = monitor.history
-    assert (skipped.step, skipped.skipped) == (0, "lazy modules initialised their parameters in training_step")
+    assert (skipped.step, skipped.skipped) == (0, "lazy modules initialised in training_step")
     assert [(entry.step, entry.skipped, entry.grad_divergence) for entry in checked] == [
         (step, None, 0.0) for step in (1, 2, 3)
     ]
+    # The sentinel watched every step from the first (whose call initialising the modules ran plainly).
+    report = monitor.sentinel_report
+    assert report is not None and report.compared > 0 and report.mismatches == 0
     assert module.state_dict().keys() == plain.state_dict().keys()
     assert all(torch.equal(value, plain.state_dict()[key]) for key, value in module.state_dict().items())
 

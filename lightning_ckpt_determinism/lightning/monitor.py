@@ -406,9 +406,10 @@ class RecomputationMonitor(Callback):
             return
         step = trainer.global_step
         self._schedule.checking(step)
-        changed = capture.changed_parameters()
+        initialised = capture.initialised()
+        changed = list(dict.fromkeys([*capture.changed_parameters(), *initialised]))
         if agree(trainer.strategy, bool(changed)):
-            self._skip_changed_parameters(step, changed, capture.initialised_parameters())
+            self._skip_changed_parameters(step, changed, initialised)
             return
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
@@ -592,16 +593,16 @@ class RecomputationMonitor(Callback):
 
     def _skip_changed_parameters(self, step: int, changed: list[str], initialised: list[str]) -> None:
         """Skip a check whose ``training_step`` changed parameters in place (on any rank): the capture copies them
-        from the next step on, which is then checked. Parameters of lazy modules that the step initialised are not
-        written again: the next step is checked without copying them."""
+        from the next step on, which is then checked. Parameters and buffers of lazy modules that the step initialised
+        are not written again: the next step is checked without copying them."""
         self._schedule.skipped(step)
         written = [name for name in changed if name not in initialised]
         if changed and not written:
-            self._results.skipped(step, "lazy modules initialised their parameters in training_step")
+            self._results.skipped(step, "lazy modules initialised in training_step")
             self._results.warn_once(
-                "initialised_parameters",
+                "initialised_lazy_modules",
                 f"lightning_ckpt_determinism: the check at step {step} was skipped: its `training_step` initialised"
-                f" the parameters of lazy modules ({_some(changed)}), which a rerun of the step cannot undo. The next"
+                f" lazy modules ({_some(changed)}), which a rerun of the step cannot undo. The next"
                 " step is checked; initialise them before the fit (one forward in `setup`) to check this one too.",
             )
             return

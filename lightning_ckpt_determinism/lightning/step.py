@@ -264,9 +264,9 @@ class StepCapture:
         """
         return self.state.unrestored_parameters()
 
-    def initialised_parameters(self) -> list[str]:
-        """The parameters of lazy modules the step initialised (:meth:`StepState.initialised_parameters`)."""
-        return self.state.initialised_parameters()
+    def initialised(self) -> list[str]:
+        """The parameters and buffers of lazy modules the step initialised (:meth:`StepState.initialised`)."""
+        return self.state.initialised()
 
     def restore_optimizer_settings(self) -> None:
         """Give the optimizers the hyperparameters and the schedulers the states the step started from (a rerun of

@@ -154,19 +154,20 @@ class StepState:
         """
         return self._parameters.unrestored()
 
-    def initialised_parameters(self) -> list[str]:
-        """The names of the parameters of lazy modules (``nn.LazyLinear`` ...) that had no values at capture and have
-        now: a forward since initialised them, which no rerun of the step could undo.
+    def initialised(self) -> list[str]:
+        """The names of the parameters and buffers of lazy modules (``nn.LazyLinear``, ``nn.LazyBatchNorm1d`` ...)
+        that had no values at capture and have now: a forward since initialised them, which no rerun of the step could
+        undo.
 
         Example::
 
-            >>> model = torch.nn.LazyLinear(2)
+            >>> model = torch.nn.Sequential(torch.nn.LazyLinear(2), torch.nn.LazyBatchNorm1d(affine=False))
             >>> state = StepState(model)
-            >>> _ = model(torch.ones(1, 3))
-            >>> state.initialised_parameters()
-            ['weight', 'bias']
+            >>> _ = model(torch.ones(2, 3))
+            >>> state.initialised()
+            ['0.weight', '0.bias', '1.running_mean', '1.running_var']
         """
-        return self._parameters.initialised()
+        return self._parameters.initialised() + self._buffers.initialised()
 
     def restore(self) -> None:
         """Put everything captured back; can be called any number of times. A tensor that still holds its captured
@@ -190,15 +191,23 @@ class _BufferSnapshot:
     buffer the step registers, in a first forward, is unregistered again)."""
 
     def __init__(self, module: nn.Module) -> None:
+        slots = buffer_slots(module)
+        # A lazy module's buffers (`nn.LazyBatchNorm1d`) have no values to copy until its first forward.
+        self._lazy = [(name, buffer) for name, (_, _, buffer) in slots.items() if is_lazy(buffer)]
         with torch.no_grad():
             self._entries = [
                 (name, owner, key, buffer, buffer.clone())
-                for name, (owner, key, buffer) in buffer_slots(module).items()
+                for name, (owner, key, buffer) in slots.items()
+                if not is_lazy(buffer)
             ]
         self._empty = [
             (name, owner, key) for name, owner, key in buffer_keys(module) if own_buffers(owner)[key] is None
         ]
         self._registered = [(owner, set(own_buffers(owner))) for owner in module.modules()]
+
+    def initialised(self) -> list[str]:
+        """The buffers that were a lazy module's without values at capture and have values now."""
+        return [name for name, buffer in self._lazy if not is_lazy(buffer)]
 
     def differing(self) -> list[str]:
         differing = []

@@ -10,6 +10,7 @@ from typing import Any, get_args
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism._torch_compat import is_compiled_module
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan
@@ -63,10 +64,10 @@ class RecomputationSentinel:
         self._name_of = {id(sub): name for name, sub in regions.items()}
         self._compiled = compiled_regions(module)
         # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
-        # themselves): known once.
-        self._buffers = {
-            name: frozenset(storage_pointer(buffer) for buffer in sub.buffers()) for name, sub in regions.items()
-        }
+        # themselves): known once, or, for a region with a lazy module's buffers (no storage until its first forward
+        # gives them one), at each call until it has none.
+        self._buffers = {name: _buffer_storages(sub) for name, sub in regions.items()}
+        self._lazy_buffers = {name for name, sub in regions.items() if any(map(is_lazy, sub.buffers()))}
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters = {name: RegionParameters(sub) for name, sub in regions.items()}
         # The tensor states of the torchmetrics metrics inside each region, found once.
@@ -155,6 +156,10 @@ class RecomputationSentinel:
             # A call the region probes (its path unknown or unsure) learns its own targets too, as the first call.
             steady = self.mode.tier == "light" and name not in self._varying and profile is not None
             layout = self._layouts.get(name) if steady else None
+            if name in self._lazy_buffers:
+                self._buffers[name] = _buffer_storages(module)
+                if not any(map(is_lazy, module.buffers())):
+                    self._lazy_buffers.discard(name)
             call = RegionCall(self, name, self._buffers[name], profile, layout)
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
@@ -431,3 +436,8 @@ def region_profile(module: nn.Module) -> RegionProfile | None:
 def region_saved(module: nn.Module) -> int:
     """How many tensors the region's latest eager forward saved, as its wrapper counted them."""
     return int(getattr(module.__dict__.get("forward"), "saved", 0))
+
+
+def _buffer_storages(module: nn.Module) -> frozenset[int]:
+    """Where ``module``'s buffers live, those of lazy modules not initialised yet left out."""
+    return frozenset(storage_pointer(buffer) for buffer in module.buffers() if not is_lazy(buffer))
