@@ -438,6 +438,6 @@ def region_saved(module: nn.Module) -> int:
     return int(getattr(module.__dict__.get("forward"), "saved", 0))
 
 
-def _buffer_storages(module: nn.Module) -> frozenset[int]:
+def _buffer_storages(module: nn.Module) -> frozenset[int | None]:
     """Where ``module``'s buffers live, those of lazy modules not initialised yet left out."""
     return frozenset(storage_pointer(buffer) for buffer in module.buffers() if not is_lazy(buffer))
