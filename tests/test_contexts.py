@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.contexts import (
     NO_CONTEXT,
+    SMALL_BUFFER_BYTES,
     BufferSlot,
     ForwardState,
     Reenterable,
@@ -21,23 +22,24 @@ from tests.helpers import DIM
 
 class Counted(nn.Module):
     """Scales by a buffer it never changes; once ``armed``, counts its calls in a second buffer, in place, and scales
-    by the count too; with ``fail``, raises after counting. Holds a generator of its own."""
+    by the count too (a scalar, or ``count_size`` equal counts); with ``fail``, raises after counting. Holds a
+    generator of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_size: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.linear = nn.Linear(DIM, DIM)
         self.armed = False
         self.fail = False
         self.noise = torch.Generator().manual_seed(0)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
-        self.register_buffer("count", torch.ones(()))
+        self.register_buffer("count", torch.ones(count_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:
             self.count += 1
         if self.fail:
             raise ValueError("the forward failed")
-        return torch.tanh(self.linear(x) * self.scale * self.count)
+        return torch.tanh(self.linear(x) * self.scale * self.count.view(-1)[0])
 
 
 def _slots(module: nn.Module) -> list[BufferSlot]:
@@ -66,10 +68,13 @@ def test_a_forward_that_changed_nothing_it_replays_is_recomputed_through_the_sha
         assert listed.replay() is not NO_CONTEXT
 
 
-def test_a_buffer_first_changed_by_this_forward_is_replayed_from_the_value_it_left_and_changed_once() -> None:
+@pytest.mark.parametrize("count_size", [(), (SMALL_BUFFER_BYTES // 4 + 1,)], ids=["small", "large"])
+def test_a_buffer_first_changed_by_this_forward_is_recomputed_from_its_start_if_small_and_changed_once(
+    count_size: tuple[int, ...],
+) -> None:
     torch.manual_seed(0)
-    module, changed = Counted(), []
-    plain = Counted()
+    module, changed = Counted(count_size), []
+    plain = Counted(count_size)
     plain.load_state_dict(module.state_dict())
     module.armed = plain.armed = True
     state = _state(module, frozenset(), changed)
@@ -83,11 +88,16 @@ def test_a_buffer_first_changed_by_this_forward_is_replayed_from_the_value_it_le
     with replay:
         recomputed = module(x)
     expected = plain(x)
-    # Recomputation started from the value the forward left (the one it started from is gone), and gave it back.
     assert torch.equal(out, expected)
-    assert torch.equal(recomputed, torch.tanh(plain.linear(x) * plain.scale * (plain.count + 1)))
+    if count_size:
+        # Too large to copy before it was known to change: recomputed from the value the forward left.
+        assert torch.equal(recomputed, torch.tanh(plain.linear(x) * plain.scale * (plain.count[0] + 1)))
+    else:
+        # Copied as the forward started: recomputed from there, as a buffer the profile lists.
+        assert torch.equal(recomputed, out)
+    # Either way the live value is given back: changed once, as without checkpointing.
     assert torch.equal(module.count, plain.count)
-    assert float(module.count) == 2.0
+    assert float(module.count.view(-1)[0]) == 2.0
 
 
 def test_the_live_buffers_and_generators_are_put_back_when_a_recomputation_raises() -> None:

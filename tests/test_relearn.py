@@ -853,7 +853,9 @@ class LateCount(nn.Module):
 
 
 @pytest.mark.parametrize("tier", ["sampled", "exact"])
-def test_a_buffer_first_changed_in_place_at_a_later_call_is_changed_once_and_that_call_is_seen(tier: str) -> None:
+def test_a_buffer_first_changed_in_place_at_a_later_call_is_changed_once_and_that_call_recomputed_exactly(
+    tier: str,
+) -> None:
     torch.manual_seed(0)
     plain = Head(LateCount())
     model = copy.deepcopy(plain)
@@ -868,7 +870,8 @@ def test_a_buffer_first_changed_in_place_at_a_later_call_is_changed_once_and_tha
             sentinel.next_step()
             # Changed once per call, as without checkpointing, the call that changed it first included.
             assert float(model.body.count) == float(plain.body.count) == max(1, step + 1)
-    # The value that call started from is gone before its recomputation: its gradients differ, and the sentinel says
-    # so at that step. From the next call on the buffer is replayed.
-    assert equal == [True, False, True, True]
-    assert [count > 0 for count in found] == [False, True, False, False]
+    # The buffer is small: copied as each call starts until it is known to change, so the call that first changes it
+    # is recomputed from the value it started from, and the sentinel finds nothing. From the next call on it is
+    # replayed as learned.
+    assert equal == [True, True, True, True]
+    assert found == [0, 0, 0, 0]

@@ -30,6 +30,7 @@ from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_h
 
 __all__ = [
     "NO_CONTEXT",
+    "SMALL_BUFFER_BYTES",
     "AttributeReplay",
     "BufferSlot",
     "ContextFactory",
@@ -138,12 +139,14 @@ class ForwardState:
     forward changes comes from the region's profile: without one (a learning call) every buffer and generator is
     captured; otherwise only those the profile lists are, and every other buffer is checked at the forward's end by
     identity and version counter, so that one first changed later (or replaced by assignment) is reported to
-    ``changed`` and captured from the next forward on. That forward's own recomputation starts from the value the
-    forward left, and gives it back afterwards, with the other buffers of its module (BatchNorm's kernel updates its
-    running statistics without a version bump): the buffer is changed once, as without checkpointing, though the
-    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it). A buffer
-    registered as ``None`` that the forward creates is taken away for its recomputation, which creates its own, and
-    put back after it.
+    ``changed`` and captured from the next forward on. The small ones among them (up to
+    :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's) are copied as the forward starts, so
+    that the forward that first changes one is recomputed from the values it started from, as a learned buffer is.
+    For a larger one that forward's recomputation starts from the value the forward left, and gives it back
+    afterwards, with the other buffers of its module (BatchNorm's kernel updates its running statistics without a
+    version bump): the buffer is changed once, as without checkpointing, though the recomputation may differ (the
+    value the forward started from is gone; the sentinel and the check see it). A buffer registered as ``None`` that
+    the forward creates is taken away for its recomputation, which creates its own, and put back after it.
 
     Args:
         module: The region.
@@ -183,6 +186,8 @@ class ForwardState:
         self._changed = changed
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
+        # The values the small watched buffers started from, by their place in `_watched`.
+        self._starts: dict[int, torch.Tensor] = {}
         # The buffers changed late, each with whether the forward created it where it found ``None`` (a buffer sized
         # at the first forward).
         self._late: list[tuple[nn.Module, str, bool]] = []
@@ -224,9 +229,11 @@ class _Capture:
                 cloned.append((owner, key, buffer))
             else:
                 state._watched.append((name, owner, key, buffer, version_counter(buffer)))
-        if cloned:
+        small = [(at, entry[3]) for at, entry in enumerate(state._watched) if _small(entry[3])]
+        if cloned or small:
             with torch.no_grad(), disable_current_modes():
                 state._captured.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
+                state._starts = {at: buffer.detach().clone() for at, buffer in small}  # type: ignore[union-attr]
         if state._replays_generators:
             held = generator_slots(state._module) if profile is None else profile.generators
             state._generators = [(generator, generator.get_state()) for _, generator in held]
@@ -241,12 +248,26 @@ class _Capture:
                 state._changed(name)
                 owners.add(owner)
         # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
-        # updates its running statistics in place, its counter bumps one): they are given back after recomputation
-        # with it.
-        state._late.extend(
-            (owner, key, buffer is None) for _, owner, key, buffer, _ in state._watched if owner in owners
-        )
-        state._watched = []
+        # updates its running statistics in place, its counter bumps one): they are recomputed from the values they
+        # started from where those were copied, and given back after recomputation with it otherwise.
+        for at, (_, owner, key, buffer, _) in enumerate(state._watched):
+            if owner not in owners:
+                continue
+            start = state._starts.get(at)
+            if start is not None and buffer is not None:
+                state._captured.append((owner, key, buffer, start))
+            else:
+                state._late.append((owner, key, buffer is None))
+        state._watched, state._starts = [], {}
+
+
+SMALL_BUFFER_BYTES = 4096
+"""The largest buffer a region's forward copies before it is known to change it (see :class:`ForwardState`)."""
+
+
+def _small(buffer: torch.Tensor | None) -> bool:
+    """Whether ``buffer`` is a plain tensor of at most :data:`SMALL_BUFFER_BYTES`."""
+    return type(buffer) is torch.Tensor and buffer.numel() * buffer.element_size() <= SMALL_BUFFER_BYTES
 
 
 class _Replay:

@@ -555,7 +555,7 @@ class CheckpointedForward:
         if name not in self._replayed:
             _log.info(
                 "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward for the first time after"
-                " its first call; its recomputation replays it from the next forward on.",
+                " its first call; the region replays it from now on.",
                 self.region,
                 name,
             )
