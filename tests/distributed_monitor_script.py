@@ -372,6 +372,10 @@ def main(kind: str, out_dir: Path) -> None:
         # The same, the sentinel watching every other step: both ranks watch and read the same steps.
         monitor = RecomputationMonitor(every_n_steps=50, sentinel_every_n_steps=2)
         run(kind, out_dir, "sentinel_every_other", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
+        # The same under the two-pass check, which compares each rank's own gradients: whether step 0's check named
+        # the cause, and so whether the sentinel's finding asks for a check of step 1, is decided alike on both ranks.
+        monitor = RecomputationMonitor(every_n_steps=2, attribution="always")
+        run(kind, out_dir, "sentinel_rank_one_two_pass", "PlainBlock", monitor, checkpointing, {}, RankOneCounterBlock)
         # The sentinel failing to read a clean record on rank 1 only: the failure joins the next read's reduced
         # flag (no record is added on rank 1 alone, which would change the length every rank reduces).
         real_read = RecomputationSentinel.read

@@ -277,6 +277,17 @@ def test_ddp_the_sentinel_sees_a_defect_on_rank_one_only_at_every_step_and_warns
     assert sum(compared) == rank0["compared"] + rank1["compared"]
 
 
+def test_ddp_a_two_pass_check_that_diverged_on_rank_one_only_asks_no_rank_for_a_follow_up(ddp):
+    # Rank 1's own gradients diverged, rank 0's did not: the decision that the check named the cause is reduced, so
+    # neither rank checks step 1 (a rank that did alone would wait in a collective the other never enters).
+    rank0, rank1 = result(ddp, "sentinel_rank_one_two_pass", 0), result(ddp, "sentinel_rank_one_two_pass", 1)
+    assert rank0["global_step"] == rank1["global_step"] == 4
+    assert rank0["history"] == rank1["history"]
+    assert [(entry["step"], entry["diverged"]) for entry in rank0["history"]] == [(0, True), (2, True)]
+    sentinel = [message for message in rank0["warnings"] if "the sentinel saw" in message]
+    assert sentinel and all("The check of that step names the cause" in message for message in sentinel)
+
+
 def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_steps_alike_on_both_ranks(ddp):
     out_dir = ddp
     every_other, every_step = result(out_dir, "sentinel_every_other", 0), result(out_dir, "sentinel_rank_one", 0)

@@ -434,8 +434,9 @@ class RecomputationMonitor(Callback):
             )
         self._schedule.checked_this_fit = True
         self.last_report = report
-        self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up)
-        if report.diverged:
+        # Reduced over ranks: a follow-up check is decided alike on every rank from it (a rank that decided from its
+        # own report alone would check a step the others do not, and wait in a collective they never enter).
+        if self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up):
             self._diverged_in_fit.add(step)
 
     @override

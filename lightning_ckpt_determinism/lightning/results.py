@@ -108,7 +108,7 @@ class CheckResults:
         subset: bool,
         *,
         follow_up: bool = False,
-    ) -> None:
+    ) -> bool:
         """Count a check, reduce its report over ranks, log and keep it, and warn or raise if it diverged.
 
         Args:
@@ -118,6 +118,9 @@ class CheckResults:
             report: This rank's report.
             subset: Whether the reference ran only some regions plainly (they are kept with the history entry).
             follow_up: Whether a sentinel finding asked for this check (the summary counts them apart).
+
+        Returns:
+            Whether any rank diverged: the same on every rank.
 
         Raises:
             RecomputationDivergenceError: On every rank, with ``on_divergence="raise"``, if any rank diverged.
@@ -144,12 +147,13 @@ class CheckResults:
             )
         )
         if not findings.diverged or self.on_divergence == "ignore":
-            return
+            return findings.diverged
         message = respelt(divergence_message(step, findings, report, self.attribution, self.unattributed), self.syntax)
         if self.on_divergence == "raise":
             raise RecomputationDivergenceError(message)
         if self.warn_once(warning_key(findings), message):
             self.warned_steps.add(step)
+        return True
 
     def publish(
         self,
