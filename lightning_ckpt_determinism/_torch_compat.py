@@ -5,6 +5,7 @@ sources; the newest of them (``SelectiveCheckpointContext.op_output``, 2.12, rea
 sets the package's floor. The package is tested on the versions its README names. Nothing here imports Lightning.
 """
 
+import contextlib
 import inspect
 import operator
 import re
@@ -46,6 +47,7 @@ __all__ = [
     "TorchDispatchMode",
     "aot_backends",
     "autograd_nodes_made",
+    "below_current_modes",
     "checkpoint_codes",
     "checkpoint_debug_enabled",
     "checkpoint_saved_counter",
@@ -95,6 +97,22 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 
 StopRecomputationError = _StopRecomputationError
 disable_current_modes = _disable_current_modes
+
+
+def below_current_modes() -> contextlib.AbstractContextManager[Any]:
+    """:func:`disable_current_modes` where a dispatch mode is active, and a context that does nothing (about 4 µs
+    cheaper) where none is: the dispatch stack's length is read (>= 2.0).
+
+    Example::
+
+        >>> with below_current_modes():
+        ...     torch.ones(1).sin()
+        tensor([0.8415])
+    """
+    if torch._C._len_torch_dispatch_stack():
+        return _disable_current_modes()
+    return contextlib.nullcontext()
+
 
 # A functional collective's result before its wait (tensor parallelism's all-reduce, `RowwiseParallel`): a wrapper
 # whose inner tensor holds the result only once waited for (`trigger_wait` waits once, then hands the inner tensor

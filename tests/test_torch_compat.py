@@ -305,6 +305,19 @@ def test_ops_under_disable_current_modes_skip_the_mode_and_the_mode_comes_back()
     assert mode.ops() == ["aten.sin.default", "aten.exp.default"]
 
 
+@pins("below_current_modes")
+def test_ops_below_current_modes_skip_an_active_mode_and_run_as_they_are_without_one() -> None:
+    x = torch.ones(2)
+    with _RecordingMode() as mode:
+        x.sin()
+        with compat.below_current_modes():
+            x.cos()
+        x.exp()
+    assert mode.ops() == ["aten.sin.default", "aten.exp.default"]
+    with compat.below_current_modes():
+        assert torch.equal(x.cos(), torch.ones(2).cos())
+
+
 @pins("no_python_dispatch")
 def test_ops_under_no_python_dispatch_skip_the_mode_and_the_mode_comes_back() -> None:
     x = torch.ones(2)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import (
+    below_current_modes,
     disable_current_modes,
     hook_handles_made,
     own_buffers,
@@ -229,10 +230,14 @@ class _Capture:
                 cloned.append((owner, key, buffer))
             else:
                 state._watched.append((name, owner, key, buffer, version_counter(buffer)))
-        small = [(at, entry[3]) for at, entry in enumerate(state._watched) if _small(entry[3])]
-        if cloned or small:
+        if cloned:
             with torch.no_grad(), disable_current_modes():
                 state._captured.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
+        small = [(at, entry[3]) for at, entry in enumerate(state._watched) if _small(entry[3])]
+        if small:
+            # Detached copies (no autograd node to make), below a mode only where one is active: they are made at
+            # most calls of a region holding buffers, most of which no forward changes.
+            with below_current_modes():
                 state._starts = {at: buffer.detach().clone() for at, buffer in small}  # type: ignore[union-attr]
         if state._replays_generators:
             held = generator_slots(state._module) if profile is None else profile.generators
