@@ -282,6 +282,8 @@ def main(kind: str, out_dir: Path) -> None:
     unprotected = {"classes": ["PlainBlock", "RankOneBufferBlock"], "protect_buffers": False}
     monitor = RecomputationMonitor(every_n_steps=2, sentinel="off")
     run(kind, out_dir, "buffer_rank_one", "PlainBlock", monitor, unprotected, {}, RankOneBufferBlock)
+    monitor = RecomputationMonitor(every_n_steps=2, sentinel="off", attribution="never")
+    run(kind, out_dir, "buffer_rank_one_live", "PlainBlock", monitor, unprotected, {}, RankOneBufferBlock)
     # Bit-identical training: checked every step, checkpointed without the monitor, and neither.
     setups = {"accumulate_2_clipping": lambda: {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}
     if kind == "ddp":

@@ -73,10 +73,17 @@ class RankFindings:
             report.worst_parameters,
             regions,
             bool(report.regions),
-            report.hint,
+            None if _told_by_another_rank(report) else report.hint,
             report.buffer_mutations,
             report.attribute_mutations,
         )
+
+
+def _told_by_another_rank(report: RecomputationReport) -> bool:
+    """Whether ``report`` names buffers or attributes that changed on another rank only, whose own report names them
+    (the hint then says it once, with their names)."""
+    own = report.buffer_mutations if report.cause == Cause.BUFFER_MUTATION else report.attribute_mutations
+    return report.cause in (Cause.BUFFER_MUTATION, Cause.ATTRIBUTE_MUTATION) and not own
 
 
 @dataclass(frozen=True)
