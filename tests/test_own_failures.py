@@ -17,6 +17,7 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
 )
+from lightning_ckpt_determinism.lightning.findings import FitSummary
 from lightning_ckpt_determinism.verify import live_step
 from lightning_ckpt_determinism.verify.sentinel import observer, recomputation_sentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
@@ -130,6 +131,18 @@ def test_a_check_that_raises_on_one_process_is_skipped_with_one_warning_and_trai
         " the check runs again from the step's start, make it safe to run twice or give the monitor a `loss_fn`;"
         " otherwise please report it."
     )
+
+
+def test_a_summary_the_monitor_fails_to_write_ends_no_fit_and_its_findings_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FitSummary, "text", failing_from(1, FitSummary.text))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [
+        "lightning_ckpt_determinism: the monitor could not write the fit's summary (RuntimeError: injected); its"
+        " `history` and metrics hold what it found. Please report it."
+    ]
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
 
 
 def test_a_standalone_sentinel_that_fails_in_a_backward_leaves_the_gradients_exact_and_names_its_failure(

@@ -505,9 +505,23 @@ class RecomputationMonitor(Callback):
             self._publish(trainer, None, self._watch.metrics(last=True))
         self._watch.stop()
         if self._enabled:
-            plan = getattr(trainer.strategy, "checkpointing_plan", None)
-            rank_zero_info(self._results.text(self._watch.report, plan))
+            self._summarise(trainer)
         self._fit_output.release()
+
+    def _summarise(self, trainer: "pl.Trainer") -> None:
+        """The fit's summary paragraph on rank zero; a failure of its own to write it is a warning, not the fit's end
+        (no collective follows it)."""
+        plan = getattr(trainer.strategy, "checkpointing_plan", None)
+        try:
+            text = self._results.text(self._watch.report, plan)
+        except Exception as err:
+            rank_zero_warn(
+                f"lightning_ckpt_determinism: the monitor could not write the fit's summary ({type(err).__name__}:"
+                f" {err}); its `history` and metrics hold what it found. Please report it.",
+                category=LightningCkptDeterminismWarning,
+            )
+            return
+        rank_zero_info(text)
 
     @override
     def state_dict(self) -> dict[str, Any]:
