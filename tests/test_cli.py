@@ -769,7 +769,7 @@ def test_a_mistake_of_a_monitor_listed_second_names_its_index(
             _SINGLE_DEVICE + "        classes: [DropoutBlock]\n"
             "  callbacks:\n    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
             "      init_args:\n        - 2\n",
-            "error: `trainer.callbacks`: the `init_args` of `lightning_ckpt_determinism.RecomputationMonitor` are a"
+            "error: `trainer.callbacks[0]`: the `init_args` of `lightning_ckpt_determinism.RecomputationMonitor` are a"
             " list; write them as `name: value` lines, one argument each",
         ),
     ],

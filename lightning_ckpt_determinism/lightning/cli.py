@@ -235,11 +235,17 @@ def _callback_indexed(message: str, configs: list[Any]) -> str:
         "`trainer.callbacks[1].sentinel` can be light, sampled, exact, off, got 'heavy'."
     """
     found = _CALLBACKS_KEY.match(message)
-    refused = _REFUSED.search(message)
-    field = found[1] if found is not None and found[1] else refused[1] if refused is not None else None
-    if found is None or field is None:
+    if found is None:
         return message
-    holding = [index for index, init_args in _callbacks_init_args(configs) if field in init_args]
+    refused, listed = _REFUSED.search(message), _LISTED_OF.search(message)
+    field = found[1] or (refused[1] if refused is not None else None)
+    callbacks = _listed_callbacks(configs)
+    if field is not None:
+        holding = [index for index, (_, init_args) in enumerate(callbacks) if field in init_args]
+    elif listed is not None:  # its `init_args` a list: the callback of that class
+        holding = [index for index, (class_path, _) in enumerate(callbacks) if class_path == listed[1]]
+    else:
+        return message
     if len(holding) != 1:
         return message
     key = f"trainer.callbacks[{holding[0]}]" + (f".{found[1]}" if found[1] else "")
@@ -247,21 +253,26 @@ def _callback_indexed(message: str, configs: list[Any]) -> str:
 
 
 _CALLBACKS_KEY = re.compile(r"^`trainer\.callbacks(?:\.(\w+))?`")
+_LISTED_OF = re.compile(r"the `init_args` of `([\w.]+)` are a list")
 
 
-def _callbacks_init_args(configs: list[Any]) -> list[tuple[int, dict[str, Any]]]:
-    """``(index, init_args)`` of each callback in the last config that lists callbacks (a later file replaces the
-    list of an earlier one)."""
+def _listed_callbacks(configs: list[Any]) -> list[tuple[object, dict[str, Any]]]:
+    """``(class_path, init_args)`` of each callback in the last config that lists callbacks (a later file replaces
+    the list of an earlier one), in its order."""
     for config in reversed(configs):
         trainer = config.get("trainer") if isinstance(config, dict) else None
         callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
         if isinstance(callbacks, list):
-            return [
-                (index, callback["init_args"])
-                for index, callback in enumerate(callbacks)
-                if isinstance(callback, dict) and isinstance(callback.get("init_args"), dict)
-            ]
+            return [_class_and_arguments(callback) for callback in callbacks]
     return []
+
+
+def _class_and_arguments(callback: object) -> tuple[object, dict[str, Any]]:
+    """A listed callback's ``class_path`` and ``init_args``; ``None`` and ``{}`` for what it does not hold as such."""
+    if not isinstance(callback, dict):
+        return None, {}
+    arguments = callback.get("init_args")
+    return callback.get("class_path"), arguments if isinstance(arguments, dict) else {}
 
 
 def _beside_class_path(node: Any, key: str) -> tuple[str, str] | None:
