@@ -12,7 +12,7 @@ import contextlib
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -136,7 +136,9 @@ class ForwardState:
     its modules hold (with ``preserve_rng_state``).
 
     Recomputation gets the buffer objects themselves, holding the values the forward started from (swapped in place
-    without a version bump, and swapped back afterwards, so that what it writes to them is undone). Which buffers a
+    without a version bump, and swapped back afterwards, so that what it writes to them is undone; a buffer the
+    forward resized, as a per-channel observer sizes its statistics at their first update, takes a copy of them as
+    its data, and its live storage back afterwards). Which buffers a
     forward changes comes from the region's profile: without one (a learning call) every buffer and generator is
     captured; otherwise only those the profile lists are, and every other buffer is checked at the forward's end by
     identity and version counter, so that one first changed later (or replaced by assignment) is reported to
@@ -282,7 +284,9 @@ class _Replay:
 
     def __init__(self, state: ForwardState) -> None:
         self._state = state
-        self._swapped: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        # Each buffer swapped: its owner and key, the object the owner held, the buffer, and its live values (a copy,
+        # or its live storage itself where the forward resized it).
+        self._swapped: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, _LiveValues]] = []
         self._live_generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> None:
@@ -290,13 +294,12 @@ class _Replay:
         if state._captured or state._late:
             with torch.no_grad(), disable_current_modes():
                 for owner, key, buffer, value in state._captured:
-                    swapped.append((owner, key, own_buffers(owner).get(key), buffer, buffer.detach().clone()))
-                    buffer.data.copy_(value)
+                    swapped.append((owner, key, own_buffers(owner).get(key), buffer, _swap_in(buffer, value)))
                     own_buffers(owner)[key] = buffer
                 for owner, key, created in state._late:
                     live = own_buffers(owner).get(key)
                     if live is not None:
-                        swapped.append((owner, key, live, live, live.detach().clone()))
+                        swapped.append((owner, key, live, live, _LiveValues(live.detach().clone(), resized=False)))
                         if created:  # recomputed from no buffer, as the forward was
                             own_buffers(owner)[key] = None
         self._live_generators = [(generator, generator.get_state()) for generator, _ in state._generators]
@@ -308,9 +311,38 @@ class _Replay:
             generator.set_state(generator_state)
         if self._swapped:
             with torch.no_grad(), disable_current_modes():
-                for owner, key, live, buffer, value in reversed(self._swapped):
-                    buffer.data.copy_(value)
+                for owner, key, live, buffer, values in reversed(self._swapped):
+                    _swap_back(buffer, values)
                     own_buffers(owner)[key] = live
+
+
+class _LiveValues(NamedTuple):
+    """What gives a swapped buffer its live values back: a copy written back in place, or, where the forward resized
+    the buffer (``resized``), its live storage itself, which it takes back."""
+
+    tensor: torch.Tensor
+    resized: bool
+
+
+def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
+    """Put ``value`` into ``buffer``, in place where their shapes agree (no version bump); where the forward resized
+    the buffer (a per-channel observer's statistics, sized at their first update), ``buffer`` takes a copy of
+    ``value`` as its data, and keeps its live storage untouched to take back."""
+    if buffer.shape == value.shape:
+        live = _LiveValues(buffer.detach().clone(), resized=False)
+        buffer.data.copy_(value)
+        return live
+    live = _LiveValues(buffer.data, resized=True)
+    buffer.data = value.clone()  # a copy: a second recomputation starts from `value` again
+    return live
+
+
+def _swap_back(buffer: torch.Tensor, live: _LiveValues) -> None:
+    """Give ``buffer`` its live values back (see :func:`_swap_in`), whatever shape its recomputation left it in."""
+    if live.resized or buffer.shape != live.tensor.shape:
+        buffer.data = live.tensor
+    else:
+        buffer.data.copy_(live.tensor)
 
 
 _TRAINING = operator.attrgetter("training")
