@@ -774,6 +774,27 @@ class LazyBlock(nn.Module):
         return torch.tanh(self.inp(x))
 
 
+class PerChannelQuantBlock(nn.Module):
+    """Quantization-aware training: a per-channel fake quantizer between two linear layers (the second's gradient
+    reads the quantized values). Its observer's statistics are empty until its first update sizes them."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.quant = torch.ao.quantization.FakeQuantize(
+            observer=torch.ao.quantization.MovingAveragePerChannelMinMaxObserver,
+            quant_min=0,
+            quant_max=255,
+            ch_axis=1,
+            dtype=torch.quint8,
+            qscheme=torch.per_channel_affine,
+        )
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.quant(torch.tanh(self.linear(x))))
+
+
 class LazyNormBlock(nn.Module):
     """A linear layer, then a lazy batch norm without affine parameters: only its statistics, buffers, get their
     values at its first forward."""

@@ -738,6 +738,21 @@ def test_a_step_that_initialises_lazy_modules_is_skipped_as_such_and_the_next_is
     assert all(torch.equal(value, plain.state_dict()[key]) for key, value in module.state_dict().items())
 
 
+@pytest.mark.parametrize("sentinel", ["light", "exact"])
+def test_a_step_that_sizes_a_buffer_is_checked_and_trains_as_without_checkpointing(tmp_path, sentinel):
+    # The first step sizes the per-channel observers' statistics: the check puts the empty values back for its
+    # reference pass, then the sized ones.
+    _, plain = fit(tmp_path / "plain", block="PerChannelQuantBlock", checkpointing=False)
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel=sentinel)
+    _, module = fit(tmp_path / "monitored", block="PerChannelQuantBlock", monitor=monitor)
+    assert [(entry.step, entry.skipped, entry.grad_divergence) for entry in monitor.history] == [
+        (step, None, 0.0) for step in range(4)
+    ]
+    report = monitor.sentinel_report
+    assert report is not None and report.compared > 0 and report.mismatches == 0
+    assert all(torch.equal(value, plain.state_dict()[key]) for key, value in module.state_dict().items())
+
+
 def test_two_monitors_in_one_trainer_are_refused_at_fit_start_in_one_line(tmp_path):
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
     callbacks = [RecomputationMonitor(), RecomputationMonitor(log_prefix="again")]

@@ -42,6 +42,7 @@ from tests.helpers import (
     LiveStorages,
     NumpyNoiseBlock,
     OpCounter,
+    PerChannelQuantBlock,
     PlainBlock,
     RoutingBlock,
     ScaledLinear,
@@ -782,21 +783,6 @@ class _FakeQuantBlock(nn.Module):
         return self.out(self.quant(torch.tanh(self.linear(x))))
 
 
-class _PerChannelQuantBlock(_FakeQuantBlock):
-    """A per-channel fake quantizer: its observer's statistics are empty until its first update sizes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.quant = torch.ao.quantization.FakeQuantize(
-            observer=torch.ao.quantization.MovingAveragePerChannelMinMaxObserver,
-            quant_min=0,
-            quant_max=255,
-            ch_axis=1,
-            dtype=torch.quint8,
-            qscheme=torch.per_channel_affine,
-        )
-
-
 @pytest.mark.parametrize("twice", [None, *TWICE])
 def test_a_buffer_its_forward_resizes_is_recomputed_as_it_started_and_trains_as_without_checkpointing(
     twice: str | None,
@@ -804,8 +790,8 @@ def test_a_buffer_its_forward_resizes_is_recomputed_as_it_started_and_trains_as_
     # The first forward sizes the observer's statistics (empty to one value a channel): the recomputation starts from
     # the empty values the forward started from, which the sized buffers cannot take in place.
     torch.manual_seed(0)
-    reference = make_stack(_PerChannelQuantBlock, n=2)
-    model = _checkpointed(copy.deepcopy(reference), CheckpointingConfig(classes=["_PerChannelQuantBlock"]))
+    reference = make_stack(PerChannelQuantBlock, n=2)
+    model = _checkpointed(copy.deepcopy(reference), CheckpointingConfig(classes=["PerChannelQuantBlock"]))
     for step in range(3):
         gradients = [gradients_of(twin, *batch(seed=step), twice) for twin in (reference, model)]
         assert _unequal(*gradients) == [], step

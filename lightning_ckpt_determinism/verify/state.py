@@ -28,6 +28,7 @@ place without a copy is named (:meth:`StepState.unrestored_parameters`) instead 
 that bumps no version counter (through ``.data``) is not seen.
 """
 
+import contextlib
 import random
 import types
 from collections import deque
@@ -297,14 +298,15 @@ def _put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Give ``tensor`` its captured ``value`` in place, unless it holds it bit for bit already: a write bumps the
     version counter, and a graph kept for a second backward (``retain_graph=True``) that saved the tensor would then
     refuse to run; an inference tensor (made under ``torch.inference_mode``, by ``trainer.validate`` before the fit)
-    is written inside inference mode, the only place it can be."""
+    is written inside inference mode, the only place it can be. A tensor the step resized (a per-channel observer's
+    statistics, sized at their first update) takes a copy of ``value`` as its data."""
     if _same_bits(tensor, value):
         return
-    if tensor.is_inference():
-        with torch.inference_mode():
+    with torch.inference_mode() if tensor.is_inference() else contextlib.nullcontext():
+        if tensor.shape == value.shape:
             tensor.copy_(value)
-    else:
-        tensor.copy_(value)
+        else:
+            tensor.data = value.clone()
 
 
 def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
