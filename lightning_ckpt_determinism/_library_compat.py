@@ -75,20 +75,25 @@ class ModelSetupHook:
 
 
 def lightning_logs_this_batch(trainer: Any) -> bool:
-    """Whether Lightning writes the training batch ending now to its loggers: its logger connector's
-    ``should_update_logs`` (Lightning 2.0 to 2.6), which counts batches that stepped, once per batch whatever the
-    number of optimizers (``global_step`` counts each optimizer's step). Read in ``on_train_batch_end``.
+    """Whether the training batch ending now is one Lightning writes to its loggers at its interval: its logger
+    connector's ``should_update_logs`` without its ``trainer.should_stop`` term. It counts batches that stepped
+    (``fit_loop.epoch_loop._batches_that_stepped``, one more while the batch ends, Lightning 2.0 to 2.6), once per
+    batch whatever the number of optimizers (``global_step`` counts each optimizer's step). Lightning also logs the
+    batch after which ``should_stop`` is set; that flag is one rank's own (a stop a module decides from its loss), and
+    a read of the sentinel on the ranks that set it alone would wait for the others: left out, every rank reads at the
+    same batches, and the fit's end reads the rest. Read in ``on_train_batch_end``.
 
     Example::
 
-        >>> class Connector:
-        ...     should_update_logs = True
-        >>> class Trainer:
-        ...     _logger_connector = Connector()
-        >>> lightning_logs_this_batch(Trainer())
-        True
+        >>> from types import SimpleNamespace
+        >>> loop = SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=49))
+        >>> trainer = SimpleNamespace(fit_loop=loop, log_every_n_steps=50, should_stop=True)
+        >>> lightning_logs_this_batch(trainer), lightning_logs_this_batch(SimpleNamespace(**{**vars(trainer),
+        ...     "fit_loop": SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=50))}))
+        (True, False)
     """
-    return bool(trainer._logger_connector.should_update_logs)
+    every = trainer.log_every_n_steps
+    return bool(every) and (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0
 
 
 def metric_state_names(metric: Any) -> list[str]:

@@ -145,6 +145,16 @@ class UnevenEpochsModule(StackModule):
         return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
 
 
+class RankZeroAsksToStopModule(StackModule):
+    """Sets ``trainer.should_stop`` on rank 0 alone at its second batch (a stop decided from its own loss); under
+    ``min_steps`` Lightning trains on, both ranks in step."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and dist.get_rank() == 0:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+
 class PowerSGDModule(StackModule):
     """Registers PowerSGD as DDP's communication hook (as Lightning's ``ddp_comm_hook`` does on CUDA): a hook whose
     state (error feedback, iteration count, warm-start factors) advances at every backward through DDP."""
@@ -352,6 +362,12 @@ def main(kind: str, out_dir: Path) -> None:
         options = {"module_class": PowerSGDModule}
         run(kind, out_dir, "powersgd_monitored", "PlainBlock", every_step(), {"classes": ["PlainBlock"]}, {}, **options)  # type: ignore[arg-type]
         run(kind, out_dir, "powersgd_plain", "PlainBlock", None, None, {}, **options)  # type: ignore[arg-type]
+        # A stop asked on rank 0 alone, which Lightning logs at: the sentinel is read at the logging interval alone,
+        # on both ranks alike.
+        options = {"module_class": RankZeroAsksToStopModule}
+        setup = {"log_every_n_steps": 50, "min_steps": 4}
+        monitor = RecomputationMonitor(every_n_steps=50)
+        run(kind, out_dir, "stop_on_rank_zero", "DropoutBlock", monitor, dropout, setup, **options)  # type: ignore[arg-type]
         # Epochs of different lengths on the two ranks (each reads its own data): the sentinel is read at steps
         # every rank reads it at, not at one rank's epoch end.
         uneven = {"use_distributed_sampler": False, "log_every_n_steps": 50}

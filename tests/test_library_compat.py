@@ -3,17 +3,19 @@ object, read as the package reads it."""
 
 from argparse import ArgumentError
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 import torch
 from jsonargparse import ArgumentParser
 from jsonargparse.typing import PositiveInt
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torchmetrics import MeanMetric
 
 from lightning_ckpt_determinism import _library_compat as compat
+from tests.helpers import StackModule, trainer_kwargs
 
 
 @dataclass
@@ -94,6 +96,28 @@ def test_a_metrics_states_and_bookkeeping_are_what_an_update_changes() -> None:
     assert set(compat.METRIC_BOOKKEEPING) <= set(vars(metric))
     assert after["_update_count"] == before["_update_count"] + 1
     assert after["_computed"] is not None
+
+
+@pytest.mark.parametrize(("every", "accumulate"), [(1, 1), (3, 1), (2, 2)])
+def test_the_batches_lightning_logs_at_its_interval_are_those_it_logs_with_no_stop_asked(
+    tmp_path: Path, every: int, accumulate: int
+) -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    class Reader(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            seen.append((compat.lightning_logs_this_batch(trainer), trainer._logger_connector.should_update_logs))
+            # A stop asked on this process alone: Lightning logs the batch; the interval does not move.
+            trainer.should_stop = len(seen) == 2
+            if trainer.should_stop:
+                seen.append((compat.lightning_logs_this_batch(trainer), trainer._logger_connector.should_update_logs))
+                trainer.should_stop = False
+
+    kwargs = trainer_kwargs(tmp_path, max_steps=6, callbacks=[Reader()], log_every_n_steps=every)
+    Trainer(**kwargs, accumulate_grad_batches=accumulate).fit(StackModule())
+    stopped = seen.pop(2)
+    assert [ours for ours, _ in seen] == [lightnings for _, lightnings in seen]
+    assert any(ours for ours, _ in seen) and stopped == (seen[1][0], True)
 
 
 def test_every_entry_is_pinned_here() -> None:

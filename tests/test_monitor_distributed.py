@@ -291,6 +291,12 @@ def test_ddp_a_two_pass_check_that_diverged_on_rank_one_only_asks_no_rank_for_a_
     assert sentinel and all("The check of that step names the cause" in message for message in sentinel)
 
 
+def test_ddp_a_stop_asked_on_rank_zero_alone_reads_the_sentinel_on_both_ranks_alike(ddp):
+    first, second = (result(ddp, "stop_on_rank_zero", rank) for rank in (0, 1))
+    assert first["error"] is None and first["global_step"] == second["global_step"] == 4
+    assert first["history"] == second["history"] and first["compared"] > 0 and second["compared"] > 0
+
+
 def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_steps_alike_on_both_ranks(ddp):
     out_dir = ddp
     every_other, every_step = result(out_dir, "sentinel_every_other", 0), result(out_dir, "sentinel_rank_one", 0)

@@ -141,9 +141,10 @@ class ForwardState:
     its data, and its live storage back afterwards). Which buffers a forward changes comes from the region's profile:
     without one (a learning call) every buffer and generator is captured; otherwise only those the profile lists
     are, and every other buffer is checked at the forward's end by identity and version counter, so that one first
-    changed later (or replaced by assignment) is reported to ``changed`` and captured from the next forward on. The small ones among them (up to
-    :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's) are copied as the forward starts, so
-    that the forward that first changes one is recomputed from the values it started from, as a learned buffer is.
+    changed later (or replaced by assignment) is reported to ``changed`` and captured from the next forward on. The
+    small ones among them (up to :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's) are
+    copied as the forward starts, so that the forward that first changes one is recomputed from the values it started
+    from, as a learned buffer is.
     For a larger one that forward's recomputation starts from the value the forward left, and gives it back
     afterwards, with the other buffers of its module (BatchNorm's kernel updates its running statistics without a
     version bump): the buffer is changed once, as without checkpointing, though the recomputation may differ (the
