@@ -155,6 +155,20 @@ class RankZeroAsksToStopModule(StackModule):
         return super().training_step(batch, batch_idx)
 
 
+_TRAINING_STEPS = [0]
+
+
+class RankOneSkipsItsRerunModule(StackModule):
+    """Returns None from every second ``training_step`` on rank 1, counted in a global the check does not put back:
+    the check's rerun of the step is skipped there, not on rank 0."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        _TRAINING_STEPS[0] += 1
+        if dist.get_rank() == 1 and _TRAINING_STEPS[0] % 2 == 0:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
 class PowerSGDModule(StackModule):
     """Registers PowerSGD as DDP's communication hook (as Lightning's ``ddp_comm_hook`` does on CUDA): a hook whose
     state (error feedback, iteration count, warm-start factors) advances at every backward through DDP."""
@@ -362,6 +376,10 @@ def main(kind: str, out_dir: Path) -> None:
         options = {"module_class": PowerSGDModule}
         run(kind, out_dir, "powersgd_monitored", "PlainBlock", every_step(), {"classes": ["PlainBlock"]}, {}, **options)  # type: ignore[arg-type]
         run(kind, out_dir, "powersgd_plain", "PlainBlock", None, None, {}, **options)  # type: ignore[arg-type]
+        # The check's rerun of `training_step` skipped on rank 1 alone: skipped on both before its backward.
+        options = {"module_class": RankOneSkipsItsRerunModule}
+        monitor = every_step(sentinel="off", **ignore)
+        run(kind, out_dir, "rerun_skipped_on_rank_one", "DropoutBlock", monitor, dropout, {}, **options)  # type: ignore[arg-type]
         # A stop asked on rank 0 alone, which Lightning logs at: the sentinel is read at the logging interval alone,
         # on both ranks alike.
         options = {"module_class": RankZeroAsksToStopModule}

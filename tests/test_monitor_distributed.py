@@ -291,6 +291,15 @@ def test_ddp_a_two_pass_check_that_diverged_on_rank_one_only_asks_no_rank_for_a_
     assert sentinel and all("The check of that step names the cause" in message for message in sentinel)
 
 
+def test_ddp_a_check_whose_rerun_is_skipped_on_one_rank_is_skipped_on_both_before_its_backward(ddp):
+    first, second = (result(ddp, "rerun_skipped_on_rank_one", rank) for rank in (0, 1))
+    assert first["error"] is None and first["global_step"] == second["global_step"] == 4
+    assert first["history"] == second["history"]
+    assert [(entry["step"], entry["grad_divergence"]) for entry in first["history"]] == [
+        (step, math.inf) for step in range(4)
+    ]
+
+
 def test_ddp_a_stop_asked_on_rank_zero_alone_reads_the_sentinel_on_both_ranks_alike(ddp):
     first, second = (result(ddp, "stop_on_rank_zero", rank) for rank in (0, 1))
     assert first["error"] is None and first["global_step"] == second["global_step"] == 4

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
+from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -337,7 +338,12 @@ def live_reference(
         args, kwargs = capture.arguments()
         with reference_pass(plain_modules), logging_suppressed(pl_module):
             if loss_fn is None:
-                loss = loss_of(strategy.training_step(*args, **kwargs))
+                output = strategy.training_step(*args, **kwargs)
+                # Skipped on every rank if on any (its `training_step` returned None from state the check does not
+                # put back): a rank that skipped alone would leave the others waiting in the backward's all-reduce.
+                if agree(strategy, output is None):
+                    raise SkippedStep
+                loss = loss_of(output)
             else:
                 with strategy.precision_plugin.train_step_context():
                     loss = loss_fn(pl_module, args[0], batch_idx)
