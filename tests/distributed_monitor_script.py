@@ -159,14 +159,18 @@ _TRAINING_STEPS = [0]
 
 
 class RankOneSkipsItsRerunModule(StackModule):
-    """Returns None from every second ``training_step`` on rank 1, counted in a global the check does not put back:
-    the check's rerun of the step is skipped there, not on rank 0."""
+    """Returns None from every second ``training_step`` on rank 1 (after its forward, as a step that skips a loss it
+    finds bad does), counted in a global the check does not put back: the check's rerun of the step is skipped there,
+    not on rank 0."""
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         _TRAINING_STEPS[0] += 1
-        if dist.get_rank() == 1 and _TRAINING_STEPS[0] % 2 == 0:
-            return None
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        return None if dist.get_rank() == 1 and _TRAINING_STEPS[0] % 2 == 0 else loss
+
+
+class ShardedRankOneSkipsItsRerunModule(RankOneSkipsItsRerunModule, ShardedStackModule):
+    """:class:`RankOneSkipsItsRerunModule` sharded with FSDP2."""
 
 
 class PowerSGDModule(StackModule):
@@ -308,6 +312,14 @@ def main(kind: str, out_dir: Path) -> None:
     run(kind, out_dir, "buffer_rank_one", "PlainBlock", monitor, unprotected, {}, RankOneBufferBlock)
     monitor = RecomputationMonitor(every_n_steps=2, sentinel="off", attribution="never")
     run(kind, out_dir, "buffer_rank_one_live", "PlainBlock", monitor, unprotected, {}, RankOneBufferBlock)
+    # The check's rerun of `training_step` skipped on rank 1 alone, by the live check and by the two-pass check:
+    # skipped on both ranks before its backward.
+    for attribution in ("on_divergence", "always"):
+        monitor = every_step(sentinel="off", attribution=attribution, **ignore)
+        skips = ShardedRankOneSkipsItsRerunModule if kind == "fsdp2" else RankOneSkipsItsRerunModule
+        options = {"module_class": skips}
+        name = f"rerun_skipped_on_rank_one_{attribution}"
+        run(kind, out_dir, name, "DropoutBlock", monitor, {"classes": ["DropoutBlock"]}, {}, **options)  # type: ignore[arg-type]
     # Bit-identical training: checked every step, checkpointed without the monitor, and neither.
     setups = {"accumulate_2_clipping": lambda: {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}}
     if kind == "ddp":
@@ -376,10 +388,6 @@ def main(kind: str, out_dir: Path) -> None:
         options = {"module_class": PowerSGDModule}
         run(kind, out_dir, "powersgd_monitored", "PlainBlock", every_step(), {"classes": ["PlainBlock"]}, {}, **options)  # type: ignore[arg-type]
         run(kind, out_dir, "powersgd_plain", "PlainBlock", None, None, {}, **options)  # type: ignore[arg-type]
-        # The check's rerun of `training_step` skipped on rank 1 alone: skipped on both before its backward.
-        options = {"module_class": RankOneSkipsItsRerunModule}
-        monitor = every_step(sentinel="off", **ignore)
-        run(kind, out_dir, "rerun_skipped_on_rank_one", "DropoutBlock", monitor, dropout, {}, **options)  # type: ignore[arg-type]
         # A stop asked on rank 0 alone, which Lightning logs at: the sentinel is read at the logging interval alone,
         # on both ranks alike.
         options = {"module_class": RankZeroAsksToStopModule}

@@ -836,13 +836,15 @@ class PlainMetricsModule(StackModule):
 
 
 class SkipsOnItsSecondCallModule(StackModule):
-    """Returns no loss from the second ``training_step`` call on, counted in a module-level list no check restores."""
+    """Returns no loss from the second ``training_step`` call on (from call ``skips_from``), counted in a module-level
+    list no check restores."""
 
     calls: ClassVar[list[int]] = []
+    skips_from: ClassVar[int] = 2
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         type(self).calls.append(batch_idx)
-        return None if len(type(self).calls) > 1 else super().training_step(batch, batch_idx)
+        return None if len(type(self).calls) >= type(self).skips_from else super().training_step(batch, batch_idx)
 
 
 class OpCounter(TorchDispatchMode):

@@ -841,13 +841,19 @@ def test_a_metric_held_in_a_plain_dict_is_updated_once_per_step(tmp_path):
     assert totals[0] == totals[1] == 4 * 8
 
 
-def test_a_reference_that_returns_no_loss_is_an_error_finding(tmp_path):
+@pytest.mark.parametrize(
+    ("attribution", "skips_from"),
+    [("on_divergence", 2), ("always", 2), ("always", 3)],
+    ids=["live reference", "two-pass reference", "two-pass checkpointed pass"],
+)
+def test_a_rerun_that_returns_no_loss_is_an_error_finding(tmp_path, monkeypatch, attribution, skips_from):
     SkipsOnItsSecondCallModule.calls = []
-    monitor = RecomputationMonitor(every_n_steps=100, on_divergence="ignore")
+    monkeypatch.setattr(SkipsOnItsSecondCallModule, "skips_from", skips_from)
+    monitor = RecomputationMonitor(every_n_steps=100, on_divergence="ignore", attribution=attribution)
     fit(tmp_path, module=SkipsOnItsSecondCallModule(), monitor=monitor, max_steps=1)
     assert monitor.last_report is not None
     assert monitor.last_report.error is not None
-    assert "the reference pass's `training_step` returned None" in monitor.last_report.error
+    assert "its rerun of `training_step` returned None" in monitor.last_report.error
     assert monitor.history[0].diverged and monitor.history[0].grad_divergence == math.inf
 
 

@@ -291,8 +291,10 @@ def test_ddp_a_two_pass_check_that_diverged_on_rank_one_only_asks_no_rank_for_a_
     assert sentinel and all("The check of that step names the cause" in message for message in sentinel)
 
 
-def test_ddp_a_check_whose_rerun_is_skipped_on_one_rank_is_skipped_on_both_before_its_backward(ddp):
-    first, second = (result(ddp, "rerun_skipped_on_rank_one", rank) for rank in (0, 1))
+@pytest.mark.parametrize("attribution", ["on_divergence", "always"])
+def test_a_check_whose_rerun_is_skipped_on_one_rank_is_skipped_on_both_before_its_backward(runs, attribution):
+    _, out_dir = runs
+    first, second = (result(out_dir, f"rerun_skipped_on_rank_one_{attribution}", rank) for rank in (0, 1))
     assert first["error"] is None and first["global_step"] == second["global_step"] == 4
     assert first["history"] == second["history"]
     assert [(entry["step"], entry["grad_divergence"]) for entry in first["history"]] == [

@@ -8,10 +8,11 @@ automatic optimization run the two-pass engine directly. Under a strategy whose 
 cannot run there (FSDP1), every check is live and a divergence is reported without attribution.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -39,8 +40,8 @@ __all__ = ["CheckSettings", "LossFn", "StepCheck"]
 LossFn = Callable[[pl.LightningModule, Any, int], torch.Tensor]
 
 _SKIPPED_REFERENCE = (
-    "the check could not compare gradients: the reference pass's `training_step` returned None where the live step"
-    " returned a loss (it decides to skip from state the check does not restore)"
+    "the check could not compare gradients: its rerun of `training_step` returned None where the live step returned"
+    " a loss (it decides to skip from state the check does not restore)"
 )
 
 
@@ -103,27 +104,34 @@ class StepCheck:
     ) -> RecomputationReport | None:
         settings = self.settings
         two_pass = self.support.two_pass_unavailable() is None
-        if two_pass and (
-            settings.attribution == "always" or (settings.loss_fn is not None and self.pl_module.automatic_optimization)
-        ):
-            return self._two_pass(attribution=settings.attribution == "always")
+        # A rerun of `training_step` that returned None (it skips from state the check does not put back) is skipped
+        # on every rank alike (see `live_reference` and `_two_pass`): the check cannot compare.
+        skipped = RecomputationReport(
+            grad_divergence=math.inf,
+            max_abs_diff=math.inf,
+            diverged=True,
+            tolerance=settings.tolerance,
+            error=_SKIPPED_REFERENCE,
+        )
         try:
+            if two_pass and (
+                settings.attribution == "always"
+                or (settings.loss_fn is not None and self.pl_module.automatic_optimization)
+            ):
+                return self._two_pass(attribution=settings.attribution == "always")
             report = self._live(plain, gradients_before)
         except SkippedStep:
-            return RecomputationReport(
-                grad_divergence=math.inf,
-                max_abs_diff=math.inf,
-                diverged=True,
-                tolerance=settings.tolerance,
-                error=_SKIPPED_REFERENCE,
-            )
+            return skipped
         if report is None:
             return None
         checked = [name for name, _ in (plain if plain is not None else checkpointed_modules(self.pl_module).items())]
         report = replace(report, checked_regions=checked, compiled=is_compiled(self.pl_module))
         if two_pass and report.diverged and report.error is None and settings.attribution == "on_divergence":
             # Decided alike on every rank: the comparison's figures are reduced over ranks.
-            report = with_attribution(report, self._two_pass(attribution=True))
+            try:
+                report = with_attribution(report, self._two_pass(attribution=True))
+            except SkippedStep:
+                return report  # its rerun skipped: the live check's finding, without a region named
         return report
 
     def _live(
@@ -193,7 +201,13 @@ class StepCheck:
             capture.restore_optimizer_settings()
             if loss_fn is not None:
                 return loss_fn(pl_module, args[0], capture.batch_idx)
-            return self.support.two_pass_loss(pl_module, *args, **kwargs)
+            loss = None
+            with contextlib.suppress(SkippedStep):
+                loss = self.support.two_pass_loss(pl_module, *args, **kwargs)
+            # Skipped on every rank if on any, before a backward (FSDP's reduce-scatter) the others would wait in.
+            if agree(strategy, loss is None):
+                raise SkippedStep(_SKIPPED_REFERENCE)
+            return cast(torch.Tensor, loss)
 
         holders = [param for _, param in self.support.gradient_holders(pl_module)]
         # The state after the step and its live gradients come back whatever the check raises.

@@ -18,6 +18,7 @@ from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSet
 from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
+from lightning_ckpt_determinism.verify.two_pass import SkippedPass
 
 __all__ = [
     "SkippedStep",
@@ -44,7 +45,7 @@ def lightning_internals() -> frozenset[str]:
     return frozenset(vars(pl.LightningModule()))
 
 
-class SkippedStep(Exception):
+class SkippedStep(SkippedPass):
     """The training step returned ``None``: Lightning skips the batch, so the check does too."""
 
 

@@ -48,9 +48,15 @@ from lightning_ckpt_determinism.verify.reports import (
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["check_recomputation"]
+__all__ = ["SkippedPass", "check_recomputation"]
 
 _Gradients = list[torch.Tensor | None]
+
+
+class SkippedPass(Exception):
+    """Raised by a ``closure`` of :func:`check_recomputation` whose step skips the pass under way (a Lightning
+    ``training_step`` that returned None): no gradients can be compared, and the check raises it from whichever pass
+    it came, a checkpointed one too, rather than reporting a failure of recomputation."""
 
 
 def check_recomputation(
@@ -419,6 +425,8 @@ class _Passes:
         try:
             with observing:
                 loss, grads = self._take(disable_checkpointing=False)
+        except SkippedPass:
+            raise
         except Exception as err:  # any failure of recomputation is the finding, not a crash
             error = err
         if observer is not None:
