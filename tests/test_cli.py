@@ -755,6 +755,37 @@ def test_a_mistake_of_a_monitor_listed_second_names_its_index(
     ]
 
 
+def test_a_callback_whose_init_args_are_a_list_is_named_by_its_index_whatever_the_form_of_its_class_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    callbacks = (
+        "  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+        "    - class_path: RecomputationMonitor\n      init_args:\n        - 2\n"
+    )
+    (line,) = _yaml_error_lines(tmp_path, capsys, _SINGLE_DEVICE + "        classes: [DropoutBlock]\n" + callbacks)
+    assert line.startswith("error: `trainer.callbacks[1]`: the `init_args` of `"), line
+
+
+def test_a_callbacks_mistake_is_named_by_the_list_alone_where_two_config_files_list_callbacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Either file's list may hold the value jsonargparse refused: an index could point into the wrong one.
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    monitor = (
+        "    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n      init_args:\n        sentinel: {}\n"
+    )
+    first.write_text("trainer:\n  callbacks:\n" + monitor.format("heavy"))
+    second.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+        + monitor.format("light")
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(first), "--config", str(second)])
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.callbacks.sentinel` can be light, sampled, exact, off, got 'heavy'."
+    ]
+
+
 @pytest.mark.parametrize(
     ("strategy", "expected"),
     [

@@ -242,8 +242,9 @@ def _callback_indexed(message: str, configs: list[Any]) -> str:
     callbacks = _listed_callbacks(configs)
     if field is not None:
         holding = [index for index, (_, init_args) in enumerate(callbacks) if field in init_args]
-    elif listed is not None:  # its `init_args` a list: the callback of that class
-        holding = [index for index, (class_path, _) in enumerate(callbacks) if class_path == listed[1]]
+    elif listed is not None:  # its `init_args` a list: the callback of that class, its path written in full or not
+        named = listed[1].rsplit(".", 1)[-1]
+        holding = [index for index, (path, _) in enumerate(callbacks) if str(path).rsplit(".", 1)[-1] == named]
     else:
         return message
     if len(holding) != 1:
@@ -257,14 +258,15 @@ _LISTED_OF = re.compile(r"the `init_args` of `([\w.]+)` are a list")
 
 
 def _listed_callbacks(configs: list[Any]) -> list[tuple[object, dict[str, Any]]]:
-    """``(class_path, init_args)`` of each callback in the last config that lists callbacks (a later file replaces
-    the list of an earlier one), in its order."""
-    for config in reversed(configs):
+    """``(class_path, init_args)`` of each callback of the one config that lists callbacks, in its order; none where
+    several do (jsonargparse may have refused either file's)."""
+    lists = []
+    for config in configs:
         trainer = config.get("trainer") if isinstance(config, dict) else None
         callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
         if isinstance(callbacks, list):
-            return [_class_and_arguments(callback) for callback in callbacks]
-    return []
+            lists.append(callbacks)
+    return [_class_and_arguments(callback) for callback in lists[0]] if len(lists) == 1 else []
 
 
 def _class_and_arguments(callback: object) -> tuple[object, dict[str, Any]]:
