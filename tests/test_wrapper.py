@@ -799,6 +799,30 @@ def test_a_buffer_its_forward_resizes_is_recomputed_as_it_started_and_trains_as_
     assert model.blocks[0].quant.activation_post_process.min_val.shape == (DIM,)
 
 
+class _ExpandedBiasBlock(nn.Module):
+    """Adds a bias buffer registered as one value expanded to the width: its elements share one memory location."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.register_buffer("bias", torch.full((1,), 0.25).expand(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) + self.bias)
+
+
+def test_a_buffer_whose_elements_share_memory_is_protected_and_trains_as_without_checkpointing() -> None:
+    # An in-place copy into such a buffer is refused ("more than one element of the written-to tensor refers to a
+    # single memory location"): the first call, which replays every buffer, crashed its backward.
+    torch.manual_seed(0)
+    reference = make_stack(_ExpandedBiasBlock, n=2)
+    model = _checkpointed(copy.deepcopy(reference), CheckpointingConfig(classes=["_ExpandedBiasBlock"]))
+    for step in range(2):
+        gradients = [gradients_of(twin, *batch(seed=step)) for twin in (reference, model)]
+        assert _unequal(*gradients) == [], step
+    assert model.blocks[0].bias.stride() == (0,)
+
+
 def test_a_quantizer_whose_observer_is_enabled_after_a_warm_up_trains_as_without_checkpointing() -> None:
     # Calibrated, then its observer frozen for two steps and enabled again: its statistics first change in a later
     # call, whose recomputation must start from the values that call started from.

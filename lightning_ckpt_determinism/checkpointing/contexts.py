@@ -326,15 +326,24 @@ class _LiveValues(NamedTuple):
 
 def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     """Put ``value`` into ``buffer``, in place where their shapes agree (no version bump); where the forward resized
-    the buffer (a per-channel observer's statistics, sized at their first update), ``buffer`` takes a copy of
-    ``value`` as its data, and keeps its live storage untouched to take back."""
-    if buffer.shape == value.shape:
+    the buffer (a per-channel observer's statistics, sized at their first update), or where its elements share memory
+    and cannot be written (one value expanded), ``buffer`` takes a copy of ``value`` as its data, and keeps its live
+    storage untouched to take back."""
+    if buffer.shape == value.shape and _writable(buffer):
         live = _LiveValues(buffer.detach().clone(), resized=False)
         buffer.data.copy_(value)
         return live
     live = _LiveValues(buffer.data, resized=True)
     buffer.data = value.clone()  # a copy: a second recomputation starts from `value` again
     return live
+
+
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether no two elements of ``tensor`` share memory through a stride of 0 (``torch.zeros(1).expand(8)``), which
+    an in-place copy refuses; a tensor of another layout (sparse) is written in place as before."""
+    if tensor.layout != torch.strided:
+        return True
+    return all(stride or size <= 1 for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
 
 
 def _swap_back(buffer: torch.Tensor, live: _LiveValues) -> None:
