@@ -431,14 +431,18 @@ def main(kind: str, out_dir: Path) -> None:
             run(kind, out_dir, "sentinel_read_fails_on_rank_one", "DropoutBlock", RecomputationMonitor(), dropout, {})
         finally:
             RecomputationSentinel.read = real_read  # type: ignore[method-assign]
-        # The sentinel's own code failing on rank 1 only, at its second region forward: both ranks stop it alike.
-        real = RegionCall.forward_done
-        RegionCall.forward_done = failing_from(2, real, when=lambda: dist.get_rank() == 1)  # type: ignore[method-assign]
-        try:
-            dropout = {"classes": ["DropoutBlock"]}
-            run(kind, out_dir, "sentinel_fails_on_rank_one", "DropoutBlock", every_step(), dropout, {})
-        finally:
-            RegionCall.forward_done = real  # type: ignore[method-assign]
+        # The sentinel's own code failing on rank 1 only, at its second region forward, or as its second step starts:
+        # both ranks stop it alike.
+        for name, owner, method in (
+            ("sentinel_fails_on_rank_one", RegionCall, "forward_done"),
+            ("sentinel_fails_starting_a_step_on_rank_one", RecomputationSentinel, "next_step"),
+        ):
+            real = getattr(owner, method)
+            setattr(owner, method, failing_from(2, real, when=lambda: dist.get_rank() == 1))
+            try:
+                run(kind, out_dir, name, "DropoutBlock", every_step(), {"classes": ["DropoutBlock"]}, {})
+            finally:
+                setattr(owner, method, real)
 
 
 def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonitor], ignore: dict[str, Any]) -> None:

@@ -322,8 +322,9 @@ def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_ste
     assert result(out_dir, "sentinel_every_other", 1)["warnings"] == []
 
 
-def test_ddp_a_failure_of_the_sentinels_own_on_rank_one_stops_it_on_both_ranks_and_training_is_unchanged(ddp):
-    rank0, rank1 = result(ddp, "sentinel_fails_on_rank_one", 0), result(ddp, "sentinel_fails_on_rank_one", 1)
+@pytest.mark.parametrize("name", ["sentinel_fails_on_rank_one", "sentinel_fails_starting_a_step_on_rank_one"])
+def test_ddp_a_failure_of_the_sentinels_own_on_rank_one_stops_it_on_both_ranks_and_training_is_unchanged(ddp, name):
+    rank0, rank1 = result(ddp, name, 0), result(ddp, name, 1)
     assert rank0["global_step"] == rank1["global_step"] == 4
     stopped = [message for message in rank0["warnings"] if "the sentinel stopped" in message]
     assert stopped == [
@@ -335,7 +336,7 @@ def test_ddp_a_failure_of_the_sentinels_own_on_rank_one_stops_it_on_both_ranks_a
     assert [(entry["step"], entry["grad_divergence"]) for entry in rank0["history"]] == [(n, 0.0) for n in range(4)]
     assert rank0["history"] == rank1["history"]
     for rank in (0, 1):
-        assert_equal_states(state(ddp, "sentinel_fails_on_rank_one", rank), state(ddp, "clean_dropout", rank))
+        assert_equal_states(state(ddp, name, rank), state(ddp, "clean_dropout", rank))
 
 
 def test_ddp_a_failure_reading_a_clean_record_on_rank_one_stops_the_sentinel_on_both_ranks_alike(ddp):

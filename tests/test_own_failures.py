@@ -19,7 +19,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.lightning.findings import FitSummary
 from lightning_ckpt_determinism.verify import live_step
-from lightning_ckpt_determinism.verify.sentinel import observer, recomputation_sentinel
+from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel, observer, recomputation_sentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from lightning_ckpt_determinism.verify.sentinel.state import RegionParameters
 from lightning_ckpt_determinism.verify.sentinel.step import SentinelStep
@@ -75,6 +75,7 @@ SENTINEL_PARTS = {
     "recomputed_tensor": (RegionCall, "recomputed", 4),
     "comparing_the_step": (SentinelStep, "flags", 1),
     "clean_read": (SentinelStep, "regions", 1),
+    "starting_a_step": (RecomputationSentinel, "next_step", 2),
 }
 
 

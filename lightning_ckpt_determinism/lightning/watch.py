@@ -125,8 +125,8 @@ class SentinelWatch:
         self._between_batches = contextlib.ExitStack()
         self._is_between_batches = False
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
-        # A failure of this rank's own reading a clean record, reduced with the next read's counts: one more record on
-        # this rank alone would change the length of what every rank reduces.
+        # A failure of this rank's own reading a clean record or starting a step, reduced with the next read's counts:
+        # one more record on this rank alone, or one fewer, would change the length of what every rank reduces.
         self._failed_read: Exception | None = None
         # Whether a memory budget's plan keeps every module plain: there is nothing to compare.
         self.all_plain = False
@@ -240,7 +240,10 @@ class SentinelWatch:
         if not self._watching:
             return  # paused as between batches: the step runs as without a sentinel
         self._resume()
-        self.sentinel.next_step("exact" if step == self._exact_from else None)
+        try:
+            self.sentinel.next_step("exact" if step == self._exact_from else None)
+        except Exception as err:  # the step is still recorded at its end; the next read stops it on every rank alike
+            self._failed_read = err
 
     def backward_started(self) -> None:
         """The batch under way runs a backward, which recomputes its regions."""
