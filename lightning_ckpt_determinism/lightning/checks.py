@@ -8,11 +8,10 @@ automatic optimization run the two-pass engine directly. Under a strategy whose 
 cannot run there (FSDP1), every check is live and a divergence is reported without attribution.
 """
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -27,6 +26,7 @@ from lightning_ckpt_determinism.lightning.step import (
     StepCapture,
     live_reference,
     logging_suppressed,
+    loss_on_every_rank,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.compiled import is_compiled
@@ -104,15 +104,6 @@ class StepCheck:
     ) -> RecomputationReport | None:
         settings = self.settings
         two_pass = self.support.two_pass_unavailable() is None
-        # A rerun of `training_step` that returned None (it skips from state the check does not put back) is skipped
-        # on every rank alike (see `live_reference` and `_two_pass`): the check cannot compare.
-        skipped = RecomputationReport(
-            grad_divergence=math.inf,
-            max_abs_diff=math.inf,
-            diverged=True,
-            tolerance=settings.tolerance,
-            error=_SKIPPED_REFERENCE,
-        )
         try:
             if two_pass and (
                 settings.attribution == "always"
@@ -120,8 +111,14 @@ class StepCheck:
             ):
                 return self._two_pass(attribution=settings.attribution == "always")
             report = self._live(plain, gradients_before)
-        except SkippedStep:
-            return skipped
+        except SkippedStep:  # a rerun of `training_step` returned None, on every rank alike: nothing to compare
+            return RecomputationReport(
+                grad_divergence=math.inf,
+                max_abs_diff=math.inf,
+                diverged=True,
+                tolerance=settings.tolerance,
+                error=_SKIPPED_REFERENCE,
+            )
         if report is None:
             return None
         checked = [name for name, _ in (plain if plain is not None else checkpointed_modules(self.pl_module).items())]
@@ -201,13 +198,7 @@ class StepCheck:
             capture.restore_optimizer_settings()
             if loss_fn is not None:
                 return loss_fn(pl_module, args[0], capture.batch_idx)
-            loss = None
-            with contextlib.suppress(SkippedStep):
-                loss = self.support.two_pass_loss(pl_module, *args, **kwargs)
-            # Skipped on every rank if on any, before a backward (FSDP's reduce-scatter) the others would wait in.
-            if agree(strategy, loss is None):
-                raise SkippedStep(_SKIPPED_REFERENCE)
-            return cast(torch.Tensor, loss)
+            return loss_on_every_rank(strategy, lambda: self.support.two_pass_loss(pl_module, *args, **kwargs))
 
         holders = [param for _, param in self.support.gradient_holders(pl_module)]
         # The state after the step and its live gradients come back whatever the check raises.

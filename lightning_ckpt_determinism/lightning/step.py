@@ -28,6 +28,7 @@ __all__ = [
     "lightning_internals",
     "live_reference",
     "logging_suppressed",
+    "loss_on_every_rank",
     "raised_in_backward",
     "training_step_arguments",
     "training_step_loss",
@@ -126,6 +127,34 @@ def loss_of(output: Any) -> torch.Tensor:
     if output is None:
         raise SkippedStep
     return output["loss"] if isinstance(output, Mapping) else output
+
+
+def loss_on_every_rank(strategy: Any, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The loss ``step`` gives (a rerun of ``training_step``), skipped on every rank if on any: a rerun that returned
+    None from state the check does not put back, on one rank alone, would leave the others waiting in the backward's
+    all-reduce or reduce-scatter. One collective on several processes.
+
+    Args:
+        strategy: The strategy, whose ranks agree.
+        step: Runs the step's forward and returns its loss, raising :class:`SkippedStep` where it skips.
+
+    Raises:
+        SkippedStep: On every rank, if ``step`` skipped on any.
+
+    Example::
+
+        >>> class OneDevice:  # a strategy on one device: its decision is its own
+        ...     def reduce_boolean_decision(self, decision, all=True):
+        ...         return decision
+        >>> float(loss_on_every_rank(OneDevice(), lambda: torch.tensor(2.0)))
+        2.0
+    """
+    loss = None
+    with contextlib.suppress(SkippedStep):
+        loss = step()
+    if agree(strategy, loss is None) or loss is None:  # the second test only tells the type checker what agree did
+        raise SkippedStep
+    return loss
 
 
 def training_step_loss(pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -339,12 +368,7 @@ def live_reference(
         args, kwargs = capture.arguments()
         with reference_pass(plain_modules), logging_suppressed(pl_module):
             if loss_fn is None:
-                output = strategy.training_step(*args, **kwargs)
-                # Skipped on every rank if on any (its `training_step` returned None from state the check does not
-                # put back): a rank that skipped alone would leave the others waiting in the backward's all-reduce.
-                if agree(strategy, output is None):
-                    raise SkippedStep
-                loss = loss_of(output)
+                loss = loss_on_every_rank(strategy, lambda: loss_of(strategy.training_step(*args, **kwargs)))
             else:
                 with strategy.precision_plugin.train_step_context():
                     loss = loss_fn(pl_module, args[0], batch_idx)
