@@ -555,9 +555,8 @@ class RecomputationMonitor(Callback):
         else:
             then = f"Step {step + 1} is checked in full, every saved tensor compared, to name the op and cause."
         warned = self._watch.respond(
-            findings,
+            told,
             on_divergence=self.on_divergence,
-            every_n_steps=self.every_n_steps,
             several_ranks=trainer.world_size > 1,
             then=then,
             syntax=self._results.syntax,

@@ -367,18 +367,16 @@ class SentinelWatch:
         findings: list[SentinelFinding],
         *,
         on_divergence: str,
-        every_n_steps: int,
         several_ranks: bool,
         then: str = "",
         syntax: Syntax = "python",
     ) -> bool:
-        """Act on ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero (a region again only
-        ``every_n_steps`` after its last warning), or nothing; whether a warning was given.
+        """Act on ``findings`` as ``on_divergence`` says: raise on every rank, warn on rank zero of each, or nothing;
+        whether a warning was given.
 
         Args:
-            findings: What :meth:`read` returned, alike on every rank.
+            findings: What :meth:`read` returned, alike on every rank; to warn, those of them :meth:`due` keeps.
             on_divergence: ``"warn"``, ``"raise"`` or ``"ignore"``.
-            every_n_steps: Steps before a region warns again.
             several_ranks: Whether the messages name the ranks.
             then: What the monitor does next to name a cause the sentinel does not know (a sentence), or ``""``.
             syntax: How the messages spell the settings their hints name.
@@ -391,13 +389,12 @@ class SentinelWatch:
         if on_divergence == "raise":
             messages = (respelt(finding.message(several_ranks), syntax) for finding in findings)
             raise RecomputationDivergenceError(" ".join(messages))
-        due = self.due(findings, every_n_steps)
-        for finding in due:
+        for finding in findings:
             self._warned[finding.region] = finding.step
             rank_zero_warn(
                 respelt(finding.message(several_ranks, then), syntax), category=LightningCkptDeterminismWarning
             )
-        return bool(due)
+        return True
 
     def due(self, findings: list[SentinelFinding], every_n_steps: int) -> list[SentinelFinding]:
         """The ``findings`` that warn: a region's first, and one ``every_n_steps`` after its last warning.
