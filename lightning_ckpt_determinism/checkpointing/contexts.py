@@ -144,12 +144,12 @@ class ForwardState:
     changed later (or replaced by assignment) is reported to ``changed`` and captured from the next forward on. The
     small ones among them (up to :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's) are
     copied as the forward starts, so that the forward that first changes one is recomputed from the values it started
-    from, as a learned buffer is.
-    For a larger one that forward's recomputation starts from the value the forward left, and gives it back
-    afterwards, with the other buffers of its module (BatchNorm's kernel updates its running statistics without a
-    version bump): the buffer is changed once, as without checkpointing, though the recomputation may differ (the
-    value the forward started from is gone; the sentinel and the check see it). A buffer registered as ``None`` that
-    the forward creates is taken away for its recomputation, which creates its own, and put back after it.
+    from, as a learned buffer is. For a larger one that forward's recomputation starts from the value the forward
+    left, and gives it back afterwards, with the other buffers of its module (BatchNorm's kernel updates its running
+    statistics without a version bump): the buffer is changed once, as without checkpointing, though the
+    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it). A
+    buffer registered as ``None`` that the forward creates is taken away for its recomputation, which creates its
+    own, and put back after it.
 
     Args:
         module: The region.
@@ -299,7 +299,7 @@ class _Replay:
                 for owner, key, created in state._late:
                     live = own_buffers(owner).get(key)
                     if live is not None:
-                        swapped.append((owner, key, live, live, _LiveValues(live.detach().clone(), resized=False)))
+                        swapped.append((owner, key, live, live, _LiveValues.copied(live)))
                         if created:  # recomputed from no buffer, as the forward was
                             own_buffers(owner)[key] = None
         self._live_generators = [(generator, generator.get_state()) for generator, _ in state._generators]
@@ -323,6 +323,11 @@ class _LiveValues(NamedTuple):
     tensor: torch.Tensor
     resized: bool
 
+    @classmethod
+    def copied(cls, buffer: torch.Tensor) -> "_LiveValues":
+        """A copy of ``buffer``'s values, to write back in place."""
+        return cls(buffer.detach().clone(), resized=False)
+
 
 def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     """Put ``value`` into ``buffer``, in place where their shapes agree (no version bump); where the forward resized
@@ -330,7 +335,7 @@ def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     and cannot be written (one value expanded), ``buffer`` takes a copy of ``value`` as its data, and keeps its live
     storage untouched to take back."""
     if buffer.shape == value.shape and _writable(buffer):
-        live = _LiveValues(buffer.detach().clone(), resized=False)
+        live = _LiveValues.copied(buffer)
         buffer.data.copy_(value)
         return live
     live = _LiveValues(buffer.data, resized=True)
