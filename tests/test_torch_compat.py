@@ -294,39 +294,20 @@ def test_the_early_stop_is_raised_inside_recomputation_once_every_saved_tensor_i
     assert torch.allclose(x.grad, -2 * torch.ones(3).sin().sin() * torch.ones(3).cos())
 
 
-@pins("disable_current_modes")
-def test_ops_under_disable_current_modes_skip_the_mode_and_the_mode_comes_back() -> None:
+@pins("disable_current_modes", "below_current_modes", "no_python_dispatch")
+@pytest.mark.parametrize("switch", ["disable_current_modes", "below_current_modes", "no_python_dispatch"])
+def test_ops_under_a_switch_skip_the_active_mode_the_mode_comes_back_and_without_one_they_run_as_they_are(
+    switch: str,
+) -> None:
     x = torch.ones(2)
     with _RecordingMode() as mode:
         x.sin()
-        with compat.disable_current_modes():
+        with getattr(compat, switch)():
             x.cos()
         x.exp()
     assert mode.ops() == ["aten.sin.default", "aten.exp.default"]
-
-
-@pins("below_current_modes")
-def test_ops_below_current_modes_skip_an_active_mode_and_run_as_they_are_without_one() -> None:
-    x = torch.ones(2)
-    with _RecordingMode() as mode:
-        x.sin()
-        with compat.below_current_modes():
-            x.cos()
-        x.exp()
-    assert mode.ops() == ["aten.sin.default", "aten.exp.default"]
-    with compat.below_current_modes():
+    with getattr(compat, switch)():
         assert torch.equal(x.cos(), torch.ones(2).cos())
-
-
-@pins("no_python_dispatch")
-def test_ops_under_no_python_dispatch_skip_the_mode_and_the_mode_comes_back() -> None:
-    x = torch.ones(2)
-    with _RecordingMode() as mode:
-        x.sin()
-        with compat.no_python_dispatch():
-            x.cos()
-        x.exp()
-    assert mode.ops() == ["aten.sin.default", "aten.exp.default"]
 
 
 @pins("statically_known_true")
