@@ -96,19 +96,6 @@ def test_a_failure_inside_the_sentinel_stops_it_with_one_warning_and_training_is
     assert report is not None and report.mismatches == 0
 
 
-def test_a_sentinel_that_cannot_start_leaves_the_fit_training_unchanged_and_checked_with_one_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(observer, "compiled_regions", failing_from(1, observer.compiled_regions))
-    _, _, monitor, said = monitored_fit(tmp_path)
-    assert said == [
-        "lightning_ckpt_determinism: the sentinel could not start (RuntimeError: injected); training goes on without"
-        " it. Please report it."
-    ]
-    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
-    assert monitor.sentinel_report is None
-
-
 @pytest.mark.parametrize(
     ("owner", "name", "call"),
     [(live_step, "compare_gradients", 2), (StepState, "__init__", 1)],
@@ -134,16 +121,37 @@ def test_a_check_that_raises_on_one_process_is_skipped_with_one_warning_and_trai
     )
 
 
-def test_a_summary_the_monitor_fails_to_write_ends_no_fit_and_its_findings_stay(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(FitSummary, "text", failing_from(1, FitSummary.text))
-    _, _, monitor, said = monitored_fit(tmp_path)
-    assert said == [
+# Where the monitor's own code runs at the fit's edges: the sentinel's start, and the summary's writing at its end
+# (the part, its one warning, and whether the sentinel ran).
+EDGE_PARTS = {
+    "starting_the_sentinel": (
+        observer,
+        "compiled_regions",
+        "lightning_ckpt_determinism: the sentinel could not start (RuntimeError: injected); training goes on without"
+        " it. Please report it.",
+        False,
+    ),
+    "writing_the_summary": (
+        FitSummary,
+        "text",
         "lightning_ckpt_determinism: the monitor could not write the fit's summary (RuntimeError: injected); its"
-        " `history` and metrics hold what it found. Please report it."
-    ]
+        " `history` and metrics hold what it found. Please report it.",
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("part", sorted(EDGE_PARTS))
+def test_a_failure_of_its_own_at_the_fits_edges_leaves_the_fit_training_unchanged_and_checked_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    owner, name, warning, sentinel_ran = EDGE_PARTS[part]
+    monkeypatch.setattr(owner, name, failing_from(1, getattr(owner, name)))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [warning]
     assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
+    report = monitor.sentinel_report
+    assert (report is not None and report.mismatches == 0) if sentinel_ran else report is None
 
 
 def test_a_standalone_sentinel_that_fails_in_a_backward_leaves_the_gradients_exact_and_names_its_failure(
