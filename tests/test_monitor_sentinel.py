@@ -29,7 +29,10 @@ from tests.helpers import ArmedBlock, PlainBlock, StackModule, trainer_kwargs
 METRIC = "recompute/sentinel/mismatches"
 
 
-def fit(tmp_path: Path, monitor: RecomputationMonitor | None, module: StackModule, steps: int = 12) -> pl.Trainer:
+def monitored_trainer(
+    tmp_path: Path, monitor: RecomputationMonitor | None, steps: int = 12, log_every_n_steps: int = 1
+) -> pl.Trainer:
+    """A seeded Trainer checkpointing the stack's blocks under ``monitor``, logging to a CSV file in ``tmp_path``."""
     pl.seed_everything(0, verbose=False)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
     kwargs = trainer_kwargs(
@@ -38,9 +41,13 @@ def fit(tmp_path: Path, monitor: RecomputationMonitor | None, module: StackModul
         strategy=strategy,
         callbacks=[] if monitor is None else [monitor],
         logger=CSVLogger(tmp_path),
-        log_every_n_steps=1,
+        log_every_n_steps=log_every_n_steps,
     )
-    trainer = pl.Trainer(**kwargs)
+    return pl.Trainer(**kwargs)
+
+
+def fit(tmp_path: Path, monitor: RecomputationMonitor | None, module: StackModule, steps: int = 12) -> pl.Trainer:
+    trainer = monitored_trainer(tmp_path, monitor, steps)
     trainer.fit(module)
     return trainer
 
@@ -473,17 +480,8 @@ def test_compared_per_step_is_the_same_whatever_the_logging_interval(tmp_path: P
     # The sampled tier compares every saved tensor every step: the same count at each step of a plain model.
     runs = {}
     for every in (1, 4):
-        pl.seed_everything(0, verbose=False)
-        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
-        kwargs = trainer_kwargs(
-            tmp_path / str(every),
-            max_steps=8,
-            strategy=strategy,
-            callbacks=[RecomputationMonitor(every_n_steps=100, sentinel="sampled")],
-            logger=CSVLogger(tmp_path / str(every)),
-            log_every_n_steps=every,
-        )
-        pl.Trainer(**kwargs).fit(StackModule(block="PlainBlock"))
+        monitor = RecomputationMonitor(every_n_steps=100, sentinel="sampled")
+        monitored_trainer(tmp_path / str(every), monitor, 8, every).fit(StackModule(block="PlainBlock"))
         runs[every] = (
             logged(tmp_path / str(every), "recompute/sentinel/compared"),
             logged(tmp_path / str(every), "recompute/sentinel/compared_per_step"),
@@ -500,17 +498,7 @@ def test_compared_per_step_counts_from_the_first_step_of_a_second_fit(tmp_path: 
     # A second `fit` of the same Trainer, or a fit resumed from a checkpoint (whose global step Lightning restores
     # after `on_fit_start`), starts at step 8: its first period holds four steps, not twelve.
     def trainer(root: Path, max_steps: int) -> pl.Trainer:
-        pl.seed_everything(0, verbose=False)
-        strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
-        kwargs = trainer_kwargs(
-            root,
-            max_steps=max_steps,
-            strategy=strategy,
-            callbacks=[RecomputationMonitor(every_n_steps=100, sentinel="sampled")],
-            logger=CSVLogger(root),
-            log_every_n_steps=4,
-        )
-        return pl.Trainer(**kwargs)
+        return monitored_trainer(root, RecomputationMonitor(every_n_steps=100, sentinel="sampled"), max_steps, 4)
 
     first, module = trainer(tmp_path, 8), StackModule(block="PlainBlock")
     first.fit(module)
