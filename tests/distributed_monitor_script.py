@@ -38,6 +38,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
 )
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
+from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
@@ -431,11 +432,12 @@ def main(kind: str, out_dir: Path) -> None:
             run(kind, out_dir, "sentinel_read_fails_on_rank_one", "DropoutBlock", RecomputationMonitor(), dropout, {})
         finally:
             RecomputationSentinel.read = real_read  # type: ignore[method-assign]
-        # The sentinel's own code failing on rank 1 only, at its second region forward, or as its second step starts:
-        # both ranks stop it alike.
+        # The sentinel's own code failing on rank 1 only, at its second region forward, as its second step starts, or
+        # turning its second step's counts into metrics: both ranks stop it alike.
         for name, owner, method in (
             ("sentinel_fails_on_rank_one", RegionCall, "forward_done"),
             ("sentinel_fails_starting_a_step_on_rank_one", RecomputationSentinel, "next_step"),
+            ("sentinel_metrics_fail_on_rank_one", SentinelWatch, "metrics"),
         ):
             real = getattr(owner, method)
             setattr(owner, method, failing_from(2, real, when=lambda: dist.get_rank() == 1))

@@ -322,7 +322,10 @@ def test_ddp_the_sentinel_watching_every_other_step_sees_the_defect_at_those_ste
     assert result(out_dir, "sentinel_every_other", 1)["warnings"] == []
 
 
-@pytest.mark.parametrize("name", ["sentinel_fails_on_rank_one", "sentinel_fails_starting_a_step_on_rank_one"])
+@pytest.mark.parametrize(
+    "name",
+    ["sentinel_fails_on_rank_one", "sentinel_fails_starting_a_step_on_rank_one", "sentinel_metrics_fail_on_rank_one"],
+)
 def test_ddp_a_failure_of_the_sentinels_own_on_rank_one_stops_it_on_both_ranks_and_training_is_unchanged(ddp, name):
     rank0, rank1 = result(ddp, name, 0), result(ddp, name, 1)
     assert rank0["global_step"] == rank1["global_step"] == 4

@@ -23,8 +23,9 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.lightning.reference import plain_regions, regions_that_fit
+from lightning_ckpt_determinism.lightning.watch import SentinelFinding
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from tests.helpers import ArmedBlock, PlainBlock, StackModule, trainer_kwargs
+from tests.helpers import ArmedBlock, PlainBlock, StackModule, failing_from, trainer_kwargs
 
 METRIC = "recompute/sentinel/mismatches"
 
@@ -160,6 +161,27 @@ def test_raise_mode_stops_the_fit_at_the_step_of_the_mismatch_before_its_optimiz
     twin = armed_module(step=5)
     fit(tmp_path / "twin", None, twin, steps=5)
     assert all(torch.equal(value, twin.state_dict()[key]) for key, value in module.state_dict().items())
+
+
+@pytest.mark.parametrize("on_divergence", ["warn", "raise"])
+def test_a_finding_whose_message_fails_still_warns_or_raises_naming_its_region_and_step_and_is_followed_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_divergence: str
+) -> None:
+    monkeypatch.setattr(SentinelFinding, "message", failing_from(1, SentinelFinding.message))
+    monitor = RecomputationMonitor(every_n_steps=50, on_divergence=on_divergence, exclude_attributes=ARMED_COUNT)  # type: ignore[arg-type]
+    said = (
+        r"the sentinel saw region `model.blocks.1` recompute other values than its forward at step 5; the monitor"
+        r" failed to write the details \(RuntimeError: injected\). Please report it."
+    )
+    if on_divergence == "raise":
+        with pytest.raises(RecomputationDivergenceError, match=said):
+            fit(tmp_path, monitor, armed_module(step=5))
+        return
+    with pytest.warns(LightningCkptDeterminismWarning, match=said):
+        fit(tmp_path, monitor, armed_module(step=5))
+    # Followed up as any finding is: step 6 checked in full, and the counts logged.
+    assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (6, False)]
+    assert logged(tmp_path, METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(12)]
 
 
 def test_a_defect_read_at_a_later_logging_step_is_warned_and_logged_at_the_step_it_happened(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
 )
 from lightning_ckpt_determinism.lightning.findings import FitSummary
+from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify import live_step
 from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel, observer, recomputation_sentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
@@ -41,7 +42,13 @@ def train(tmp_path: Path, monitor: RecomputationMonitor | None) -> tuple[pl.Trai
     )
     callbacks = [monitor] if monitor is not None else []
     trainer = pl.Trainer(
-        **trainer_kwargs(tmp_path / str(monitor is None), callbacks=callbacks, strategy=strategy, max_steps=STEPS)
+        **trainer_kwargs(
+            tmp_path / str(monitor is None),
+            callbacks=callbacks,
+            strategy=strategy,
+            max_steps=STEPS,
+            log_every_n_steps=2,  # the sentinel's counts become metrics at steps 1 and 3, and are shown at 0 and 2
+        )
     )
     trainer.fit(module)
     return trainer, trained_state(module, trainer)
@@ -68,7 +75,8 @@ def monitored_fit(tmp_path: Path) -> tuple[pl.Trainer, dict[str, torch.Tensor], 
 
 
 # Where the sentinel's own code runs inside the step: at a region's forward, at its end, at each recomputed tensor
-# torch compares, when the step's digests are compared, and when a clean step is read.
+# torch compares, when the step's digests are compared, and when a clean step is read; and after it, when its counts
+# become the logged metrics, or are shown in `trainer.callback_metrics` between logging steps.
 SENTINEL_PARTS = {
     "region_forward_start": (RegionParameters, "now", 3),
     "region_forward_end": (RegionCall, "forward_done", 2),
@@ -76,6 +84,8 @@ SENTINEL_PARTS = {
     "comparing_the_step": (SentinelStep, "flags", 1),
     "clean_read": (SentinelStep, "regions", 1),
     "starting_a_step": (RecomputationSentinel, "next_step", 2),
+    "turning_counts_into_metrics": (SentinelWatch, "metrics", 1),
+    "showing_counts_between_logs": (SentinelWatch, "so_far", 2),
 }
 
 

@@ -40,7 +40,7 @@ from lightning_ckpt_determinism.lightning.step import (
     raised_in_backward,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
-from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelMetrics, SentinelWatch
+from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelWatch
 from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
@@ -449,7 +449,7 @@ class RecomputationMonitor(Callback):
         self._watch.step_ended(batch_end=False)
         findings = self._watch.read(trainer)
         if findings and trainer.loggers:
-            self._publish(trainer, None, self._watch.metrics())  # the loggers show the step that raises
+            self._publish(trainer, None)  # the loggers show the step that raises
         self._respond(trainer, findings)
 
     @override
@@ -468,10 +468,7 @@ class RecomputationMonitor(Callback):
         shown = self._schedule.last_checked == step or epoch_end or trainer.global_step == trainer.max_steps
         if logging or shown:
             self._respond(trainer, self._watch.read(trainer), last=_last_batch_of_fit(trainer))
-        if logging:
-            self._publish(trainer, pl_module, self._watch.metrics())
-        elif shown:
-            self._results.publish(trainer, pl_module, self._watch.so_far(), step, loggers=False)
+            self._publish(trainer, pl_module, so_far=not logging)
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -502,7 +499,7 @@ class RecomputationMonitor(Callback):
             )
         if trainer.loggers:
             # Lightning takes no `self.log` here: what is left goes to the loggers only.
-            self._publish(trainer, None, self._watch.metrics(last=True))
+            self._publish(trainer, None, last=True)
         self._watch.stop()
         if self._enabled:
             self._summarise(trainer)
@@ -566,15 +563,25 @@ class RecomputationMonitor(Callback):
             self._watch.escalate(step + 1)
 
     def _publish(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule | None", metrics: SentinelMetrics | None
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule | None", *, so_far: bool = False, last: bool = False
     ) -> None:
-        """The sentinel's points to the loggers, each at its step, and its period to ``trainer.callback_metrics``."""
-        if metrics is None:
-            return
-        for step, values in metrics.points:
-            self._results.publish(trainer, None, values, step)
-        if pl_module is not None:
-            self._results.publish(trainer, pl_module, metrics.period, self._watch.step, loggers=False)
+        """The sentinel's points since the last logged step to the loggers, each at its step, and its period to
+        ``trainer.callback_metrics``; with ``so_far``, its counts since the last logged step to
+        ``trainer.callback_metrics`` alone, leaving them for the loggers' next point. A failure of the monitor's own
+        doing so stops the sentinel, not the fit: on every rank alike at its next read."""
+        try:
+            if so_far:
+                self._results.publish(trainer, pl_module, self._watch.so_far(), self._watch.step, loggers=False)
+                return
+            metrics = self._watch.metrics(last=last)
+            if metrics is None:
+                return
+            for step, values in metrics.points:
+                self._results.publish(trainer, None, values, step)
+            if pl_module is not None:
+                self._results.publish(trainer, pl_module, metrics.period, self._watch.step, loggers=False)
+        except Exception as err:
+            self._watch.failed(err, several_ranks=trainer.world_size > 1 and not last)
 
     def _settings(self, attribution: Any) -> CheckSettings:
         return CheckSettings(

@@ -125,9 +125,10 @@ class SentinelWatch:
         self._between_batches = contextlib.ExitStack()
         self._is_between_batches = False
         self._pending: list[tuple[int, SentinelStep | None, Exception | None]] = []
-        # A failure of this rank's own reading a clean record or starting a step, reduced with the next read's counts:
-        # one more record on this rank alone, or one fewer, would change the length of what every rank reduces.
-        self._failed_read: Exception | None = None
+        # A failure of this rank's own since the last read (reading a clean record, starting a step, turning counts
+        # into metrics), reduced with the next read's counts: one more record on this rank alone, or one fewer, would
+        # change the length of what every rank reduces, and a rank that stopped alone would not read with the others.
+        self._failed_since_read: Exception | None = None
         # Whether a memory budget's plan keeps every module plain: there is nothing to compare.
         self.all_plain = False
         self._unlogged: dict[int, _StepCounts] = {}
@@ -172,7 +173,7 @@ class SentinelWatch:
             )
             return
         self._pending, self._unlogged, self._batches_since_logged, self._watched_since_logged = [], {}, 0, 0
-        self._failed_read = None
+        self._failed_since_read = None
         self._watching = True
         # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
         self._warned, self._said_nothing_compared = {}, False
@@ -243,7 +244,7 @@ class SentinelWatch:
         try:
             self.sentinel.next_step("exact" if step == self._exact_from else None)
         except Exception as err:  # the step is still recorded at its end; the next read stops it on every rank alike
-            self._failed_read = err
+            self._failed_since_read = err
 
     def backward_started(self) -> None:
         """The batch under way runs a backward, which recomputes its regions."""
@@ -287,8 +288,8 @@ class SentinelWatch:
         strategy = trainer.strategy
         device = strategy.root_device
         regions = len(sentinel.regions)
-        failed = next((error for _, _, error in pending if error is not None), self._failed_read)
-        self._failed_read = None
+        failed = next((error for _, _, error in pending if error is not None), self._failed_since_read)
+        self._failed_since_read = None
         counts = []
         for _, record, _ in pending:
             try:
@@ -318,7 +319,7 @@ class SentinelWatch:
             try:
                 sentinel.read(record, clean=True)
             except Exception as err:  # the sentinel stopped; the next read stops it on every rank alike
-                self._failed_read = err
+                self._failed_since_read = err
         if not differed:
             return []
         try:
@@ -350,6 +351,22 @@ class SentinelWatch:
                     )
                 )
         return findings
+
+    def failed(self, error: Exception, *, several_ranks: bool) -> None:
+        """A failure of the monitor's own with the sentinel's counts between reads (turning them into metrics,
+        publishing them): on one process the sentinel stops now; on several, the next read stops it on every rank
+        alike (a rank that stopped alone would leave the others waiting in that read's collective).
+
+        Args:
+            error: What was raised.
+            several_ranks: Whether other ranks read with this one later in the fit.
+        """
+        if not self._active:
+            return  # stopped already, and said so
+        if several_ranks:
+            self._failed_since_read = error
+        else:
+            self._fail(error)
 
     def _fail(self, error: Exception | None) -> None:
         """Stop the sentinel after a failure of its own (here or on another rank), saying so once."""
@@ -387,13 +404,11 @@ class SentinelWatch:
         if not findings or on_divergence == "ignore":
             return False
         if on_divergence == "raise":
-            messages = (respelt(finding.message(several_ranks), syntax) for finding in findings)
+            messages = (_told(finding, several_ranks, "", syntax) for finding in findings)
             raise RecomputationDivergenceError(" ".join(messages))
         for finding in findings:
             self._warned[finding.region] = finding.step
-            rank_zero_warn(
-                respelt(finding.message(several_ranks, then), syntax), category=LightningCkptDeterminismWarning
-            )
+            rank_zero_warn(_told(finding, several_ranks, then, syntax), category=LightningCkptDeterminismWarning)
         return True
 
     def due(self, findings: list[SentinelFinding], every_n_steps: int) -> list[SentinelFinding]:
@@ -513,6 +528,19 @@ class SentinelWatch:
             f" {why}. `{self.prefix}/sentinel/compared` is 0 and no `{self.prefix}/sentinel/mismatches` is logged"
             " for them; the periodic check still compares gradients.",
             category=LightningCkptDeterminismWarning,
+        )
+
+
+def _told(finding: SentinelFinding, several_ranks: bool, then: str, syntax: Syntax) -> str:
+    """``finding``'s message; where writing it fails, a shorter one that says so (the finding still warns or raises,
+    on every rank alike)."""
+    try:
+        return respelt(finding.message(several_ranks, then), syntax)
+    except Exception as err:
+        return (
+            f"lightning_ckpt_determinism: the sentinel saw region `{finding.region}` recompute other values than its"
+            f" forward at step {finding.step}; the monitor failed to write the details ({type(err).__name__}: {err})."
+            " Please report it."
         )
 
 
