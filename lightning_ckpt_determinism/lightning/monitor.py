@@ -150,6 +150,14 @@ class RecomputationMonitor(Callback):
             region): values that legitimately differ between the live step and the reference pass, such as a
             timestamp or a stored ``loss.item()``. They are still put back after each check.
 
+    Attributes:
+        history: The last ``history_size`` checks' records (``CheckRecord``: step, ``grad_divergence``, whether
+            it diverged or why it was skipped), alike on every rank (reduced over ranks); saved in checkpoints.
+        last_report: The last check's full :class:`~lightning_ckpt_determinism.RecomputationReport` as this rank
+            found it, or ``None`` before the first: under the two-pass check each rank's regions and ops are its own,
+            and ``history``, the metrics and the warnings hold what the ranks found together.
+        hint_syntax: How hints spell settings: ``"python"``, or ``"yaml"`` (set by ``CheckpointingCLI``).
+
     Raises:
         CheckpointingConfigError: If an argument is out of range; at fit start, before any step, if the module uses
             manual optimization and no ``loss_fn`` is given, if no module is checkpointed (no checkpointing strategy
@@ -256,7 +264,7 @@ class RecomputationMonitor(Callback):
 
     @property
     def sentinel_report(self) -> SentinelReport | None:
-        """What the sentinel compared during the last fit (cumulative), or ``None`` without one."""
+        """What this rank's sentinel compared during the last fit (cumulative), or ``None`` without one."""
         return self._watch.report
 
     @override
