@@ -42,7 +42,7 @@ from lightning_ckpt_determinism.verify.sentinel import (
     recomputation_sentinel,
 )
 
-__all__ = ["SentinelFinding", "SentinelMetrics", "SentinelWatch"]
+__all__ = ["SentinelFinding", "SentinelWatch"]
 
 
 @dataclass(frozen=True)
