@@ -48,6 +48,7 @@ __all__ = [
     "aot_backends",
     "autograd_nodes_made",
     "below_current_modes",
+    "buffer_version_counter",
     "checkpoint_codes",
     "checkpoint_debug_enabled",
     "checkpoint_saved_counter",
@@ -318,6 +319,21 @@ def is_fsdp1_parameter_view(tensor: torch.Tensor) -> bool:
 version_counter: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 """A tensor's version counter, ``Tensor._version``: bumped by every in-place write to it or to a view of it
 (>= 1.0). A C-level getter: the sentinel reads every parameter's at each region call."""
+
+
+def buffer_version_counter(tensor: torch.Tensor) -> int:
+    """:data:`version_counter` of a buffer or an input, ``-1`` for an inference tensor (made under
+    ``torch.inference_mode()``: a cache that ``trainer.validate`` filled), which has none and which nothing outside
+    inference mode can write (``Tensor.is_inference``, >= 1.9).
+
+    Example::
+
+        >>> with torch.inference_mode():
+        ...     cache = torch.zeros(2)
+        >>> buffer_version_counter(cache), buffer_version_counter(torch.zeros(2).add_(1))
+        (-1, 1)
+    """
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:

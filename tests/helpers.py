@@ -808,6 +808,66 @@ class LazyNormBlock(nn.Module):
         return torch.tanh(self.norm(self.inp(x)))
 
 
+class InferenceCacheBlock(nn.Module):
+    """Adds a positional table built at its first forward and again for longer inputs (a cache); ``trainer.validate``
+    run first (under ``torch.inference_mode()``) makes it an inference tensor, which ``+`` reads without saving."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.table: torch.Tensor | None
+        self.register_buffer("table", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None or self.table.shape[0] < x.shape[-1]:
+            self.table = torch.arange(x.shape[-1], dtype=x.dtype, device=x.device) / x.shape[-1]
+        return torch.tanh(self.linear(x)) + self.table[: x.shape[-1]]
+
+
+class WrittenAfterItsForward(nn.Module):
+    """A checkpointed ``block`` (a linear layer, a batch norm and a shift it reads from a buffer) whose buffers code
+    outside it writes between its forward and its recomputation: with ``writer="caller"`` this module adds to the
+    shift after the block's call; with ``writer="shared"`` the block's batch norm runs again after the block, outside
+    it (a module shared), updating its statistics."""
+
+    def __init__(self, writer: str) -> None:
+        super().__init__()
+        self.writer = writer
+        self.norm = nn.BatchNorm1d(DIM)
+        self.block = nn.Sequential(nn.Linear(DIM, DIM), self.norm, ShiftBlock())
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x)
+        if self.writer == "caller":
+            with torch.no_grad():
+                self.block[2].shift.add_(1.0)
+            return self.head(h)
+        return self.head(h + self.norm(2 * h))
+
+
+class ShiftBlock(nn.Module):
+    """``tanh(x + shift)``, ``shift`` a buffer it only reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.shift)
+
+
+class ValidatedStackModule(StackModule):
+    """A :class:`StackModule` with a validation loop on its training data."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self.model(x), y))
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
 class MomentumTeacherModule(StackModule):
     """Updates a momentum teacher (a frozen copy of the model) in place at the start of ``training_step``."""
 

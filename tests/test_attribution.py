@@ -49,6 +49,7 @@ from tests.helpers import (
     RowSumBlock,
     StackModule,
     SyncNormBlock,
+    WrittenAfterItsForward,
     batch,
     stack_with,
     trainer_kwargs,
@@ -230,6 +231,27 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
     )
     _, protected = attributed(BatchNormBlock)
     assert_clean(protected)
+
+
+@pytest.mark.parametrize("writer", ["caller", "shared"])
+def test_buffers_written_outside_a_region_between_its_forward_and_recomputation_are_no_mutation_of_its(writer):
+    torch.manual_seed(0)
+    model = WrittenAfterItsForward(writer)
+    twin = WrittenAfterItsForward(writer)
+    twin.load_state_dict(model.state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["block"]))
+    x, y = batch()
+    for _ in range(2):  # the first call learns, the second watches the buffers it read
+        report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+        assert (report.diverged, report.grad_divergence, report.buffer_mutations) == (False, 0.0, [])
+        (region,) = report.regions
+        assert region == RegionReport(name="block", ops_compared=region.ops_compared, recomputations=1)
+        # The check puts the state back: the model trains on as its plain twin does.
+        for net in (model, twin):
+            net.zero_grad(set_to_none=True)
+            F.mse_loss(net(x), y).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
 
 
 def test_calibrated_noise_floor_tolerates_a_non_deterministic_kernel():

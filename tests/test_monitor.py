@@ -41,6 +41,7 @@ from tests.helpers import (
     ReentrantHeadModule,
     SkipsOnItsSecondCallModule,
     StackModule,
+    ValidatedStackModule,
     WarmupModule,
     manual_loss,
     trainer_kwargs,
@@ -751,6 +752,38 @@ def test_a_step_that_sizes_a_buffer_is_checked_and_trains_as_without_checkpointi
     report = monitor.sentinel_report
     assert report is not None and report.compared > 0 and report.mismatches == 0
     assert all(torch.equal(value, plain.state_dict()[key]) for key, value in module.state_dict().items())
+
+
+@pytest.mark.parametrize("attribution", ["on_divergence", "always"])
+def test_a_cache_made_by_trainer_validate_before_the_fit_is_checked_and_trains_as_without_checkpointing(
+    tmp_path, attribution
+):
+    # `trainer.validate` runs under `torch.inference_mode()` (the fit's own validation under `no_grad`): each block's
+    # positional table is an inference tensor when the fit starts.
+    def validated_then_fit(monitor):
+        pl.seed_everything(0, verbose=False)
+        module = ValidatedStackModule(block="InferenceCacheBlock")
+        config = CheckpointingConfig(classes=["InferenceCacheBlock"])
+        strategy = "auto" if monitor is None else SingleDeviceCheckpointingStrategy(checkpointing=config)
+        callbacks = [] if monitor is None else [monitor]
+        trainer = pl.Trainer(**trainer_kwargs(tmp_path / str(monitor), callbacks=callbacks, strategy=strategy))
+        trainer.validate(module, verbose=False)
+        assert all(block.table.is_inference() for block in module.model.blocks)
+        trainer.fit(module)
+        return module
+
+    plain = validated_then_fit(None)
+    monitor = RecomputationMonitor(every_n_steps=1, attribution=attribution)
+    module = validated_then_fit(monitor)
+    assert [(entry.step, entry.skipped, entry.grad_divergence) for entry in monitor.history] == [
+        (step, None, 0.0) for step in range(4)
+    ]
+    report = monitor.sentinel_report
+    assert report is not None and report.compared > 0 and report.mismatches == 0
+    assert all(torch.equal(value, plain.state_dict()[key]) for key, value in module.state_dict().items())
+    assert all(
+        torch.equal(mine.table, twin.table) for mine, twin in zip(module.model.blocks, plain.model.blocks, strict=True)
+    )
 
 
 def test_two_monitors_in_one_trainer_are_refused_at_fit_start_in_one_line(tmp_path):

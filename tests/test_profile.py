@@ -11,7 +11,15 @@ from torch.nn import functional as F
 
 from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
-from tests.helpers import DIM, BatchNormBlock, BufferCounter, PlainBlock, batch
+from tests.helpers import (
+    DIM,
+    BatchNormBlock,
+    BufferCounter,
+    InferenceCacheBlock,
+    PlainBlock,
+    WrittenAfterItsForward,
+    batch,
+)
 
 
 def checkpointed(module: nn.Module) -> nn.Module:
@@ -113,18 +121,19 @@ def test_the_buffers_and_attributes_a_forward_changes_are_learned_and_generators
 
 
 class LateBuffer(nn.Module):
-    """Updates a count buffer in place once ``armed``: a buffer the first call did not change."""
+    """Updates a count buffer (of ``size`` elements) in place once ``armed``: a buffer the first call did not
+    change."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.linear = nn.Linear(DIM, DIM)
         self.armed = False
-        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("count", torch.zeros(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.armed:
             self.count += 1
-        return torch.tanh(self.linear(x) * (1 + self.count))
+        return torch.tanh(self.linear(x) * (1 + self.count.flatten()[0]))
 
 
 class ReplacedBuffer(nn.Module):
@@ -152,28 +161,109 @@ def test_a_buffer_replaced_by_assignment_is_replayed_and_the_live_one_kept() -> 
     assert int(model[0].steps) == int(plain[0].steps) == 3
 
 
+# A count, and a table of 64 KiB: both copied once and kept until a forward first changes them.
+@pytest.mark.parametrize("size", [(), (128, 128)], ids=["count", "table"])
 def test_a_buffer_first_changed_after_the_first_call_is_replayed_from_the_next_forward(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, size: tuple[int, ...]
 ) -> None:
     torch.manual_seed(0)
-    plain = nn.Sequential(LateBuffer())
-    model = nn.Sequential(LateBuffer())
+    plain = nn.Sequential(LateBuffer(size))
+    model = nn.Sequential(LateBuffer(size))
     model.load_state_dict(plain.state_dict())
     checkpointed(model)
     with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
-        step(plain), step(model)
+        for seed in range(2):
+            expected, got = step(plain, seed), step(model, seed)
+            assert all(torch.equal(expected[name], got[name]) for name in expected)
         assert model[0].forward.profile.buffers == frozenset()
+        with torch.no_grad():  # written between calls (a state loaded): the copy kept is made again
+            plain[0].count.fill_(2.0)
+            model[0].count.fill_(2.0)
         plain[0].armed = model[0].armed = True
-        step(plain), step(model)  # the forward changes the count for the first time: noted
+        # The forward changes the count for the first time: noted, and recomputed from the count it started from.
+        expected, got = step(plain, 2), step(model, 2)
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
         assert model[0].forward.profile.buffers == frozenset({"count"})
     (line,) = [record.getMessage() for record in caplog.records if "for the first time" in record.getMessage()]
     assert "region `0` changed its buffer `count` in forward for the first time after its first call" in line
-    # That step's recomputation started from the count the forward left and gave it back: counted once, as without
-    # checkpointing. From the next forward on, it sees the count the forward started from.
-    assert (int(model[0].count), int(plain[0].count)) == (1, 1)
-    expected, got = step(plain, 1), step(model, 1)
+    # Counted once, as without checkpointing, and replayed from then on.
+    assert torch.equal(model[0].count, plain[0].count) and float(model[0].count.flatten()[0]) == 3.0
+    expected, got = step(plain, 3), step(model, 3)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
-    assert int(model[0].count) == int(plain[0].count) == 2
+    assert torch.equal(model[0].count, plain[0].count) and float(model[0].count.flatten()[0]) == 4.0
+
+
+class CumulativeInstanceNorm(nn.Module):
+    """An instance norm tracking running statistics with ``momentum=None``: its kernel writes them back unchanged
+    in training (a version bump with the same values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.norm = nn.InstanceNorm1d(DIM, track_running_stats=True, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x).unsqueeze(-1).expand(-1, -1, 4)).sum(-1)
+
+
+def test_a_buffer_written_back_unchanged_at_the_first_call_is_learned_there_and_not_noted_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(CumulativeInstanceNorm())
+    model = nn.Sequential(CumulativeInstanceNorm())
+    model.load_state_dict(plain.state_dict())
+    checkpointed(model)
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+        for seed in range(3):
+            expected, got = step(plain, seed), step(model, seed)
+            assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert model[0].forward.profile.buffers == {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+    assert [record.getMessage() for record in caplog.records if "for the first time" in record.getMessage()] == []
+
+
+def test_a_buffer_made_under_inference_mode_trains_as_without_checkpointing() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(InferenceCacheBlock())
+    model = nn.Sequential(InferenceCacheBlock())
+    model.load_state_dict(plain.state_dict())
+    checkpointed(model)
+    with torch.inference_mode():  # the sanity check's validation batches
+        plain(batch()[0]), model(batch()[0])
+    assert model[0].table.is_inference()
+    for seed in range(3):
+        expected, got = step(plain, seed), step(model, seed)
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert torch.equal(model[0].table, plain[0].table)
+
+
+@pytest.mark.parametrize("writer", ["caller", "shared"])
+def test_a_buffer_written_between_the_forward_and_its_recomputation_is_replayed_as_the_forward_read_it(
+    caplog: pytest.LogCaptureFixture, writer: str
+) -> None:
+    torch.manual_seed(0)
+    plain = WrittenAfterItsForward(writer)
+    model = WrittenAfterItsForward(writer)
+    model.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["block"]))
+    x, y = batch()
+    with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+        for _ in range(3):  # the first call learns; the second finds the write as it recomputes; the third replays
+            grads = []
+            for net in (plain, model):
+                net.zero_grad(set_to_none=True)
+                F.mse_loss(net(x), y).backward()
+                grads.append({name: param.grad.clone() for name, param in net.named_parameters()})
+            assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+    assert all(torch.equal(value, plain.state_dict()[key]) for key, value in model.state_dict().items())
+    said = [record.getMessage() for record in caplog.records if "was written between" in record.getMessage()]
+    assert len(said) == (1 if writer == "caller" else 0)  # the shared statistics change in the block's forward too
+    if said:
+        assert said[0] == (
+            "lightning_ckpt_determinism: region `block`'s buffer `2.shift` was written between its forward and its"
+            " recomputation (by code outside the region, or a module sharing the buffer); the region replays it from"
+            " now on."
+        )
 
 
 @pytest.mark.parametrize("protect_buffers", [True, False])

@@ -597,6 +597,20 @@ def test_version_counters_view_bases_and_own_buffers_are_what_torch_keeps() -> N
     assert norm.running_mean is replacement
 
 
+@pins("buffer_version_counter")
+def test_an_inference_tensor_has_no_version_counter_and_reads_minus_one() -> None:
+    with torch.inference_mode():
+        cache = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="Inference tensors do not track version counter"):
+        compat.version_counter(cache)
+    assert compat.buffer_version_counter(cache) == -1
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        cache.add_(1)  # nothing outside inference mode writes it: its -1 stays true
+    tensor = torch.zeros(3)
+    tensor[1:].add_(1)
+    assert compat.buffer_version_counter(tensor) == compat.version_counter(tensor) == 1
+
+
 @pins("own_parameters")
 def test_own_parameters_are_the_dict_getattr_reads() -> None:
     linear = nn.Linear(2, 2)

@@ -10,6 +10,7 @@ back by the region's call itself, :class:`AttributeReplay`, and its modules' ``t
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, NamedTuple
@@ -19,10 +20,10 @@ from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import (
     below_current_modes,
+    buffer_version_counter,
     disable_current_modes,
     hook_handles_made,
     own_buffers,
-    version_counter,
 )
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot, hooks_added_since
 from lightning_ckpt_determinism.checkpointing.modules import SCALARS, generator_slots, is_framework_attribute
@@ -34,6 +35,7 @@ __all__ = [
     "SMALL_BUFFER_BYTES",
     "AttributeReplay",
     "BufferSlot",
+    "BufferStarts",
     "ContextFactory",
     "ForwardState",
     "HostRNGReplay",
@@ -142,12 +144,15 @@ class ForwardState:
     without one (a learning call) every buffer and generator is captured; otherwise only those the profile lists
     are, and every other buffer is checked at the forward's end by identity and version counter, so that one first
     changed later (or replaced by assignment) is reported to ``changed`` and captured from the next forward on. The
-    small ones among them (up to :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's) are
-    copied as the forward starts, so that the forward that first changes one is recomputed from the values it started
-    from, as a learned buffer is. For a larger one that forward's recomputation starts from the value the forward
-    left, and gives it back afterwards, with the other buffers of its module (BatchNorm's kernel updates its running
-    statistics without a version bump): the buffer is changed once, as without checkpointing, though the
-    recomputation may differ (the value the forward started from is gone; the sentinel and the check see it). A
+    small ones among them (up to :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's, a
+    positional table) have a copy kept from call to call in ``starts`` (see :class:`BufferStarts`), so that the
+    forward that first changes one is recomputed from the values it started from, as a learned buffer is. For a
+    larger one that forward's recomputation starts from the value the forward left, and gives it back afterwards,
+    with the other buffers of its module (BatchNorm's kernel updates its running statistics without a version bump):
+    the buffer is changed once, as without checkpointing, though the recomputation may differ (the value the forward
+    started from is gone; the sentinel and the check see it). A buffer the forward only read that something else
+    writes before a recomputation (the region's caller, a module sharing it) is found as that recomputation starts,
+    reported to ``written_between``, and replayed from the value the forward read where that was kept. A
     buffer registered as ``None`` that the forward creates is taken away for its recomputation, which creates its
     own, and put back after it.
 
@@ -157,6 +162,10 @@ class ForwardState:
         buffers: The region's buffers, when they are replayed (``protect_buffers``); empty otherwise.
         generators: Replay the generators the region's modules hold.
         changed: Called with the name of each buffer this forward changed that ``profile`` does not list.
+        written_between: Called with the name of each buffer this forward only read that was written before one of
+            its recomputations (by the region's caller, or a module sharing it).
+        starts: The region's copies of the buffers no forward was seen to change; by default copies made for this
+            forward alone.
 
     Example::
 
@@ -181,19 +190,26 @@ class ForwardState:
         *,
         generators: bool,
         changed: Callable[[str], None] = lambda name: None,
+        written_between: Callable[[str], None] = lambda name: None,
+        starts: "BufferStarts | None" = None,
     ) -> None:
         self._module = module
         self._profile = profile
         self._slots = buffers
         self._replays_generators = generators
         self._changed = changed
+        self._written_between = written_between
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
         # The values the small watched buffers started from, by their place in `_watched`.
+        self._kept_starts = starts if starts is not None else BufferStarts()
         self._starts: dict[int, torch.Tensor] = {}
         # The buffers changed late, each with whether the forward created it where it found ``None`` (a buffer sized
         # at the first forward).
         self._late: list[tuple[nn.Module, str, bool]] = []
+        # The watched buffers the forward left unchanged, with their version counters and the values they held where
+        # copied: one written before a recomputation (by code outside the region) is replayed from them.
+        self._read: list[tuple[str, nn.Module, str, torch.Tensor, int, torch.Tensor | None]] = []
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def capture(self) -> AbstractContextManager[None]:
@@ -203,7 +219,9 @@ class ForwardState:
     def replay(self) -> AbstractContextManager[None]:
         """The recompute context: the forward's state in, the live state back afterwards, whatever is raised. Decided
         at each recomputation, once the forward has ended: with no buffer or generator to replay (none captured, none
-        changed late), the shared :data:`NO_CONTEXT`."""
+        changed late, none the forward read written since), the shared :data:`NO_CONTEXT`."""
+        if self._read:
+            _written_between(self)
         if self._captured or self._late or self._generators:
             return _Replay(self)
         return NO_CONTEXT
@@ -231,16 +249,12 @@ class _Capture:
             elif profile is None or name in profile.buffers:
                 cloned.append((owner, key, buffer))
             else:
-                state._watched.append((name, owner, key, buffer, version_counter(buffer)))
+                state._watched.append((name, owner, key, buffer, buffer_version_counter(buffer)))
         if cloned:
             with torch.no_grad(), disable_current_modes():
                 state._captured.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
-        small = [(at, entry[3]) for at, entry in enumerate(state._watched) if _small(entry[3])]
-        if small:
-            # Detached copies (no autograd node to make), below a mode only where one is active: they are made at
-            # most calls of a region holding buffers, most of which no forward changes.
-            with below_current_modes():
-                state._starts = {at: buffer.detach().clone() for at, buffer in small}  # type: ignore[union-attr]
+        if state._watched:
+            state._starts = state._kept_starts.at_start(state._watched)
         if state._replays_generators:
             held = generator_slots(state._module) if profile is None else profile.generators
             state._generators = [(generator, generator.get_state()) for _, generator in held]
@@ -251,16 +265,20 @@ class _Capture:
         state = self._state
         owners = set()
         for name, owner, key, buffer, version in state._watched:
-            if own_buffers(owner).get(key) is not buffer or (buffer is not None and version_counter(buffer) != version):
+            if own_buffers(owner).get(key) is not buffer or (
+                buffer is not None and buffer_version_counter(buffer) != version
+            ):
                 state._changed(name)
                 owners.add(owner)
         # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
         # updates its running statistics in place, its counter bumps one): they are recomputed from the values they
         # started from where those were copied, and given back after recomputation with it otherwise.
-        for at, (_, owner, key, buffer, _) in enumerate(state._watched):
+        for at, (name, owner, key, buffer, version) in enumerate(state._watched):
             if owner not in owners:
+                if buffer is not None:
+                    state._read.append((name, owner, key, buffer, version, state._starts.get(at)))
                 continue
-            start = state._starts.get(at)
+            start = state._kept_starts.taken(name, state._starts.get(at))
             if start is not None and buffer is not None:
                 state._captured.append((owner, key, buffer, start))
             else:
@@ -268,13 +286,76 @@ class _Capture:
         state._watched, state._starts = [], {}
 
 
-SMALL_BUFFER_BYTES = 4096
-"""The largest buffer a region's forward copies before it is known to change it (see :class:`ForwardState`)."""
+SMALL_BUFFER_BYTES = 1 << 20
+"""The largest buffer a region keeps a copy of before it is known to change it (see :class:`BufferStarts`)."""
 
 
 def _small(buffer: torch.Tensor | None) -> bool:
     """Whether ``buffer`` is a plain tensor of at most :data:`SMALL_BUFFER_BYTES`."""
     return type(buffer) is torch.Tensor and buffer.numel() * buffer.element_size() <= SMALL_BUFFER_BYTES
+
+
+class BufferStarts:
+    """A region's copies of its buffers that no forward was seen to change, each of at most
+    :data:`SMALL_BUFFER_BYTES`: the values that the forward that first changes one started from, kept from call to
+    call rather than copied at each. A copy holds while its buffer is the same object, with the same storage and
+    version counter, as when it was copied; a buffer written since (``load_state_dict``, a check putting a step's
+    state back, an assignment) is copied again as the next forward starts. A write through ``.data``, which moves no
+    version counter, goes unseen: a forward that then first changes the buffer is recomputed from the older value.
+
+    One per region: its wrapper holds it, and each call's :class:`ForwardState` reads it.
+
+    Example::
+
+        >>> count = torch.zeros(3)
+        >>> starts = BufferStarts()
+        >>> watched = [("count", None, "count", count, count._version)]
+        >>> first = starts.at_start(watched)[0]
+        >>> starts.at_start(watched)[0] is first  # unchanged since: the same copy, no new one
+        True
+        >>> _ = count.add_(1)
+        >>> starts.at_start([("count", None, "count", count, count._version)])[0].tolist()  # written: copied again
+        [1.0, 1.0, 1.0]
+    """
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        # By buffer name: a weak reference to the buffer, its version counter and storage when copied, and the copy.
+        self._kept: dict[str, tuple[weakref.ref[torch.Tensor], int, int, torch.Tensor]] = {}
+
+    def at_start(self, watched: Sequence[tuple[str, Any, str, torch.Tensor | None, int]]) -> dict[int, torch.Tensor]:
+        """The values the ``watched`` buffers (name, owner, key, buffer, version counter) start a forward from, by
+        their place among them: the kept copies that still hold, and new ones for the others (below every dispatch
+        mode, as the model's ops are not)."""
+        starts: dict[int, torch.Tensor] = {}
+        stale: list[tuple[int, str, torch.Tensor, int]] = []
+        for at, (name, _, _, buffer, version) in enumerate(watched):
+            if buffer is None or not _small(buffer):
+                continue
+            kept = self._kept.get(name)
+            if kept is not None and kept[0]() is buffer and kept[1] == version and kept[2] == _storage(buffer):
+                starts[at] = kept[3]
+            else:
+                stale.append((at, name, buffer, version))
+        if stale:
+            with below_current_modes():
+                for at, name, buffer, version in stale:
+                    copy = buffer.detach().clone()
+                    self._kept[name] = (weakref.ref(buffer), version, _storage(buffer), copy)
+                    starts[at] = copy
+        return starts
+
+    def taken(self, name: str, start: torch.Tensor | None) -> torch.Tensor | None:
+        """``start``, the value ``name`` started the forward from, which is now known to change it: its copy is no
+        longer kept (every later forward copies it as it starts)."""
+        self._kept.pop(name, None)
+        return start
+
+
+def _storage(buffer: torch.Tensor) -> int:
+    """Where ``buffer``'s values are (``.data`` assigned moves them without a version bump); 0 without a storage."""
+    return buffer.data_ptr() if buffer.layout == torch.strided else 0
 
 
 class _Replay:
@@ -314,6 +395,22 @@ class _Replay:
                 for owner, key, live, buffer, values in reversed(self._swapped):
                     _swap_back(buffer, values)
                     own_buffers(owner)[key] = live
+
+
+def _written_between(state: ForwardState) -> None:
+    """Find the buffers the forward only read that were written since (by the region's caller, or a module sharing
+    them, between the forward and this recomputation): each is reported, and replayed from the value the forward read
+    where that was copied (for this recomputation and the next; the region replays it from its next call on)."""
+    unwritten = []
+    for name, owner, key, buffer, version, start in state._read:
+        if own_buffers(owner).get(key) is buffer and buffer_version_counter(buffer) == version:
+            unwritten.append((name, owner, key, buffer, version, start))
+            continue
+        state._written_between(name)
+        read = state._kept_starts.taken(name, start)
+        if read is not None:
+            state._captured.append((owner, key, buffer, read))
+    state._read = unwritten
 
 
 class _LiveValues(NamedTuple):

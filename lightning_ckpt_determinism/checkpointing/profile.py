@@ -54,6 +54,7 @@ from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import (
     TorchDispatchMode,
+    buffer_version_counter,
     current_graph_task_id,
     no_python_dispatch,
     own_buffers,
@@ -178,11 +179,11 @@ class FirstForwardProbe:
         # Packs and ops in the order they happen: a write to a packed tensor's storage by a later op fills it late.
         self.events = 0
         self._finder = _FirstCallMode(self)
-        self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, _Snapshot | None]] = {}
+        self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, _Snapshot | None, int]] = {}
 
     def __enter__(self) -> "FirstForwardProbe":
         self._buffers = {
-            name: (owner, key, buffer, _snapshot(buffer))
+            name: (owner, key, buffer, _snapshot(buffer), buffer_version_counter(buffer))
             for name, (owner, key, buffer) in buffer_slots(self.module).items()
         }
         self._finder.__enter__()
@@ -228,10 +229,14 @@ class FirstForwardProbe:
                 self._finder.written_after(storage_pointer(tensor), packed_at) or (copy is not None and not _kept(copy))
             )
         )
+        # Written counts as changed whatever the values, as at later calls (`ForwardState` watches version counters):
+        # an InstanceNorm with `momentum=None` writes its running statistics back unchanged.
         buffers = frozenset(
             name
-            for name, (owner, key, buffer, value) in self._buffers.items()
-            if own_buffers(owner).get(key) is not buffer or (value is not None and not _kept(value))
+            for name, (owner, key, buffer, value, version) in self._buffers.items()
+            if own_buffers(owner).get(key) is not buffer
+            or buffer_version_counter(buffer) != version
+            or (value is not None and not _kept(value))
         )
         return RegionProfile(
             saved=len(self._packed),

@@ -58,6 +58,7 @@ from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLi
 from lightning_ckpt_determinism.checkpointing.contexts import (
     NO_CONTEXT,
     AttributeReplay,
+    BufferStarts,
     ContextFactory,
     ForwardState,
     HostRNGReplay,
@@ -312,6 +313,8 @@ class CheckpointedForward:
         self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
         # The buffers every profile replays: those any call was seen to change.
         self._replayed: frozenset[str] = frozenset()
+        # Copies of the small buffers no call was seen to change, kept from call to call (see `BufferStarts`).
+        self._buffer_starts = BufferStarts()
         # The attributes each call watches (see `AttributeReplay`), worked out again when the modules' sizes change.
         self._attribute_slots: tuple[tuple[int, ...], list[tuple[int, str]]] = ((), [])
         # How many tensors the latest eager forward saved (the saved-tensor observer reads it when that forward ends).
@@ -336,7 +339,7 @@ class CheckpointedForward:
         # Learned again after loading: it holds generators and module references of this process.
         state["profile"] = None
         state["_profiles"], state["_paths"], state["_generators"], state["_replayed"] = {}, {}, (), frozenset()
-        state["_probes_left"], state["_probe_budget"] = {}, {}
+        state["_probes_left"], state["_probe_budget"], state["_buffer_starts"] = {}, {}, BufferStarts()
         state["region_observer"] = state["saved_observer"] = None
         return state
 
@@ -561,6 +564,17 @@ class CheckpointedForward:
             )
             self._replay_buffers(frozenset({name}))
 
+    def _buffer_written_between(self, name: str) -> None:
+        if name not in self._replayed:
+            _log.info(
+                "lightning_ckpt_determinism: region `%s`'s buffer `%s` was written between its forward and its"
+                " recomputation (by code outside the region, or a module sharing the buffer); the region replays it"
+                " from now on.",
+                self.region,
+                name,
+            )
+            self._replay_buffers(frozenset({name}))
+
     def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
         """The ``context_fn`` of an eager call, as the plan says: the package's contexts, torch's selective pair alone
         (the form `torch.compile` accepts), or none."""
@@ -612,7 +626,15 @@ class CheckpointedForward:
             recompute.append(replay.replay)
         if plan.replays_state(profile):
             slots = plan.buffer_slots if plan.protect_buffers else ()
-            state = ForwardState(self.module, profile, slots, generators=plan.generators, changed=self._buffer_changed)
+            state = ForwardState(
+                self.module,
+                profile,
+                slots,
+                generators=plan.generators,
+                changed=self._buffer_changed,
+                written_between=self._buffer_written_between,
+                starts=self._buffer_starts,
+            )
             forward.append(state.capture)
             recompute.append(state.replay)
         if plan.save_ops or self.kept_calls:

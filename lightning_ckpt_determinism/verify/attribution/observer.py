@@ -45,11 +45,11 @@ from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
     StopRecomputationError,
     TorchDispatchMode,
+    buffer_version_counter,
     disable_current_modes,
     is_metadata_mismatch,
     own_buffers,
     returned_views,
-    version_counter,
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
@@ -120,7 +120,8 @@ class CallRecord:
     parameter_storages: dict[int | None, str] = field(default_factory=dict)
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
-    buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
+    written_between: frozenset[str] = frozenset()
     input_versions: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
     cursor: int = 0
     compared: int = 0
@@ -308,21 +309,35 @@ class CallRecord:
     def snapshot_buffers(self) -> None:
         with torch.no_grad():
             self.buffers_after_forward = [
-                (name, owner, key, local_tensor(buffer).clone())
+                (name, owner, key, local_tensor(buffer).clone(), buffer_version_counter(buffer))
                 for name, (owner, key, buffer) in buffer_slots(self.module).items()
             ]
+
+    def note_written_between(self) -> None:
+        """Note the buffers written since the forward ended, as its first recomputation starts: by the region's caller
+        or a module sharing them, not by the recomputation, so none of them is a mutation of its. With one, every buffer
+        of its module counts (BatchNorm's kernel updates its running statistics without a version bump; only its
+        counter shows one)."""
+        owners = {
+            id(owner)
+            for _, owner, key, _, version in self.buffers_after_forward
+            if (buffer := own_buffers(owner).get(key)) is None or buffer_version_counter(buffer) != version
+        }
+        self.written_between = frozenset(name for name, owner, *_ in self.buffers_after_forward if id(owner) in owners)
 
     def inputs_modified(self) -> bool:
         """Whether an input saved at the forward has been modified in place since (its version counter moved)."""
         for ref, version in self.input_versions:
             tensor = ref()
-            if tensor is not None and version_counter(tensor) != version:
+            if tensor is not None and buffer_version_counter(tensor) != version:
                 return True
         return False
 
     def mutated_buffers(self) -> list[str]:
         mutated = []
-        for name, owner, key, value in self.buffers_after_forward:
+        for name, owner, key, value, _ in self.buffers_after_forward:
+            if name in self.written_between:
+                continue
             current = own_buffers(owner).get(key)
             if current is None or not same_values(value, current):
                 mutated.append(name)
@@ -444,7 +459,7 @@ class Attribution:
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext
         call.input_versions = [
-            (weakref.ref(value), version_counter(value))
+            (weakref.ref(value), buffer_version_counter(value))
             for value in region_call.inputs
             if isinstance(value, torch.Tensor)
         ]
@@ -535,6 +550,8 @@ class Attribution:
     def _recompute(self, call: CallRecord) -> Iterator[None]:
         """Entered at each recomputation of ``call``: the first is compared with the forward, later ones only run."""
         self._last_recomputed = call
+        if not call.recomputations:
+            call.note_written_between()
         call.start_observing()
         replayed = call.host_rng_before if self._replay_host_rng is not None else None
         with replaying_host_rng(replayed) if replayed is not None else contextlib.nullcontext():
