@@ -17,6 +17,7 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
 )
+from lightning_ckpt_determinism.lightning import watch
 from lightning_ckpt_determinism.lightning.findings import FitSummary
 from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify import live_step
@@ -162,6 +163,28 @@ def test_a_failure_of_its_own_at_the_fits_edges_leaves_the_fit_training_unchange
     assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
     report = monitor.sentinel_report
     assert (report is not None and report.mismatches == 0) if sentinel_ran else report is None
+
+
+def test_a_lightning_whose_logging_interval_cannot_be_read_trains_checked_with_the_counts_in_callback_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def renamed(trainer: pl.Trainer) -> bool:
+        raise AttributeError("'_TrainingEpochLoop' object has no attribute '_batches_that_stepped'")
+
+    monkeypatch.setattr(watch, "lightning_logs_this_batch", renamed)
+    trainer, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [
+        "lightning_ckpt_determinism: the monitor could not read which batches Lightning logs at (AttributeError:"
+        " '_TrainingEpochLoop' object has no attribute '_batches_that_stepped'); the sentinel's counts reach"
+        " `trainer.callback_metrics` at check steps and epoch ends, and the loggers at the fit's end. Please report it."
+    ]
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
+    report = monitor.sentinel_report
+    assert report is not None and report.compared > 0 and report.mismatches == 0
+    # No step was logged: the counts shown cover the whole fit.
+    assert float(trainer.callback_metrics["recompute/sentinel/mismatches"]) == 0.0
+    assert float(trainer.callback_metrics["recompute/sentinel/compared"]) == report.compared
+    assert float(trainer.callback_metrics["recompute/sentinel/compared_per_step"]) == report.compared / STEPS
 
 
 def test_a_standalone_sentinel_that_fails_in_a_backward_leaves_the_gradients_exact_and_names_its_failure(

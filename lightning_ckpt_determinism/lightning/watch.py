@@ -148,6 +148,8 @@ class SentinelWatch:
         self._covered = self._last_end = -1
         self._ends: dict[int, int] = {}
         self._said_nothing_compared = False
+        # Whether this fit said that Lightning's logging interval could not be read.
+        self._said_no_interval = False
         self._exact_from: int | None = None
         # False once the sentinel stopped after a failure of its own (its report stays readable).
         self._active = False
@@ -176,7 +178,7 @@ class SentinelWatch:
         self._failed_since_read = None
         self._watching = True
         # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
-        self._warned, self._said_nothing_compared = {}, False
+        self._warned, self._said_nothing_compared, self._said_no_interval = {}, False, False
         self.train_starts(trainer.global_step)
         self._exact_from = None
         self._active = True
@@ -428,12 +430,27 @@ class SentinelWatch:
 
     def metrics_due(self, trainer: "pl.Trainer") -> bool:
         """Whether the batch ending now completes a step Lightning logs at (``log_every_n_steps``) not logged yet.
+        Where Lightning's count of batches cannot be read (a Lightning that keeps it elsewhere; every rank alike),
+        never, said once: the counts then reach ``trainer.callback_metrics`` at check steps and epoch ends, and the
+        loggers at the fit's end.
 
         Args:
             trainer: The Trainer.
         """
-        due = trainer.global_step > self.step and lightning_logs_this_batch(trainer)
-        return due and self._logged_step != self.step and self._active
+        if trainer.global_step <= self.step or self._logged_step == self.step or not self._active:
+            return False
+        try:
+            return lightning_logs_this_batch(trainer)
+        except Exception as err:
+            if not self._said_no_interval:
+                self._said_no_interval = True
+                rank_zero_warn(
+                    "lightning_ckpt_determinism: the monitor could not read which batches Lightning logs at"
+                    f" ({type(err).__name__}: {err}); the sentinel's counts reach `trainer.callback_metrics` at check"
+                    " steps and epoch ends, and the loggers at the fit's end. Please report it.",
+                    category=LightningCkptDeterminismWarning,
+                )
+            return False
 
     def metrics(self, *, last: bool = False) -> SentinelMetrics | None:
         """The metrics of every step read since the last logged one, logged at the current step (or, at the fit's
