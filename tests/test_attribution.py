@@ -233,7 +233,7 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
     assert_clean(protected)
 
 
-@pytest.mark.parametrize("writer", ["caller", "shared"])
+@pytest.mark.parametrize("writer", ["caller", "replaced", "shared", "statistics"])
 def test_buffers_written_outside_a_region_between_its_forward_and_recomputation_are_no_mutation_of_its(writer):
     torch.manual_seed(0)
     model = WrittenAfterItsForward(writer)
@@ -252,6 +252,20 @@ def test_buffers_written_outside_a_region_between_its_forward_and_recomputation_
             F.mse_loss(net(x), y).backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
         assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
+
+
+def test_without_protect_buffers_a_shared_norm_updated_again_by_recomputation_is_the_regions_mutation():
+    # The norm also runs after the block, outside it: its write between the forward and the recomputation cannot be
+    # told from the recomputation's own, which stays without `protect_buffers`.
+    torch.manual_seed(0)
+    model = WrittenAfterItsForward("shared")
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["block"], protect_buffers=False))
+    x, y = batch()
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    (region,) = report.regions
+    names = ["block.1.running_mean", "block.1.running_var", "block.1.num_batches_tracked"]
+    assert (report.diverged, report.cause, report.grad_divergence) == (True, "buffer_mutation", 0.0)
+    assert (region.diverged, region.cause, region.buffer_mutations) == (True, "buffer_mutation", names)
 
 
 def test_calibrated_noise_floor_tolerates_a_non_deterministic_kernel():

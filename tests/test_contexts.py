@@ -2,6 +2,8 @@
 a forward changed nothing it replays, a buffer changed late, the live state put back whatever is raised), and
 `Reenterable`'s entries."""
 
+import gc
+import weakref
 from contextlib import AbstractContextManager
 from types import TracebackType
 
@@ -10,9 +12,11 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism.checkpointing.contexts import (
+    KEPT_BUFFER_BYTES,
     NO_CONTEXT,
     SMALL_BUFFER_BYTES,
     BufferSlot,
+    BufferStarts,
     ForwardState,
     Reenterable,
 )
@@ -68,7 +72,11 @@ def test_a_forward_that_changed_nothing_it_replays_is_recomputed_through_the_sha
         assert listed.replay() is not NO_CONTEXT
 
 
-@pytest.mark.parametrize("count_size", [(), (SMALL_BUFFER_BYTES // 4 + 1,)], ids=["small", "large"])
+@pytest.mark.parametrize(
+    "count_size",
+    [(), (SMALL_BUFFER_BYTES // 4 + 1,), (KEPT_BUFFER_BYTES // 4 + 1,)],
+    ids=["copied at each call", "kept from call to call", "large"],
+)
 def test_a_buffer_first_changed_by_this_forward_is_recomputed_from_its_start_if_small_and_changed_once(
     count_size: tuple[int, ...],
 ) -> None:
@@ -89,11 +97,12 @@ def test_a_buffer_first_changed_by_this_forward_is_recomputed_from_its_start_if_
         recomputed = module(x)
     expected = plain(x)
     assert torch.equal(out, expected)
-    if count_size:
+    if count_size and count_size[0] * 4 > KEPT_BUFFER_BYTES:
         # Too large to copy before it was known to change: recomputed from the value the forward left.
         assert torch.equal(recomputed, torch.tanh(plain.linear(x) * plain.scale * (plain.count[0] + 1)))
     else:
-        # Copied as the forward started: recomputed from there, as a buffer the profile lists.
+        # Copied as the forward started (or kept since the region's last call): recomputed from there, as a buffer
+        # the profile lists.
         assert torch.equal(recomputed, out)
     # Either way the live value is given back: changed once, as without checkpointing.
     assert torch.equal(module.count, plain.count)
@@ -165,3 +174,15 @@ def test_reenterable_enters_fresh_contexts_each_time_and_passes_exceptions_and_s
     assert log == ["enter"] * factories + ["exit None"] * factories + (
         ["enter"] * factories + ["exit KeyError"] * factories
     ) + ["enter"] * factories + ["exit KeyError"] + ["exit None"] * (factories - 1)
+
+
+def test_a_kept_copy_goes_with_its_buffer() -> None:
+    # A model moved to another dtype or device replaces its buffers: their copies are not held until a next forward.
+    starts = BufferStarts()
+    table = torch.zeros(4096)  # 16 KiB: kept from call to call
+    copy = weakref.ref(starts.at_start([("table", None, "table", table, table._version)])[0])
+    gc.collect()
+    assert copy() is not None
+    del table
+    gc.collect()
+    assert copy() is None

@@ -165,6 +165,25 @@ def test_a_failure_of_its_own_at_the_fits_edges_leaves_the_fit_training_unchange
     assert (report is not None and report.mismatches == 0) if sentinel_ran else report is None
 
 
+def test_a_failure_turning_the_last_logged_counts_into_metrics_is_said_at_the_fits_end_where_no_read_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a rank of several: the failure waits for the next read, and the fit's last read has no record to read.
+    deferred = SentinelWatch.failed
+
+    def as_on_several_ranks(self: SentinelWatch, error: Exception, *, several_ranks: bool) -> None:
+        deferred(self, error, several_ranks=True)
+
+    monkeypatch.setattr(SentinelWatch, "failed", as_on_several_ranks)
+    monkeypatch.setattr(SentinelWatch, "metrics", failing_from(2, SentinelWatch.metrics))  # at step 3, the last
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [
+        "lightning_ckpt_determinism: the sentinel stopped after a failure of its own (RuntimeError: injected);"
+        " training goes on, and the periodic check still runs. Please report it."
+    ]
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
+
+
 def test_a_lightning_whose_logging_interval_cannot_be_read_trains_checked_with_the_counts_in_callback_metrics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,8 +11,9 @@ back by the region's call itself, :class:`AttributeReplay`, and its modules' ``t
 import contextlib
 import operator
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, replaying_host_rng
 
 __all__ = [
+    "KEPT_BUFFER_BYTES",
     "NO_CONTEXT",
     "SMALL_BUFFER_BYTES",
     "AttributeReplay",
@@ -43,6 +45,7 @@ __all__ = [
     "TrainingModes",
     "same_context",
     "training_flags",
+    "written_owners",
 ]
 
 BufferSlot = tuple[str, nn.Module, str]
@@ -140,21 +143,21 @@ class ForwardState:
     Recomputation gets the buffer objects themselves, holding the values the forward started from (swapped in place
     without a version bump, and swapped back afterwards, so that what it writes to them is undone; a buffer the
     forward resized, as a per-channel observer sizes its statistics at their first update, takes a copy of them as
-    its data, and its live storage back afterwards). Which buffers a forward changes comes from the region's profile:
-    without one (a learning call) every buffer and generator is captured; otherwise only those the profile lists
-    are, and every other buffer is checked at the forward's end by identity and version counter, so that one first
-    changed later (or replaced by assignment) is reported to ``changed`` and captured from the next forward on. The
-    small ones among them (up to :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's, a
-    positional table) have a copy kept from call to call in ``starts`` (see :class:`BufferStarts`), so that the
-    forward that first changes one is recomputed from the values it started from, as a learned buffer is. For a
-    larger one that forward's recomputation starts from the value the forward left, and gives it back afterwards,
-    with the other buffers of its module (BatchNorm's kernel updates its running statistics without a version bump):
-    the buffer is changed once, as without checkpointing, though the recomputation may differ (the value the forward
-    started from is gone; the sentinel and the check see it). A buffer the forward only read that something else
-    writes before a recomputation (the region's caller, a module sharing it) is found as that recomputation starts,
-    reported to ``written_between``, and replayed from the value the forward read where that was kept. A
-    buffer registered as ``None`` that the forward creates is taken away for its recomputation, which creates its
-    own, and put back after it.
+    its data, and its live storage back afterwards). Which buffers a forward changes comes from the region's
+    profile: without one (a learning call) every buffer and generator is captured; otherwise only those the profile
+    lists are, and every other buffer is checked at the forward's end by identity and version counter, so that one
+    first changed later (or replaced by assignment) is reported to ``changed`` and captured from the next forward
+    on. The small ones among them (up to :data:`SMALL_BUFFER_BYTES` each: an observer's statistics, a norm layer's),
+    and up to :data:`KEPT_BUFFER_BYTES` (a positional table) are copied as the forward starts or have a copy kept
+    from call to call (see :class:`BufferStarts`), so that the forward that first changes one is recomputed from the
+    values it started from, as a learned buffer is. For a larger one that forward's recomputation starts from the
+    value the forward left, and gives it back afterwards, with the other buffers of its module (BatchNorm's kernel
+    updates its running statistics without a version bump): the buffer is changed once, as without checkpointing,
+    though the recomputation may differ (the value the forward started from is gone; the sentinel and the check see
+    it). A buffer the forward only read that something else writes before a recomputation (the region's caller, a
+    module sharing it) is found as that recomputation starts, reported to ``written_between``, and replayed from the
+    value the forward read where that is known. A buffer registered as ``None`` that the forward creates is taken
+    away for its recomputation, which creates its own, and put back after it.
 
     Args:
         module: The region.
@@ -278,7 +281,8 @@ class _Capture:
                 if buffer is not None:
                     state._read.append((name, owner, key, buffer, version, state._starts.get(at)))
                 continue
-            start = state._kept_starts.taken(name, state._starts.get(at))
+            state._kept_starts.forget(name)
+            start = state._starts.get(at)
             if start is not None and buffer is not None:
                 state._captured.append((owner, key, buffer, start))
             else:
@@ -286,36 +290,38 @@ class _Capture:
         state._watched, state._starts = [], {}
 
 
-SMALL_BUFFER_BYTES = 1 << 20
-"""The largest buffer a region keeps a copy of before it is known to change it (see :class:`BufferStarts`)."""
+SMALL_BUFFER_BYTES = 4096
+"""The largest buffer a region copies as each forward starts, before it is known to change it (see
+:class:`BufferStarts`)."""
 
-
-def _small(buffer: torch.Tensor | None) -> bool:
-    """Whether ``buffer`` is a plain tensor of at most :data:`SMALL_BUFFER_BYTES`."""
-    return type(buffer) is torch.Tensor and buffer.numel() * buffer.element_size() <= SMALL_BUFFER_BYTES
+KEPT_BUFFER_BYTES = 1 << 20
+"""The largest buffer a region keeps a copy of from call to call, before it is known to change it (see
+:class:`BufferStarts`)."""
 
 
 class BufferStarts:
-    """A region's copies of its buffers that no forward was seen to change, each of at most
-    :data:`SMALL_BUFFER_BYTES`: the values that the forward that first changes one started from, kept from call to
-    call rather than copied at each. A copy holds while its buffer is the same object, with the same storage and
-    version counter, as when it was copied; a buffer written since (``load_state_dict``, a check putting a step's
-    state back, an assignment) is copied again as the next forward starts. A write through ``.data``, which moves no
-    version counter, goes unseen: a forward that then first changes the buffer is recomputed from the older value.
+    """The values that a region's buffers no forward was seen to change start each forward from, so that the forward
+    that first changes one, or before whose recomputation something else writes one, is recomputed from them. A plain
+    tensor of at most :data:`SMALL_BUFFER_BYTES` (an observer's or a norm layer's statistics) is copied as each
+    forward starts. One of at most :data:`KEPT_BUFFER_BYTES` (a positional table, a wide layer's statistics) is copied
+    once, and the copy kept from call to call while its buffer is the same object with the same storage and version
+    counter; one written since (``load_state_dict``, a check putting a step's state back, an assignment) is copied
+    again as the next forward starts, and a write through ``.data`` between calls, which moves no version counter,
+    goes unseen. A kept copy is dropped with its buffer (a model moved to another dtype or device) or once the buffer
+    is known to change (every forward then copies it as it starts).
 
     One per region: its wrapper holds it, and each call's :class:`ForwardState` reads it.
 
     Example::
 
-        >>> count = torch.zeros(3)
+        >>> table = torch.zeros(4096)  # 16 KiB: kept
         >>> starts = BufferStarts()
-        >>> watched = [("count", None, "count", count, count._version)]
-        >>> first = starts.at_start(watched)[0]
-        >>> starts.at_start(watched)[0] is first  # unchanged since: the same copy, no new one
+        >>> first = starts.at_start([("table", None, "table", table, table._version)])[0]
+        >>> starts.at_start([("table", None, "table", table, table._version)])[0] is first  # unchanged: the same copy
         True
-        >>> _ = count.add_(1)
-        >>> starts.at_start([("count", None, "count", count, count._version)])[0].tolist()  # written: copied again
-        [1.0, 1.0, 1.0]
+        >>> _ = table.add_(1)
+        >>> float(starts.at_start([("table", None, "table", table, table._version)])[0][0])  # written: copied again
+        1.0
     """
 
     __slots__ = ("_kept",)
@@ -329,33 +335,67 @@ class BufferStarts:
         their place among them: the kept copies that still hold, and new ones for the others (below every dispatch
         mode, as the model's ops are not)."""
         starts: dict[int, torch.Tensor] = {}
-        stale: list[tuple[int, str, torch.Tensor, int]] = []
+        copied: list[tuple[int, str, torch.Tensor, int, bool]] = []
         for at, (name, _, _, buffer, version) in enumerate(watched):
-            if buffer is None or not _small(buffer):
+            if type(buffer) is not torch.Tensor:
                 continue
-            kept = self._kept.get(name)
-            if kept is not None and kept[0]() is buffer and kept[1] == version and kept[2] == _storage(buffer):
-                starts[at] = kept[3]
-            else:
-                stale.append((at, name, buffer, version))
-        if stale:
+            size = buffer.numel() * buffer.element_size()
+            if size <= SMALL_BUFFER_BYTES:
+                copied.append((at, name, buffer, version, False))
+            elif size <= KEPT_BUFFER_BYTES:
+                kept = self._kept.get(name)
+                if kept is not None and kept[0]() is buffer and kept[1] == version and kept[2] == _storage(buffer):
+                    starts[at] = kept[3]
+                else:
+                    copied.append((at, name, buffer, version, True))
+        if copied:
             with below_current_modes():
-                for at, name, buffer, version in stale:
-                    copy = buffer.detach().clone()
-                    self._kept[name] = (weakref.ref(buffer), version, _storage(buffer), copy)
-                    starts[at] = copy
+                for at, name, buffer, version, keep in copied:
+                    starts[at] = copy = buffer.detach().clone()
+                    if keep:
+                        dropped = partial(_drop_kept, self._kept, name)
+                        self._kept[name] = (weakref.ref(buffer, dropped), version, _storage(buffer), copy)
         return starts
 
-    def taken(self, name: str, start: torch.Tensor | None) -> torch.Tensor | None:
-        """``start``, the value ``name`` started the forward from, which is now known to change it: its copy is no
-        longer kept (every later forward copies it as it starts)."""
+    def forget(self, name: str) -> None:
+        """Keep no copy of buffer ``name``, now known to change (every later forward copies it as it starts)."""
         self._kept.pop(name, None)
-        return start
+
+
+def _drop_kept(kept: dict[str, Any], name: str, ref: "weakref.ref[torch.Tensor]") -> None:
+    """The kept copy of buffer ``name`` goes with the buffer it was made of (``ref``, now dead), unless a newer one
+    replaced it."""
+    entry = kept.get(name)
+    if entry is not None and entry[0] is ref:
+        del kept[name]
 
 
 def _storage(buffer: torch.Tensor) -> int:
     """Where ``buffer``'s values are (``.data`` assigned moves them without a version bump); 0 without a storage."""
     return buffer.data_ptr() if buffer.layout == torch.strided else 0
+
+
+def written_owners(read: Iterable[tuple[nn.Module, str, torch.Tensor, int]]) -> set[int]:
+    """The ids of the modules one of whose buffers was replaced or written since it was read (each entry: its owner,
+    key, the buffer object read and its version counter then). A module counts whole: BatchNorm's kernel updates its
+    running statistics in place without a version bump, and only its counter shows one.
+
+    Args:
+        read: The buffers read.
+
+    Example::
+
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> read = [(norm, key, buffer, buffer._version) for key, buffer in norm.named_buffers()]
+        >>> _ = norm(torch.randn(4, 2))  # the statistics change, only the counter's version moves
+        >>> written_owners(read) == {id(norm)}
+        True
+    """
+    return {
+        id(owner)
+        for owner, key, buffer, version in read
+        if own_buffers(owner).get(key) is not buffer or buffer_version_counter(buffer) != version
+    }
 
 
 class _Replay:
@@ -399,17 +439,26 @@ class _Replay:
 
 def _written_between(state: ForwardState) -> None:
     """Find the buffers the forward only read that were written since (by the region's caller, or a module sharing
-    them, between the forward and this recomputation): each is reported, and replayed from the value the forward read
-    where that was copied (for this recomputation and the next; the region replays it from its next call on)."""
+    them, between the forward and this recomputation), with the other buffers of their modules: each is reported, and
+    replayed from the value the forward read (for this recomputation and the next; the region replays it from its next
+    call on) where that is known: copied as the forward started, or the buffer object the forward read where that was
+    replaced and left as it was."""
+    owners = written_owners((owner, key, buffer, version) for _, owner, key, buffer, version, _ in state._read)
+    if not owners:
+        return
     unwritten = []
-    for name, owner, key, buffer, version, start in state._read:
-        if own_buffers(owner).get(key) is buffer and buffer_version_counter(buffer) == version:
-            unwritten.append((name, owner, key, buffer, version, start))
+    for entry in state._read:
+        name, owner, key, buffer, version, start = entry
+        if id(owner) not in owners:
+            unwritten.append(entry)
             continue
         state._written_between(name)
-        read = state._kept_starts.taken(name, start)
-        if read is not None:
-            state._captured.append((owner, key, buffer, read))
+        state._kept_starts.forget(name)
+        replaced = own_buffers(owner).get(key) is not buffer
+        if start is None and replaced and buffer_version_counter(buffer) == version:
+            start = buffer
+        if start is not None:
+            state._captured.append((owner, key, buffer, start))
     state._read = unwritten
 
 

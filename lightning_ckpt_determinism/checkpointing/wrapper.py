@@ -136,12 +136,15 @@ class RegionCall:
         inputs: The tensors and values torch saves as the region's inputs.
         data_dependent: The call's log of data-dependent ops, filled during the forward (which ran, and whether
             each was kept).
+        protects_buffers: Whether the region puts its buffers back around each recomputation (``protect_buffers``):
+            what is written to them between its forward and a recomputation is then no write of the recomputation.
     """
 
     region: str
     module: nn.Module
     inputs: tuple[Any, ...]
     data_dependent: KeptOutputs
+    protects_buffers: bool = True
 
 
 class RegionObserver(Protocol):
@@ -659,7 +662,9 @@ class CheckpointedForward:
         if observer is not None:
             # Above the other contexts, so its dispatch mode sits on top of the selective-checkpointing one and of the
             # guard and sees every op, including those whose outputs they serve from their caches.
-            observe_forward, observe_recompute = observer.contexts(RegionCall(self.region, self.module, inputs, kept))
+            observe_forward, observe_recompute = observer.contexts(
+                RegionCall(self.region, self.module, inputs, kept, self.plan.protect_buffers)
+            )
             forward.append(observe_forward)
             recompute.append(observe_recompute)
         return Reenterable(forward), Reenterable(recompute)

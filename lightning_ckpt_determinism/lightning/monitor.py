@@ -498,6 +498,7 @@ class RecomputationMonitor(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
         self._respond(trainer, self._watch.read(trainer), last=True)
+        self._watch.failed_after_last_read()
         if self._schedule.follow_up is not None:
             # Stopped early (`EarlyStopping`, `should_stop`) after a finding promised the next step's full check.
             rank_zero_warn(
@@ -576,20 +577,22 @@ class RecomputationMonitor(Callback):
         """The sentinel's points since the last logged step to the loggers, each at its step, and its period to
         ``trainer.callback_metrics``; with ``so_far``, its counts since the last logged step to
         ``trainer.callback_metrics`` alone, leaving them for the loggers' next point. A failure of the monitor's own
-        doing so stops the sentinel, not the fit: on every rank alike at its next read."""
+        turning the counts into metrics stops the sentinel, not the fit: on every rank alike at its next read."""
         try:
-            if so_far:
-                self._results.publish(trainer, pl_module, self._watch.so_far(), self._watch.step, loggers=False)
-                return
-            metrics = self._watch.metrics(last=last)
-            if metrics is None:
-                return
-            for step, values in metrics.points:
-                self._results.publish(trainer, None, values, step)
-            if pl_module is not None:
-                self._results.publish(trainer, pl_module, metrics.period, self._watch.step, loggers=False)
+            values = self._watch.so_far() if so_far else None
+            metrics = None if so_far else self._watch.metrics(last=last)
         except Exception as err:
             self._watch.failed(err, several_ranks=trainer.world_size > 1 and not last)
+            return
+        if so_far:
+            self._results.publish(trainer, pl_module, values, self._watch.step, loggers=False)
+            return
+        if metrics is None:
+            return
+        for step, points in metrics.points:
+            self._results.publish(trainer, None, points, step)
+        if pl_module is not None:
+            self._results.publish(trainer, pl_module, metrics.period, self._watch.step, loggers=False)
 
     def _settings(self, attribution: Any) -> CheckSettings:
         return CheckSettings(

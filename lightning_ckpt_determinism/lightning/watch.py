@@ -361,13 +361,21 @@ class SentinelWatch:
 
         Args:
             error: What was raised.
-            several_ranks: Whether other ranks read with this one later in the fit.
+            several_ranks: Whether other ranks read with this one later in the fit (a failure no read reduces is said
+                at the fit's end, :meth:`failed_after_last_read`).
         """
         if not self._active:
             return  # stopped already, and said so
         if several_ranks:
             self._failed_since_read = error
         else:
+            self._fail(error)
+
+    def failed_after_last_read(self) -> None:
+        """Stop the sentinel after a failure of this rank's own that no read reduced (the fit's last read found no
+        record to read with it), saying so: no read follows, so this rank alone does."""
+        error, self._failed_since_read = self._failed_since_read, None
+        if error is not None and self._active:
             self._fail(error)
 
     def _fail(self, error: Exception | None) -> None:

@@ -52,7 +52,7 @@ from lightning_ckpt_determinism._torch_compat import (
     returned_views,
     written_tensors,
 )
-from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory
+from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory, written_owners
 from lightning_ckpt_determinism.checkpointing.equality import same_item
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
@@ -120,7 +120,10 @@ class CallRecord:
     parameter_storages: dict[int | None, str] = field(default_factory=dict)
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
-    buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor, int]] = field(default_factory=list)
+    protects_buffers: bool = True
+    buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor, int]] = field(
+        default_factory=list
+    )
     written_between: frozenset[str] = frozenset()
     input_versions: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
     cursor: int = 0
@@ -309,21 +312,21 @@ class CallRecord:
     def snapshot_buffers(self) -> None:
         with torch.no_grad():
             self.buffers_after_forward = [
-                (name, owner, key, local_tensor(buffer).clone(), buffer_version_counter(buffer))
+                (name, owner, key, buffer, local_tensor(buffer).clone(), buffer_version_counter(buffer))
                 for name, (owner, key, buffer) in buffer_slots(self.module).items()
             ]
 
     def note_written_between(self) -> None:
-        """Note the buffers written since the forward ended, as its first recomputation starts: by the region's caller
-        or a module sharing them, not by the recomputation, so none of them is a mutation of its. With one, every buffer
-        of its module counts (BatchNorm's kernel updates its running statistics without a version bump; only its
-        counter shows one)."""
-        owners = {
-            id(owner)
-            for _, owner, key, _, version in self.buffers_after_forward
-            if (buffer := own_buffers(owner).get(key)) is None or buffer_version_counter(buffer) != version
-        }
-        self.written_between = frozenset(name for name, owner, *_ in self.buffers_after_forward if id(owner) in owners)
+        """Note the buffers written since the forward ended, as its first recomputation starts, where the region puts
+        its buffers back around a recomputation: by the region's caller or a module sharing them, not by the
+        recomputation, so none of them is a mutation of its. With one, every buffer of its module counts
+        (:func:`~lightning_ckpt_determinism.checkpointing.contexts.written_owners`). Without ``protect_buffers`` the
+        recomputation's own writes stay, and cannot be told from those: every difference counts."""
+        if not self.protects_buffers:
+            return
+        entries = self.buffers_after_forward
+        owners = written_owners((owner, key, buffer, version) for _, owner, key, buffer, _, version in entries)
+        self.written_between = frozenset(name for name, owner, *_ in entries if id(owner) in owners)
 
     def inputs_modified(self) -> bool:
         """Whether an input saved at the forward has been modified in place since (its version counter moved)."""
@@ -334,11 +337,14 @@ class CallRecord:
         return False
 
     def mutated_buffers(self) -> list[str]:
+        """The buffers whose values the recomputation changed since the forward ended. Where the region puts its
+        buffers back, one replaced by another object since was replaced by other code: each recomputation gives the
+        live object back."""
         mutated = []
-        for name, owner, key, value, _ in self.buffers_after_forward:
-            if name in self.written_between:
-                continue
+        for name, owner, key, buffer, value, _ in self.buffers_after_forward:
             current = own_buffers(owner).get(key)
+            if name in self.written_between or (self.protects_buffers and current is not buffer):
+                continue
             if current is None or not same_values(value, current):
                 mutated.append(name)
         return mutated
@@ -454,7 +460,10 @@ class Attribution:
         """The forward and recompute contexts of one call of a region (see :class:`Attribution`)."""
         module = region_call.module
         call = CallRecord(
-            region=self._name_of.get(id(module), region_call.region), module=module, kept=region_call.data_dependent
+            region=self._name_of.get(id(module), region_call.region),
+            module=module,
+            kept=region_call.data_dependent,
+            protects_buffers=region_call.protects_buffers,
         )
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext
