@@ -480,6 +480,99 @@ def test_a_qlora_block_with_a_torchao_nf4_weight_trains_as_without_checkpointing
     assert (checked.diverged, checked.grad_divergence, checked.error) == (False, 0.0, None)
 
 
+DIM_Q = 16
+
+
+class Int8Weight(torch.Tensor):
+    """A quantized weight as a small library writes one: int8 values and a scale per row, implementing only the ops a
+    linear layer runs on it (``detach``, ``t``, ``addmm``, ``mm``), every other op refused."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, transposed: bool = False) -> "Int8Weight":
+        shape = data.shape[::-1] if transposed else data.shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=scale.dtype)  # type: ignore[attr-defined,no-any-return]
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, transposed: bool = False) -> None:
+        self.data_int8, self.scale, self.transposed = data, scale, transposed
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, bool]]:
+        return ["data_int8", "scale"], {"transposed": self.transposed}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: dict[str, bool], *_: Any) -> "Int8Weight":
+        return Int8Weight(inner["data_int8"], inner["scale"], meta["transposed"])
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor) -> "Int8Weight":
+        scale = weight.abs().amax(dim=1) / 127
+        return cls(torch.round(weight / scale[:, None]).to(torch.int8), scale)
+
+    def values(self) -> torch.Tensor:
+        weight = self.data_int8.to(self.scale.dtype) * self.scale[:, None]
+        return weight.t() if self.transposed else weight
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        aten = torch.ops.aten
+        if func in (aten.detach.default, aten.alias.default):
+            return Int8Weight(args[0].data_int8, args[0].scale, args[0].transposed)
+        if func is aten.t.default:
+            return Int8Weight(args[0].data_int8, args[0].scale, not args[0].transposed)
+        if func in (aten.mm.default, aten.addmm.default):
+            plain = [arg.values() if isinstance(arg, Int8Weight) else arg for arg in args]
+            return func(*plain, **(kwargs or {}))
+        raise NotImplementedError(f"Int8Weight does not support {func}")
+
+
+class Int8Adapter(nn.Module):
+    """A frozen int8 base weight, held as a ``Parameter`` or a buffer, and a trainable low-rank adapter."""
+
+    def __init__(self, held_as: str) -> None:
+        super().__init__()
+        weight = Int8Weight.quantized(torch.randn(DIM_Q, DIM_Q))
+        if held_as == "parameter":
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        else:
+            self.register_buffer("weight", weight)
+        self.down = nn.Linear(DIM_Q, 4, bias=False)
+        self.up = nn.Linear(4, DIM_Q, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(x, self.weight) + self.up(self.down(x)))
+
+
+@pytest.mark.parametrize("held_as", ["parameter", "buffer"])
+def test_a_quantized_weight_implementing_only_its_forwards_ops_trains_and_is_checked_as_without_checkpointing(
+    held_as: str,
+) -> None:
+    # The package copies, compares and puts back such a weight through its inner tensors, never with an op of its own.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(DIM_Q, DIM_Q), Int8Adapter(held_as), nn.Linear(DIM_Q, 1))
+
+    plain, ours = build(), build()
+    apply_activation_checkpointing(ours, CheckpointingConfig(classes=["Int8Adapter"]))
+    x = torch.randn(8, DIM_Q, generator=torch.Generator().manual_seed(1))
+    with recomputation_sentinel(ours, mode="exact") as sentinel:
+        for _ in range(STEPS):
+            grads = []
+            for model in (plain, ours):
+                model.zero_grad(set_to_none=True)
+                model(x).sum().backward()
+                grads.append([param.grad for param in model.parameters() if param.requires_grad])
+            assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    report = sentinel.report()
+    assert report.compared > 0 and report.mismatches == 0
+    checked = check_recomputation(ours, lambda: ours(x).sum(), attribution=True)
+    assert (checked.diverged, checked.grad_divergence, checked.error, checked.buffer_mutations) == (
+        False,
+        0.0,
+        None,
+        [],
+    )
+    assert same_state(plain, ours)
+
+
 def test_the_check_compares_every_inner_tensor_of_a_subclass_gradient() -> None:
     torch.manual_seed(0)
     model = two_tensor_weights(Head(CountedScale(second_only=True)))

@@ -27,7 +27,13 @@ from lightning_ckpt_determinism._torch_compat import (
     own_buffers,
 )
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot, hooks_added_since
-from lightning_ckpt_determinism.checkpointing.modules import SCALARS, generator_slots, is_framework_attribute
+from lightning_ckpt_determinism.checkpointing.modules import (
+    SCALARS,
+    generator_slots,
+    is_framework_attribute,
+    state_copy,
+    write_values,
+)
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, replaying_host_rng
 
@@ -255,7 +261,7 @@ class _Capture:
                 state._watched.append((name, owner, key, buffer, buffer_version_counter(buffer)))
         if cloned:
             with torch.no_grad(), disable_current_modes():
-                state._captured.extend((owner, key, buffer, buffer.detach().clone()) for owner, key, buffer in cloned)
+                state._captured.extend((owner, key, buffer, state_copy(buffer)) for owner, key, buffer in cloned)
         if state._watched:
             state._starts = state._kept_starts.at_start(state._watched)
         if state._replays_generators:
@@ -472,7 +478,7 @@ class _LiveValues(NamedTuple):
     @classmethod
     def copied(cls, buffer: torch.Tensor) -> "_LiveValues":
         """A copy of ``buffer``'s values, to write back in place."""
-        return cls(buffer.detach().clone(), resized=False)
+        return cls(state_copy(buffer), resized=False)
 
 
 def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
@@ -482,7 +488,7 @@ def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     storage untouched to take back."""
     if buffer.shape == value.shape and _writable(buffer):
         live = _LiveValues.copied(buffer)
-        buffer.data.copy_(value)
+        write_values(buffer, value)
         return live
     live = _LiveValues(buffer.data, resized=True)
     buffer.data = value.clone()  # a copy: a second recomputation starts from `value` again
@@ -502,7 +508,7 @@ def _swap_back(buffer: torch.Tensor, live: _LiveValues) -> None:
     if live.resized or buffer.shape != live.tensor.shape:
         buffer.data = live.tensor
     else:
-        buffer.data.copy_(live.tensor)
+        write_values(buffer, live.tensor)
 
 
 _TRAINING = operator.attrgetter("training")

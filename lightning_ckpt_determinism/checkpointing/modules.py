@@ -21,7 +21,9 @@ __all__ = [
     "named_modules",
     "plain_parts",
     "region_name",
+    "state_copy",
     "storage_pointer",
+    "write_values",
 ]
 
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -94,6 +96,57 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
             return None
         parts.extend(inner)
     return tuple(parts) or None
+
+
+def state_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor``'s values: a clone, or for a wrapper subclass (``__tensor_flatten__``: a quantized
+    weight) the same subclass rebuilt from copies of its inner tensors, so that a class implementing only the ops its
+    forward runs is copied without one of its own.
+
+    Args:
+        tensor: The tensor.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> copy = state_copy(TwoTensor(torch.zeros(2), torch.ones(2)))
+        >>> type(copy).__name__, copy.b.tolist()
+        ('TwoTensor', [1.0, 1.0])
+    """
+    if not _wrapper_subclass(tensor):
+        return tensor.detach().clone()
+    names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: state_copy(getattr(tensor, name)) for name in names}
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())  # type: ignore[attr-defined]
+
+
+def write_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` (a :func:`state_copy` of a tensor like ``tensor``) into ``tensor`` in place through ``.data``,
+    moving no version counter; a wrapper subclass through its inner tensors (see :func:`state_copy`).
+
+    Args:
+        tensor: The tensor written.
+        value: The values.
+
+    Example::
+
+        >>> buffer = torch.zeros(2)
+        >>> write_values(buffer, torch.ones(2))
+        >>> buffer.tolist(), buffer._version
+        ([1.0, 1.0], 0)
+    """
+    if not _wrapper_subclass(tensor):
+        tensor.data.copy_(value)
+        return
+    for name in tensor.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+        write_values(getattr(tensor, name), getattr(value, name))
+
+
+def _wrapper_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a wrapper subclass whose values are its inner tensors' (a DTensor copies its own)."""
+    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
+        return False
+    return hasattr(tensor, "__tensor_flatten__") and not (_DTensor is not None and isinstance(tensor, _DTensor))
 
 
 def storage_pointer(tensor: torch.Tensor) -> int | None:

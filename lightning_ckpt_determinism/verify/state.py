@@ -51,6 +51,9 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     is_framework_attribute,
     is_fsdp1_unit,
+    plain_parts,
+    state_copy,
+    write_values,
 )
 from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
 from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
@@ -197,7 +200,7 @@ class _BufferSnapshot:
         self._lazy = [(name, buffer) for name, (_, _, buffer) in slots.items() if is_lazy(buffer)]
         with torch.no_grad():
             self._entries = [
-                (name, owner, key, buffer, buffer.clone())
+                (name, owner, key, buffer, state_copy(buffer))
                 for name, (owner, key, buffer) in slots.items()
                 if not is_lazy(buffer)
             ]
@@ -270,7 +273,7 @@ class _ParameterSnapshot:
         # A step that freezes or unfreezes parameters (`requires_grad_`) is rerun from the flags it started with.
         self._requires_grad = [(param, param.requires_grad) for param in named.values()]
         with torch.no_grad():
-            self._copies = {name: param.detach().clone() for name, param in copied.items()}
+            self._copies = {name: state_copy(param) for name, param in copied.items()}
 
     def initialised(self) -> list[str]:
         """The parameters that were a lazy module's without values at capture and have values now."""
@@ -303,15 +306,23 @@ def _put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
     if _same_bits(tensor, value):
         return
     with torch.inference_mode() if tensor.is_inference() else contextlib.nullcontext():
-        if tensor.shape == value.shape:
-            tensor.copy_(value)
-        else:
+        if tensor.shape != value.shape:
             tensor.data = value.clone()
+        elif type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
+            tensor.copy_(value)
+        else:  # a wrapper subclass (a quantized weight) may implement no `copy_`: through its inner tensors
+            write_values(tensor, value)
 
 
 def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether two plain strided tensors hold the same bits (``-0.0`` is not ``0.0``, a NaN is its own payload);
-    ``False`` for anything else, which is then written."""
+    """Whether two plain strided tensors, or two wrapper subclasses' inner tensors (a quantized weight's), hold the
+    same bits (``-0.0`` is not ``0.0``, a NaN is its own payload); ``False`` for anything else, which is then
+    written."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter and type(tensor) is type(value):
+        parts, values = plain_parts(tensor), plain_parts(value)
+        if parts is None or values is None or len(parts) != len(values) or any(part is tensor for part in parts):
+            return False
+        return all(_same_bits(part, copy) for part, copy in zip(parts, values, strict=True))
     if type(tensor) is not torch.Tensor or type(value) is not torch.Tensor or tensor.layout != torch.strided:
         return False
     if (tensor.shape, tensor.dtype, tensor.device) != (value.shape, value.dtype, value.device) or tensor.is_quantized:

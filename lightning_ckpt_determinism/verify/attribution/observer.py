@@ -54,7 +54,7 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory, written_owners
 from lightning_ckpt_determinism.checkpointing.equality import same_item
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, storage_pointer
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, state_copy, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import (
     HostRNGState,
@@ -312,7 +312,7 @@ class CallRecord:
     def snapshot_buffers(self) -> None:
         with torch.no_grad():
             self.buffers_after_forward = [
-                (name, owner, key, buffer, local_tensor(buffer).clone(), buffer_version_counter(buffer))
+                (name, owner, key, buffer, state_copy(local_tensor(buffer)), buffer_version_counter(buffer))
                 for name, (owner, key, buffer) in buffer_slots(self.module).items()
             ]
 
