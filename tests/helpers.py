@@ -28,10 +28,19 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from examples.broken import BrokenModule, unordered_row_sum
 from examples.gpt import shard_blocks_then_model
-from lightning_ckpt_determinism import checkpointed_modules
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, checkpointed_modules
 
 DIM = 8
 REPO = Path(__file__).resolve().parents[1]
+
+
+def twins(build: Callable[[], nn.Module], names: list[str]) -> tuple[nn.Module, nn.Module]:
+    """``build()`` twice with the same weights: a plain module, and one whose modules ``names`` are checkpointed."""
+    torch.manual_seed(0)
+    plain, model = build(), build()
+    model.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=names))
+    return plain, model
 
 
 def child_env(**extra: str) -> dict[str, str]:

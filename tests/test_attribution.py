@@ -53,6 +53,7 @@ from tests.helpers import (
     batch,
     stack_with,
     trainer_kwargs,
+    twins,
 )
 
 REGIONS = ["blocks.0", "blocks.1", "blocks.2"]
@@ -235,11 +236,7 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
 
 @pytest.mark.parametrize("writer", ["caller", "replaced", "shared", "statistics"])
 def test_buffers_written_outside_a_region_between_its_forward_and_recomputation_are_no_mutation_of_its(writer):
-    torch.manual_seed(0)
-    model = WrittenAfterItsForward(writer)
-    twin = WrittenAfterItsForward(writer)
-    twin.load_state_dict(model.state_dict())
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["block"]))
+    twin, model = twins(lambda: WrittenAfterItsForward(writer), ["block"])
     x, y = batch()
     for _ in range(2):  # the first call learns, the second watches the buffers it read
         report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)

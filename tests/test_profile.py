@@ -19,6 +19,7 @@ from tests.helpers import (
     PlainBlock,
     WrittenAfterItsForward,
     batch,
+    twins,
 )
 
 
@@ -150,11 +151,7 @@ class ReplacedBuffer(nn.Module):
 
 
 def test_a_buffer_replaced_by_assignment_is_replayed_and_the_live_one_kept() -> None:
-    torch.manual_seed(0)
-    plain = nn.Sequential(ReplacedBuffer())
-    model = nn.Sequential(ReplacedBuffer())
-    model.load_state_dict(plain.state_dict())
-    checkpointed(model)
+    plain, model = twins(lambda: nn.Sequential(ReplacedBuffer()), ["0"])
     for seed in range(3):
         expected, got = step(plain, seed), step(model, seed)
         assert all(torch.equal(expected[name], got[name]) for name in expected)
@@ -171,11 +168,7 @@ def test_a_buffer_replaced_by_assignment_is_replayed_and_the_live_one_kept() -> 
 def test_a_buffer_first_changed_after_the_first_call_is_replayed_from_the_next_forward(
     caplog: pytest.LogCaptureFixture, size: tuple[int, ...], through_data: bool
 ) -> None:
-    torch.manual_seed(0)
-    plain = nn.Sequential(LateBuffer(size))
-    model = nn.Sequential(LateBuffer(size))
-    model.load_state_dict(plain.state_dict())
-    checkpointed(model)
+    plain, model = twins(lambda: nn.Sequential(LateBuffer(size)), ["0"])
     with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
         for seed in range(2):
             expected, got = step(plain, seed), step(model, seed)
@@ -214,11 +207,7 @@ class CumulativeInstanceNorm(nn.Module):
 def test_a_buffer_written_back_unchanged_at_the_first_call_is_learned_there_and_not_noted_later(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    torch.manual_seed(0)
-    plain = nn.Sequential(CumulativeInstanceNorm())
-    model = nn.Sequential(CumulativeInstanceNorm())
-    model.load_state_dict(plain.state_dict())
-    checkpointed(model)
+    plain, model = twins(lambda: nn.Sequential(CumulativeInstanceNorm()), ["0"])
     with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
         for seed in range(3):
             expected, got = step(plain, seed), step(model, seed)
@@ -228,11 +217,7 @@ def test_a_buffer_written_back_unchanged_at_the_first_call_is_learned_there_and_
 
 
 def test_a_buffer_made_under_inference_mode_trains_as_without_checkpointing() -> None:
-    torch.manual_seed(0)
-    plain = nn.Sequential(InferenceCacheBlock())
-    model = nn.Sequential(InferenceCacheBlock())
-    model.load_state_dict(plain.state_dict())
-    checkpointed(model)
+    plain, model = twins(lambda: nn.Sequential(InferenceCacheBlock()), ["0"])
     with torch.inference_mode():  # the sanity check's validation batches
         plain(batch()[0]), model(batch()[0])
     assert model[0].table.is_inference()
@@ -250,11 +235,7 @@ WRITTEN = {"caller": "2.shift", "shared": None, "statistics": "1.norm.running_me
 def test_a_buffer_written_between_the_forward_and_its_recomputation_is_replayed_as_the_forward_read_it(
     caplog: pytest.LogCaptureFixture, writer: str
 ) -> None:
-    torch.manual_seed(0)
-    plain = WrittenAfterItsForward(writer)
-    model = WrittenAfterItsForward(writer)
-    model.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["block"]))
+    plain, model = twins(lambda: WrittenAfterItsForward(writer), ["block"])
     x, y = batch()
     with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
         for _ in range(3):  # the first call learns; the second finds the write as it recomputes; the third replays
