@@ -29,6 +29,7 @@ from lightning_ckpt_determinism._torch_compat import (
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot, hooks_added_since
 from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
+    buffer_written,
     generator_slots,
     is_framework_attribute,
     state_copy,
@@ -274,9 +275,7 @@ class _Capture:
         state = self._state
         owners = set()
         for name, owner, key, buffer, version in state._watched:
-            if own_buffers(owner).get(key) is not buffer or (
-                buffer is not None and buffer_version_counter(buffer) != version
-            ):
+            if buffer_written(owner, key, buffer, version):
                 state._changed(name)
                 owners.add(owner)
         # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
@@ -397,11 +396,7 @@ def written_owners(read: Iterable[tuple[nn.Module, str, torch.Tensor, int]]) -> 
         >>> written_owners(read) == {id(norm)}
         True
     """
-    return {
-        id(owner)
-        for owner, key, buffer, version in read
-        if own_buffers(owner).get(key) is not buffer or buffer_version_counter(buffer) != version
-    }
+    return {id(owner) for owner, key, buffer, version in read if buffer_written(owner, key, buffer, version)}
 
 
 class _Replay:

@@ -12,11 +12,9 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from lightning_ckpt_determinism.checkpointing.modules import local_tensor, plain_parts
+from lightning_ckpt_determinism.checkpointing.modules import local_tensor, same_inner_tensors
 
 __all__ = ["same_item", "same_values"]
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
@@ -34,11 +32,9 @@ def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
     expected, actual = local_tensor(expected), local_tensor(actual)
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
         return False
-    if type(expected) not in _PLAIN and type(expected) is type(actual):
-        # A wrapper subclass (a quantized weight) by its inner tensors: it may implement no comparison of its own.
-        parts, others = plain_parts(expected), plain_parts(actual)
-        if parts is not None and others is not None and not any(part is expected for part in parts):
-            return len(parts) == len(others) and all(map(same_values, parts, others))
+    inner = same_inner_tensors(expected, actual, same_values)
+    if inner is not None:
+        return inner
     if torch.equal(expected, actual):
         return True
     if not (expected.is_floating_point() or expected.is_complex()):

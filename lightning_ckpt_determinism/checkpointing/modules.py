@@ -2,18 +2,19 @@
 Python attributes and random generators by name; and where a tensor's values live (a DTensor's shard, a wrapper
 subclass's inner tensors, a storage)."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import OptimizedModule, own_buffers, waited
+from lightning_ckpt_determinism._torch_compat import OptimizedModule, buffer_version_counter, own_buffers, waited
 
 __all__ = [
     "SCALARS",
     "buffer_keys",
     "buffer_slots",
+    "buffer_written",
     "generator_slots",
     "is_framework_attribute",
     "is_fsdp1_unit",
@@ -96,6 +97,57 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
             return None
         parts.extend(inner)
     return tuple(parts) or None
+
+
+def buffer_written(owner: nn.Module, key: str, buffer: torch.Tensor | None, version: int) -> bool:
+    """Whether the buffer ``owner`` holds as ``key`` is no longer ``buffer`` (replaced, created where it was ``None``)
+    or was written since its version counter read ``version``.
+
+    Args:
+        owner: The module holding the buffer.
+        key: Its name there.
+        buffer: The buffer read then, or ``None``.
+        version: Its version counter then (see ``buffer_version_counter``).
+
+    Example::
+
+        >>> norm = torch.nn.BatchNorm1d(2)
+        >>> counter = norm.num_batches_tracked
+        >>> version = counter._version
+        >>> _ = norm(torch.randn(4, 2))
+        >>> buffer_written(norm, "num_batches_tracked", counter, version)
+        True
+    """
+    held = own_buffers(owner).get(key)
+    return held is not buffer or (buffer is not None and buffer_version_counter(buffer) != version)
+
+
+def same_inner_tensors(
+    tensor: torch.Tensor, other: torch.Tensor, same: Callable[[torch.Tensor, torch.Tensor], bool]
+) -> bool | None:
+    """Whether two tensors of one subclass whose values are other tensors (a wrapper subclass's inner tensors, a
+    DTensor's shard: see :func:`plain_parts`) hold the same ones by ``same``, compared without an op of the
+    subclass's own (a quantized weight may implement none); ``None`` for plain tensors, tensors of two types, or
+    values nowhere to be read.
+
+    Args:
+        tensor: One tensor.
+        other: The other.
+        same: Compares two plain tensors.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> same_inner_tensors(TwoTensor(torch.ones(2), torch.zeros(2)), TwoTensor(torch.ones(2), torch.ones(2)),
+        ...     torch.equal), same_inner_tensors(torch.ones(2), torch.ones(2), torch.equal)
+        (False, None)
+    """
+    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter or type(tensor) is not type(other):
+        return None
+    parts, others = plain_parts(tensor), plain_parts(other)
+    if parts is None or others is None or any(part is tensor for part in parts):
+        return None
+    return len(parts) == len(others) and all(map(same, parts, others))
 
 
 def state_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,12 @@ from lightning_ckpt_determinism._torch_compat import (
     buffer_version_counter,
     current_graph_task_id,
     no_python_dispatch,
-    own_buffers,
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.equality import same_values
 from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
+    buffer_written,
     generator_slots,
     plain_parts,
     storage_pointer,
@@ -234,9 +234,7 @@ class FirstForwardProbe:
         buffers = frozenset(
             name
             for name, (owner, key, buffer, value, version) in self._buffers.items()
-            if own_buffers(owner).get(key) is not buffer
-            or buffer_version_counter(buffer) != version
-            or (value is not None and not _kept(value))
+            if buffer_written(owner, key, buffer, version) or (value is not None and not _kept(value))
         )
         return RegionProfile(
             saved=len(self._packed),

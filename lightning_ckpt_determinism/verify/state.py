@@ -51,7 +51,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     is_framework_attribute,
     is_fsdp1_unit,
-    plain_parts,
+    same_inner_tensors,
     state_copy,
     write_values,
 )
@@ -318,11 +318,9 @@ def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether two plain strided tensors, or two wrapper subclasses' inner tensors (a quantized weight's), hold the
     same bits (``-0.0`` is not ``0.0``, a NaN is its own payload); ``False`` for anything else, which is then
     written."""
-    if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter and type(tensor) is type(value):
-        parts, values = plain_parts(tensor), plain_parts(value)
-        if parts is None or values is None or len(parts) != len(values) or any(part is tensor for part in parts):
-            return False
-        return all(_same_bits(part, copy) for part, copy in zip(parts, values, strict=True))
+    inner = same_inner_tensors(tensor, value, _same_bits)
+    if inner is not None:
+        return inner
     if type(tensor) is not torch.Tensor or type(value) is not torch.Tensor or tensor.layout != torch.strided:
         return False
     if (tensor.shape, tensor.dtype, tensor.device) != (value.shape, value.dtype, value.device) or tensor.is_quantized:
