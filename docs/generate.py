@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from lightning_ckpt_determinism import CAUSE_HINTS, Cause
+from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT
 from lightning_ckpt_determinism.verify.digest import DigestTier
 from lightning_ckpt_determinism.verify.reports import INPUT_MODIFIED_HINT, ROUTING_HINT
 
@@ -81,6 +82,10 @@ def causes_page() -> str:
         "has a hint of its own:",
         "",
         f"> {INPUT_MODIFIED_HINT}",
+        "",
+        "A `buffer_mutation` of a region that already protects its buffers has one too:",
+        "",
+        f"> {PROTECTED_BUFFERS_HINT}",
         "",
     ]
     return "\n".join(sections)

@@ -15,9 +15,11 @@ from lightning_ckpt_determinism import (
     CheckpointingConfig,
     LightningCkptDeterminismWarning,
     apply_activation_checkpointing,
+    check_recomputation,
     checkpoint_module,
 )
-from tests.helpers import DIM, PlainBlock
+from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT
+from tests.helpers import DIM, PlainBlock, twins
 
 PREFIX = "lightning_ckpt_determinism: checkpointed `{}` regions have another activation checkpointing {} them: "
 
@@ -48,6 +50,19 @@ class ComposableBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.linear(x))
+
+
+class InlineCheckpointNormBlock(nn.Module):
+    """A block whose own `checkpoint` call holds a BatchNorm: torch recomputes the norm, updating its statistics once
+    more in backward, whatever checkpoints the block around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.norm = nn.BatchNorm1d(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(lambda y: self.norm(self.linear(y)), x, use_reentrant=False)
 
 
 def train_step(model: nn.Module, steps: int = 1) -> None:
@@ -137,3 +152,22 @@ def test_a_profiler_of_the_application_is_left_in_place() -> None:
         sys.setprofile(None)
     # The probe stands aside while a profiler runs: the nested checkpoint is not seen then.
     assert calls
+
+
+def test_buffers_a_checkpoint_inside_a_region_updates_again_get_a_hint_that_does_not_ask_for_protect_buffers() -> None:
+    plain, model = twins(lambda: nn.Sequential(InlineCheckpointNormBlock(), InlineCheckpointNormBlock()), ["0", "1"])
+    x = torch.randn(8, DIM)
+    with pytest.warns(LightningCkptDeterminismWarning, match="a checkpoint call in InlineCheckpointNormBlock"):
+        model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    # The package's own recomputation leaves the buffers alone: the model trains as the block does without it, whose
+    # inner checkpoint updates the statistics a second time in both.
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    report = check_recomputation(model, lambda: model(x).square().mean(), attribution=True)
+    hints = {region.name: (region.cause, region.hint) for region in report.regions}
+    changed = "{0}.norm.running_mean, {0}.norm.running_var, {0}.norm.num_batches_tracked."
+    assert hints == {
+        name: ("buffer_mutation", f"{PROTECTED_BUFFERS_HINT} Changed: {changed.format(name)}") for name in ("0", "1")
+    }
+    assert "`protect_buffers=True` in the `CheckpointingConfig` already set" in PROTECTED_BUFFERS_HINT

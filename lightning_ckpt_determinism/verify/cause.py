@@ -15,7 +15,7 @@ from typing import Literal
 
 from lightning_ckpt_determinism.config import RECOMPUTE_SWITCHES
 
-__all__ = ["Cause", "Syntax", "respelt"]
+__all__ = ["PROTECTED_BUFFERS_HINT", "Cause", "Syntax", "respelt"]
 
 Syntax = Literal["python", "yaml", "audit"]
 """Where a hint is shown: Python code, a LightningCLI YAML, or the audit (a YAML and the audit's own flags)."""
@@ -365,3 +365,13 @@ _STATE_CHANGES: Mapping[Cause, str] = MappingProxyType(
         Cause.METRIC_UPDATE: "updated a torchmetrics metric a second time in recomputation",
     }
 )
+
+PROTECTED_BUFFERS_HINT = _hints(
+    "Recomputation updates the region's buffers a second time with {} already set, which puts them back around this"
+    " package's own recomputation: something else runs part of the region again in backward, most often a"
+    " `checkpoint` call inside it (warned of at the region's first forward). Remove that call, or leave this module"
+    " out of checkpointing.",
+    _checkpointing("protect_buffers"),
+).python
+"""The ``buffer_mutation`` hint of a region that protects its buffers (Python form; :func:`respelt` spells it for
+the other syntaxes)."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from lightning_ckpt_determinism.verify.cause import Cause
+from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT, Cause
 
 __all__ = [
     "CAUSE_HINTS",
@@ -71,15 +71,23 @@ COMPILED_NOISE_NOTE = (
 )
 
 
-def buffer_hint(buffers: list[str]) -> str:
+def buffer_hint(buffers: list[str], *, protected: bool = False) -> str:
     """The hint of a ``buffer_mutation``: the cause's and the buffers that changed.
+
+    Args:
+        buffers: The buffers that changed, as the model names them.
+        protected: Whether the region already puts its buffers back around its recomputation (``protect_buffers``):
+            then the hint does not ask for it, and names what else writes them.
 
     Example::
 
         >>> buffer_hint(["norm.running_mean"]).endswith("Changed: norm.running_mean.")
         True
+        >>> "already set" in buffer_hint(["norm.running_mean"], protected=True)
+        True
     """
-    return f"{Cause.BUFFER_MUTATION.hint} Changed: {', '.join(buffers)}."
+    hint = PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
+    return f"{hint} Changed: {', '.join(buffers)}."
 
 
 def attribute_hint(attributes: list[str]) -> str:

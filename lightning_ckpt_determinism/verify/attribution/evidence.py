@@ -76,6 +76,7 @@ class CallEvidence:
             their values.
         metrics_updated: The torchmetrics metrics inside the region (relative to it) whose states its recomputation
             changed.
+        protects_buffers: Whether the region puts its buffers back around each recomputation (``protect_buffers``).
 
     Example::
 
@@ -98,3 +99,4 @@ class CallEvidence:
     parameters_written: tuple[str, ...] = ()
     parameters_written_in_forward: tuple[str, ...] = ()
     metrics_updated: tuple[str, ...] = ()
+    protects_buffers: bool = False

@@ -307,6 +307,7 @@ class CallRecord:
             parameters_written=tuple(self.parameters_written),
             parameters_written_in_forward=tuple(self.parameters_written_in_forward),
             metrics_updated=tuple(self.metrics_updated),
+            protects_buffers=self.protects_buffers,
         )
 
     def snapshot_buffers(self) -> None:

@@ -181,7 +181,7 @@ def _region_report(
     if cause is None and written:
         cause, hint = Cause.PARAMETER_WRITE, f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(written)}."
     elif cause is None and buffers:
-        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(buffers)
+        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(buffers, protected=any(c.protects_buffers for c in calls))
     elif cause is None and metrics:
         cause, hint = Cause.METRIC_UPDATE, _metric_hint(metrics)
     return RegionReport(
@@ -211,7 +211,7 @@ def _metric_hint(metrics: list[str]) -> str:
 def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[str]) -> str:
     """The hint of a cause a call proved, naming the state behind it where the call knows it."""
     if cause == Cause.BUFFER_MUTATION and buffers:
-        return buffer_hint(buffers)
+        return buffer_hint(buffers, protected=call.protects_buffers)
     if cause == Cause.METRIC_UPDATE:
         return _metric_hint(metrics)
     if cause == Cause.PARAMETER_WRITE:
