@@ -9,7 +9,8 @@ import contextlib
 import inspect
 import operator
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from types import CodeType
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "checkpoint_codes",
     "checkpoint_debug_enabled",
     "checkpoint_saved_counter",
+    "child_modules",
     "comm_hook_states",
     "compile_options",
     "compiled_call",
@@ -358,6 +360,13 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
     an entry can be swapped without ``register_buffer``'s checks or a ``__setattr__`` hook (>= 1.0)."""
     buffers: dict[str, torch.Tensor | None] = module._buffers
     return buffers
+
+
+def child_modules(attributes: Iterable[dict[str, Any]]) -> tuple[nn.Module | None, ...]:
+    """The children of the modules whose ``vars`` are ``attributes``, in order: the values of each one's
+    ``Module._modules`` (``None`` where one was registered as such; >= 1.0). Cheap enough to read at every call of a
+    region, which compares them by identity to see a submodule added, removed or replaced since."""
+    return tuple(chain.from_iterable([own["_modules"].values() for own in attributes]))
 
 
 # The hook dictionaries of a module, each keyed by its hooks' handle ids (`Module.__init__`, >= 2.1, which added

@@ -227,6 +227,46 @@ def test_a_buffer_made_under_inference_mode_trains_as_without_checkpointing() ->
     assert torch.equal(model[0].table, plain[0].table)
 
 
+class Parts(nn.Module):
+    """Its parts in order, then tanh: a module list people add parts to, or swap parts of, after wrapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList([nn.Linear(DIM, DIM), nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return torch.tanh(x)
+
+
+def add_a_norm(parts: nn.ModuleList) -> None:
+    parts.append(nn.BatchNorm1d(DIM))
+
+
+def swap_in_a_norm(parts: nn.ModuleList) -> None:
+    parts[1] = nn.BatchNorm1d(DIM)
+
+
+@pytest.mark.parametrize("change", [add_a_norm, swap_in_a_norm])
+def test_a_submodule_added_or_replaced_after_wrapping_has_its_buffers_protected(change, caplog) -> None:
+    plain, model = twins(lambda: nn.Sequential(Parts()), ["0"])
+    for seed in range(4):
+        if seed == 2:
+            change(plain[0].parts), change(model[0].parts)
+        with caplog.at_level(logging.INFO, logger="lightning_ckpt_determinism"):
+            expected, got = step(plain, seed), step(model, seed)
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+        )
+    # The norm's statistics moved once a step, as without checkpointing.
+    assert int(model[0].parts[-1].num_batches_tracked) == 2
+    assert [r.getMessage() for r in caplog.records if "other submodules" in r.getMessage()] == [
+        "lightning_ckpt_determinism: region `0` holds other submodules than at its last call; it learns them again."
+    ]
+
+
 # Which buffer each writer's first write names (a shared module's statistics change in the block's forward too).
 WRITTEN = {"caller": "2.shift", "shared": None, "statistics": "1.norm.running_mean", "replaced": "2.shift"}
 

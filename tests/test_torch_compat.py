@@ -597,6 +597,16 @@ def test_version_counters_view_bases_and_own_buffers_are_what_torch_keeps() -> N
     assert norm.running_mean is replacement
 
 
+@pins("child_modules")
+def test_child_modules_are_each_modules_registered_children_in_order() -> None:
+    norm, linear = nn.BatchNorm1d(2), nn.Linear(2, 2)
+    block = nn.Sequential(norm, linear)
+    block.register_module("absent", None)
+    assert compat.child_modules(map(vars, block.modules())) == (norm, linear, None)
+    block[1] = replacement = nn.Linear(2, 2)
+    assert compat.child_modules(map(vars, block.modules())) == (norm, replacement, None)
+
+
 @pins("buffer_version_counter")
 def test_an_inference_tensor_has_no_version_counter_and_reads_minus_one() -> None:
     with torch.inference_mode():

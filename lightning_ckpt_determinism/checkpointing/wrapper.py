@@ -51,6 +51,7 @@ from lightning_ckpt_determinism._torch_compat import (
     autograd_nodes_made,
     checkpoint_debug_enabled,
     checkpoint_saved_counter,
+    child_modules,
     disable_current_modes,
     own_buffers,
 )
@@ -296,15 +297,7 @@ class CheckpointedForward:
         # What the region learned about calls like the one under way (or the last one; see `profile`): None before
         # a learning call's forward ends, and after a call whose path matched no profile.
         self.profile: RegionProfile | None = None
-        # The region's modules, whose modes and attributes key its profiles.
-        self._region_modules = tuple(module.modules())
-        # How many buffers they held when the plan was made: a forward that registers one makes the plan again.
-        self._buffer_count = buffer_count(map(vars, self._region_modules))
-        # Its lazy modules not initialised yet: their initialisation draws from torch's RNG in the forward alone, so
-        # a call that initialises them runs plainly (a recomputation would draw what follows from other numbers).
-        self._lazy = tuple(sub for sub in self._region_modules if isinstance(sub, LazyModuleMixin))
-        # Where its `nn.RReLU` modules are among them: one in training mode fills its noise after saving it.
-        self._rrelu = tuple(at for at, sub in enumerate(self._region_modules) if isinstance(sub, nn.RReLU))
+        self._found_modules()
         # Profiles by key and path, and each key's path at its last call (expected next).
         self._profiles: dict[tuple[_CallKey, _Path], RegionProfile] = {}
         self._paths: dict[_CallKey, _Path] = {}
@@ -336,6 +329,34 @@ class CheckpointedForward:
         self.said_mismatch = False
         # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
         self.recomputations = 0
+
+    def _found_modules(self) -> None:
+        """Read the region's modules, as wrapping finds them and again after one was added, removed or replaced."""
+        # The region's modules, whose modes and attributes key its profiles, and their children as each call checks.
+        self._region_modules = tuple(self.module.modules())
+        self._children = child_modules(map(vars, self._region_modules))
+        # How many buffers they held when the plan was made: a forward that registers one makes the plan again.
+        self._buffer_count = buffer_count(map(vars, self._region_modules))
+        # Its lazy modules not initialised yet: their initialisation draws from torch's RNG in the forward alone, so
+        # a call that initialises them runs plainly (a recomputation would draw what follows from other numbers).
+        self._lazy = tuple(sub for sub in self._region_modules if isinstance(sub, LazyModuleMixin))
+        # Where its `nn.RReLU` modules are among them: one in training mode fills its noise after saving it.
+        self._rrelu = tuple(at for at, sub in enumerate(self._region_modules) if isinstance(sub, nn.RReLU))
+
+    def _modules_changed(self) -> tuple[dict[str, Any], ...]:
+        """A submodule was added to the region, removed from it or replaced since its last call (an adapter or a
+        quantized layer swapped in after wrapping): its plan, what it learned and the copies it kept are of the old
+        modules. Read them again, as wrapping does, and learn again at the next call. Returns the modules' ``vars``."""
+        _log.info(
+            "lightning_ckpt_determinism: region `%s` holds other submodules than at its last call; it learns them"
+            " again.",
+            self.region,
+        )
+        self._found_modules()
+        self.plan = RegionPlan.of(self.module, self.config)
+        self._profiles.clear()
+        self._generators, self._replayed, self._buffer_starts = (), frozenset(), BufferStarts()
+        return tuple(map(vars, self._region_modules))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -411,6 +432,8 @@ class CheckpointedForward:
         first = not self._probed
         self._probed = True
         attributes = tuple(map(vars, self._region_modules))
+        if child_modules(attributes) != self._children:
+            attributes = self._modules_changed()
         sizes = tuple(map(len, attributes))
         buffers = buffer_count(attributes)
         if buffers != self._buffer_count:
