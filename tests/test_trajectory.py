@@ -84,6 +84,27 @@ class TwoOptimizersModule(StackModule):
         return torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.Adam(self.model.head.parameters(), lr=0.01)
 
 
+class TogglingModule(TwoOptimizersModule):
+    """Lightning's GAN recipe: each optimizer's step under `toggle_optimizer`, which freezes the other's parameters,
+    the head's loss backpropagated on top of gradients it holds already (no `zero_grad` between the two)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        body, head = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        self.toggle_optimizer(body)  # the head is frozen: its gradients stay None
+        loss = F.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        body.step()
+        body.zero_grad()
+        self.untoggle_optimizer(body)
+        self.toggle_optimizer(head)
+        self.manual_backward(F.mse_loss(self(x), -y))
+        head.step()
+        head.zero_grad()
+        self.untoggle_optimizer(head)
+        return loss
+
+
 def manual_loss(module: pl.LightningModule, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
     """The loss :class:`TwoOptimizersModule` backpropagates, as the monitor's ``loss_fn``."""
     x, y = batch
@@ -133,6 +154,9 @@ SCENARIOS = {
     "resume_from_ckpt_path": Scenario(trainer=lambda: {"max_steps": 6}, resume_at=3),
     "two_optimizers_manual": Scenario(
         module=TwoOptimizersModule, monitor={"loss_fn": manual_loss}, trainer=lambda: {"max_steps": 5}
+    ),
+    "toggle_optimizer_manual": Scenario(
+        module=TogglingModule, monitor={"loss_fn": manual_loss}, trainer=lambda: {"max_steps": 6}
     ),
     "step_interval_scheduler": Scenario(module=StepSchedulerModule, trainer=lambda: {"max_steps": 6}),
     "val_check_interval": Scenario(

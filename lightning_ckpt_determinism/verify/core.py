@@ -57,7 +57,9 @@ class CheckScope:
     The state is a :class:`~lightning_ckpt_determinism.verify.state.StepState`: random streams, buffers, torchmetrics
     states, plain Python attributes and the objects, arrays and tensors they hold, parameters written in place,
     training flags and grad mode. The gradients are set aside so that each pass
-    starts from none, and given back last, so that a failure to restore the state cannot lose them.
+    starts from none, and given back last, so that a failure to restore the state cannot lose them. Those of the
+    module's frozen parameters are set aside too: a pass run from an earlier state may find them trainable (a step
+    that froze them with ``toggle_optimizer`` after it started), and what it gives them must not stay.
 
     Args:
         module: The model whose state is captured.
@@ -102,19 +104,27 @@ class CheckScope:
         self._written = None if written_parameters is None else tuple(written_parameters)
         self._state: StepState | None = None
         self._stash: GradientStash | None = None
+        self._frozen: GradientStash | None = None
 
     def __enter__(self) -> "CheckScope":
         self._state = StepState(self._module, self._internal, self._written)
         if self._set_aside:
             self._stash = GradientStash(self._params, clone=self._clone)
+            held = {id(param) for param in self._params}
+            frozen = [param for param in self._module.parameters() if not param.requires_grad and id(param) not in held]
+            self._frozen = GradientStash(frozen, clone=self._clone)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         try:
             self.restore()
         finally:
-            if self._stash is not None:
-                self._stash.put_back()
+            try:
+                if self._stash is not None:
+                    self._stash.put_back()
+            finally:
+                if self._frozen is not None:
+                    self._frozen.put_back()
 
     @property
     def state(self) -> StepState:
