@@ -344,6 +344,20 @@ class BufferCounter(nn.Module):
         return SavesItsBuffer.apply(self.linear(x), self.counter)
 
 
+class PartsBlock(nn.Module):
+    """Its parts in order (a linear layer and an identity), then tanh: a module list people add parts to, or swap parts
+    of, after wrapping."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return torch.tanh(x)
+
+
 class Stack(nn.Module):
     """An input projection, the given blocks in order, and an output head."""
 

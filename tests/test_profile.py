@@ -16,6 +16,7 @@ from tests.helpers import (
     BatchNormBlock,
     BufferCounter,
     InferenceCacheBlock,
+    PartsBlock,
     PlainBlock,
     WrittenAfterItsForward,
     batch,
@@ -227,19 +228,6 @@ def test_a_buffer_made_under_inference_mode_trains_as_without_checkpointing() ->
     assert torch.equal(model[0].table, plain[0].table)
 
 
-class Parts(nn.Module):
-    """Its parts in order, then tanh: a module list people add parts to, or swap parts of, after wrapping."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList([nn.Linear(DIM, DIM), nn.Identity()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            x = part(x)
-        return torch.tanh(x)
-
-
 def add_a_norm(parts: nn.ModuleList) -> None:
     parts.append(nn.BatchNorm1d(DIM))
 
@@ -250,7 +238,7 @@ def swap_in_a_norm(parts: nn.ModuleList) -> None:
 
 @pytest.mark.parametrize("change", [add_a_norm, swap_in_a_norm])
 def test_a_submodule_added_or_replaced_after_wrapping_has_its_buffers_protected(change, caplog) -> None:
-    plain, model = twins(lambda: nn.Sequential(Parts()), ["0"])
+    plain, model = twins(lambda: nn.Sequential(PartsBlock()), ["0"])
     for seed in range(4):
         if seed == 2:
             change(plain[0].parts), change(model[0].parts)

@@ -22,12 +22,14 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.verify import digest as digest_module
 from lightning_ckpt_determinism.verify.digest import SAMPLE_STRIDE, DigestPlans, DigestTier
 from tests.helpers import (
+    DIM,
     BatchNormBlock,
     CounterScaleBlock,
     DropoutBlock,
     KeywordTupleBlock,
     MLPBlock,
     NumpyNoiseBlock,
+    PartsBlock,
     PlainBlock,
     PythonRandomBlock,
     RecomputeOnlyBlock,
@@ -142,6 +144,24 @@ def test_buffers_recomputation_updates_again_are_mismatches_with_their_cause_unl
     )
     protected = watched_steps(checkpointed(stack_with(BatchNormBlock)), mode=mode)
     assert protected.mismatches == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modules_swapped_into_a_watched_region_are_watched_as_the_region_holds_them(mode: str) -> None:
+    model = checkpointed(make_stack(PartsBlock))
+    found = []
+    with recomputation_sentinel(model, mode=mode) as sentinel:
+        for step in range(6):
+            if step == 1:  # a norm whose statistics its forward updates in place, which recomputation puts back
+                model.blocks[1].parts[1] = nn.BatchNorm1d(DIM)
+            if step == 3:  # a part drawing NumPy noise, which recomputation draws again
+                model.blocks[2].parts[1] = NumpyNoiseBlock()
+            step_gradients(model, seed=step)
+            sentinel.next_step()
+            found.append([region.mismatches for region in sentinel.report().regions.values()])
+    # The norm's statistics are buffers: never compared, never a mismatch; the noise is one from its first step on.
+    assert [counts[:2] for counts in found] == [[0, 0]] * 6
+    assert [counts[2] > 0 for counts in found] == [False, False, False, True, True, True]
 
 
 def test_rows_moved_to_other_places_in_recomputation_are_caught_by_the_default_digest() -> None:

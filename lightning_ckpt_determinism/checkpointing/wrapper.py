@@ -329,6 +329,9 @@ class CheckpointedForward:
         self.said_mismatch = False
         # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
         self.recomputations = 0
+        # How many times the region read its modules again, after one was added, removed or replaced: the sentinel
+        # reads its own view of the region's buffers and parameters again when it moves.
+        self.modules_read = 0
 
     def _found_modules(self) -> None:
         """Read the region's modules, as wrapping finds them and again after one was added, removed or replaced."""
@@ -353,6 +356,7 @@ class CheckpointedForward:
             self.region,
         )
         self._found_modules()
+        self.modules_read += 1
         self.plan = RegionPlan.of(self.module, self.config)
         self._profiles.clear()
         self._generators, self._replayed, self._buffer_starts = (), frozenset(), BufferStarts()

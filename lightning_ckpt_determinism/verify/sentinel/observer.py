@@ -72,6 +72,9 @@ class RecomputationSentinel:
         self._parameters = {name: RegionParameters(sub) for name, sub in regions.items()}
         # The tensor states of the torchmetrics metrics inside each region, found once.
         self._metrics = {name: metric_states(sub) for name, sub in regions.items()}
+        # How many times each region's wrapper had read its modules again when the three above were found: found
+        # again when it moves (a submodule added or swapped in after wrapping).
+        self._modules_read = {name: region_modules_read(sub) for name, sub in regions.items()}
         # Each region's parameter versions when its latest forward started, and the parameters seen written in place
         # since a forward started (by that forward, as a rule): those are digested around its recomputations.
         self._forward_versions: dict[str, tuple[int, ...]] = {}
@@ -156,6 +159,8 @@ class RecomputationSentinel:
             # A call the region probes (its path unknown or unsure) learns its own targets too, as the first call.
             steady = self.mode.tier == "light" and name not in self._varying and profile is not None
             layout = self._layouts.get(name) if steady else None
+            if region_modules_read(module) != self._modules_read[name]:
+                self._modules_changed(name, module)
             if name in self._lazy_buffers:
                 self._buffers[name] = _buffer_storages(module)
                 if not any(map(is_lazy, module.buffers())):
@@ -176,6 +181,18 @@ class RecomputationSentinel:
             if self._open and self._open[-1] is call:
                 self._open.pop()
                 self._forward_done(call, module, finished=finished)
+
+    def _modules_changed(self, name: str, module: nn.Module) -> None:
+        """The region ``name`` holds other modules than when its buffers, parameters and metrics were found: find
+        them again, and learn its saved tensors' layout again."""
+        self._modules_read[name] = region_modules_read(module)
+        self._buffers[name] = _buffer_storages(module)
+        if any(map(is_lazy, module.buffers())):
+            self._lazy_buffers.add(name)
+        self._parameters[name] = RegionParameters(module)
+        self._metrics[name] = metric_states(module)
+        self._forward_written[name] = frozenset()
+        self._layouts.pop(name, None)
 
     def _forward_done(self, call: RegionCall, module: nn.Module, *, finished: bool) -> None:
         """Close ``call`` once its forward returned (``finished``) or raised, and add it to the step."""
@@ -431,6 +448,11 @@ def compiled_regions(module: nn.Module) -> list[str]:
 def region_profile(module: nn.Module) -> RegionProfile | None:
     """The profile the region's wrapper learned, or ``None`` before its first checkpointed forward."""
     return getattr(module.__dict__.get("forward"), "profile", None)
+
+
+def region_modules_read(module: nn.Module) -> int:
+    """How many times the region's wrapper read its modules again (see ``CheckpointedForward.modules_read``)."""
+    return int(getattr(module.__dict__.get("forward"), "modules_read", 0))
 
 
 def region_saved(module: nn.Module) -> int:
