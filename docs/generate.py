@@ -17,7 +17,7 @@ from typing import Any, get_args
 from lightning_ckpt_determinism import CAUSE_HINTS, Cause
 from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from lightning_ckpt_determinism.verify.reports import INPUT_MODIFIED_HINT, ROUTING_HINT
+from lightning_ckpt_determinism.verify.reports import INPUT_MODIFIED_HINT, ROUTING_HINT, SUBSTITUTED_PARAMETERS_HINT
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -82,6 +82,10 @@ def causes_page() -> str:
         "has a hint of its own:",
         "",
         f"> {INPUT_MODIFIED_HINT}",
+        "",
+        "A `parameter_write` whose forward found other tensors than the module's own parameters has one, naming them:",
+        "",
+        f"> {SUBSTITUTED_PARAMETERS_HINT}",
         "",
         "A `buffer_mutation` of a region that already protects its buffers has one too:",
         "",

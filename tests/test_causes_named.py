@@ -12,6 +12,7 @@ import pytest
 import torch
 import torchmetrics
 from torch import nn
+from torch.func import functional_call
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,12 +25,14 @@ from lightning_ckpt_determinism import (
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
     check_recomputation,
+    checkpointing_disabled,
     recomputation_sentinel,
 )
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
 from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from tests.helpers import trainer_kwargs
+from lightning_ckpt_determinism.verify.reports import SUBSTITUTED_PARAMETERS_HINT
+from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
 from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
 
 MODES = get_args(DigestTier)
@@ -157,6 +160,33 @@ def test_a_decay_the_check_puts_back_is_named_by_the_recomputation_that_reads_it
     assert [(region, cause) for region, cause, _ in named(report)] == [("body", "parameter_write")]
     assert report.regions[0].first_divergent_op == ("aten.mul_.Tensor", 0)
     assert torch.equal(model.body.alpha, before)
+
+
+def maml_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A MAML step: one inner step on half the batch, then the loss of the other half through ``functional_call`` with
+    the adapted weights."""
+    params = dict(model.named_parameters())
+    inner = functional_call(model, params, (x[:4],)).square().mean()
+    grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+    fast = {name: param - 0.5 * grad for (name, param), grad in zip(params.items(), grads, strict=True)}
+    return functional_call(model, fast, (x[4:],)).square().mean()
+
+
+def test_weights_substituted_by_functional_call_are_named_and_the_fix_trains_as_the_plain_twin() -> None:
+    plain, model = twins(lambda: nn.Sequential(PlainBlock(), nn.Linear(DIM, 1)), ["0"])
+    x = torch.randn(8, DIM)
+    expected = torch.autograd.grad(maml_loss(plain, x), list(plain.parameters()))
+    got = torch.autograd.grad(maml_loss(model, x), list(model.parameters()))
+    # Recomputation reads the module's own weights, not the adapted ones: wrong gradients, as under torch's checkpoint.
+    assert not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    report = check_recomputation(model, lambda: maml_loss(model, x), attribution=True)
+    (region,) = report.regions
+    assert (report.diverged, region.cause) == (True, "parameter_write")
+    assert region.hint == f"{SUBSTITUTED_PARAMETERS_HINT} Substituted: 0.linear.bias, 0.linear.weight."
+    # The hint's fix: the call with substituted weights runs plainly.
+    with checkpointing_disabled():
+        fixed = torch.autograd.grad(maml_loss(model, x), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, fixed, strict=True))
 
 
 def test_the_recomputed_renorm_of_the_zoo_embedding_writes_the_values_it_found() -> None:

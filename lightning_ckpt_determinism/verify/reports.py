@@ -19,6 +19,7 @@ __all__ = [
     "ROUTING_DROPPED_HINT",
     "ROUTING_HINT",
     "ROUTING_TOO_LARGE_HINT",
+    "SUBSTITUTED_PARAMETERS_HINT",
     "RecomputationReport",
     "RegionReport",
     "attribute_hint",
@@ -62,6 +63,13 @@ INPUT_MODIFIED_HINT = (
     " in-place op in the region (such as `nn.ReLU(inplace=True)` on its input) or by code after it: torch found its"
     " version counter changed when it came to recompute the region. Use the out-of-place op (`inplace=False`), or"
     " modify a copy (`x = x.clone()` first)."
+)
+
+SUBSTITUTED_PARAMETERS_HINT = (
+    "The region's forward ran with other tensors in place of its parameters than its recomputation found there"
+    " (`torch.func.functional_call` with weights of its own, as a MAML inner loop does): recomputation reads the"
+    " module's own parameters, so the gradients are wrong, as under torch's own `checkpoint`. Run that call without"
+    " checkpointing (inside `checkpointing_disabled()`), or pass such weights to the region as inputs."
 )
 
 COMPILED_NOISE_NOTE = (

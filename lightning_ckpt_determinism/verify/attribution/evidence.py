@@ -77,6 +77,8 @@ class CallEvidence:
         metrics_updated: The torchmetrics metrics inside the region (relative to it) whose states its recomputation
             changed.
         protects_buffers: Whether the region puts its buffers back around each recomputation (``protect_buffers``).
+        parameters_substituted: The parameters (relative to the region) its forward found held by other tensors than
+            its recomputation did (``torch.func.functional_call``).
 
     Example::
 
@@ -100,3 +102,4 @@ class CallEvidence:
     parameters_written_in_forward: tuple[str, ...] = ()
     metrics_updated: tuple[str, ...] = ()
     protects_buffers: bool = False
+    parameters_substituted: tuple[str, ...] = ()

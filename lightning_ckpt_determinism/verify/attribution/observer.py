@@ -47,6 +47,7 @@ from lightning_ckpt_determinism._torch_compat import (
     TorchDispatchMode,
     buffer_version_counter,
     disable_current_modes,
+    is_fsdp1_parameter_view,
     is_metadata_mismatch,
     own_buffers,
     returned_views,
@@ -125,6 +126,8 @@ class CallRecord:
         default_factory=list
     )
     written_between: frozenset[str] = frozenset()
+    forward_parameters: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
+    parameters_substituted: tuple[str, ...] = ()
     input_versions: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
     cursor: int = 0
     compared: int = 0
@@ -308,6 +311,7 @@ class CallRecord:
             parameters_written_in_forward=tuple(self.parameters_written_in_forward),
             metrics_updated=tuple(self.metrics_updated),
             protects_buffers=self.protects_buffers,
+            parameters_substituted=self.parameters_substituted,
         )
 
     def snapshot_buffers(self) -> None:
@@ -328,6 +332,23 @@ class CallRecord:
         entries = self.buffers_after_forward
         owners = written_owners((owner, key, buffer, version) for _, owner, key, buffer, _, version in entries)
         self.written_between = frozenset(name for name, owner, *_ in entries if id(owner) in owners)
+
+    def note_forward_parameters(self) -> None:
+        """Note the tensors the region's modules hold as parameters as its forward starts (other tensors than their
+        own inside ``torch.func.functional_call``)."""
+        self.forward_parameters = {name: weakref.ref(param) for name, param in self.module.named_parameters()}
+
+    def note_substituted(self) -> None:
+        """Note the parameters held by other tensors as the first recomputation starts than as the forward started:
+        the forward ran with tensors substituted for them (``torch.func.functional_call``), the recomputation with
+        the module's own. FSDP1's views of its flat parameter, made again at each gathering, are left out."""
+        self.parameters_substituted = tuple(
+            name
+            for name, param in self.module.named_parameters()
+            if (held := self.forward_parameters.get(name)) is not None
+            and held() is not param
+            and not is_fsdp1_parameter_view(param)
+        )
 
     def inputs_modified(self) -> bool:
         """Whether an input saved at the forward has been modified in place since (its version counter moved)."""
@@ -545,6 +566,7 @@ class Attribution:
     def _forward(self, call: CallRecord) -> Iterator[None]:
         self.calls.append(call)
         call.start_observing()
+        call.note_forward_parameters()
         before = call.host_rng_before = capture_host_rng()
         try:
             with _CallMode(call, comparing=False):
@@ -562,6 +584,7 @@ class Attribution:
         self._last_recomputed = call
         if not call.recomputations:
             call.note_written_between()
+            call.note_substituted()
         call.start_observing()
         replayed = call.host_rng_before if self._replay_host_rng is not None else None
         with replaying_host_rng(replayed) if replayed is not None else contextlib.nullcontext():

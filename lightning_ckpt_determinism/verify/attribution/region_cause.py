@@ -43,6 +43,7 @@ from lightning_ckpt_determinism.verify.reports import (
     ROUTING_DROPPED_HINT,
     ROUTING_HINT,
     ROUTING_TOO_LARGE_HINT,
+    SUBSTITUTED_PARAMETERS_HINT,
     RegionReport,
     buffer_hint,
 )
@@ -214,6 +215,10 @@ def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[st
         return buffer_hint(buffers, protected=call.protects_buffers)
     if cause == Cause.METRIC_UPDATE:
         return _metric_hint(metrics)
+    if cause == Cause.PARAMETER_WRITE and call.parameters_substituted:
+        return (
+            f"{SUBSTITUTED_PARAMETERS_HINT} Substituted: {', '.join(_names(call.region, call.parameters_substituted))}."
+        )
     if cause == Cause.PARAMETER_WRITE:
         written = _names(call.region, (*call.parameters_written_in_forward, *call.parameters_written))
         return f"{cause.hint} Written: {', '.join(written)}." if written else cause.hint
