@@ -19,7 +19,7 @@ from lightning_ckpt_determinism import (
     checkpoint_module,
 )
 from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT
-from tests.helpers import DIM, PlainBlock, twins
+from tests.helpers import DIM, PartsBlock, PlainBlock, twins
 
 PREFIX = "lightning_ckpt_determinism: checkpointed `{}` regions have another activation checkpointing {} them: "
 
@@ -102,6 +102,15 @@ def test_a_checkpoint_inside_a_region_is_warned_once_with_what_to_drop(block: ty
     (message,) = warned(model, steps=2)
     assert message.startswith(PREFIX.format(block.__name__, "inside") + what), message
     assert message.endswith(fix), message
+
+
+def test_a_checkpoint_inside_a_module_swapped_into_a_region_is_warned() -> None:
+    model = nn.Sequential(PartsBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    train_step(model)  # nothing nested: no warning (the suite turns the package's warnings into errors)
+    model[0].parts[1] = InlineCheckpointBlock()
+    (message,) = warned(model)
+    assert message.startswith(PREFIX.format("PartsBlock", "inside") + "a checkpoint call in InlineCheckpointBlock")
 
 
 def test_a_checkpoint_around_a_region_is_warned() -> None:

@@ -360,6 +360,8 @@ class CheckpointedForward:
         self.plan = RegionPlan.of(self.module, self.config)
         self._profiles.clear()
         self._generators, self._replayed, self._buffer_starts = (), frozenset(), BufferStarts()
+        self._attribute_slots = ((), [])
+        self._probed = False  # a new module may hold a checkpoint call of its own (see `nesting`)
         return tuple(map(vars, self._region_modules))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -433,11 +435,11 @@ class CheckpointedForward:
         return run
 
     def _eager_call(self, inputs: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
-        first = not self._probed
-        self._probed = True
         attributes = tuple(map(vars, self._region_modules))
         if child_modules(attributes) != self._children:
             attributes = self._modules_changed()
+        first = not self._probed
+        self._probed = True
         sizes = tuple(map(len, attributes))
         buffers = buffer_count(attributes)
         if buffers != self._buffer_count:
