@@ -24,7 +24,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.flop_counter import FlopCounterMode
 
 from examples.broken import BrokenModule, unordered_row_sum
 from examples.gpt import shard_blocks_then_model
@@ -356,6 +358,43 @@ class PartsBlock(nn.Module):
         for part in self.parts:
             x = part(x)
         return torch.tanh(x)
+
+
+class _GradEnabledOps(TorchDispatchMode):
+    """Records the op calls dispatched with grad enabled (``detach`` left out): in a forward, all of them; in a
+    backward, the recomputed ones (and torch's own few around them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.is_grad_enabled() and func is not torch.ops.aten.detach.default:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def recomputation(block: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """What torch's own non-reentrant checkpoint of ``block`` on ``x`` runs again in backward: how many of its
+    forward's first op calls (``detach`` left out: the longest start of the forward's calls that the backward runs
+    with grad enabled, last), and their FLOPs (the backward's, counted by ``FlopCounterMode``, with checkpointing less
+    without). Early stop ends a recomputation once it has saved the forward's last saved tensor again: the op calls
+    after it do not run again."""
+    inputs = x.detach().requires_grad_()
+    forward = _GradEnabledOps()
+    with forward:
+        loss = block(inputs).sum()
+    flops = []
+    for run in (block, lambda value: checkpoint(block, value, use_reentrant=False)):
+        loss = run(inputs).sum()
+        counter, backward = FlopCounterMode(display=False), _GradEnabledOps()
+        with counter, backward:
+            loss.backward()
+        flops.append(counter.get_total_flops())
+    block.zero_grad(set_to_none=True)
+    ops = forward.ops[:-1]  # the forward's calls, its `sum` left out
+    rerun = max(count for count in range(len(ops) + 1) if backward.ops[len(backward.ops) - count :] == ops[:count])
+    return rerun, flops[1] - flops[0]
 
 
 class Stack(nn.Module):

@@ -1,12 +1,13 @@
 """Tests for `plan_activation_checkpointing`: the plan equals a brute-force optimum over the test's own measurement."""
 
+import dataclasses
 import itertools
+import weakref
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
@@ -17,7 +18,7 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
-from tests.helpers import Stack
+from tests.helpers import Stack, recomputation
 
 DIM = 32
 ROWS = 16
@@ -87,7 +88,7 @@ def _plan(model: nn.Module, budget: object) -> CheckpointingPlan:
 
 def _own_measurement(model: Stack) -> dict[str, tuple[int, int, int]]:
     """Per block, measured by the test itself on the plain model: (bytes autograd saves in its forward, as distinct
-    storages without parameters; bytes of its input; forward FLOPs)."""
+    storages without parameters; bytes of its input; the FLOPs torch's own checkpoint of it recomputes)."""
     state = {tensor.untyped_storage().data_ptr() for tensor in model.parameters()}
     figures: dict[str, tuple[int, int, int]] = {}
     x = model.inp(_batch()[0])
@@ -100,11 +101,10 @@ def _own_measurement(model: Stack) -> dict[str, tuple[int, int, int]]:
                 storages[pointer] = tensor.untyped_storage().nbytes()
             return tensor
 
-        counter = FlopCounterMode(display=False)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = block(x)
         inputs = x.untyped_storage().nbytes()
-        figures[f"blocks.{index}"] = (sum(storages.values()), inputs, counter.get_total_flops())
+        figures[f"blocks.{index}"] = (sum(storages.values()), inputs, recomputation(block, x)[1])
         x = out
     return figures
 
@@ -279,7 +279,7 @@ def test_the_plan_is_a_table_and_a_line() -> None:
     plan = _plan(model, 0.6)
     lines = str(plan).splitlines()
     assert lines[0] == plan.summary()
-    assert lines[1].split() == ["module", "plain", "checkpointed", "forward", "FLOPs", "plan"]
+    assert lines[1].split() == ["module", "plain", "checkpointed", "recompute", "FLOPs", "plan"]
     assert [line.split()[0] for line in lines[2:]] == [f"blocks.{index}" for index in range(6)]
     assert [line.split()[-1] for line in lines[2:]] == [
         "checkpoint" if f"blocks.{index}" in plan.checkpointed else "plain" for index in range(6)
@@ -318,6 +318,63 @@ def test_save_ops_and_kept_routing_count_as_kept_when_checkpointed() -> None:
     costly = next(entry for entry in kept.candidates if entry.name == "blocks.1")
     # Three products of ROWS x DIM floats are kept besides the input.
     assert costly.checkpointed_bytes == by_name["blocks.1"].checkpointed_bytes + 3 * ROWS * DIM * 4
+
+
+@dataclasses.dataclass
+class Bias:
+    """An object a block receives that holds a tensor (an attention-bias object), not a pytree."""
+
+    table: torch.Tensor
+
+
+class BiasedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, bias: Bias) -> torch.Tensor:
+        return torch.tanh(self.linear(x) + bias.table)
+
+
+class BiasedStack(nn.Module):
+    """Two blocks, each given a fresh bias that nothing else holds (a view of a wider table): a weak reference to each
+    table tells whether the step holds it after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([BiasedBlock(), BiasedBlock()])
+        self.tables: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tables = []
+        for block in self.blocks:
+            table = torch.ones(ROWS, 2 * DIM)
+            self.tables.append(weakref.ref(table))
+            x = block(x, Bias(table[:, :DIM]))
+            del table
+        return x
+
+
+def test_tensors_an_input_object_holds_count_as_kept_when_checkpointed_as_the_step_holds_them() -> None:
+    torch.manual_seed(0)
+    model = BiasedStack()
+    x = torch.randn(ROWS, DIM, requires_grad=True)
+    plain_graph = model(x).grad_fn
+    # Plain, nothing holds them after the forward: an addition saves no operand.
+    assert plain_graph is not None
+    assert [table() for table in model.tables] == [None, None]
+    config = CheckpointingConfig(classes=["BiasedBlock"], memory_budget=1.0)
+    plan = plan_activation_checkpointing(model, config, lambda: model(x).sum().backward())
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["BiasedBlock"]))
+    graph = model(x).grad_fn  # the step's graph, alive as until its backward
+    held = [table() for table in model.tables]
+    # Checkpointed, torch holds each block's inputs for the recomputation, and so the bias and the table behind it.
+    assert all(table is not None for table in held)
+    block_input = x.untyped_storage().nbytes()  # each block's input is ROWS x DIM floats, as x
+    assert [entry.checkpointed_bytes for entry in plan.candidates] == [
+        block_input + table.untyped_storage().nbytes() for table in held
+    ]
+    assert graph is not None
 
 
 def test_a_candidate_keeping_other_op_outputs_is_refused_by_planning_and_checkpointed_again_by_apply() -> None:

@@ -26,8 +26,8 @@ from lightning_ckpt_determinism.checkpointing.budget_plan import plan_from_figur
 from lightning_ckpt_determinism.checkpointing.measure import OpFigures, RegionFigures
 from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
-from tests.helpers import Stack
-from tests.test_budget import CONFIG, DIM, CheapBlock, CostlyBlock, WideBlock, _batch, _closure
+from tests.helpers import Stack, recomputation
+from tests.test_budget import CONFIG, DIM, ROWS, CheapBlock, CostlyBlock, WideBlock, _batch, _closure
 
 # The cost model's documented ratio of FLOP rate to bandwidth: 100 TFLOP/s over 2 TB/s.
 FLOPS_PER_BYTE = 50
@@ -86,7 +86,7 @@ def _own_measurement(
     model: Stack, flops_per_byte: float | None = FLOPS_PER_BYTE
 ) -> dict[str, tuple[int, int, list[tuple[str, int, int]]]]:
     """Per block, on the plain model: (bytes autograd saves, bytes of its input, its op calls, costed at
-    ``flops_per_byte`` or by FLOPs alone)."""
+    ``flops_per_byte`` or by FLOPs alone; those torch's own checkpoint of it does not run again cost nothing)."""
     state = {tensor.untyped_storage().data_ptr() for tensor in model.parameters()}
     figures = {}
     x = model.inp(_batch()[0])
@@ -101,7 +101,9 @@ def _own_measurement(
         ops = _Ops(state, flops_per_byte)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), ops:
             out = block(x)
-        figures[f"blocks.{index}"] = (sum(storages.values()), x.untyped_storage().nbytes(), ops.calls)
+        rerun, _ = recomputation(block, x)
+        calls = [(op, size, cost if at < rerun else 0) for at, (op, size, cost) in enumerate(ops.calls)]
+        figures[f"blocks.{index}"] = (sum(storages.values()), x.untyped_storage().nbytes(), calls)
         x = out
     return figures
 
@@ -271,7 +273,7 @@ def test_the_op_plan_is_a_table_and_a_line() -> None:
     lines = text.splitlines()
     assert lines[0] == plan.summary()
     assert "of their recompute cost (keeping" in lines[0]
-    assert lines[1].split() == ["module", "plain", "checkpointed", "forward", "FLOPs", "plan"]
+    assert lines[1].split() == ["module", "plain", "checkpointed", "recompute", "FLOPs", "plan"]
     for name, calls in plan.saved_ops.items():
         (row,) = [line for line in lines[2:] if line.startswith(name + " ")]
         assert row.endswith(f"checkpoint, keeping {len(calls)} op{'s' * (len(calls) != 1)}")
@@ -392,3 +394,31 @@ def _assert_same_gradients(model: nn.Module, twin: nn.Module, *, seed: int) -> N
 
 def plan_op_calls(plan: CheckpointingPlan, name: str) -> list[OpFigures]:
     return next(figures.ops for figures in plan.candidates if figures.name == name)
+
+
+class QueryBlock(nn.Module):
+    """A learned query its own linear layer projects (a leaf that requires grad, passed to a submodule), gating
+    another projection of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, DIM))
+        self.key, self.value = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.value(x) * self.key(self.query))
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.8])
+def test_op_calls_are_counted_as_training_counts_them_when_a_parameter_is_a_submodules_input(budget: float) -> None:
+    model, twin, plan = _planned_with_twin(QueryBlock, budget)
+    x, ops = torch.randn(ROWS, DIM), _Ops(set())
+    with ops:
+        twin.blocks[0](x)
+    assert [call.op for call in plan_op_calls(plan, "blocks.0")] == [op for op, _, _ in ops.calls]
+    assert plan.saved_ops  # something is kept, at the positions training counts (a shift would warn, an error here)
+    least = sum(entry.checkpointed_bytes for entry in plan.candidates)
+    every = copy.deepcopy(twin)
+    apply_activation_checkpointing(every, CheckpointingConfig(classes=["QueryBlock"]))
+    assert _held_after_forward(model) - _held_after_forward(every) == plan.kept_bytes - least
+    _assert_same_gradients(model, twin, seed=0)

@@ -2,7 +2,7 @@
 
 :func:`plan_activation_checkpointing` runs one step with every candidate (every module the config matches) checkpointed,
 measures each with :class:`~lightning_ckpt_determinism.checkpointing.measure.ActivationMeter` (bytes kept with and
-without checkpointing, forward FLOPs, recompute cost), and chooses exactly: the set to checkpoint keeps the candidates'
+without checkpointing, recompute FLOPs and cost), and chooses exactly: the set to checkpoint keeps the candidates'
 total within the budget with the least recompute cost, in the model ``budget_cost`` names: a roofline cost per op call
 at fixed rates (the default) or at rates calibrated on the device, or the FLOP count alone
 (:mod:`~lightning_ckpt_determinism.checkpointing.cost`). Identical blocks measure alike and form one group, whose choice
@@ -62,12 +62,12 @@ class CheckpointingPlan:
         checkpointed: The names of the candidates to checkpoint, in module order.
         kept_bytes: What the candidates keep for backward under the plan.
         budget_bytes: The budget, in bytes.
-        recomputed_flops_share: The share of the candidates' forward FLOPs that the plan recomputes (0 when they
-            count none).
+        recomputed_flops_share: The share of the FLOPs that checkpointing every candidate recomputes which the plan
+            recomputes (0 when they count none).
         saved_ops: At ``budget_granularity="op"``, each checkpointed module that ran with the op calls whose outputs
             it keeps: (position among its op calls, overload); empty at module granularity.
         recompute_share: The share of the candidates' recompute cost that the plan recomputes, in the cost model
-            ``config.budget_cost`` names (roofline by default; forward FLOPs for ``"flops"``).
+            ``config.budget_cost`` names (roofline by default; recomputed FLOPs for ``"flops"``).
         slack_bytes: 0 when the plan is proved optimal; else it costs at most the optimum at the budget lowered by
             this many bytes (an op-granularity search too large to run exactly, see
             :mod:`~lightning_ckpt_determinism.checkpointing.op_choice`).
@@ -138,7 +138,7 @@ class CheckpointingPlan:
             kept = sum(map(len, self.saved_ops.values()))
             recomputing = f"{self.recompute_share:.0%} of their recompute cost (keeping {kept} op outputs in them)"
         elif self.config.budget_cost == "flops":
-            recomputing = f"{self.recomputed_flops_share:.0%} of their forward FLOPs"
+            recomputing = f"{self.recomputed_flops_share:.0%} of their recompute FLOPs"
         else:
             recomputing = f"{self.recompute_share:.0%} of their recompute cost"
         return (
@@ -148,7 +148,7 @@ class CheckpointingPlan:
         )
 
     def __str__(self) -> str:
-        rows = [("module", "plain", "checkpointed", "forward FLOPs", "plan")]
+        rows = [("module", "plain", "checkpointed", "recompute FLOPs", "plan")]
         for figures in self.candidates:
             if figures.calls == 0:
                 choice = "checkpoint (did not run)"
@@ -179,8 +179,9 @@ def plan_activation_checkpointing(
     checkpointed for the step and made plain again afterwards); its own effects (gradients, buffers, random streams)
     stay, as after a training step. Per candidate it measures the activation bytes it keeps without checkpointing,
     the bytes it keeps checkpointed (its inputs, and what ``save_ops`` and ``keep_data_dependent`` keep) and its
-    forward FLOPs (``torch.utils.flop_counter``: matrix products, convolutions and CUDA's fused attention; elementwise
-    ops, norms, softmax and attention on the CPU count 0) and its recompute cost (a roofline cost per op call, or
+    recompute FLOPs (``torch.utils.flop_counter``'s, of the op calls its recomputation runs again: matrix products,
+    convolutions and CUDA's fused attention; elementwise ops, norms, softmax and attention on the CPU count 0) and its
+    recompute cost (a roofline cost per op call, or
     its FLOPs), see :mod:`~lightning_ckpt_determinism.checkpointing.measure`. With ``budget_cost="calibrated"`` the
     rates are measured on the model's device in the dtype of its first floating parameter
     (:mod:`~lightning_ckpt_determinism.checkpointing.calibration`), in this process alone: ranks that plan with this
@@ -453,7 +454,7 @@ def choose_checkpointed(
     Args:
         figures: Each candidate's figures, in module order.
         budget_bytes: The most the candidates may keep.
-        costs: Each candidate's recompute cost, in order; their forward FLOPs by default.
+        costs: Each candidate's recompute cost, in order; their recompute FLOPs by default.
 
     Example::
 

@@ -8,18 +8,21 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
   (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`) exactly as autograd would save it without
   checkpointing; the meter adds up the bytes of their distinct storages, leaving out the model's parameters and
   buffers (state, not activations). A view keeps its whole storage alive, so the whole storage counts.
-- **Checkpointed bytes**: what the region keeps when checkpointed: the distinct storages of its tensor inputs (torch
-  holds them for the recomputation), plus the outputs of the ops ``save_ops`` names and the data-dependent outputs
-  ``keep_data_dependent`` keeps by its size rule (:mod:`~lightning_ckpt_determinism.checkpointing.routing`).
-- **Forward FLOPs**: what one recomputation costs, counted by ``torch.utils.flop_counter.FlopCounterMode``. FLOPs
-  rather than time, because a count is the same on every rank and every run, so that all ranks and reruns plan alike,
+- **Checkpointed bytes**: what the region keeps when checkpointed: the distinct storages of its tensor inputs, and of
+  the tensors the other objects among them hold as attributes (torch holds the inputs for the recomputation), plus
+  the outputs of the ops ``save_ops`` names and the data-dependent outputs ``keep_data_dependent`` keeps by its size
+  rule (:mod:`~lightning_ckpt_determinism.checkpointing.routing`).
+- **Recompute FLOPs**: what one recomputation costs, by ``torch.utils.flop_counter``'s formulas. FLOPs rather than
+  time, because a count is the same on every rank and every run, so that all ranks and reruns plan alike,
   and one forward timed per region on a busy device is noise. Its blind spot: it counts matrix products,
   convolutions and CUDA's fused attention only; elementwise ops, norms, softmax and attention on the CPU count 0, so a
   region made only of those looks free to recompute.
-- **Recompute cost**: the sum of the cost of each op call the forward runs (those torch's selective checkpointing
-  sees, ``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out), in the cost model of
+- **Recompute cost**: the sum of the cost of each op call the recomputation runs again (those torch's selective
+  checkpointing sees, ``torch.utils.checkpoint.SAC_IGNORED_OPS`` left out), in the cost model of
   :mod:`~lightning_ckpt_determinism.checkpointing.cost` at the meter's ``rates``: a roofline cost per op, which counts
-  the memory traffic of elementwise ops, norms and softmax, or the FLOP count alone.
+  the memory traffic of elementwise ops, norms and softmax, or the FLOP count alone. torch's checkpoint ends a
+  recomputation once it has saved the forward's last saved tensor again (early stop): the calls after the one that
+  saved it last never run again, and cost nothing (an op saves its inputs before it runs, its outputs after).
 - **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position
   among the calls torch's selective checkpointing sees and its overload, with the bytes of the storages it allocates and
   its recompute cost. A call whose output aliases a tensor that exists already (its schema says so, as for views,
@@ -42,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import SAC_IGNORED_OPS
-from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves, written_tensors
 from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates, op_cost, op_flops
@@ -93,7 +95,7 @@ class RegionFigures:
         plain_bytes: Activation bytes it keeps for backward without checkpointing.
         checkpointed_bytes: Bytes it keeps when checkpointed: its inputs and what ``save_ops`` and
             ``keep_data_dependent`` keep.
-        flops: Its forward FLOPs, which checkpointing spends again in backward.
+        flops: The FLOPs its recomputation spends again in backward (of the op calls up to its last saved tensor).
         calls: How many times it ran; a region that did not run has only zeros.
         cost: Its forward's recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs).
         ops: Its op calls (empty unless measured), which op granularity chooses from.
@@ -196,7 +198,7 @@ class ActivationMeter:
 
     def _inputs(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         inputs = (*args, *kwargs.values())
-        self._tallies[name].pending = (self.activation_bytes(tree_leaves(inputs)), input_limit(inputs))
+        self._tallies[name].pending = (self.activation_bytes(_held_tensors(inputs)), input_limit(inputs))
 
     def activation_bytes(self, tensors: Sequence[Any], state: frozenset[int | None] = frozenset()) -> int:
         """The bytes of the distinct storages behind the tensors among ``tensors`` (this rank's shards of DTensors),
@@ -225,6 +227,8 @@ class _RegionMeter:
         self._tally = meter._tallies[name]
         self._inner = inner
         self._saved: list[torch.Tensor] = []
+        # The op calls of the forward under way, while it runs: each saved tensor notes how far it had come.
+        self._forward: _KeptOps | None = None
 
     @property
     def watching(self) -> bool:
@@ -238,19 +242,24 @@ class _RegionMeter:
         state = _state_storages(module)
         calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
         kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, self._meter._rates, calls)
-        flops = FlopCounterMode(display=False)
         inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
         self._saved = []
-        with inner, flops, kept:
-            yield
+        self._forward = kept
+        try:
+            with inner, kept:
+                yield
+        finally:
+            self._forward = None
+        rerun = kept.rerun
         tally = self._tally
         tally.calls += 1
         tally.plain += self._meter.activation_bytes(self._saved, state)
         tally.checkpointed += inputs_bytes + self._meter.activation_bytes(kept.outputs)
-        tally.flops += int(flops.get_total_flops())
-        tally.cost += kept.cost
+        tally.flops += sum(kept.flops[:rerun])
+        tally.cost += sum(kept.costs[:rerun])
         if calls is not None:
-            tally.ops = _added(tally.ops, calls.figures) if tally.calls > 1 else calls.figures
+            figures = [entry if entry.index < rerun else replace(entry, cost=0, flops=0) for entry in calls.figures]
+            tally.ops = _added(tally.ops, figures) if tally.calls > 1 else figures
         self._saved = []
 
     def region_recompute(
@@ -264,13 +273,28 @@ class _RegionMeter:
         inner = self._inner.extractor() if self._inner is not None else None
 
         def extract(tensor: torch.Tensor, position: int, strict: bool) -> Any:
-            # Held only until the forward ends, as autograd holds it anyway.
-            self._saved.append(tensor)
+            if self._forward is not None:
+                # Held only until the forward ends, as autograd holds it anyway.
+                self._saved.append(tensor)
+                self._forward.saved_one()
             if inner is not None and position in inner.positions:
                 return inner.extract(tensor, position, strict)
             return kept_by_torch(tensor, strict=strict)
 
         return SavedPlan(extract)
+
+
+def _held_tensors(inputs: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors a call's ``inputs`` hold: their pytree leaves, and the tensors each other object among them holds
+    as an attribute, one level deep (a dataclass, an attention-bias object; modules left out). torch's checkpoint keeps
+    the inputs as they came for the recomputation, and so everything they hold."""
+    leaves = tree_leaves(inputs)
+    held = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    for leaf in leaves:
+        attributes = getattr(leaf, "__dict__", None)
+        if isinstance(attributes, dict) and not isinstance(leaf, (torch.Tensor, nn.Module)):
+            held += [value for value in tree_leaves(list(attributes.values())) if isinstance(value, torch.Tensor)]
+    return held
 
 
 def _state_storages(module: nn.Module) -> frozenset[int | None]:
@@ -297,7 +321,7 @@ class _OpCalls:
         # The storage of each output that may be kept, with its call: the latest op to allocate at an address.
         self._owners: dict[int | None, int] = {}
 
-    def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool, cost: int) -> None:
+    def note(self, func: Any, args: Any, kwargs: Any, out: Any, kept: bool, cost: int, flops: int) -> None:
         # An output written in place later in the forward cannot be kept: selective checkpointing refuses a kept
         # tensor that changed after it was kept (CPU dropout fills `empty_like`'s output with `bernoulli_`; an
         # in-place ReLU overwrites the `addmm` before it).
@@ -319,7 +343,7 @@ class _OpCalls:
                 self._owners[storage] = len(self.figures)
             else:
                 self._owners.pop(storage, None)
-        self.figures.append(OpFigures(len(self.figures), str(func), size, cost, op_flops(func, args, kwargs, out)))
+        self.figures.append(OpFigures(len(self.figures), str(func), size, cost, flops))
 
 
 def _storage_of(tensor: torch.Tensor) -> int | None:
@@ -353,18 +377,33 @@ class _KeptOps(TorchDispatchMode):
         self._rates = rates
         self._calls = calls
         self.outputs: list[Any] = []
-        self.cost = 0
+        # Each op call's recompute cost and FLOPs, by its position among those selective checkpointing sees.
+        self.costs: list[int] = []
+        self.flops: list[int] = []
+        # How many of them had run when the forward saved its last tensor for backward (see `saved_one`).
+        self.rerun = 0
+
+    def saved_one(self) -> None:
+        """The forward saved a tensor for backward: its recomputation runs at least the op calls made so far.
+
+        torch's checkpoint stops a recomputation once it has saved its forward's last tensor again (early stop):
+        the op calls after it never run again in backward, and cost nothing to checkpoint. An op saves its inputs
+        before it runs (that op then is not counted: it is not recomputed) and its outputs after."""
+        self.rerun = len(self.costs)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         kept = func in self._save_ops or (
             self._keep and is_data_dependent(func, args) and fits_size_rule(out, self._limit)
         )
         if kept:
             self.outputs.extend(tree_leaves(out))
         if func not in SAC_IGNORED_OPS:
-            cost = op_cost(func, args, kwargs or {}, out, self._rates)
-            self.cost += cost
+            cost = op_cost(func, args, kwargs, out, self._rates)
+            flops = op_flops(func, args, kwargs, out)
+            self.costs.append(cost)
+            self.flops.append(flops)
             if self._calls is not None:
-                self._calls.note(func, args, kwargs or {}, out, kept, cost)
+                self._calls.note(func, args, kwargs, out, kept, cost, flops)
         return out
