@@ -374,18 +374,20 @@ class _GradEnabledOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def recomputation(block: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """What torch's own non-reentrant checkpoint of ``block`` on ``x`` runs again in backward: how many of its
-    forward's first op calls (``detach`` left out: the longest start of the forward's calls that the backward runs
-    with grad enabled, last), and their FLOPs (the backward's, counted by ``FlopCounterMode``, with checkpointing less
-    without). Early stop ends a recomputation once it has saved the forward's last saved tensor again: the op calls
-    after it do not run again."""
+def recomputation(
+    block: nn.Module, x: torch.Tensor, checkpointed: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[int, int]:
+    """What ``checkpointed`` (``block`` checkpointed; torch's own non-reentrant checkpoint of it by default) runs again
+    in backward on ``x``: how many of ``block``'s forward's first op calls (``detach`` left out: the longest start of
+    the forward's calls that the backward runs with grad enabled, last), and their FLOPs (the backward's, counted by
+    ``FlopCounterMode``, with checkpointing less without). torch's early stop ends a recomputation once it has saved
+    the forward's last saved tensor again: the op calls after it do not run again."""
     inputs = x.detach().requires_grad_()
     forward = _GradEnabledOps()
     with forward:
         loss = block(inputs).sum()
     flops = []
-    for run in (block, lambda value: checkpoint(block, value, use_reentrant=False)):
+    for run in (block, checkpointed or (lambda value: checkpoint(block, value, use_reentrant=False))):
         loss = run(inputs).sum()
         counter, backward = FlopCounterMode(display=False), _GradEnabledOps()
         with counter, backward:

@@ -422,3 +422,36 @@ def test_op_calls_are_counted_as_training_counts_them_when_a_parameter_is_a_subm
     apply_activation_checkpointing(every, CheckpointingConfig(classes=["QueryBlock"]))
     assert _held_after_forward(model) - _held_after_forward(every) == plan.kept_bytes - least
     _assert_same_gradients(model, twin, seed=0)
+
+
+class RReLUBlock(nn.Module):
+    """Ends in an `nn.RReLU`, which saves its input and noise before it runs: torch's early stop would end the
+    recomputation before it, and the package's recomputation runs to the region's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out, self.act = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.RReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.out(torch.tanh(self.inp(x))))
+
+
+@pytest.mark.parametrize("block", [CheapBlock, WideBlock, RReLUBlock])
+def test_the_op_calls_costed_are_those_the_regions_recomputation_runs_again(block: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = Stack([block()], dim=DIM)
+    x = model.inp(_batch()[0]).detach()
+    ops = _Ops({param.untyped_storage().data_ptr() for param in model.parameters()})
+    with ops:
+        model.blocks[0](x)
+    held = nn.Sequential(copy.deepcopy(model.blocks[0]))
+    apply_activation_checkpointing(held, CheckpointingConfig(names=["0"]))
+    rerun, flops = recomputation(model.blocks[0], x, held)
+    config = CheckpointingConfig(classes=[block.__name__], memory_budget=1.0, budget_granularity="op")
+    (figures,) = plan_activation_checkpointing(model, config, lambda: _closure(model)).candidates
+    costs = [(op, cost if at < rerun else 0) for at, (op, _, cost) in enumerate(ops.calls)]
+    assert [(op.op, op.cost) for op in figures.ops] == costs
+    assert figures.flops == flops
+    # Early stop ends a recomputation before a last op that saves only its inputs (they are saved before it runs); the
+    # package runs a region ending in RReLU to its end.
+    assert rerun == len(costs) if block is RReLUBlock else rerun < len(costs)

@@ -250,7 +250,10 @@ class _RegionMeter:
                 yield
         finally:
             self._forward = None
-        rerun = kept.rerun
+        # A call whose recomputation runs to the region's end (an `nn.RReLU` in training, a tensor filled late) runs
+        # every op call again.
+        to_end = getattr(module.__dict__.get("forward"), "recomputes_to_end", False)
+        rerun = len(kept.costs) if to_end else kept.rerun
         tally = self._tally
         tally.calls += 1
         tally.plain += self._meter.activation_bytes(self._saved, state)

@@ -313,8 +313,10 @@ class CheckpointedForward:
         self._buffer_starts = BufferStarts()
         # The attributes each call watches (see `AttributeReplay`), worked out again when the modules' sizes change.
         self._attribute_slots: tuple[tuple[int, ...], list[tuple[int, str]]] = ((), [])
-        # How many tensors the latest eager forward saved (the saved-tensor observer reads it when that forward ends).
+        # How many tensors the latest eager forward saved, and whether its recomputation runs to the region's end
+        # past torch's early stop (the saved-tensor observers read both when that forward ends).
         self.saved = 0
+        self.recomputes_to_end = False
         # Whether torch's checkpoint frame could be counted so far: a call no probe learns from and no observer reads
         # then passes torch's own `determinism_check` name, and the frame counts what it saves.
         self._frame_counted = True
@@ -828,6 +830,7 @@ class _EagerCall:
             if self.key is not None:
                 path = (saved, nodes, _output_node(out))
                 self.full = wrapper._path_taken(self.key, path, None if probe is None else probe.profile)
+            wrapper.recomputes_to_end = self.full
         if self.full:
             _mark_end()
         return out
