@@ -7,6 +7,7 @@ buffers and optimizer state: shards under FSDP2), and logs through a CSVLogger u
 """
 
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -227,6 +228,18 @@ def _local(state: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+class _Summaries(logging.Handler):
+    """The monitor's summary lines of a fit (logged on rank zero alone)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "RecomputationMonitor ran" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
 def _run(
     kind: str,
     out_dir: Path,
@@ -252,12 +265,21 @@ def _run(
     )
     trainer = pl.Trainer(**{**kwargs, "strategy": _strategy(kind, config, **(ddp_options or {}))})
     error = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", LightningCkptDeterminismWarning)
-        try:
-            trainer.fit(module)
-        except (RecomputationDivergenceError, CheckpointingConfigError) as err:
-            error = str(err)
+    summaries = _Summaries()
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
+    lightning_logger.addHandler(summaries)
+    lightning_logger.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LightningCkptDeterminismWarning)
+            try:
+                trainer.fit(module)
+            except (RecomputationDivergenceError, CheckpointingConfigError) as err:
+                error = str(err)
+    finally:
+        lightning_logger.removeHandler(summaries)
+        lightning_logger.setLevel(level)
     rank = trainer.global_rank
     result = {
         "global_step": trainer.global_step,
@@ -266,6 +288,7 @@ def _run(
         "error": error,
         "sharded": any(local_tensor(param) is not param for param in module.parameters()),
         "compared": monitor.sentinel_report.compared if monitor and monitor.sentinel_report else None,
+        "summaries": summaries.messages,
         "regions": [
             [region.name, region.cause]
             for region in (monitor.last_report.regions if monitor and monitor.last_report else [])

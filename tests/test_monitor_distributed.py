@@ -278,6 +278,13 @@ def test_ddp_the_sentinel_sees_a_defect_on_rank_one_only_at_every_step_and_warns
     assert rank0["compared"] > 0 and rank1["compared"] > 0
     compared = logged(out_dir, "sentinel_rank_one", "recompute/sentinel/compared")
     assert sum(compared) == rank0["compared"] + rank1["compared"]
+    # The fit's summary, on rank zero alone, says what every rank compared and found, as the metrics do.
+    (summary,) = rank0["summaries"]
+    assert summary.endswith(
+        f"The sentinel compared {sum(compared):.0f} recomputed saved tensors with the forward's: 4 differed"
+        " (model.blocks.1: 4)."
+    )
+    assert rank1["summaries"] == []
 
 
 def test_ddp_a_two_pass_check_that_diverged_on_rank_one_only_asks_no_rank_for_a_follow_up(ddp):

@@ -12,7 +12,6 @@ from lightning_ckpt_determinism.verify.compare import worst_parameters
 from lightning_ckpt_determinism.verify.core import gradients_diverge
 from lightning_ckpt_determinism.verify.outcome import diverging, region_outcome, report_diverged
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
-from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
 __all__ = ["CheckRecord", "Findings", "FitSummary", "divergence_message", "metrics", "reduce_findings", "warning_key"]
 
@@ -240,6 +239,27 @@ def _worst_over_ranks(findings: list[RankFindings]) -> list[RegionReport]:
     return sorted(worst.values(), key=lambda region: -region.max_abs_diff)
 
 
+@dataclass(frozen=True)
+class SentinelTotals:
+    """What the sentinel compared and found in a fit, over every rank (as its reads summed them): what the fit's
+    summary says.
+
+    Attributes:
+        compared: Recomputed saved tensors compared.
+        mismatches: Mismatches by region, the regions that had any, in region order.
+        compiled: The regions inside compiled modules, which the sentinel does not see.
+
+    Example::
+
+        >>> SentinelTotals(40, {"blocks.1": 6}).mismatches
+        {'blocks.1': 6}
+    """
+
+    compared: int
+    mismatches: dict[str, int] = field(default_factory=dict)
+    compiled: list[str] = field(default_factory=list)
+
+
 @dataclass
 class FitSummary:
     """What the monitor found over one fit, for the paragraph it prints at the fit's end."""
@@ -267,7 +287,7 @@ class FitSummary:
                 if outcome.cause is not None:
                     self.causes.setdefault(outcome.cause, {}).setdefault(region.name, outcome.hint or "")
 
-    def text(self, every_n_steps: int, sentinel: SentinelReport | None) -> str:
+    def text(self, every_n_steps: int, sentinel: SentinelTotals | None) -> str:
         """One paragraph: the checks, how many diverged, the worst figure and its step, each cause with its regions
         and hint, and what the sentinel compared."""
         skipped = f", {self.skipped} skipped" if self.skipped else ""
@@ -299,11 +319,11 @@ class FitSummary:
             hint = next(iter(regions.values()))
             parts.append(f"Cause {cause} in {', '.join(regions)}: {hint}")
         if sentinel is not None:
-            differed = {name: region.mismatches for name, region in sentinel.regions.items() if region.mismatches}
-            found = ", ".join(f"{name}: {count}" for name, count in differed.items())
+            found = ", ".join(f"{name}: {count}" for name, count in sentinel.mismatches.items())
+            differed = sum(sentinel.mismatches.values())
             parts.append(
                 f"The sentinel compared {sentinel.compared} recomputed saved tensors with the forward's:"
-                + (f" {sentinel.mismatches} differed ({found})." if sentinel.mismatches else " none differed.")
+                + (f" {differed} differed ({found})." if differed else " none differed.")
             )
             if sentinel.compiled:
                 parts.append(

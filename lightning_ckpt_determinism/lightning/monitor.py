@@ -519,7 +519,7 @@ class RecomputationMonitor(Callback):
         (no collective follows it)."""
         plan = getattr(trainer.strategy, "checkpointing_plan", None)
         try:
-            text = self._results.text(self._watch.report, plan)
+            text = self._results.text(self._watch.totals, plan)
         except Exception as err:
             rank_zero_warn(
                 f"lightning_ckpt_determinism: the monitor could not write the fit's summary ({type(err).__name__}:"

@@ -10,6 +10,7 @@ from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, R
 from lightning_ckpt_determinism.lightning.findings import (
     CheckRecord,
     FitSummary,
+    SentinelTotals,
     divergence_message,
     metrics,
     reduce_findings,
@@ -18,7 +19,6 @@ from lightning_ckpt_determinism.lightning.findings import (
 from lightning_ckpt_determinism.lightning.parallel import all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Syntax, respelt
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
-from lightning_ckpt_determinism.verify.sentinel import SentinelReport
 
 __all__ = ["CheckResults"]
 
@@ -207,11 +207,11 @@ class CheckResults:
             return True
         return False
 
-    def text(self, sentinel: SentinelReport | None, plan: CheckpointingPlan | None = None) -> str:
+    def text(self, sentinel: SentinelTotals | None, plan: CheckpointingPlan | None = None) -> str:
         """The fit's summary paragraph, with what ``sentinel`` compared and the ``memory_budget`` plan the fit ran.
 
         Args:
-            sentinel: The sentinel's report, or ``None`` without one.
+            sentinel: What the sentinel compared and found over every rank, or ``None`` without one.
             plan: The strategy's plan, or ``None`` without a budget.
         """
         text = respelt(self.summary.text(self.every_n_steps, sentinel), self.syntax)

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ckpt_determinism._library_compat import lightning_logs_this_batch
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning, RecomputationDivergenceError
+from lightning_ckpt_determinism.lightning.findings import SentinelTotals
 from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, gather
 from lightning_ckpt_determinism.verify.cause import Cause, Syntax, respelt
 from lightning_ckpt_determinism.verify.sentinel import (
@@ -132,6 +133,8 @@ class SentinelWatch:
         # Whether a memory budget's plan keeps every module plain: there is nothing to compare.
         self.all_plain = False
         self._unlogged: dict[int, _StepCounts] = {}
+        # Everything the fit's reads counted, over every rank: the fit's summary says it.
+        self._read_totals = _StepCounts()
         # Training batches since the last logged step (a period that compared nothing still has its 0 to log), and
         # those of them the sentinel watched that ran a backward (one without, such as the statistics epoch of
         # `StochasticWeightAveraging`, recomputes nothing).
@@ -175,6 +178,7 @@ class SentinelWatch:
             )
             return
         self._pending, self._unlogged, self._batches_since_logged, self._watched_since_logged = [], {}, 0, 0
+        self._read_totals = _StepCounts()
         self._failed_since_read = None
         self._watching = True
         # The first period counts from the fit's first step (a resumed fit, a second `fit`, start past 0).
@@ -210,8 +214,17 @@ class SentinelWatch:
 
     @property
     def report(self) -> SentinelReport | None:
-        """Everything the sentinel compared this fit, or ``None`` before a fit."""
+        """Everything the sentinel compared this fit on this rank, or ``None`` before a fit."""
         return None if self.sentinel is None else self.sentinel.report()
+
+    @property
+    def totals(self) -> SentinelTotals | None:
+        """What the fit's reads counted over every rank, or ``None`` before a fit."""
+        if self.sentinel is None:
+            return None
+        found = self._read_totals.mismatches
+        mismatches = {name: found[name] for name in self.sentinel.regions if found.get(name)}
+        return SentinelTotals(self._read_totals.compared, mismatches, self.sentinel.compiled)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Watch nothing inside this block (the monitor's check passes)."""
@@ -313,6 +326,7 @@ class SentinelWatch:
             row = reduced[index * regions : (index + 1) * regions]
             if compared_by_all[index]:
                 self._unlogged.setdefault(step, _StepCounts()).compared += compared_by_all[index]
+                self._read_totals.compared += compared_by_all[index]
             if record is None:  # only with a failure, which the flag carries
                 continue
             if any(row):
@@ -346,6 +360,8 @@ class SentinelWatch:
             if here:
                 total = sum(region.mismatches for _, region in here)
                 counts.mismatches[name] = counts.mismatches.get(name, 0) + total
+                totals = self._read_totals.mismatches
+                totals[name] = totals.get(name, 0) + total
                 first = here[0][1]
                 findings.append(
                     SentinelFinding(
