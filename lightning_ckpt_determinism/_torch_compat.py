@@ -364,8 +364,8 @@ def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 def child_modules(attributes: Iterable[dict[str, Any]]) -> tuple[nn.Module | None, ...]:
     """The children of the modules whose ``vars`` are ``attributes``, in order: the values of each one's
-    ``Module._modules`` (``None`` where one was registered as such; >= 1.0). Cheap enough to read at every call of a
-    region, which compares them by identity to see a submodule added, removed or replaced since."""
+    ``Module._modules`` (``None`` where one was registered as such; >= 1.0). Read at every call of a region, which
+    compares them with the last call's (modules compare by identity) to see a submodule added, removed or replaced."""
     return tuple(chain.from_iterable([own["_modules"].values() for own in attributes]))
 
 

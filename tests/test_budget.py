@@ -1,5 +1,6 @@
 """Tests for `plan_activation_checkpointing`: the plan equals a brute-force optimum over the test's own measurement."""
 
+import copy
 import dataclasses
 import itertools
 import weakref
@@ -318,6 +319,12 @@ def test_save_ops_and_kept_routing_count_as_kept_when_checkpointed() -> None:
     costly = next(entry for entry in kept.candidates if entry.name == "blocks.1")
     # Three products of ROWS x DIM floats are kept besides the input.
     assert costly.checkpointed_bytes == by_name["blocks.1"].checkpointed_bytes + 3 * ROWS * DIM * 4
+    # And served from the cache, never run again: their FLOPs are not recomputed, as torch's backward counts them.
+    held = nn.Sequential(copy.deepcopy(plain.blocks[1]))
+    apply_activation_checkpointing(held, CheckpointingConfig(names=["0"], save_ops=["aten.mm"]))
+    block_input = plain.blocks[0](plain.inp(_batch()[0])).detach()
+    assert costly.flops == recomputation(plain.blocks[1], block_input, held)[1] == 0
+    assert by_name["blocks.1"].flops == 2 * (2 * ROWS * DIM * DIM)  # without: two of its three products run again
 
 
 @dataclasses.dataclass

@@ -46,8 +46,10 @@ from lightning_ckpt_determinism.checkpointing.wrapper import _SWITCH
 from lightning_ckpt_determinism.verify.compiled import is_compiled, reference_pass
 from lightning_ckpt_determinism.verify.compiled.graph_scan import scanned
 from tests.helpers import (
+    DIM,
     BatchNormBlock,
     DropoutBlock,
+    PartsBlock,
     PlainBlock,
     Stack,
     StackModule,
@@ -279,6 +281,31 @@ class GraphBreakingBatchNormBlock(BatchNormBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         torch._dynamo.graph_break()
         return super().forward(x)
+
+
+class GraphBreakingPartsBlock(PartsBlock):
+    """A module list people swap parts of, which dynamo cannot trace whole."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def test_a_norm_swapped_into_a_region_that_graph_breaks_has_its_statistics_updated_once() -> None:
+    torch.manual_seed(0)
+    plain, model = Stack([GraphBreakingPartsBlock()]), Stack([GraphBreakingPartsBlock()])
+    model.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["GraphBreakingPartsBlock"]))
+    compiled = {id(net): torch.compile(net, backend="aot_eager") for net in (plain, model)}
+    for step in range(3):
+        if step == 1:
+            for net in (plain, model):
+                net.blocks[0].parts[1] = nn.BatchNorm1d(DIM)
+        expected, got = (step_gradients(compiled[id(net)], seed=step) for net in (plain, model))
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert counters["graph_break"]
+    assert int(model.blocks[0].parts[1].num_batches_tracked) == int(plain.blocks[0].parts[1].num_batches_tracked) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
 
 
 @pytest.mark.parametrize("protect_buffers", [True, False])

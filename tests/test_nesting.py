@@ -179,4 +179,4 @@ def test_buffers_a_checkpoint_inside_a_region_updates_again_get_a_hint_that_does
     assert hints == {
         name: ("buffer_mutation", f"{PROTECTED_BUFFERS_HINT} Changed: {changed.format(name)}") for name in ("0", "1")
     }
-    assert "`protect_buffers=True` in the `CheckpointingConfig` already set" in PROTECTED_BUFFERS_HINT
+    assert "yet `protect_buffers=True` in the `CheckpointingConfig` is set" in PROTECTED_BUFFERS_HINT

@@ -255,6 +255,20 @@ def test_a_submodule_added_or_replaced_after_wrapping_has_its_buffers_protected(
     ]
 
 
+def test_a_lazy_module_swapped_into_a_region_initialises_at_a_plain_call_as_at_wrapping() -> None:
+    def build() -> nn.Module:
+        block = PartsBlock()
+        block.parts.append(nn.Dropout(0.5))  # draws after the lazy module's initialisation has drawn
+        return nn.Sequential(block)
+
+    plain, model = twins(build, ["0"])
+    for seed in range(3):
+        if seed == 1:
+            plain[0].parts[1], model[0].parts[1] = nn.LazyLinear(DIM), nn.LazyLinear(DIM)
+        expected, got = step(plain, seed), step(model, seed)
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
 # Which buffer each writer's first write names (a shared module's statistics change in the block's forward too).
 WRITTEN = {"caller": "2.shift", "shared": None, "statistics": "1.norm.running_mean", "replaced": "2.shift"}
 

@@ -37,7 +37,7 @@ from lightning_ckpt_determinism.audit import main
 from lightning_ckpt_determinism.checkpointing.routing import is_data_dependent
 from lightning_ckpt_determinism.verify.cause import respelt
 from lightning_ckpt_determinism.verify.compiled import reference_pass
-from tests.helpers import OpCounter, gradients_of
+from tests.helpers import OpCounter, PartsBlock, gradients_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -451,3 +451,29 @@ def test_a_region_that_routes_only_after_its_first_step_is_guarded_once_a_check_
     assert [block.forward.data_dependent for block in model[:2]] == [True, True]
     guarded = check_recomputation(model, lambda: F.mse_loss(model(x), y))
     assert guarded.error is None and guarded.grad_divergence < 1e-5
+
+
+class TopRowsRouter(nn.Module):
+    """Sends the rows whose score is positive through its expert (`nonzero`: a data-dependent op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score, self.expert = nn.Linear(DIM, 1), nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = (self.score(x).squeeze(1) > 0).nonzero().squeeze(1)
+        return x.index_add(0, rows, self.expert(x[rows]))
+
+
+def test_a_router_swapped_into_a_region_after_its_first_call_keeps_its_routing_as_one_there_from_the_start() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(PartsBlock(DIM))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    model(torch.randn(6, DIM, requires_grad=True)).sum().backward()  # the region learns it does not route
+    model[0].parts[1] = TopRowsRouter()
+    for seed in range(2):
+        x = torch.randn(6, DIM, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        loss = model(x).square().mean()
+        with OpCounter() as ops:
+            loss.backward()
+        assert ops.counts["aten.nonzero"] == 0, seed  # kept from the forward, never routed again in backward

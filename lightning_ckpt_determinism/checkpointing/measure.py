@@ -22,7 +22,8 @@ An :class:`ActivationMeter` watches the eager forwards of a model's checkpointed
   :mod:`~lightning_ckpt_determinism.checkpointing.cost` at the meter's ``rates``: a roofline cost per op, which counts
   the memory traffic of elementwise ops, norms and softmax, or the FLOP count alone. torch's checkpoint ends a
   recomputation once it has saved the forward's last saved tensor again (early stop): the calls after the one that
-  saved it last never run again, and cost nothing (an op saves its inputs before it runs, its outputs after).
+  saved it last never run again, and cost nothing (an op saves its inputs before it runs, its outputs after); nor
+  do the calls whose outputs the region keeps (``save_ops``, data-dependent outputs), served from the cache.
 - **Op calls** (when asked, for ``budget_granularity="op"``): each op call of a region's forward, by its position
   among the calls torch's selective checkpointing sees and its overload, with the bytes of the storages it allocates and
   its recompute cost. A call whose output aliases a tensor that exists already (its schema says so, as for views,
@@ -70,8 +71,9 @@ class OpFigures:
         index: Its position among the region's op calls that selective checkpointing sees.
         op: Its overload, as ``str(func)`` writes it (``"aten.mm.default"``).
         bytes: The bytes of the storages it allocates (0 for views, in-place ops and outputs kept anyway).
-        cost: Its recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs).
-        flops: The FLOPs ``torch.utils.flop_counter`` counts for it.
+        cost: Its recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs); 0 where the
+            recomputation does not run it again (past early stop, or its output kept anyway).
+        flops: The FLOPs ``torch.utils.flop_counter`` counts for it, where the recomputation runs it again.
 
     Example::
 
@@ -97,7 +99,8 @@ class RegionFigures:
             ``keep_data_dependent`` keep.
         flops: The FLOPs its recomputation spends again in backward (of the op calls up to its last saved tensor).
         calls: How many times it ran; a region that did not run has only zeros.
-        cost: Its forward's recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs).
+        cost: Its recompute cost in the meter's cost model (roofline byte-equivalents, or FLOPs): of the op calls its
+            recomputation runs again.
         ops: Its op calls (empty unless measured), which op granularity chooses from.
 
     Example::
@@ -403,8 +406,9 @@ class _KeptOps(TorchDispatchMode):
         if kept:
             self.outputs.extend(tree_leaves(out))
         if func not in SAC_IGNORED_OPS:
-            cost = op_cost(func, args, kwargs, out, self._rates)
-            flops = op_flops(func, args, kwargs, out)
+            # A kept output is served from selective checkpointing's cache: its op never runs again.
+            cost = 0 if kept else op_cost(func, args, kwargs, out, self._rates)
+            flops = 0 if kept else op_flops(func, args, kwargs, out)
             self.costs.append(cost)
             self.flops.append(flops)
             if self._calls is not None:

@@ -364,6 +364,7 @@ class CheckpointedForward:
         self._generators, self._replayed, self._buffer_starts = (), frozenset(), BufferStarts()
         self._attribute_slots = ((), [])
         self._probed = False  # a new module may hold a checkpoint call of its own (see `nesting`)
+        self.data_dependent = None  # a new module may route: guarded until a call shows whether it does
         return tuple(map(vars, self._region_modules))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -401,9 +402,18 @@ class CheckpointedForward:
         if torch.compiler.is_compiling():
             context_fn = self.plan.compiled_context(next(self.module.buffers(), None) is not None)
             return self._checkpoint(self._traced_run(len(args), tuple(kwargs)), inputs, context_fn)
+        attributes = self._current_modules()
         if self._lazy and self._initialises():
             return self.plain_forward(*args, **kwargs)
-        return self._eager_call(inputs, len(args), tuple(kwargs))
+        return self._eager_call(inputs, len(args), tuple(kwargs), attributes)
+
+    def _current_modules(self) -> tuple[dict[str, Any], ...]:
+        """The ``vars`` of the region's modules, read again first where a submodule was added, removed or replaced
+        since the last call (see :meth:`_modules_changed`)."""
+        attributes = tuple(map(vars, self._region_modules))
+        if child_modules(attributes) != self._children:
+            return self._modules_changed()
+        return attributes
 
     def _initialises(self) -> bool:
         """Whether this eager call initialises lazy modules of the region (a traced call never asks: a guard on
@@ -428,18 +438,21 @@ class CheckpointedForward:
                     flat = mark_region_inputs(flat)
                 return self._forward_from(flat, num_positional, keys)
             if not fallback:
+                attributes = self._current_modules()
                 contexts = self._make_contexts(flat)
-                attributes = tuple(map(vars, self._region_modules))
                 replay = AttributeReplay(attributes, AttributeReplay.slots_of(attributes))
                 fallback.append(_EagerCall(self, num_positional, keys, contexts, replay, first=False))
             return fallback[0].run(*flat)
 
         return run
 
-    def _eager_call(self, inputs: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:
-        attributes = tuple(map(vars, self._region_modules))
-        if child_modules(attributes) != self._children:
-            attributes = self._modules_changed()
+    def _eager_call(
+        self,
+        inputs: tuple[Any, ...],
+        num_positional: int,
+        keys: tuple[str, ...],
+        attributes: tuple[dict[str, Any], ...],
+    ) -> Any:
         first = not self._probed
         self._probed = True
         sizes = tuple(map(len, attributes))

@@ -367,7 +367,7 @@ _STATE_CHANGES: Mapping[Cause, str] = MappingProxyType(
 )
 
 PROTECTED_BUFFERS_HINT = _hints(
-    "Recomputation updates the region's buffers a second time with {} already set, which puts them back around this"
+    "Recomputation updates the region's buffers a second time, yet {} is set and puts them back around this"
     " package's own recomputation: something else runs part of the region again in backward, most often a"
     " `checkpoint` call inside it (warned of at the region's first forward). Remove that call, or leave this module"
     " out of checkpointing.",

@@ -91,7 +91,7 @@ def buffer_hint(buffers: list[str], *, protected: bool = False) -> str:
 
         >>> buffer_hint(["norm.running_mean"]).endswith("Changed: norm.running_mean.")
         True
-        >>> "already set" in buffer_hint(["norm.running_mean"], protected=True)
+        >>> "yet `protect_buffers=True`" in buffer_hint(["norm.running_mean"], protected=True)
         True
     """
     hint = PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
