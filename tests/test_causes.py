@@ -10,7 +10,9 @@ import pytest
 
 from lightning_ckpt_determinism import CAUSE_HINTS, Cause, RecomputationReport, RegionReport
 from lightning_ckpt_determinism.lightning.findings import Findings, divergence_message
-from lightning_ckpt_determinism.verify.cause import respelt
+from lightning_ckpt_determinism.verify.attribution.evidence import CallEvidence
+from lightning_ckpt_determinism.verify.attribution.region_cause import region_reports
+from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT, respelt
 from lightning_ckpt_determinism.verify.outcome import region_outcome, worse
 from lightning_ckpt_determinism.verify.reports import COMPILED_NOISE_NOTE, ROUTING_HINT, buffer_hint
 
@@ -123,3 +125,18 @@ def test_a_region_outcome_reads_a_cause_given_as_its_string() -> None:
     assert outcome.finding == "Region `blocks.1` updated its buffers a second time in recomputation: Set it."
     assert region_outcome(RegionReport("blocks.2")).verdict == "unchecked"
     assert worse("noise", "unchecked") == "noise"
+
+
+@pytest.mark.parametrize("protected", [False, True])
+def test_a_buffer_mutation_asks_for_protect_buffers_only_where_the_region_does_not_protect_them(
+    protected: bool,
+) -> None:
+    call = CallEvidence("blocks.1", compared=3, recomputations=1, protects_buffers=protected)
+    mutated = {"blocks.1": ["blocks.1.norm.running_mean"]}
+    (region,) = region_reports(["blocks.1"], [call], mutated, gradients_diverged=False, host_rng_explained=frozenset())
+    hint = PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
+    assert (region.cause, region.hint) == ("buffer_mutation", f"{hint} Changed: blocks.1.norm.running_mean.")
+    assert respelt(region.hint, "yaml").startswith(
+        "Recomputation updates the region's buffers a second time"
+        + (", yet `protect_buffers: true` under `trainer.strategy.init_args.checkpointing` is set" if protected else "")
+    )

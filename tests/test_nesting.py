@@ -18,7 +18,6 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     checkpoint_module,
 )
-from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT
 from tests.helpers import DIM, PartsBlock, PlainBlock, twins
 
 PREFIX = "lightning_ckpt_determinism: checkpointed `{}` regions have another activation checkpointing {} them: "
@@ -163,7 +162,10 @@ def test_a_profiler_of_the_application_is_left_in_place() -> None:
     assert calls
 
 
-def test_buffers_a_checkpoint_inside_a_region_updates_again_get_a_hint_that_does_not_ask_for_protect_buffers() -> None:
+@pytest.mark.parametrize("attribution", [False, True])
+def test_a_norm_a_checkpoint_inside_a_region_updates_again_is_no_finding_as_the_plain_twin_shows(
+    attribution: bool,
+) -> None:
     plain, model = twins(lambda: nn.Sequential(InlineCheckpointNormBlock(), InlineCheckpointNormBlock()), ["0", "1"])
     x = torch.randn(8, DIM)
     with pytest.warns(LightningCkptDeterminismWarning, match="a checkpoint call in InlineCheckpointNormBlock"):
@@ -173,10 +175,8 @@ def test_buffers_a_checkpoint_inside_a_region_updates_again_get_a_hint_that_does
     # inner checkpoint updates the statistics a second time in both.
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True))
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
-    report = check_recomputation(model, lambda: model(x).square().mean(), attribution=True)
-    hints = {region.name: (region.cause, region.hint) for region in report.regions}
-    changed = "{0}.norm.running_mean, {0}.norm.running_var, {0}.norm.num_batches_tracked."
-    assert hints == {
-        name: ("buffer_mutation", f"{PROTECTED_BUFFERS_HINT} Changed: {changed.format(name)}") for name in ("0", "1")
-    }
-    assert "yet `protect_buffers=True` in the `CheckpointingConfig` is set" in PROTECTED_BUFFERS_HINT
+    # So the check finds nothing, with attribution or without: the inner checkpoint's second update is in both passes
+    # (the warning above names the inner call).
+    report = check_recomputation(model, lambda: model(x).square().mean(), attribution=attribution)
+    assert (report.diverged, report.cause, report.buffer_mutations) == (False, None, [])
+    assert [(region.cause, region.diverged) for region in report.regions] == [(None, False)] * (2 * attribution)

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from lightning_ckpt_determinism.checkpointing.modules import region_name
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, region_name
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, recomputations
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
+from lightning_ckpt_determinism.verify.attribution.observer import BufferSlot
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import gradient_divergence, uncomparable_gradients
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
@@ -255,7 +256,11 @@ def _compare(
     regions, buffers = (
         ([], [])
         if observer is None
-        else observer.reports(gradients_diverged=verdict.diverged, host_rng_explained=explained)
+        else observer.reports(
+            gradients_diverged=verdict.diverged,
+            host_rng_explained=explained,
+            ended_otherwise=_buffer_places(passes.module, changed_buffers) if passes.buffers_compared else None,
+        )
     )
     cause = None
     if passes.compiled:
@@ -402,6 +407,11 @@ class _Passes:
             self._after_reference = StepState(self.module)
         return taken
 
+    @property
+    def buffers_compared(self) -> bool:
+        """Whether :meth:`changed_buffers` compares (a reference pass ran and its buffers were captured)."""
+        return self._after_reference is not None
+
     def changed_buffers(self) -> list[str]:
         """The buffers that now differ from their values after the first reference pass, as the live engine
         compares them (call it right after a checkpointed pass): recomputation that updates a buffer a second time
@@ -547,3 +557,10 @@ def _gradients(
             # Taken even when backward raises: the next pass must start from no gradient.
             grads = take_gradients(params)
     return float(loss.detach()), grads
+
+
+def _buffer_places(module: nn.Module, names: Iterable[str]) -> set[BufferSlot]:
+    """Where the buffers of ``module`` named ``names`` are held (see
+    :data:`~lightning_ckpt_determinism.verify.attribution.observer.BufferSlot`)."""
+    slots = buffer_slots(module)
+    return {(id(slots[name][0]), slots[name][1]) for name in names if name in slots}

@@ -79,9 +79,13 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["Attribution", "CallRecord"]
+__all__ = ["Attribution", "BufferSlot", "CallRecord"]
 
 _log = logging.getLogger(__name__)
+
+BufferSlot = tuple[int, str]
+"""Where a buffer is held: the ``id`` of the module that holds it and its key there (one slot under every name a
+module shared by several parents has)."""
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 """The op namespaces of collectives and their waits, never recorded nor compared."""
@@ -358,17 +362,17 @@ class CallRecord:
                 return True
         return False
 
-    def mutated_buffers(self) -> list[str]:
-        """The buffers whose values the recomputation changed since the forward ended. Where the region puts its
-        buffers back, one replaced by another object since was replaced by other code: each recomputation gives the
-        live object back."""
+    def mutated_buffers(self) -> list[tuple[str, BufferSlot]]:
+        """The buffers whose values the recomputation changed since the forward ended, with where each is held (see
+        :data:`BufferSlot`). Where the region puts its buffers back, one replaced by another object since was replaced
+        by other code: each recomputation gives the live object back."""
         mutated = []
         for name, owner, key, buffer, value, _ in self.buffers_after_forward:
             current = own_buffers(owner).get(key)
             if name in self.written_between or (self.protects_buffers and current is not buffer):
                 continue
             if current is None or not same_values(value, current):
-                mutated.append(name)
+                mutated.append((name, (id(owner), key)))
         return mutated
 
     def _diverge(
@@ -477,6 +481,8 @@ class Attribution:
         self.calls: list[CallRecord] = []
         self._last_recomputed: CallRecord | None = None
         self._mutated: dict[str, list[str]] = {}
+        # Where each mutated buffer is held, by its name in `_mutated`.
+        self._mutated_slots: dict[str, BufferSlot] = {}
 
     def contexts(self, region_call: RegionCall) -> tuple[ContextFactory, ContextFactory]:
         """The forward and recompute contexts of one call of a region (see :class:`Attribution`)."""
@@ -515,9 +521,10 @@ class Attribution:
         last: dict[int, CallRecord] = {id(call.module): call for call in self.calls}
         for call in last.values():
             if call.recomputations:
-                self._mutated.setdefault(call.region, []).extend(
-                    f"{call.region}.{name}" for name in call.mutated_buffers()
-                )
+                for name, slot in call.mutated_buffers():
+                    named = f"{call.region}.{name}"
+                    self._mutated.setdefault(call.region, []).append(named)
+                    self._mutated_slots[named] = slot
         uncomparable = sorted({name for call in self.calls for name in call.uncomparable})
         if uncomparable:
             _log.info(
@@ -550,17 +557,37 @@ class Attribution:
         return frozenset(call.region for call in self.calls if call.divergence is not None or call.error)
 
     def reports(
-        self, *, gradients_diverged: bool, host_rng_explained: frozenset[str]
+        self,
+        *,
+        gradients_diverged: bool,
+        host_rng_explained: frozenset[str],
+        ended_otherwise: Collection[BufferSlot] | None = None,
     ) -> tuple[list[RegionReport], list[str]]:
-        """One :class:`RegionReport` per checkpointed region, in module order, and the mutated buffers' names."""
+        """One :class:`RegionReport` per checkpointed region, in module order, and the mutated buffers' names.
+
+        Args:
+            gradients_diverged: Whether the step's gradients diverged.
+            host_rng_explained: The regions whose difference replaying host RNG removed.
+            ended_otherwise: Where the buffers that ended the checkpointed pass otherwise than the reference pass are
+                held (see :data:`BufferSlot`); a buffer a recomputation changed counts only among them (a `checkpoint`
+                call of the model's own inside a region updates its norm's statistics again in both passes).
+                ``None``: every one counts.
+        """
+        mutated = self._mutated
+        if ended_otherwise is not None:
+            ended = set(ended_otherwise)
+            mutated = {
+                name: [buffer for buffer in found if self._mutated_slots[buffer] in ended]
+                for name, found in mutated.items()
+            }
         reports = region_reports(
             self.names,
             [call.evidence() for call in self.calls],
-            self._mutated,
+            mutated,
             gradients_diverged=gradients_diverged,
             host_rng_explained=host_rng_explained,
         )
-        return reports, [buffer for name in self.names for buffer in self._mutated.get(name, [])]
+        return reports, [buffer for name in self.names for buffer in mutated.get(name, [])]
 
     @contextlib.contextmanager
     def _forward(self, call: CallRecord) -> Iterator[None]:
