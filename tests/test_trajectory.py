@@ -105,6 +105,21 @@ class TogglingModule(TwoOptimizersModule):
         return loss
 
 
+class OutsideTensorModule(StackModule):
+    """A learned temperature held as a plain tensor that requires grad, not a parameter, trained by the optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.01)
+        self.log_temperature = torch.zeros((), requires_grad=True)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x) * self.log_temperature.exp(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.parameters(), self.log_temperature], lr=0.05, momentum=0.9)
+
+
 def manual_loss(module: pl.LightningModule, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
     """The loss :class:`TwoOptimizersModule` backpropagates, as the monitor's ``loss_fn``."""
     x, y = batch
@@ -158,6 +173,7 @@ SCENARIOS = {
     "toggle_optimizer_manual": Scenario(
         module=TogglingModule, monitor={"loss_fn": manual_loss}, trainer=lambda: {"max_steps": 6}
     ),
+    "tensor_trained_outside_the_module": Scenario(module=OutsideTensorModule, trainer=lambda: {"max_steps": 4}),
     "step_interval_scheduler": Scenario(module=StepSchedulerModule, trainer=lambda: {"max_steps": 6}),
     "val_check_interval": Scenario(
         module=ValidatedModule, trainer=lambda: {"max_steps": 5, "val_check_interval": 2, "limit_val_batches": 2}

@@ -43,7 +43,25 @@ class StrategySupport:
         self.strategy = strategy
 
     def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
-        """The tensors whose ``.grad`` the step fills, by name: the module's trainable parameters.
+        """The tensors whose ``.grad`` the step fills, by name: the model's (:meth:`model_gradient_holders`), then
+        the tensors the Trainer's optimizers train that are not among them (a tensor that requires grad held as a
+        plain attribute), named ``<optimizer tensor i>``: a check sets their gradients aside and compares them too.
+
+        Args:
+            pl_module: The LightningModule the strategy trains.
+        """
+        holders = self.model_gradient_holders(pl_module)
+        known = {id(tensor) for _, tensor in holders}
+        for optimizer in pl_module.trainer.optimizers:
+            for group in optimizer.param_groups:
+                for tensor in group["params"]:
+                    if tensor.requires_grad and id(tensor) not in known:
+                        known.add(id(tensor))
+                        holders.append((f"<optimizer tensor {len(holders)}>", tensor))
+        return holders
+
+    def model_gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
+        """The model's tensors whose ``.grad`` the step fills, by name: its trainable parameters.
 
         Args:
             pl_module: The LightningModule the strategy trains.
@@ -135,13 +153,13 @@ class FSDPSupport(StrategySupport):
         """
         return loss_of(self.strategy.training_step(*args, **kwargs))
 
-    def gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
+    def model_gradient_holders(self, pl_module: "pl.LightningModule") -> list[tuple[str, torch.Tensor]]:
         """The module's trainable parameters, then FSDP1's flat parameters that are not among them.
 
         Args:
             pl_module: The LightningModule the strategy trains.
         """
-        holders = super().gradient_holders(pl_module)
+        holders = super().model_gradient_holders(pl_module)
         if self.strategy.model is not None:
             known = {id(param) for _, param in holders}
             for index, flat in enumerate(fsdp1_flat_parameters(self.strategy.model)):
