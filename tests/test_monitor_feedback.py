@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ckpt_determinism import (
+    CAUSE_HINTS,
     CheckpointingConfig,
     LightningCkptDeterminismWarning,
     RecomputationMonitor,
@@ -184,3 +185,16 @@ def test_the_sentinel_points_to_a_checks_warning_only_when_that_warning_was_show
     assert len(checks) == 1 and "at step 0:" in checks[0]
     assert sentinel[0].endswith("The check of that step names the cause (see its warning).")
     assert sentinel[4].endswith("The check of that step names the cause (in `history` and the fit's summary).")
+
+
+def test_a_cause_in_several_regions_is_summarised_with_every_regions_state(tmp_path: Path, lightning_info) -> None:
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+    fit(tmp_path, monitor, block="BatchNormBlock", config={"protect_buffers": False})
+    (summary,) = summaries(lightning_info)
+    statistics = ("running_mean", "running_var", "num_batches_tracked")
+    changed = ", ".join(f"model.blocks.{index}.norm.{name}" for index in range(3) for name in statistics)
+    hint = CAUSE_HINTS["buffer_mutation"]
+    assert (
+        f"Cause buffer_mutation in model.blocks.0, model.blocks.1, model.blocks.2: {hint} Changed: {changed}."
+        in summary
+    )

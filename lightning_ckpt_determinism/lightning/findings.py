@@ -2,6 +2,7 @@
 the metrics it logs, the history entry it keeps and the warning it gives."""
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,8 +317,7 @@ class FitSummary:
         else:
             parts[0] += f": {self.diverged} found a defect, with exact gradients."
         for cause, regions in self.causes.items():
-            hint = next(iter(regions.values()))
-            parts.append(f"Cause {cause} in {', '.join(regions)}: {hint}")
+            parts.append(f"Cause {cause} in {', '.join(regions)}: {_joined_hint(list(regions.values()))}")
         if sentinel is not None:
             found = ", ".join(f"{name}: {count}" for name, count in sentinel.mismatches.items())
             differed = sum(sentinel.mismatches.values())
@@ -330,3 +330,29 @@ class FitSummary:
                     f"It does not see the {len(sentinel.compiled)} compiled regions, which the compiler recomputes."
                 )
         return " ".join(parts)
+
+
+# The end of a hint that names the state of its region: "... Changed: blocks.1.norm.running_mean, ...".
+_NAMED_STATE = re.compile(
+    r"^(?P<text>.*) (?P<label>Changed|Written|Updated|Substituted): (?P<names>[^:]+)\.$", re.DOTALL
+)
+
+
+def _joined_hint(hints: list[str]) -> str:
+    """One hint for several regions of one cause: where each names its own region's state after the same text, that
+    text with every region's names; else the first region's hint.
+
+    Example::
+
+        >>> _joined_hint(["Set it. Changed: a.x, a.y.", "Set it. Changed: b.x."])
+        'Set it. Changed: a.x, a.y, b.x.'
+        >>> _joined_hint(["One.", "Another."])
+        'One.'
+    """
+    found = [_NAMED_STATE.match(hint) for hint in hints]
+    parts = [(match["text"], match["label"]) for match in found if match is not None]
+    if len(parts) < len(hints) or len(set(parts)) > 1:
+        return hints[0]
+    names = dict.fromkeys(name for match in found if match is not None for name in match["names"].split(", "))
+    text, label = parts[0]
+    return f"{text} {label}: {', '.join(names)}."
