@@ -269,6 +269,32 @@ def test_a_lazy_module_swapped_into_a_region_initialises_at_a_plain_call_as_at_w
         assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
+class NormMadeInForward(nn.Module):
+    """A linear layer and a batch norm its first forward makes (where ``__init__`` left ``None``), then tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.norm: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            self.norm = nn.BatchNorm1d(DIM)
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+def test_a_submodule_a_forward_makes_trains_and_updates_its_statistics_as_without_checkpointing() -> None:
+    plain, model = twins(lambda: nn.Sequential(NormMadeInForward()), ["0"])
+    for seed in range(3):
+        expected, got = step(plain, seed), step(model, seed)
+        # Its parameters have gradients from the first step on: the recomputation used the norm the forward made.
+        assert sorted(got) == sorted(expected) and all(torch.equal(expected[name], got[name]) for name in expected)
+        assert all(
+            torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+        )
+    assert int(model[0].norm.num_batches_tracked) == 3
+
+
 # Which buffer each writer's first write names (a shared module's statistics change in the block's forward too).
 WRITTEN = {"caller": "2.shift", "shared": None, "statistics": "1.norm.running_mean", "replaced": "2.shift"}
 

@@ -570,6 +570,11 @@ _MISSING = object()
 _LIVE = object()
 
 
+def _registered(held: dict[str, Any], name: str) -> bool:
+    """Whether the module whose ``vars`` are ``held`` registers ``name`` as a submodule, a parameter or a buffer."""
+    return any(name in held.get(kind, ()) for kind in ("_modules", "_parameters", "_buffers"))
+
+
 class AttributeReplay:
     """The plain attributes one forward of a region rebinds, creates or deletes, put back as the forward found them for
     each of its recomputations, then returned to their live values.
@@ -647,8 +652,12 @@ class AttributeReplay:
         if not all(map(operator.is_, self._values, now)):
             for slot, before, after in zip(self._slots, self._values, now, strict=True):
                 if before is not after:
-                    found[slot] = before if _held(before) else _LIVE
                     created = created or after is _MISSING
+                    if after is _MISSING and _registered(attributes[slot[0]], slot[1]):
+                        # The forward made it a submodule, a parameter or a buffer (`self.norm = nn.BatchNorm1d(...)`
+                        # where it was None): the plain value would hide the one the forward made and trains.
+                        continue
+                    found[slot] = before if _held(before) else _LIVE
         if created:
             watched = set(self._slots)
             for index, held in enumerate(attributes):

@@ -76,7 +76,7 @@ from lightning_ckpt_determinism.checkpointing.determinism_check import (
     register_determinism_checks,
 )
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
-from lightning_ckpt_determinism.checkpointing.modules import named_modules
+from lightning_ckpt_determinism.checkpointing.modules import named_modules, state_copy, write_values
 from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.region_plan import RegionPlan
@@ -777,6 +777,9 @@ class _EagerCall:
         observed: Whether a saved-tensor observer kept the forward's tensors (torch compares them after each
             recomputation).
         registered: The buffers its forward registered, left out of each recomputation.
+        made: The buffers of the submodules its forward made (``self.norm = nn.BatchNorm1d(...)`` in forward), as the
+            forward left them: each recomputation, which the region's next call learns about, updates them again,
+            and they are put back after it.
         torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
             observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
     """
@@ -793,6 +796,7 @@ class _EagerCall:
     runs: int = field(default=0, init=False)
     observed: bool = field(default=False, init=False)
     registered: list[RegisteredBuffer] = field(default_factory=list, init=False)
+    made: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = field(default_factory=list, init=False)
 
     def run(self, *flat: Any) -> Any:
         """The region's forward at the first run, a recomputation at each later one."""
@@ -807,8 +811,11 @@ class _EagerCall:
             recomputing(observed=self.observed)
             modes = TrainingModes(wrapper._region_modules, None if self.key is None else self.key[0])
             left_out = buffers_left_out(self.registered) if self.registered else NO_CONTEXT
-            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out:
-                out = wrapper._forward_from(flat, self.num_positional, self.keys)
+            try:
+                with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out:
+                    out = wrapper._forward_from(flat, self.num_positional, self.keys)
+            finally:
+                _put_back_made(self.made)
             if self.full:
                 _mark_end()
             return out
@@ -826,6 +833,8 @@ class _EagerCall:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
                 nodes = autograd_nodes_made() - start
             self.attributes.end()
+            if child_modules(self.attributes.dicts) != wrapper._children:
+                self.made = _buffers_made(wrapper)
             count = buffer_count(self.attributes.dicts)
             if count != wrapper._buffer_count:
                 self.registered = wrapper._buffers_registered(count)
@@ -847,6 +856,29 @@ class _EagerCall:
         if self.full:
             _mark_end()
         return out
+
+
+def _buffers_made(wrapper: CheckpointedForward) -> list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]]:
+    """The buffers of the region's submodules its last forward made (not among the modules the region knows), each
+    with where it is held and a copy of its values."""
+    known = set(map(id, wrapper._region_modules))
+    with torch.no_grad():
+        return [
+            (held, key, state_copy(buffer))
+            for sub in wrapper.module.modules()
+            if id(sub) not in known
+            for held in (own_buffers(sub),)
+            for key, buffer in held.items()
+            if buffer is not None
+        ]
+
+
+def _put_back_made(made: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]]) -> None:
+    """Write the values the forward left back into the buffers of the submodules it made (see :func:`_buffers_made`)."""
+    for held, key, value in made:
+        buffer = held.get(key)
+        if buffer is not None:
+            write_values(buffer, value)
 
 
 def _kept_forward(kept: KeptOutputs, inputs: tuple[Any, ...]) -> AbstractContextManager[Any]:
