@@ -283,16 +283,31 @@ class NormMadeInForward(nn.Module):
         return x + torch.tanh(self.norm(self.linear(x)))
 
 
-def test_a_submodule_a_forward_makes_trains_and_updates_its_statistics_as_without_checkpointing() -> None:
-    plain, model = twins(lambda: nn.Sequential(NormMadeInForward()), ["0"])
+class UsesMadeNorm(nn.Module):
+    """A :class:`NormMadeInForward`, called ``twice`` in a step, or once and then its norm once more outside it."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.twice = twice
+        self.block = NormMadeInForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x)
+        return self.block(2 * h) if self.twice else self.block.norm(3 * h)
+
+
+@pytest.mark.parametrize("use", ["once", "twice", "again_outside"])
+def test_a_submodule_a_forward_makes_trains_and_updates_its_statistics_as_without_checkpointing(use: str) -> None:
+    build = (lambda: nn.Sequential(NormMadeInForward())) if use == "once" else (lambda: UsesMadeNorm(use == "twice"))
+    plain, model = twins(build, ["0" if use == "once" else "block"])
     for seed in range(3):
         expected, got = step(plain, seed), step(model, seed)
         # Its parameters have gradients from the first step on: the recomputation used the norm the forward made.
         assert sorted(got) == sorted(expected) and all(torch.equal(expected[name], got[name]) for name in expected)
-        assert all(
-            torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
-        )
-    assert int(model[0].norm.num_batches_tracked) == 3
+        # Its statistics as without checkpointing: updated once per call, also by the caller between the forward and
+        # the recomputation, whose update the recomputation keeps.
+        states = zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+        assert all(torch.equal(a, b) for a, b in states)
 
 
 # Which buffer each writer's first write names (a shared module's statistics change in the block's forward too).

@@ -777,9 +777,10 @@ class _EagerCall:
         observed: Whether a saved-tensor observer kept the forward's tensors (torch compares them after each
             recomputation).
         registered: The buffers its forward registered, left out of each recomputation.
-        made: The buffers of the submodules its forward made (``self.norm = nn.BatchNorm1d(...)`` in forward), as the
-            forward left them: each recomputation, which the region's next call learns about, updates them again,
-            and they are put back after it.
+        made: Where the buffers of the submodules its forward made are held (``self.norm = nn.BatchNorm1d(...)`` in
+            forward): each recomputation updates them again, so their values as it starts are put back after it (the
+            region's next call reads its modules again and protects them).
+        modules: The region's modules as the call started, whose training flags its key holds.
         torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
             observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
     """
@@ -796,7 +797,12 @@ class _EagerCall:
     runs: int = field(default=0, init=False)
     observed: bool = field(default=False, init=False)
     registered: list[RegisteredBuffer] = field(default_factory=list, init=False)
-    made: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = field(default_factory=list, init=False)
+    made: list[tuple[dict[str, torch.Tensor | None], str]] = field(default_factory=list, init=False)
+    modules: tuple[nn.Module, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        # The region's modules as the call starts: its forward may make others, which the next call reads.
+        self.modules = self.wrapper._region_modules
 
     def run(self, *flat: Any) -> Any:
         """The region's forward at the first run, a recomputation at each later one."""
@@ -809,13 +815,14 @@ class _EagerCall:
         if not forward:
             wrapper.recomputations += 1
             recomputing(observed=self.observed)
-            modes = TrainingModes(wrapper._region_modules, None if self.key is None else self.key[0])
+            modes = TrainingModes(self.modules, None if self.key is None else self.key[0])
             left_out = buffers_left_out(self.registered) if self.registered else NO_CONTEXT
+            made = _buffer_values(self.made)
             try:
                 with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out:
                     out = wrapper._forward_from(flat, self.num_positional, self.keys)
             finally:
-                _put_back_made(self.made)
+                _put_back(made)
             if self.full:
                 _mark_end()
             return out
@@ -834,7 +841,7 @@ class _EagerCall:
                 nodes = autograd_nodes_made() - start
             self.attributes.end()
             if child_modules(self.attributes.dicts) != wrapper._children:
-                self.made = _buffers_made(wrapper)
+                self.made = _buffers_made(self.modules, wrapper.module)
             count = buffer_count(self.attributes.dicts)
             if count != wrapper._buffer_count:
                 self.registered = wrapper._buffers_registered(count)
@@ -858,27 +865,31 @@ class _EagerCall:
         return out
 
 
-def _buffers_made(wrapper: CheckpointedForward) -> list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]]:
-    """The buffers of the region's submodules its last forward made (not among the modules the region knows), each
-    with where it is held and a copy of its values."""
-    known = set(map(id, wrapper._region_modules))
+def _buffers_made(known: tuple[nn.Module, ...], region: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:
+    """Where the buffers of the submodules of ``region`` that are not among the ``known`` modules are held."""
+    ids = set(map(id, known))
+    return [
+        (held, key)
+        for sub in region.modules()
+        if id(sub) not in ids
+        for held in (own_buffers(sub),)
+        for key, buffer in held.items()
+        if buffer is not None
+    ]
+
+
+def _buffer_values(
+    slots: list[tuple[dict[str, torch.Tensor | None], str]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer held at ``slots`` with a copy of its values."""
     with torch.no_grad():
-        return [
-            (held, key, state_copy(buffer))
-            for sub in wrapper.module.modules()
-            if id(sub) not in known
-            for held in (own_buffers(sub),)
-            for key, buffer in held.items()
-            if buffer is not None
-        ]
+        return [(buffer, state_copy(buffer)) for held, key in slots if (buffer := held.get(key)) is not None]
 
 
-def _put_back_made(made: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]]) -> None:
-    """Write the values the forward left back into the buffers of the submodules it made (see :func:`_buffers_made`)."""
-    for held, key, value in made:
-        buffer = held.get(key)
-        if buffer is not None:
-            write_values(buffer, value)
+def _put_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write each copy back into its buffer (see :func:`_buffer_values`)."""
+    for buffer, value in values:
+        write_values(buffer, value)
 
 
 def _kept_forward(kept: KeptOutputs, inputs: tuple[Any, ...]) -> AbstractContextManager[Any]:
