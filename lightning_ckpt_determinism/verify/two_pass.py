@@ -25,7 +25,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_module
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
-from lightning_ckpt_determinism.verify.attribution.observer import BufferSlot
+from lightning_ckpt_determinism.verify.attribution.observer import BufferPlace
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import gradient_divergence, uncomparable_gradients
 from lightning_ckpt_determinism.verify.compiled import eager_semantics, is_compiled, reference_pass
@@ -559,8 +559,8 @@ def _gradients(
     return float(loss.detach()), grads
 
 
-def _buffer_places(module: nn.Module, names: Iterable[str]) -> set[BufferSlot]:
+def _buffer_places(module: nn.Module, names: Iterable[str]) -> set[BufferPlace]:
     """Where the buffers of ``module`` named ``names`` are held (see
-    :data:`~lightning_ckpt_determinism.verify.attribution.observer.BufferSlot`)."""
+    :data:`~lightning_ckpt_determinism.verify.attribution.observer.BufferPlace`)."""
     slots = buffer_slots(module)
     return {(id(slots[name][0]), slots[name][1]) for name in names if name in slots}

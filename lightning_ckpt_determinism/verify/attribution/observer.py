@@ -79,12 +79,12 @@ from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
 from lightning_ckpt_determinism.verify.state import named_metrics
 
-__all__ = ["Attribution", "BufferSlot", "CallRecord"]
+__all__ = ["Attribution", "BufferPlace", "CallRecord"]
 
 _log = logging.getLogger(__name__)
 
-BufferSlot = tuple[int, str]
-"""Where a buffer is held: the ``id`` of the module that holds it and its key there (one slot under every name a
+BufferPlace = tuple[int, str]
+"""Where a buffer is held: the ``id`` of the module that holds it and its key there (one place under every name a
 module shared by several parents has)."""
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
@@ -362,9 +362,9 @@ class CallRecord:
                 return True
         return False
 
-    def mutated_buffers(self) -> list[tuple[str, BufferSlot]]:
+    def mutated_buffers(self) -> list[tuple[str, BufferPlace]]:
         """The buffers whose values the recomputation changed since the forward ended, with where each is held (see
-        :data:`BufferSlot`). Where the region puts its buffers back, one replaced by another object since was replaced
+        :data:`BufferPlace`). Where the region puts its buffers back, one replaced by another object since was replaced
         by other code: each recomputation gives the live object back."""
         mutated = []
         for name, owner, key, buffer, value, _ in self.buffers_after_forward:
@@ -482,7 +482,7 @@ class Attribution:
         self._last_recomputed: CallRecord | None = None
         self._mutated: dict[str, list[str]] = {}
         # Where each mutated buffer is held, by its name in `_mutated`.
-        self._mutated_slots: dict[str, BufferSlot] = {}
+        self._mutated_places: dict[str, BufferPlace] = {}
 
     def contexts(self, region_call: RegionCall) -> tuple[ContextFactory, ContextFactory]:
         """The forward and recompute contexts of one call of a region (see :class:`Attribution`)."""
@@ -521,10 +521,10 @@ class Attribution:
         last: dict[int, CallRecord] = {id(call.module): call for call in self.calls}
         for call in last.values():
             if call.recomputations:
-                for name, slot in call.mutated_buffers():
+                for name, place in call.mutated_buffers():
                     named = f"{call.region}.{name}"
                     self._mutated.setdefault(call.region, []).append(named)
-                    self._mutated_slots[named] = slot
+                    self._mutated_places[named] = place
         uncomparable = sorted({name for call in self.calls for name in call.uncomparable})
         if uncomparable:
             _log.info(
@@ -561,7 +561,7 @@ class Attribution:
         *,
         gradients_diverged: bool,
         host_rng_explained: frozenset[str],
-        ended_otherwise: Collection[BufferSlot] | None = None,
+        ended_otherwise: Collection[BufferPlace] | None = None,
     ) -> tuple[list[RegionReport], list[str]]:
         """One :class:`RegionReport` per checkpointed region, in module order, and the mutated buffers' names.
 
@@ -569,7 +569,7 @@ class Attribution:
             gradients_diverged: Whether the step's gradients diverged.
             host_rng_explained: The regions whose difference replaying host RNG removed.
             ended_otherwise: Where the buffers that ended the checkpointed pass otherwise than the reference pass are
-                held (see :data:`BufferSlot`); a buffer a recomputation changed counts only among them (a `checkpoint`
+                held (see :data:`BufferPlace`); a buffer a recomputation changed counts only among them (a `checkpoint`
                 call of the model's own inside a region updates its norm's statistics again in both passes).
                 ``None``: every one counts.
         """
@@ -577,7 +577,7 @@ class Attribution:
         if ended_otherwise is not None:
             ended = set(ended_otherwise)
             mutated = {
-                name: [buffer for buffer in found if self._mutated_slots[buffer] in ended]
+                name: [buffer for buffer in found if self._mutated_places[buffer] in ended]
                 for name, found in mutated.items()
             }
         reports = region_reports(

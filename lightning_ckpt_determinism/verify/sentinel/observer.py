@@ -66,22 +66,24 @@ class RecomputationSentinel:
         # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
         # themselves): known once, or, for a region with a lazy module's buffers (no storage until its first forward
         # gives them one), at each call until it has none.
-        self._buffers = {name: _buffer_storages(sub) for name, sub in regions.items()}
-        self._lazy_buffers = {name for name, sub in regions.items() if any(map(is_lazy, sub.buffers()))}
+        self._buffers: dict[str, frozenset[int | None]] = {}
+        self._lazy_buffers: set[str] = set()
         # Where each region's parameters live (their owner module and attribute), found once.
-        self._parameters = {name: RegionParameters(sub) for name, sub in regions.items()}
+        self._parameters: dict[str, RegionParameters] = {}
         # The tensor states of the torchmetrics metrics inside each region, found once.
-        self._metrics = {name: metric_states(sub) for name, sub in regions.items()}
+        self._metrics: dict[str, list[tuple[str, Any, str]]] = {}
         # How many times each region's wrapper had read its modules again when the three above were found: found
         # again when it moves (a submodule added or swapped in after wrapping).
-        self._modules_read = {name: region_modules_read(sub) for name, sub in regions.items()}
+        self._modules_read: dict[str, int] = {}
         # Each region's parameter versions when its latest forward started, and the parameters seen written in place
         # since a forward started (by that forward, as a rule): those are digested around its recomputations.
         self._forward_versions: dict[str, tuple[int, ...]] = {}
-        self._forward_written: dict[str, frozenset[str]] = {name: frozenset() for name in regions}
+        self._forward_written: dict[str, frozenset[str]] = {}
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._layouts: dict[str, SavedLayout] = {}
+        for name, sub in regions.items():
+            self._find_state(name, sub)
         # Under the light tier, the regions whose calls take other code paths than the layout they start with (a
         # LayerDrop, a branch): each of their calls learns its own targets as it goes, until enough calls in a row
         # learned one layout (by name, how many so far).
@@ -160,7 +162,7 @@ class RecomputationSentinel:
             steady = self.mode.tier == "light" and name not in self._varying and profile is not None
             layout = self._layouts.get(name) if steady else None
             if region_modules_read(module) != self._modules_read[name]:
-                self._modules_changed(name, module)
+                self._find_state(name, module)  # it holds other modules than when they were found
             if name in self._lazy_buffers:
                 self._buffers[name] = _buffer_storages(module)
                 if not any(map(is_lazy, module.buffers())):
@@ -182,9 +184,9 @@ class RecomputationSentinel:
                 self._open.pop()
                 self._forward_done(call, module, finished=finished)
 
-    def _modules_changed(self, name: str, module: nn.Module) -> None:
-        """The region ``name`` holds other modules than when its buffers, parameters and metrics were found: find
-        them again, and learn its saved tensors' layout again."""
+    def _find_state(self, name: str, module: nn.Module) -> None:
+        """Find the buffers, parameters and metrics of region ``name`` (``module``), as its modules are now; what its
+        forwards wrote and the layout its saved tensors took are learned again."""
         self._modules_read[name] = region_modules_read(module)
         self._buffers[name] = _buffer_storages(module)
         if any(map(is_lazy, module.buffers())):
