@@ -310,6 +310,19 @@ def test_a_submodule_a_forward_makes_trains_and_updates_its_statistics_as_withou
         assert all(torch.equal(a, b) for a, b in states)
 
 
+def test_a_submodule_a_forward_makes_is_kept_apart_from_selective_checkpointing_as_without_checkpointing() -> None:
+    torch.manual_seed(0)
+    plain, model = nn.Sequential(NormMadeInForward()), nn.Sequential(NormMadeInForward())
+    model.load_state_dict(plain.state_dict())
+    # `save_ops` counts the recomputation's op calls: the copies of the made norm's buffers must not be among them.
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"], save_ops=["aten.addmm"]))
+    for seed in range(3):
+        expected, got = step(plain, seed), step(model, seed)
+        assert sorted(got) == sorted(expected) and all(torch.equal(expected[name], got[name]) for name in expected)
+        states = zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+        assert all(torch.equal(a, b) for a, b in states)
+
+
 # Which buffer each writer's first write names (a shared module's statistics change in the block's forward too).
 WRITTEN = {"caller": "2.shift", "shared": None, "statistics": "1.norm.running_mean", "replaced": "2.shift"}
 

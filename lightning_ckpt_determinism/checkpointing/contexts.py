@@ -52,6 +52,7 @@ __all__ = [
     "TrainingModes",
     "same_context",
     "training_flags",
+    "values_kept",
     "written_owners",
 ]
 
@@ -488,6 +489,33 @@ def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     live = _LiveValues(buffer.data, resized=True)
     buffer.data = value.clone()  # a copy: a second recomputation starts from `value` again
     return live
+
+
+@contextlib.contextmanager
+def values_kept(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The values ``buffers`` hold as the block starts, given back after it whatever it wrote to them (see
+    :func:`_swap_back`); copied and written below every dispatch mode, so that no selective-checkpointing cache counts
+    those ops among a recomputation's.
+
+    Args:
+        buffers: The buffers.
+
+    Example::
+
+        >>> counter = torch.zeros(1)
+        >>> with values_kept([counter]):
+        ...     _ = counter.add_(1)
+        >>> counter.item()
+        0.0
+    """
+    with torch.no_grad(), disable_current_modes():
+        live = [(buffer, _LiveValues.copied(buffer)) for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad(), disable_current_modes():
+            for buffer, values in live:
+                _swap_back(buffer, values)
 
 
 def _writable(tensor: torch.Tensor) -> bool:

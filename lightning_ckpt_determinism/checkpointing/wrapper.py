@@ -67,6 +67,7 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     TrainingModes,
     same_context,
     training_flags,
+    values_kept,
 )
 from lightning_ckpt_determinism.checkpointing.determinism_check import (
     DETERMINISM_CHECKS,
@@ -76,7 +77,7 @@ from lightning_ckpt_determinism.checkpointing.determinism_check import (
     register_determinism_checks,
 )
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
-from lightning_ckpt_determinism.checkpointing.modules import named_modules, state_copy, write_values
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
 from lightning_ckpt_determinism.checkpointing.region_plan import RegionPlan
@@ -797,7 +798,7 @@ class _EagerCall:
     runs: int = field(default=0, init=False)
     observed: bool = field(default=False, init=False)
     registered: list[RegisteredBuffer] = field(default_factory=list, init=False)
-    made: list[tuple[dict[str, torch.Tensor | None], str]] = field(default_factory=list, init=False)
+    made: list[tuple[nn.Module, str]] = field(default_factory=list, init=False)
     modules: tuple[nn.Module, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -817,12 +818,10 @@ class _EagerCall:
             recomputing(observed=self.observed)
             modes = TrainingModes(self.modules, None if self.key is None else self.key[0])
             left_out = buffers_left_out(self.registered) if self.registered else NO_CONTEXT
-            made = _buffer_values(self.made)
-            try:
-                with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out:
-                    out = wrapper._forward_from(flat, self.num_positional, self.keys)
-            finally:
-                _put_back(made)
+            # The buffers of submodules the forward made, which the region protects from its next call on.
+            made = values_kept(_held_buffers(self.made)) if self.made else NO_CONTEXT
+            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out, made:
+                out = wrapper._forward_from(flat, self.num_positional, self.keys)
             if self.full:
                 _mark_end()
             return out
@@ -865,31 +864,15 @@ class _EagerCall:
         return out
 
 
-def _buffers_made(known: tuple[nn.Module, ...], region: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:
-    """Where the buffers of the submodules of ``region`` that are not among the ``known`` modules are held."""
+def _buffers_made(known: tuple[nn.Module, ...], region: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The buffers of the submodules of ``region`` that are not among the ``known`` modules, as their module and key."""
     ids = set(map(id, known))
-    return [
-        (held, key)
-        for sub in region.modules()
-        if id(sub) not in ids
-        for held in (own_buffers(sub),)
-        for key, buffer in held.items()
-        if buffer is not None
-    ]
+    return [(owner, key) for owner, key, _ in buffer_slots(region).values() if id(owner) not in ids]
 
 
-def _buffer_values(
-    slots: list[tuple[dict[str, torch.Tensor | None], str]],
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each buffer held at ``slots`` with a copy of its values."""
-    with torch.no_grad():
-        return [(buffer, state_copy(buffer)) for held, key in slots if (buffer := held.get(key)) is not None]
-
-
-def _put_back(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write each copy back into its buffer (see :func:`_buffer_values`)."""
-    for buffer, value in values:
-        write_values(buffer, value)
+def _held_buffers(places: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
+    """The buffers held at ``places`` now (see :func:`_buffers_made`)."""
+    return [buffer for owner, key in places if (buffer := own_buffers(owner).get(key)) is not None]
 
 
 def _kept_forward(kept: KeptOutputs, inputs: tuple[Any, ...]) -> AbstractContextManager[Any]:
