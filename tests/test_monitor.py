@@ -127,10 +127,17 @@ def test_divergence_warns_naming_the_worst_parameters_again_every_n_steps_checks
     assert all(entry.diverged and entry.grad_divergence > 0 for entry in monitor.history)
 
 
-def test_divergence_raises_in_raise_mode(tmp_path):
+def test_divergence_raises_in_raise_mode_with_the_check_shown_in_callback_metrics(tmp_path):
     monitor = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[monitor], strategy=strategy))
     with pytest.raises(RecomputationDivergenceError, match="recomputation diverged at step 0"):
-        fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
+        trainer.fit(StackModule(block="DropoutBlock"))
+    [record] = monitor.history
+    assert record.diverged and record.grad_divergence > 0
+    assert float(trainer.callback_metrics["recompute/grad_divergence"]) == pytest.approx(record.grad_divergence)
 
 
 def test_ignore_mode_only_records_the_metric(tmp_path):

@@ -153,10 +153,14 @@ def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_mi
 def test_raise_mode_stops_the_fit_at_the_step_of_the_mismatch_before_its_optimizer_step(tmp_path: Path) -> None:
     monitor = RecomputationMonitor(every_n_steps=50, on_divergence="raise", exclude_attributes=ARMED_COUNT)
     module = armed_module(step=5)
+    trainer = monitored_trainer(tmp_path / "raised", monitor)
     with pytest.raises(RecomputationDivergenceError, match=r"region `model.blocks.1` .* at step 5"):
-        fit(tmp_path / "raised", monitor, module)
-    # Logged up to the step of the mismatch, which is logged before the error stops the fit.
+        trainer.fit(module)
+    # Logged up to the step of the mismatch, which is logged before the error stops the fit, and shown in
+    # `trainer.callback_metrics` too (not the step before's zero).
     assert logged(tmp_path / "raised", METRIC) == [(step, 1.0 if step == 5 else 0.0) for step in range(6)]
+    shown = {key: float(value) for key, value in trainer.callback_metrics.items() if "mismatches" in key}
+    assert shown == {METRIC: 1.0, "recompute/sentinel/regions/model.blocks.1/mismatches": 1.0}
     # Ground truth: the same model trained for the five steps before it. Step 5's gradients were never applied.
     twin = armed_module(step=5)
     fit(tmp_path / "twin", None, twin, steps=5)

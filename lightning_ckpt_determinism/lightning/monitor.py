@@ -30,7 +30,7 @@ from lightning_ckpt_determinism.lightning.findings import CheckRecord
 from lightning_ckpt_determinism.lightning.fit_output import FitOutput
 from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, same_on_every_rank
 from lightning_ckpt_determinism.lightning.reference import free_memory, plain_regions, regions_that_fit_now
-from lightning_ckpt_determinism.lightning.results import CheckResults
+from lightning_ckpt_determinism.lightning.results import CheckResults, shown_before_raising
 from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
 from lightning_ckpt_determinism.lightning.step import (
     StepCapture,
@@ -456,8 +456,9 @@ class RecomputationMonitor(Callback):
         # Before the optimizer steps, so that a step whose recomputation differed never applies its gradients.
         self._watch.step_ended(batch_end=False)
         findings = self._watch.read(trainer)
-        if findings and trainer.loggers:
-            self._publish(trainer, None)  # the loggers show the step that raises
+        if findings:
+            self._publish(trainer, pl_module)  # the loggers and `trainer.callback_metrics` show the step that raises
+            shown_before_raising(trainer)
         self._respond(trainer, findings)
 
     @override

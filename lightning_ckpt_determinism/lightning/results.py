@@ -150,6 +150,7 @@ class CheckResults:
             return findings.diverged
         message = respelt(divergence_message(step, findings, report, self.attribution, self.unattributed), self.syntax)
         if self.on_divergence == "raise":
+            shown_before_raising(trainer)
             raise RecomputationDivergenceError(message)
         if self.warn_once(warning_key(findings), message):
             self.warned_steps.add(step)
@@ -216,6 +217,17 @@ class CheckResults:
         """
         text = respelt(self.summary.text(self.every_n_steps, sentinel), self.syntax)
         return text if plan is None else f"{text} It trained under a {plan.summary()}."
+
+
+def shown_before_raising(trainer: "pl.Trainer") -> None:
+    """Move what the monitor logged at this step into ``trainer.callback_metrics`` before it raises: Lightning does
+    so when they are read, and a fit that raises leaves no read for it after the error (they would show the step
+    before's values).
+
+    Args:
+        trainer: The Trainer.
+    """
+    trainer.callback_metrics  # noqa: B018
 
 
 def _region_keys_kept(values: dict[str, float], earlier: set[str]) -> dict[str, float]:
