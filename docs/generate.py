@@ -17,7 +17,12 @@ from typing import Any, get_args
 from lightning_ckpt_determinism import CAUSE_HINTS, Cause
 from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from lightning_ckpt_determinism.verify.reports import INPUT_MODIFIED_HINT, ROUTING_HINT, SUBSTITUTED_PARAMETERS_HINT
+from lightning_ckpt_determinism.verify.reports import (
+    INPUT_MODIFIED_HINT,
+    READ_OTHERWISE_HINT,
+    ROUTING_HINT,
+    SUBSTITUTED_PARAMETERS_HINT,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -90,6 +95,11 @@ def causes_page() -> str:
         "A `buffer_mutation` of a region that already protects its buffers has one too:",
         "",
         f"> {PROTECTED_BUFFERS_HINT}",
+        "",
+        "A `buffer_mutation` whose recomputation read other values of buffers too large to copy beforehand has one,"
+        " naming them:",
+        "",
+        f"> {READ_OTHERWISE_HINT}",
         "",
     ]
     return "\n".join(sections)

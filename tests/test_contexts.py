@@ -50,11 +50,16 @@ def _slots(module: nn.Module) -> list[BufferSlot]:
     return [("scale", module, "scale"), ("count", module, "count")]
 
 
-def _state(module: Counted, buffers: frozenset[str] | None, changed: list[str]) -> ForwardState:
+def _state(
+    module: Counted, buffers: frozenset[str] | None, changed: list[str], read_otherwise: list[str] | None = None
+) -> ForwardState:
     """A forward's state with a profile that lists ``buffers`` (``None``: a learning call, no profile); the names of
-    the buffers it sees changed late go to ``changed``."""
+    the buffers it sees changed late go to ``changed``, those its recomputation gets otherwise to ``read_otherwise``."""
     profile = None if buffers is None else RegionProfile(saved=0, buffers=buffers)
-    return ForwardState(module, profile, _slots(module), generators=False, changed=changed.append)
+    read = read_otherwise if read_otherwise is not None else []
+    return ForwardState(
+        module, profile, _slots(module), generators=False, changed=changed.append, read_otherwise=read.append
+    )
 
 
 def test_a_forward_that_changed_nothing_it_replays_is_recomputed_through_the_shared_no_op() -> None:
@@ -85,19 +90,24 @@ def test_a_buffer_first_changed_by_this_forward_is_recomputed_from_its_start_if_
     plain = Counted(count_size)
     plain.load_state_dict(module.state_dict())
     module.armed = plain.armed = True
-    state = _state(module, frozenset(), changed)
+    read_otherwise: list[str] = []
+    state = _state(module, frozenset(), changed, read_otherwise)
     x = torch.randn(2, DIM)
     with state.capture():
         out = module(x)
     # The profile did not list it: seen changed at the forward's end, and replayed (decided at recomputation).
     assert changed == ["count"]
+    large = bool(count_size) and count_size[0] * 4 > KEPT_BUFFER_BYTES
+    # Reported as recomputed from other values than the forward started from where it was not copied: the large one
+    # alone (not `scale`, the module's other buffer, which the forward left as it was).
+    assert read_otherwise == (["count"] if large else [])
     replay = state.replay()
     assert replay is not NO_CONTEXT
     with replay:
         recomputed = module(x)
     expected = plain(x)
     assert torch.equal(out, expected)
-    if count_size and count_size[0] * 4 > KEPT_BUFFER_BYTES:
+    if large:
         # Too large to copy before it was known to change: recomputed from the value the forward left.
         assert torch.equal(recomputed, torch.tanh(plain.linear(x) * plain.scale * (plain.count[0] + 1)))
     else:

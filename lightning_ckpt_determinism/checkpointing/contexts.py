@@ -161,10 +161,11 @@ class ForwardState:
     values it started from, as a learned buffer is. For a larger one that forward's recomputation starts from the
     value the forward left, and gives it back afterwards, with the other buffers of its module (BatchNorm's kernel
     updates its running statistics without a version bump): the buffer is changed once, as without checkpointing,
-    though the recomputation may differ (the value the forward started from is gone; the sentinel and the check see
-    it). A buffer the forward only read that something else writes before a recomputation (the region's caller, a
-    module sharing it) is found as that recomputation starts, reported to ``written_between``, and replayed from the
-    value the forward read where that is known. A buffer registered as ``None`` that the forward creates is taken
+    though the recomputation may differ (the value the forward started from is gone; it is reported to
+    ``read_otherwise``, and the sentinel and the check see it). A buffer the forward only read that something else
+    writes before a recomputation (the region's caller, a module sharing it) is found as that recomputation starts,
+    reported to ``written_between``, and replayed from the value the forward read where that is known (reported to
+    ``read_otherwise`` where not). A buffer registered as ``None`` that the forward creates is taken
     away for its recomputation, which creates its own, and put back after it.
 
     Args:
@@ -175,6 +176,9 @@ class ForwardState:
         changed: Called with the name of each buffer this forward changed that ``profile`` does not list.
         written_between: Called with the name of each buffer this forward only read that was written before one of
             its recomputations (by the region's caller, or a module sharing it).
+        read_otherwise: Called with the name of each buffer this forward's recomputation gets with other values
+            than the forward started from or read, where those were not copied (a buffer over
+            :data:`KEPT_BUFFER_BYTES` first changed by this forward, or written before the recomputation).
         starts: The region's copies of the buffers no forward was seen to change; by default copies made for this
             forward alone.
 
@@ -202,6 +206,7 @@ class ForwardState:
         generators: bool,
         changed: Callable[[str], None] = lambda name: None,
         written_between: Callable[[str], None] = lambda name: None,
+        read_otherwise: Callable[[str], None] = lambda name: None,
         starts: "BufferStarts | None" = None,
     ) -> None:
         self._module = module
@@ -210,6 +215,7 @@ class ForwardState:
         self._replays_generators = generators
         self._changed = changed
         self._written_between = written_between
+        self._read_otherwise = read_otherwise
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
         # The values the small watched buffers started from, by their place in `_watched`.
@@ -275,13 +281,16 @@ class _Capture:
             return
         state = self._state
         owners = set()
+        written = set()
         for name, owner, key, buffer, version in state._watched:
             if buffer_written(owner, key, buffer, version):
                 state._changed(name)
                 owners.add(owner)
+                written.add(name)
         # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
         # updates its running statistics in place, its counter bumps one): they are recomputed from the values they
         # started from where those were copied, and given back after recomputation with it otherwise.
+        uncopied: dict[nn.Module, list[str]] = {}
         for at, (name, owner, key, buffer, version) in enumerate(state._watched):
             if owner not in owners:
                 if buffer is not None:
@@ -291,8 +300,15 @@ class _Capture:
             start = state._starts.get(at)
             if start is not None and buffer is not None:
                 state._captured.append((owner, key, buffer, start))
-            else:
-                state._late.append((owner, key, buffer is None))
+                continue
+            if buffer is not None:
+                uncopied.setdefault(owner, []).append(name)
+            state._late.append((owner, key, buffer is None))
+        # Those recomputed from the values the forward left: the ones it wrote, or, where none shows a write of its
+        # own (a kernel's update without a version bump), every one of the module's.
+        for names in uncopied.values():
+            for name in [name for name in names if name in written] or names:
+                state._read_otherwise(name)
         state._watched, state._starts = [], {}
 
 
@@ -461,6 +477,8 @@ def _written_between(state: ForwardState) -> None:
             start = buffer
         if start is not None:
             state._captured.append((owner, key, buffer, start))
+        else:
+            state._read_otherwise(name)
     state._read = unwritten
 
 

@@ -32,6 +32,7 @@ name (:mod:`~lightning_ckpt_determinism.checkpointing.determinism_check`); any o
 torch's frame counts what it saves.
 """
 
+import collections
 import contextlib
 import logging
 import warnings
@@ -57,6 +58,7 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
+    KEPT_BUFFER_BYTES,
     NO_CONTEXT,
     AttributeReplay,
     BufferStarts,
@@ -95,6 +97,7 @@ from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 __all__ = [
     "CheckpointedForward",
     "RegionCall",
+    "buffers_read_otherwise",
     "checkpoint_module",
     "checkpointed_modules",
     "checkpointing_config",
@@ -332,6 +335,9 @@ class CheckpointedForward:
         self.said_mismatch = False
         # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
         self.recomputations = 0
+        # By buffer name, how many calls' recomputations got other values of it than their forward started from or
+        # read (see `ForwardState`'s `read_otherwise`): a check names them as its cause.
+        self.buffers_read_otherwise: collections.Counter[str] = collections.Counter()
         # How many times the region read its modules again, after one was added, removed or replaced: the sentinel
         # reads its own view of the region's buffers and parameters again when it moves.
         self.modules_read = 0
@@ -612,6 +618,17 @@ class CheckpointedForward:
             )
             self._replay_buffers(frozenset({name}))
 
+    def _buffer_read_otherwise(self, name: str) -> None:
+        self.buffers_read_otherwise[name] += 1
+        _log.info(
+            "lightning_ckpt_determinism: region `%s` recomputes with other values of its buffer `%s` than its forward"
+            " started from or read (over %d bytes, not copied before a forward was seen to change it): that call's"
+            " recomputation may differ from its forward, once.",
+            self.region,
+            name,
+            KEPT_BUFFER_BYTES,
+        )
+
     def _buffer_written_between(self, name: str) -> None:
         if name not in self._replayed:
             _log.info(
@@ -681,6 +698,7 @@ class CheckpointedForward:
                 generators=plan.generators,
                 changed=self._buffer_changed,
                 written_between=self._buffer_written_between,
+                read_otherwise=self._buffer_read_otherwise,
                 starts=self._buffer_starts,
             )
             forward.append(state.capture)
@@ -960,6 +978,32 @@ def routes(module: nn.Module) -> bool | None:
     """
     wrapper = module.__dict__.get("forward")
     return wrapper.data_dependent if isinstance(wrapper, CheckpointedForward) else None
+
+
+def buffers_read_otherwise(module: nn.Module) -> dict[str, int]:
+    """How many calls of the checkpointed regions in ``module`` recomputed with other values of a buffer than their
+    forward started from or read, by buffer name (relative to ``module``): a buffer over
+    :data:`~lightning_ckpt_determinism.checkpointing.contexts.KEPT_BUFFER_BYTES` that a forward changed for the first
+    time after the region's first call, or that something wrote between a forward and its recomputation. A check
+    compares the counts before and after a step to name such a buffer as the cause of that step's difference.
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> buffers_read_otherwise(model)
+        {}
+    """
+    counts = {}
+    for region, sub in checkpointed_modules(module).items():
+        for name, count in vars(sub)["forward"].buffers_read_otherwise.items():
+            counts[f"{region}.{name}" if region else name] = count
+    return counts
 
 
 def recomputations(module: nn.Module) -> int:

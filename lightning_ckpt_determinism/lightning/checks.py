@@ -30,7 +30,7 @@ from lightning_ckpt_determinism.lightning.step import (
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.compiled import is_compiled
-from lightning_ckpt_determinism.verify.core import CheckScope, with_attribution
+from lightning_ckpt_determinism.verify.core import CheckScope, read_otherwise_since, with_attribution
 from lightning_ckpt_determinism.verify.live_step import check_live_step
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
@@ -174,6 +174,7 @@ class StepCheck:
             skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
             live_loss=capture.loss,
             recomputed_in_forward=capture.recomputed_in_forward,
+            read_otherwise=read_otherwise_since(pl_module, capture.read_otherwise_before),
             exclude_attributes=settings.exclude_attributes,
             internal_attributes=settings.internals,
             written_parameters=capture.written_parameters,

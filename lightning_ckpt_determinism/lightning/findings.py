@@ -11,6 +11,7 @@ import torch
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import worst_parameters
 from lightning_ckpt_determinism.verify.core import gradients_diverge
+from lightning_ckpt_determinism.verify.live_step import OTHER_RANKS_STATE
 from lightning_ckpt_determinism.verify.outcome import diverging, region_outcome, report_diverged
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 
@@ -82,8 +83,8 @@ class RankFindings:
 def _told_by_another_rank(report: RecomputationReport) -> bool:
     """Whether ``report`` names buffers or attributes that changed on another rank only, whose own report names them
     (the hint then says it once, with their names)."""
-    own = report.buffer_mutations if report.cause == Cause.BUFFER_MUTATION else report.attribute_mutations
-    return report.cause in (Cause.BUFFER_MUTATION, Cause.ATTRIBUTE_MUTATION) and not own
+    hint = report.hint or ""
+    return any(hint.endswith(f" Changed: {placeholder}.") for placeholder in OTHER_RANKS_STATE)
 
 
 @dataclass(frozen=True)

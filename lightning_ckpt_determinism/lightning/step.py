@@ -12,7 +12,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
-from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
+from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, recomputations
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
 from lightning_ckpt_determinism.lightning.parallel import agree
@@ -253,6 +253,8 @@ class StepCapture:
         self.loss = float("nan")
         # Whether `training_step` recomputed a region before it returned the loss (a gradient penalty).
         self.recomputed_in_forward = False
+        # The regions' counts of buffers recomputed with other values than their forward read, as the step started.
+        self.read_otherwise_before: dict[str, int] = {}
 
     @property
     def captured(self) -> bool:
@@ -323,6 +325,7 @@ class StepCapture:
         else:
             self._state = state
         before = recomputations(self.pl_module)
+        self.read_otherwise_before = buffers_read_otherwise(self.pl_module)
         output = real(*args, **kwargs)
         self.recomputed_in_forward = recomputations(self.pl_module) > before
         loss = output.get("loss") if isinstance(output, Mapping) else output

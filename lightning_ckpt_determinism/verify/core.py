@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
+from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, checkpointed_modules
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compare import NOISE_MARGIN, worst_parameters
 from lightning_ckpt_determinism.verify.gradients import GradientStash, local_tensor
@@ -30,6 +30,7 @@ from lightning_ckpt_determinism.verify.reports import (
     buffer_hint,
     missing_reference_gradients,
     no_gradients,
+    read_otherwise_hint,
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
@@ -40,6 +41,7 @@ __all__ = [
     "blame",
     "calibrate",
     "gradients_diverge",
+    "read_otherwise_since",
     "region_modules",
     "step_cause",
     "step_report",
@@ -289,6 +291,9 @@ class StepEvidence:
             compare every buffer after the checked pass with its value after the reference pass; a placeholder of
             the live engine names another rank's); empty when they agree.
         step_attributes: Region attributes that differ likewise.
+        read_otherwise: Buffers a region's recomputation in the checkpointed pass got with other values than its
+            forward read, as the model names them (see
+            :func:`~lightning_ckpt_determinism.checkpointing.wrapper.buffers_read_otherwise`).
     """
 
     gradients_diverged: bool
@@ -302,6 +307,7 @@ class StepEvidence:
     forward_writes: frozenset[str] = frozenset()
     step_buffers: Sequence[str] = ()
     step_attributes: Sequence[str] = ()
+    read_otherwise: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -332,9 +338,30 @@ def _decide(evidence: StepEvidence) -> _Decision:
         return _Decision(Cause.BUFFER_MUTATION, buffer_hint(list(evidence.step_buffers)), regions)
     elif cause is None and not evidence.gradients_diverged and evidence.step_attributes:
         return _Decision(Cause.ATTRIBUTE_MUTATION, attribute_hint(list(evidence.step_attributes)), regions)
+    if cause is None and evidence.gradients_diverged and evidence.read_otherwise:
+        regions, unplaced = _with_read_otherwise(regions, evidence.read_otherwise)
+        if unplaced:
+            return _Decision(Cause.BUFFER_MUTATION, read_otherwise_hint(unplaced), regions)
     if cause is None:
         return _Decision(None, None, regions)
     return _Decision(cause, cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL), regions)
+
+
+def read_otherwise_since(module: nn.Module, before: dict[str, int]) -> tuple[str, ...]:
+    """The buffers the regions in ``module`` have recomputed with other values than their forwards read since
+    ``before`` was read from :func:`~lightning_ckpt_determinism.checkpointing.wrapper.buffers_read_otherwise`.
+
+    Args:
+        module: The root module.
+        before: Its counts then.
+
+    Example::
+
+        >>> read_otherwise_since(nn.Linear(2, 2), {})
+        ()
+    """
+    now = buffers_read_otherwise(module)
+    return tuple(name for name, count in now.items() if count > before.get(name, 0))
 
 
 def _recomputed_before_loss(recomputed_in_forward: bool, regions: list[RegionReport]) -> bool:
@@ -342,6 +369,28 @@ def _recomputed_before_loss(recomputed_in_forward: bool, regions: list[RegionRep
     recomputed regions before the loss, and attribution either blamed one or did not run (then no cause is guessed;
     where every attributed region recomputed exactly, the difference is outside them after all)."""
     return recomputed_in_forward and (not regions or any(region.diverged for region in regions))
+
+
+def _with_read_otherwise(regions: list[RegionReport], buffers: Sequence[str]) -> tuple[list[RegionReport], list[str]]:
+    """``regions``, each whose recomputation read one of ``buffers`` otherwise than its forward given
+    ``buffer_mutation`` with the hint that says so (where it has no other cause), and the buffers of no region
+    reported (every one without attribution)."""
+    by_region: dict[str, list[str]] = {}
+    names = [region.name for region in regions]
+    unplaced = []
+    for buffer in buffers:
+        holders = [name for name in names if not name or buffer.startswith(f"{name}.")]
+        if holders:
+            by_region.setdefault(max(holders, key=len), []).append(buffer)
+        else:
+            unplaced.append(buffer)
+    named = []
+    for region in regions:
+        own = by_region.get(region.name)
+        if own and region.cause in (None, Cause.BUFFER_MUTATION):
+            region = replace(region, diverged=True, cause=Cause.BUFFER_MUTATION, hint=read_otherwise_hint(own))
+        named.append(region)
+    return named, unplaced
 
 
 def _with_forward_writes(regions: list[RegionReport], written: frozenset[str]) -> list[RegionReport]:
@@ -376,7 +425,9 @@ def step_report(
     region before them, ``recomputed_in_forward``, as a gradient penalty does: only when attribution found every
     region exact), and every parameter written in place was put back (a region's forward write the check did not
     put back is that region's ``"parameter_write"`` instead); else a cause of the whole step found already; else,
-    where the gradients agree, ``"buffer_mutation"`` or ``"attribute_mutation"`` for step-level state that differs.
+    where the gradients agree, ``"buffer_mutation"`` or ``"attribute_mutation"`` for step-level state that differs;
+    else, where they diverged and a region recomputed with other values of large buffers than its forward read
+    (``read_otherwise``), ``"buffer_mutation"`` naming them (on that region's report where attribution gave one).
 
     Args:
         evidence: What the passes showed.

@@ -16,7 +16,7 @@ exception.
 """
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +36,11 @@ from lightning_ckpt_determinism.verify.gradients import counted_here, set_gradie
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, uncomparable_layouts
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
+__all__ = ["OTHER_RANKS_STATE", "AllReduce", "GradientComparison", "check_live_step", "compare_gradients"]
+
+OTHER_RANKS_STATE = ("buffers of another rank", "attributes of another rank")
+"""What a rank's report names as the buffers (attributes) that changed where only another rank's did: the counts
+are reduced over ranks, the names are each rank's own."""
 
 AllReduce = Callable[[torch.Tensor, Literal["sum", "max", "min"]], torch.Tensor]
 """``all_reduce(tensor, op)``: the tensor reduced over every rank with ``op``; the identity on one process."""
@@ -187,6 +191,7 @@ def check_live_step(
     skip_non_finite: bool = False,
     live_loss: float = float("nan"),
     recomputed_in_forward: bool = False,
+    read_otherwise: Sequence[str] = (),
     exclude_attributes: Iterable[str] = (),
     internal_attributes: Iterable[str] = (),
     written_parameters: Iterable[str] | None = None,
@@ -226,6 +231,9 @@ def check_live_step(
         live_loss: The live step's loss, reported as ``checkpointed_loss``.
         recomputed_in_forward: The live step recomputed a region before its loss was computed (a gradient penalty):
             a loss that differs is then no sign of ``"outside_state"``.
+        read_otherwise: The buffers the live step's recomputations got with other values than their forwards read
+            (see :func:`~lightning_ckpt_determinism.checkpointing.wrapper.buffers_read_otherwise`): where the
+            gradients diverged, they are its ``"buffer_mutation"``.
         exclude_attributes: Attribute names never compared on any module (they are still put back), as in
             :func:`~lightning_ckpt_determinism.check_recomputation`: values that legitimately differ.
         internal_attributes: Attribute names the state after the step never captures nor restores (a framework's
@@ -308,11 +316,12 @@ def check_live_step(
         reference_loss=reference_loss,
         checkpointed_loss=live_loss,
         recomputed_in_forward=recomputed_in_forward,
+        read_otherwise=read_otherwise,
         calibration=calibration,
         not_restored=not_restored,
         # The counts are the most over ranks; the names this rank's own.
-        step_buffers=(changed or ["buffers of another rank"]) if comparison.buffers_changed else [],
-        step_attributes=(attributes or ["attributes of another rank"]) if comparison.attributes_changed else [],
+        step_buffers=(changed or [OTHER_RANKS_STATE[0]]) if comparison.buffers_changed else [],
+        step_attributes=(attributes or [OTHER_RANKS_STATE[1]]) if comparison.attributes_changed else [],
     )
     return core.step_report(
         evidence,

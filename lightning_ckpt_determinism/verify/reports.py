@@ -16,6 +16,7 @@ __all__ = [
     "CAUSE_HINTS",
     "COMPILED_NOISE_NOTE",
     "INPUT_MODIFIED_HINT",
+    "READ_OTHERWISE_HINT",
     "ROUTING_DROPPED_HINT",
     "ROUTING_HINT",
     "ROUTING_TOO_LARGE_HINT",
@@ -28,6 +29,7 @@ __all__ = [
     "first_line",
     "missing_reference_gradients",
     "no_gradients",
+    "read_otherwise_hint",
     "uncomparable_layouts",
 ]
 
@@ -96,6 +98,30 @@ def buffer_hint(buffers: list[str], *, protected: bool = False) -> str:
     """
     hint = PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
     return f"{hint} Changed: {', '.join(buffers)}."
+
+
+READ_OTHERWISE_HINT = (
+    "Recomputation read other values of these buffers than the forward did: the forward changed them for the first"
+    " time after the region's first call, or code outside the region wrote them between the forward and the"
+    " recomputation, and they are too large (over 1 MiB) for the region to copy before it knows they change. The"
+    " region replays them from its next call on, so it happens once per buffer; for that call to be exact too, let"
+    " the region's first forward change them (a warm-up forward before training)."
+)
+
+
+def read_otherwise_hint(buffers: list[str]) -> str:
+    """The hint of a ``buffer_mutation`` whose region recomputed with other values of large buffers than its forward
+    read (see :func:`~lightning_ckpt_determinism.checkpointing.wrapper.buffers_read_otherwise`).
+
+    Args:
+        buffers: The buffers, as the model names them.
+
+    Example::
+
+        >>> read_otherwise_hint(["blocks.0.table"]).endswith("Read otherwise: blocks.0.table.")
+        True
+    """
+    return f"{READ_OTHERWISE_HINT} Read otherwise: {', '.join(buffers)}."
 
 
 def attribute_hint(attributes: list[str]) -> str:

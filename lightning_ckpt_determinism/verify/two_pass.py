@@ -21,7 +21,11 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, region_name
-from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules, recomputations
+from lightning_ckpt_determinism.checkpointing.wrapper import (
+    buffers_read_otherwise,
+    checkpointed_modules,
+    recomputations,
+)
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
 from lightning_ckpt_determinism.verify.attribution import Attribution
@@ -35,6 +39,7 @@ from lightning_ckpt_determinism.verify.core import (
     StepEvidence,
     calibrate,
     gradients_diverge,
+    read_otherwise_since,
     region_modules,
     step_report,
     uncomparable,
@@ -276,6 +281,7 @@ def _compare(
         reference_loss=reference_loss,
         checkpointed_loss=checkpointed.loss,
         recomputed_in_forward=checkpointed.recomputed_in_forward,
+        read_otherwise=checkpointed.read_otherwise,
         calibration=calibration,
         not_restored=not_restored,
         regions=regions,
@@ -312,13 +318,15 @@ def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list
 
 @dataclass(frozen=True)
 class _Outcome:
-    """What one checkpointed pass gave: its loss and gradients, or the error it raised (``nan`` and ``None``), and
-    whether it recomputed a region before its loss was computed."""
+    """What one checkpointed pass gave: its loss and gradients, or the error it raised (``nan`` and ``None``),
+    whether it recomputed a region before its loss was computed, and the buffers its recomputations got with other
+    values than their forwards read (see :func:`buffers_read_otherwise`)."""
 
     loss: float
     gradients: _Gradients | None
     error: Exception | None
     recomputed_in_forward: bool = False
+    read_otherwise: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -432,6 +440,7 @@ class _Passes:
         self._restore()
         observing = observer.observing() if observer is not None else contextlib.nullcontext()
         error: Exception | None = None
+        before = buffers_read_otherwise(self.module)
         try:
             with observing:
                 loss, grads = self._take(disable_checkpointing=False)
@@ -441,9 +450,10 @@ class _Passes:
             error = err
         if observer is not None:
             observer.finish(error)
+        read_otherwise = read_otherwise_since(self.module, before)
         if error is not None:
-            return _Outcome(math.nan, None, error, self._recomputed_in_forward)
-        return _Outcome(loss, grads, None, self._recomputed_in_forward)
+            return _Outcome(math.nan, None, error, self._recomputed_in_forward, read_otherwise)
+        return _Outcome(loss, grads, None, self._recomputed_in_forward, read_otherwise)
 
     def diverges_eagerly(self, observer: Attribution, tolerance: float, noise_floor: float) -> bool:
         """The same step, both passes, rerun eagerly with ``observer``: whether it diverges too."""
