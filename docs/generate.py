@@ -22,6 +22,7 @@ from lightning_ckpt_determinism.verify.reports import (
     READ_OTHERWISE_HINT,
     ROUTING_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
+    UNSEEN_WRITE_HINT,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,11 @@ def causes_page() -> str:
         " naming them:",
         "",
         f"> {READ_OTHERWISE_HINT}",
+        "",
+        "A `buffer_mutation` whose recomputation read a buffer otherwise, though the region puts its buffers back and"
+        " none changed, has one too:",
+        "",
+        f"> {UNSEEN_WRITE_HINT}",
         "",
     ]
     return "\n".join(sections)

@@ -63,12 +63,29 @@ def _state(
 
 
 def test_a_forward_that_changed_nothing_it_replays_is_recomputed_through_the_shared_no_op() -> None:
-    module, changed = Counted(), []
+    # Its buffers kept from call to call (over `SMALL_BUFFER_BYTES`): nothing to put in for the recomputation.
+    module, changed = Counted((SMALL_BUFFER_BYTES // 4 + 1,)), []
+    module.scale = torch.ones(SMALL_BUFFER_BYTES // (4 * DIM) + 1, 1, DIM)  # broadcasts over the batch
     state = _state(module, frozenset(), changed)
     with state.capture():
         module(torch.ones(2, DIM))
     assert changed == []
     assert state.replay() is NO_CONTEXT
+    # Small ones are read from the copies taken as the forward started: the buffers themselves hold the copies'
+    # storage for the recomputation, no value is written, and their live storage comes back after it.
+    module = Counted()
+    state = _state(module, frozenset(), changed)
+    with state.capture():
+        module(torch.ones(2, DIM))
+    live = dict(module.named_buffers())
+    storages = {name: buffer.data_ptr() for name, buffer in live.items()}
+    versions = {name: buffer._version for name, buffer in live.items()}
+    with state.replay():
+        for name, buffer in module.named_buffers():
+            assert buffer is live[name] and buffer.data_ptr() != storages[name]
+    assert dict(module.named_buffers()) == live
+    assert {name: buffer.data_ptr() for name, buffer in live.items()} == storages
+    assert {name: buffer._version for name, buffer in live.items()} == versions
     # A learning call (no profile) replays every buffer, and a profile's buffers are replayed: a swap, not the no-op.
     for buffers in (None, frozenset({"scale"})):
         listed = _state(module, buffers, changed)

@@ -323,8 +323,10 @@ def test_a_submodule_a_forward_makes_is_kept_apart_from_selective_checkpointing_
         assert all(torch.equal(a, b) for a, b in states)
 
 
-# Which buffer each writer's first write names (a shared module's statistics change in the block's forward too).
-WRITTEN = {"caller": "2.shift", "shared": None, "statistics": "1.norm.running_mean", "replaced": "2.shift"}
+# Which buffer each writer's first write names: the large table replaced. The small ones (the shift, the norm's
+# statistics) are recomputed from the copies taken as the forward started whoever wrote them since, with nothing to
+# note; a shared module's statistics change in the block's forward too.
+WRITTEN = {"caller": None, "shared": None, "statistics": None, "replaced": "2.shift"}
 
 
 @pytest.mark.parametrize("writer", sorted(WRITTEN))

@@ -217,6 +217,9 @@ class ForwardState:
         self._written_between = written_between
         self._read_otherwise = read_otherwise
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        # The small buffers the forward was not seen to change, each with its copy taken as the forward started: the
+        # recomputation reads the buffer holding the copy's storage, whatever wrote it without a version bump.
+        self._held: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
         # The values the small watched buffers started from, by their place in `_watched`.
         self._kept_starts = starts if starts is not None else BufferStarts()
@@ -239,7 +242,7 @@ class ForwardState:
         changed late, none the forward read written since), the shared :data:`NO_CONTEXT`."""
         if self._read:
             _written_between(self)
-        if self._captured or self._late or self._generators:
+        if self._captured or self._late or self._generators or self._held:
             return _Replay(self)
         return NO_CONTEXT
 
@@ -293,8 +296,13 @@ class _Capture:
         uncopied: dict[nn.Module, list[str]] = {}
         for at, (name, owner, key, buffer, version) in enumerate(state._watched):
             if owner not in owners:
-                if buffer is not None:
-                    state._read.append((name, owner, key, buffer, version, state._starts.get(at)))
+                start = state._starts.get(at)
+                if buffer is not None and start is not None and _is_small(buffer):
+                    # Copied as this forward started: recomputed from that copy whatever wrote the buffer since,
+                    # this forward without a version bump (`.data`, a kernel) as well as its caller.
+                    state._held.append((owner, key, buffer, start))
+                elif buffer is not None:
+                    state._read.append((name, owner, key, buffer, version, start))
                 continue
             state._kept_starts.forget(name)
             start = state._starts.get(at)
@@ -361,10 +369,9 @@ class BufferStarts:
         for at, (name, _, _, buffer, version) in enumerate(watched):
             if type(buffer) is not torch.Tensor:
                 continue
-            size = buffer.numel() * buffer.element_size()
-            if size <= SMALL_BUFFER_BYTES:
+            if _is_small(buffer):
                 copied.append((at, name, buffer, version, False))
-            elif size <= KEPT_BUFFER_BYTES:
+            elif buffer.numel() * buffer.element_size() <= KEPT_BUFFER_BYTES:
                 kept = self._kept.get(name)
                 if kept is not None and kept[0]() is buffer and kept[1] == version and kept[2] == _storage(buffer):
                     starts[at] = kept[3]
@@ -382,6 +389,12 @@ class BufferStarts:
     def forget(self, name: str) -> None:
         """Keep no copy of buffer ``name``, now known to change (every later forward copies it as it starts)."""
         self._kept.pop(name, None)
+
+
+def _is_small(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is a plain tensor of at most :data:`SMALL_BUFFER_BYTES`, which a region copies as each
+    forward starts."""
+    return type(buffer) is torch.Tensor and buffer.numel() * buffer.element_size() <= SMALL_BUFFER_BYTES
 
 
 def _drop_kept(kept: dict[str, Any], name: str, ref: "weakref.ref[torch.Tensor]") -> None:
@@ -419,7 +432,7 @@ def written_owners(read: Iterable[tuple[nn.Module, str, torch.Tensor, int]]) -> 
 class _Replay:
     """:meth:`ForwardState.replay` where something is replayed: one recomputation's swap, held until it ends."""
 
-    __slots__ = ("_live_generators", "_state", "_swapped")
+    __slots__ = ("_held", "_live_generators", "_state", "_swapped")
 
     def __init__(self, state: ForwardState) -> None:
         self._state = state
@@ -427,9 +440,19 @@ class _Replay:
         # or its live storage itself where the forward resized it).
         self._swapped: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, _LiveValues]] = []
         self._live_generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        # Each small buffer the recomputation reads from its copy: its owner and key, the object the owner held, the
+        # buffer, and its live storage.
+        self._held: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         state, swapped = self._state, self._swapped
+        for owner, key, buffer, start in state._held:
+            # The buffer object itself, its storage swapped (no kernel, no version bump): a tensor recomputation saves
+            # is the buffer, and what backward writes to it lands on the live storage swapped back.
+            held = own_buffers(owner)
+            self._held.append((owner, key, held.get(key), buffer, buffer.data))
+            buffer.data = start
+            held[key] = buffer
         if state._captured or state._late:
             with torch.no_grad(), disable_current_modes():
                 for owner, key, buffer, value in state._captured:
@@ -453,6 +476,9 @@ class _Replay:
                 for owner, key, live, buffer, values in reversed(self._swapped):
                     _swap_back(buffer, values)
                     own_buffers(owner)[key] = live
+        for owner, key, held, buffer, live in reversed(self._held):
+            buffer.data = live
+            own_buffers(owner)[key] = held
 
 
 def _written_between(state: ForwardState) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "ROUTING_HINT",
     "ROUTING_TOO_LARGE_HINT",
     "SUBSTITUTED_PARAMETERS_HINT",
+    "UNSEEN_WRITE_HINT",
     "RecomputationReport",
     "RegionReport",
     "attribute_hint",
@@ -106,6 +107,15 @@ READ_OTHERWISE_HINT = (
     " recomputation, and they are too large (over 1 MiB) for the region to copy before it knows they change. The"
     " region replays them from its next call on, so it happens once per buffer; for that call to be exact too, let"
     " the region's first forward change them (a warm-up forward before training)."
+)
+
+
+UNSEEN_WRITE_HINT = (
+    "A buffer the region reads held other values in its recomputation than in its forward, though the region puts"
+    " its buffers back around recomputation: it was written in a way the region cannot see, through `.data` (which"
+    " moves no version counter) in the forward, after the region's first call, or between calls. Write it in place"
+    " without `.data` (`with torch.no_grad(): self.ema.mul_(decay)`): the region then sees the write and replays the"
+    " buffer."
 )
 
 

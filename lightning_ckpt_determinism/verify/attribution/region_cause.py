@@ -44,6 +44,7 @@ from lightning_ckpt_determinism.verify.reports import (
     ROUTING_HINT,
     ROUTING_TOO_LARGE_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
+    UNSEEN_WRITE_HINT,
     RegionReport,
     buffer_hint,
 )
@@ -213,6 +214,9 @@ def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[st
     """The hint of a cause a call proved, naming the state behind it where the call knows it."""
     if cause == Cause.BUFFER_MUTATION and buffers:
         return buffer_hint(buffers, protected=call.protects_buffers)
+    if cause == Cause.BUFFER_MUTATION and call.protects_buffers:
+        # A recomputation that read a buffer otherwise, changing none: the region put back what it knew to.
+        return UNSEEN_WRITE_HINT
     if cause == Cause.METRIC_UPDATE:
         return _metric_hint(metrics)
     if cause == Cause.PARAMETER_WRITE and call.parameters_substituted:

@@ -1,0 +1,106 @@
+"""Buffers a forward writes in a way that moves no version counter (through ``.data``, as VQ-VAE codebook averages
+are updated; by a kernel, as ``F.batch_norm`` updates running statistics it is given), for the first time after the
+region's first call: a small one (copied as each forward starts) is recomputed from that copy, exactly as a plain twin
+trains; a larger one cannot be, and the check says how to make it so."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, check_recomputation
+from lightning_ckpt_determinism.checkpointing.contexts import SMALL_BUFFER_BYTES
+from lightning_ckpt_determinism.verify.reports import UNSEEN_WRITE_HINT
+
+WIDTH = 16
+SMALL_ROWS = 1
+KEPT_ROWS = SMALL_BUFFER_BYTES // (4 * WIDTH) + 1  # just over what a region copies at each forward
+
+
+class DataAverage(nn.Module):
+    """Subtracts the first row of an average it reads, then, after ``warm`` calls, updates the average through
+    ``.data`` (the VQ-VAE pattern)."""
+
+    def __init__(self, rows: int, warm: int = 1) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("average", torch.zeros(rows, WIDTH))
+        self.warm, self.calls = warm, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.inp(x)
+        out = x + self.out(torch.tanh(h - self.average[0]))
+        if self.calls > self.warm:
+            self.average.data.mul_(0.5).add_(0.5 * h.detach().mean(0))
+        return out
+
+
+class WarmedNorm(nn.Module):
+    """``F.batch_norm`` on running statistics of its own, with momentum 0 for ``warm`` calls: its kernel updates
+    them in place without a version bump, and only from then on."""
+
+    def __init__(self, warm: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("mean", torch.zeros(WIDTH))
+        self.register_buffer("var", torch.ones(WIDTH))
+        self.warm, self.calls = warm, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        momentum = 0.0 if self.calls <= self.warm else 0.1
+        h = F.batch_norm(self.inp(x), self.mean, self.var, training=True, momentum=momentum)
+        return torch.tanh(h) * (1 + self.mean)
+
+
+def gradients(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    return [param.grad.clone() for param in model.parameters()]
+
+
+def twins(block: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
+    torch.manual_seed(0)
+    plain = nn.Sequential(block, nn.Linear(WIDTH, 1))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    return plain, model
+
+
+def trained_side_by_side(plain: nn.Module, model: nn.Module, steps: int = 5) -> tuple[list[bool], list[bool]]:
+    """Whether each step's gradients, and each step's buffers after it, differ between the twins."""
+    data = torch.randn(steps, 4, WIDTH, generator=torch.Generator().manual_seed(1))
+    gradients_differ, buffers_differ = [], []
+    for x in data:
+        pairs = zip(gradients(plain, x), gradients(model, x), strict=True)
+        gradients_differ.append(any(not torch.equal(a, b) for a, b in pairs))
+        buffers = zip(model.buffers(), plain.buffers(), strict=True)
+        buffers_differ.append(any(not torch.equal(ours, theirs) for ours, theirs in buffers))
+    return gradients_differ, buffers_differ
+
+
+@pytest.mark.parametrize("block", [lambda: DataAverage(SMALL_ROWS), WarmedNorm], ids=["data write", "kernel write"])
+def test_a_small_buffer_first_written_without_a_version_bump_trains_as_the_plain_twin(block) -> None:
+    plain, model = twins(block())
+    assert trained_side_by_side(plain, model) == ([False] * 5, [False] * 5)
+    # torch's own checkpoint differs from the first write on: what the package makes exact.
+    torch.manual_seed(0)
+    plain = nn.Sequential(block(), nn.Linear(WIDTH, 1))
+    theirs = copy.deepcopy(plain)
+    original = theirs[0].forward
+    theirs[0].forward = lambda x: torch.utils.checkpoint.checkpoint(original, x, use_reentrant=False)
+    assert any(trained_side_by_side(plain, theirs)[0])
+
+
+def test_a_larger_buffer_written_through_data_after_the_first_call_is_named_with_the_fix() -> None:
+    plain, model = twins(DataAverage(KEPT_ROWS))
+    # Ground truth: kept from call to call, its copy misses the write; from the first write on, the twins differ.
+    assert trained_side_by_side(plain, model)[0] == [False, True, True, True, True]
+    x = torch.randn(4, WIDTH)
+    report = check_recomputation(model, lambda: model(x).pow(2).mean(), attribution=True, exclude_attributes=["calls"])
+    [region] = report.regions
+    assert report.diverged and region.diverged
+    assert (region.cause, region.hint) == ("buffer_mutation", UNSEEN_WRITE_HINT)
