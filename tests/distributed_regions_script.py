@@ -37,6 +37,7 @@ from lightning_ckpt_determinism import (
 )
 from tests.helpers import (
     DIM,
+    InnerUnitsStackModule,
     ShardedStackModule,
     SquaredMLPBlock,
     StackModule,
@@ -163,6 +164,19 @@ def main(out_dir: Path) -> None:
             )
             module = _with_defect(ShardedStackModule(block), defect)
             results[f"fsdp2_{name}"] = fit(module, fsdp2, _monitor(defect), out_dir)
+    for defect in (False, True):
+        # FSDP2 units inside the checkpointed blocks, resharded after their forward (the default).
+        pl.seed_everything(0, verbose=False)
+        fsdp2 = ModelParallelCheckpointingStrategy(
+            checkpointing=CheckpointingConfig(classes=["MLPBlock"]),
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+            process_group_backend="gloo",
+        )
+        module = _with_defect(InnerUnitsStackModule("MLPBlock"), defect)
+        results[f"fsdp2_inner_units_{'numpy_noise' if defect else 'clean'}"] = fit(
+            module, fsdp2, _monitor(defect), out_dir
+        )
     mesh = init_device_mesh("cpu", (2,))
     for defect in (False, True):
         name = "numpy_noise" if defect else "clean"

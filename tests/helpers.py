@@ -774,6 +774,22 @@ class ShardedStackModule(StackModule):
         shard_blocks_then_model(self)
 
 
+class InnerUnitsStackModule(StackModule):
+    """A :class:`StackModule` whose checkpointed blocks hold FSDP2 units of their own: each linear layer inside a block
+    is sharded, then the model (FSDP2 gathers and frees their parameters inside the block's forward, and gathers them
+    again for its recomputation)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            for layer in block.modules():
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 class TensorParallelStackModule(StackModule):
     """A :class:`StackModule` of :class:`MLPBlock` sharded with tensor parallelism under ``ModelParallelStrategy``."""
 

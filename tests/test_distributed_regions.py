@@ -57,6 +57,21 @@ def test_the_monitor_with_a_collective_in_each_region_is_exact_and_names_the_def
     assert defect["regions"] == [[REGIONS[0], None], [REGIONS[1], "host_rng"], [REGIONS[2], None]]
 
 
+def test_regions_holding_fsdp2_units_of_their_own_train_exactly_and_name_only_the_defect(found):
+    # Each block's linear layers are FSDP2 units: they gather their parameters inside the block's forward, free them
+    # after it, and gather them again for its recomputation. Neither the gathering ops nor the freed parameters
+    # count as the block's (they crashed the first forward's probe, and were blamed as Python state in every block).
+    rank0, rank1 = found
+    clean, defect = rank0["fsdp2_inner_units_clean"], rank0["fsdp2_inner_units_numpy_noise"]
+    assert clean == rank1["fsdp2_inner_units_clean"]
+    assert clean["history"] == [[0, 0.0, False], [1, 0.0, False]]
+    assert clean["regions"] == clean_regions(REGIONS)
+    assert clean["warnings"] == []
+    assert defect["history"] == rank1["fsdp2_inner_units_numpy_noise"]["history"]
+    assert all(diverged and divergence > 0.0 for _, divergence, diverged in defect["history"])
+    assert defect["regions"] == [[REGIONS[0], None], [REGIONS[1], "host_rng"], [REGIONS[2], None]]
+
+
 def test_check_recomputation_under_tensor_parallelism_compares_shards_and_names_the_defect(found):
     for rank in found:
         clean, defect = rank["tp_check_clean"], rank["tp_check_numpy_noise"]

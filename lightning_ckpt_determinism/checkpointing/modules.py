@@ -16,6 +16,7 @@ __all__ = [
     "buffer_slots",
     "buffer_written",
     "generator_slots",
+    "holds_values",
     "is_framework_attribute",
     "is_fsdp1_unit",
     "local_tensor",
@@ -217,6 +218,36 @@ def storage_pointer(tensor: torch.Tensor) -> int | None:
             return None
         tensor = parts[0]
     return _own_storage(tensor)
+
+
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether the storage behind a plain strided ``tensor`` still reaches every element it views. A storage freed
+    since the tensor was made (an FSDP2 unit resizes its unsharded parameters' to 0 bytes as it reshards after its
+    forward) does not: reading the tensor would read freed memory.
+
+    Args:
+        tensor: A tensor with storage of its own (see :func:`plain_parts`).
+
+    Example::
+
+        >>> weight = torch.ones(4, 4)
+        >>> view = weight[1:]
+        >>> _ = weight.untyped_storage().resize_(0)  # freed, as FSDP2 frees a gathered parameter
+        >>> holds_values(view), holds_values(torch.ones(4, 4)[1:])
+        (False, True)
+    """
+    if tensor.numel() == 0:
+        return True
+    try:
+        nbytes = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage of its own
+        return False
+    extent = (
+        tensor.storage_offset()
+        + 1
+        + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    )
+    return nbytes >= extent * tensor.element_size()
 
 
 def _own_storage(tensor: torch.Tensor) -> int | None:

@@ -64,6 +64,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     buffer_written,
     generator_slots,
+    holds_values,
     plain_parts,
     storage_pointer,
 )
@@ -217,6 +218,7 @@ class FirstForwardProbe:
             for position, (tensor, _, _) in enumerate(self._packed)
             if type(tensor) is torch.Tensor  # a subclass is never read with Python dispatch off
             and storage_pointer(tensor) in self._finder.uninitialised
+            and holds_values(tensor)  # not freed since (FSDP2's gathered parameters, see `_kept`)
             and bool(tensor.isnan().all())
         )
         filled_late = frozenset(
@@ -262,8 +264,10 @@ def _snapshot(tensor: torch.Tensor) -> _Snapshot | None:
 
 
 def _kept(snapshot: _Snapshot) -> bool:
-    """Whether every part of a snapshot still holds the value copied."""
-    return all(same_values(part, copy) for part, copy in snapshot)
+    """Whether every part of a snapshot still holds the value copied. A part whose storage was freed since (an FSDP2
+    unit inside the region reshards its gathered parameters after its forward, and gathers them again for the
+    recomputation) counts as kept: nothing filled it late."""
+    return all(not holds_values(part) or same_values(part, copy) for part, copy in snapshot)
 
 
 class _FirstCallMode(TorchDispatchMode):
