@@ -297,9 +297,10 @@ class _Capture:
         for at, (name, owner, key, buffer, version) in enumerate(state._watched):
             if owner not in owners:
                 start = state._starts.get(at)
-                if buffer is not None and start is not None and _is_small(buffer):
+                if buffer is not None and start is not None and _is_small(buffer) and not buffer.is_inference():
                     # Copied as this forward started: recomputed from that copy whatever wrote the buffer since,
-                    # this forward without a version bump (`.data`, a kernel) as well as its caller.
+                    # this forward without a version bump (`.data`, a kernel) as well as its caller. An inference
+                    # tensor (a cache `trainer.validate` made) takes no write outside inference mode.
                     state._held.append((owner, key, buffer, start))
                 elif buffer is not None:
                     state._read.append((name, owner, key, buffer, version, start))
