@@ -224,3 +224,40 @@ def test_a_standalone_sentinel_that_fails_in_a_backward_leaves_the_gradients_exa
     assert isinstance(sentinel.failure, RuntimeError) and str(sentinel.failure) == "injected"
     with pytest.raises(RuntimeError, match=r"^injected$"):
         sentinel.end_step()
+
+
+class FailsOnItsNthCall:
+    """A monitor's ``loss_fn`` that raises on its ``n``-th call: the user's own code, not safe to run twice."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def __call__(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.n:
+            raise ValueError(f"loss_fn failed on call {self.n}")
+        x, y = batch
+        return torch.nn.functional.mse_loss(module.model(x), y)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["reference pass", "checkpointed pass"])
+def test_the_users_code_failing_in_either_pass_of_a_check_is_a_skipped_check_not_a_divergence(
+    tmp_path: Path, n: int
+) -> None:
+    # The two-pass check (a `loss_fn` under automatic optimization) reruns it as its reference pass, then as its
+    # checkpointed pass: a failure in either, before any recomputation, says nothing about recomputation.
+    monitor = RecomputationMonitor(every_n_steps=1, loss_fn=FailsOnItsNthCall(n), on_divergence="raise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer, found = train(tmp_path, monitor)
+    _, plain = train(tmp_path, None)
+    assert trainer.global_step == STEPS
+    assert all(torch.equal(found[key], expected) for key, expected in plain.items())
+    first, *later = monitor.history
+    assert not first.diverged
+    assert first.skipped is not None and first.skipped.startswith(
+        f"the check failed (ValueError: loss_fn failed on call {n}, raised at "
+    )
+    assert [(record.diverged, record.grad_divergence) for record in later] == [(False, 0.0)] * (STEPS - 1)
+    said = [str(w.message) for w in caught if "the check at step 0 failed" in str(w.message)]
+    assert len(said) == 1

@@ -15,9 +15,11 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     gradient_divergence,
 )
+from lightning_ckpt_determinism.verify.two_pass import PassFailed
 from tests.helpers import (
     BatchNormBlock,
     DropoutBlock,
+    FailingRecomputeBlock,
     NumpyNoiseBlock,
     PlainBlock,
     PythonRandomBlock,
@@ -296,7 +298,10 @@ def test_extra_passes_of_attribution_follow_the_agreed_decision():
     check_recomputation(model, closure, attribution=True, agree=lambda decision: decision)
     alone = len(passes)
     passes.clear()
-    report = check_recomputation(model, closure, attribution=True, agree=lambda decision: True)
+    # The other rank's answers, in order: its checkpointed pass did not fail, it wants the host-RNG confirmation,
+    # and that pass did not fail either.
+    others = iter([False, True, False])
+    report = check_recomputation(model, closure, attribution=True, agree=lambda decision: decision or next(others))
     assert (alone, len(passes)) == (2, 3)
     assert report.grad_divergence == 0.0 and not report.diverged
 
@@ -327,3 +332,25 @@ def test_reentrant_checkpointing_elsewhere_is_one_line_naming_gradients_backward
     # What the line says to do checks it.
     report = check_recomputation(model, lambda: model(x).sum(), gradients="backward")
     assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
+
+
+def test_a_closure_failing_before_backward_in_the_checkpointed_pass_raises_pass_failed_not_a_divergence() -> None:
+    model = checked_stack(PlainBlock)
+    closure, calls = mse_closure(model), []
+
+    def fails_when_run_again() -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:  # the checkpointed pass, after the reference pass
+            raise ValueError("not safe to run twice")
+        return closure()
+
+    with pytest.raises(PassFailed, match=r"^ValueError: not safe to run twice$") as raised:
+        check_recomputation(model, fails_when_run_again, attribution=True)
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_a_recomputation_that_raises_in_backward_is_still_the_finding() -> None:
+    model = checked_stack(FailingRecomputeBlock)
+    report = check_recomputation(model, mse_closure(model), attribution=True)
+    assert report.diverged and math.isinf(report.grad_divergence)
+    assert report.error is not None and "FailingRecomputeBlock" in report.error

@@ -74,7 +74,7 @@ from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpoint
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan, scanned
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
-from lightning_ckpt_determinism.verify.two_pass import check_recomputation
+from lightning_ckpt_determinism.verify.two_pass import PassFailed, check_recomputation
 
 __all__ = ["main"]
 
@@ -292,6 +292,11 @@ def _check_batch(
             )
     except SkippedStep:
         return None
+    except PassFailed as err:  # the checkpointed pass failed before its backward: not in a recomputation
+        raise UsageError(
+            f"the training step runs without checkpointing but fails when run again with it, before its backward"
+            f" (where regions are recomputed): {err}"
+        ) from err
     except Exception as err:  # the reference pass failed: a problem of the model or config, not of recomputation
         raise UsageError(f"the training step fails without checkpointing: {type(err).__name__}: {err}") from err
 

@@ -45,6 +45,7 @@ from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
+from lightning_ckpt_determinism.verify.two_pass import PassFailed
 
 __all__ = ["RecomputationMonitor"]
 
@@ -425,6 +426,10 @@ class RecomputationMonitor(Callback):
         with self._watch.paused():
             try:
                 report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
+            except PassFailed as err:
+                # Raised on every rank alike: none waits in a collective of this check, and each skips it.
+                self._check_failed(step, err.__cause__ if isinstance(err.__cause__, Exception) else err)
+                return
             except Exception as err:
                 # The check puts the state after the step and its gradients back whatever it raises. On several
                 # processes another rank may wait in a collective of this check: there it raises.

@@ -54,7 +54,7 @@ from lightning_ckpt_determinism.verify.reports import (
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["SkippedPass", "check_recomputation"]
+__all__ = ["PassFailed", "SkippedPass", "check_recomputation"]
 
 _Gradients = list[torch.Tensor | None]
 
@@ -63,6 +63,13 @@ class SkippedPass(Exception):
     """Raised by a ``closure`` of :func:`check_recomputation` whose step skips the pass under way (a Lightning
     ``training_step`` that returned None): no gradients can be compared, and the check raises it from whichever pass
     it came, a checkpointed one too, rather than reporting a failure of recomputation."""
+
+
+class PassFailed(Exception):
+    """Raised by :func:`check_recomputation` on every rank when the checkpointed pass raised outside autograd's
+    backward on any (the ``closure``'s own code, run again, not a recomputation): no gradients can be compared, and
+    the failure is not about recomputation. It holds that error as its ``__cause__`` on the rank that raised it; every
+    rank raises alike, so none waits in a collective of the check."""
 
 
 def check_recomputation(
@@ -105,11 +112,12 @@ def check_recomputation(
     Without attribution it makes the step diverge with cause ``"buffer_mutation"``; with attribution, the region
     report that places it names it instead, and the step diverges only where one is not placed.
 
-    An exception raised by the checkpointed pass (torch's ``CheckpointError`` when a recomputed shape differs,
-    for example) is reported as a divergence; one raised by the reference pass is re-raised, since it is not
-    about recomputation. A check that finds nothing to compare (no gradient reached any parameter, or the
-    reference pass gave none where the checkpointed pass did) does not pass: its ``error`` says why, with
-    ``diverged`` set and ``grad_divergence`` infinite.
+    An exception raised by the checkpointed pass in autograd's backward, where regions are recomputed (torch's
+    ``CheckpointError`` when a recomputed shape differs, for example), is reported as a divergence; one raised by the
+    reference pass is re-raised, and one raised by the checkpointed pass before its backward (the closure's own code
+    failing when run again) raises :class:`PassFailed`, since neither is about recomputation. A check that finds nothing
+    to compare (no gradient reached any parameter, or the reference pass gave none where the checkpointed pass did) does
+    not pass: its ``error`` says why, with ``diverged`` set and ``grad_divergence`` infinite.
 
     The check holds one extra set of gradients while it runs, and costs two forward and backward passes.
     ``calibrate_noise`` adds a third (a second reference pass). ``attribution`` observes every op of the
@@ -156,6 +164,7 @@ def check_recomputation(
     Raises:
         CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``), or if
             ``module`` has no region checkpointed by this package (its answer would say nothing).
+        PassFailed: If the checkpointed pass raised before its backward (on any rank, with ``agree``).
         ValueError: If ``module`` has no parameter that requires grad, or one a lazy module has not initialised yet.
 
     Example::
@@ -450,6 +459,10 @@ class _Passes:
             error = err
         if observer is not None:
             observer.finish(error)
+        outside = error if error is not None and not _raised_in_autograd(error) else None
+        if self._agreed(outside is not None):
+            said = describe_error(outside) if outside is not None else "the checkpointed pass failed on another rank"
+            raise PassFailed(said) from outside
         read_otherwise = read_otherwise_since(self.module, before)
         if error is not None:
             return _Outcome(math.nan, None, error, self._recomputed_in_forward, read_otherwise)
@@ -567,6 +580,17 @@ def _gradients(
             # Taken even when backward raises: the next pass must start from no gradient.
             grads = take_gradients(params)
     return float(loss.detach()), grads
+
+
+def _raised_in_autograd(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside autograd's backward (``backward()`` or ``autograd.grad``, also one a
+    closure runs in its forward, as a gradient penalty does), where checkpointed regions are recomputed."""
+    trace = error.__traceback__
+    while trace is not None:
+        if trace.tb_frame.f_code.co_name == "_engine_run_backward":
+            return True
+        trace = trace.tb_next
+    return False
 
 
 def _buffer_places(module: nn.Module, names: Iterable[str]) -> set[BufferPlace]:
