@@ -902,3 +902,25 @@ def test_a_call_that_initialises_lazy_modules_runs_plainly_and_trains_as_the_twi
             assert torch.equal(ours.grad, theirs.grad), (step, name)
         # The initialising call ran plainly; each later one is checkpointed and recomputed once.
         assert wrapping_module.recomputations(model) == step + dry_run
+
+
+@pytest.mark.parametrize("first", ["outer", "inner"])
+def test_another_config_naming_modules_inside_or_around_checkpointed_ones_is_refused(first: str) -> None:
+    # A config whose modules sit inside (or hold) modules another config checkpointed: selection skips them, and
+    # the call must not return as if it had applied anything.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(PlainBlock(), nn.Tanh()) for _ in range(2)), nn.Linear(DIM, 1))
+    reference = copy.deepcopy(model)
+    outer, inner = CheckpointingConfig(names=["0", "1"]), CheckpointingConfig(classes=["PlainBlock"])
+    applied, refused = (outer, inner) if first == "outer" else (inner, outer)
+    before = apply_activation_checkpointing(model, applied)
+    held = ["0", "1"] if first == "outer" else ["0.0", "1.0"]
+    assert before == held
+    with pytest.raises(
+        CheckpointingConfigError,
+        match=rf"^`{held[0]}`, `{held[1]}` are checkpointed already with another `CheckpointingConfig`",
+    ):
+        apply_activation_checkpointing(model, refused)
+    # Nothing half-applied: the first config stands, and the step is the plain twin's.
+    assert list(checkpointed_modules(model)) == held
+    assert _unequal(step_gradients(reference), step_gradients(model)) == []

@@ -56,8 +56,8 @@ def select_modules(module: nn.Module, config: CheckpointingConfig) -> dict[str, 
 
 
 def _select(module: nn.Module, config: CheckpointingConfig) -> tuple[dict[str, nn.Module], set[str]]:
-    """:func:`select_modules`' selection, and the names of the modules ``config`` matches by its own entries (not
-    only as checkpointed already)."""
+    """:func:`select_modules`' selection, and the names of every module ``config`` names by its own entries (not only
+    as checkpointed already), selected or not."""
     paths = class_entries(config)  # the config stores classes as paths
     chosen = set(auto_layers(module).names) if config.classes == AUTO_CLASSES else set()
     bare_names = {path for path in paths if "." not in path}
@@ -94,7 +94,7 @@ def _select(module: nn.Module, config: CheckpointingConfig) -> tuple[dict[str, n
             f" {type(module).__name__} ({[name for name, _ in matched]}). Use an `every_n` of at most {len(matched)}."
         )
     selected = {name: sub for index, (name, sub) in enumerate(matched) if (index + 1) % config.every_n == 0}
-    return selected, {name for name, sub in matched if named(name, sub)}
+    return selected, {name for name, sub in named_modules(module) if name and _callable(sub) and named(name, sub)}
 
 
 def _callable(module: nn.Module) -> bool:
@@ -139,8 +139,8 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
 
     Raises:
         CheckpointingConfigError: If ``config`` matches no module, ``every_n`` skips every match, or a module it
-            selects is checkpointed already with another config (nothing is wrapped then: call
-            :func:`~lightning_ckpt_determinism.remove_activation_checkpointing` first).
+            selects, or one inside or around a module it names, is checkpointed already with another config (nothing
+            is wrapped then: call :func:`~lightning_ckpt_determinism.remove_activation_checkpointing` first).
         CheckpointingTypeError: If ``config`` is not a ``CheckpointingConfig``.
 
     Example::
@@ -158,9 +158,15 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
             " `CheckpointingConfig(classes=[...])` (`CheckpointingConfig(**mapping)` from a mapping)."
         )
     selected, named = _select(module, config)
-    # A module checkpointed before counts as selected; one this config names itself would keep the other config.
+    # A module checkpointed before counts as selected; one this config names itself would keep the other config, and
+    # so would one inside or around a module it names (selection skips that module).
     other = [
         name for name, sub in selected.items() if name in named and checkpointing_config(sub) not in (None, config)
+    ] or [
+        name
+        for name, sub in named_modules(module)
+        if checkpointing_config(sub) not in (None, config)
+        and any(name.startswith(f"{own}.") or own.startswith(f"{name}.") for own in named)
     ]
     if other:
         listed = ", ".join(f"`{name}`" for name in other[:4]) + (" ..." if len(other) > 4 else "")
