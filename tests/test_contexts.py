@@ -71,20 +71,21 @@ def test_a_forward_that_changed_nothing_it_replays_is_recomputed_through_the_sha
         module(torch.ones(2, DIM))
     assert changed == []
     assert state.replay() is NO_CONTEXT
-    # Small ones are read from the copies taken as the forward started: the buffers themselves hold the copies'
-    # storage for the recomputation, no value is written, and their live storage comes back after it.
+    # Small ones are recomputed from the copies taken as the forward started, written into the buffers themselves
+    # (whatever wrote them since without a version bump), and their live values are written back after.
     module = Counted()
     state = _state(module, frozenset(), changed)
     with state.capture():
         module(torch.ones(2, DIM))
     live = dict(module.named_buffers())
-    storages = {name: buffer.data_ptr() for name, buffer in live.items()}
+    values = {name: buffer.clone() for name, buffer in live.items()}
     versions = {name: buffer._version for name, buffer in live.items()}
+    module.scale.data.mul_(2.0)  # written through `.data`: no version bump
     with state.replay():
         for name, buffer in module.named_buffers():
-            assert buffer is live[name] and buffer.data_ptr() != storages[name]
+            assert buffer is live[name] and torch.equal(buffer, values[name])
     assert dict(module.named_buffers()) == live
-    assert {name: buffer.data_ptr() for name, buffer in live.items()} == storages
+    assert torch.equal(module.scale, 2.0 * values["scale"])
     assert {name: buffer._version for name, buffer in live.items()} == versions
     # A learning call (no profile) replays every buffer, and a profile's buffers are replayed: a swap, not the no-op.
     for buffers in (None, frozenset({"scale"})):

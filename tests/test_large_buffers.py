@@ -152,3 +152,28 @@ def test_the_monitor_names_the_large_buffer_at_the_step_it_first_changed(tmp_pat
     [message] = [str(w.message) for w in caught if "recomputation diverged" in str(w.message)]
     assert message.startswith("lightning_ckpt_determinism: recomputation diverged at step 2:")
     assert message.endswith(f"{READ_OTHERWISE_HINT} Read otherwise: model.0.table.")
+
+
+class CountedTable(ReadTable):
+    """Reads its large table only; counts its calls in a small buffer from its third call on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls >= 2:
+            self.count.add_(1)
+        return super().forward(x) * (1 + self.count)
+
+
+def test_a_large_buffer_only_read_beside_one_first_changed_late_is_not_named() -> None:
+    plain = stack(CountedTable())
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(4, WIDTH)
+    for _ in range(4):
+        pairs = zip(gradients(plain, x), gradients(model, x), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+    # The counter's module changed at the third call; its table, never written, was recomputed as the forward read it.
+    assert buffers_read_otherwise(model) == {}

@@ -4,6 +4,7 @@ region's first call: a small one (copied as each forward starts) is recomputed f
 trains; a larger one cannot be, and the check says how to make it so."""
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -104,3 +105,67 @@ def test_a_larger_buffer_written_through_data_after_the_first_call_is_named_with
     [region] = report.regions
     assert report.diverged and region.diverged
     assert (region.cause, region.hint) == ("buffer_mutation", UNSEEN_WRITE_HINT)
+
+
+class DataAverageReadAfter(DataAverage):
+    """:class:`DataAverage` reading its average again after writing it, so that the recomputation runs the write
+    (torch's early stop ends it at the last saved tensor otherwise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.inp(x)
+        a = torch.tanh(h - self.average[0])
+        if self.calls > self.warm:
+            self.average.data.mul_(0.5).add_(0.5 * h.detach().mean(0))
+        return x + self.out(a * (1 + self.average[0]))
+
+
+def penalised_gradients(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """A gradient penalty's step: ``autograd.grad(create_graph=True)``, then backward; two recomputations."""
+    model.zero_grad()
+    x = x.clone().requires_grad_(True)
+    loss = model(x).pow(2).mean()
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + grad.pow(2).sum()).backward()
+    return [param.grad.clone() for param in model.parameters()]
+
+
+def test_a_second_recomputation_of_a_forward_starts_from_the_same_copy_as_the_first() -> None:
+    plain, model = twins(DataAverageReadAfter(SMALL_ROWS))
+    for x in torch.randn(4, 4, WIDTH, generator=torch.Generator().manual_seed(1)):
+        pairs = zip(penalised_gradients(plain, x), penalised_gradients(model, x), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+        assert torch.equal(plain[0].average, model[0].average)
+
+
+class GradientStatistic(torch.autograd.Function):
+    """Saves a view of a statistics buffer and adds to it in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, statistic: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(statistic)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (statistic,) = ctx.saved_tensors
+        statistic.add_(grad.abs().sum(0))
+        return grad * 2, None
+
+
+class KeepsGradientStatistics(nn.Module):
+    """Reads a small buffer only in forward, through a view its backward writes to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("statistics", torch.zeros(2, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(GradientStatistic.apply(self.inp(x), self.statistics[0]))
+
+
+def test_what_backward_writes_through_a_saved_view_of_a_small_buffer_lands_on_the_buffer() -> None:
+    plain, model = twins(KeepsGradientStatistics())
+    assert trained_side_by_side(plain, model) == ([False] * 5, [False] * 5)
+    assert bool(model[0].statistics[0].ne(0).all())

@@ -217,8 +217,8 @@ class ForwardState:
         self._written_between = written_between
         self._read_otherwise = read_otherwise
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        # The small buffers the forward was not seen to change, each with its copy taken as the forward started: the
-        # recomputation reads the buffer holding the copy's storage, whatever wrote it without a version bump.
+        # The small buffers the forward was not seen to change, each with its copy taken as the forward started:
+        # every recomputation starts from that copy, whatever wrote the buffer without a version bump.
         self._held: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
         # The values the small watched buffers started from, by their place in `_watched`.
@@ -293,7 +293,6 @@ class _Capture:
         # A changed buffer's module may have changed its other buffers without a version bump (BatchNorm's kernel
         # updates its running statistics in place, its counter bumps one): they are recomputed from the values they
         # started from where those were copied, and given back after recomputation with it otherwise.
-        uncopied: dict[nn.Module, list[str]] = {}
         for at, (name, owner, key, buffer, version) in enumerate(state._watched):
             if owner not in owners:
                 start = state._starts.get(at)
@@ -310,14 +309,9 @@ class _Capture:
             if start is not None and buffer is not None:
                 state._captured.append((owner, key, buffer, start))
                 continue
-            if buffer is not None:
-                uncopied.setdefault(owner, []).append(name)
-            state._late.append((owner, key, buffer is None))
-        # Those recomputed from the values the forward left: the ones it wrote, or, where none shows a write of its
-        # own (a kernel's update without a version bump), every one of the module's.
-        for names in uncopied.values():
-            for name in [name for name in names if name in written] or names:
+            if name in written:  # recomputed from the value this forward left (a kernel's write unseen is not named)
                 state._read_otherwise(name)
+            state._late.append((owner, key, buffer is None))
         state._watched, state._starts = [], {}
 
 
@@ -433,7 +427,7 @@ def written_owners(read: Iterable[tuple[nn.Module, str, torch.Tensor, int]]) -> 
 class _Replay:
     """:meth:`ForwardState.replay` where something is replayed: one recomputation's swap, held until it ends."""
 
-    __slots__ = ("_held", "_live_generators", "_state", "_swapped")
+    __slots__ = ("_live_generators", "_state", "_swapped")
 
     def __init__(self, state: ForwardState) -> None:
         self._state = state
@@ -441,21 +435,13 @@ class _Replay:
         # or its live storage itself where the forward resized it).
         self._swapped: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, _LiveValues]] = []
         self._live_generators: list[tuple[torch.Generator, torch.Tensor]] = []
-        # Each small buffer the recomputation reads from its copy: its owner and key, the object the owner held, the
-        # buffer, and its live storage.
-        self._held: list[tuple[nn.Module, str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         state, swapped = self._state, self._swapped
-        for owner, key, buffer, start in state._held:
-            # The buffer object itself, its storage swapped (no kernel, no version bump): a tensor recomputation saves
-            # is the buffer, and what backward writes to it lands on the live storage swapped back.
-            held = own_buffers(owner)
-            self._held.append((owner, key, held.get(key), buffer, buffer.data))
-            buffer.data = start
-            held[key] = buffer
+        if state._held:
+            self._hold(state._held)
         if state._captured or state._late:
-            with torch.no_grad(), disable_current_modes():
+            with torch.no_grad(), below_current_modes():
                 for owner, key, buffer, value in state._captured:
                     swapped.append((owner, key, own_buffers(owner).get(key), buffer, _swap_in(buffer, value)))
                     own_buffers(owner)[key] = buffer
@@ -469,17 +455,31 @@ class _Replay:
         for generator, generator_state in state._generators:
             generator.set_state(generator_state)
 
+    def _hold(self, held: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
+        """Write each small buffer's copy into it for the recomputation, its live values kept to write back (the
+        buffer itself, so that what recomputation saves of it is the live buffer; the copy, so that it stays as the
+        forward started for a second recomputation). Where the forward resized it, or it cannot be written in place
+        (one value expanded), as :func:`_swap_in` does."""
+        with below_current_modes():
+            for owner, key, buffer, start in held:
+                held_now = own_buffers(owner)
+                if buffer.shape == start.shape and _writable(buffer):
+                    data = buffer.data
+                    live = _LiveValues(data.clone(), resized=False)
+                    data.copy_(start)
+                else:
+                    live = _swap_in(buffer, start)
+                self._swapped.append((owner, key, held_now.get(key), buffer, live))
+                held_now[key] = buffer
+
     def __exit__(self, *exc_info: Any) -> None:
         for generator, generator_state in self._live_generators:
             generator.set_state(generator_state)
         if self._swapped:
-            with torch.no_grad(), disable_current_modes():
+            with torch.no_grad(), below_current_modes():
                 for owner, key, live, buffer, values in reversed(self._swapped):
                     _swap_back(buffer, values)
                     own_buffers(owner)[key] = live
-        for owner, key, held, buffer, live in reversed(self._held):
-            buffer.data = live
-            own_buffers(owner)[key] = held
 
 
 def _written_between(state: ForwardState) -> None:
@@ -504,7 +504,7 @@ def _written_between(state: ForwardState) -> None:
             start = buffer
         if start is not None:
             state._captured.append((owner, key, buffer, start))
-        else:
+        elif buffer_written(owner, key, buffer, version):  # read as written (not another of its module's)
             state._read_otherwise(name)
     state._read = unwritten
 
