@@ -28,6 +28,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.lightning import checks as checks_module
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from tests.helpers import (
+    DIM,
     BatchOnlyModule,
     CollectingModule,
     GradientPenaltyModule,
@@ -972,3 +973,30 @@ def test_a_monitor_reused_for_a_new_model_checks_the_first_step_of_its_second_fi
     fit(tmp_path / "noisy", module=noisy, monitor=monitor, block="PlainBlock", max_steps=max_steps, config=config)
     assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (0, True)]
     assert monitor.last_report is not None and monitor.last_report.diverged
+
+
+class OddStepsUseTheBlocks(StackModule):
+    """Runs its checkpointed blocks at odd batches only; a plain head of its own at even ones."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x) if batch_idx % 2 else self.head(x), y)
+
+
+def test_a_step_that_recomputes_no_region_is_a_skipped_check_not_a_clean_one(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        fit(tmp_path, module=OddStepsUseTheBlocks(), monitor=monitor, block="PlainBlock", max_steps=4)
+    reason = "no checkpointed region was recomputed in this step"
+    assert [(record.step, record.skipped, record.grad_divergence) for record in monitor.history][1::2] == [
+        (1, None, 0.0),
+        (3, None, 0.0),
+    ]
+    assert [(record.step, record.skipped) for record in monitor.history][::2] == [(0, reason), (2, reason)]
+    said = [str(w.message) for w in caught if "no checkpointed region was recomputed at step" in str(w.message)]
+    assert said and said[0].startswith("lightning_ckpt_determinism: no checkpointed region was recomputed at step 0:")

@@ -14,6 +14,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ckpt_determinism.checkpointing import checkpointed_modules
+from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
 from lightning_ckpt_determinism.config import (
     NonNegativeFloat,
     NotEmptyStr,
@@ -420,6 +421,13 @@ class RecomputationMonitor(Callback):
         if agree(trainer.strategy, bool(changed)):
             self._skip_changed_parameters(step, changed, initialised)
             return
+        if not is_compiled(pl_module) and not agree(
+            trainer.strategy, recomputations(pl_module) > capture.recomputations_before
+        ):
+            # No eager region recomputed on any rank (a compiled one recomputes inside its graph, uncounted): the
+            # step ran as without checkpointing, and a check would compare it with itself.
+            self._skip_unrecomputed(step)
+            return
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
@@ -627,6 +635,17 @@ class RecomputationMonitor(Callback):
             " on as without the monitor. If the error is in your `training_step`, which the check runs again from"
             " the step's start, make it safe to run twice or give the monitor a `loss_fn`; otherwise please report"
             " it.",
+        )
+
+    def _skip_unrecomputed(self, step: int) -> None:
+        """Skip a check of a step in which no checkpointed region was recomputed, saying so once."""
+        self._results.skipped(step, "no checkpointed region was recomputed in this step")
+        self._results.warn_once(
+            "unrecomputed",
+            f"lightning_ckpt_determinism: no checkpointed region was recomputed at step {step}: the step ran as"
+            " without checkpointing, so its check was skipped rather than compare the step with itself. If that"
+            " is not expected, check that `training_step` calls the modules the strategy checkpointed, with"
+            " gradients enabled.",
         )
 
     def _skip_changed_parameters(self, step: int, changed: list[str], initialised: list[str]) -> None:

@@ -253,6 +253,8 @@ class StepCapture:
         self.loss = float("nan")
         # Whether `training_step` recomputed a region before it returned the loss (a gradient penalty).
         self.recomputed_in_forward = False
+        # How many eager recomputations the regions had run as the step started.
+        self.recomputations_before = 0
         # The regions' counts of buffers recomputed with other values than their forward read, as the step started.
         self.read_otherwise_before: dict[str, int] = {}
 
@@ -324,7 +326,7 @@ class StepCapture:
             self.failure = err
         else:
             self._state = state
-        before = recomputations(self.pl_module)
+        before = self.recomputations_before = recomputations(self.pl_module)
         self.read_otherwise_before = buffers_read_otherwise(self.pl_module)
         output = real(*args, **kwargs)
         self.recomputed_in_forward = recomputations(self.pl_module) > before

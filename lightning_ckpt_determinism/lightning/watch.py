@@ -567,7 +567,7 @@ class SentinelWatch:
         rank_zero_warn(
             f"lightning_ckpt_determinism: the sentinel compared nothing in the steps logged at step {self.step}:"
             f" {why}. `{self.prefix}/sentinel/compared` is 0 and no `{self.prefix}/sentinel/mismatches` is logged"
-            " for them; the periodic check still compares gradients.",
+            " for them; the periodic check still compares gradients at the steps that recompute a region.",
             category=LightningCkptDeterminismWarning,
         )
 
