@@ -138,6 +138,22 @@ def test_the_monitor_stays_clean_under_a_plan_and_its_summary_names_the_plan(
     assert len(summary) == 1 and summary[0].endswith(f" It trained under a {strategy.checkpointing_plan.summary()}.")
 
 
+@pytest.mark.parametrize("granularity", ["module", "op"])
+def test_a_monitor_rerunning_the_measured_step_leaves_the_plan_as_without_it(tmp_path: Path, granularity: str) -> None:
+    # `attribution="always"` reruns the first step checkpointed (its two-pass check) inside the measured batch: those
+    # forwards must not count, or the regions would look twice their size.
+    plans = []
+    for monitor in (None, RecomputationMonitor(every_n_steps=1, attribution="always")):
+        config = CheckpointingConfig(names=["model.blocks.*"], memory_budget=0.6, budget_granularity=granularity)  # type: ignore[arg-type]
+        strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+        _fit(tmp_path / str(monitor is None), strategy, callbacks=[] if monitor is None else [monitor])
+        plans.append(strategy.checkpointing_plan)
+    without, monitored = plans
+    assert without is not None and monitored is not None
+    assert str(monitored) == str(without)
+    assert (monitored.checkpointed, monitored.saved_ops) == (without.checkpointed, without.saved_ops)
+
+
 def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointingConfigError, match=r"^`memory_budget`='auto' needs a CUDA device, the model is on cpu; give bytes"

@@ -178,6 +178,17 @@ class ActivationMeter:
         self._save_ops = frozenset(resolve_ops(list(save_ops)))
         self._keep = keep_data_dependent
         self._tallies = {name: _Tally() for name in self._regions}
+        # Inside `not_counting`: the forwards run count nothing.
+        self.paused = False
+
+    @contextlib.contextmanager
+    def not_counting(self) -> Iterator[None]:
+        """A block whose forwards count nothing, inside :meth:`measuring` (a check's own passes of the step)."""
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
@@ -200,6 +211,8 @@ class ActivationMeter:
         ]
 
     def _inputs(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.paused:
+            return
         inputs = (*args, *kwargs.values())
         self._tallies[name].pending = (self.activation_bytes(_held_tensors(inputs)), input_limit(inputs))
 
@@ -240,6 +253,10 @@ class _RegionMeter:
 
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
+        if self._meter.paused:
+            with self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext():
+                yield
+            return
         inputs_bytes, limit = self._tally.pending
         # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
         state = _state_storages(module)

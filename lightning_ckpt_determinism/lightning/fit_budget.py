@@ -155,6 +155,13 @@ class BudgetedCheckpointing:
         """Stop measuring (a fit that ended within its first batch); the plan stays readable."""
         self._measuring.close()
 
+    def not_counting(self) -> contextlib.AbstractContextManager[None]:
+        """A block whose forwards the measurement of the first batch does not count (a check's own passes of that
+        step); nothing to pause before or after it."""
+        if self._meter is None or self.plan is not None:
+            return contextlib.nullcontext()
+        return self._meter.not_counting()
+
     def _auto_bytes(self, strategy: Any, figures: list[RegionFigures]) -> int:
         """What ``"auto"`` comes to on this CUDA device, the least over ranks (see :func:`auto_budget`); read after
         the first optimizer step, which allocated the optimizer's state."""

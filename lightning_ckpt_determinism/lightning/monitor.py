@@ -40,6 +40,7 @@ from lightning_ckpt_determinism.lightning.step import (
     lightning_internals,
     raised_in_backward,
 )
+from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelWatch
 from lightning_ckpt_determinism.verify.cause import Syntax
@@ -431,7 +432,13 @@ class RecomputationMonitor(Callback):
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
-        with self._watch.paused():
+        strategy = trainer.strategy
+        measuring = (
+            strategy.measurement_paused()
+            if isinstance(strategy, ActivationCheckpointingMixin)
+            else contextlib.nullcontext()
+        )
+        with self._watch.paused(), measuring:
             try:
                 report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
             except PassFailed as err:

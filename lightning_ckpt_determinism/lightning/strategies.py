@@ -1,7 +1,9 @@
 """Apply activation checkpointing inside any Lightning strategy, in the order that strategy needs."""
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -166,6 +168,21 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         self._applied_checkpointing = {}
         self._fit_output.release()
         super().teardown()  # type: ignore[misc]
+
+    def measurement_paused(self) -> AbstractContextManager[None]:
+        """A block whose forwards a ``memory_budget``'s measurement of the first training batch does not count:
+        :class:`~lightning_ckpt_determinism.RecomputationMonitor` runs each check's passes inside it, so that a
+        monitored fit measures, plans and trains as one without the monitor. Nothing to pause outside that batch.
+
+        Example::
+
+            >>> strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"]))
+            >>> with strategy.measurement_paused():
+            ...     pass
+        """
+        if self._budgeted is None:
+            return contextlib.nullcontext()
+        return self._budgeted.not_counting()
 
     def monitor_support(self) -> StrategySupport | None:
         """What :class:`~lightning_ckpt_determinism.RecomputationMonitor` needs of this strategy (its gradient
