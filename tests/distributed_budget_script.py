@@ -171,6 +171,53 @@ def fit_fsdp2_ops(out_dir: Path) -> dict[str, Any]:
     }
 
 
+class StagedStack(torch.nn.Module):
+    """A stack's input projection, its blocks as one ``nn.Sequential`` stage, and its head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        stack = _mixed()
+        self.inp, self.stage, self.head = stack.inp, torch.nn.Sequential(*stack.blocks), stack.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stage(self.inp(x)))
+
+
+class StageOfUnits(RankSizedModule):
+    """A :class:`StagedStack` whose blocks are each an FSDP2 unit of their own, then the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = StagedStack()
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.stage:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def fit_fsdp2_stage_ops(out_dir: Path) -> dict[str, Any]:
+    """The stage of FSDP2 units checkpointed as one region at op granularity: the units gather their parameters
+    inside it, which no op position of the plan may count."""
+    pl.seed_everything(0, verbose=False)
+    config = CheckpointingConfig(names=["model.stage"], memory_budget=0.5, budget_granularity="op")
+    strategy = ModelParallelCheckpointingStrategy(
+        checkpointing=config, data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        _trainer(out_dir, strategy).fit(StageOfUnits())
+    plan = strategy.checkpointing_plan
+    assert plan is not None
+    return {
+        "saved_ops": {name: [list(call) for call in calls] for name, calls in plan.saved_ops.items()},
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)],
+    }
+
+
 def _addmm_in_plain_pytorch(module: RankSizedModule, plan: CheckpointingPlan) -> list[int]:
     """The ``aten.addmm`` calls a backward of this rank's first batch runs in plain PyTorch on one process, with every
     block checkpointed, under the plan, and under the plan keeping no op outputs."""
@@ -227,6 +274,7 @@ def main(out_dir: Path) -> None:
     ddp_op = DDPCheckpointingStrategy(checkpointing=op_config, process_group_backend="gloo")
     found["ddp_op"] = fit(RankSizedModule(), ddp_op, out_dir, "op")
     found["fsdp2_op"] = fit_fsdp2_ops(out_dir)
+    found["fsdp2_stage_op"] = fit_fsdp2_stage_ops(out_dir)
     pl.seed_everything(0, verbose=False)
     found["tp"] = fit_tensor_parallel(out_dir)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))

@@ -231,6 +231,18 @@ def test_ddp_ranks_at_op_granularity_plan_alike_from_the_largest_op_figures(dist
 
 
 @pytest.mark.slow
+def test_an_op_plan_of_a_region_holding_fsdp2_units_applies_at_every_step(distributed: list[dict[str, Any]]) -> None:
+    # The units gather their parameters inside the region, in FSDP2's own scopes: counted neither by the meter nor
+    # by the plan's positions, which otherwise differ from the measured call at every step (every kept output is then
+    # recomputed, with a warning).
+    ranks = [found["fsdp2_stage_op"] for found in distributed]
+    assert ranks[0]["saved_ops"] == ranks[1]["saved_ops"]
+    assert any(ranks[0]["saved_ops"].values())
+    for rank in ranks:
+        assert not [message for message in rank["warnings"] if "as its op call" in message]
+
+
+@pytest.mark.slow
 def test_fsdp2_ranks_at_op_granularity_keep_one_plans_op_outputs_and_train_bit_identical_to_a_plain_twin(
     distributed: list[dict[str, Any]],
 ) -> None:

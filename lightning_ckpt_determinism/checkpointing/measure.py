@@ -50,6 +50,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode, returns_alias, tree_leaves, written_tensors
 from lightning_ckpt_determinism.checkpointing.cost import ROOFLINE, Rates, op_cost, op_flops
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan, SavedTensorObserver, kept_by_torch
+from lightning_ckpt_determinism.checkpointing.framework_ops import FrameworkOps
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, storage_pointer
 from lightning_ckpt_determinism.checkpointing.routing import (
     fits_size_rule,
@@ -399,6 +400,7 @@ class _KeptOps(TorchDispatchMode):
         self._limit = limit
         self._rates = rates
         self._calls = calls
+        self._framework = FrameworkOps()
         self.outputs: list[Any] = []
         # Each op call's recompute cost and FLOPs, by its position among those selective checkpointing sees.
         self.costs: list[int] = []
@@ -417,6 +419,8 @@ class _KeptOps(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._framework.skips(func, args):  # an FSDP2 unit's own gathering inside the region
+            return out
         kept = func in self._save_ops or (
             self._keep and is_data_dependent(func, args) and fits_size_rule(out, self._limit)
         )

@@ -78,6 +78,7 @@ from lightning_ckpt_determinism.checkpointing.determinism_check import (
     recomputing,
     register_determinism_checks,
 )
+from lightning_ckpt_determinism.checkpointing.framework_ops import FrameworkOps
 from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
@@ -759,8 +760,11 @@ class _KeptCallsPolicy:
         self._wrapper = wrapper
         self._position = 0
         self._differed = False
+        self._framework = FrameworkOps()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self._framework.skips(op, args):  # an FSDP2 unit's gathering, uncounted as the meter left it out
+            return CheckpointPolicy.PREFER_RECOMPUTE
         position = self._position
         self._position += 1
         if op in self._wrapper.plan.save_ops:

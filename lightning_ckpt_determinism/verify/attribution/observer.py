@@ -55,6 +55,7 @@ from lightning_ckpt_determinism._torch_compat import (
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory, written_owners
 from lightning_ckpt_determinism.checkpointing.equality import same_item
+from lightning_ckpt_determinism.checkpointing.framework_ops import FrameworkOps
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, state_copy, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import (
@@ -89,11 +90,6 @@ module shared by several parents has)."""
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 """The op namespaces of collectives and their waits, never recorded nor compared."""
-_FRAMEWORK_SCOPES = ("FSDP::",)
-"""How the ``record_function`` scopes of a framework's own work inside a region start (FSDP2's hooks)."""
-_BOOKKEEPING_NAMESPACES = frozenset({"profiler"})
-"""Op namespaces of no values, never recorded nor compared: ``record_function``'s ops, which FSDP2's hooks run around
-an inner unit's gathering at its forward and again, otherwise, around its recomputation."""
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 
 
@@ -437,16 +433,13 @@ class _CallMode(TorchDispatchMode):
         self.call = call
         self.comparing = comparing
         self.stage = "comparing" if comparing else "recording"
-        # How deep inside a framework's own `record_function` scope the call is (see `_framework_scope`).
-        self._framework_depth = 0
+        # The ops a framework runs inside the region for itself, never recorded nor compared.
+        self._framework = FrameworkOps()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         call = self.call
-        if getattr(func, "namespace", None) in _BOOKKEEPING_NAMESPACES:
-            self._framework_scope(func, args)
-            return func(*args, **kwargs)
-        if self._framework_depth or not _observed(func) or call.abandoned is not None:
+        if self._framework.skips(func, args) or not _observed(func) or call.abandoned is not None:
             return func(*args, **kwargs)
         inputs: list[Any] | None = None
         before: list[tuple[str, torch.Tensor, Any]] = []
@@ -465,24 +458,13 @@ class _CallMode(TorchDispatchMode):
                 call.note_writes(before, recomputing=self.comparing)
         return out
 
-    def _framework_scope(self, func: Any, args: Any) -> None:
-        """Follow the ``record_function`` scopes of FSDP2's hooks (named ``FSDP::...``): an FSDP2 unit inside a
-        region gathers its parameters in its forward's hooks, and again, or not at all, around its recomputation.
-        Those ops are the framework's, not the region's, and are neither recorded nor compared."""
-        if func is torch.ops.profiler._record_function_enter_new.default:
-            named = bool(args) and isinstance(args[0], str) and args[0].startswith(_FRAMEWORK_SCOPES)
-            self._framework_depth += bool(self._framework_depth or named)
-        elif self._framework_depth:
-            self._framework_depth -= 1
-
 
 def _observed(func: Any) -> bool:
     """Whether the observer records and compares ``func``: not ``aten.detach`` (recomputation detaches its inputs,
-    the forward does not), no collective (see :data:`COLLECTIVE_NAMESPACES`) and no profiler bookkeeping."""
+    the forward does not), and no collective (see :data:`COLLECTIVE_NAMESPACES`)."""
     if func is torch.ops.aten.detach.default:
         return False
-    namespace = getattr(func, "namespace", None)
-    return namespace not in COLLECTIVE_NAMESPACES and namespace not in _BOOKKEEPING_NAMESPACES
+    return getattr(func, "namespace", None) not in COLLECTIVE_NAMESPACES
 
 
 class Attribution:
