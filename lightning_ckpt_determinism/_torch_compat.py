@@ -39,6 +39,8 @@ from torch.utils.checkpoint import CheckpointError, _allowed_determinism_checks_
 
 __all__ = [
     "RECOMPILE_LOGGER",
+    "RECORD_FUNCTION_ENTER",
+    "RECORD_FUNCTION_EXIT",
     "SAVED_VALUE_COMPARED_ON_THE_LEFT",
     "OpOverload",
     "OpOverloadPacket",
@@ -100,6 +102,11 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 
 StopRecomputationError = _StopRecomputationError
 disable_current_modes = _disable_current_modes
+
+# The ops `torch.profiler.record_function` runs as its scope opens (its name the first argument) and closes, which a
+# dispatch mode sees (>= 2.0; `_record_function_enter_new` >= 1.13).
+RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
+RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
 def below_current_modes() -> contextlib.AbstractContextManager[Any]:

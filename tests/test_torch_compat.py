@@ -119,6 +119,16 @@ def test_a_dispatch_mode_receives_op_overloads_with_their_packet_tags_and_schema
     assert packet.default is torch.ops.aten.addmm.default
 
 
+@pins("RECORD_FUNCTION_ENTER", "RECORD_FUNCTION_EXIT")
+def test_a_dispatch_mode_sees_a_record_function_scope_open_with_its_name_and_close() -> None:
+    with _RecordingMode() as mode, torch.profiler.record_function("FSDP::pre_forward"):
+        torch.ones(1)
+    [enter, ones, close] = mode.calls
+    assert (enter[0], enter[1]) == (compat.RECORD_FUNCTION_ENTER, ("FSDP::pre_forward",))
+    assert ones[0] is torch.ops.aten.ones.default
+    assert close[0] is compat.RECORD_FUNCTION_EXIT
+
+
 @pins("written_tensors")
 def test_written_tensors_are_the_arguments_the_schema_marks_written() -> None:
     a, b, out = torch.ones(2), torch.ones(2), torch.empty(2)

@@ -9,15 +9,12 @@ them one by one (attribution) must leave out both those scopes' ops and the prof
 
 from typing import Any
 
-import torch
+from lightning_ckpt_determinism._torch_compat import RECORD_FUNCTION_ENTER, RECORD_FUNCTION_EXIT
 
-__all__ = ["FRAMEWORK_SCOPES", "FrameworkOps"]
+__all__ = ["FrameworkOps"]
 
 FRAMEWORK_SCOPES = ("FSDP::",)
 """How the ``record_function`` scopes of a framework's own work inside a region are named (FSDP2's hooks)."""
-
-_ENTER = torch.ops.profiler._record_function_enter_new.default
-_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
 class FrameworkOps:
@@ -25,6 +22,7 @@ class FrameworkOps:
 
     Example::
 
+        >>> import torch
         >>> from torch.utils._python_dispatch import TorchDispatchMode
         >>> class Kept(TorchDispatchMode):
         ...     def __init__(self):
@@ -58,9 +56,9 @@ class FrameworkOps:
         """
         if getattr(func, "namespace", None) != "profiler":
             return self._depth > 0
-        if func is _ENTER:
+        if func is RECORD_FUNCTION_ENTER:
             named = bool(args) and isinstance(args[0], str) and args[0].startswith(FRAMEWORK_SCOPES)
             self._depth += self._depth > 0 or named
-        elif func is _EXIT and self._depth:
+        elif func is RECORD_FUNCTION_EXIT and self._depth:
             self._depth -= 1
         return True

@@ -40,7 +40,6 @@ from lightning_ckpt_determinism.lightning.step import (
     lightning_internals,
     raised_in_backward,
 )
-from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelWatch
 from lightning_ckpt_determinism.verify.cause import Syntax
@@ -432,13 +431,8 @@ class RecomputationMonitor(Callback):
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
-        strategy = trainer.strategy
-        measuring = (
-            strategy.measurement_paused()
-            if isinstance(strategy, ActivationCheckpointingMixin)
-            else contextlib.nullcontext()
-        )
-        with self._watch.paused(), measuring:
+        # Not counted by a `memory_budget`'s measurement of the first batch: the plan is the one without the monitor.
+        with self._watch.paused(), support.check_running():
             try:
                 report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
             except PassFailed as err:

@@ -8,6 +8,7 @@ gradients' storage, and how a two-pass check takes gradients. The package's stra
 start (:func:`unmonitored`).
 """
 
+import contextlib
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -97,6 +98,13 @@ class StrategySupport:
         """Why no gradient check can run under this strategy without changing training, or ``None`` where it can:
         the monitor then runs its sentinel alone, and says so once."""
         return None
+
+    def check_running(self) -> contextlib.AbstractContextManager[None]:
+        """The block the monitor runs each check's passes in: the strategy's ``measurement_paused()`` where it has one
+        (:class:`~lightning_ckpt_determinism.lightning.strategies.ActivationCheckpointingMixin`: a ``memory_budget``
+        measuring the first batch counts none of the check's forwards), else nothing."""
+        paused = getattr(self.strategy, "measurement_paused", None)
+        return paused() if callable(paused) else contextlib.nullcontext()
 
 
 class DDPSupport(StrategySupport):
