@@ -4,16 +4,28 @@ region's first call: a small one (copied as each forward starts) is recomputed f
 trains; a larger one cannot be, and the check says how to make it so."""
 
 import copy
+import warnings
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, check_recomputation
+from lightning_ckpt_determinism import (
+    CheckpointingConfig,
+    LightningCkptDeterminismWarning,
+    RecomputationMonitor,
+    SingleDeviceCheckpointingStrategy,
+    apply_activation_checkpointing,
+    check_recomputation,
+)
 from lightning_ckpt_determinism.checkpointing.contexts import SMALL_BUFFER_BYTES
 from lightning_ckpt_determinism.verify.reports import UNSEEN_WRITE_HINT
+from tests.helpers import trainer_kwargs
 
 WIDTH = 16
 SMALL_ROWS = 1
@@ -169,3 +181,51 @@ def test_what_backward_writes_through_a_saved_view_of_a_small_buffer_lands_on_th
     plain, model = twins(KeepsGradientStatistics())
     assert trained_side_by_side(plain, model) == ([False] * 5, [False] * 5)
     assert bool(model[0].statistics[0].ne(0).all())
+
+
+class AverageModule(pl.LightningModule):
+    """Regresses through a :class:`DataAverageReadAfter` block (its recomputation runs the write)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(DataAverageReadAfter(rows), nn.Linear(WIDTH, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        data = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(2))
+        return DataLoader(TensorDataset(data), batch_size=8)
+
+
+def monitored_fit(tmp_path: Path, rows: int, sentinel: str) -> tuple[RecomputationMonitor, list[str]]:
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel=sentinel, exclude_attributes=["calls"])  # type: ignore[arg-type]
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.0"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=4, strategy=strategy, callbacks=[monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(AverageModule(rows))
+    return monitor, [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]
+
+
+@pytest.mark.parametrize("sentinel", ["light", "exact"])
+def test_the_monitor_finds_nothing_where_a_small_buffer_written_through_data_trains_exactly(
+    tmp_path: Path, sentinel: str
+) -> None:
+    # Recomputation writes its copy and gives the buffer back: not a change of the buffer's, for the sentinel either.
+    monitor, said = monitored_fit(tmp_path, SMALL_ROWS, sentinel)
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(step, 0.0) for step in range(4)]
+    report = monitor.sentinel_report
+    assert report is not None and report.mismatches == 0 < report.compared
+    assert not [message for message in said if "diverged" in message or "sentinel saw" in message]
+
+
+def test_the_monitor_names_a_larger_buffer_written_through_data_with_the_fix(tmp_path: Path) -> None:
+    monitor, said = monitored_fit(tmp_path, KEPT_ROWS, "light")
+    assert [record.diverged for record in monitor.history] == [False, True, True, True]
+    [message] = [message for message in said if "recomputation diverged at step 1" in message]
+    assert f"{UNSEEN_WRITE_HINT} Changed: model.0.average." in message

@@ -50,6 +50,7 @@ __all__ = [
     "HostRNGReplay",
     "Reenterable",
     "TrainingModes",
+    "put_back_always",
     "same_context",
     "training_flags",
     "values_kept",
@@ -296,7 +297,7 @@ class _Capture:
         for at, (name, owner, key, buffer, version) in enumerate(state._watched):
             if owner not in owners:
                 start = state._starts.get(at)
-                if buffer is not None and start is not None and _is_small(buffer) and not buffer.is_inference():
+                if buffer is not None and start is not None and put_back_always(buffer):
                     # Copied as this forward started: recomputed from that copy whatever wrote the buffer since,
                     # this forward without a version bump (`.data`, a kernel) as well as its caller. An inference
                     # tensor (a cache `trainer.validate` made) takes no write outside inference mode.
@@ -390,6 +391,22 @@ def _is_small(buffer: torch.Tensor) -> bool:
     """Whether ``buffer`` is a plain tensor of at most :data:`SMALL_BUFFER_BYTES`, which a region copies as each
     forward starts."""
     return type(buffer) is torch.Tensor and buffer.numel() * buffer.element_size() <= SMALL_BUFFER_BYTES
+
+
+def put_back_always(buffer: torch.Tensor) -> bool:
+    """Whether a region that protects its buffers recomputes from, and puts back, ``buffer`` at every call, changed or
+    not: a plain tensor of at most :data:`SMALL_BUFFER_BYTES` (copied as each forward starts) that is not an inference
+    tensor (which nothing writes outside inference mode).
+
+    Args:
+        buffer: The buffer.
+
+    Example::
+
+        >>> put_back_always(torch.zeros(8)), put_back_always(torch.zeros(4096))
+        (True, False)
+    """
+    return _is_small(buffer) and not buffer.is_inference()
 
 
 def _drop_kept(kept: dict[str, Any], name: str, ref: "weakref.ref[torch.Tensor]") -> None:

@@ -67,6 +67,7 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     HostRNGReplay,
     Reenterable,
     TrainingModes,
+    put_back_always,
     same_context,
     training_flags,
     values_kept,
@@ -144,6 +145,8 @@ class RegionCall:
             each was kept).
         protects_buffers: Whether the region puts its buffers back around each recomputation (``protect_buffers``):
             what is written to them between its forward and a recomputation is then no write of the recomputation.
+        exposed_buffers: The buffers whose live values the call's recomputations could change (none it puts back:
+            with ``protect_buffers``, the larger ones no forward was seen to change).
     """
 
     region: str
@@ -151,6 +154,7 @@ class RegionCall:
     inputs: tuple[Any, ...]
     data_dependent: KeptOutputs
     protects_buffers: bool = True
+    exposed_buffers: frozenset[str] = frozenset()
 
 
 class RegionObserver(Protocol):
@@ -600,14 +604,19 @@ class CheckpointedForward:
 
     def _exposed_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers whose live values a recomputation could change: every one without ``protect_buffers``, else
-        those no forward was seen to change (which recomputation gets as they are)."""
-        replayed: frozenset[str] = frozenset()
-        if self.config.protect_buffers:
-            if not self._profiles:  # a learning call replays every buffer
-                return []
-            replayed = self._replayed
+        the larger ones no forward was seen to change (which recomputation gets as they are; the small ones it puts
+        back always, see :func:`~lightning_ckpt_determinism.checkpointing.contexts.put_back_always`)."""
         buffers = ((name, own_buffers(owner).get(key)) for name, owner, key in self.plan.buffer_slots)
-        return [(name, buffer) for name, buffer in buffers if buffer is not None and name not in replayed]
+        if not self.config.protect_buffers:
+            return [(name, buffer) for name, buffer in buffers if buffer is not None]
+        if not self._profiles:  # a learning call replays every buffer
+            return []
+        replayed = self._replayed
+        return [
+            (name, buffer)
+            for name, buffer in buffers
+            if buffer is not None and name not in replayed and not put_back_always(buffer)
+        ]
 
     def _buffer_changed(self, name: str) -> None:
         if name not in self._replayed:
@@ -727,7 +736,14 @@ class CheckpointedForward:
             # Above the other contexts, so its dispatch mode sits on top of the selective-checkpointing one and of the
             # guard and sees every op, including those whose outputs they serve from their caches.
             observe_forward, observe_recompute = observer.contexts(
-                RegionCall(self.region, self.module, inputs, kept, self.plan.protect_buffers)
+                RegionCall(
+                    self.region,
+                    self.module,
+                    inputs,
+                    kept,
+                    self.plan.protect_buffers,
+                    frozenset(name for name, _ in self._exposed_buffers()),
+                )
             )
             forward.append(observe_forward)
             recompute.append(observe_recompute)

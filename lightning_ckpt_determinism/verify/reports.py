@@ -111,11 +111,11 @@ READ_OTHERWISE_HINT = (
 
 
 UNSEEN_WRITE_HINT = (
-    "A buffer the region reads held other values in its recomputation than in its forward, though the region puts"
-    " its buffers back around recomputation: it was written in a way the region cannot see, through `.data` (which"
-    " moves no version counter) in the forward, after the region's first call, or between calls. Write it in place"
-    " without `.data` (`with torch.no_grad(): self.ema.mul_(decay)`): the region then sees the write and replays the"
-    " buffer."
+    "The region's recomputation read or wrote a buffer the region did not know its forward changes, though it puts"
+    " its buffers back around recomputation: the forward writes it in a way the region cannot see, through `.data`"
+    " (which moves no version counter), from a call after its first, or something writes it so between calls. Write"
+    " it in place without `.data` (`with torch.no_grad(): self.ema.mul_(decay)`): the region then sees the write and"
+    " replays the buffer."
 )
 
 

@@ -79,6 +79,8 @@ class CallEvidence:
         protects_buffers: Whether the region puts its buffers back around each recomputation (``protect_buffers``).
         parameters_substituted: The parameters (relative to the region) its forward found held by other tensors than
             its recomputation did (``torch.func.functional_call``).
+        exposed_buffers: The buffers (relative to the region) whose live values its recomputations could change: none
+            it puts back (see :class:`~lightning_ckpt_determinism.checkpointing.wrapper.RegionCall`).
 
     Example::
 
@@ -103,3 +105,4 @@ class CallEvidence:
     metrics_updated: tuple[str, ...] = ()
     protects_buffers: bool = False
     parameters_substituted: tuple[str, ...] = ()
+    exposed_buffers: frozenset[str] = frozenset()

@@ -127,6 +127,7 @@ class CallRecord:
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     protects_buffers: bool = True
+    exposed_buffers: frozenset[str] = frozenset()
     buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor, int]] = field(
         default_factory=list
     )
@@ -317,6 +318,7 @@ class CallRecord:
             metrics_updated=tuple(self.metrics_updated),
             protects_buffers=self.protects_buffers,
             parameters_substituted=self.parameters_substituted,
+            exposed_buffers=self.exposed_buffers,
         )
 
     def snapshot_buffers(self) -> None:
@@ -495,6 +497,7 @@ class Attribution:
             module=module,
             kept=region_call.data_dependent,
             protects_buffers=region_call.protects_buffers,
+            exposed_buffers=region_call.exposed_buffers,
         )
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext

@@ -183,7 +183,7 @@ def _region_report(
     if cause is None and written:
         cause, hint = Cause.PARAMETER_WRITE, f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(written)}."
     elif cause is None and buffers:
-        cause, hint = Cause.BUFFER_MUTATION, buffer_hint(buffers, protected=any(c.protects_buffers for c in calls))
+        cause, hint = Cause.BUFFER_MUTATION, _buffers_hint(buffers, calls)
     elif cause is None and metrics:
         cause, hint = Cause.METRIC_UPDATE, _metric_hint(metrics)
     return RegionReport(
@@ -206,6 +206,17 @@ def _names(region: str, names: Iterable[str]) -> list[str]:
     return sorted({f"{region}.{name}" if region else name for name in names})
 
 
+def _buffers_hint(buffers: list[str], calls: Sequence[CallEvidence]) -> str:
+    """The hint of a ``buffer_mutation`` that changed ``buffers`` (as the model names them): where the region puts its
+    buffers back, one whose writes it could not see (it left them exposed to recomputation) is written a way it
+    cannot see; one it put back was written by something else run in backward (a nested checkpoint)."""
+    protected = any(call.protects_buffers for call in calls)
+    exposed = {name for call in calls for name in _names(call.region, call.exposed_buffers)}
+    if protected and set(buffers) <= exposed:
+        return f"{UNSEEN_WRITE_HINT} Changed: {', '.join(buffers)}."
+    return buffer_hint(buffers, protected=protected)
+
+
 def _metric_hint(metrics: list[str]) -> str:
     return f"{Cause.METRIC_UPDATE.hint} Updated: {', '.join(metrics)}." if metrics else Cause.METRIC_UPDATE.hint
 
@@ -213,7 +224,7 @@ def _metric_hint(metrics: list[str]) -> str:
 def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[str]) -> str:
     """The hint of a cause a call proved, naming the state behind it where the call knows it."""
     if cause == Cause.BUFFER_MUTATION and buffers:
-        return buffer_hint(buffers, protected=call.protects_buffers)
+        return _buffers_hint(buffers, [call])
     if cause == Cause.BUFFER_MUTATION and call.protects_buffers:
         # A recomputation that read a buffer otherwise, changing none: the region put back what it knew to.
         return UNSEEN_WRITE_HINT
