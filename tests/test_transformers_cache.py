@@ -240,3 +240,37 @@ def test_a_module_from_outside_transformers_keeps_an_argument_named_cache() -> N
     module[0](x, cache, True).sum().backward()
     # Recomputation runs the forward again: the user's own list is theirs to keep (the package leaves it as given).
     assert len(cache) == 2 and all(item is x for item in cache)
+
+
+def test_a_layer_that_only_reads_its_cache_keeps_it_as_transformers_does() -> None:
+    # transformers marks such a layer `_can_checkpoint_with_cache` (a decoder attending over the keys an encoder put
+    # in the cache in the same forward): its recomputation reads the same cache, and it is kept; only `use_cache` goes.
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class ReadsCache(GradientCheckpointingLayer):
+        _can_checkpoint_with_cache = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, cache: dict[str, torch.Tensor] | None = None, use_cache: bool = False):
+            keys = cache["keys"] if cache is not None else x
+            return torch.tanh(self.linear(x) @ keys.T @ keys)
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(ReadsCache())
+    model = nn.Sequential(ReadsCache())
+    model.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["ReadsCache"]))
+    assert model[0].__dict__["forward"]._cache_parameters == CacheParameters("ReadsCache", ((2, "use_cache"),), True)
+    x, keys = torch.randn(3, 4), torch.randn(5, 4)
+    grads = []
+    for net in (plain, model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LightningCkptDeterminismWarning)
+            net[0](x, {"keys": keys}, use_cache=True).sum().backward()
+        grads.append([param.grad.clone() for param in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    [said] = [str(warning.message) for warning in caught]
+    assert "were called with `use_cache` with grad enabled; they run with `use_cache=False`, reading the cache" in said

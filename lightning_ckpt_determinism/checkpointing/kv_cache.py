@@ -10,10 +10,11 @@ cache off in training; so does this package:
 - a region that is a transformers layer (its class, or a base of it, comes from ``transformers``), called with grad
   enabled (in training, or in eval mode for log-probabilities with gradients), gets ``use_cache=False`` and no cache
   object (``cache``, ``past_key_values``, ``past_key_value``, ``layer_past``), as transformers'
-  ``GradientCheckpointingLayer`` does, with one warning. It does so whether they come as keywords or as positional
-  arguments (transformers 5's ``GPT2Model`` passes its cache to ``GPT2Block`` by position, and an explicit
-  ``use_cache=True`` overrides the config): the positions are read from the layer's ``forward`` signature once, when
-  the region is made. Other modules keep their arguments, whatever their names.
+  ``GradientCheckpointingLayer`` does, with one warning (a layer transformers marks ``_can_checkpoint_with_cache``,
+  which only reads its cache, keeps it and gets ``use_cache=False`` alone, as there). It does so whether they come as
+  keywords or as positional arguments (transformers 5's ``GPT2Model`` passes its cache to ``GPT2Block`` by position,
+  and an explicit ``use_cache=True`` overrides the config): the positions are read from the layer's ``forward``
+  signature once, when the region is made. Other modules keep their arguments, whatever their names.
 
 transformers is never imported: its models are recognised by the name and module of a base class.
 """
@@ -161,6 +162,9 @@ class CacheParameters:
         region_class: The layer's class name, for the warning.
         positions: The position (among the positional arguments, ``self`` not counted) and name of each of
             ``use_cache`` and the cache arguments that can be passed by position.
+        reads_cache_only: The layer only reads its cache (transformers' ``_can_checkpoint_with_cache``: a decoder
+            that attends over a cache the encoder filled in the same forward): it keeps the cache, as transformers'
+            own gradient checkpointing keeps it, and loses only ``use_cache``.
 
     Example::
 
@@ -171,9 +175,10 @@ class CacheParameters:
 
     region_class: str
     positions: tuple[tuple[int, str], ...]
+    reads_cache_only: bool = False
 
     @classmethod
-    def of(cls, region_class: str, forward: Callable[..., Any]) -> "CacheParameters":
+    def of(cls, region_class: str, forward: Callable[..., Any], *, reads_cache_only: bool = False) -> "CacheParameters":
         """The cache parameters of ``forward``; a signature that cannot be read (a builtin, an odd callable) leaves
         only keywords to look at.
 
@@ -181,14 +186,17 @@ class CacheParameters:
             region_class: The layer's class name, for the warning.
             forward: The layer's ``forward`` as a region calls it: a bound method, or a function without ``self``.
                 Wrappers made with ``functools.wraps`` (transformers' ``deprecate_kwarg``) are followed.
+            reads_cache_only: The layer only reads its cache (see the class).
         """
+        dropped = ("use_cache",) if reads_cache_only else _DROPPED
         try:
             parameters = list(inspect.signature(forward).parameters.values())
         except (TypeError, ValueError):
-            return cls(region_class, ())
+            return cls(region_class, (), reads_cache_only)
         by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         positional = [parameter.name for parameter in parameters if parameter.kind in by_position]
-        return cls(region_class, tuple((index, name) for index, name in enumerate(positional) if name in _DROPPED))
+        positions = tuple((index, name) for index, name in enumerate(positional) if name in dropped)
+        return cls(region_class, positions, reads_cache_only)
 
     def without_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``args`` and ``kwargs`` without a key-value cache: ``use_cache`` false and each cache argument ``None``,
@@ -206,7 +214,8 @@ class CacheParameters:
             >>> CacheParameters("Block", ((1, "cache"),)).without_cache(("x", None), {"mask": 1})
             (('x', None), {'mask': 1})
         """
-        by_keyword = [name for name in _DROPPED if _asks_for_cache(kwargs.get(name))]
+        droppable = ("use_cache",) if self.reads_cache_only else _DROPPED
+        by_keyword = [name for name in droppable if _asks_for_cache(kwargs.get(name))]
         by_position = [
             (index, name) for index, name in self.positions if index < len(args) and _asks_for_cache(args[index])
         ]
@@ -215,9 +224,9 @@ class CacheParameters:
         dropped = {*by_keyword, *(name for _, name in by_position)}
         warnings.warn(
             f"lightning_ckpt_determinism: checkpointed `{self.region_class}` regions were called with"
-            f" {', '.join(f'`{name}`' for name in _DROPPED if name in dropped)} with grad enabled; they run without a"
-            " key-value cache (as transformers' own gradient checkpointing does), since recomputation would fill it a"
-            " second time. Pass `use_cache=False` when grad is enabled to silence this.",
+            f" {', '.join(f'`{name}`' for name in _DROPPED if name in dropped)} with grad enabled; they run"
+            f" {_WITHOUT[self.reads_cache_only]} (as transformers' own gradient checkpointing does), since"
+            " recomputation would fill it a second time. Pass `use_cache=False` when grad is enabled to silence this.",
             LightningCkptDeterminismWarning,
             stacklevel=2,
         )
@@ -229,6 +238,10 @@ class CacheParameters:
         if by_keyword:
             kwargs = {**kwargs, **{name: _no_cache(name) for name in by_keyword}}
         return args, kwargs
+
+
+# What a layer runs without: a cache it fills, or only the filling of one it reads (`_can_checkpoint_with_cache`).
+_WITHOUT = {False: "without a key-value cache", True: "with `use_cache=False`, reading the cache they are given"}
 
 
 def _no_cache(name: str) -> Any:

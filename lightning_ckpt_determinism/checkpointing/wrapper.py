@@ -299,7 +299,13 @@ class CheckpointedForward:
         # A transformers layer runs without its key-value cache in training, passed by keyword or by position (see
         # `kv_cache`); other modules keep their arguments. Read from the signature here, never per call.
         self._cache_parameters = (
-            CacheParameters.of(type(module).__name__, module.forward) if is_transformers_layer(module) else None
+            CacheParameters.of(
+                type(module).__name__,
+                module.forward,
+                reads_cache_only=getattr(type(module), "_can_checkpoint_with_cache", False) is True,
+            )
+            if is_transformers_layer(module)
+            else None
         )
         # Whether the first eager forward has looked for another checkpointing around and inside (see `nesting`).
         self._probed = False
