@@ -36,7 +36,7 @@ __all__ = [
     "PositiveInt",
     "check_bool",
     "check_choice",
-    "check_non_empty_str",
+    "check_metric_prefix",
     "check_non_negative_float",
     "check_positive_int",
     "choice_message",
@@ -142,6 +142,27 @@ def check_non_empty_str(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise CheckpointingConfigError(f"`{name}` must be a non-empty string, got {value!r}.")
     return str(value)
+
+
+def check_metric_prefix(name: str, value: object) -> str:
+    """``value`` as a plain ``str`` if it is a non-empty string that neither starts nor ends with ``/`` (metric names
+    join it to theirs with one).
+
+    Raises:
+        CheckpointingConfigError: Otherwise, naming ``name``.
+
+    Example::
+
+        >>> check_metric_prefix("log_prefix", "train/recompute")
+        'train/recompute'
+    """
+    prefix = check_non_empty_str(name, value)
+    if prefix.startswith("/") or prefix.endswith("/"):
+        raise CheckpointingConfigError(
+            f"`{name}` must not start or end with '/', got {prefix!r}: metrics are named `{name}/grad_divergence`;"
+            f" write {prefix.strip('/')!r}."
+        )
+    return prefix
 
 
 def check_non_negative_float(name: str, value: object) -> float:
@@ -441,6 +462,11 @@ class CheckpointingConfig:
                     f"`{name}` must be a list of strings, got the entry {wrong[0]!r} ({type(wrong[0]).__name__});"
                     f" write {write}."
                 )
+        for name in ("classes", "names"):
+            value = getattr(self, name)
+            if value != AUTO_CLASSES and any(not entry.strip() for entry in value):
+                # An empty entry matches nothing, and would be reported later as a class or name not found.
+                raise CheckpointingConfigError(f"`{name}` holds an empty entry ({list(value)!r}): remove it.")
         for name in RECOMPUTE_SWITCHES:
             check_bool(name, getattr(self, name))
         for name in ("names", "save_ops"):

@@ -225,6 +225,8 @@ def test_config_error_is_a_value_error_exported_from_the_package_root() -> None:
         ({"classes": ["no_such_package.Block"]}, r"`classes` entry 'no_such_package.Block' cannot be imported"),
         ({"classes": ["math.pi"]}, r"`classes` entry 'math.pi' is not a class"),
         ({"classes": ["Block"], "save_ops": ["aten.nosuchop"]}, r"`save_ops` entry 'aten.nosuchop' is not an op"),
+        ({"classes": ["Block", ""]}, r"`classes` holds an empty entry \(\['Block', ''\]\): remove it\.$"),
+        ({"names": [" "]}, r"`names` holds an empty entry \(\[' '\]\): remove it\.$"),
     ],
 )
 def test_config_checks_raise_the_config_error(kwargs: dict[str, object], message: str) -> None:

@@ -74,6 +74,11 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
         ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
         ({"log_prefix": 5}, r"`log_prefix` must be a non-empty string, got 5\."),
+        (
+            {"log_prefix": "recompute/"},
+            r"`log_prefix` must not start or end with '/', got 'recompute/': metrics are named"
+            r" `log_prefix/grad_divergence`; write 'recompute'\.",
+        ),
         ({"history_size": 0}, r"`history_size` must be an integer >= 1, got 0\."),
         ({"attribution": "sometimes"}, r"`attribution` can be on_divergence, always, never, got 'sometimes'\."),
         ({"calibrate_noise": 1}, r"`calibrate_noise` must be True or False, got 1\."),

@@ -21,7 +21,7 @@ from lightning_ckpt_determinism.config import (
     PositiveInt,
     check_bool,
     check_choice,
-    check_non_empty_str,
+    check_metric_prefix,
     check_non_negative_float,
     check_positive_int,
 )
@@ -202,7 +202,7 @@ class RecomputationMonitor(Callback):
         if loss_fn is not None and not callable(loss_fn):
             raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
         self.loss_fn = loss_fn
-        self.log_prefix = check_non_empty_str("log_prefix", log_prefix)
+        self.log_prefix = check_metric_prefix("log_prefix", log_prefix)
         self.attribution = check_choice("attribution", attribution, ("on_divergence", "always", "never"))
         self.calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
         self.reference_regions: int | str | None = check_positive_int(
