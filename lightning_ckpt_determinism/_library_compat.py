@@ -18,6 +18,7 @@ __all__ = [
     "ModelSetupHook",
     "bool_expected",
     "class_refusing",
+    "compiled_by_lightning",
     "is_unknown_strategy_error",
     "lightning_logs_this_batch",
     "list_expected",
@@ -72,6 +73,20 @@ class ModelSetupHook:
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return self._around_setup_model(model, super()._setup_model)  # type: ignore[misc]
+
+
+def compiled_by_lightning(pl_module: Any) -> bool:
+    """Whether Lightning compiles ``pl_module``'s steps: a ``trainer.fit(torch.compile(module))`` hands the Trainer
+    the module itself and compiles its ``forward`` and step methods as functions, noting the compile options in the
+    module's ``_compiler_ctx`` (Lightning 2.0 to 2.6), where no compiled submodule shows it.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> compiled_by_lightning(SimpleNamespace(_compiler_ctx=None)), compiled_by_lightning(object())
+        (False, False)
+    """
+    return getattr(pl_module, "_compiler_ctx", None) is not None
 
 
 def lightning_logs_this_batch(trainer: Any) -> bool:

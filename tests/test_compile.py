@@ -628,3 +628,26 @@ def test_lazy_blocks_initialised_before_compiling_one_by_one_share_one_graph_wit
     # One graph for the first block, whose input needs no grad, one shared by the five others; no recompile after.
     assert compiled == [2, 2, 2]
     assert not counters["graph_break"]
+
+
+class UnloggedStack(StackModule):
+    """A :class:`StackModule` that logs nothing in its step (dynamo cannot trace `self.log` there)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.model(x), y)
+
+
+def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path) -> None:
+    # `trainer.fit(torch.compile(module))` compiles the module's step and forward as functions: its regions are
+    # recomputed inside the compiled backward, where the package counts nothing, and every step is checked.
+    pl.seed_everything(0, verbose=False)
+    module = UnloggedStack(block="PlainBlock")
+    monitor = RecomputationMonitor(every_n_steps=1)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[monitor], strategy=strategy, max_steps=2))
+    trainer.fit(torch.compile(module, backend="aot_eager"))
+    assert [(record.step, record.skipped, record.grad_divergence) for record in monitor.history] == [
+        (0, None, 0.0),
+        (1, None, 0.0),
+    ]

@@ -120,6 +120,15 @@ def test_the_batches_lightning_logs_at_its_interval_are_those_it_logs_with_no_st
     assert any(ours for ours, _ in seen) == (every > 0) and stopped == (seen[1][0], every > 0)
 
 
+def test_lightning_notes_the_module_it_compiles() -> None:
+    module = StackModule()
+    assert not compat.compiled_by_lightning(module)
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    compiled = from_compiled(torch.compile(module, backend="eager"))
+    assert compiled is module and compat.compiled_by_lightning(module)
+
+
 def test_every_entry_is_pinned_here() -> None:
     pinned = {
         "rejected_value",
@@ -131,6 +140,7 @@ def test_every_entry_is_pinned_here() -> None:
         "list_expected",
         "bool_expected",
         "lightning_logs_this_batch",
+        "compiled_by_lightning",
         "ModelSetupHook",
     }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_ckpt_determinism._library_compat import compiled_by_lightning
 from lightning_ckpt_determinism.checkpointing import checkpointed_modules
 from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
 from lightning_ckpt_determinism.config import (
@@ -421,9 +422,8 @@ class RecomputationMonitor(Callback):
         if agree(trainer.strategy, bool(changed)):
             self._skip_changed_parameters(step, changed, initialised)
             return
-        if not is_compiled(pl_module) and not agree(
-            trainer.strategy, recomputations(pl_module) > capture.recomputations_before
-        ):
+        compiled = is_compiled(pl_module) or compiled_by_lightning(pl_module)
+        if not compiled and not agree(trainer.strategy, recomputations(pl_module) > capture.recomputations_before):
             # No eager region recomputed on any rank (a compiled one recomputes inside its graph, uncounted): the
             # step ran as without checkpointing, and a check would compare it with itself.
             self._skip_unrecomputed(step)
@@ -646,7 +646,8 @@ class RecomputationMonitor(Callback):
             f"lightning_ckpt_determinism: no checkpointed region was recomputed at step {step}: the step ran as"
             " without checkpointing, so its check was skipped rather than compare the step with itself. If that"
             " is not expected, check that `training_step` calls the modules the strategy checkpointed, with"
-            " gradients enabled.",
+            " gradients enabled (a function you compiled yourself that calls them hides their recomputation: compile"
+            " the module instead, or the LightningModule through `trainer.fit(torch.compile(module))`).",
         )
 
     def _skip_changed_parameters(self, step: int, changed: list[str], initialised: list[str]) -> None:
