@@ -924,3 +924,17 @@ def test_another_config_naming_modules_inside_or_around_checkpointed_ones_is_ref
     # Nothing half-applied: the first config stands, and the step is the plain twin's.
     assert list(checkpointed_modules(model)) == held
     assert _unequal(step_gradients(reference), step_gradients(model)) == []
+
+
+def test_another_config_that_also_names_modules_of_its_own_wraps_those() -> None:
+    # Blocks checkpointed, then every linear layer: those inside the blocks are skipped (a region holds no region),
+    # the head outside them is new and wrapped with the second config; the blocks keep the first.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(PlainBlock(), nn.Tanh()) for _ in range(2)), nn.Linear(DIM, 1))
+    reference = copy.deepcopy(model)
+    blocks, linear = CheckpointingConfig(names=["0", "1"]), CheckpointingConfig(classes=["Linear"])
+    apply_activation_checkpointing(model, blocks)
+    assert apply_activation_checkpointing(model, linear) == ["0", "1", "2"]
+    assert wrapping_module.checkpointing_config(model[0]) == blocks
+    assert wrapping_module.checkpointing_config(model[2]) == linear
+    assert _unequal(step_gradients(reference), step_gradients(model)) == []

@@ -139,8 +139,9 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
 
     Raises:
         CheckpointingConfigError: If ``config`` matches no module, ``every_n`` skips every match, or a module it
-            selects, or one inside or around a module it names, is checkpointed already with another config (nothing
-            is wrapped then: call :func:`~lightning_ckpt_determinism.remove_activation_checkpointing` first).
+            selects is checkpointed already with another config, or it would wrap nothing new because the modules it
+            names sit inside or around such modules (nothing is wrapped then: call
+            :func:`~lightning_ckpt_determinism.remove_activation_checkpointing` first).
         CheckpointingTypeError: If ``config`` is not a ``CheckpointingConfig``.
 
     Example::
@@ -158,16 +159,18 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
             " `CheckpointingConfig(classes=[...])` (`CheckpointingConfig(**mapping)` from a mapping)."
         )
     selected, named = _select(module, config)
-    # A module checkpointed before counts as selected; one this config names itself would keep the other config, and
-    # so would one inside or around a module it names (selection skips that module).
+    # A module checkpointed before counts as selected; one this config names itself would keep the other config. So
+    # would one inside or around a module it names (selection skips that module), where nothing else is new to wrap.
     other = [
         name for name, sub in selected.items() if name in named and checkpointing_config(sub) not in (None, config)
-    ] or [
-        name
-        for name, sub in named_modules(module)
-        if checkpointing_config(sub) not in (None, config)
-        and any(name.startswith(f"{own}.") or own.startswith(f"{name}.") for own in named)
     ]
+    if not other and all(checkpointing_config(sub) is not None for sub in selected.values()):
+        other = [
+            name
+            for name, sub in named_modules(module)
+            if checkpointing_config(sub) not in (None, config)
+            and any(name.startswith(f"{own}.") or own.startswith(f"{name}.") for own in named)
+        ]
     if other:
         listed = ", ".join(f"`{name}`" for name in other[:4]) + (" ..." if len(other) > 4 else "")
         raise CheckpointingConfigError(
