@@ -1,6 +1,7 @@
 """The sentinel (`lightning_ckpt_determinism.verify.sentinel`): each region's recomputed saved tensors compared with
 the forward's through digests, without Lightning."""
 
+import copy
 import random
 from collections.abc import Callable
 from typing import Any, get_args
@@ -506,3 +507,46 @@ def test_on_cuda_each_tier_finds_what_it_finds_on_the_cpu_in_one_pass_or_from_su
     # Every saved tensor is compared on both devices; the light tier's fixed targets differ where the devices save
     # different dtypes (CUDA's dropout saves a boolean mask, the CPU's a floating-point one).
     assert by_step.compared > 0 and (mode == "light" or by_step.compared == on_cpu.compared)
+
+
+class NormedBlock(nn.Module):
+    """A linear layer, a BatchNorm (which saves its running statistics for backward), tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.linear(x)))
+
+
+def _new_statistics(model: nn.Module) -> None:
+    norm = model[1].norm
+    norm.running_mean, norm.running_var = norm.running_mean.clone(), norm.running_var.clone()
+
+
+@pytest.mark.parametrize("how", ["reassigned", "cast"])
+@pytest.mark.parametrize("mode", ["sampled", "exact"])
+def test_buffers_given_new_tensors_between_steps_are_still_state_for_a_sentinel_left_open(how: str, mode: str) -> None:
+    # `model.double()`, `load_state_dict(assign=True)` or an assignment give the statistics new tensors: the
+    # sentinel, open across steps as the monitor's is, must find them as buffers again, not digest them as activations.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), NormedBlock(), nn.Linear(16, 4))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["NormedBlock"]))
+    xs = torch.randn(5, 6, 8, generator=torch.Generator().manual_seed(1))
+    with recomputation_sentinel(model, mode=mode) as sentinel:  # type: ignore[arg-type]
+        for step, x in enumerate(xs):
+            if step == 2:
+                for net in (model, plain):
+                    net.double() if how == "cast" else _new_statistics(net)
+            grads = []
+            for net in (model, plain):
+                net.zero_grad()
+                net(x.to(next(net.parameters()).dtype)).square().mean().backward()
+                grads.append([param.grad for param in net.parameters()] + list(net.buffers()))
+            assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))  # ground truth: exact throughout
+            sentinel.next_step()
+        report = sentinel.report()
+    assert report.mismatches == 0 < report.compared

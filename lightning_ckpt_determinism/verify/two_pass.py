@@ -93,8 +93,11 @@ def check_recomputation(
     buffers, the parameters the forward writes in place, torchmetrics states, training flags, grad mode and the
     modules' plain Python attributes (counters, flags, lists, NumPy arrays, tensors, the objects of the user's own
     classes they hold, one level deep; attributes the passes create are removed: see
-    :class:`~lightning_ckpt_determinism.verify.state.StepState`). Afterwards all of it is back at S: training
-    continues as if no check had run. What the check could not put back is named in ``not_restored``.
+    :class:`~lightning_ckpt_determinism.verify.state.StepState`). Afterwards all of it is back at S. What the check
+    could not put back is named in ``not_restored``. The regions keep what the checkpointed pass taught them about
+    their calls, as a training step would have (a buffer a forward was first seen to change is replayed from then on):
+    a step that would have been the first to teach it is exact after a check (the monitor checks a step after it ran,
+    so its training is the same with it as without).
 
     When ``module`` or a submodule is compiled (``torch.compile`` or ``Module.compile()``), both passes run
     compiled; the reference pass runs with ``torch._functorch.config.activation_memory_budget`` at 1.0 at every

@@ -63,11 +63,13 @@ class RecomputationSentinel:
         self._names = list(regions)
         self._name_of = {id(sub): name for name, sub in regions.items()}
         self._compiled = compiled_regions(module)
-        # Buffers keep their storage (BatchNorm updates its statistics in place, and recomputation gets the buffers
-        # themselves): known once, or, for a region with a lazy module's buffers (no storage until its first forward
-        # gives them one), at each call until it has none.
+        # Buffers keep their storage within a step (BatchNorm updates its statistics in place, and recomputation gets
+        # the buffers themselves): found again at each region's first call of a step (between steps, `model.to(dtype)`
+        # or `load_state_dict(assign=True)` gives them new tensors), and, for a region with a lazy module's buffers (no
+        # storage until its first forward gives them one), at each call until it has none.
         self._buffers: dict[str, frozenset[int | None]] = {}
         self._lazy_buffers: set[str] = set()
+        self._buffers_found: set[str] = set()
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters: dict[str, RegionParameters] = {}
         # The tensor states of the torchmetrics metrics inside each region, found once.
@@ -163,9 +165,10 @@ class RecomputationSentinel:
             layout = self._layouts.get(name) if steady else None
             if region_modules_read(module) != self._modules_read[name]:
                 self._find_state(name, module)  # it holds other modules than when they were found
-            if name in self._lazy_buffers:
+            if name in self._lazy_buffers or name not in self._buffers_found:
+                self._buffers_found.add(name)
                 self._buffers[name] = _buffer_storages(module)
-                if not any(map(is_lazy, module.buffers())):
+                if name in self._lazy_buffers and not any(map(is_lazy, module.buffers())):
                     self._lazy_buffers.discard(name)
             call = RegionCall(self, name, self._buffers[name], profile, layout)
             self._forward_versions[name] = self._parameters[name].now()[1]
@@ -336,6 +339,7 @@ class RecomputationSentinel:
                 ``"exact"`` after a finding).
         """
         self.mode = DigestMode(tier or self.tier, self.mode.offset + 1)
+        self._buffers_found.clear()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
