@@ -376,3 +376,55 @@ def test_the_monitor_names_a_metric_update_that_changes_no_gradient_and_changes_
     # The checks put the metric back: the monitored run's metric and weights are those of the run without it.
     assert float(monitored.model.body.seen.weight) == float(unmonitored.model.body.seen.weight) == 6.0
     assert same_state(monitored.model, unmonitored.model)
+
+
+class QuantizedBlock(nn.Module):
+    """A linear layer and ReLU with a residual, prepared for quantization-aware training: its fake-quantize modules
+    update their observers' statistics (buffers) in forward, in one fused op by default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.linear(x)) + 0.5 * x
+
+
+def _quantization_aware(protect_buffers: bool) -> tuple[nn.Module, nn.Module]:
+    """A model with a :class:`QuantizedBlock` prepared for QAT (the default, fused, fake-quantize), and its plain twin
+    without checkpointing."""
+    import torch.ao.quantization as quantization
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), QuantizedBlock(), nn.Linear(16, 4)).train()
+    plain.qconfig = quantization.get_default_qat_qconfig("x86")  # type: ignore[assignment]
+    quantization.prepare_qat(plain, inplace=True)
+    model = copy.deepcopy(plain)
+    config = CheckpointingConfig(classes=["QuantizedBlock"], protect_buffers=protect_buffers)
+    apply_activation_checkpointing(model, config)
+    return model, plain
+
+
+def test_observers_updated_again_by_a_fused_fake_quantize_are_a_buffer_mutation() -> None:
+    model, _ = _quantization_aware(protect_buffers=False)
+    for seed in range(2):  # the first step initialises the observers; the second shows the second update
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+        report = check_recomputation(model, lambda x=x: model(x).square().mean(), attribution=True)
+        model(x).square().mean().backward()
+    [region] = report.regions
+    assert report.diverged and region.cause == "buffer_mutation"
+    assert region.hint is not None and "`protect_buffers=True`" in region.hint
+    assert "1.linear.activation_post_process.scale" in region.buffer_mutations
+
+
+def test_quantization_aware_training_with_protected_buffers_trains_as_the_plain_twin() -> None:
+    model, plain = _quantization_aware(protect_buffers=True)
+    for seed in range(3):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+        grads = []
+        for net in (plain, model):
+            net.zero_grad()
+            net(x).square().mean().backward()
+            grads.append([param.grad for param in net.parameters()] + list(net.buffers()))
+        assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
