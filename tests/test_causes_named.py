@@ -428,3 +428,36 @@ def test_quantization_aware_training_with_protected_buffers_trains_as_the_plain_
             net(x).square().mean().backward()
             grads.append([param.grad for param in net.parameters()] + list(net.buffers()))
         assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+class CountsAfterItsNorm(nn.Module):
+    """A BatchNorm, then a product by how many times the forward ran, counted in a list (Python state the region does
+    not replay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(1)
+        return torch.tanh(self.norm(self.linear(x)) * float(len(self.calls)))
+
+
+@pytest.mark.parametrize("protect_buffers", [False, True])
+def test_python_state_read_after_a_norm_that_updates_its_statistics_again_is_python_state(
+    protect_buffers: bool,
+) -> None:
+    # The norm's output is the same at recomputation (batch statistics in training); the product differs through the
+    # count alone: setting `protect_buffers` would not help, and the cause must not say it would.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), CountsAfterItsNorm(), nn.Linear(8, 1)).train()
+    apply_activation_checkpointing(
+        model, CheckpointingConfig(classes=["CountsAfterItsNorm"], protect_buffers=protect_buffers)
+    )
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    report = check_recomputation(model, lambda: model(x).square().mean(), attribution=True)
+    [region] = report.regions
+    assert report.diverged and region.cause == "python_state"
+    assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.mul.Tensor"

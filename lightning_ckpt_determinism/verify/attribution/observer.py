@@ -128,6 +128,10 @@ class CallRecord:
     host_rng_read: bool = False
     protects_buffers: bool = True
     exposed_buffers: frozenset[str] = frozenset()
+    # The positions of the forward's ops that wrote a buffer of the region (their outputs are not compared), and the
+    # storages of those ops' outputs in the recomputation under way.
+    buffer_writers: set[int] = field(default_factory=set)
+    buffer_writer_outputs: set[int | None] = field(default_factory=set)
     buffers_after_forward: list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor, int]] = field(
         default_factory=list
     )
@@ -202,9 +206,10 @@ class CallRecord:
 
     def record(self, func: OpOverload, inputs: list[Any], args: Any, kwargs: Any, out: Any) -> None:
         outputs = _flatten(out)
-        compare_values = func.overloadpacket.__name__ not in _UNINITIALISED and not self._writes_buffer(
-            func, args, kwargs
-        )
+        writes_buffer = self._writes_buffer(func, args, kwargs)
+        if writes_buffer:
+            self.buffer_writers.add(len(self.ops))
+        compare_values = func.overloadpacket.__name__ not in _UNINITIALISED and not writes_buffer
         views = _returns_views(func, len(outputs))
         workspaces = OPAQUE_WORKSPACES.get(str(func.overloadpacket), ())
         leaves = _flatten([args, kwargs])
@@ -258,6 +263,11 @@ class CallRecord:
         recorded = self.ops[index]
         self.compared += 1
         outputs = _flatten(out)
+        if index in self.buffer_writers:
+            # Its outputs are not compared: an op after it that reads them and differs read the buffers it updated.
+            self.buffer_writer_outputs.update(
+                storage_pointer(value) for value in outputs if isinstance(value, torch.Tensor)
+            )
         kind: DivergenceKind | None = None
         diff = 0.0
         if [_metadata(value) for value in outputs] != recorded.metadata:
@@ -270,6 +280,18 @@ class CallRecord:
                 kind = "values"
         same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
         changed = _changed_inputs(recorded, inputs) if kind is not None and inputs is not None else frozenset()
+        # An input an op that updated the region's buffers gave it, changed (QAT's fused fake-quantize hands the
+        # statistics it updated again on through its output, which is not compared).
+        from_buffer_writer = (
+            kind is not None
+            and inputs is not None
+            and bool(self.buffer_writer_outputs)
+            and bool(
+                _changed_inputs(
+                    recorded, inputs, self._positions(_flatten([args, kwargs or {}]), self.buffer_writer_outputs)
+                )
+            )
+        )
         if changed and recorded.parameter_names:
             # Another of the region's parameters where the forward had this one (a branch took another layer of the
             # same shape): the op's inputs changed, but no parameter was written.
@@ -288,7 +310,7 @@ class CallRecord:
             random=is_random_op(func),
             same_inputs=same_inputs,
             diff=diff,
-            buffer_input=any(position in changed for position in recorded.buffer_inputs),
+            buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
         )
 
@@ -672,12 +694,12 @@ def _same_state(copy: Any, value: Any) -> bool:
     return same_item(copy, local_tensor(value) if isinstance(value, torch.Tensor) else value)
 
 
-def _changed_inputs(recorded: _Op, inputs: list[Any]) -> frozenset[int]:
-    """The positions of the region's buffers and parameters among an op's inputs whose values at recomputation
-    differ from those at the forward."""
+def _changed_inputs(recorded: _Op, inputs: list[Any], positions: Sequence[int] | None = None) -> frozenset[int]:
+    """The positions of the region's buffers and parameters (or of ``positions``) among an op's inputs whose values
+    at recomputation differ from those at the forward."""
     return frozenset(
         position
-        for position in (*recorded.buffer_inputs, *recorded.parameter_inputs)
+        for position in ((*recorded.buffer_inputs, *recorded.parameter_inputs) if positions is None else positions)
         if position < min(len(recorded.inputs), len(inputs))
         and isinstance(recorded.inputs[position], Fingerprint)
         and not recorded.inputs[position].same_as(inputs[position])

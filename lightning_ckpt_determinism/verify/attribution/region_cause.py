@@ -97,17 +97,13 @@ def failure_cause(failure: RecomputeFailure) -> Cause:
     return Cause.SHAPE_CHANGE if failure == "metadata" else Cause.PYTHON_STATE
 
 
-def call_cause(call: CallEvidence, *, host_rng_explained: bool, buffers_changed: bool = False) -> Cause | None:
+def call_cause(call: CallEvidence, *, host_rng_explained: bool) -> Cause | None:
     """The cause one call of a region proves: its first differing op's, else its failure's; ``None`` for a call
-    that recomputed what its forward produced. A difference no input of the op explains is the host RNG's where
-    replaying it made the difference go away, else a metric's or a buffer's the recomputation updated (an op that
-    updates its statistics and reads them, such as QAT's fused fake-quantize, hands the difference on through its
-    output), else Python state's.
+    that recomputed what its forward produced.
 
     Args:
         call: What the observer found in the call.
         host_rng_explained: Whether replaying the region's host RNG made its difference go away.
-        buffers_changed: Whether the region's recomputation changed its buffers.
 
     Example::
 
@@ -126,9 +122,7 @@ def call_cause(call: CallEvidence, *, host_rng_explained: bool, buffers_changed:
         return found
     if host_rng_explained and call.host_rng_read:
         return Cause.HOST_RNG
-    if call.metrics_updated:
-        return Cause.METRIC_UPDATE
-    return Cause.BUFFER_MUTATION if buffers_changed else Cause.PYTHON_STATE
+    return Cause.METRIC_UPDATE if call.metrics_updated else Cause.PYTHON_STATE
 
 
 def region_reports(
@@ -176,7 +170,7 @@ def _region_report(
     written = _names(name, (param for call in calls for param in call.parameters_written))
     metrics = _names(name, (metric for call in calls for metric in call.metrics_updated))
     for call in calls:
-        cause = call_cause(call, host_rng_explained=host_rng_explained, buffers_changed=bool(buffers))
+        cause = call_cause(call, host_rng_explained=host_rng_explained)
         if cause is not None:
             hint = INPUT_MODIFIED_HINT if call.input_modified else _hint(cause, call, buffers, metrics)
             hint += _routing_hint(call)
