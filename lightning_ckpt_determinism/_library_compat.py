@@ -1,5 +1,5 @@
 """Every reading of another library's internals or message text, other than torch's, in one place: Lightning's,
-torchmetrics' and jsonargparse's, each with the versions it is known in.
+torchmetrics', jsonargparse's and transformers', each with the versions it is known in.
 
 An upgrade of one of them touches this file only (torch's are in :mod:`~lightning_ckpt_determinism._torch_compat`).
 Each entry has a test pinned to the installed version (``tests/test_library_compat.py``).
@@ -25,6 +25,7 @@ __all__ = [
     "literal_rejection",
     "metric_state_names",
     "package_message_in",
+    "reads_cache_only",
     "rejected_value",
 ]
 
@@ -87,6 +88,19 @@ def compiled_by_lightning(pl_module: Any) -> bool:
         (False, False)
     """
     return getattr(pl_module, "_compiler_ctx", None) is not None
+
+
+def reads_cache_only(module: nn.Module) -> bool:
+    """Whether transformers marks ``module``'s layer class as only reading its key-value cache, which its own gradient
+    checkpointing then keeps (``GradientCheckpointingLayer._can_checkpoint_with_cache``, transformers 5.x: a decoder
+    attending over what an encoder put in the cache in the same forward).
+
+    Example::
+
+        >>> reads_cache_only(nn.Linear(2, 2))
+        False
+    """
+    return getattr(type(module), "_can_checkpoint_with_cache", False) is True
 
 
 def lightning_logs_this_batch(trainer: Any) -> bool:

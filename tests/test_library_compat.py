@@ -129,6 +129,16 @@ def test_lightning_notes_the_module_it_compiles() -> None:
     assert compiled is module and compat.compiled_by_lightning(module)
 
 
+def test_transformers_marks_the_layers_that_only_read_their_cache() -> None:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Reader(GradientCheckpointingLayer):
+        _can_checkpoint_with_cache = True
+
+    assert GradientCheckpointingLayer._can_checkpoint_with_cache is False
+    assert compat.reads_cache_only(Reader()) and not compat.reads_cache_only(GradientCheckpointingLayer())
+
+
 def test_every_entry_is_pinned_here() -> None:
     pinned = {
         "rejected_value",
@@ -141,6 +151,7 @@ def test_every_entry_is_pinned_here() -> None:
         "bool_expected",
         "lightning_logs_this_batch",
         "compiled_by_lightning",
+        "reads_cache_only",
         "ModelSetupHook",
     }
     assert set(compat.__all__) == pinned | {"METRIC_BOOKKEEPING"}

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_ckpt_determinism._library_compat import reads_cache_only
 from lightning_ckpt_determinism._torch_compat import (
     autograd_nodes_made,
     checkpoint_debug_enabled,
@@ -302,7 +303,7 @@ class CheckpointedForward:
             CacheParameters.of(
                 type(module).__name__,
                 module.forward,
-                reads_cache_only=getattr(type(module), "_can_checkpoint_with_cache", False) is True,
+                reads_cache_only=reads_cache_only(module),
             )
             if is_transformers_layer(module)
             else None
