@@ -938,3 +938,14 @@ def test_another_config_that_also_names_modules_of_its_own_wraps_those() -> None
     assert wrapping_module.checkpointing_config(model[0]) == blocks
     assert wrapping_module.checkpointing_config(model[2]) == linear
     assert _unequal(step_gradients(reference), step_gradients(model)) == []
+
+
+def test_applying_such_a_config_again_changes_nothing() -> None:
+    # As a LightningModule's `configure_model` does at every stage (fit, then validate).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(PlainBlock(), nn.Tanh()) for _ in range(2)), nn.Linear(DIM, 1))
+    blocks, linear = CheckpointingConfig(names=["0", "1"]), CheckpointingConfig(classes=["Linear"])
+    for _ in range(2):
+        apply_activation_checkpointing(model, blocks)
+        assert apply_activation_checkpointing(model, linear) == ["0", "1", "2"]
+    assert list(checkpointed_modules(model)) == ["0", "1", "2"]

@@ -164,7 +164,7 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
     other = [
         name for name, sub in selected.items() if name in named and checkpointing_config(sub) not in (None, config)
     ]
-    if not other and all(checkpointing_config(sub) is not None for sub in selected.values()):
+    if not other and all(checkpointing_config(sub) not in (None, config) for sub in selected.values()):
         other = [
             name
             for name, sub in named_modules(module)
