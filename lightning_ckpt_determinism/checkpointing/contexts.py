@@ -218,9 +218,6 @@ class ForwardState:
         self._written_between = written_between
         self._read_otherwise = read_otherwise
         self._captured: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        # The small buffers the forward was not seen to change, each with its copy taken as the forward started:
-        # every recomputation starts from that copy, whatever wrote the buffer without a version bump.
-        self._held: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
         self._watched: list[tuple[str, nn.Module, str, torch.Tensor | None, int]] = []
         # The values the small watched buffers started from, by their place in `_watched`.
         self._kept_starts = starts if starts is not None else BufferStarts()
@@ -243,7 +240,7 @@ class ForwardState:
         changed late, none the forward read written since), the shared :data:`NO_CONTEXT`."""
         if self._read:
             _written_between(self)
-        if self._captured or self._late or self._generators or self._held:
+        if self._captured or self._late or self._generators:
             return _Replay(self)
         return NO_CONTEXT
 
@@ -301,7 +298,7 @@ class _Capture:
                     # Copied as this forward started: recomputed from that copy whatever wrote the buffer since,
                     # this forward without a version bump (`.data`, a kernel) as well as its caller. An inference
                     # tensor (a cache `trainer.validate` made) takes no write outside inference mode.
-                    state._held.append((owner, key, buffer, start))
+                    state._captured.append((owner, key, buffer, start))
                 elif buffer is not None:
                     state._read.append((name, owner, key, buffer, version, start))
                 continue
@@ -455,8 +452,6 @@ class _Replay:
 
     def __enter__(self) -> None:
         state, swapped = self._state, self._swapped
-        if state._held:
-            self._hold(state._held)
         if state._captured or state._late:
             with torch.no_grad(), below_current_modes():
                 for owner, key, buffer, value in state._captured:
@@ -471,23 +466,6 @@ class _Replay:
         self._live_generators = [(generator, generator.get_state()) for generator, _ in state._generators]
         for generator, generator_state in state._generators:
             generator.set_state(generator_state)
-
-    def _hold(self, held: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
-        """Write each small buffer's copy into it for the recomputation, its live values kept to write back (the
-        buffer itself, so that what recomputation saves of it is the live buffer; the copy, so that it stays as the
-        forward started for a second recomputation). Where the forward resized it, or it cannot be written in place
-        (one value expanded), as :func:`_swap_in` does."""
-        with below_current_modes():
-            for owner, key, buffer, start in held:
-                held_now = own_buffers(owner)
-                if buffer.shape == start.shape and _writable(buffer):
-                    data = buffer.data
-                    live = _LiveValues(data.clone(), resized=False)
-                    data.copy_(start)
-                else:
-                    live = _swap_in(buffer, start)
-                self._swapped.append((owner, key, held_now.get(key), buffer, live))
-                held_now[key] = buffer
 
     def __exit__(self, *exc_info: Any) -> None:
         for generator, generator_state in self._live_generators:
