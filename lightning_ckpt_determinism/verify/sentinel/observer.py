@@ -66,9 +66,9 @@ class RecomputationSentinel:
         # Buffers keep their storage within a step (BatchNorm updates its statistics in place, and recomputation gets
         # the buffers themselves): found again at each region's first call of a step (between steps, `model.to(dtype)`
         # or `load_state_dict(assign=True)` gives them new tensors), and, for a region with a lazy module's buffers (no
-        # storage until its first forward gives them one), at each call until it has none.
+        # storage until its first forward gives them one), at each call until it has none. The regions whose buffers
+        # this step found:
         self._buffers: dict[str, frozenset[int | None]] = {}
-        self._lazy_buffers: set[str] = set()
         self._buffers_found: set[str] = set()
         # Where each region's parameters live (their owner module and attribute), found once.
         self._parameters: dict[str, RegionParameters] = {}
@@ -165,11 +165,10 @@ class RecomputationSentinel:
             layout = self._layouts.get(name) if steady else None
             if region_modules_read(module) != self._modules_read[name]:
                 self._find_state(name, module)  # it holds other modules than when they were found
-            if name in self._lazy_buffers or name not in self._buffers_found:
-                self._buffers_found.add(name)
+            if name not in self._buffers_found:
                 self._buffers[name] = _buffer_storages(module)
-                if name in self._lazy_buffers and not any(map(is_lazy, module.buffers())):
-                    self._lazy_buffers.discard(name)
+                if not any(map(is_lazy, module.buffers())):
+                    self._buffers_found.add(name)
             call = RegionCall(self, name, self._buffers[name], profile, layout)
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
@@ -191,9 +190,7 @@ class RecomputationSentinel:
         """Find the buffers, parameters and metrics of region ``name`` (``module``), as its modules are now; what its
         forwards wrote and the layout its saved tensors took are learned again."""
         self._modules_read[name] = region_modules_read(module)
-        self._buffers[name] = _buffer_storages(module)
-        if any(map(is_lazy, module.buffers())):
-            self._lazy_buffers.add(name)
+        self._buffers_found.discard(name)  # found at its next call
         self._parameters[name] = RegionParameters(module)
         self._metrics[name] = metric_states(module)
         self._forward_written[name] = frozenset()
