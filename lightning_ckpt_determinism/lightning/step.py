@@ -18,7 +18,7 @@ from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSet
 from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.state import StepState
-from lightning_ckpt_determinism.verify.two_pass import SkippedPass
+from lightning_ckpt_determinism.verify.two_pass import SkippedPass, raised_in_autograd
 
 __all__ = [
     "SkippedStep",
@@ -79,13 +79,7 @@ def raised_in_backward(error: BaseException) -> bool:
         >>> raised_in_backward(ValueError("not in a backward"))
         False
     """
-    trace = error.__traceback__
-    while trace is not None:
-        code = trace.tb_frame.f_code
-        if code.co_name == "_engine_run_backward" or code.co_filename.endswith(_CHECKPOINT_FILE):
-            return True
-        trace = trace.tb_next
-    return False
+    return raised_in_autograd(error, _CHECKPOINT_FILE)
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")

@@ -54,7 +54,7 @@ from lightning_ckpt_determinism.verify.reports import (
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["PassFailed", "SkippedPass", "check_recomputation"]
+__all__ = ["PassFailed", "SkippedPass", "check_recomputation", "raised_in_autograd"]
 
 _Gradients = list[torch.Tensor | None]
 
@@ -462,7 +462,7 @@ class _Passes:
             error = err
         if observer is not None:
             observer.finish(error)
-        outside = error if error is not None and not _raised_in_autograd(error) else None
+        outside = error if error is not None and not raised_in_autograd(error) else None
         if self._agreed(outside is not None):
             said = describe_error(outside) if outside is not None else "the checkpointed pass failed on another rank"
             raise PassFailed(said) from outside
@@ -585,12 +585,24 @@ def _gradients(
     return float(loss.detach()), grads
 
 
-def _raised_in_autograd(error: BaseException) -> bool:
+def raised_in_autograd(error: BaseException, *also_in: str) -> bool:
     """Whether ``error`` was raised inside autograd's backward (``backward()`` or ``autograd.grad``, also one a
-    closure runs in its forward, as a gradient penalty does), where checkpointed regions are recomputed."""
+    closure runs in its forward, as a gradient penalty does), where checkpointed regions are recomputed, or in code of
+    a file whose path ends with one of ``also_in``.
+
+    Args:
+        error: The error, with its traceback.
+        also_in: Path endings of more files that count.
+
+    Example::
+
+        >>> raised_in_autograd(ValueError("not in a backward"))
+        False
+    """
     trace = error.__traceback__
     while trace is not None:
-        if trace.tb_frame.f_code.co_name == "_engine_run_backward":
+        code = trace.tb_frame.f_code
+        if code.co_name == "_engine_run_backward" or code.co_filename.endswith(also_in):
             return True
         trace = trace.tb_next
     return False
