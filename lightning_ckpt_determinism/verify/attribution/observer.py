@@ -279,25 +279,21 @@ class CallRecord:
             if diff > 0.0:
                 kind = "values"
         same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
-        changed = _changed_inputs(recorded, inputs) if kind is not None and inputs is not None else frozenset()
-        # An input an op that updated the region's buffers gave it, changed (QAT's fused fake-quantize hands the
-        # statistics it updated again on through its output, which is not compared).
-        from_buffer_writer = (
-            kind is not None
-            and inputs is not None
-            and bool(self.buffer_writer_outputs)
-            and bool(
-                _changed_inputs(
-                    recorded, inputs, self._positions(_flatten([args, kwargs or {}]), self.buffer_writer_outputs)
-                )
-            )
-        )
-        if changed and recorded.parameter_names:
-            # Another of the region's parameters where the forward had this one (a branch took another layer of the
-            # same shape): the op's inputs changed, but no parameter was written.
-            now = self._parameters_at(_flatten([args, kwargs or {}]), recorded.parameter_inputs)
-            names = zip(recorded.parameter_inputs, recorded.parameter_names, now, strict=True)
-            changed -= {position for position, before, after in names if before and after and before != after}
+        changed: frozenset[int] = frozenset()
+        from_buffer_writer = False
+        if kind is not None and inputs is not None:
+            changed = _changed_inputs(recorded, inputs)
+            leaves = _flatten([args, kwargs or {}])
+            # An input that an op which updated the region's buffers gave it, changed (QAT's fused fake-quantize hands
+            # the statistics it updated again on through its output, which is not compared).
+            writers = self._positions(leaves, self.buffer_writer_outputs) if self.buffer_writer_outputs else ()
+            from_buffer_writer = bool(writers) and bool(_changed_inputs(recorded, inputs, writers))
+            if changed and recorded.parameter_names:
+                # Another of the region's parameters where the forward had this one (a branch took another layer of
+                # the same shape): the op's inputs changed, but no parameter was written.
+                now = self._parameters_at(leaves, recorded.parameter_inputs)
+                names = zip(recorded.parameter_inputs, recorded.parameter_names, now, strict=True)
+                changed -= {position for position, before, after in names if before and after and before != after}
         recorded.outputs, recorded.inputs = [], []
         if kind is None:
             return
@@ -440,6 +436,7 @@ class CallRecord:
         gathered parameter after the forward and gathers it again, elsewhere, for the backward, where a tensor the
         recomputation writes may have taken the forward's place."""
         module = self.module
+        self.buffer_writer_outputs = set()  # a recomputation's own, each time
         self.buffer_ids = frozenset(id(buffer) for buffer in module.buffers())
         self.buffer_storages = frozenset(storage_pointer(buffer) for buffer in module.buffers())
         self.parameter_storages = {storage_pointer(param): name for name, param in module.named_parameters()}
