@@ -188,7 +188,7 @@ class CacheParameters:
                 Wrappers made with ``functools.wraps`` (transformers' ``deprecate_kwarg``) are followed.
             reads_cache_only: The layer only reads its cache (see the class).
         """
-        dropped = ("use_cache",) if reads_cache_only else _DROPPED
+        dropped = _dropped(reads_cache_only)
         try:
             parameters = list(inspect.signature(forward).parameters.values())
         except (TypeError, ValueError):
@@ -214,8 +214,7 @@ class CacheParameters:
             >>> CacheParameters("Block", ((1, "cache"),)).without_cache(("x", None), {"mask": 1})
             (('x', None), {'mask': 1})
         """
-        droppable = ("use_cache",) if self.reads_cache_only else _DROPPED
-        by_keyword = [name for name in droppable if _asks_for_cache(kwargs.get(name))]
+        by_keyword = [name for name in _dropped(self.reads_cache_only) if _asks_for_cache(kwargs.get(name))]
         by_position = [
             (index, name) for index, name in self.positions if index < len(args) and _asks_for_cache(args[index])
         ]
@@ -242,6 +241,12 @@ class CacheParameters:
 
 # What a layer runs without: a cache it fills, or only the filling of one it reads (`_can_checkpoint_with_cache`).
 _WITHOUT = {False: "without a key-value cache", True: "with `use_cache=False`, reading the cache they are given"}
+
+
+def _dropped(reads_cache_only: bool) -> tuple[str, ...]:
+    """The arguments a layer runs without: ``use_cache`` and its cache, or ``use_cache`` alone for one that only reads
+    its cache."""
+    return ("use_cache",) if reads_cache_only else _DROPPED
 
 
 def _no_cache(name: str) -> Any:

@@ -254,8 +254,9 @@ class _RegionMeter:
 
     @contextlib.contextmanager
     def region_forward(self, region: str, module: nn.Module) -> Iterator[None]:
+        inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
         if self._meter.paused:
-            with self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext():
+            with inner:
                 yield
             return
         inputs_bytes, limit = self._tally.pending
@@ -263,7 +264,6 @@ class _RegionMeter:
         state = _state_storages(module)
         calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
         kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, self._meter._rates, calls)
-        inner = self._inner.region_forward(region, module) if self._inner is not None else contextlib.nullcontext()
         self._saved = []
         self._forward = kept
         try:
