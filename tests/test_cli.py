@@ -755,6 +755,38 @@ def test_a_mistake_of_a_monitor_listed_second_names_its_index(
     ]
 
 
+@pytest.mark.parametrize(
+    ("argument", "expected"),
+    [
+        (
+            "--trainer.callbacks.init_args.sentinel=heavy",
+            "`--trainer.callbacks.init_args.sentinel` can be light, sampled, exact, off, got 'heavy'.",
+        ),
+        (
+            "--trainer.callbacks.init_args.every_n_stps=2",
+            "`--trainer.callbacks.init_args.every_n_stps`: Option 'every_n_stps' is not accepted; did you mean"
+            " `every_n_steps`?",
+        ),
+    ],
+    ids=["a choice", "an option it does not take"],
+)
+def test_a_monitor_argument_set_on_the_command_line_is_named_as_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argument: str, expected: str
+) -> None:
+    # jsonargparse sets it on the last callback listed and names the list alone: the argument typed says which.
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
+        f"{_SINGLE_DEVICE}        classes: [DropoutBlock]\n"
+        "  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+        "    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
+        "model:\n  class_path: tests.helpers.StackModule\n"
+    )
+    with pytest.raises(SystemExit, match=r"^2$"):
+        CheckpointingCLI(args=["fit", "--config", str(config), argument])
+    assert _error_lines(capsys.readouterr().err) == [f"error: {expected}"]
+
+
 def test_a_callback_whose_init_args_are_a_list_is_named_by_its_index_whatever_the_form_of_its_class_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -123,7 +123,8 @@ class CheckpointingCLI(LightningCLI):
             configs = _configs(sys.argv[1:] if given is None else given)
             misplaced = misplaced_arguments(configs)
             if said[1] == 2:
-                said = (misplaced or _callback_indexed(said[0], configs), 2)
+                arguments = sys.argv[1:] if given is None else given
+                said = (misplaced or _callback_indexed(said[0], configs, arguments), 2)
             print(f"error: {said[0]}", file=sys.stderr)
             sys.exit(said[1])
 
@@ -218,14 +219,16 @@ def misplaced_arguments(configs: list[Any]) -> str | None:
     return None
 
 
-def _callback_indexed(message: str, configs: list[Any]) -> str:
+def _callback_indexed(message: str, configs: list[Any], arguments: Any = ()) -> str:
     """``message`` with its leading ``trainer.callbacks`` key pointed at the callback it is about, by its index in the
     config's list (jsonargparse names the list alone): the one callback whose ``init_args`` hold the field named.
-    ``message`` as it is where no single callback does.
+    Where none does and the command line sets the field (``--trainer.callbacks.init_args.sentinel=heavy``), the key
+    is that argument as typed. ``message`` as it is otherwise.
 
     Args:
         message: The line about to be printed.
         configs: The loaded ``--config`` files, in order.
+        arguments: The command line's arguments.
 
     Example::
 
@@ -242,6 +245,9 @@ def _callback_indexed(message: str, configs: list[Any]) -> str:
     callbacks = _listed_callbacks(configs)
     if field is not None:
         holding = [index for index, (_, init_args) in enumerate(callbacks) if field in init_args]
+        typed = _typed_callback_argument(field, arguments) if not holding else None
+        if typed is not None:
+            return f"`{typed}`{message[found.end() :]}"
     elif listed is not None:  # its `init_args` a list: the callback of that class, its path written in full or not
         named = listed[1].rsplit(".", 1)[-1]
         holding = [index for index, (path, _) in enumerate(callbacks) if str(path).rsplit(".", 1)[-1] == named]
@@ -254,6 +260,18 @@ def _callback_indexed(message: str, configs: list[Any]) -> str:
 
 
 _CALLBACKS_KEY = re.compile(r"^`trainer\.callbacks(?:\.(\w+))?`")
+
+
+def _typed_callback_argument(field: str, arguments: Any) -> str | None:
+    """The last command-line argument that sets a callback's ``field`` (``--trainer.callbacks.init_args.<field>`` or
+    ``--trainer.callbacks.<field>``), without its value; ``None`` where none does."""
+    if not isinstance(arguments, (list, tuple)):
+        return None
+    pattern = re.compile(rf"--trainer\.callbacks\.(?:init_args\.)?{re.escape(field)}(?==|$)")
+    typed = [matched[0] for matched in map(pattern.match, map(str, arguments)) if matched is not None]
+    return typed[-1] if typed else None
+
+
 _LISTED_OF = re.compile(r"the `init_args` of `([\w.]+)` are a list")
 
 
