@@ -5,6 +5,7 @@ and the check before every step. The later calls are the ones that matter: every
 
 import contextlib
 import copy
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import get_args
@@ -875,3 +876,86 @@ def test_a_buffer_first_changed_in_place_at_a_later_call_is_changed_once_and_tha
     # replayed as learned.
     assert equal == [True, True, True, True]
     assert found == [0, 0, 0, 0]
+
+
+class CalledTwice(nn.Module):
+    """Its ``body`` called twice a step after a linear layer (whose gradient flows through the body's weights), as a
+    GAN's discriminator on real and generated samples; ``temperatures``, where given, are set on the body before each
+    call, as a caller sets a flag between two calls."""
+
+    def __init__(self, body: nn.Module, temperatures: tuple[float, float] | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.body = body
+        self.head = nn.Linear(WIDTH, 1)
+        self.temperatures = temperatures
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        halves = []
+        h = self.inp(x)
+        for index, part in enumerate((h, h.flip(0))):
+            if self.temperatures is not None:
+                self.body.temperature = self.temperatures[index]
+            halves.append(self.body(part))
+        return self.head(halves[0] - 0.5 * halves[1])
+
+
+class Tempered(nn.Module):
+    """Divides by a temperature its caller sets (a plain float attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x) / self.temperature)
+
+
+class HookScaled(nn.Module):
+    """Scales by the last output's mean magnitude, which its own forward hook sets after each call: a hook runs
+    outside the region's forward, before its recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.last = 0.0
+        self.register_forward_hook(lambda module, args, out: setattr(module, "last", float(out.detach().abs().mean())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x) * (1 + self.last))
+
+
+def _spectral_norm_linear() -> nn.Module:
+    # Old-style spectral norm: a forward pre-hook sets `weight` from a power iteration that moves at every call.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: CalledTwice(_spectral_norm_linear()), id="spectral norm's weight set by its pre-hook"),
+        pytest.param(lambda: CalledTwice(Tempered(), (1.0, 3.0)), id="a float the caller sets between calls"),
+        pytest.param(lambda: CalledTwice(HookScaled()), id="a float the module's forward hook sets"),
+        pytest.param(lambda: Head(HookScaled()), id="a float a forward hook sets, one call a step"),
+    ],
+)
+def test_an_attribute_rebound_outside_the_forward_before_its_recomputation_is_replayed(
+    tier: str, build: Callable[[], nn.Module]
+) -> None:
+    # Hooks run around the region's forward, not in it; recomputation must read what the forward read.
+    assert_exact(twins(build, tier))
+
+
+def test_an_attribute_rebound_after_the_forward_is_live_again_after_the_recomputation() -> None:
+    torch.manual_seed(0)
+    model = CalledTwice(Tempered(), (1.0, 3.0))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    read = []
+    model.body.inp.register_forward_hook(lambda module, args, out: read.append(model.body.temperature))
+    loss_of(model, tokens(0)).backward()
+    assert read == [1.0, 3.0, 3.0, 1.0]  # each recomputation read its own forward's; backward runs the second first
+    assert model.body.temperature == 3.0

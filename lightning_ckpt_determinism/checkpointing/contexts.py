@@ -656,11 +656,15 @@ class AttributeReplay:
     (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`), a generator, or a tensor whose storage
     holds at most 256 bytes (a length or a count kept as a tensor, which decides what the forward does as a number
     would). The value a larger tensor or a container started from is not held until the recomputation (that would
-    keep its memory alive): recomputation starts from the forward's value, and the forward's value is put back after
-    it. Hooks the forward registered on the region's modules are left out of each recomputation, and the live hooks
-    are back after it: a forward that registers a hook once, behind an attribute it creates, registers it again in a
-    recomputation that starts without that attribute. A hook the forward removed is not put back for the
-    recomputation (a one-shot hook that removes itself): the sentinel sees what it changed.
+    keep its memory alive): recomputation starts from the value the forward ended with. The values as the forward
+    ended are kept, and an attribute rebound since (by a forward hook of the region's module, by the caller between
+    two calls of the region: old-style spectral norm's hook sets ``weight`` before each call) has that value back for
+    each recomputation, as ``checkpoint`` keeps a region's inputs: an attribute still holding its value costs nothing
+    more, one rebound keeps its old value alive until the recomputation. Hooks the forward registered on the region's
+    modules are left out of each recomputation, and the live hooks are back after it: a forward that registers a hook
+    once, behind an attribute it creates, registers it again in a recomputation that starts without that attribute.
+    A hook the forward removed is not put back for the recomputation (a one-shot hook that removes itself): the
+    sentinel sees what it changed.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
@@ -680,13 +684,15 @@ class AttributeReplay:
         1
     """
 
-    __slots__ = ("_attributes", "_found", "_hooks", "_hooks_made", "_sizes", "_slots", "_values")
+    __slots__ = ("_attributes", "_ended", "_found", "_hooks", "_hooks_made", "_sizes", "_slots", "_values")
 
     def __init__(self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]]) -> None:
         self._attributes = attributes
         self._slots = slots
         self._sizes: list[int] = []
         self._values: list[Any] = []
+        # The watched values as the forward ended, in the order of `_slots`.
+        self._ended: list[Any] = []
         self._found: dict[tuple[int, str], Any] = {}
         self._hooks_made = 0
         # The hooks the forward registered on the region's modules, by the dictionary that holds them.
@@ -732,20 +738,33 @@ class AttributeReplay:
                 for name in held:
                     if (index, name) not in watched and not is_framework_attribute(name):
                         found[index, name] = _MISSING
-        self._values, self._found = [], found
+        self._values, self._ended, self._found = [], now, found
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
         moved = hook_handles_made() != self._hooks_made
         self._hooks = hooks_added_since(attributes, self._hooks_made) if moved else []
 
     def replay(self) -> AbstractContextManager[None]:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
-        return self._replayed() if self._found or self._hooks else NO_CONTEXT
+        attributes = self._attributes
+        current = [attributes[index].get(name, _MISSING) for index, name in self._slots]
+        rebound = not all(map(operator.is_, self._ended, current))
+        return self._replayed(current if rebound else None) if self._found or self._hooks or rebound else NO_CONTEXT
 
     @contextlib.contextmanager
-    def _replayed(self) -> Iterator[None]:
-        live = {(index, name): self._attributes[index].get(name, _MISSING) for index, name in self._found}
+    def _replayed(self, current: list[Any] | None) -> Iterator[None]:
+        """``current``: the watched values now, where one differs from the forward's end (``None`` where none does)."""
+        replayed = {}
+        if current is not None:  # rebound since the forward ended: as it ended
+            replayed = {
+                slot: ended
+                for slot, ended, value in zip(self._slots, self._ended, current, strict=True)
+                if ended is not value
+            }
+        replayed.update((at, value) for at, value in self._found.items() if value is not _LIVE)
+        attributes = self._attributes
+        live = {(index, name): attributes[index].get(name, _MISSING) for index, name in {**self._found, **replayed}}
         hooks = HookSnapshot(self._attributes) if self._hooks else None
-        self._set({at: value for at, value in self._found.items() if value is not _LIVE})
+        self._set(replayed)
         for registered, ids in self._hooks:
             for key in ids:
                 registered.pop(key, None)
