@@ -72,6 +72,10 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"tolerance": -1}, r"`tolerance` must be a non-negative float, got -1\."),
         ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
         ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
+        (
+            {"loss_fn": lambda module, batch: batch},
+            r"`loss_fn` must take \(module, batch, batch_idx\), got a function of \(module, batch\)\.",
+        ),
         ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
         ({"log_prefix": 5}, r"`log_prefix` must be a non-empty string, got 5\."),
         (
@@ -313,6 +317,38 @@ def test_manual_optimization_needs_a_loss_fn(tmp_path):
     broken = RecomputationMonitor(every_n_steps=2, loss_fn=manual_loss, on_divergence="ignore")
     fit(tmp_path / "broken", module=ManualModule(), monitor=broken, config={"preserve_rng_state": False})
     assert all(entry.grad_divergence > 0.0 for entry in broken.history)
+
+
+class HalvedManualModule(ManualModule):
+    """Accumulates two batches by hand: ``manual_backward(loss / 2)``, an optimizer step every second batch."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = StackModule.training_step(self, batch, batch_idx)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+
+def test_a_loss_fn_returning_another_loss_than_manual_backward_got_is_named_not_blamed_on_recomputation(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1, loss_fn=manual_loss, on_divergence="ignore", sentinel="off")
+    _, monitored = fit(tmp_path, module=HalvedManualModule(), monitor=monitor)
+    report = monitor.last_report
+    assert report is not None and report.diverged and report.cause == "outside_state"
+    assert report.reference_loss == pytest.approx(2 * report.checkpointed_loss, rel=1e-6)
+    assert report.hint is not None and report.hint.startswith("Under manual optimization the check reruns `loss_fn`")
+    assert not any(region.diverged for region in report.regions)  # attribution found every region exact
+    halved = RecomputationMonitor(
+        every_n_steps=1, loss_fn=lambda module, batch, index: manual_loss(module, batch, index) / 2
+    )
+    _, clean = fit(tmp_path / "halved", module=HalvedManualModule(), monitor=halved)
+    assert [entry.grad_divergence for entry in halved.history] == [0.0] * len(halved.history) != []
+    _, plain = fit(tmp_path / "plain", module=HalvedManualModule())
+    for model in (monitored, clean):
+        for (key, expected), actual in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+            assert torch.equal(expected, actual), key
 
 
 def test_state_is_saved_in_and_restored_from_lightning_checkpoints(tmp_path):

@@ -194,12 +194,16 @@ def test_only_the_step_causes_blame_the_step() -> None:
     assert {cause for cause in Cause if cause.blames == "step"} == {Cause.OUTSIDE_STATE, Cause.COMPILER_RECOMPUTE}
 
 
-def test_a_provisional_step_cause_gives_way_to_the_attributions_and_a_region_cause_stays() -> None:
+def test_a_provisional_step_cause_gives_way_to_the_attributions_where_it_finds_one_and_a_region_cause_stays() -> None:
     live = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, cause=Cause.OUTSIDE_STATE, hint="outside")
     region = RegionReport("blocks.1", diverged=True, cause=Cause.NONDETERMINISTIC_KERNEL, max_abs_diff=0.5)
     attributed = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, regions=[region])
     joined = with_attribution(live, attributed)
     assert (joined.cause, joined.hint, blame(joined)) == (None, None, (Cause.NONDETERMINISTIC_KERNEL, "blocks.1"))
+    # Attribution found every region exact and no cause: the live step differed from its rerun outside them.
+    exact = RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0, regions=[RegionReport("blocks.1")])
+    stays = with_attribution(live, exact)
+    assert (stays.cause, stays.hint, blame(stays)) == (Cause.OUTSIDE_STATE, "outside", (Cause.OUTSIDE_STATE, None))
     buffers = RecomputationReport(0.0, 0.0, diverged=True, tolerance=0.0, cause=Cause.BUFFER_MUTATION, hint="b")
     kept = with_attribution(buffers, RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0))
     assert (kept.cause, kept.hint, blame(kept)) == (Cause.BUFFER_MUTATION, "b", (Cause.BUFFER_MUTATION, None))

@@ -29,6 +29,7 @@ from lightning_ckpt_determinism.lightning.step import (
     loss_on_every_rank,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.core import CheckScope, read_otherwise_since, with_attribution
 from lightning_ckpt_determinism.verify.live_step import check_live_step
@@ -129,6 +130,8 @@ class StepCheck:
                 report = with_attribution(report, self._two_pass(attribution=True))
             except SkippedStep:
                 return report  # its rerun skipped: the live check's finding, without a region named
+        if not self.pl_module.automatic_optimization and report.cause == Cause.OUTSIDE_STATE:
+            report = _with_manual_loss_hint(report)
         return report
 
     def _live(
@@ -223,3 +226,17 @@ class StepCheck:
                     exclude_attributes=settings.exclude_attributes,
                     written_parameters=capture.written_parameters,
                 )
+
+
+def _with_manual_loss_hint(report: RecomputationReport) -> RecomputationReport:
+    """``report`` (cause ``"outside_state"`` under manual optimization) with a hint that names the likeliest reason
+    first: ``loss_fn``, the check's rerun, returned another loss than the step's first ``manual_backward`` got."""
+    live, rerun = f"{report.checkpointed_loss:.6g}", f"{report.reference_loss:.6g}"
+    if live == rerun:
+        live, rerun = repr(report.checkpointed_loss), repr(report.reference_loss)
+    said = (
+        f"Under manual optimization the check reruns `loss_fn`, which returned {rerun} where the step's first"
+        f" `manual_backward` was given {live}: `loss_fn` must return the loss that backward is given, scaled as the"
+        " step scales it (`loss / 2` to accumulate two batches by hand)."
+    )
+    return replace(report, hint=f"{said} {report.hint}" if report.hint else said)

@@ -1,6 +1,7 @@
 """A Lightning callback that periodically checks that recomputation reproduces the forward pass."""
 
 import contextlib
+import inspect
 import math
 import traceback
 from dataclasses import asdict
@@ -105,7 +106,8 @@ class RecomputationMonitor(Callback):
         loss_fn: ``loss_fn(pl_module, batch, batch_idx) -> loss``; by default the LightningModule's own
             ``training_step`` (its loss tensor or ``["loss"]`` of its dict) with every ``self.log`` during the
             check suppressed. Required with manual optimization, where it is the reference of the first
-            ``manual_backward``; under automatic optimization it makes the check the slower two-pass
+            ``manual_backward`` and returns the loss that backward is given (``loss / 2`` where the step passes
+            that); under automatic optimization it makes the check the slower two-pass
             :func:`~lightning_ckpt_determinism.check_recomputation` with that loss.
         log_prefix: Prefix of the logged metric names.
         history_size: How many recent results the callback keeps (and saves in checkpoints).
@@ -200,9 +202,7 @@ class RecomputationMonitor(Callback):
         self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self.tolerance = check_non_negative_float("tolerance", tolerance)
         self.on_divergence = check_choice("on_divergence", on_divergence, ("warn", "raise", "ignore"))
-        if loss_fn is not None and not callable(loss_fn):
-            raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
-        self.loss_fn = loss_fn
+        self.loss_fn = _checked_loss_fn(loss_fn)
         self.log_prefix = check_metric_prefix("log_prefix", log_prefix)
         self.attribution = check_choice("attribution", attribution, ("on_divergence", "always", "never"))
         self.calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
@@ -273,17 +273,17 @@ class RecomputationMonitor(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
-        self._fit_output.hold(trainer)
-        self._said_nothing_to_check = False
-        self._internals = lightning_internals()
-        self._schedule.start_fit()
-        self._diverged_in_fit = set()
         if not pl_module.automatic_optimization and self.loss_fn is None:
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
                 " `training_step`, which would step the optimizers. Pass"
                 " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
             )
+        self._fit_output.hold(trainer)
+        self._said_nothing_to_check = False
+        self._internals = lightning_internals()
+        self._schedule.start_fit()
+        self._diverged_in_fit = set()
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         unattributed = None if self._support is None else self._support.two_pass_unavailable()
@@ -389,6 +389,8 @@ class RecomputationMonitor(Callback):
         self._watch.backward_started()
         if self._capture is None or not self._capture.captured or self._support is None:
             return
+        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        self._capture.backward_started(loss, scaled=scaler is not None)
         held = [grad for _, grad in self._support.gradient_holders(pl_module)]
         if any(param.grad is not None for param in held):
             # Gradients the step accumulates onto (a later micro-batch, or accumulation by hand): the reference
@@ -723,6 +725,29 @@ def _given_twice(trainer: "pl.Trainer") -> str | None:
 def _some(names: list[str]) -> str:
     """The first three of ``names`` for a message (``on another rank`` for none)."""
     return f"{', '.join(names[:3]) or 'on another rank'}{' ...' if len(names) > 3 else ''}"
+
+
+def _checked_loss_fn(loss_fn: object) -> LossFn | None:
+    """``loss_fn`` where it is ``None`` or can be called as ``loss_fn(module, batch, batch_idx)``.
+
+    Raises:
+        CheckpointingConfigError: Otherwise, naming what it takes.
+    """
+    if loss_fn is None:
+        return None
+    if not callable(loss_fn):
+        raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or extension without one: called as it is
+        return loss_fn  # type: ignore[return-value]
+    try:
+        signature.bind(None, None, 0)
+    except TypeError:
+        raise CheckpointingConfigError(
+            f"`loss_fn` must take (module, batch, batch_idx), got a function of {signature}."
+        ) from None
+    return loss_fn  # type: ignore[return-value]
 
 
 def _hint_syntax(syntax: object) -> Syntax:

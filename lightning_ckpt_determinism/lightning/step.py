@@ -325,9 +325,16 @@ class StepCapture:
         output = real(*args, **kwargs)
         self.recomputed_in_forward = recomputations(self.pl_module) > before
         loss = output.get("loss") if isinstance(output, Mapping) else output
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        # Under manual optimization the live loss is the first `manual_backward`'s (see `backward_started`).
+        if self.pl_module.automatic_optimization and isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.loss = float(loss.detach())
         return output
+
+    def backward_started(self, loss: torch.Tensor, *, scaled: bool) -> None:
+        """The step's first backward is about to run on ``loss``: under manual optimization, the live loss the check
+        compares with ``loss_fn``'s (unknown where a GradScaler has ``scaled`` it)."""
+        if not self.pl_module.automatic_optimization and not scaled and loss.numel() == 1:
+            self.loss = float(loss.detach())
 
 
 def _put_back(module: "pl.LightningModule", own: Any, installed: Callable[..., Any]) -> None:

@@ -333,7 +333,9 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "another loss in the reference pass than in the checkpointed one, before anything was recomputed. No "
             "region is blamed; with `calibrate_noise`, only when the reference passes agree with each other. Where the "
             "step recomputed an eager region before its loss (a gradient penalty's backward in the forward), only "
-            "when attribution found every region exact: otherwise the regions' own causes stand."
+            "when attribution found every region exact: otherwise the regions' own causes stand. Under manual "
+            "optimization the hint first names both losses: a `loss_fn` returning another loss than the step's first "
+            "`manual_backward` was given is the likeliest reason."
         ),
         Cause.ATTRIBUTE_MUTATION: (
             "a plain Python attribute of a module inside a region (a list, a dict) ended the checkpointed step "

@@ -471,7 +471,9 @@ def step_report(
 def with_attribution(live: RecomputationReport, attributed: RecomputationReport) -> RecomputationReport:
     """A live step's report joined with the two-pass attribution of the same step: the attribution's regions, and
     its cause where it gives one. A live cause that blames the whole step is provisional (attribution may find a
-    kernel that differs run to run, which changes the forward as well) and gives way to the attribution's verdict.
+    kernel that differs run to run, which changes the forward as well) and gives way to the attribution's verdict,
+    unless attribution found every region exact and no cause: the live step then differed from its rerun outside
+    recomputation, as the live cause says (a ``loss_fn`` returning another loss than the step's backward got).
 
     Args:
         live: The live check's report.
@@ -480,12 +482,17 @@ def with_attribution(live: RecomputationReport, attributed: RecomputationReport)
     Example::
 
         >>> live = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, cause=Cause.OUTSIDE_STATE, hint="h")
-        >>> attributed = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, regions=[RegionReport("a")])
+        >>> region = RegionReport("a", diverged=True)
+        >>> attributed = RecomputationReport(0.1, 0.1, diverged=True, tolerance=0.0, regions=[region])
         >>> joined = with_attribution(live, attributed)
         >>> joined.cause, [region.name for region in joined.regions]
         (None, ['a'])
+        >>> with_attribution(live, RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0)).cause
+        'outside_state'
     """
     provisional = live.cause is not None and Cause(live.cause).blames == "step"
+    if attributed.cause is None and not any(region.diverged for region in attributed.regions):
+        provisional = False
     return replace(
         live,
         regions=attributed.regions,
