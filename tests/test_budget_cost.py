@@ -155,6 +155,14 @@ def test_the_calibration_measures_positive_finite_rates_once_per_device() -> Non
     assert calibration.measure_rates.cache_info().hits == 1
 
 
+def test_the_calibration_leaves_the_processs_random_streams_where_they_were() -> None:
+    # A calibrated plan must not move the dropout masks of the steps after it.
+    calibration.measure_rates.cache_clear()
+    before = torch.get_rng_state()
+    calibration.measure_rates(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_strategy_plans_with_the_calibrated_rates_as_plain_pytorch_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

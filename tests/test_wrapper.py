@@ -576,6 +576,18 @@ def test_copies_of_a_wrapped_model_reproduce_unchecked_gradients(clone: Callable
     assert _unequal(reference, step_gradients(copied)) == []
 
 
+@pytest.mark.parametrize(
+    "clone", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))], ids=["deepcopy", "pickle"]
+)
+def test_a_copy_made_while_its_regions_run_plainly_is_checkpointed(clone: Callable[[nn.Module], nn.Module]) -> None:
+    # A target network copied inside a check's plain rerun (`run_plainly`) must not stay plain for good.
+    original = _checkpointed(make_stack(CounterBlock), CheckpointingConfig(classes=["CounterBlock"]))
+    with wrapping_module.run_plainly(list(original.blocks)):
+        copied = clone(original)
+    assert _calls_per_step(copied) == [2, 2, 2]
+    assert _calls_per_step(original) == [2, 2, 2]
+
+
 # Bad input.
 
 

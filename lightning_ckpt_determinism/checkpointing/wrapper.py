@@ -393,6 +393,7 @@ class CheckpointedForward:
         state["_profiles"], state["_paths"], state["_generators"], state["_replayed"] = {}, {}, (), frozenset()
         state["_probes_left"], state["_probe_budget"], state["_buffer_starts"] = {}, {}, BufferStarts()
         state["region_observer"] = state["saved_observer"] = None
+        state["plain_depth"] = 0  # a copy made under `run_plainly` is checkpointed, as the original is after it
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
