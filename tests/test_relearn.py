@@ -959,3 +959,30 @@ def test_an_attribute_rebound_after_the_forward_is_live_again_after_the_recomput
     loss_of(model, tokens(0)).backward()
     assert read == [1.0, 3.0, 3.0, 1.0]  # each recomputation read its own forward's; backward runs the second first
     assert model.body.temperature == 3.0
+
+
+def test_a_tensor_a_shared_block_stores_at_each_call_is_not_held_for_its_recomputations() -> None:
+    # An activation a forward stores on its module (for logging), at each call of a block shared by two calls: the
+    # first call's must not stay alive until backward, which would undo what checkpointing saves.
+    class Storing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(WIDTH, WIDTH)
+            self.stored = torch.zeros(())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            self.stored = h.detach().clone()
+            return torch.tanh(h)
+
+    torch.manual_seed(0)
+    plain = CalledTwice(Storing())
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    stored: list[weakref.ref[torch.Tensor]] = []
+    model.body.register_forward_hook(lambda module, args, out: stored.append(weakref.ref(module.stored)))
+    loss = loss_of(model, tokens(0))
+    assert stored[0]() is None and stored[1]() is model.body.stored
+    loss.backward()
+    loss_of(plain, tokens(0)).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(), strict=True))

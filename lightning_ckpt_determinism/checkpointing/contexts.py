@@ -636,6 +636,8 @@ def _set_training(modules: Sequence[nn.Module], flags: tuple[bool, ...]) -> None
 _MISSING = object()
 # An attribute whose starting value is not held: recomputation starts from its live value, which it gets back after.
 _LIVE = object()
+# In place of the value a forward ended with, for an attribute it rebound (see `AttributeReplay`).
+_NOT_KEPT = object()
 
 
 def _registered(held: dict[str, Any], name: str) -> bool:
@@ -647,24 +649,23 @@ class AttributeReplay:
     """The plain attributes one forward of a region rebinds, creates or deletes, put back as the forward found them for
     each of its recomputations, then returned to their live values.
 
-    The values of the modules' own attributes (framework bookkeeping, hooks and FSDP's flags, left out; ``training``
-    is :class:`TrainingModes`'s) are read as the forward starts and compared by identity as it ends, with how many
-    attributes each module holds:
-    what a forward changes is known at that very call, not from a call before (a counter, an attribute created
-    lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the attributes the
-    forward created or deleted, and those whose value it started from is immutable
-    (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`), a generator, or a tensor whose storage
-    holds at most 256 bytes (a length or a count kept as a tensor, which decides what the forward does as a number
-    would). The value a larger tensor or a container started from is not held until the recomputation (that would
-    keep its memory alive): recomputation starts from the value the forward ended with. The values as the forward
-    ended are kept, and an attribute rebound since (by a forward hook of the region's module, by the caller between
-    two calls of the region: old-style spectral norm's hook sets ``weight`` before each call) has that value back for
-    each recomputation, as ``checkpoint`` keeps a region's inputs: an attribute still holding its value costs nothing
-    more, one rebound keeps its old value alive until the recomputation. Hooks the forward registered on the region's
-    modules are left out of each recomputation, and the live hooks are back after it: a forward that registers a hook
-    once, behind an attribute it creates, registers it again in a recomputation that starts without that attribute.
-    A hook the forward removed is not put back for the recomputation (a one-shot hook that removes itself): the
-    sentinel sees what it changed.
+    The values of the modules' own attributes (framework bookkeeping, hooks and FSDP's flags, left out; ``training`` is
+    :class:`TrainingModes`'s) are read as the forward starts and compared by identity as it ends, with how many
+    attributes each module holds: what a forward changes is known at that very call, not from a call before (a counter,
+    an attribute created lazily, a ``torch.Generator`` too, one that starts changing after a warm-up). Replayed are the
+    attributes the forward created or deleted, and those whose value it started from is immutable
+    (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`), a generator, or a tensor whose storage holds at
+    most 256 bytes (a length or a count kept as a tensor, which decides what the forward does as a number would). The
+    value a larger tensor or a container started from is not held until the recomputation (that would keep its memory
+    alive): recomputation starts from the live value. The values of the attributes the forward did not rebind are kept
+    as it ended, and one rebound since (by a forward hook of the region's module, by the caller between two calls of the
+    region: old-style spectral norm's hook sets ``weight`` before each call) has that value back for each recomputation,
+    as ``checkpoint`` keeps a region's inputs: an attribute still holding its value costs nothing more, one rebound
+    keeps its old value alive until the recomputation. Hooks the forward registered on the region's modules are left out
+    of each recomputation, and the live hooks are back after it: a forward that registers a hook once, behind an
+    attribute it creates, registers it again in a recomputation that starts without that attribute. A hook the forward
+    removed is not put back for the recomputation (a one-shot hook that removes itself): the sentinel sees what it
+    changed.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
@@ -738,6 +739,8 @@ class AttributeReplay:
                 for name in held:
                     if (index, name) not in watched and not is_framework_attribute(name):
                         found[index, name] = _MISSING
+        if found:  # what the forward rebound is replayed as above, and its value not held (an activation kept)
+            now = [_NOT_KEPT if slot in found else value for slot, value in zip(self._slots, now, strict=True)]
         self._values, self._ended, self._found = [], now, found
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
         moved = hook_handles_made() != self._hooks_made
@@ -758,7 +761,7 @@ class AttributeReplay:
             replayed = {
                 slot: ended
                 for slot, ended, value in zip(self._slots, self._ended, current, strict=True)
-                if ended is not value
+                if ended is not value and ended is not _NOT_KEPT
             }
         replayed.update((at, value) for at, value in self._found.items() if value is not _LIVE)
         attributes = self._attributes
