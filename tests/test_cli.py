@@ -410,6 +410,11 @@ def loss_without_annotation(module: Any, batch: Any, batch_idx: int):  # type: i
     return module.training_step(batch, batch_idx)
 
 
+def loss_of_two(module: Any, batch: Any) -> torch.Tensor:
+    """A `loss_fn` that forgets `batch_idx`."""
+    return module.training_step(batch, 0)
+
+
 @pytest.mark.usefixtures("in_process")
 @pytest.mark.parametrize(
     ("value", "said"),
@@ -430,6 +435,20 @@ def test_a_loss_fn_the_cli_refuses_says_why_in_one_line(
     config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(loss_fn=value))
     line = _cli_error(capsys, _argv(config, tmp_path))
     assert line == f"error: `trainer.callbacks[0].loss_fn`: {said}"
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_loss_fn_of_another_signature_is_one_line_naming_its_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(
+        tmp_path,
+        lambda config: config["trainer"]["callbacks"][0]["init_args"].update(loss_fn="tests.test_cli.loss_of_two"),
+    )
+    assert _cli_error(capsys, _argv(config, tmp_path)) == (
+        "error: `trainer.callbacks[0].loss_fn` must take (module, batch, batch_idx), got a function of"
+        " (module: Any, batch: Any) -> torch.Tensor."
+    )
 
 
 @pytest.mark.usefixtures("in_process")
