@@ -191,6 +191,37 @@ def test_a_sweep_of_20_budgets_never_costs_more_as_the_budget_grows_and_never_be
     assert costs[0] > costs[-1] == 0
 
 
+def test_of_equal_costs_the_op_plan_checkpoints_fewer_modules_as_module_granularity_does() -> None:
+    # Under the FLOP count an elementwise region costs nothing to recompute; where everything fits plainly,
+    # checkpointing it saves no cost and adds a region's overhead: it stays plain, as module granularity leaves it.
+    free = RegionFigures("free", 100, 10, 0, 1, 0)
+    costly = RegionFigures("costly", 200, 10, 64, 1, 64, (OpFigures(0, "aten.mm.default", 50, 64),))
+    config = CheckpointingConfig(names=["free", "costly"], memory_budget=300)
+    assert plan_from_figures([free, costly], config).checkpointed == []
+    choice = choose_kept_ops([free, costly], 300)
+    assert choice is not None and (choice.kept, choice.kept_bytes, choice.cost) == ({}, 300, 0)
+    # Of one module checkpointed at no cost either way, the fewer bytes: `costly` keeping its product's output.
+    choice = choose_kept_ops([free, costly], 250)
+    assert choice is not None and (choice.kept, choice.kept_bytes, choice.cost) == ({"costly": (0,)}, 160, 0)
+
+
+@pytest.mark.parametrize("granularity", ["module", "op"])
+def test_an_unmeetable_budget_keeps_the_least_it_names_and_a_module_saving_nothing_stays_plain(
+    granularity: str,
+) -> None:
+    # `scale` keeps its input checkpointed and saves nothing plainly: checkpointing it would keep 64 bytes for nothing.
+    figures = [
+        RegionFigures("block", 400, 64, 100, 1, 100, (OpFigures(0, "aten.mm.default", 128, 100),)),
+        RegionFigures("scale", 0, 64, 0, 1, 0),
+        RegionFigures("unused", 0, 0, 0, 0),  # did not run: checkpointed, as every plan has it
+    ]
+    config = CheckpointingConfig(names=["block", "scale", "unused"], memory_budget=10, budget_granularity=granularity)
+    with pytest.warns(LightningCkptDeterminismWarning, match="keep at least 64 bytes") as caught:
+        plan = plan_from_figures(figures, config)
+    assert len(caught) == 1
+    assert (plan.checkpointed, plan.kept_bytes) == (["block", "unused"], 64)
+
+
 def test_identical_blocks_share_one_frontier_and_the_choice_is_exact_over_copies() -> None:
     ops = (OpFigures(0, "aten.mm.default", 30, 20), OpFigures(1, "aten.sin.default", 10, 12))
     figures = [RegionFigures(f"b{index}", 100, 10, 0, 1, 40, ops) for index in range(3)]

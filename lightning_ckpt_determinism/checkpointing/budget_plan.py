@@ -365,7 +365,7 @@ def plan_from_figures(
     chosen = choose_checkpointed(figures, budget_bytes, costs)
     if chosen is None:
         _warn_unmet(figures, budget_bytes, _percent_hint(budget))
-        chosen = {entry.name for entry in figures}
+        chosen = _least_keeping(figures)
     kept = sum(entry.checkpointed_bytes if entry.name in chosen else entry.plain_bytes for entry in figures)
     return CheckpointingPlan(
         config=config,
@@ -395,12 +395,18 @@ def _percent_hint(budget: object) -> str:
     return ""
 
 
+def _least_keeping(figures: Sequence[RegionFigures]) -> set[str]:
+    """The plan that keeps the least, where no plan fits the budget: the candidates that keep less checkpointed
+    than plainly, and those that did not run (nothing measured: checkpointed, as any plan has them)."""
+    return {entry.name for entry in figures if not entry.calls or entry.checkpointed_bytes < entry.plain_bytes}
+
+
 def _warn_unmet(figures: Sequence[RegionFigures], budget_bytes: int, hint: str = "") -> None:
     least = sum(min(entry.plain_bytes, entry.checkpointed_bytes) for entry in figures)
     warnings.warn(
         f"lightning_ckpt_determinism: `memory_budget` of {budget_bytes} byte{'s' * (budget_bytes != 1)}"
         f" ({format_bytes(budget_bytes)}) cannot be met: the matched modules keep at least {least} bytes"
-        f" ({format_bytes(least)}) for backward. Checkpointing all of them.{hint}",
+        f" ({format_bytes(least)}) for backward. Checkpointing those that keep less so, which keeps that.{hint}",
         LightningCkptDeterminismWarning,
         stacklevel=3,
     )
@@ -413,9 +419,10 @@ def _op_plan(
     choice = choose_kept_ops(figures, budget_bytes)
     if choice is None:
         _warn_unmet(figures, budget_bytes, hint)
-        kept: dict[str, tuple[int, ...]] = {entry.name: () for entry in figures}
-        kept_bytes = sum(entry.checkpointed_bytes for entry in figures)
-        cost = sum(entry.cost for entry in figures)
+        least = _least_keeping(figures)
+        kept: dict[str, tuple[int, ...]] = {entry.name: () for entry in figures if entry.name in least}
+        kept_bytes = sum(entry.checkpointed_bytes if entry.name in least else entry.plain_bytes for entry in figures)
+        cost = sum(entry.cost for entry in figures if entry.name in least)
         slack = 0
     else:
         kept, kept_bytes, cost, slack = choice.kept, choice.kept_bytes, choice.cost, choice.slack_bytes

@@ -57,8 +57,10 @@ class OpChoice:
 
 
 def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpChoice | None:
-    """The least-cost choice within ``budget_bytes``; ``None`` when even checkpointing every candidate keeping nothing
-    keeps more. Candidates that did not run are checkpointed keeping nothing and add nothing.
+    """The least-cost choice within ``budget_bytes`` (then the fewest modules checkpointed, as at module granularity:
+    a region free to recompute under the FLOP count stays plain where it fits; then the fewest bytes); ``None`` when
+    even checkpointing every candidate keeping nothing keeps more. Candidates that did not run are checkpointed
+    keeping nothing and add nothing.
 
     Args:
         figures: Each candidate's figures with its op calls, in module order.
@@ -72,12 +74,14 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
         {'a': (0,)}
     """
     ran = [entry for entry in figures if entry.calls]
+    # Costs are weighed times `scale`, plus one for each module checkpointed: of equal costs, fewer modules win.
+    scale = len(ran) + 1
     # Identical candidates (equal figures under other names) share one frontier.
     frontiers: dict[RegionFigures, list[tuple[int, int, tuple[int, ...] | None]]] = {}
     for entry in ran:
         key = replace(entry, name="")
         if key not in frontiers:
-            frontiers[key] = _options(entry, budget_bytes)
+            frontiers[key] = _options(entry, budget_bytes, scale)
     options = {entry.name: frontiers[replace(entry, name="")] for entry in ran}
     least = [min(point[0] for point in options[entry.name]) for entry in ran]
     rest = [sum(least[index:]) for index in range(len(ran) + 1)]
@@ -110,18 +114,19 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
     return OpChoice(
         kept=dict(sorted(kept.items(), key=lambda item: order.index(item[0]))),
         kept_bytes=best[0],
-        cost=best[1],
+        cost=best[1] // scale,
         slack_bytes=slack,
     )
 
 
-def _options(entry: RegionFigures, budget_bytes: int) -> list[tuple[int, int, tuple[int, ...] | None]]:
-    """One candidate's options that no other beats: (bytes, cost, kept op indices or ``None`` for plain)."""
-    subsets: list[tuple[int, int, tuple[int, ...]]] = [(entry.checkpointed_bytes, entry.cost, ())]
+def _options(entry: RegionFigures, budget_bytes: int, scale: int) -> list[tuple[int, int, tuple[int, ...] | None]]:
+    """One candidate's options that no other beats: (bytes, cost times ``scale``, plus one where checkpointed; kept
+    op indices or ``None`` for plain)."""
+    subsets: list[tuple[int, int, tuple[int, ...]]] = [(entry.checkpointed_bytes, entry.cost * scale + 1, ())]
     for op in entry.ops:
         if op.bytes <= 0 or op.cost <= 0:
             continue
-        grown = [(size + op.bytes, cost - op.cost, (*kept, op.index)) for size, cost, kept in subsets]
+        grown = [(size + op.bytes, cost - op.cost * scale, (*kept, op.index)) for size, cost, kept in subsets]
         subsets = _pareto([*subsets, *(point for point in grown if point[0] <= budget_bytes)])
     return _pareto([(entry.plain_bytes, 0, None), *subsets])
 
