@@ -31,7 +31,7 @@ from lightning_ckpt_determinism.lightning.step import (
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.compiled import is_compiled
-from lightning_ckpt_determinism.verify.core import CheckScope, read_otherwise_since, with_attribution
+from lightning_ckpt_determinism.verify.core import CheckScope, losses_differ, read_otherwise_since, with_attribution
 from lightning_ckpt_determinism.verify.live_step import check_live_step
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.two_pass import check_recomputation
@@ -130,7 +130,11 @@ class StepCheck:
                 report = with_attribution(report, self._two_pass(attribution=True))
             except SkippedStep:
                 return report  # its rerun skipped: the live check's finding, without a region named
-        if not self.pl_module.automatic_optimization and report.cause == Cause.OUTSIDE_STATE:
+        if (
+            not self.pl_module.automatic_optimization
+            and report.cause == Cause.OUTSIDE_STATE
+            and losses_differ(report.reference_loss, report.checkpointed_loss)
+        ):
             report = _with_manual_loss_hint(report)
         return report
 
