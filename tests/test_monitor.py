@@ -1,4 +1,5 @@
 import csv
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -338,7 +339,8 @@ def test_a_loss_fn_returning_another_loss_than_manual_backward_got_is_named_not_
     report = monitor.last_report
     assert report is not None and report.diverged and report.cause == "outside_state"
     assert report.reference_loss == pytest.approx(2 * report.checkpointed_loss, rel=1e-6)
-    assert report.hint is not None and report.hint.startswith("Under manual optimization the check reruns `loss_fn`")
+    assert report.hint is not None
+    assert report.hint.startswith("Under manual optimization the check reruns `loss_fn`: it returned")
     assert not any(region.diverged for region in report.regions)  # attribution found every region exact
     halved = RecomputationMonitor(
         every_n_steps=1, loss_fn=lambda module, batch, index: manual_loss(module, batch, index) / 2
@@ -349,6 +351,72 @@ def test_a_loss_fn_returning_another_loss_than_manual_backward_got_is_named_not_
     for model in (monitored, clean):
         for (key, expected), actual in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
             assert torch.equal(expected, actual), key
+
+
+class ManualPenaltyModule(GradientPenaltyModule):
+    """:class:`GradientPenaltyModule`'s loss under manual optimization: the regions recompute inside
+    ``training_step``, before ``manual_backward``."""
+
+    def __init__(self, block: str) -> None:
+        super().__init__(block=block)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        return loss
+
+
+def _penalty_loss(module: pl.LightningModule, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    return GradientPenaltyModule.training_step(module, batch, batch_idx)  # type: ignore[arg-type]
+
+
+def test_a_manual_step_that_recomputes_before_its_loss_is_not_blamed_on_outside_state(tmp_path):
+    # The penalty recomputes the regions (NumPy noise in each) before the loss: its differing loss is recomputation's.
+    monitor = RecomputationMonitor(
+        every_n_steps=1, loss_fn=_penalty_loss, on_divergence="ignore", sentinel="off", attribution="never"
+    )
+    fit(tmp_path, module=ManualPenaltyModule("NumpyNoiseBlock"), monitor=monitor, block="NumpyNoiseBlock", max_steps=1)
+    report = monitor.last_report
+    assert report is not None and report.diverged and report.cause != "outside_state"
+    assert report.checkpointed_loss != report.reference_loss
+
+
+def _weighted(loss: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A decorator whose wrapper takes ``(module, batch, batch_idx)`` and gives ``loss`` a weight besides."""
+
+    @functools.wraps(loss)
+    def wrapper(module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
+        return loss(module, batch, batch_idx, 0.5)
+
+    return wrapper
+
+
+@_weighted
+def _weighted_loss(module: pl.LightningModule, batch: Any, batch_idx: int, weight: float) -> torch.Tensor:
+    return weight * manual_loss(module, batch, batch_idx)
+
+
+class _LossObject:
+    def __call__(self, module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
+        return manual_loss(module, batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        _weighted_loss,
+        functools.partial(lambda scale, module, batch, batch_idx: scale * manual_loss(module, batch, batch_idx), 1.0),
+        _LossObject(),
+        lambda *args: manual_loss(*args),
+    ],
+    ids=["a decorator's wrapper", "a partial", "a callable object", "a lambda of *args"],
+)
+def test_a_loss_fn_callable_as_module_batch_batch_idx_is_taken(loss_fn: Callable[..., torch.Tensor]) -> None:
+    assert RecomputationMonitor(loss_fn=loss_fn).loss_fn is loss_fn
 
 
 def test_state_is_saved_in_and_restored_from_lightning_checkpoints(tmp_path):

@@ -3,6 +3,7 @@ the monitor's check of the live step, and both are the defect's own (ground trut
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -204,6 +205,9 @@ def test_a_provisional_step_cause_gives_way_to_the_attributions_where_it_finds_o
     exact = RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0, regions=[RegionReport("blocks.1")])
     stays = with_attribution(live, exact)
     assert (stays.cause, stays.hint, blame(stays)) == (Cause.OUTSIDE_STATE, "outside", (Cause.OUTSIDE_STATE, None))
+    # An attribution that diverged without naming a region, or that failed, proves nothing: it gives way as before.
+    for unsure in (replace(exact, diverged=True), replace(exact, error="attribution failed")):
+        assert with_attribution(live, unsure).cause is None
     buffers = RecomputationReport(0.0, 0.0, diverged=True, tolerance=0.0, cause=Cause.BUFFER_MUTATION, hint="b")
     kept = with_attribution(buffers, RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0))
     assert (kept.cause, kept.hint, blame(kept)) == (Cause.BUFFER_MUTATION, "b", (Cause.BUFFER_MUTATION, None))

@@ -900,6 +900,30 @@ class CalledTwice(nn.Module):
         return self.head(halves[0] - 0.5 * halves[1])
 
 
+class ScaledIfSet(nn.Module):
+    """Scales by ``scale`` where its caller has set one (``getattr`` with a default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x) * getattr(self, "scale", 1.0))
+
+
+class CreatedBetweenCalls(CalledTwice):
+    """Creates ``body.scale`` before the body's second call (the first call's recomputation must not read it), and
+    deletes it when the step starts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vars(self.body).pop("scale", None)
+        h = self.inp(x)
+        first = self.body(h)
+        self.body.scale = 3.0
+        second = self.body(h.flip(0))
+        return self.head(first - 0.5 * second)
+
+
 class Tempered(nn.Module):
     """Divides by a temperature its caller sets (a plain float attribute)."""
 
@@ -941,6 +965,7 @@ def _spectral_norm_linear() -> nn.Module:
         pytest.param(lambda: CalledTwice(Tempered(), (1.0, 3.0)), id="a float the caller sets between calls"),
         pytest.param(lambda: CalledTwice(HookScaled()), id="a float the module's forward hook sets"),
         pytest.param(lambda: Head(HookScaled()), id="a float a forward hook sets, one call a step"),
+        pytest.param(lambda: CreatedBetweenCalls(ScaledIfSet()), id="an attribute the caller creates between calls"),
     ],
 )
 def test_an_attribute_rebound_outside_the_forward_before_its_recomputation_is_replayed(
@@ -985,4 +1010,32 @@ def test_a_tensor_a_shared_block_stores_at_each_call_is_not_held_for_its_recompu
     assert stored[0]() is None and stored[1]() is model.body.stored
     loss.backward()
     loss_of(plain, tokens(0)).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+
+
+def test_a_tensor_a_hook_stores_on_a_shared_block_at_each_call_is_not_held_for_its_recomputations() -> None:
+    # A forward hook of the region's module (outside its forward) storing each call's output for logging: the values
+    # it rebinds are not kept alive until backward (a weak reference tells whether one is still there to replay).
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(WIDTH * 4, WIDTH * 4), nn.Tanh())
+            self.body.register_forward_hook(lambda module, args, out: setattr(module, "last", out.detach().clone()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(3):
+                x = self.body(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    plain = Looped()
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    stored: list[weakref.ref[torch.Tensor]] = []
+    model.body.register_forward_hook(lambda module, args, out: stored.append(weakref.ref(module.last)))
+    x = torch.randn(4, WIDTH * 4, generator=torch.Generator().manual_seed(0))  # 512 bytes an output
+    loss = model(x)
+    assert [ref() is not None for ref in stored] == [False, False, True]
+    loss.backward()
+    plain(x).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(), strict=True))

@@ -657,15 +657,15 @@ class AttributeReplay:
     (:data:`~lightning_ckpt_determinism.checkpointing.modules.SCALARS`), a generator, or a tensor whose storage holds at
     most 256 bytes (a length or a count kept as a tensor, which decides what the forward does as a number would). The
     value a larger tensor or a container started from is not held until the recomputation (that would keep its memory
-    alive): recomputation starts from the live value. The values of the attributes the forward did not rebind are kept
-    as it ended, and one rebound since (by a forward hook of the region's module, by the caller between two calls of the
-    region: old-style spectral norm's hook sets ``weight`` before each call) has that value back for each recomputation,
-    as ``checkpoint`` keeps a region's inputs: an attribute still holding its value costs nothing more, one rebound
-    keeps its old value alive until the recomputation. Hooks the forward registered on the region's modules are left out
-    of each recomputation, and the live hooks are back after it: a forward that registers a hook once, behind an
-    attribute it creates, registers it again in a recomputation that starts without that attribute. A hook the forward
-    removed is not put back for the recomputation (a one-shot hook that removes itself): the sentinel sees what it
-    changed.
+    alive): recomputation starts from the live value. An attribute the forward left alone that is rebound, created or
+    deleted before a recomputation (by a forward hook of the region's module, which runs outside the region, or by the
+    caller between two calls of the region: old-style spectral norm's hook sets ``weight`` before each call) is as the
+    forward ended for each recomputation: its value is kept until then where it is small or a tensor that requires grad
+    (see :func:`_after_forward`), else by weak reference (an activation a hook stores is not kept alive). Hooks the
+    forward registered on the region's modules are left out of each recomputation, and the live hooks are back after it:
+    a forward that registers a hook once, behind an attribute it creates, registers it again in a recomputation that
+    starts without that attribute. A hook the forward removed is not put back for the recomputation (a one-shot hook
+    that removes itself): the sentinel sees what it changed.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
@@ -685,15 +685,28 @@ class AttributeReplay:
         1
     """
 
-    __slots__ = ("_attributes", "_ended", "_found", "_hooks", "_hooks_made", "_sizes", "_slots", "_values")
+    __slots__ = (
+        "_attributes",
+        "_ended",
+        "_ended_ids",
+        "_ended_sizes",
+        "_found",
+        "_hooks",
+        "_hooks_made",
+        "_sizes",
+        "_slots",
+        "_values",
+    )
 
     def __init__(self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]]) -> None:
         self._attributes = attributes
         self._slots = slots
         self._sizes: list[int] = []
         self._values: list[Any] = []
-        # The watched values as the forward ended, in the order of `_slots`.
+        # The watched values as the forward ended (kept, weakly kept, or not), their ids, and each module's size.
         self._ended: list[Any] = []
+        self._ended_ids: list[int] = []
+        self._ended_sizes: list[int] = []
         self._found: dict[tuple[int, str], Any] = {}
         self._hooks_made = 0
         # The hooks the forward registered on the region's modules, by the dictionary that holds them.
@@ -739,9 +752,14 @@ class AttributeReplay:
                 for name in held:
                     if (index, name) not in watched and not is_framework_attribute(name):
                         found[index, name] = _MISSING
-        if found:  # what the forward rebound is replayed as above, and its value not held (an activation kept)
-            now = [_NOT_KEPT if slot in found else value for slot, value in zip(self._slots, now, strict=True)]
-        self._values, self._ended, self._found = [], now, found
+        # What the forward ended with, for a recomputation after something else rebinds, creates or deletes an
+        # attribute: identities (compared at each recomputation), the values kept (see `_after_forward`), and sizes.
+        self._ended_ids = list(map(id, now))
+        self._ended = [
+            _NOT_KEPT if slot in found else _after_forward(value) for slot, value in zip(self._slots, now, strict=True)
+        ]
+        self._ended_sizes = list(map(len, attributes))
+        self._values, self._found = [], found
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
         moved = hook_handles_made() != self._hooks_made
         self._hooks = hooks_added_since(attributes, self._hooks_made) if moved else []
@@ -750,23 +768,20 @@ class AttributeReplay:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
         attributes = self._attributes
         current = [attributes[index].get(name, _MISSING) for index, name in self._slots]
-        rebound = not all(map(operator.is_, self._ended, current))
-        return self._replayed(current if rebound else None) if self._found or self._hooks or rebound else NO_CONTEXT
+        # An id is never reused while the value is kept; one whose value died could not be given back anyway.
+        changed = list(map(id, current)) != self._ended_ids or list(map(len, attributes)) != self._ended_sizes
+        if self._found or self._hooks or changed:
+            return self._replayed(current if changed else None)
+        return NO_CONTEXT
 
     @contextlib.contextmanager
     def _replayed(self, current: list[Any] | None) -> Iterator[None]:
         """``current``: the watched values now, where one differs from the forward's end (``None`` where none does)."""
-        replayed = {}
-        if current is not None:  # rebound since the forward ended: as it ended
-            replayed = {
-                slot: ended
-                for slot, ended, value in zip(self._slots, self._ended, current, strict=True)
-                if ended is not value and ended is not _NOT_KEPT
-            }
-        replayed.update((at, value) for at, value in self._found.items() if value is not _LIVE)
         attributes = self._attributes
+        replayed = {} if current is None else self._since_forward(current)
+        replayed.update((at, value) for at, value in self._found.items() if value is not _LIVE)
         live = {(index, name): attributes[index].get(name, _MISSING) for index, name in {**self._found, **replayed}}
-        hooks = HookSnapshot(self._attributes) if self._hooks else None
+        hooks = HookSnapshot(attributes) if self._hooks else None
         self._set(replayed)
         for registered, ids in self._hooks:
             for key in ids:
@@ -777,6 +792,30 @@ class AttributeReplay:
             self._set(live)
             if hooks is not None:
                 hooks.restore()
+
+    def _since_forward(self, current: list[Any]) -> dict[tuple[int, str], Any]:
+        """The attributes rebound, created or deleted since the forward ended (by a hook of the region's module, by
+        its caller), with the values the forward ended with, where those are kept."""
+        attributes = self._attributes
+        replayed: dict[tuple[int, str], Any] = {}
+        for slot, ended, value in zip(self._slots, self._ended, current, strict=True):
+            if ended is _NOT_KEPT:
+                continue
+            if isinstance(ended, _Weak):
+                ended = ended.ref()
+                if ended is None:  # not kept alive, and gone: the recomputation reads the live value
+                    continue
+            if ended is not value:
+                replayed[slot] = ended
+        sizes = self._ended_sizes
+        if list(map(len, attributes)) != sizes:
+            known = {*self._slots, *self._found}
+            for index, held in enumerate(attributes):
+                if len(held) != sizes[index]:
+                    for name in held:
+                        if (index, name) not in known and not is_framework_attribute(name):
+                            replayed[index, name] = _MISSING
+        return replayed
 
     def _set(self, values: dict[tuple[int, str], Any]) -> None:
         for (index, name), value in values.items():
@@ -790,6 +829,30 @@ class AttributeReplay:
 # step count or a flag kept as a tensor (transformers' dynamic RoPE keeps its cached length as one), which decides
 # what the forward does, as a number would.
 _HELD_BYTES = 256
+
+
+class _Weak(NamedTuple):
+    """A value the forward ended with, not kept alive for the recomputation (see :func:`_after_forward`)."""
+
+    ref: "weakref.ref[Any]"
+
+
+def _after_forward(value: Any) -> Any:
+    """What an attribute's value as a forward ended is kept as, for a recomputation after something rebinds it: the
+    value itself where it is small (an immutable value, a tuple of them, a generator, a tensor of at most
+    :data:`_HELD_BYTES`) or a tensor that requires grad (a weight a hook computes, as old-style spectral norm's: its
+    gradient flows through the forward's); a weak reference to another tensor or object (an activation a hook stores
+    for logging is not kept alive); :data:`_NOT_KEPT` for what takes no weak reference (a list, a dict)."""
+    if isinstance(value, SCALARS) or value is _MISSING or isinstance(value, torch.Generator):
+        return value
+    if type(value) is tuple:
+        return value if all(isinstance(item, SCALARS) for item in value) else _NOT_KEPT
+    if isinstance(value, torch.Tensor) and (value.requires_grad or _held(value)):
+        return value
+    try:
+        return _Weak(weakref.ref(value))
+    except TypeError:
+        return _NOT_KEPT
 
 
 def _held(value: Any) -> bool:

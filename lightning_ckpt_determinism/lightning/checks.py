@@ -239,8 +239,8 @@ def _with_manual_loss_hint(report: RecomputationReport) -> RecomputationReport:
     if live == rerun:
         live, rerun = repr(report.checkpointed_loss), repr(report.reference_loss)
     said = (
-        f"Under manual optimization the check reruns `loss_fn`, which returned {rerun} where the step's first"
-        f" `manual_backward` was given {live}: `loss_fn` must return the loss that backward is given, scaled as the"
-        " step scales it (`loss / 2` to accumulate two batches by hand)."
+        f"Under manual optimization the check reruns `loss_fn`: it returned {rerun}, and the step's first"
+        f" `manual_backward` was given {live}. If `loss_fn` does not return that loss, scaled as the step scales it"
+        " (`loss / 2` to accumulate two batches by hand), make it do so; otherwise:"
     )
     return replace(report, hint=f"{said} {report.hint}" if report.hint else said)

@@ -738,7 +738,7 @@ def _checked_loss_fn(loss_fn: object) -> LossFn | None:
     if not callable(loss_fn):
         raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     try:
-        signature = inspect.signature(loss_fn)
+        signature = inspect.signature(loss_fn, follow_wrapped=False)  # a decorator's wrapper is what is called
     except (TypeError, ValueError):  # a builtin or extension without one: called as it is
         return loss_fn  # type: ignore[return-value]
     try:

@@ -332,8 +332,13 @@ class StepCapture:
 
     def backward_started(self, loss: torch.Tensor, *, scaled: bool) -> None:
         """The step's first backward is about to run on ``loss``: under manual optimization, the live loss the check
-        compares with ``loss_fn``'s (unknown where a GradScaler has ``scaled`` it)."""
-        if not self.pl_module.automatic_optimization and not scaled and loss.numel() == 1:
+        compares with ``loss_fn``'s (unknown where a GradScaler has ``scaled`` it), and whether a region recomputed
+        before it."""
+        if self.pl_module.automatic_optimization:
+            return
+        # The check runs inside `training_step` here: what recomputed until now came before the loss (a penalty).
+        self.recomputed_in_forward = recomputations(self.pl_module) > self.recomputations_before
+        if not scaled and loss.numel() == 1:
             self.loss = float(loss.detach())
 
 

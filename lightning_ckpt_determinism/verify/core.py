@@ -472,8 +472,9 @@ def with_attribution(live: RecomputationReport, attributed: RecomputationReport)
     """A live step's report joined with the two-pass attribution of the same step: the attribution's regions, and
     its cause where it gives one. A live cause that blames the whole step is provisional (attribution may find a
     kernel that differs run to run, which changes the forward as well) and gives way to the attribution's verdict,
-    unless attribution found every region exact and no cause: the live step then differed from its rerun outside
-    recomputation, as the live cause says (a ``loss_fn`` returning another loss than the step's backward got).
+    unless attribution ran, found the step and every region exact and gave no cause: the live step then differed from
+    its rerun outside recomputation, as the live cause says (a ``loss_fn`` returning another loss than the step's
+    backward got).
 
     Args:
         live: The live check's report.
@@ -491,7 +492,8 @@ def with_attribution(live: RecomputationReport, attributed: RecomputationReport)
         'outside_state'
     """
     provisional = live.cause is not None and Cause(live.cause).blames == "step"
-    if attributed.cause is None and not any(region.diverged for region in attributed.regions):
+    exact = not attributed.diverged and not any(region.diverged for region in attributed.regions)
+    if attributed.cause is None and attributed.error is None and exact:
         provisional = False
     return replace(
         live,
