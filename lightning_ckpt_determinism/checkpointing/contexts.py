@@ -755,9 +755,13 @@ class AttributeReplay:
         # What the forward ended with, for a recomputation after something else rebinds, creates or deletes an
         # attribute: identities (compared at each recomputation), the values kept (see `_after_forward`), and sizes.
         self._ended_ids = list(map(id, now))
-        self._ended = [
-            _NOT_KEPT if slot in found else _after_forward(value) for slot, value in zip(self._slots, now, strict=True)
-        ]
+        if found:
+            self._ended = [
+                _NOT_KEPT if slot in found else _after_forward(value)
+                for slot, value in zip(self._slots, now, strict=True)
+            ]
+        else:  # a module's attributes are mostly numbers, strings and flags: kept as they are at once
+            self._ended = [value if type(value) in _KEPT_TYPES else _after_forward(value) for value in now]
         self._ended_sizes = list(map(len, attributes))
         self._values, self._found = [], found
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
@@ -831,6 +835,10 @@ class AttributeReplay:
 _HELD_BYTES = 256
 
 
+# The types whose values `_after_forward` keeps as they are.
+_KEPT_TYPES = frozenset((*SCALARS, torch.Generator))
+
+
 class _Weak(NamedTuple):
     """A value the forward ended with, not kept alive for the recomputation (see :func:`_after_forward`)."""
 
@@ -843,10 +851,10 @@ def _after_forward(value: Any) -> Any:
     :data:`_HELD_BYTES`) or a tensor that requires grad (a weight a hook computes, as old-style spectral norm's: its
     gradient flows through the forward's); a weak reference to another tensor or object (an activation a hook stores
     for logging is not kept alive); :data:`_NOT_KEPT` for what takes no weak reference (a list, a dict)."""
+    if type(value) is tuple:  # a shape, most often
+        return value if all(map(_KEPT_TYPES.__contains__, map(type, value))) else _NOT_KEPT
     if isinstance(value, SCALARS) or value is _MISSING or isinstance(value, torch.Generator):
         return value
-    if type(value) is tuple:
-        return value if all(isinstance(item, SCALARS) for item in value) else _NOT_KEPT
     if isinstance(value, torch.Tensor) and (value.requires_grad or _held(value)):
         return value
     try:
