@@ -705,7 +705,7 @@ class AttributeReplay:
         self._values: list[Any] = []
         # The watched values as the forward ended (kept, weakly kept, or not), their ids, and each module's size.
         self._ended: list[Any] = []
-        self._ended_ids: list[int] = []
+        self._ended_ids: list[int] | None = None
         self._ended_sizes: list[int] = []
         self._found: dict[tuple[int, str], Any] = {}
         self._hooks_made = 0
@@ -753,15 +753,17 @@ class AttributeReplay:
                     if (index, name) not in watched and not is_framework_attribute(name):
                         found[index, name] = _MISSING
         # What the forward ended with, for a recomputation after something else rebinds, creates or deletes an
-        # attribute: identities (compared at each recomputation), the values kept (see `_after_forward`), and sizes.
-        self._ended_ids = list(map(id, now))
-        if found:
+        # attribute: the values kept (see `_after_forward`), their identities where not all are kept (compared at
+        # each recomputation), and sizes.
+        self._ended_ids = None
+        if not found and _KEPT_TYPES.issuperset(map(type, now)):  # numbers, strings, flags: a module's, most often
+            self._ended = now
+        else:
+            self._ended_ids = list(map(id, now))
             self._ended = [
                 _NOT_KEPT if slot in found else _after_forward(value)
                 for slot, value in zip(self._slots, now, strict=True)
             ]
-        else:  # a module's attributes are mostly numbers, strings and flags: kept as they are at once
-            self._ended = [value if type(value) in _KEPT_TYPES else _after_forward(value) for value in now]
         self._ended_sizes = list(map(len, attributes))
         self._values, self._found = [], found
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
@@ -772,8 +774,11 @@ class AttributeReplay:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
         attributes = self._attributes
         current = [attributes[index].get(name, _MISSING) for index, name in self._slots]
-        # An id is never reused while the value is kept; one whose value died could not be given back anyway.
-        changed = list(map(id, current)) != self._ended_ids or list(map(len, attributes)) != self._ended_sizes
+        if self._ended_ids is None:  # every value kept
+            changed = not all(map(operator.is_, self._ended, current))
+        else:  # an id is never reused while the value is kept; one whose value died could not be given back anyway
+            changed = list(map(id, current)) != self._ended_ids
+        changed = changed or list(map(len, attributes)) != self._ended_sizes
         if self._found or self._hooks or changed:
             return self._replayed(current if changed else None)
         return NO_CONTEXT
@@ -835,8 +840,8 @@ class AttributeReplay:
 _HELD_BYTES = 256
 
 
-# The types whose values `_after_forward` keeps as they are.
-_KEPT_TYPES = frozenset((*SCALARS, torch.Generator))
+# The types whose values `_after_forward` keeps as they are: immutable values, shapes and generators.
+_KEPT_TYPES = frozenset((*SCALARS, tuple, torch.Generator))
 
 
 class _Weak(NamedTuple):
@@ -847,13 +852,11 @@ class _Weak(NamedTuple):
 
 def _after_forward(value: Any) -> Any:
     """What an attribute's value as a forward ended is kept as, for a recomputation after something rebinds it: the
-    value itself where it is small (an immutable value, a tuple of them, a generator, a tensor of at most
-    :data:`_HELD_BYTES`) or a tensor that requires grad (a weight a hook computes, as old-style spectral norm's: its
-    gradient flows through the forward's); a weak reference to another tensor or object (an activation a hook stores
-    for logging is not kept alive); :data:`_NOT_KEPT` for what takes no weak reference (a list, a dict)."""
-    if type(value) is tuple:  # a shape, most often
-        return value if all(map(_KEPT_TYPES.__contains__, map(type, value))) else _NOT_KEPT
-    if isinstance(value, SCALARS) or value is _MISSING or isinstance(value, torch.Generator):
+    value itself where it is small (an immutable value, a tuple (a shape, as a rule), a generator, a tensor of at
+    most :data:`_HELD_BYTES`) or a tensor that requires grad (a weight a hook computes, as old-style spectral norm's:
+    its gradient flows through the forward's); a weak reference to another tensor or object (an activation a hook
+    stores for logging is not kept alive); :data:`_NOT_KEPT` for what takes no weak reference (a list, a dict)."""
+    if isinstance(value, (*SCALARS, tuple)) or value is _MISSING or isinstance(value, torch.Generator):
         return value
     if isinstance(value, torch.Tensor) and (value.requires_grad or _held(value)):
         return value
