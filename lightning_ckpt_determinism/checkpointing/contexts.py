@@ -736,7 +736,8 @@ class AttributeReplay:
         attributes, found = self._attributes, {}
         now = [attributes[index].get(name, _MISSING) for index, name in self._slots]
         # A module holding more or fewer attributes, or one deleted, may hold one the forward created.
-        created = list(map(len, attributes)) != self._sizes
+        sizes = list(map(len, attributes))
+        created = sizes != self._sizes
         if not all(map(operator.is_, self._values, now)):
             for slot, before, after in zip(self._slots, self._values, now, strict=True):
                 if before is not after:
@@ -764,7 +765,7 @@ class AttributeReplay:
                 _NOT_KEPT if slot in found else _after_forward(value)
                 for slot, value in zip(self._slots, now, strict=True)
             ]
-        self._ended_sizes = list(map(len, attributes))
+        self._ended_sizes = sizes
         self._values, self._found = [], found
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
         moved = hook_handles_made() != self._hooks_made
