@@ -659,11 +659,11 @@ class AttributeReplay:
     value a larger tensor or a container started from is not held until the recomputation (that would keep its memory
     alive): recomputation starts from the live value. An attribute the forward left alone that is rebound, created or
     deleted before a recomputation (by a forward hook of the region's module, which runs outside the region, or by the
-    caller between two calls of the region: old-style spectral norm's hook sets ``weight`` before each call) is as the
-    forward ended for each recomputation: its value is kept until then where it is small or a tensor that requires grad
-    (see :func:`_after_forward`), else by weak reference (an activation a hook stores is not kept alive). Hooks the
-    forward registered on the region's modules are left out of each recomputation, and the live hooks are back after it:
-    a forward that registers a hook once, behind an attribute it creates, registers it again in a recomputation that
+    caller between two calls of the region: a temperature set before each call) is as the forward ended for each
+    recomputation where its value is small (see :func:`_after_forward`); a larger value is not kept alive for it (an
+    activation a hook stores), so the recomputation reads the live one, which the sentinel sees. Hooks the forward
+    registered on the region's modules are left out of each recomputation, and the live hooks are back after it: a
+    forward that registers a hook once, behind an attribute it creates, registers it again in a recomputation that
     starts without that attribute. A hook the forward removed is not put back for the recomputation (a one-shot hook
     that removes itself): the sentinel sees what it changed.
 
@@ -688,7 +688,7 @@ class AttributeReplay:
     __slots__ = (
         "_attributes",
         "_ended",
-        "_ended_ids",
+        "_ended_all",
         "_ended_sizes",
         "_found",
         "_hooks",
@@ -703,9 +703,9 @@ class AttributeReplay:
         self._slots = slots
         self._sizes: list[int] = []
         self._values: list[Any] = []
-        # The watched values as the forward ended (kept, weakly kept, or not), their ids, and each module's size.
+        # The watched values as the forward ended (or `_NOT_KEPT`), whether all are kept, and each module's size.
         self._ended: list[Any] = []
-        self._ended_ids: list[int] | None = None
+        self._ended_all = True
         self._ended_sizes: list[int] = []
         self._found: dict[tuple[int, str], Any] = {}
         self._hooks_made = 0
@@ -754,13 +754,11 @@ class AttributeReplay:
                     if (index, name) not in watched and not is_framework_attribute(name):
                         found[index, name] = _MISSING
         # What the forward ended with, for a recomputation after something else rebinds, creates or deletes an
-        # attribute: the values kept (see `_after_forward`), their identities where not all are kept (compared at
-        # each recomputation), and sizes.
-        self._ended_ids = None
-        if not found and _KEPT_TYPES.issuperset(map(type, now)):  # numbers, strings, flags: a module's, most often
+        # attribute: the small values (see `_after_forward`), and the sizes.
+        self._ended_all = not found and _KEPT_TYPES.issuperset(map(type, now))  # numbers, strings, flags, shapes
+        if self._ended_all:
             self._ended = now
         else:
-            self._ended_ids = list(map(id, now))
             self._ended = [
                 _NOT_KEPT if slot in found else _after_forward(value)
                 for slot, value in zip(self._slots, now, strict=True)
@@ -775,10 +773,12 @@ class AttributeReplay:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
         attributes = self._attributes
         current = [attributes[index].get(name, _MISSING) for index, name in self._slots]
-        if self._ended_ids is None:  # every value kept
+        if self._ended_all:
             changed = not all(map(operator.is_, self._ended, current))
-        else:  # an id is never reused while the value is kept; one whose value died could not be given back anyway
-            changed = list(map(id, current)) != self._ended_ids
+        else:
+            changed = any(
+                ended is not value and ended is not _NOT_KEPT for ended, value in zip(self._ended, current, strict=True)
+            )
         changed = changed or list(map(len, attributes)) != self._ended_sizes
         if self._found or self._hooks or changed:
             return self._replayed(current if changed else None)
@@ -809,13 +809,7 @@ class AttributeReplay:
         attributes = self._attributes
         replayed: dict[tuple[int, str], Any] = {}
         for slot, ended, value in zip(self._slots, self._ended, current, strict=True):
-            if ended is _NOT_KEPT:
-                continue
-            if isinstance(ended, _Weak):
-                ended = ended.ref()
-                if ended is None:  # not kept alive, and gone: the recomputation reads the live value
-                    continue
-            if ended is not value:
+            if ended is not _NOT_KEPT and ended is not value:
                 replayed[slot] = ended
         sizes = self._ended_sizes
         if list(map(len, attributes)) != sizes:
@@ -845,30 +839,20 @@ _HELD_BYTES = 256
 _KEPT_TYPES = frozenset((*SCALARS, tuple, torch.Generator))
 
 
-class _Weak(NamedTuple):
-    """A value the forward ended with, not kept alive for the recomputation (see :func:`_after_forward`)."""
-
-    ref: "weakref.ref[Any]"
-
-
 def _after_forward(value: Any) -> Any:
     """What an attribute's value as a forward ended is kept as, for a recomputation after something rebinds it: the
     value itself where it is small (an immutable value, a tuple (a shape, as a rule), a generator, a tensor of at
-    most :data:`_HELD_BYTES`) or a tensor that requires grad (a weight a hook computes, as old-style spectral norm's:
-    its gradient flows through the forward's); a weak reference to another tensor or object (an activation a hook
-    stores for logging is not kept alive); :data:`_NOT_KEPT` for what takes no weak reference (a list, a dict)."""
+    most :data:`_HELD_BYTES`); :data:`_NOT_KEPT` for anything else, whose memory is not kept alive until the
+    recomputation (an activation a hook stores on the module: plain training would have let it go)."""
     if isinstance(value, (*SCALARS, tuple)) or value is _MISSING or isinstance(value, torch.Generator):
         return value
-    if isinstance(value, torch.Tensor) and (value.requires_grad or _held(value)):
-        return value
-    try:
-        return _Weak(weakref.ref(value))
-    except TypeError:
-        return _NOT_KEPT
+    return value if _held(value) else _NOT_KEPT
 
 
 def _held(value: Any) -> bool:
     """Whether the value a forward started from is held for its recomputation (see :class:`AttributeReplay`)."""
     if value is _MISSING or isinstance(value, (*SCALARS, torch.Generator)):
         return True
-    return type(value) is torch.Tensor and value.untyped_storage().nbytes() <= _HELD_BYTES
+    if type(value) is not torch.Tensor or value.layout != torch.strided or value.is_mkldnn:
+        return False  # a sparse or an MKL-DNN tensor has no storage to size
+    return value.untyped_storage().nbytes() <= _HELD_BYTES
