@@ -24,6 +24,7 @@ from lightning_ckpt_determinism import (
     LightningCkptDeterminismWarning,
     RecomputationDivergenceError,
     RecomputationMonitor,
+    RecomputationReport,
     SingleDeviceCheckpointingStrategy,
 )
 from lightning_ckpt_determinism.lightning import checks as checks_module
@@ -340,7 +341,7 @@ def test_a_loss_fn_returning_another_loss_than_manual_backward_got_is_named_not_
     assert report is not None and report.diverged and report.cause == "outside_state"
     assert report.reference_loss == pytest.approx(2 * report.checkpointed_loss, rel=1e-6)
     assert report.hint is not None
-    assert report.hint.startswith("Under manual optimization the check reruns `loss_fn`: it returned")
+    assert report.hint.startswith("Under manual optimization the check reruns `loss_fn`, which returned another loss")
     assert not any(region.diverged for region in report.regions)  # attribution found every region exact
     halved = RecomputationMonitor(
         every_n_steps=1, loss_fn=lambda module, batch, index: manual_loss(module, batch, index) / 2
@@ -351,6 +352,17 @@ def test_a_loss_fn_returning_another_loss_than_manual_backward_got_is_named_not_
     for model in (monitored, clean):
         for (key, expected), actual in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
             assert torch.equal(expected, actual), key
+
+
+def test_the_loss_fn_hint_reads_alike_on_every_rank_so_the_warning_says_it_once() -> None:
+    # Each rank's losses differ (their own batches); a hint holding them would be said once per rank, unnamed.
+    hints = {
+        checks_module._with_manual_loss_hint(
+            RecomputationReport(0.5, 0.5, diverged=True, tolerance=0.0, reference_loss=2 * loss, checkpointed_loss=loss)
+        ).hint
+        for loss in (1.5, 2.25)
+    }
+    assert len(hints) == 1
 
 
 class ManualPenaltyModule(GradientPenaltyModule):

@@ -706,7 +706,7 @@ class AttributeReplay:
         # The watched values as the forward ended (or `_NOT_KEPT`), whether all are kept, and each module's size.
         self._ended: list[Any] = []
         self._ended_all = True
-        self._ended_sizes: list[int] = []
+        self._ended_sizes: list[int] | None = None
         self._found: dict[tuple[int, str], Any] = {}
         self._hooks_made = 0
         # The hooks the forward registered on the region's modules, by the dictionary that holds them.
@@ -771,6 +771,8 @@ class AttributeReplay:
 
     def replay(self) -> AbstractContextManager[None]:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
+        if self._ended_sizes is None:  # recomputed before its forward ended (a backward inside it): nothing since
+            return self._replayed(None) if self._found or self._hooks else NO_CONTEXT
         attributes = self._attributes
         current = [attributes[index].get(name, _MISSING) for index, name in self._slots]
         if self._ended_all:
@@ -811,7 +813,7 @@ class AttributeReplay:
         for slot, ended, value in zip(self._slots, self._ended, current, strict=True):
             if ended is not _NOT_KEPT and ended is not value:
                 replayed[slot] = ended
-        sizes = self._ended_sizes
+        sizes = self._ended_sizes or []
         if list(map(len, attributes)) != sizes:
             known = {*self._slots, *self._found}
             for index, held in enumerate(attributes):

@@ -234,13 +234,13 @@ class StepCheck:
 
 def _with_manual_loss_hint(report: RecomputationReport) -> RecomputationReport:
     """``report`` (cause ``"outside_state"`` under manual optimization) with a hint that names the likeliest reason
-    first: ``loss_fn``, the check's rerun, returned another loss than the step's first ``manual_backward`` got."""
-    live, rerun = f"{report.checkpointed_loss:.6g}", f"{report.reference_loss:.6g}"
-    if live == rerun:
-        live, rerun = repr(report.checkpointed_loss), repr(report.reference_loss)
+    first: ``loss_fn``, the check's rerun, returned another loss than the step's first ``manual_backward`` got. The
+    losses are the report's (``reference_loss``, ``checkpointed_loss``), not the hint's: every rank's hint reads alike,
+    and the warning says it once."""
     said = (
-        f"Under manual optimization the check reruns `loss_fn`: it returned {rerun}, and the step's first"
-        f" `manual_backward` was given {live}. If `loss_fn` does not return that loss, scaled as the step scales it"
-        " (`loss / 2` to accumulate two batches by hand), make it do so; otherwise:"
+        "Under manual optimization the check reruns `loss_fn`, which returned another loss than the step's first"
+        " `manual_backward` was given (the report's `reference_loss` and `checkpointed_loss`). If `loss_fn` does not"
+        " return that loss, scaled as the step scales it (`loss / 2` to accumulate two batches by hand), make it do"
+        " so; otherwise:"
     )
     return replace(report, hint=f"{said} {report.hint}" if report.hint else said)

@@ -334,8 +334,8 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "region is blamed; with `calibrate_noise`, only when the reference passes agree with each other. Where the "
             "step recomputed an eager region before its loss (a gradient penalty's backward in the forward), only "
             "when attribution found every region exact: otherwise the regions' own causes stand. Under manual "
-            "optimization the hint first names both losses: a `loss_fn` returning another loss than the step's first "
-            "`manual_backward` was given is the likeliest reason."
+            "optimization the hint first names the likeliest reason: a `loss_fn` returning another loss than the "
+            "step's first `manual_backward` was given."
         ),
         Cause.ATTRIBUTE_MUTATION: (
             "a plain Python attribute of a module inside a region (a list, a dict) ended the checkpointed step "
