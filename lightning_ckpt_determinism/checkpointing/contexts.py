@@ -781,16 +781,16 @@ class AttributeReplay:
             changed = any(
                 ended is not value and ended is not _NOT_KEPT for ended, value in zip(self._ended, current, strict=True)
             )
-        changed = changed or list(map(len, attributes)) != self._ended_sizes
-        if self._found or self._hooks or changed:
-            return self._replayed(current if changed else None)
-        return NO_CONTEXT
+        sizes = list(map(len, attributes))
+        if changed or sizes != self._ended_sizes:
+            return self._replayed(self._since_forward(current, sizes, self._ended_sizes))
+        return self._replayed(None) if self._found or self._hooks else NO_CONTEXT
 
     @contextlib.contextmanager
-    def _replayed(self, current: list[Any] | None) -> Iterator[None]:
-        """``current``: the watched values now, where one differs from the forward's end (``None`` where none does)."""
+    def _replayed(self, since: dict[tuple[int, str], Any] | None) -> Iterator[None]:
+        """``since``: what changed since the forward ended, as :meth:`_since_forward` gives it (``None``: nothing)."""
         attributes = self._attributes
-        replayed = {} if current is None else self._since_forward(current)
+        replayed = {} if since is None else since
         replayed.update((at, value) for at, value in self._found.items() if value is not _LIVE)
         live = {(index, name): attributes[index].get(name, _MISSING) for index, name in {**self._found, **replayed}}
         hooks = HookSnapshot(attributes) if self._hooks else None
@@ -805,19 +805,18 @@ class AttributeReplay:
             if hooks is not None:
                 hooks.restore()
 
-    def _since_forward(self, current: list[Any]) -> dict[tuple[int, str], Any]:
+    def _since_forward(self, current: list[Any], sizes: list[int], ended: list[int]) -> dict[tuple[int, str], Any]:
         """The attributes rebound, created or deleted since the forward ended (by a hook of the region's module, by
-        its caller), with the values the forward ended with, where those are kept."""
-        attributes = self._attributes
+        its caller), with the values the forward ended with, where those are kept: from the watched values
+        ``current`` and the modules' ``sizes`` now, and their sizes as the forward ``ended``."""
         replayed: dict[tuple[int, str], Any] = {}
-        for slot, ended, value in zip(self._slots, self._ended, current, strict=True):
-            if ended is not _NOT_KEPT and ended is not value:
-                replayed[slot] = ended
-        sizes = self._ended_sizes or []
-        if list(map(len, attributes)) != sizes:
+        for slot, kept, value in zip(self._slots, self._ended, current, strict=True):
+            if kept is not _NOT_KEPT and kept is not value:
+                replayed[slot] = kept
+        if sizes != ended:
             known = {*self._slots, *self._found}
-            for index, held in enumerate(attributes):
-                if len(held) != sizes[index]:
+            for index, held in enumerate(self._attributes):
+                if sizes[index] != ended[index]:
                     for name in held:
                         if (index, name) not in known and not is_framework_attribute(name):
                             replayed[index, name] = _MISSING
@@ -843,12 +842,10 @@ _KEPT_TYPES = frozenset((*SCALARS, tuple, torch.Generator))
 
 def _after_forward(value: Any) -> Any:
     """What an attribute's value as a forward ended is kept as, for a recomputation after something rebinds it: the
-    value itself where it is small (an immutable value, a tuple (a shape, as a rule), a generator, a tensor of at
-    most :data:`_HELD_BYTES`); :data:`_NOT_KEPT` for anything else, whose memory is not kept alive until the
-    recomputation (an activation a hook stores on the module: plain training would have let it go)."""
-    if isinstance(value, (*SCALARS, tuple)) or value is _MISSING or isinstance(value, torch.Generator):
-        return value
-    return value if _held(value) else _NOT_KEPT
+    value itself where :func:`_held` holds it or it is a tuple (a shape, as a rule); :data:`_NOT_KEPT` for anything
+    else, whose memory is not kept alive until the recomputation (an activation a hook stores on the module: plain
+    training would have let it go)."""
+    return value if isinstance(value, tuple) or _held(value) else _NOT_KEPT
 
 
 def _held(value: Any) -> bool:
