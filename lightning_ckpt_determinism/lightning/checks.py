@@ -27,6 +27,7 @@ from lightning_ckpt_determinism.lightning.step import (
     live_reference,
     logging_suppressed,
     loss_on_every_rank,
+    scales_the_loss,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
 from lightning_ckpt_determinism.verify.cause import Cause
@@ -178,7 +179,7 @@ class StepCheck:
             clone_gradients=self.support.writes_into_bucket_views(),
             gradients_before=gradients_before,
             calibrate_noise=settings.calibrate_noise,
-            skip_non_finite=getattr(strategy.precision_plugin, "scaler", None) is not None,
+            skip_non_finite=scales_the_loss(strategy),
             live_loss=capture.loss,
             recomputed_in_forward=capture.recomputed_in_forward,
             read_otherwise=read_otherwise_since(pl_module, capture.read_otherwise_before),

@@ -389,8 +389,7 @@ class RecomputationMonitor(Callback):
         self._watch.backward_started()
         if self._capture is None or not self._capture.captured or self._support is None:
             return
-        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        self._capture.backward_started(loss, scaled=scaler is not None)
+        self._capture.backward_started(loss)
         held = [grad for _, grad in self._support.gradient_holders(pl_module)]
         if any(param.grad is not None for param in held):
             # Gradients the step accumulates onto (a later micro-batch, or accumulation by hand): the reference

@@ -30,6 +30,7 @@ __all__ = [
     "logging_suppressed",
     "loss_on_every_rank",
     "raised_in_backward",
+    "scales_the_loss",
     "training_step_arguments",
     "training_step_loss",
 ]
@@ -149,6 +150,16 @@ def loss_on_every_rank(strategy: Any, step: Callable[[], torch.Tensor]) -> torch
     if agree(strategy, loss is None) or loss is None:  # the second test only tells the type checker what agree did
         raise SkippedStep
     return loss
+
+
+def scales_the_loss(strategy: Any) -> bool:
+    """Whether the strategy's precision plugin scales the loss before backward with a GradScaler (which skips the
+    steps whose gradients are not finite).
+
+    Args:
+        strategy: The Trainer's strategy.
+    """
+    return getattr(strategy.precision_plugin, "scaler", None) is not None
 
 
 def training_step_loss(pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -330,15 +341,15 @@ class StepCapture:
             self.loss = float(loss.detach())
         return output
 
-    def backward_started(self, loss: torch.Tensor, *, scaled: bool) -> None:
+    def backward_started(self, loss: torch.Tensor) -> None:
         """The step's first backward is about to run on ``loss``: under manual optimization, the live loss the check
-        compares with ``loss_fn``'s (unknown where a GradScaler has ``scaled`` it), and whether a region recomputed
+        compares with ``loss_fn``'s (unknown where a GradScaler has scaled it), and whether a region recomputed
         before it."""
         if self.pl_module.automatic_optimization:
             return
         # The check runs inside `training_step` here: what recomputed until now came before the loss (a penalty).
         self.recomputed_in_forward = recomputations(self.pl_module) > self.recomputations_before
-        if not scaled and loss.numel() == 1:
+        if not scales_the_loss(self.pl_module.trainer.strategy) and loss.numel() == 1:
             self.loss = float(loss.detach())
 
 

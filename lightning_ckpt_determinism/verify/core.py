@@ -491,10 +491,9 @@ def with_attribution(live: RecomputationReport, attributed: RecomputationReport)
         >>> with_attribution(live, RecomputationReport(0.0, 0.0, diverged=False, tolerance=0.0)).cause
         'outside_state'
     """
-    provisional = live.cause is not None and Cause(live.cause).blames == "step"
     exact = not attributed.diverged and not any(region.diverged for region in attributed.regions)
-    if attributed.cause is None and attributed.error is None and exact:
-        provisional = False
+    found_nothing = attributed.cause is None and attributed.error is None and exact
+    provisional = live.cause is not None and Cause(live.cause).blames == "step" and not found_nothing
     return replace(
         live,
         regions=attributed.regions,
