@@ -3,7 +3,7 @@
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -674,16 +674,18 @@ _SINGLE_DEVICE = (
 )
 
 
-def _yaml_error_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], trainer_tail: str) -> list[str]:
+def _yaml_error_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trainer_tail: str, arguments: Sequence[str] = ()
+) -> list[str]:
     """The lines from the first ``error:`` on of `CheckpointingCLI` given one YAML file: a one-step Trainer whose
-    entries end with ``trainer_tail`` (indented under ``trainer:``), and the `StackModule`."""
+    entries end with ``trainer_tail`` (indented under ``trainer:``), and the `StackModule`; then ``arguments``."""
     config = tmp_path / "run.yaml"
     config.write_text(
         f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
         f"{trainer_tail}model:\n  class_path: tests.helpers.StackModule\n"
     )
     with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config)])
+        CheckpointingCLI(args=["fit", "--config", str(config), *arguments])
     return _error_lines(capsys.readouterr().err)
 
 
@@ -793,17 +795,12 @@ def test_a_monitor_argument_set_on_the_command_line_is_named_as_typed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argument: str, expected: str
 ) -> None:
     # jsonargparse sets it on the last callback listed and names the list alone: the argument typed says which.
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  max_steps: 1\n  logger: false\n"
-        f"{_SINGLE_DEVICE}        classes: [DropoutBlock]\n"
+    callbacks = (
         "  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
         "    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n"
-        "model:\n  class_path: tests.helpers.StackModule\n"
     )
-    with pytest.raises(SystemExit, match=r"^2$"):
-        CheckpointingCLI(args=["fit", "--config", str(config), argument])
-    assert _error_lines(capsys.readouterr().err) == [f"error: {expected}"]
+    trainer_tail = _SINGLE_DEVICE + "        classes: [DropoutBlock]\n" + callbacks
+    assert _yaml_error_lines(tmp_path, capsys, trainer_tail, [argument]) == [f"error: {expected}"]
 
 
 def test_a_callback_whose_init_args_are_a_list_is_named_by_its_index_whatever_the_form_of_its_class_path(

@@ -365,21 +365,9 @@ def test_the_loss_fn_hint_reads_alike_on_every_rank_so_the_warning_says_it_once(
     assert len(hints) == 1
 
 
-class ManualPenaltyModule(GradientPenaltyModule):
-    """:class:`GradientPenaltyModule`'s loss under manual optimization: the regions recompute inside
+class ManualPenaltyModule(ManualModule, GradientPenaltyModule):
+    """:class:`ManualModule`'s step over :class:`GradientPenaltyModule`'s loss: the regions recompute inside
     ``training_step``, before ``manual_backward``."""
-
-    def __init__(self, block: str) -> None:
-        super().__init__(block=block)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        optimizer = self.optimizers()
-        loss = super().training_step(batch, batch_idx)
-        optimizer.zero_grad()  # type: ignore[union-attr]
-        self.manual_backward(loss)
-        optimizer.step()  # type: ignore[union-attr]
-        return loss
 
 
 def _penalty_loss(module: pl.LightningModule, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -773,18 +773,21 @@ def test_the_end_marker_recomputes_to_the_end_whatever_the_global_early_stop(ear
         torch.use_deterministic_algorithms(deterministic)
 
 
+class Cached(nn.Module):
+    """Stores each call's activation on itself, rebinding ``last`` in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.last = torch.zeros(4, 6, WIDTH)  # an activation's size: its memory is not kept alive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        self.last = h.detach().clone()
+        return torch.tanh(h)
+
+
 def test_a_tensor_attribute_a_forward_rebinds_keeps_the_forwards_value_and_the_old_one_is_not_held() -> None:
-    class Cached(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(WIDTH, WIDTH)
-            self.last = torch.zeros(4, 6, WIDTH)  # an activation's size: its memory is not kept alive
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.inp(x)
-            self.last = h.detach().clone()
-            return torch.tanh(h)
-
     torch.manual_seed(0)
     model = Head(Cached())
     apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
@@ -981,25 +984,14 @@ def test_an_attribute_rebound_after_the_forward_is_live_again_after_the_recomput
 def test_a_tensor_a_shared_block_stores_at_each_call_is_not_held_for_its_recomputations() -> None:
     # An activation a forward stores on its module (for logging), at each call of a block shared by two calls: the
     # first call's must not stay alive until backward, which would undo what checkpointing saves.
-    class Storing(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(WIDTH, WIDTH)
-            self.stored = torch.zeros(())
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.inp(x)
-            self.stored = h.detach().clone()
-            return torch.tanh(h)
-
     torch.manual_seed(0)
-    plain = CalledTwice(Storing())
+    plain = CalledTwice(Cached())
     model = copy.deepcopy(plain)
     apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
     stored: list[weakref.ref[torch.Tensor]] = []
-    model.body.register_forward_hook(lambda module, args, out: stored.append(weakref.ref(module.stored)))
+    model.body.register_forward_hook(lambda module, args, out: stored.append(weakref.ref(module.last)))
     loss = loss_of(model, tokens(0))
-    assert stored[0]() is None and stored[1]() is model.body.stored
+    assert stored[0]() is None and stored[1]() is model.body.last
     loss.backward()
     loss_of(plain, tokens(0)).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
