@@ -12,6 +12,8 @@ the field by its key and the value, as the constructor does in Python, and exit 
     error: `trainer.strategy.checkpointing.every_n` must be an integer >= 1, got 0.
 """
 
+import gc
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import ArgsType
@@ -53,6 +55,8 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        # gloo's threads still running at interpreter exit now and then abort a finished multi-process run.
+        # gloo's threads still running at interpreter exit now and then abort a finished multi-process run: the group
+        # is destroyed here, and what still holds it (the Trainer, a sharded model) collected, so that they stop now.
+        gc.collect()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

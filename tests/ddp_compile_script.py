@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_ckpt_determinism import CheckpointingConfig, DDPCheckpointingStrategy, RecomputationMonitor
-from tests.helpers import StackModule, close_process_group, trainer_kwargs
+from tests.helpers import StackModule, run_rank, trainer_kwargs
 
 
 class CompiledStackModule(StackModule):
@@ -45,7 +45,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    finally:
-        close_process_group()
+    run_rank(main, Path(sys.argv[1]))

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_ckpt_determinism import CheckpointingConfig, DDPCheckpointingStrategy, checkpointed_modules
-from tests.helpers import CheckpointedModulesRecorder, StackModule, close_process_group, trainer_kwargs
+from tests.helpers import CheckpointedModulesRecorder, StackModule, run_rank, trainer_kwargs
 
 
 def _digest(module: torch.nn.Module) -> str:
@@ -49,7 +49,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    finally:
-        close_process_group()
+    run_rank(main, Path(sys.argv[1]))

@@ -37,7 +37,7 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism._torch_compat import TorchDispatchMode
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
 from lightning_ckpt_determinism.verify.gradients import local_tensor
-from tests.helpers import StackModule, TensorParallelStackModule, close_process_group, trainer_kwargs
+from tests.helpers import StackModule, TensorParallelStackModule, run_rank, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, _mixed
 from tests.test_budget_training import MixedModule
 
@@ -281,7 +281,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    finally:
-        close_process_group()
+    run_rank(main, Path(sys.argv[1]))

@@ -23,7 +23,7 @@ from lightning_ckpt_determinism import CheckpointingConfig, DDPCheckpointingStra
 from lightning_ckpt_determinism.checkpointing import calibration
 from lightning_ckpt_determinism.checkpointing.cost import Rates
 from tests.distributed_budget_script import BUDGET, RankSizedModule
-from tests.helpers import close_process_group, trainer_kwargs
+from tests.helpers import run_rank, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, _mixed
 
 # Rank 0 calibrates the fixed roofline's rates (50 FLOPs per byte), rank 1 a device as fast at arithmetic as at
@@ -99,7 +99,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    finally:
-        close_process_group()
+    run_rank(main, Path(sys.argv[1]))

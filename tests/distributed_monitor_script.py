@@ -49,9 +49,9 @@ from tests.helpers import (
     ManualModule,
     ShardedStackModule,
     StackModule,
-    close_process_group,
     failing_from,
     manual_loss,
+    run_rank,
     trainer_kwargs,
 )
 
@@ -497,7 +497,4 @@ def _fsdp1_scenarios(out_dir: Path, every_step: Callable[..., RecomputationMonit
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1], Path(sys.argv[2]))
-    finally:
-        close_process_group()
+    run_rank(main, sys.argv[1], Path(sys.argv[2]))

@@ -43,9 +43,9 @@ from tests.helpers import (
     StackModule,
     TensorParallelStackModule,
     TrailingAllReduceBlock,
-    close_process_group,
     make_stack,
     parallelize_blocks,
+    run_rank,
     trainer_kwargs,
 )
 
@@ -198,7 +198,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    finally:
-        close_process_group()
+    run_rank(main, Path(sys.argv[1]))

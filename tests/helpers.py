@@ -6,15 +6,17 @@ import itertools
 import logging
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import traceback
 import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import lightning.pytorch as pl
 import numpy as np
@@ -1080,6 +1082,35 @@ def launch_ranks(script: Path, *args: str, timeout: float, world_size: int = 2) 
     assert not outcomes, "\n\n".join(outcomes)
 
 
+def run_launcher(command: list[str], outputs: list[Path], timeout: float, env: dict[str, str] | None = None) -> None:
+    """Run ``command``, a script whose rank zero starts the other ranks through Lightning's launcher, wait for every
+    rank (they share its stdout and stderr), and check that each wrote its ``outputs``: rank zero's exit status is the
+    only one this process sees.
+
+    Raises:
+        AssertionError: If rank zero exits with an error, the ranks run past ``timeout`` seconds (every rank is then
+            killed) or one of ``outputs`` is missing, with the end of the ranks' stderr.
+    """
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=child_env() if env is None else env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        raise AssertionError(f"the ranks ran past {timeout} s:\n{stderr[-6000:]}") from None
+    assert process.returncode == 0, f"rank zero exited with {process.returncode}:\n{stderr[-6000:]}"
+    missing = [str(path) for path in outputs if not path.exists()]
+    assert not missing, f"a rank did not write {', '.join(missing)}:\n{stderr[-6000:]}"
+
+
 @contextlib.contextmanager
 def one_process_group(tmp_path: Path) -> Iterator[None]:
     """A default process group of this process alone (gloo), destroyed after; one an in-process Trainer test left
@@ -1105,12 +1136,31 @@ def fsdp1_unit_on_the_cpu(module: nn.Module) -> nn.Module:
         return FullyShardedDataParallel(module, device_id=torch.device("cpu"))
 
 
-def close_process_group() -> None:
-    """Destroy the default process group before a multi-process test script exits: gloo's threads still running at
-    interpreter exit now and then abort the process ("terminate called without an active exception") with a
-    non-zero status after its work is done."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def run_rank(main: Callable[..., object], *args: Any) -> NoReturn:
+    """Run a multi-process test script's ``main(*args)`` as this rank, then end the process at once, its exit status
+    0 if ``main`` returned and 1 (its traceback on stderr) if it raised.
+
+    On success the process group is destroyed first, with every object that still holds it (an FSDP1 unit, a
+    Trainer) collected, so that gloo's worker threads stop while the interpreter is whole. The process then ends
+    without the interpreter's teardown: gloo work a thread still holds at that teardown aborts the process (SIGABRT,
+    "terminate called without an active exception") after its work is done. A rank that raised ends at once, without
+    waiting on its peers, which then fail on the closed connection instead of waiting for gloo's timeout.
+    """
+    code = 0
+    try:
+        main(*args)
+    except SystemExit as ended:
+        code = 0 if ended.code in (None, 0) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code == 0:
+        gc.collect()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _Lines(logging.Handler):

@@ -55,6 +55,7 @@ from tests.helpers import (
     StackModule,
     batch,
     child_env,
+    launch_ranks,
     make_stack,
     step_gradients,
     trainer_kwargs,
@@ -500,8 +501,7 @@ def test_a_model_compiled_in_configure_model_trains_bit_identically_with_the_sen
 
 @pytest.mark.slow
 def test_compile_with_ddp_trains_with_the_monitor_at_zero(tmp_path: Path) -> None:
-    env = child_env()
-    subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=240)
+    launch_ranks(DDP_SCRIPT, str(tmp_path), timeout=240)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [result["global_step"] for result in ranks] == [4, 4]
     assert ranks[0]["history"] == ranks[1]["history"]

@@ -4,7 +4,6 @@ fit."""
 import json
 import logging
 import math
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     checkpointed_modules,
 )
-from tests.helpers import CheckpointedModulesRecorder, StackModule, child_env, trainer_kwargs
+from tests.helpers import CheckpointedModulesRecorder, StackModule, child_env, run_launcher, trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 DDP_SCRIPT = REPO / "tests" / "ddp_train_script.py"
@@ -308,7 +307,8 @@ def test_ddp_strategy_trains_checkpointed_on_two_processes_and_equals_unchecked_
     # A clean launch: no rank, world or seed left in the environment by this process or its own launcher.
     launch_vars = {"LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"}
     env = {key: value for key, value in child_env().items() if key not in launch_vars}
-    subprocess.run([sys.executable, str(DDP_SCRIPT), str(tmp_path)], cwd=REPO, env=env, check=True, timeout=180)
+    outputs = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
+    run_launcher([sys.executable, str(DDP_SCRIPT), str(tmp_path)], outputs, timeout=180, env=env)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
     for rank, result in enumerate(ranks):
