@@ -3,11 +3,13 @@ a parameter written in place in forward is ``parameter_write``, and only when it
 running statistics is ``buffer_mutation``; a torchmetrics metric updated inside a region is ``metric_update``."""
 
 import copy
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torchmetrics
@@ -33,7 +35,18 @@ from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_
 from lightning_ckpt_determinism.verify.digest import DigestTier
 from lightning_ckpt_determinism.verify.reports import SUBSTITUTED_PARAMETERS_HINT
 from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
-from tests.test_verdicts import STEPS, WIDTH, Case, Channels, Head, MaxNormEmbedding, same_state, tokens, trial
+from tests.test_verdicts import (
+    STEPS,
+    WIDTH,
+    Case,
+    Channels,
+    Head,
+    MaxNormEmbedding,
+    loss_of,
+    same_state,
+    tokens,
+    trial,
+)
 
 MODES = get_args(DigestTier)
 
@@ -335,12 +348,12 @@ def test_a_differing_op_that_read_changed_state_names_that_state(
 
 
 class MeteredModule(pl.LightningModule):
-    """A regression whose checkpointed ``body`` updates a torchmetrics metric in forward."""
+    """A regression whose checkpointed ``body`` (by default) updates a torchmetrics metric in forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, body: Callable[[], nn.Module] = lambda: Metered()) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = Head(Metered())
+        self.model = Head(body())
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         return F.mse_loss(self.model(batch[0]), torch.zeros(batch[0].shape[0], 6, 1))
@@ -352,8 +365,10 @@ class MeteredModule(pl.LightningModule):
         return DataLoader(TensorDataset(torch.cat([tokens(step) for step in range(4)])), batch_size=4)
 
 
-def _fit(tmp_path: Path, monitor: RecomputationMonitor | None) -> MeteredModule:
-    module = MeteredModule()
+def _fit(
+    tmp_path: Path, monitor: RecomputationMonitor | None, body: Callable[[], nn.Module] = lambda: Metered()
+) -> MeteredModule:
+    module = MeteredModule(body)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.body"]))
     callbacks = [] if monitor is None else [monitor]
     pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, strategy=strategy, callbacks=callbacks)).fit(module)
@@ -461,3 +476,109 @@ def test_python_state_read_after_a_norm_that_updates_its_statistics_again_is_pyt
     [region] = report.regions
     assert report.diverged and region.cause == "python_state"
     assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.mul.Tensor"
+
+
+class NumpyScaled(nn.Module):
+    """Its last op scales by a fresh NumPy draw: the product saves the drawn tensor as its input, and torch's early
+    stop ends the recomputation right there, before the product runs again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x)) * torch.from_numpy(np.random.rand(WIDTH).astype(np.float32))
+
+
+class AttributeScaled(nn.Module):
+    """Its last op scales by a tensor attribute, larger than the attributes a region replays (see
+    `AttributeReplay`), which its caller rebinds between the forward and the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.scale = torch.ones(4, 6, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x)) * self.scale
+
+
+def _saved_tensor_check(
+    body: nn.Module, *, rebind: bool = False, preserve_host_rng: bool = False
+) -> tuple[RecomputationReport, float]:
+    """A check of ``Head(body)`` with attribution, then how far the checkpointed model's gradients of the same step
+    are from a plain twin's (relative L2), each step from NumPy's same seed, rebinding ``body.scale`` after the
+    forward when ``rebind``."""
+    torch.manual_seed(0)
+    plain = Head(body)
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"], preserve_host_rng=preserve_host_rng))
+    x = tokens(0)
+
+    def step_loss(of: nn.Module) -> torch.Tensor:
+        np.random.seed(0)
+        if rebind:
+            of.body.scale = torch.ones(4, 6, WIDTH)
+        value = loss_of(of, x)
+        if rebind:
+            of.body.scale = torch.full((4, 6, WIDTH), 2.0)
+        return value
+
+    report = check_recomputation(model, lambda: step_loss(model), attribution=True)
+    grads = []
+    for of in (plain, model):
+        of.zero_grad()
+        step_loss(of).backward()
+        grads.append(torch.cat([param.grad.flatten() for param in of.parameters()]))
+    return report, float((grads[1] - grads[0]).norm() / grads[0].norm())
+
+
+def test_a_fresh_numpy_tensor_read_where_torch_stops_the_recomputation_is_named_host_rng() -> None:
+    report, from_twin = _saved_tensor_check(NumpyScaled())
+    # Ground truth: the checkpointed gradients are not the plain twin's.
+    assert from_twin > 0.01
+    [region] = report.regions
+    assert report.diverged and (region.name, region.cause, region.diverged) == ("body", "host_rng", True)
+    # Every recomputed op matched; the product, where torch stopped, had saved the new draw as its input.
+    assert region.first_divergent_op == ("aten.mul.Tensor", region.ops_compared)
+    assert region.hint is not None and "Differs: the 3rd tensor the region saved" in region.hint
+    assert region.max_abs_diff == math.inf
+
+
+def test_the_numpy_draw_replayed_is_exact_and_names_nothing() -> None:
+    report, from_twin = _saved_tensor_check(NumpyScaled(), preserve_host_rng=True)
+    assert from_twin == 0.0
+    assert not report.diverged and [region.cause for region in report.regions] == [None]
+
+
+def test_a_tensor_attribute_rebound_before_backward_and_read_where_torch_stops_is_python_state() -> None:
+    report, from_twin = _saved_tensor_check(AttributeScaled(), rebind=True)
+    assert from_twin > 0.01
+    [region] = report.regions
+    assert report.diverged and (region.cause, region.first_divergent_op) == (
+        "python_state",
+        ("aten.mul.Tensor", region.ops_compared),
+    )
+
+
+def test_a_sentinel_of_the_caller_keeps_watching_the_checks_pass() -> None:
+    torch.manual_seed(0)
+    model = Head(NumpyScaled())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    x = tokens(0)
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        report = check_recomputation(model, lambda: loss_of(model, x), attribution=True)
+    # The caller's sentinel saw the check's checkpointed pass, as it would without attribution: attribution then has
+    # no sentinel of its own, and does not name the region by its saved tensor.
+    assert sentinel.report().regions["body"].mismatches == 1
+    assert report.diverged and [region.cause for region in report.regions] == [None]
+
+
+def test_the_monitor_names_the_numpy_draw_read_where_torch_stops_the_recomputation(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+    np.random.seed(0)
+    _fit(tmp_path, monitor, NumpyScaled)
+    assert [entry.diverged for entry in monitor.history] == [True] * 3
+    report = monitor.last_report
+    assert report is not None
+    assert [(region.name, region.cause) for region in report.regions if region.diverged] == [("model.body", "host_rng")]

@@ -113,6 +113,7 @@ __all__ = [
     "remove_activation_checkpointing",
     "routes",
     "run_plainly",
+    "saved_tensors_watched",
 ]
 
 _log = logging.getLogger(__name__)
@@ -258,6 +259,23 @@ def observing_saved_tensors(observer: SavedTensorObserver, module: nn.Module) ->
     """
     with _registered(module, "saved_observer", observer):
         yield
+
+
+def saved_tensors_watched(module: nn.Module) -> bool:
+    """Whether a saved-tensor observer that reads the calls starting now (a sentinel not paused) is registered on one
+    of ``module``'s checkpointed regions (see :func:`observing_saved_tensors`).
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Tanh"]))
+        >>> saved_tensors_watched(model)
+        False
+    """
+    return any(
+        sub.__dict__["forward"]._watching_observer() is not None for sub in checkpointed_modules(module).values()
+    )
 
 
 @contextlib.contextmanager

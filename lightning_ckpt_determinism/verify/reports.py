@@ -20,6 +20,7 @@ __all__ = [
     "ROUTING_DROPPED_HINT",
     "ROUTING_HINT",
     "ROUTING_TOO_LARGE_HINT",
+    "SAVED_DIFFERS_HINT",
     "SUBSTITUTED_PARAMETERS_HINT",
     "UNSEEN_WRITE_HINT",
     "RecomputationReport",
@@ -66,6 +67,12 @@ INPUT_MODIFIED_HINT = (
     " in-place op in the region (such as `nn.ReLU(inplace=True)` on its input) or by code after it: torch found its"
     " version counter changed when it came to recompute the region. Use the out-of-place op (`inplace=False`), or"
     " modify a copy (`x = x.clone()` first)."
+)
+
+SAVED_DIFFERS_HINT = (
+    "Differs: {saved}, made by no op the recomputation ran (a tensor built outside torch's ops, such as"
+    " `torch.from_numpy` or a module attribute): torch saved it as an input of the op where it stopped the"
+    " recomputation, so no recomputed op shows the difference."
 )
 
 SUBSTITUTED_PARAMETERS_HINT = (
@@ -217,7 +224,7 @@ class RegionReport:
         ops_compared: How many recomputed ops were matched with the forward's and compared (values, or shapes for
             views and uninitialised memory), over every call of the region in the step.
         max_abs_diff: Largest absolute difference of any recomputed tensor from the forward's (``inf`` when a
-            shape or the sequence of ops changed).
+            shape or the sequence of ops changed, or a saved tensor no compared op produced differed).
         first_divergent_op: The first op that differed, as ``(aten name, position among the region's ops from
             0)``; ``None`` when none did.
         diverged: Whether the difference counts against the verdict: when ``cause`` is set and the gradients

@@ -10,7 +10,7 @@ from typing import Literal
 
 __all__ = ["CallEvidence", "Divergence", "DivergenceKind", "KeepDataDependent", "RecomputeFailure"]
 
-DivergenceKind = Literal["values", "shape", "structure"]
+DivergenceKind = Literal["values", "shape", "structure", "saved"]
 
 RecomputeFailure = Literal["metadata", "checkpoint", "error"]
 """How a region's recomputation failed: torch's ``CheckpointError`` about metadata (a recomputed tensor of another
@@ -27,15 +27,18 @@ class Divergence:
 
     Attributes:
         index: Its position among the region's ops, from 0.
-        op: Its aten name.
+        op: Its aten name; ``None`` for a ``"saved"`` difference found after the region's last op.
         kind: ``"values"`` (other values), ``"shape"`` (another shape or dtype), ``"structure"`` (another op, or
-            more ops than the forward ran).
+            more ops than the forward ran), ``"saved"`` (every op compared matched, but a tensor the region saved
+            differed: the op at ``index``, where torch's early stop ended the recomputation after saving its inputs,
+            read it; a tensor no op made, such as ``torch.from_numpy`` of a fresh NumPy draw).
         random: Whether the op draws random numbers.
         same_inputs: Whether the op received exactly the inputs it had in the forward.
         buffer_input: Whether one of the region's buffers, among the op's inputs, held other values than in the
             forward (running statistics the forward updated, read again by recomputation).
         parameter_input: Whether one of the region's parameters, among the op's inputs, held other values than in the
             forward (a parameter written in place since).
+        saved: For a ``"saved"`` difference, the tensor that differed, as the sentinel describes it.
 
     Example::
 
@@ -44,12 +47,13 @@ class Divergence:
     """
 
     index: int
-    op: str
+    op: str | None
     kind: DivergenceKind
     random: bool
     same_inputs: bool
     buffer_input: bool = False
     parameter_input: bool = False
+    saved: str | None = None
 
 
 @dataclass(frozen=True)

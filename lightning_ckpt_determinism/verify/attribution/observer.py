@@ -23,6 +23,9 @@ input modified in place after the forward is found by comparing the versions rec
 inputs' versions when the pass failed. A region's buffers are compared at the end of the pass with their values after
 the region's last forward. A region recomputed more than once in a pass (a gradient penalty, ``retain_graph=True``)
 is compared at its first recomputation; the later ones replay the same state, are counted, and are not compared.
+Every tensor the regions save is compared too, by an ``exact`` sentinel (unless one of the caller's watches the
+regions): torch saves an op's inputs before the op runs and may stop the recomputation there, so a tensor no op made
+that differs can leave every compared op equal (see :meth:`Attribution._note_saved_differences`).
 Each call ends as a :class:`~lightning_ckpt_determinism.verify.attribution.evidence.CallEvidence`; how the evidence
 becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.region_cause`.
 """
@@ -65,7 +68,13 @@ from lightning_ckpt_determinism.checkpointing.rng import (
     same_host_rng,
 )
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent, is_random_op
-from lightning_ckpt_determinism.checkpointing.wrapper import RegionCall, checkpointed_modules, observing
+from lightning_ckpt_determinism.checkpointing.wrapper import (
+    RegionCall,
+    checkpointed_modules,
+    observing,
+    observing_saved_tensors,
+    saved_tensors_watched,
+)
 from lightning_ckpt_determinism.verify.attribution.evidence import (
     CallEvidence,
     Divergence,
@@ -78,6 +87,7 @@ from lightning_ckpt_determinism.verify.compare import max_abs_difference, same_v
 from lightning_ckpt_determinism.verify.digest import Fingerprint, fingerprint
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.reports import RegionReport, first_line
+from lightning_ckpt_determinism.verify.sentinel.observer import RecomputationSentinel
 from lightning_ckpt_determinism.verify.state import named_metrics
 
 __all__ = ["Attribution", "BufferPlace", "CallRecord"]
@@ -396,6 +406,15 @@ class CallRecord:
                 mutated.append((name, (id(owner), key)))
         return mutated
 
+    def saved_differs(self, description: str) -> None:
+        """Note that a tensor this call saved, ``description`` (as the sentinel words it), was recomputed with other
+        values while every op compared matched: the op at which the recomputation stopped, when it stopped before the
+        region's end, saved it as an input (see :meth:`Attribution.finish`)."""
+        if self.divergence is None:
+            op = str(self.ops[self.cursor].func) if self.cursor < len(self.ops) else None
+            self.divergence = Divergence(self.cursor, op, "saved", False, False, saved=description)
+        self.max_abs_diff = math.inf
+
     def _diverge(
         self,
         index: int,
@@ -507,6 +526,8 @@ class Attribution:
         self._mutated: dict[str, list[str]] = {}
         # Where each mutated buffer is held, by its name in `_mutated`.
         self._mutated_places: dict[str, BufferPlace] = {}
+        # What the regions saved, compared exactly (see `_note_saved_differences`), once `observing` is entered.
+        self._saved: RecomputationSentinel | None = None
 
     def contexts(self, region_call: RegionCall) -> tuple[ContextFactory, ContextFactory]:
         """The forward and recompute contexts of one call of a region (see :class:`Attribution`)."""
@@ -527,9 +548,17 @@ class Attribution:
         ]
         return partial(self._forward, call), partial(self._recompute, call)
 
-    def observing(self) -> contextlib.AbstractContextManager[None]:
-        """Observe the model's checkpointed regions that run inside this block (no other model's)."""
-        return observing(self, self._module)
+    @contextlib.contextmanager
+    def observing(self) -> Iterator[None]:
+        """Observe the model's checkpointed regions that run inside this block (no other model's): every op, and every
+        tensor they save through an exact sentinel (see :meth:`_note_saved_differences`), unless a sentinel of the
+        caller's watches them already (one around the check): it keeps watching, and sees the pass."""
+        self._saved = None if saved_tensors_watched(self._module) else RecomputationSentinel(self._module, mode="exact")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(observing(self, self._module))
+            if self._saved is not None:
+                stack.enter_context(observing_saved_tensors(self._saved, self._module))
+            yield
 
     def finish(self, error: BaseException | None) -> None:
         """Close the pass: blame ``error`` on the region it came from; drop every recorded copy."""
@@ -557,10 +586,27 @@ class Attribution:
                 " `==`.",
                 uncomparable,
             )
+        self._note_saved_differences()
         for call in self.calls:
             call.release()
             call.buffers_after_forward = []
             call.input_versions = []
+
+    def _note_saved_differences(self) -> None:
+        """A region whose recomputed ops all matched but a saved tensor differed: torch saves an op's inputs before
+        the op runs, and its early stop can end the recomputation right there, so a tensor no recomputed op produced
+        (``torch.from_numpy`` of a fresh draw, read by the region's last op) differs unseen by the ops. The sentinel
+        saw it: the region's first recomputed call diverges at that tensor."""
+        found = self._saved.report().regions if self._saved is not None else {}
+        for name, region in found.items():
+            calls = [call for call in self.calls if call.region == name]
+            if not region.mismatches or region.cause is not None or region.first_mismatch is None:
+                continue
+            if any(call.divergence is not None or call.error is not None for call in calls):
+                continue
+            recomputed = [call for call in calls if call.recomputations and call.abandoned is None]
+            if recomputed:
+                recomputed[0].saved_differs(region.first_mismatch)
 
     def host_rng_suspects(self) -> frozenset[str]:
         """Regions whose difference is not yet explained and that read host RNG in their forward."""

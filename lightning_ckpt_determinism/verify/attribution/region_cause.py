@@ -26,6 +26,10 @@ a parameter in place with other values gets ``parameter_write``, with the parame
 leaves every value as it was, such as a second ``embedding_renorm_`` over rows already within ``max_norm``, is none);
 one whose recomputation updated a metric gets ``metric_update``, with the metrics' names.
 
+A region whose compared ops all matched while a tensor it saved differed (a ``"saved"`` divergence: a tensor no op
+made, read by the op where torch stopped the recomputation) goes through rules 5 to 7, at that op, the tensor named in
+the hint.
+
 When a data-dependent op recomputed other outputs than its forward's (routing flipped), the cause stays that of the
 first op that differed and the hint adds what keeps the routing.
 
@@ -43,6 +47,7 @@ from lightning_ckpt_determinism.verify.reports import (
     ROUTING_DROPPED_HINT,
     ROUTING_HINT,
     ROUTING_TOO_LARGE_HINT,
+    SAVED_DIFFERS_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
     UNSEEN_WRITE_HINT,
     RegionReport,
@@ -175,10 +180,13 @@ def _region_report(
             hint = INPUT_MODIFIED_HINT if call.input_modified else _hint(cause, call, buffers, metrics)
             hint += _routing_hint(call)
             error = call.error
-            if call.divergence is not None:
-                first_op = (call.divergence.op, call.divergence.index)
-            else:
+            divergence = call.divergence
+            if divergence is None:
                 max_abs_diff = math.inf
+            elif divergence.op is not None:
+                first_op = (divergence.op, divergence.index)
+            if divergence is not None and divergence.saved is not None:
+                hint += f" {SAVED_DIFFERS_HINT.format(saved=divergence.saved)}"
             break
     if cause is None and written:
         cause, hint = Cause.PARAMETER_WRITE, f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(written)}."
