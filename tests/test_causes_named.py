@@ -30,6 +30,7 @@ from lightning_ckpt_determinism import (
     checkpointing_disabled,
     recomputation_sentinel,
 )
+from lightning_ckpt_determinism.verify.attribution import observer as observer_module
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
 from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
@@ -38,6 +39,7 @@ from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
 from tests.test_verdicts import (
     STEPS,
     WIDTH,
+    Around,
     Case,
     Channels,
     Head,
@@ -504,7 +506,7 @@ class AttributeScaled(nn.Module):
 
 
 def _saved_tensor_check(
-    body: nn.Module, *, rebind: bool = False, preserve_host_rng: bool = False
+    body: nn.Module, *, rebind: bool = False, preserve_host_rng: bool = False, preserve_rng_state: bool = True
 ) -> tuple[RecomputationReport, float]:
     """A check of ``Head(body)`` with attribution, then how far the checkpointed model's gradients of the same step
     are from a plain twin's (relative L2), each step from NumPy's same seed, rebinding ``body.scale`` after the
@@ -512,7 +514,10 @@ def _saved_tensor_check(
     torch.manual_seed(0)
     plain = Head(body)
     model = copy.deepcopy(plain)
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"], preserve_host_rng=preserve_host_rng))
+    config = CheckpointingConfig(
+        names=["body"], preserve_host_rng=preserve_host_rng, preserve_rng_state=preserve_rng_state
+    )
+    apply_activation_checkpointing(model, config)
     x = tokens(0)
 
     def step_loss(of: nn.Module) -> torch.Tensor:
@@ -582,3 +587,64 @@ def test_the_monitor_names_the_numpy_draw_read_where_torch_stops_the_recomputati
     report = monitor.last_report
     assert report is not None
     assert [(region.name, region.cause) for region in report.regions if region.diverged] == [("model.body", "host_rng")]
+
+
+class GainLast(nn.Module):
+    """Linear, tanh, then a gain parameter read by the region's last op (where torch's early stop ends the
+    recomputation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.gain = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inp(x)) * self.gain
+
+
+def test_a_substituted_weight_read_where_torch_stops_the_recomputation_is_a_parameter_write() -> None:
+    plain, model = twins(lambda: nn.Sequential(GainLast(), nn.Linear(DIM, 1)), ["0"])
+    x = torch.randn(8, DIM)
+
+    def adapted_gain(of: nn.Module) -> torch.Tensor:
+        """`maml_loss` with only the gain adapted: every op before the product reads the module's own weights."""
+        params = dict(of.named_parameters())
+        inner = functional_call(of, params, (x[:4],)).square().mean()
+        (grad,) = torch.autograd.grad(inner, [params["0.gain"]], create_graph=True)
+        return functional_call(of, {"0.gain": params["0.gain"] - 0.5 * grad}, (x[4:],)).square().mean()
+
+    expected = torch.autograd.grad(adapted_gain(plain), list(plain.parameters()))
+    got = torch.autograd.grad(adapted_gain(model), list(model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    report = check_recomputation(model, lambda: adapted_gain(model), attribution=True)
+    (region,) = report.regions
+    # The region's second call, with the adapted gain, at its product (after t, addmm and tanh).
+    assert (report.diverged, region.cause, region.first_divergent_op) == (
+        True,
+        "parameter_write",
+        ("aten.mul.Tensor", 3),
+    )
+    assert region.hint is not None and region.hint.startswith(f"{SUBSTITUTED_PARAMETERS_HINT} Substituted: 0.gain.")
+
+
+def test_a_sentinel_of_the_caller_on_another_region_leaves_this_one_compared() -> None:
+    torch.manual_seed(0)
+    model = Head(nn.Sequential(nn.Linear(WIDTH, WIDTH), NumpyScaled()))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body.0", "body.1"]))
+    x = tokens(0)
+    with recomputation_sentinel(model.body[0], mode="exact") as sentinel:
+        report = check_recomputation(model, lambda: loss_of(model, x), attribution=True)
+    assert sentinel.report().compared > 0
+    assert report.diverged
+    assert [(region.name, region.cause) for region in report.regions] == [("body.0", None), ("body.1", "host_rng")]
+
+
+def test_attribution_whose_sentinel_cannot_be_built_compares_the_ops_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no sentinel")
+
+    monkeypatch.setattr(observer_module, "RecomputationSentinel", broken)
+    report, _ = _saved_tensor_check(NumpyScaled())
+    assert report.diverged and [region.cause for region in report.regions] == [None]
+    report, _ = _saved_tensor_check(Around(nn.Dropout(0.3)), preserve_rng_state=False)
+    assert [region.cause for region in report.regions] == ["rng_not_preserved"]

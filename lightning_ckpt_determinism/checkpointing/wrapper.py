@@ -113,7 +113,6 @@ __all__ = [
     "remove_activation_checkpointing",
     "routes",
     "run_plainly",
-    "saved_tensors_watched",
 ]
 
 _log = logging.getLogger(__name__)
@@ -236,7 +235,9 @@ def observing(observer: RegionObserver, module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def observing_saved_tensors(observer: SavedTensorObserver, module: nn.Module) -> Iterator[None]:
+def observing_saved_tensors(
+    observer: SavedTensorObserver, module: nn.Module, *, unwatched_only: bool = False
+) -> Iterator[None]:
     """Give ``observer`` every tensor the eagerly checkpointed regions of ``module`` save inside this block.
 
     It registers on ``module``'s own regions only: another model's regions, even with the same names, are never
@@ -245,6 +246,8 @@ def observing_saved_tensors(observer: SavedTensorObserver, module: nn.Module) ->
     Args:
         observer: What keeps and compares the saved tensors.
         module: The model whose checkpointed regions to observe.
+        unwatched_only: Register only on the regions no observer that reads the calls starting now is registered on
+            (one paused is replaced for the block): an observer of the caller's keeps what it watches.
 
     Example::
 
@@ -257,31 +260,19 @@ def observing_saved_tensors(observer: SavedTensorObserver, module: nn.Module) ->
         >>> model[1].forward.saved_observer is None
         True
     """
-    with _registered(module, "saved_observer", observer):
+    skip = CheckpointedForward.saved_tensors_watched if unwatched_only else None
+    with _registered(module, "saved_observer", observer, skip=skip):
         yield
 
 
-def saved_tensors_watched(module: nn.Module) -> bool:
-    """Whether a saved-tensor observer that reads the calls starting now (a sentinel not paused) is registered on one
-    of ``module``'s checkpointed regions (see :func:`observing_saved_tensors`).
-
-    Example::
-
-        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
-        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
-        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Tanh"]))
-        >>> saved_tensors_watched(model)
-        False
-    """
-    return any(
-        sub.__dict__["forward"]._watching_observer() is not None for sub in checkpointed_modules(module).values()
-    )
-
-
 @contextlib.contextmanager
-def _registered(module: nn.Module, slot: str, observer: Any) -> Iterator[None]:
-    """Set ``slot`` of each region wrapper of ``module`` to ``observer`` inside this block, then put back each one's."""
+def _registered(
+    module: nn.Module, slot: str, observer: Any, *, skip: "Callable[[CheckpointedForward], bool] | None" = None
+) -> Iterator[None]:
+    """Set ``slot`` of each region wrapper of ``module`` (but those ``skip`` names) to ``observer`` inside this block,
+    then put back each one's."""
     wrappers = [sub.__dict__["forward"] for sub in checkpointed_modules(module).values()]
+    wrappers = [wrapper for wrapper in wrappers if skip is None or not skip(wrapper)]
     previous = [getattr(wrapper, slot) for wrapper in wrappers]
     for wrapper in wrappers:
         setattr(wrapper, slot, observer)
@@ -787,6 +778,10 @@ class CheckpointedForward:
         if saved is None:
             return NO_CONTEXT
         return saved.region_recompute(self.region, self.module, self._exposed_buffers())
+
+    def saved_tensors_watched(self) -> bool:
+        """Whether a saved-tensor observer that reads the calls starting now is registered on the region."""
+        return self._watching_observer() is not None
 
     def _watching_observer(self) -> SavedTensorObserver | None:
         """The saved-tensor observer registered on the region, if it reads the calls starting now (``watching``)."""

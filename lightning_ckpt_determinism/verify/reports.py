@@ -70,9 +70,9 @@ INPUT_MODIFIED_HINT = (
 )
 
 SAVED_DIFFERS_HINT = (
-    "Differs: {saved}, made by no op the recomputation ran (a tensor built outside torch's ops, such as"
-    " `torch.from_numpy` or a module attribute): torch saved it as an input of the op where it stopped the"
-    " recomputation, so no recomputed op shows the difference."
+    "Differs: {saved}, made by no op the recomputation ran (made outside the region's ops: `torch.from_numpy`, a"
+    " module attribute, a weight `functional_call` passed in): torch saved it as an input of the op where it stopped"
+    " the recomputation, so no recomputed op shows the difference."
 )
 
 SUBSTITUTED_PARAMETERS_HINT = (

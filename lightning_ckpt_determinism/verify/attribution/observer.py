@@ -23,9 +23,9 @@ input modified in place after the forward is found by comparing the versions rec
 inputs' versions when the pass failed. A region's buffers are compared at the end of the pass with their values after
 the region's last forward. A region recomputed more than once in a pass (a gradient penalty, ``retain_graph=True``)
 is compared at its first recomputation; the later ones replay the same state, are counted, and are not compared.
-Every tensor the regions save is compared too, by an ``exact`` sentinel (unless one of the caller's watches the
-regions): torch saves an op's inputs before the op runs and may stop the recomputation there, so a tensor no op made
-that differs can leave every compared op equal (see :meth:`Attribution._note_saved_differences`).
+Every tensor the regions save is compared too, by an ``exact`` sentinel (but in the regions a sentinel of the
+caller's watches): torch saves an op's inputs before the op runs and may stop the recomputation there, so a tensor no
+op made that differs can leave every compared op equal (see :meth:`Attribution._note_saved_differences`).
 Each call ends as a :class:`~lightning_ckpt_determinism.verify.attribution.evidence.CallEvidence`; how the evidence
 becomes a cause: :mod:`~lightning_ckpt_determinism.verify.attribution.region_cause`.
 """
@@ -73,7 +73,6 @@ from lightning_ckpt_determinism.checkpointing.wrapper import (
     checkpointed_modules,
     observing,
     observing_saved_tensors,
-    saved_tensors_watched,
 )
 from lightning_ckpt_determinism.verify.attribution.evidence import (
     CallEvidence,
@@ -412,7 +411,12 @@ class CallRecord:
         region's end, saved it as an input (see :meth:`Attribution.finish`)."""
         if self.divergence is None:
             op = str(self.ops[self.cursor].func) if self.cursor < len(self.ops) else None
-            self.divergence = Divergence(self.cursor, op, "saved", False, False, saved=description)
+            # Weights `functional_call` substituted in the forward are such tensors, and the recomputation reads the
+            # module's own: rule 4's parameter that changed.
+            substituted = bool(self.parameters_substituted)
+            self.divergence = Divergence(
+                self.cursor, op, "saved", False, False, parameter_input=substituted, saved=description
+            )
         self.max_abs_diff = math.inf
 
     def _diverge(
@@ -551,13 +555,17 @@ class Attribution:
     @contextlib.contextmanager
     def observing(self) -> Iterator[None]:
         """Observe the model's checkpointed regions that run inside this block (no other model's): every op, and every
-        tensor they save through an exact sentinel (see :meth:`_note_saved_differences`), unless a sentinel of the
-        caller's watches them already (one around the check): it keeps watching, and sees the pass."""
-        self._saved = None if saved_tensors_watched(self._module) else RecomputationSentinel(self._module, mode="exact")
+        tensor they save through an exact sentinel (see :meth:`_note_saved_differences`), but in the regions a
+        sentinel of the caller's watches (one around the check): it keeps watching them, and sees the pass."""
+        try:
+            self._saved = RecomputationSentinel(self._module, mode="exact")
+        except Exception as err:  # the observer's own failure never reaches the pass: it compares the ops alone
+            _log.info("lightning_ckpt_determinism: attribution compares no saved tensor: %s", first_line(err))
+            self._saved = None
         with contextlib.ExitStack() as stack:
             stack.enter_context(observing(self, self._module))
             if self._saved is not None:
-                stack.enter_context(observing_saved_tensors(self._saved, self._module))
+                stack.enter_context(observing_saved_tensors(self._saved, self._module, unwatched_only=True))
             yield
 
     def finish(self, error: BaseException | None) -> None:
@@ -593,20 +601,22 @@ class Attribution:
             call.input_versions = []
 
     def _note_saved_differences(self) -> None:
-        """A region whose recomputed ops all matched but a saved tensor differed: torch saves an op's inputs before
-        the op runs, and its early stop can end the recomputation right there, so a tensor no recomputed op produced
+        """A call whose recomputed ops all matched but a saved tensor differed: torch saves an op's inputs before the
+        op runs, and its early stop can end the recomputation right there, so a tensor no recomputed op produced
         (``torch.from_numpy`` of a fresh draw, read by the region's last op) differs unseen by the ops. The sentinel
-        saw it: the region's first recomputed call diverges at that tensor."""
-        found = self._saved.report().regions if self._saved is not None else {}
-        for name, region in found.items():
+        saw it: the call diverges at that tensor."""
+        try:
+            found = self._saved.first_saved_mismatches() if self._saved is not None else {}
+        except Exception as err:  # as in `observing`
+            _log.info("lightning_ckpt_determinism: attribution compared no saved tensor: %s", first_line(err))
+            return
+        for name, (position, description) in found.items():
             calls = [call for call in self.calls if call.region == name]
-            if not region.mismatches or region.cause is not None or region.first_mismatch is None:
+            call = calls[position] if position < len(calls) else None
+            if call is None or not call.recomputations or call.abandoned is not None:
                 continue
-            if any(call.divergence is not None or call.error is not None for call in calls):
-                continue
-            recomputed = [call for call in calls if call.recomputations and call.abandoned is None]
-            if recomputed:
-                recomputed[0].saved_differs(region.first_mismatch)
+            if call.divergence is None and call.error is None:
+                call.saved_differs(description)
 
     def host_rng_suspects(self) -> frozenset[str]:
         """Regions whose difference is not yet explained and that read host RNG in their forward."""

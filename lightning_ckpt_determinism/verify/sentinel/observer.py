@@ -396,6 +396,31 @@ class RecomputationSentinel:
         """Close and read what was compared since the last :meth:`end_step`, and return it by region."""
         return self.read(self.end_step())
 
+    def first_saved_mismatches(self) -> dict[str, tuple[int, str]]:
+        """Per region, the first saved tensor whose recomputation differed in the step under way (the sentinel's
+        first if no step ended): the position of its call among the region's calls in the step, from 0, and its
+        description. Regions where none differed are left out.
+
+        Example::
+
+            >>> import numpy as np
+            >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+            >>> class Noisy(torch.nn.Module):
+            ...     def forward(self, x):
+            ...         return torch.tanh(x * float(np.random.rand()))
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), Noisy())
+            >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Noisy"]))
+            >>> sentinel = RecomputationSentinel(model, mode="exact")
+            >>> from lightning_ckpt_determinism.checkpointing.wrapper import observing_saved_tensors
+            >>> with observing_saved_tensors(sentinel, model):
+            ...     model(torch.ones(2, 4)).sum().backward()
+            >>> sentinel.first_saved_mismatches()["1"][0]
+            0
+        """
+        if self._recomputing is not None:
+            self._recomputing.recomputation_done()
+        return self._step.first_saved_mismatches()
+
     def report(self) -> SentinelReport:
         """Everything compared since the block was entered (works after it exited too), the steps not read yet and
         the step under way included; it marks nothing read.
