@@ -648,3 +648,88 @@ def test_attribution_whose_sentinel_cannot_be_built_compares_the_ops_alone(monke
     assert report.diverged and [region.cause for region in report.regions] == [None]
     report, _ = _saved_tensor_check(Around(nn.Dropout(0.3)), preserve_rng_state=False)
     assert [region.cause for region in report.regions] == ["rng_not_preserved"]
+
+
+class NoisyLast(nn.Module):
+    """No parameters: tanh, then a product by a fresh NumPy draw (the op where torch's early stop ends the
+    recomputation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * torch.from_numpy(np.random.rand(x.shape[-1]).astype(np.float32))
+
+
+class CalledTwice(nn.Module):
+    """Calls ``noisy`` first on a constant (a call that saves nothing: nothing needs grad), then on its features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.noisy = NoisyLast()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        constant = self.noisy(torch.ones(3, DIM))
+        return self.noisy(self.inp(x)) + constant.sum()
+
+
+class Recursive(nn.Module):
+    """Calls itself once: the outer call's product reads a parameter, the inner call's a fresh NumPy draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.gain = nn.Parameter(torch.ones(DIM))
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if depth > 0:
+            return (h * self.gain).exp() + self(h, depth - 1)
+        return h * torch.from_numpy(np.random.rand(DIM).astype(np.float32))
+
+
+def _noisy_check(
+    build: Callable[[], nn.Module], names: list[str], loss: Callable[[nn.Module], torch.Tensor]
+) -> tuple[RecomputationReport, bool]:
+    """A check with attribution of ``build()``, its regions ``names``, and whether its gradients equal a plain
+    twin's, each pass from NumPy's same seed."""
+    plain, model = twins(lambda: nn.Sequential(build(), nn.Linear(DIM, 1)), names)
+
+    def seeded_loss(of: nn.Module) -> torch.Tensor:
+        np.random.seed(0)
+        return loss(of)
+
+    expected = torch.autograd.grad(seeded_loss(plain), list(plain.parameters()))
+    got = torch.autograd.grad(seeded_loss(model), list(model.parameters()))
+    report = check_recomputation(model, lambda: seeded_loss(model), attribution=True)
+    return report, all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+X = torch.randn(8, DIM, generator=torch.Generator().manual_seed(3))
+
+
+def test_a_saved_tensor_difference_goes_to_its_call_after_a_call_that_saved_nothing() -> None:
+    report, equal = _noisy_check(CalledTwice, ["0.noisy"], lambda of: of(X).square().mean())
+    assert not equal
+    [region] = report.regions
+    # The second call, at its product (after tanh and the draw's lift); the first saved nothing and is not blamed.
+    assert (region.cause, region.diverged, region.first_divergent_op) == ("host_rng", True, ("aten.mul.Tensor", 2))
+
+
+def test_a_host_rng_draw_in_a_call_with_substituted_weights_of_equal_values_is_host_rng() -> None:
+    def cloned_weights(of: nn.Module) -> torch.Tensor:
+        """A `functional_call` whose weights are clones: the values the module holds."""
+        params = {name: param.clone() for name, param in of.named_parameters()}
+        return functional_call(of, params, (X,)).square().mean()
+
+    report, equal = _noisy_check(lambda: nn.Sequential(nn.Linear(DIM, DIM), NoisyLast()), ["0"], cloned_weights)
+    assert not equal
+    [region] = report.regions
+    assert (region.cause, region.first_divergent_op) == ("host_rng", ("aten.mul.Tensor", 4))
+
+
+@pytest.mark.filterwarnings("ignore:.*have another activation checkpointing inside them")
+def test_a_recursive_region_is_blamed_at_the_call_whose_tensor_differed() -> None:
+    report, equal = _noisy_check(Recursive, ["0"], lambda of: of(X).square().mean())
+    assert not equal
+    [region] = report.regions
+    # The inner call's product (t, addmm, tanh, the draw's lift, mul), not the outer call's op at the same place.
+    assert (region.cause, region.first_divergent_op) == ("host_rng", ("aten.mul.Tensor", 4))

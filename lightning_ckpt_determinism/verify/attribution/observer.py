@@ -411,12 +411,7 @@ class CallRecord:
         region's end, saved it as an input (see :meth:`Attribution.finish`)."""
         if self.divergence is None:
             op = str(self.ops[self.cursor].func) if self.cursor < len(self.ops) else None
-            # Weights `functional_call` substituted in the forward are such tensors, and the recomputation reads the
-            # module's own: rule 4's parameter that changed.
-            substituted = bool(self.parameters_substituted)
-            self.divergence = Divergence(
-                self.cursor, op, "saved", False, False, parameter_input=substituted, saved=description
-            )
+            self.divergence = Divergence(self.cursor, op, "saved", False, False, saved=description)
         self.max_abs_diff = math.inf
 
     def _diverge(
@@ -610,9 +605,10 @@ class Attribution:
         except Exception as err:  # as in `observing`
             _log.info("lightning_ckpt_determinism: attribution compared no saved tensor: %s", first_line(err))
             return
-        for name, (position, description) in found.items():
+        for name, (ordinal, description) in found.items():
+            # Both number a region's calls as they start (the sentinel's context inside this observer's).
             calls = [call for call in self.calls if call.region == name]
-            call = calls[position] if position < len(calls) else None
+            call = calls[ordinal] if ordinal < len(calls) else None
             if call is None or not call.recomputations or call.abandoned is not None:
                 continue
             if call.divergence is None and call.error is None:

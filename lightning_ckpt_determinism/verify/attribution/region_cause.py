@@ -28,7 +28,8 @@ one whose recomputation updated a metric gets ``metric_update``, with the metric
 
 A region whose compared ops all matched while a tensor it saved differed (a ``"saved"`` divergence: a tensor no op
 made, read by the op where torch stopped the recomputation) goes through rules 5 to 7, at that op, the tensor named in
-the hint.
+the hint; before rule 6, a call that ran with other tensors in place of its parameters (``functional_call``) gets
+``parameter_write``.
 
 When a data-dependent op recomputed other outputs than its forward's (routing flipped), the cause stays that of the
 first op that differed and the hint adds what keeps the routing.
@@ -127,6 +128,9 @@ def call_cause(call: CallEvidence, *, host_rng_explained: bool) -> Cause | None:
         return found
     if host_rng_explained and call.host_rng_read:
         return Cause.HOST_RNG
+    if call.divergence.kind == "saved" and call.parameters_substituted:
+        # Weights `functional_call` passed in are such tensors: the recomputation reads the module's own.
+        return Cause.PARAMETER_WRITE
     return Cause.METRIC_UPDATE if call.metrics_updated else Cause.PYTHON_STATE
 
 

@@ -139,6 +139,8 @@ class RegionCall:
         self.sentinel = sentinel
         # The sentinel's step that counts what this call compares (set when its forward joins one).
         self.step: object | None = None
+        # Its place among the calls of its region the sentinel saw start, from 0: those that save nothing count too.
+        self.ordinal = 0
         self.region = region
         self.buffers = buffers
         self.profile = profile

@@ -95,6 +95,8 @@ class RecomputationSentinel:
         self.mode = DigestMode(self.tier)
         self.plans = DigestPlans()
         self._open: list[RegionCall] = []
+        # How many calls of each region started while watched (see `RegionCall.ordinal`).
+        self._started: dict[str, int] = {}
         self._step = SentinelStep(self)
         self._unread: list[SentinelStep] = []
         self._recomputing: RegionCall | None = None
@@ -157,6 +159,7 @@ class RecomputationSentinel:
         if self._paused or name is None:
             yield
             return
+        ordinal = self._started[name] = self._started.get(name, -1) + 1
         call: RegionCall | None = None
         try:
             profile = region_profile(module)
@@ -170,6 +173,7 @@ class RecomputationSentinel:
                 if not any(map(is_lazy, module.buffers())):
                     self._buffers_found.add(name)
             call = RegionCall(self, name, self._buffers[name], profile, layout)
+            call.ordinal = ordinal
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
             self._stop(err)
@@ -398,8 +402,9 @@ class RecomputationSentinel:
 
     def first_saved_mismatches(self) -> dict[str, tuple[int, str]]:
         """Per region, the first saved tensor whose recomputation differed in the step under way (the sentinel's
-        first if no step ended): the position of its call among the region's calls in the step, from 0, and its
-        description. Regions where none differed are left out.
+        first if no step ended): its call's place among the calls of its region this sentinel saw start (from 0,
+        those that saved nothing included, in the order they started) and its description. Regions where none
+        differed are left out.
 
         Example::
 

@@ -118,24 +118,19 @@ class SentinelStep:
 
     def first_saved_mismatches(self) -> dict[str, tuple[int, str]]:
         """Per region, the first saved tensor whose recomputation differed in this step, read back from the device:
-        the position of its call among the region's calls in the step (from 0) and its description. Regions where
-        none differed are left out."""
+        its call's :attr:`~lightning_ckpt_determinism.verify.sentinel.calls.RegionCall.ordinal` and its description.
+        Regions where none differed are left out."""
         layout, flags = self.flags()
         differed = [] if flags is None else flags.tolist()
-        calls: dict[int, int] = {}
-        counted: dict[str, int] = {}
-        for call in self.calls:
-            calls[id(call)] = counted.get(call.region, 0)
-            counted[call.region] = calls[id(call)] + 1
         first: dict[str, tuple[int, int, str]] = {}
         at = 0
         for owner, items in layout:
             for item, flag in zip(items, differed[at : at + len(items)], strict=False):
-                if flag and isinstance(item, KeptTensor) and id(item.call) in calls:
-                    found = (calls[id(item.call)], item.position, item.describe())
+                if flag and isinstance(item, KeptTensor):
+                    found = (item.call.ordinal, item.position, item.describe())
                     first[owner] = min(first.get(owner, found), found)
             at += len(items)
-        return {owner: (call, description) for owner, (call, _, description) in first.items()}
+        return {owner: (ordinal, description) for owner, (ordinal, _, description) in first.items()}
 
     def regions(self, *, clean: bool) -> dict[str, SentinelRegion]:
         """What the step found by region, reading the comparisons back unless ``clean``."""
