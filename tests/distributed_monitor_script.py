@@ -330,6 +330,7 @@ def main(kind: str, out_dir: Path) -> None:
     dropout_without_rng = {"classes": ["DropoutBlock"], "preserve_rng_state": False}
     run(kind, out_dir, "rng_not_preserved", "DropoutBlock", every_step(**ignore), dropout_without_rng, {})
     run(kind, out_dir, "numpy_noise", "NumpyNoiseBlock", every_step(**ignore), {"classes": ["NumpyNoiseBlock"]}, {})
+    run(kind, out_dir, "numpy_last", "NumpyLastBlock", every_step(**ignore), {"classes": ["NumpyLastBlock"]}, {})
     # A buffer updated again by recomputation on rank 1 only: the decision is reduced, so both ranks record it.
     unprotected = {"classes": ["PlainBlock", "RankOneBufferBlock"], "protect_buffers": False}
     monitor = RecomputationMonitor(every_n_steps=2, sentinel="off")

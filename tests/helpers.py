@@ -90,6 +90,18 @@ class NumpyNoiseBlock(nn.Module):
         return x + torch.tanh(self.linear(x)) * (1 + noise)
 
 
+class NumpyLastBlock(nn.Module):
+    """Scales by a fresh NumPy draw at its last op: the product saves the draw as its input, and torch's early stop
+    ends the recomputation there, so only a saved tensor differs, no recomputed op."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) * torch.from_numpy(np.random.rand(x.shape[-1]).astype(np.float32))
+
+
 class PythonRandomBlock(nn.Module):
     """Scales by a factor drawn from Python's ``random``: recomputation differs unless host RNG is replayed."""
 
