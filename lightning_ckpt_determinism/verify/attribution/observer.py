@@ -409,15 +409,13 @@ class CallRecord:
         """Note that a tensor this call saved, ``description`` (as the sentinel words it), was recomputed with other
         values while every op compared matched: the op at which the recomputation stopped, when it stopped before the
         region's end, saved it as an input (see :meth:`Attribution.finish`)."""
-        if self.divergence is None:
-            op = str(self.ops[self.cursor].func) if self.cursor < len(self.ops) else None
-            self.divergence = Divergence(self.cursor, op, "saved", False, False, saved=description)
-        self.max_abs_diff = math.inf
+        op = str(self.ops[self.cursor].func) if self.cursor < len(self.ops) else None
+        self._diverge(self.cursor, op, "saved", random=False, same_inputs=False, diff=math.inf, saved=description)
 
     def _diverge(
         self,
         index: int,
-        op: str,
+        op: str | None,
         kind: DivergenceKind,
         *,
         random: bool,
@@ -425,10 +423,11 @@ class CallRecord:
         diff: float,
         buffer_input: bool = False,
         parameter_input: bool = False,
+        saved: str | None = None,
     ) -> None:
         self.max_abs_diff = max(self.max_abs_diff, diff)
         if self.divergence is None:
-            self.divergence = Divergence(index, op, kind, random, same_inputs, buffer_input, parameter_input)
+            self.divergence = Divergence(index, op, kind, random, same_inputs, buffer_input, parameter_input, saved)
 
     def parameters_before(self, func: OpOverload, args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor, Any]]:
         """The region's parameters an op is about to write in place (``embedding_renorm_`` on a detached weight:

@@ -1,5 +1,6 @@
 """One training step of the sentinel: what it compared, kept on the device until read."""
 
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -121,15 +122,11 @@ class SentinelStep:
         its call's :attr:`~lightning_ckpt_determinism.verify.sentinel.calls.RegionCall.ordinal` and its description.
         Regions where none differed are left out."""
         layout, flags = self.flags()
-        differed = [] if flags is None else flags.tolist()
         first: dict[str, tuple[int, int, str]] = {}
-        at = 0
-        for owner, items in layout:
-            for item, flag in zip(items, differed[at : at + len(items)], strict=False):
-                if flag and isinstance(item, KeptTensor):
-                    found = (item.call.ordinal, item.position, item.describe())
-                    first[owner] = min(first.get(owner, found), found)
-            at += len(items)
+        for owner, item, differed in _flagged(layout, [] if flags is None else flags.tolist()):
+            if differed and isinstance(item, KeptTensor):
+                found = (item.call.ordinal, item.position, item.describe())
+                first[owner] = min(first.get(owner, found), found)
         return {owner: (ordinal, description) for owner, (ordinal, _, description) in first.items()}
 
     def regions(self, *, clean: bool) -> dict[str, SentinelRegion]:
@@ -141,13 +138,10 @@ class SentinelStep:
         compared = dict.fromkeys(names, 0)
         not_compared = dict.fromkeys(names, 0)
         on_new_paths = dict.fromkeys(names, 0)
-        at = 0
-        for owner, items in layout:
-            compared[owner] += sum(isinstance(item, KeptTensor) for item in items)
-            for item, flag in zip(items, differed[at : at + len(items)], strict=False):
-                if flag:
-                    found[owner].append(item)
-            at += len(items)
+        for owner, item, flag in _flagged(layout, differed):
+            compared[owner] += isinstance(item, KeptTensor)
+            if flag:
+                found[owner].append(item)
         for call in self.calls:
             compared[call.region] += len(call.metadata_mismatches)
             not_compared[call.region] += call.not_compared
@@ -166,3 +160,13 @@ class SentinelStep:
             )
             for name in names
         }
+
+
+def _flagged(layout: list[Entry], differed: list[int]) -> Iterator[tuple[str, Any, bool]]:
+    """Each item of a step's comparisons, in order, with its region and whether it differed: ``differed`` holds the
+    comparisons' flags as read back, or nothing where they were not read."""
+    at = 0
+    for owner, items in layout:
+        for offset, item in enumerate(items, start=at):
+            yield owner, item, offset < len(differed) and bool(differed[offset])
+        at += len(items)
