@@ -23,6 +23,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     recomputation_sentinel,
 )
+from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.verify.digest import DigestTier
 
 WIDTH = 8
@@ -184,6 +185,37 @@ class NoisyOutside(nn.Module):
         return self.head(self.body(x * (1 + noise) * scale))
 
 
+class CtcLoss(nn.Module):
+    """A linear layer's log-probabilities and their CTC loss, one sample shorter than the sequence: CTC's kernel
+    saves its ``log_alpha``, uninitialised memory it fills only up to each sample's input and target lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, 5)
+        self.ctc = nn.CTCLoss()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length = x.shape[:2]
+        targets = torch.arange(2 * batch).reshape(batch, 2) % 4 + 1
+        inputs = torch.full((batch,), length, dtype=torch.long)
+        inputs[-1] = length // 2
+        target_lengths = torch.full((batch,), 2, dtype=torch.long)
+        target_lengths[-1] = 1
+        log_probs = self.inp(x).log_softmax(-1).transpose(0, 1)
+        return self.ctc(log_probs, targets, inputs, target_lengths)
+
+
+class Loss(nn.Module):
+    """``region`` is the whole model, its output the loss."""
+
+    def __init__(self, region: nn.Module) -> None:
+        super().__init__()
+        self.body = region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 class CallCounter(nn.Module):
     """Scales by a call counter it increments in forward (a scalar attribute, replayed in recomputation)."""
 
@@ -307,6 +339,7 @@ ZOO: dict[str, Case] = {
     "a generator inside a region": Case(head(HeldGenerator)),
     "generators outside a region": Case(NoisyOutside),
     "a call counter": Case(head(CallCounter)),
+    "CTCLoss, a sample shorter than the sequence": Case(lambda: Loss(CtcLoss())),
     "a roll by whole words": Case(
         head(WordRoll), finding=("python_state", "the 2nd tensor the region saved (made by `TanhBackward0`")
     ),
@@ -428,6 +461,18 @@ def test_rnn_workspaces_are_left_out_and_counted_as_not_compared() -> None:
     # check's checkpointed pass and the training step's.
     assert result.sentinel.not_compared == 4 * 2 * STEPS
     assert result.sentinel.mismatches == 0
+
+
+def test_ctc_loss_log_alpha_is_left_out_and_counted_as_not_compared() -> None:
+    # CTC's `log_alpha` is uninitialised memory beyond each sample's lengths: its leftovers differ between a forward
+    # and its recomputation wherever the allocator hands them other memory, while the gradients never read them.
+    result = trial(ZOO["CTCLoss, a sample shorter than the sequence"], "exact")
+    assert result.gradients_equal
+    # One `log_alpha` at each region call, none compared: two calls a step, the check's checkpointed pass and the
+    # training step's.
+    assert result.sentinel.not_compared == 2 * STEPS
+    assert result.sentinel.mismatches == 0
+    assert "aten._ctc_loss" in OPAQUE_WORKSPACES
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

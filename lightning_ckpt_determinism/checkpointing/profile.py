@@ -92,6 +92,9 @@ OPAQUE_WORKSPACES: Mapping[str, tuple[int, ...]] = MappingProxyType(
         "aten._cudnn_rnn": (3,),
         # MIOpen's RNN (ROCm): its reserve space. Unverified, by analogy with cuDNN.
         "aten.miopen_rnn": (3,),
+        # CTC (`nn.CTCLoss`): its `log_alpha`, allocated uninitialised and filled only up to each sample's input and
+        # target lengths, the part its backward reads (verified on the CPU, torch 2.13; the CUDA kernel by analogy).
+        "aten._ctc_loss": (1,),
     }
 )
 """Ops whose outputs at these positions are opaque workspaces: by op packet name, the output positions. A saved tensor
