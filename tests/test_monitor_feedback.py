@@ -18,7 +18,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
-from tests.helpers import StackModule, trainer_kwargs
+from tests.helpers import StackModule, trained_state, trainer_kwargs
 
 
 def fit(tmp_path: Path, monitor: RecomputationMonitor, *callbacks: pl.Callback, block: str = "DropoutBlock", **options):
@@ -132,6 +132,54 @@ def test_buffers_updated_twice_are_caught_at_the_default_settings(tmp_path: Path
     with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["recompute/buffer_mutations"]]
     assert [(row["step"], float(row["recompute/buffer_mutations"])) for row in rows] == [("0", 9.0)]
+
+
+class MomentumSchedule(pl.Callback):
+    """Where the step's backward is about to start, sets each block's BatchNorm momentum for the next step (a plain
+    attribute its forward reads) and, with ``buffers``, moves its count of batches on (a buffer)."""
+
+    def __init__(self, buffers: bool) -> None:
+        self.buffers = buffers
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        for block in pl_module.model.blocks:
+            block.norm.momentum = 0.1 + 0.05 * (trainer.global_step + 1)
+            if self.buffers:
+                block.norm.num_batches_tracked.add_(10)
+
+
+def test_what_a_hook_writes_between_the_forward_and_the_backward_is_no_finding(tmp_path: Path) -> None:
+    def trained(strategy: object, *callbacks: pl.Callback) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0, verbose=False)
+        module = StackModule(block="BatchNormBlock")
+        trainer = pl.Trainer(
+            **trainer_kwargs(tmp_path, strategy=strategy, callbacks=[*callbacks, MomentumSchedule(True)])
+        )
+        trainer.fit(module)
+        return trained_state(module, trainer)
+
+    def checkpointing() -> SingleDeviceCheckpointingStrategy:
+        return SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["BatchNormBlock"]))
+
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    plain, unmonitored, monitored = trained("auto"), trained(checkpointing()), trained(checkpointing(), monitor)
+    assert [(record.step, record.diverged) for record in monitor.history] == [(step, False) for step in range(4)]
+    assert monitor.last_report is not None
+    assert monitor.last_report.buffer_mutations == monitor.last_report.attribute_mutations == []
+    for state in (unmonitored, monitored):
+        assert state.keys() == plain.keys() and all(torch.equal(state[key], plain[key]) for key in plain)
+
+
+def test_a_buffer_recomputation_updates_again_is_named_beside_what_a_hook_writes(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor()
+    with (
+        pytest.warns(LightningCkptDeterminismWarning, match=r"recomputation changed buffers at step 0: 9 buffers"),
+        pytest.warns(LightningCkptDeterminismWarning, match=r"the sentinel saw region `model\.blocks\.\d`"),
+    ):
+        fit(tmp_path, monitor, MomentumSchedule(False), block="BatchNormBlock", config={"protect_buffers": False})
+    report = monitor.last_report
+    assert report is not None and report.attribute_mutations == []
+    assert [region.cause for region in report.regions] == ["buffer_mutation"] * 3
 
 
 def test_a_forward_that_differs_before_any_recomputation_blames_state_outside_the_regions(tmp_path: Path) -> None:

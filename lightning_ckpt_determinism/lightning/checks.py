@@ -186,6 +186,7 @@ class StepCheck:
             exclude_attributes=settings.exclude_attributes,
             internal_attributes=settings.internals,
             written_parameters=capture.written_parameters,
+            written_before_backward=capture.written_before_backward,
             device=strategy.root_device,
         )
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
 from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.verify.compiled import reference_pass
+from lightning_ckpt_determinism.verify.core import region_modules
 from lightning_ckpt_determinism.verify.state import StepState
 from lightning_ckpt_determinism.verify.two_pass import SkippedPass, raised_in_autograd
 
@@ -34,6 +36,8 @@ __all__ = [
     "training_step_arguments",
     "training_step_loss",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 def lightning_internals() -> frozenset[str]:
@@ -262,6 +266,9 @@ class StepCapture:
         self.recomputations_before = 0
         # The regions' counts of buffers recomputed with other values than their forward read, as the step started.
         self.read_otherwise_before: dict[str, int] = {}
+        # The buffers and region attributes hooks wrote between the live forward and its backward (see
+        # `backward_started`), which the reference pass, run without those hooks, leaves as its forward left them.
+        self.written_before_backward: list[str] = []
 
     @property
     def captured(self) -> bool:
@@ -344,13 +351,38 @@ class StepCapture:
     def backward_started(self, loss: torch.Tensor) -> None:
         """The step's first backward is about to run on ``loss``: under manual optimization, the live loss the check
         compares with ``loss_fn``'s (unknown where a GradScaler has scaled it), and whether a region recomputed
-        before it."""
+        before it. Called from the monitor's ``on_before_backward``: the hooks that run after it, up to the backward
+        (later callbacks', the module's), may write buffers and region attributes (a dropout schedule), which
+        :attr:`written_before_backward` names once the backward reaches ``loss``."""
+        self._watch_hooks(loss)
         if self.pl_module.automatic_optimization:
             return
         # The check runs inside `training_step` here: what recomputed until now came before the loss (a penalty).
         self.recomputed_in_forward = recomputations(self.pl_module) > self.recomputations_before
         if not scales_the_loss(self.pl_module.trainer.strategy) and loss.numel() == 1:
             self.loss = float(loss.detach())
+
+    def _watch_hooks(self, loss: torch.Tensor) -> None:
+        """Note what the hooks between now and the backward of ``loss`` write: a state taken now, compared when the
+        backward reaches ``loss``, before it recomputes any region."""
+        if not loss.requires_grad:
+            return
+        module = self.pl_module
+        try:
+            before = StepState(module, self._internal)
+        except Exception:  # the check then compares them all, as without this note
+            _log.debug("could not capture the state before the backward's hooks", exc_info=True)
+            return
+
+        def backward_reached(grad: torch.Tensor) -> None:
+            handle.remove()
+            try:
+                within = region_modules(module)
+                self.written_before_backward = before.differing_buffers() + before.differing_attributes(within)
+            except Exception:  # never the backward's failure
+                _log.debug("could not compare the state after the backward's hooks", exc_info=True)
+
+        handle = loss.register_hook(backward_reached)
 
 
 def _put_back(module: "pl.LightningModule", own: Any, installed: Callable[..., Any]) -> None:

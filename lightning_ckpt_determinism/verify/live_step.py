@@ -16,7 +16,7 @@ exception.
 """
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -195,6 +195,7 @@ def check_live_step(
     exclude_attributes: Iterable[str] = (),
     internal_attributes: Iterable[str] = (),
     written_parameters: Iterable[str] | None = None,
+    written_before_backward: Collection[str] = (),
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -242,6 +243,8 @@ def check_live_step(
             after the step are put back after the reference pass, which writes them again. ``None`` (the default):
             every parameter's value after the step is copied, and put back where the reference wrote it. A parameter
             written in place that ``entry_state`` or these have no copy of is reported in ``not_restored``.
+        written_before_backward: Buffers and region attributes, by dotted name, that something the reference does
+            not run wrote between the live step's forward and its backward (a Lightning hook): not compared.
         device: Where the reduced tensors live.
 
     Returns:
@@ -280,8 +283,10 @@ def check_live_step(
         reference_loss, first = _reference_gradients(params, reference, entry_state, gradients_before, clone_gradients)
         # The buffers after the reference (every region plain) against those after the live step: a recomputation
         # that updates them a second time (BatchNorm without `protect_buffers`) changes no gradient but shows here.
-        changed = after_step.state.differing_buffers()
+        outside = frozenset(written_before_backward)
+        changed = [name for name in after_step.state.differing_buffers() if name not in outside]
         attributes = after_step.state.differing_attributes(core.region_modules(module), frozenset(exclude_attributes))
+        attributes = [name for name in attributes if name not in outside]
         calibration = core.Calibration()
         if calibrate_noise:
             calibration = core.calibrate(
