@@ -733,3 +733,43 @@ def test_a_recursive_region_is_blamed_at_the_call_whose_tensor_differed() -> Non
     [region] = report.regions
     # The inner call's product (t, addmm, tanh, the draw's lift, mul), not the outer call's op at the same place.
     assert (region.cause, region.first_divergent_op) == ("host_rng", ("aten.mul.Tensor", 4))
+
+
+class TwiceUnderAutocast(nn.Module):
+    """Calls its region ``body`` twice inside one ``bfloat16`` autocast context, then, with ``noisy``, a region
+    ``noise`` that scales by a NumPy draw (:class:`NumpyScaled`)."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.body = Around(nn.Tanh())
+        self.noise = NumpyScaled() if noisy else None
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.body(x) + self.body(x * 0.5)
+            if self.noise is not None:
+                h = self.noise(h)
+            return self.head(h).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_region_called_twice_under_one_autocast_context_is_no_finding(noisy: bool) -> None:
+    # Autocast casts the weights once per context: the second call takes them from its cache, its recomputation (in
+    # a fresh context) casts them again. The gradients are exact; attribution must line the two up.
+    torch.manual_seed(0)
+    plain = TwiceUnderAutocast(noisy)
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body", "noise"] if noisy else ["body"]))
+    x = tokens(0)
+    if not noisy:
+        for twin in (plain, model):
+            twin(x).backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+        model.zero_grad()
+    report = check_recomputation(model, lambda: model(x), attribution=True)
+    body = next(region for region in report.regions if region.name == "body")
+    assert (body.diverged, body.cause, body.first_divergent_op, body.error) == (False, None, None, None)
+    assert report.diverged is noisy
+    if noisy:
+        assert [(region.name, region.cause) for region in report.regions if region.diverged] == [("noise", "host_rng")]

@@ -205,6 +205,19 @@ class CtcLoss(nn.Module):
         return self.ctc(log_probs, targets, inputs, target_lengths)
 
 
+class AdaptiveSoftmaxLoss(nn.Module):
+    """``nn.AdaptiveLogSoftmaxWithLoss`` over the features, with targets made from them (every cluster): it fills a
+    tensor of ``new_empty`` in pieces, by ``index_copy_``, cluster by cluster."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asm = nn.AdaptiveLogSoftmaxWithLoss(WIDTH, 30, cutoffs=[5, 15], div_value=2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)
+        return self.asm(flat, (flat[:, 0].abs() * 12).long().clamp(max=29)).loss
+
+
 class Loss(nn.Module):
     """``region`` is the whole model, its output the loss."""
 
@@ -340,6 +353,7 @@ ZOO: dict[str, Case] = {
     "generators outside a region": Case(NoisyOutside),
     "a call counter": Case(head(CallCounter)),
     "CTCLoss, a sample shorter than the sequence": Case(lambda: Loss(CtcLoss())),
+    "AdaptiveLogSoftmaxWithLoss": Case(lambda: Loss(AdaptiveSoftmaxLoss())),
     "a roll by whole words": Case(
         head(WordRoll), finding=("python_state", "the 2nd tensor the region saved (made by `TanhBackward0`")
     ),

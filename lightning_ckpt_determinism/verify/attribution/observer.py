@@ -1,22 +1,24 @@
 """Attribution's observer: what each checkpointed region recomputes, compared op by op with what its forward produced.
 
 While a check's checkpointed pass runs, every checkpointed region is observed through the wrapper's observer hook
-(:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing`): in the original forward a dispatch mode
-records each aten op with a copy of its outputs and a fingerprint of its inputs; during recomputation, inside
-backward, a second dispatch mode compares each recomputed op with the recorded one as soon as it runs, then lets the
-copy go. Recomputation stops early (once every saved tensor is back) and detaches its inputs, so the two op sequences
-are aligned on what both ran: ``aten.detach`` is left out of both, and comparison stops where recomputation stopped.
-Views, ops that return uninitialised memory (``empty_like`` ...) and opaque workspaces (an RNN layer's, see
-:data:`~lightning_ckpt_determinism.checkpointing.profile.OPAQUE_WORKSPACES`) are compared by shape only, ops that
-update the region's own buffers are left to the buffer check, and collectives are never recorded nor compared
+(:func:`~lightning_ckpt_determinism.checkpointing.wrapper.observing`): in the original forward a dispatch mode records
+each aten op with a copy of its outputs and a fingerprint of its inputs; during recomputation, inside backward, a second
+dispatch mode compares each recomputed op with the recorded one as soon as it runs, then lets the copy go. Recomputation
+stops early (once every saved tensor is back) and detaches its inputs, so the two op sequences are aligned on what both
+ran: ``aten.detach`` is left out of both, and comparison stops where recomputation stopped. Views, ops that return
+uninitialised memory (``empty_like`` ...), ops that write some elements of such memory by index while it lives
+(``index_copy_``, ``scatter_``: what they return holds leftovers elsewhere) and opaque workspaces (an RNN layer's, see
+:data:`~lightning_ckpt_determinism.checkpointing.profile.OPAQUE_WORKSPACES`) are compared by shape only; casts autocast
+may take from its cache (a region called again in one autocast context casts nothing) are left out of both sequences.
+Ops that update the region's own buffers are left to the buffer check, and collectives are never recorded nor compared
 (their outputs are filled by other processes; a collective's result is compared where it is consumed). DTensors are
-compared as this rank's local shards. The observer's own failures never reach the pass it observes. An op of the
-forward or of the recomputation that writes one of the region's parameters in place (a decay under ``no_grad``,
+compared as this rank's local shards. The observer's own failures never reach the pass it observes. An op of the forward
+or of the recomputation that writes one of the region's parameters in place (a decay under ``no_grad``,
 ``embedding_renorm_``) is noted when it changed the parameter's values: a second renormalisation that finds every row
-within ``max_norm`` writes nothing new. A differing op that read one of the region's buffers or parameters with
-other values than in the forward (InstanceNorm's running statistics, which it copies before use; a parameter the
-forward wrote) is noted too, and so are the torchmetrics metrics inside the region whose states a recomputation
-changed (a metric updated in forward is updated again).
+within ``max_norm`` writes nothing new. A differing op that read one of the region's buffers or parameters with other
+values than in the forward (InstanceNorm's running statistics, which it copies before use; a parameter the forward
+wrote) is noted too, and so are the torchmetrics metrics inside the region whose states a recomputation changed (a
+metric updated in forward is updated again).
 
 torch checks the version counters of a region's saved inputs before it enters the region's recompute context, so an
 input modified in place after the forward is found by comparing the versions recorded at the forward with the
@@ -99,6 +101,23 @@ module shared by several parents has)."""
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 """The op namespaces of collectives and their waits, never recorded nor compared."""
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
+"""The device types whose autocast state a call reads as it starts."""
+
+_WRITES_BY_INDEX = frozenset(
+    {
+        "index_copy_",
+        "index_put_",
+        "_index_put_impl_",
+        "index_fill_",
+        "masked_fill_",
+        "masked_scatter_",
+        "scatter_",
+        "put_",
+    }
+)
+"""In-place ops that write only the elements their indices or mask select, by packet name."""
+
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
 
 
@@ -145,6 +164,9 @@ class CallRecord:
         default_factory=list
     )
     written_between: frozenset[str] = frozenset()
+    # The storages the forward's `empty` ops handed out, with the tensors they made (a pointer counts while its tensor
+    # lives): an op that writes into one (`index_copy_` filling it in pieces) returns memory partly unwritten.
+    uninitialised: dict[int | None, weakref.ref[torch.Tensor]] = field(default_factory=dict)
     forward_parameters: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
     parameters_substituted: tuple[str, ...] = ()
     input_versions: list[tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=list)
@@ -218,9 +240,17 @@ class CallRecord:
         writes_buffer = self._writes_buffer(func, args, kwargs)
         if writes_buffer:
             self.buffer_writers.add(len(self.ops))
-        compare_values = func.overloadpacket.__name__ not in _UNINITIALISED and not writes_buffer
+        handed_out = func.overloadpacket.__name__ in _UNINITIALISED
+        compare_values = not handed_out and not writes_buffer
         views = _returns_views(func, len(outputs))
-        workspaces = OPAQUE_WORKSPACES.get(str(func.overloadpacket), ())
+        # Opaque workspaces, and outputs written into memory an `empty` op handed out: not compared by value.
+        left_out = OPAQUE_WORKSPACES.get(str(func.overloadpacket), ())
+        if handed_out:
+            self.uninitialised.update(
+                (storage_pointer(value), weakref.ref(value)) for value in outputs if isinstance(value, torch.Tensor)
+            )
+        elif self.uninitialised:
+            left_out = (*left_out, *self._unwritten(func, outputs))
         leaves = _flatten([args, kwargs])
         parameter_inputs = self._positions(leaves, self.parameter_storages.keys())
         self.ops.append(
@@ -228,7 +258,7 @@ class CallRecord:
                 func=func,
                 inputs=inputs,
                 outputs=[
-                    _recorded(value) if compare_values and not view and position not in workspaces else None
+                    _recorded(value) if compare_values and not view and position not in left_out else None
                     for position, (value, view) in enumerate(zip(outputs, views, strict=True))
                 ],
                 metadata=[_metadata(value) for value in outputs],
@@ -238,6 +268,25 @@ class CallRecord:
                 parameter_names=self._parameters_at(leaves, parameter_inputs),
             )
         )
+
+    def _unwritten(self, func: OpOverload, outputs: Sequence[Any]) -> tuple[int, ...]:
+        """Where among ``outputs`` an op that writes some elements by index (:data:`_WRITES_BY_INDEX`) returned memory
+        an ``empty`` op of this forward handed out, still alive: the rest of it holds leftovers. Any other op that
+        returns such memory wrote it (``bernoulli_``, ``fill_``): it counts as written from then on."""
+        found = []
+        by_index = func.overloadpacket.__name__ in _WRITES_BY_INDEX
+        for position, value in enumerate(outputs):
+            if not isinstance(value, torch.Tensor):
+                continue
+            pointer = storage_pointer(value)
+            made = self.uninitialised.get(pointer)
+            if made is None or made() is None:
+                continue
+            if by_index:
+                found.append(position)
+            else:
+                del self.uninitialised[pointer]
+        return tuple(found)
 
     def _parameters_at(self, leaves: Sequence[Any], positions: Sequence[int]) -> tuple[str, ...]:
         """The name of the region's parameter at each of ``positions`` among an op's arguments (``leaves``, as
@@ -473,11 +522,22 @@ class _CallMode(TorchDispatchMode):
         self.stage = "comparing" if comparing else "recording"
         # The ops a framework runs inside the region for itself, never recorded nor compared.
         self._framework = FrameworkOps()
+        # The device types autocast casts for as the call starts (inside an op, autocast reads as off).
+        self._autocast = (
+            frozenset(
+                device
+                for device in _AUTOCAST_DEVICES
+                if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+            )
+            if torch.is_autocast_cache_enabled()
+            else frozenset()
+        )
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         call = self.call
-        if self._framework.skips(func, args) or not _observed(func) or call.abandoned is not None:
+        skipped = self._framework.skips(func, args) or not _observed(func) or self._autocast_cached_cast(func, args)
+        if skipped or call.abandoned is not None:
             return func(*args, **kwargs)
         inputs: list[Any] | None = None
         before: list[tuple[str, torch.Tensor, Any]] = []
@@ -495,6 +555,22 @@ class _CallMode(TorchDispatchMode):
                     call.record(func, inputs or [], args, kwargs, out)
                 call.note_writes(before, recomputing=self.comparing)
         return out
+
+    def _autocast_cached_cast(self, func: Any, args: Any) -> bool:
+        """Whether ``func`` is a cast autocast may take from its cache (a ``float32`` leaf that requires grad, a
+        parameter, cast to the lower precision): a region called again inside one autocast context finds its weights
+        cast already and runs no such op, while its recomputation, in a fresh context, runs it. Never recorded nor
+        compared, so that the two line up; the cast weights are compared where an op reads them."""
+        if not self._autocast or str(func.overloadpacket) != "aten._to_copy":
+            return False
+        source = args[0] if args else None
+        return (
+            isinstance(source, torch.Tensor)
+            and source.device.type in self._autocast
+            and source.dtype == torch.float32
+            and source.is_leaf
+            and source.requires_grad
+        )
 
 
 def _observed(func: Any) -> bool:
