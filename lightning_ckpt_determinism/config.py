@@ -10,6 +10,7 @@ gives the message, which ``CheckpointingCLI`` prefixes with the field's key. myp
 import contextlib
 import difflib
 import importlib
+import math
 import pickle
 import pkgutil
 import re
@@ -166,10 +167,10 @@ def check_metric_prefix(name: str, value: object) -> str:
 
 
 def check_non_negative_float(name: str, value: object) -> float:
-    """``value`` as a plain ``float`` if it is a number >= 0.
+    """``value`` as a plain ``float`` if it is a finite number >= 0.
 
     Raises:
-        CheckpointingConfigError: Otherwise (NaN included), naming ``name``.
+        CheckpointingConfigError: Otherwise (NaN and infinity included), naming ``name``.
 
     Example::
 
@@ -178,6 +179,11 @@ def check_non_negative_float(name: str, value: object) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
         raise CheckpointingConfigError(f"`{name}` must be a non-negative float, got {value!r}.")
+    if math.isinf(value):
+        raise CheckpointingConfigError(
+            f"`{name}` must be a finite non-negative float, got {value!r}: an infinite `{name}` counts every"
+            " difference as equal, so nothing could ever be found."
+        )
     return float(value)
 
 

@@ -257,6 +257,11 @@ def test_monitor_without_loss_fn_under_manual_optimization_raises_the_config_err
     trainer = pl.Trainer(**trainer_kwargs(tmp_path))  # type: ignore[arg-type]
     with pytest.raises(CheckpointingConfigError, match=r"^`RecomputationMonitor` needs `loss_fn` with manual"):
         RecomputationMonitor().on_fit_start(trainer, module)
+    # Under `CheckpointingCLI` the fix is written as the YAML writes it: a lambda has no YAML spelling.
+    monitor = RecomputationMonitor()
+    monitor.hint_syntax = "yaml"
+    with pytest.raises(CheckpointingConfigError, match=r"Set `loss_fn: your_package\.your_module\.loss_fn` under"):
+        monitor.on_fit_start(trainer, module)
 
 
 def test_selections_that_wrap_nothing_raise_the_config_error() -> None:

@@ -72,6 +72,7 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
     [
         ({"every_n_steps": 0}, r"`every_n_steps` must be an integer >= 1, got 0\."),
         ({"tolerance": -1}, r"`tolerance` must be a non-negative float, got -1\."),
+        ({"tolerance": float("inf")}, r"`tolerance` must be a finite non-negative float, got inf: an infinite"),
         ({"on_divergence": "stop"}, r"`on_divergence` can be warn, raise, ignore, got 'stop'\."),
         ({"loss_fn": 3}, r"`loss_fn` must be callable, got int\."),
         (
@@ -319,6 +320,20 @@ def test_manual_optimization_needs_a_loss_fn(tmp_path):
     broken = RecomputationMonitor(every_n_steps=2, loss_fn=manual_loss, on_divergence="ignore")
     fit(tmp_path / "broken", module=ManualModule(), monitor=broken, config={"preserve_rng_state": False})
     assert all(entry.grad_divergence > 0.0 for entry in broken.history)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_loss_fn_returning_none_skips_the_check_with_a_line_naming_loss_fn(tmp_path, manual):
+    monitor = RecomputationMonitor(loss_fn=lambda module, batch, batch_idx: None)
+    module = ManualModule() if manual else StackModule()
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        _, monitored = fit(tmp_path, module=module, monitor=monitor)
+    [line] = [str(w.message) for w in caught if "the check at step 0 failed" in str(w.message)]
+    assert "(TypeError: `loss_fn` returned NoneType: return the step's loss, a tensor of one element" in line
+    assert line.count("lightning_ckpt_determinism:") == 1
+    _, plain = fit(tmp_path / "plain", module=ManualModule() if manual else StackModule())
+    for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key
 
 
 class HalvedManualModule(ManualModule):

@@ -58,6 +58,25 @@ def test_a_clean_fit_ends_with_a_summary_of_what_was_checked(tmp_path: Path, lig
     )
 
 
+class SkippingModule(StackModule):
+    """Skips every batch: its ``training_step`` returns ``None``."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_checked_nothing_says_so_not_that_nothing_diverged(tmp_path: Path, lightning_info) -> None:
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[RecomputationMonitor()]))
+    trainer.fit(SkippingModule())
+    (summary,) = summaries(lightning_info)
+    assert summary == (
+        "lightning_ckpt_determinism: RecomputationMonitor ran no gradient check this fit: no training step was"
+        " checked, so nothing is proven about its recomputation. The sentinel compared no recomputed saved tensor."
+    )
+
+
 def test_a_diverging_fit_ends_with_the_worst_figure_its_step_and_each_cause(tmp_path: Path, lightning_info) -> None:
     monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
     fit(tmp_path, monitor, config={"preserve_rng_state": False})

@@ -140,6 +140,6 @@ def _non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    if not value >= 0.0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite non-negative number, got {text!r}")
     return value

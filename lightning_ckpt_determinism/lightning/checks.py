@@ -26,6 +26,7 @@ from lightning_ckpt_determinism.lightning.step import (
     StepCapture,
     live_reference,
     logging_suppressed,
+    loss_fn_loss,
     loss_on_every_rank,
     scales_the_loss,
 )
@@ -207,7 +208,7 @@ class StepCheck:
             args, kwargs = capture.arguments()
             capture.restore_optimizer_settings()
             if loss_fn is not None:
-                return loss_fn(pl_module, args[0], capture.batch_idx)
+                return loss_fn_loss(loss_fn, pl_module, args[0], capture.batch_idx)
             return loss_on_every_rank(strategy, lambda: self.support.two_pass_loss(pl_module, *args, **kwargs))
 
         holders = [param for _, param in self.support.gradient_holders(pl_module)]

@@ -310,6 +310,12 @@ class FitSummary:
             parts[0] = (
                 f"lightning_ckpt_determinism: RecomputationMonitor ran no gradient check this fit: {self.unchecked}."
             )
+        elif not self.checks:
+            parts[0] = (
+                "lightning_ckpt_determinism: RecomputationMonitor ran no gradient check this fit"
+                f"{f' ({self.skipped} skipped)' if self.skipped else ''}: no training step was checked, so nothing is"
+                " proven about its recomputation."
+            )
         elif not self.diverged:
             parts[0] += ": none diverged."
         elif self.worst > 0:
@@ -322,10 +328,13 @@ class FitSummary:
         if sentinel is not None:
             found = ", ".join(f"{name}: {count}" for name, count in sentinel.mismatches.items())
             differed = sum(sentinel.mismatches.values())
-            parts.append(
-                f"The sentinel compared {sentinel.compared} recomputed saved tensors with the forward's:"
-                + (f" {differed} differed ({found})." if differed else " none differed.")
-            )
+            if sentinel.compared or differed:
+                parts.append(
+                    f"The sentinel compared {sentinel.compared} recomputed saved tensors with the forward's:"
+                    + (f" {differed} differed ({found})." if differed else " none differed.")
+                )
+            else:
+                parts.append("The sentinel compared no recomputed saved tensor.")
             if sentinel.compiled:
                 parts.append(
                     f"It does not see the {len(sentinel.compiled)} compiled regions, which the compiler recomputes."

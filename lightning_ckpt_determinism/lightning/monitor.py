@@ -274,10 +274,15 @@ class RecomputationMonitor(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._disarm()
         if not pl_module.automatic_optimization and self.loss_fn is None:
+            how = (
+                "Set `loss_fn: your_package.your_module.loss_fn` under the monitor's `init_args`, a function"
+                " `loss_fn(module, batch, batch_idx) -> torch.Tensor`"
+                if _hint_syntax(self.hint_syntax) == "yaml"
+                else "Pass `loss_fn=lambda module, batch, batch_idx: ...`"
+            )
             raise CheckpointingConfigError(
                 "`RecomputationMonitor` needs `loss_fn` with manual optimization: the default reruns"
-                " `training_step`, which would step the optimizers. Pass"
-                " `loss_fn=lambda module, batch, batch_idx: ...` returning the loss."
+                f" `training_step`, which would step the optimizers. {how} returning the loss."
             )
         self._fit_output.hold(trainer)
         self._said_nothing_to_check = False
@@ -628,7 +633,7 @@ class RecomputationMonitor(Callback):
         """A check that raised on one process is skipped: the step trains on as it would without the monitor."""
         where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ is not None else []
         at = "".join(f", raised at {frame.filename}:{frame.lineno} in {frame.name}" for frame in where)
-        reason = f"{type(err).__name__}: {err}{at}"
+        reason = f"{type(err).__name__}: {str(err).removeprefix('lightning_ckpt_determinism: ')}{at}"
         self._schedule.checked_this_fit = True  # the next check comes `every_n_steps` on, not at the next step
         self._results.skipped(step, f"the check failed ({reason})")
         self._results.warn_once(

@@ -30,6 +30,7 @@ __all__ = [
     "lightning_internals",
     "live_reference",
     "logging_suppressed",
+    "loss_fn_loss",
     "loss_on_every_rank",
     "raised_in_backward",
     "scales_the_loss",
@@ -126,6 +127,32 @@ def loss_of(output: Any) -> torch.Tensor:
     if output is None:
         raise SkippedStep
     return output["loss"] if isinstance(output, Mapping) else output
+
+
+def loss_fn_loss(
+    loss_fn: Callable[["pl.LightningModule", Any, int], torch.Tensor],
+    pl_module: "pl.LightningModule",
+    batch: Any,
+    batch_idx: int,
+) -> torch.Tensor:
+    """What the monitor's ``loss_fn`` returns for the batch: the step's loss, a tensor of one element.
+
+    Raises:
+        TypeError: If it returns anything else, naming what it returned.
+
+    Example::
+
+        >>> float(loss_fn_loss(lambda module, batch, batch_idx: batch.sum(), None, torch.ones(2), 0))
+        2.0
+    """
+    loss = loss_fn(pl_module, batch, batch_idx)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+        raise TypeError(
+            f"`loss_fn` returned {type(loss).__name__}{shape}: return the step's loss, a tensor of one element (the"
+            " loss its first `manual_backward` is given)"
+        )
+    return loss
 
 
 def loss_on_every_rank(strategy: Any, step: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -425,7 +452,7 @@ def live_reference(
                 loss = loss_on_every_rank(strategy, lambda: loss_of(strategy.training_step(*args, **kwargs)))
             else:
                 with strategy.precision_plugin.train_step_context():
-                    loss = loss_fn(pl_module, args[0], batch_idx)
+                    loss = loss_fn_loss(loss_fn, pl_module, args[0], batch_idx)
             # The loss as `training_step` returned it, as the live step's is kept, to compare the two.
             returned = float(loss.detach())
             if pl_module.automatic_optimization:
