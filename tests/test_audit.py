@@ -319,6 +319,12 @@ CHECKPOINTING = (
             r"flat\.yaml cannot be loaded: `trainer\.callbacks\[0\]`: `every_n_steps` sits beside `class_path`; put"
             r" the arguments under `init_args:`\.\n$",
         ),
+        # A monitor's field is named by the callback's index, as `CheckpointingCLI` names it.
+        (
+            "bad_monitor_choice",
+            r"bad_monitor\.yaml cannot be loaded: `trainer\.callbacks\[0\]\.attribution` can be on_divergence,"
+            r" always, never, got 'sometimes'\.\n$",
+        ),
         # A typo of the audit's own option is named as one, not handed to the YAML's parser to blame the config.
         (
             "misspelt_option",
@@ -360,6 +366,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
         "no_command": [],
         "misspelt_option": ["audit", "--config", broken, "--batch", "2"],
         "flat_monitor": ["audit", "--config", str(_flat_monitor(Path(broken), tmp_path))],
+        "bad_monitor_choice": ["audit", "--config", str(_bad_monitor_choice(Path(broken), tmp_path))],
         "unknown_option": ["audit", "--config", broken, "--foo", "3"],
         "misspelt_override": ["audit", "--config", broken, "--trainer.strategy.init_args.checkpointing.evry_n=2"],
     }[case]
@@ -376,6 +383,14 @@ def _flat_monitor(config: Path, tmp_path: Path) -> Path:
     assert "    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n      every_n_steps: 10\n" in (
         path.read_text()
     )
+    return path
+
+
+def _bad_monitor_choice(config: Path, tmp_path: Path) -> Path:
+    """``config`` with its monitor given an `attribution` it does not take."""
+    path = tmp_path / "bad_monitor.yaml"
+    path.write_text(config.read_text().replace("every_n_steps: 10", "attribution: sometimes"))
+    assert "attribution: sometimes" in path.read_text()
     return path
 
 
@@ -697,3 +712,17 @@ def test_a_warning_of_the_package_is_printed_as_its_one_line_as_a_fit_prints_it(
     lines = capsys.readouterr().err.splitlines()
     said = [line for line in lines if "`memory_budget` of 50 bytes" in line]
     assert len(said) == 1 and said[0].startswith("lightning_ckpt_determinism: `memory_budget` of 50 bytes (50 B)")
+
+
+def test_a_training_step_that_fails_without_checkpointing_is_named_where_your_code_raised(capsys):
+    # The data's width does not match the model's: `nn.Linear` raises inside torch, called from the example's block.
+    code, _, err = audit(capsys, "--config", str(CONFIGS / "broken_python_state.yaml"), "--data.init_args.dim=8")
+    assert code == 2
+    found = re.fullmatch(
+        r"lightning-ckpt-determinism audit: error: the training step fails without checkpointing: RuntimeError: .*,"
+        r" raised at (?P<path>.+):(?P<line>\d+) in (?P<name>\w+)\n",
+        err,
+    )
+    assert found is not None, err
+    assert (Path(found["path"]).name, found["name"]) == ("broken.py", "forward")
+    assert "self.linear(x)" in Path(found["path"]).read_text().splitlines()[int(found["line"]) - 1]

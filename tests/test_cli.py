@@ -99,7 +99,8 @@ MISTAKES = {
         "strategy",
         "checkpointing",
         ["Block"],
-        "`trainer.strategy.checkpointing`: expected a mapping of CheckpointingConfig arguments, got ['Block']",
+        "`trainer.strategy.checkpointing` takes the fields of `CheckpointingConfig` as a mapping, got ['Block'];"
+        " write `checkpointing: {classes: [Block]}`",
     ),
     "selection_matches_nothing": (
         "checkpointing",
@@ -221,10 +222,27 @@ def test_a_bare_off_that_yaml_reads_as_a_boolean_says_to_quote_it(
     with pytest.raises(SystemExit, match=r"^2$"):
         train.main(_argv(path, tmp_path))
     quoted = "'off'" if written == "off" else "the choice"
+    words = "off or no" if written == "off" else "on or yes"
     assert _error_lines(capsys.readouterr().err) == [
         f"error: `trainer.callbacks[0].sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare"
-        f" off, no, on or yes as {said.lower()}: write {quoted} in quotes."
+        f" {words} as {said.lower()}: write {quoted} in quotes."
     ]
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(("written", "meant"), [("auto", "auto"), (["Block"], "[Block]"), ("Block", "[Block]")])
+def test_a_checkpointing_given_no_mapping_says_which_mapping_to_write(
+    written: object, meant: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # jsonargparse reads a string there as a config file's path: "Expected a path but auto ...".
+    path = _config_with(tmp_path, "strategy", "checkpointing", written)
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(path, tmp_path))
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == (
+        f"error: `trainer.strategy.checkpointing` takes the fields of `CheckpointingConfig` as a mapping, got"
+        f" {written}; write `checkpointing: {{classes: {meant}}}` to select modules by class."
+    )
 
 
 @pytest.mark.usefixtures("in_process")

@@ -18,7 +18,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 
 from lightning_ckpt_determinism.audit.arguments import UsageError
-from lightning_ckpt_determinism.lightning.cli import configuration_error, misplaced_arguments, yaml_error
+from lightning_ckpt_determinism.lightning.cli import (
+    callback_indexed,
+    configuration_error,
+    misplaced_arguments,
+    yaml_error,
+)
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
@@ -70,7 +75,9 @@ def build(args: argparse.Namespace) -> _ParsedFit:
                 parser_kwargs={"exit_on_error": False},
             )
     except Exception as err:
-        message = misplaced_arguments(sections) or configuration_error(err) or " ".join(str(err).split())
+        message = misplaced_arguments(sections) or callback_indexed(
+            configuration_error(err) or " ".join(str(err).split()), sections, args.overrides
+        )
         if message.startswith("unrecognized arguments:"):
             raise UsageError(
                 f"{message}: on the audit's command line, neither its own option (see `--help`) nor a dotted"

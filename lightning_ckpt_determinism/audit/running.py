@@ -18,11 +18,13 @@ import contextlib
 import json
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import lightning
 import lightning.pytorch as pl
 import torch
 from tqdm import tqdm
@@ -77,6 +79,9 @@ from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.two_pass import PassFailed, check_recomputation
 
 __all__ = ["main"]
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+"""This package's folder: frames in it are not the user's code."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,7 +303,19 @@ def _check_batch(
             f" (where regions are recomputed): {err}"
         ) from err
     except Exception as err:  # the reference pass failed: a problem of the model or config, not of recomputation
-        raise UsageError(f"the training step fails without checkpointing: {type(err).__name__}: {err}") from err
+        raise UsageError(
+            f"the training step fails without checkpointing: {type(err).__name__}: {err}{_raised_in_your_code(err)}"
+        ) from err
+
+
+def _raised_in_your_code(err: BaseException) -> str:
+    """Where ``err`` was raised in the user's code: the innermost frame of its traceback outside torch, Lightning
+    and this package (``", raised at path:line in name"``), or ``""`` where it has none."""
+    libraries = (*(str(Path(str(package.__file__)).parent) for package in (torch, lightning)), str(_PACKAGE_ROOT))
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if not frame.filename.startswith(libraries):
+            return f", raised at {frame.filename}:{frame.lineno} in {frame.name}"
+    return ""
 
 
 def _write(given: Path, target: Path, text: str, option: str, what: str) -> None:

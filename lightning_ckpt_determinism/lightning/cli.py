@@ -59,7 +59,7 @@ from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
-__all__ = ["CheckpointingCLI", "configuration_error", "misplaced_arguments", "yaml_error"]
+__all__ = ["CheckpointingCLI", "callback_indexed", "configuration_error", "misplaced_arguments", "yaml_error"]
 
 TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
 """Set to ``1`` to see the traceback of a fit that ``on_divergence: raise`` stopped, rather than its one line."""
@@ -124,7 +124,7 @@ class CheckpointingCLI(LightningCLI):
             misplaced = misplaced_arguments(configs)
             if said[1] == 2:
                 arguments = sys.argv[1:] if given is None else given
-                said = (misplaced or _callback_indexed(said[0], configs, arguments), 2)
+                said = (misplaced or callback_indexed(said[0], configs, arguments), 2)
             print(f"error: {said[0]}", file=sys.stderr)
             sys.exit(said[1])
 
@@ -219,7 +219,7 @@ def misplaced_arguments(configs: list[Any]) -> str | None:
     return None
 
 
-def _callback_indexed(message: str, configs: list[Any], arguments: Any = ()) -> str:
+def callback_indexed(message: str, configs: list[Any], arguments: Any = ()) -> str:
     """``message`` with its leading ``trainer.callbacks`` key pointed at the callback it is about, by its index in the
     config's list (jsonargparse names the list alone): the one callback whose ``init_args`` hold the field named.
     Where none does and the command line sets the field (``--trainer.callbacks.init_args.sentinel=heavy``), the key
@@ -234,7 +234,7 @@ def _callback_indexed(message: str, configs: list[Any], arguments: Any = ()) -> 
 
         >>> monitor = {"class_path": "RecomputationMonitor", "init_args": {"sentinel": "heavy"}}
         >>> configs = [{"trainer": {"callbacks": [{"class_path": "LearningRateMonitor"}, monitor]}}]
-        >>> _callback_indexed("`trainer.callbacks.sentinel` can be light, sampled, exact, off, got 'heavy'.", configs)
+        >>> callback_indexed("`trainer.callbacks.sentinel` can be light, sampled, exact, off, got 'heavy'.", configs)
         "`trainer.callbacks[1].sentinel` can be light, sampled, exact, off, got 'heavy'."
     """
     found = _CALLBACKS_KEY.match(message)
@@ -504,6 +504,9 @@ def _in_package_words(rejected: str) -> str:
     flag = bool_expected(found[2]) if found else None
     if found is not None and flag is not None:
         return f"`{found[1]}` must be true or false, got {flag}."
+    config = _config_not_a_mapping(found[1], found[2]) if found else None
+    if config is not None:
+        return config
     if found is not None and "to be a function that returns" in found[2]:
         return f"{rejected} Annotate its return type, as `def loss(module, batch, batch_idx) -> torch.Tensor:`."
     choice = literal_rejection(found[2]) if found else None
@@ -513,9 +516,31 @@ def _in_package_words(rejected: str) -> str:
     return choice_message(found[1], value, choices) + _yaml_boolean(value, choices)
 
 
+_PATH_EXPECTED = re.compile(r"- Expected a path but (.+?) either not accessible or invalid")
+_MAPPING_EXPECTED = re.compile(r"expected a mapping of CheckpointingConfig arguments, got (.+)")
+
+
+def _config_not_a_mapping(key: str, reason: str) -> str | None:
+    """One line for a ``checkpointing`` given a value that is not a mapping of its fields (``checkpointing: auto``,
+    which jsonargparse reads as a config file's path, or a list of classes), with the mapping meant."""
+    if not key.endswith("checkpointing"):
+        return None
+    found = _PATH_EXPECTED.search(reason) or _MAPPING_EXPECTED.search(reason)
+    if found is None:
+        return None
+    value = found[1].strip()
+    names = re.findall(r"[\w.]+", value)
+    meant = "auto" if value == AUTO_CLASSES else f"[{', '.join(names)}]"
+    return (
+        f"`{key}` takes the fields of `CheckpointingConfig` as a mapping, got {value}; write `checkpointing:"
+        f" {{classes: {meant}}}` to select modules by class."
+    )
+
+
 def _yaml_boolean(value: object, choices: Sequence[object]) -> str:
     """What to write where YAML read a bare ``off`` (``no``, ``on``, ``yes``) as a boolean the ``Literal`` refuses."""
     if str(value) not in ("False", "True"):
         return ""
     quoted = "'off'" if "off" in choices and str(value) == "False" else "the choice"
-    return f" YAML reads a bare off, no, on or yes as {str(value).lower()}: write {quoted} in quotes."
+    words = "off or no" if str(value) == "False" else "on or yes"
+    return f" YAML reads a bare {words} as {str(value).lower()}: write {quoted} in quotes."
