@@ -4,6 +4,7 @@ running statistics is ``buffer_mutation``; a torchmetrics metric updated inside 
 
 import copy
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
@@ -34,7 +35,7 @@ from lightning_ckpt_determinism.verify.attribution import observer as observer_m
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
 from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from lightning_ckpt_determinism.verify.reports import SUBSTITUTED_PARAMETERS_HINT
+from lightning_ckpt_determinism.verify.reports import HOST_RNG_STREAM_HINT, SUBSTITUTED_PARAMETERS_HINT
 from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
 from tests.test_verdicts import (
     STEPS,
@@ -574,9 +575,12 @@ def test_a_sentinel_of_the_caller_keeps_watching_the_checks_pass() -> None:
     with recomputation_sentinel(model, mode="exact") as sentinel:
         report = check_recomputation(model, lambda: loss_of(model, x), attribution=True)
     # The caller's sentinel saw the check's checkpointed pass, as it would without attribution: attribution then has
-    # no sentinel of its own, and does not name the region by its saved tensor.
+    # no sentinel of its own, and does not name the region by its saved tensor. It names it by the NumPy stream its
+    # recomputation drew from again, which the check compares after the passes.
     assert sentinel.report().regions["body"].mismatches == 1
-    assert report.diverged and [region.cause for region in report.regions] == [None]
+    assert report.diverged and [(region.cause, region.first_divergent_op) for region in report.regions] == [
+        ("host_rng", None)
+    ]
 
 
 def test_the_monitor_names_the_numpy_draw_read_where_torch_stops_the_recomputation(tmp_path: Path) -> None:
@@ -644,7 +648,9 @@ def test_attribution_whose_sentinel_cannot_be_built_compares_the_ops_alone(monke
         raise RuntimeError("no sentinel")
 
     monkeypatch.setattr(observer_module, "RecomputationSentinel", broken)
-    report, _ = _saved_tensor_check(NumpyScaled())
+    # A tensor attribute rebound before backward, read where torch stops: no recomputed op shows it (a NumPy draw
+    # there would be named by the NumPy stream its recomputation moved).
+    report, _ = _saved_tensor_check(AttributeScaled(), rebind=True)
     assert report.diverged and [region.cause for region in report.regions] == [None]
     report, _ = _saved_tensor_check(Around(nn.Dropout(0.3)), preserve_rng_state=False)
     assert [region.cause for region in report.regions] == ["rng_not_preserved"]
@@ -773,3 +779,123 @@ def test_a_region_called_twice_under_one_autocast_context_is_no_finding(noisy: b
     assert report.diverged is noisy
     if noisy:
         assert [(region.name, region.cause) for region in report.regions if region.diverged] == [("noise", "host_rng")]
+
+
+class Reseeding(nn.Module):
+    """Seeds NumPy's global RNG and draws a permutation of its features from it, as BigBird's block-sparse attention
+    does in training: its recomputation draws the same values, and leaves NumPy's stream where the forward did."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.seed = seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        np.random.seed(self.seed)
+        return torch.tanh(self.inp(x))[..., torch.from_numpy(np.random.permutation(WIDTH))]
+
+
+class Reseeded(nn.Module):
+    """Two :class:`Reseeding` regions; the loss reads a NumPy draw made after them, as a next step's masking would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Reseeding(0), Reseeding(1)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(self.first(x))).pow(2).mean()
+
+
+@pytest.mark.parametrize("preserve_host_rng", [False, True])
+def test_a_region_that_seeds_numpy_and_draws_leaves_its_stream_otherwise_and_is_named(preserve_host_rng: bool) -> None:
+    torch.manual_seed(0)
+    plain = Reseeded()
+    model = copy.deepcopy(plain)
+    config = CheckpointingConfig(names=["first", "second"], preserve_host_rng=preserve_host_rng)
+    apply_activation_checkpointing(model, config)
+    states = []
+    for twin in (plain, model):
+        np.random.seed(5)
+        twin(tokens(0)).backward()
+        states.append(np.random.get_state()[1].copy())
+    # The gradients agree; what draws from NumPy next does not, unless recomputation replays its stream.
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    assert np.array_equal(*states) is preserve_host_rng
+    x = tokens(1)
+    for attribution in (False, True):
+        np.random.seed(7)  # as a step's masking leaves it: not where a region's own seed puts it
+        report = check_recomputation(model, lambda: model(x), attribution=attribution)
+        assert report.grad_divergence == 0.0
+        if preserve_host_rng:
+            assert (report.diverged, report.cause) == (False, None)
+            assert all(region.cause is None for region in report.regions)
+            continue
+        assert (report.diverged, report.cause, report.hint) == (True, "host_rng", HOST_RNG_STREAM_HINT)
+        if attribution:
+            assert [(region.name, region.cause) for region in report.regions] == [
+                ("first", "host_rng"),
+                ("second", "host_rng"),
+            ]
+
+
+class ReseededModule(pl.LightningModule):
+    """:class:`Reseeded`, its batches masked by a NumPy draw in ``training_step``; with ``hook_draws``, an
+    ``on_before_backward`` that draws from NumPy too (which the check's reference pass does not run)."""
+
+    def __init__(self, hook_draws: bool = False) -> None:
+        super().__init__()
+        self.model = Reseeded()
+        self.hook_draws = hook_draws
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        mask = torch.from_numpy((np.random.rand(*x.shape) > 0.2).astype(np.float32))
+        return self.model(x * mask)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if self.hook_draws:
+            np.random.rand()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(32, 6, WIDTH, generator=torch.Generator().manual_seed(1))), 8)
+
+
+def _reseeded_fit(tmp_path: Path, strategy: object, monitor: RecomputationMonitor | None, hook_draws: bool = False):
+    pl.seed_everything(0, verbose=False)
+    module = ReseededModule(hook_draws)
+    callbacks = [] if monitor is None else [monitor]
+    pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=callbacks, max_steps=3)).fit(module)
+    return {key: value.clone() for key, value in module.state_dict().items()}
+
+
+def test_the_monitor_names_a_numpy_stream_recomputation_moved_and_the_fix_trains_as_the_plain_twin(
+    tmp_path: Path,
+) -> None:
+    def strategy(preserve_host_rng: bool) -> SingleDeviceCheckpointingStrategy:
+        config = CheckpointingConfig(classes=["Reseeding"], preserve_host_rng=preserve_host_rng)
+        return SingleDeviceCheckpointingStrategy(checkpointing=config)
+
+    plain = _reseeded_fit(tmp_path / "plain", "auto", None)
+    broken = RecomputationMonitor(every_n_steps=1)
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        moved = _reseeded_fit(tmp_path / "broken", strategy(False), broken)
+    said = [str(warning.message) for warning in caught if "recomputation drew" in str(warning.message)]
+    assert re.match(
+        r"lightning_ckpt_determinism: recomputation drew from the host's random streams at step 0: .* the gradients"
+        r" are exact\. Region `model\.first` drew from the host's random streams again, cause host_rng: ",
+        said[0],
+    )
+    assert broken.last_report is not None and broken.last_report.cause == "host_rng"
+    assert any(not torch.equal(plain[key], moved[key]) for key in plain)  # the masks drawn next differed
+    fixed = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    exact = _reseeded_fit(tmp_path / "fixed", strategy(True), fixed)
+    assert all(torch.equal(plain[key], exact[key]) for key in plain)
+    assert [record.diverged for record in fixed.history] == [False] * 3
+    # A hook between the forward and the backward that draws from NumPy is not recomputation's doing.
+    hooked = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    _reseeded_fit(tmp_path / "hooked", strategy(True), hooked, hook_draws=True)
+    assert [record.diverged for record in hooked.history] == [False] * 3

@@ -64,6 +64,7 @@ class RankFindings:
     hint: str | None
     buffer_mutations: list[str] = field(default_factory=list)
     attribute_mutations: list[str] = field(default_factory=list)
+    cause: str | None = None
 
     @classmethod
     def of(cls, rank: int, report: RecomputationReport) -> "RankFindings":
@@ -77,6 +78,7 @@ class RankFindings:
             None if _told_by_another_rank(report) else report.hint,
             report.buffer_mutations,
             report.attribute_mutations,
+            report.cause,
         )
 
 
@@ -208,8 +210,9 @@ def _worst_parameters_over_ranks(ranks: list[RankFindings]) -> list[tuple[str, f
 
 def _headline(step: int, findings: Findings, tolerance: float) -> str:
     """What diverged: the gradients (with their figures), or, where they are exact, the buffers or the attributes
-    (named)."""
-    if findings.gradients_diverged or not (findings.buffers_changed or findings.attributes_changed):
+    (named), or the host's random streams."""
+    host_rng = any(finding.cause == Cause.HOST_RNG for finding in findings.ranks)
+    if findings.gradients_diverged or not (findings.buffers_changed or findings.attributes_changed or host_rng):
         shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
         return (
             f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
@@ -218,8 +221,14 @@ def _headline(step: int, findings: Findings, tolerance: float) -> str:
     if findings.buffers_changed:
         names = [name for finding in findings.ranks for name in finding.buffer_mutations]
         return _changed_state(step, "buffer", findings.buffers_changed, names)
-    names = [name for finding in findings.ranks for name in finding.attribute_mutations]
-    return _changed_state(step, "Python attribute", findings.attributes_changed, names)
+    if findings.attributes_changed:
+        names = [name for finding in findings.ranks for name in finding.attribute_mutations]
+        return _changed_state(step, "Python attribute", findings.attributes_changed, names)
+    return (
+        f"lightning_ckpt_determinism: recomputation drew from the host's random streams at step {step}: Python's"
+        " `random` or NumPy's global RNG ended the step in another state than the same step without checkpointing;"
+        " the gradients are exact."
+    )
 
 
 def _changed_state(step: int, kind: str, count: int, names: list[str]) -> str:

@@ -296,6 +296,8 @@ class StepCapture:
         # The buffers and region attributes hooks wrote between the live forward and its backward (see
         # `backward_started`), which the reference pass, run without those hooks, leaves as its forward left them.
         self.written_before_backward: list[str] = []
+        # Whether those hooks drew from the host's random streams, whose states after the passes are then not compared.
+        self.host_rng_drawn_before_backward = False
 
     @property
     def captured(self) -> bool:
@@ -406,6 +408,7 @@ class StepCapture:
             try:
                 within = region_modules(module)
                 self.written_before_backward = before.differing_buffers() + before.differing_attributes(within)
+                self.host_rng_drawn_before_backward = before.host_rng_moved()
             except Exception:  # never the backward's failure
                 _log.debug("could not compare the state after the backward's hooks", exc_info=True)
 

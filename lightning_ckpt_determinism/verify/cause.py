@@ -305,7 +305,10 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "a random op (dropout, `rand*`, `bernoulli` ...) drew other numbers in recomputation."
         ),
         Cause.HOST_RNG: (
-            "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that region."
+            "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that region;"
+            " or the step left them in another state than the same step without checkpointing, with exact gradients"
+            " (a region drew from them again, the same values after a seed of its own, as BigBird's attention does),"
+            " so that whatever draws from them next draws other numbers."
         ),
         Cause.BUFFER_MUTATION: (
             "recomputation updated the region's buffers a second time, or an op it recomputed read a buffer the "

@@ -24,6 +24,7 @@ from lightning_ckpt_determinism.verify.gradients import GradientStash, local_ten
 from lightning_ckpt_determinism.verify.outcome import diverging
 from lightning_ckpt_determinism.verify.reports import (
     COMPILED_NOISE_NOTE,
+    HOST_RNG_STREAM_HINT,
     RecomputationReport,
     RegionReport,
     attribute_hint,
@@ -291,6 +292,9 @@ class StepEvidence:
             compare every buffer after the checked pass with its value after the reference pass; a placeholder of
             the live engine names another rank's); empty when they agree.
         step_attributes: Region attributes that differ likewise.
+        step_host_rng: Python's ``random`` or NumPy's global RNG ended the checked pass in another state than the
+            reference pass (a region drew from it again in its recomputation; the values it drew may have been the
+            same, as after a seed), on some rank.
         read_otherwise: Buffers a region's recomputation in the checkpointed pass got with other values than its
             forward read, as the model names them (see
             :func:`~lightning_ckpt_determinism.checkpointing.wrapper.buffers_read_otherwise`).
@@ -307,6 +311,7 @@ class StepEvidence:
     forward_writes: frozenset[str] = frozenset()
     step_buffers: Sequence[str] = ()
     step_attributes: Sequence[str] = ()
+    step_host_rng: bool = False
     read_otherwise: Sequence[str] = ()
 
 
@@ -338,6 +343,8 @@ def _decide(evidence: StepEvidence) -> _Decision:
         return _Decision(Cause.BUFFER_MUTATION, buffer_hint(list(evidence.step_buffers)), regions)
     elif cause is None and not evidence.gradients_diverged and evidence.step_attributes:
         return _Decision(Cause.ATTRIBUTE_MUTATION, attribute_hint(list(evidence.step_attributes)), regions)
+    elif cause is None and not evidence.gradients_diverged and evidence.step_host_rng:
+        return _Decision(Cause.HOST_RNG, HOST_RNG_STREAM_HINT, regions)
     if cause is None and evidence.gradients_diverged and evidence.read_otherwise:
         regions, unplaced = _with_read_otherwise(regions, evidence.read_otherwise)
         if unplaced:
@@ -451,7 +458,12 @@ def step_report(
     return RecomputationReport(
         grad_divergence=grad_divergence,
         max_abs_diff=max_abs_diff,
-        diverged=evidence.gradients_diverged or bool(evidence.step_buffers) or bool(evidence.step_attributes),
+        diverged=(
+            evidence.gradients_diverged
+            or bool(evidence.step_buffers)
+            or bool(evidence.step_attributes)
+            or evidence.step_host_rng
+        ),
         tolerance=tolerance,
         per_parameter=per_parameter,
         worst_parameters=worst_parameters(per_parameter),

@@ -64,6 +64,7 @@ class GradientComparison:
             compared (a GradScaler skips such steps).
         buffers_changed: The most buffers any rank said changed (``buffers_changed`` of :func:`compare_gradients`).
         attributes_changed: The most attributes any rank said changed (``attributes_changed``).
+        host_rng_changed: Whether any rank said its host random streams changed (``host_rng_changed``).
     """
 
     grad_divergence: float
@@ -73,6 +74,7 @@ class GradientComparison:
     skipped: bool = False
     buffers_changed: int = 0
     attributes_changed: int = 0
+    host_rng_changed: bool = False
 
 
 def compare_gradients(
@@ -86,6 +88,7 @@ def compare_gradients(
     device: torch.device | str = "cpu",
     buffers_changed: int = 0,
     attributes_changed: int = 0,
+    host_rng_changed: bool = False,
 ) -> GradientComparison:
     """Compare two sets of gradients held by this rank, with every sum and maximum reduced over ranks.
 
@@ -103,6 +106,8 @@ def compare_gradients(
         buffers_changed: How many of this rank's buffers differ between the live step and the reference, reduced
             (the most over ranks) in the same collective.
         attributes_changed: How many of this rank's plain attributes differ likewise, reduced alike.
+        host_rng_changed: Whether this rank's host random streams ended the two passes in other states, reduced
+            alike.
 
     Returns:
         The :class:`GradientComparison`.
@@ -131,15 +136,16 @@ def compare_gradients(
             unequal += 1
         if skip_non_finite and live_grad is not None and not all_finite(live_grad):
             non_finite = True
-    states = float(buffers_changed > 0 or attributes_changed > 0)
+    states = float(buffers_changed > 0 or attributes_changed > 0 or host_rng_changed)
     flags = [unequal, len(missing), elements, float(non_finite), states, len(odd_layouts)]
     reduced = all_reduce(torch.tensor(flags, dtype=torch.float64, device=device), "sum").tolist()
     unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, states_anywhere, odd_anywhere = reduced
     # The counts themselves are needed only where some rank saw one: never read on a clean check.
-    buffers, attributes = buffers_changed, attributes_changed
+    buffers, attributes, host_rng = buffers_changed, attributes_changed, host_rng_changed
     if states_anywhere > 0:
-        most = all_reduce(torch.tensor([float(buffers), float(attributes)], device=device), "max").tolist()
-        buffers, attributes = int(most[0]), int(most[1])
+        seen = [float(buffers), float(attributes), float(host_rng)]
+        most = all_reduce(torch.tensor(seen, device=device), "max").tolist()
+        buffers, attributes, host_rng = int(most[0]), int(most[1]), most[2] > 0
     zeros = dict.fromkeys(names, 0.0)
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
@@ -154,10 +160,18 @@ def compare_gradients(
         error = uncomparable_layouts(odd_layouts)
     if error is not None:
         return GradientComparison(
-            math.inf, math.inf, {}, error=error, buffers_changed=buffers, attributes_changed=attributes
+            math.inf,
+            math.inf,
+            {},
+            error=error,
+            buffers_changed=buffers,
+            attributes_changed=attributes,
+            host_rng_changed=host_rng,
         )
     if unequal_anywhere == 0:
-        return GradientComparison(0.0, 0.0, zeros, buffers_changed=buffers, attributes_changed=attributes)
+        return GradientComparison(
+            0.0, 0.0, zeros, buffers_changed=buffers, attributes_changed=attributes, host_rng_changed=host_rng
+        )
     sums = [0.0, 0.0]
     maxima = []
     for position, (live_grad, ref_grad, counts) in enumerate(zip(live, reference, counted, strict=True)):
@@ -174,6 +188,7 @@ def compare_gradients(
         dict(zip(names, per_parameter, strict=True)),
         buffers_changed=buffers,
         attributes_changed=attributes,
+        host_rng_changed=host_rng,
     )
 
 
@@ -196,6 +211,7 @@ def check_live_step(
     internal_attributes: Iterable[str] = (),
     written_parameters: Iterable[str] | None = None,
     written_before_backward: Collection[str] = (),
+    host_rng_drawn_before_backward: bool = False,
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -209,7 +225,8 @@ def check_live_step(
     each): a difference is a divergence of cause ``"buffer_mutation"``, with the buffers' names in
     ``buffer_mutations``, even where the gradients agree. The plain Python attributes of the modules inside
     checkpointed regions are compared alike (``"attribute_mutation"``, ``attribute_mutations``): recomputation that
-    repeats a forward's side effect (a list appended to) shows there. Gradients that diverge after a reference whose
+    repeats a forward's side effect (a list appended to) shows there, and so do the host's random streams
+    (``"host_rng"``: a region that drew from them again). Gradients that diverge after a reference whose
     loss already differs from ``live_loss`` are cause ``"outside_state"``: the forward differed before anything was
     recomputed (with ``calibrate_noise``, only when both reference passes agree on the loss; never where the live
     step recomputed a region before its loss, ``recomputed_in_forward``).
@@ -245,6 +262,9 @@ def check_live_step(
             written in place that ``entry_state`` or these have no copy of is reported in ``not_restored``.
         written_before_backward: Buffers and region attributes, by dotted name, that something the reference does
             not run wrote between the live step's forward and its backward (a Lightning hook): not compared.
+        host_rng_drawn_before_backward: Something the reference does not run drew from the host's random streams
+            between the live step's forward and its backward: the streams' states after the two passes are not
+            compared.
         device: Where the reduced tensors live.
 
     Returns:
@@ -287,6 +307,9 @@ def check_live_step(
         changed = [name for name in after_step.state.differing_buffers() if name not in outside]
         attributes = after_step.state.differing_attributes(core.region_modules(module), frozenset(exclude_attributes))
         attributes = [name for name in attributes if name not in outside]
+        # The host's streams after the reference against those after the live step: a region that drew from them
+        # again in its recomputation (a NumPy seed and draw in forward) left them otherwise, with exact values.
+        host_rng = not host_rng_drawn_before_backward and after_step.state.host_rng_moved()
         calibration = core.Calibration()
         if calibrate_noise:
             calibration = core.calibrate(
@@ -310,6 +333,7 @@ def check_live_step(
             device=device,
             buffers_changed=len(changed),
             attributes_changed=len(attributes),
+            host_rng_changed=host_rng,
         )
         not_restored += [name for name in after_step.unrestored() if name not in not_restored]
     if comparison.skipped:
@@ -327,6 +351,7 @@ def check_live_step(
         # The counts are the most over ranks; the names this rank's own.
         step_buffers=(changed or [OTHER_RANKS_STATE[0]]) if comparison.buffers_changed else [],
         step_attributes=(attributes or [OTHER_RANKS_STATE[1]]) if comparison.attributes_changed else [],
+        step_host_rng=comparison.host_rng_changed,
     )
     return core.step_report(
         evidence,

@@ -119,6 +119,8 @@ def report_diverged(report: RecomputationReport) -> bool:
 def _finding(region: RegionReport, cause: Cause | None) -> str:
     if cause is not None and cause.state_change is not None:
         return f"Region `{region.name}` {cause.state_change}: {region.hint}"
+    if cause == Cause.HOST_RNG and region.first_divergent_op is None and region.max_abs_diff == 0.0:
+        return f"Region `{region.name}` drew from the host's random streams again, cause {cause}: {region.hint}"
     where = ""
     if region.first_divergent_op is not None:
         op, index = region.first_divergent_op

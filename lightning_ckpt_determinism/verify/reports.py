@@ -15,6 +15,7 @@ from lightning_ckpt_determinism.verify.cause import PROTECTED_BUFFERS_HINT, Caus
 __all__ = [
     "CAUSE_HINTS",
     "COMPILED_NOISE_NOTE",
+    "HOST_RNG_STREAM_HINT",
     "INPUT_MODIFIED_HINT",
     "READ_OTHERWISE_HINT",
     "ROUTING_DROPPED_HINT",
@@ -107,6 +108,13 @@ def buffer_hint(buffers: list[str], *, protected: bool = False) -> str:
     hint = PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
     return f"{hint} Changed: {', '.join(buffers)}."
 
+
+HOST_RNG_STREAM_HINT = (
+    f"{Cause.HOST_RNG.hint} Recomputation drew from it again (the values may be the same, after a seed of its"
+    " own), so the step left it in another state than the same step without checkpointing: whatever draws from it"
+    " next (data masking, augmentation) draws other numbers."
+)
+"""The hint of a ``host_rng`` found by the state the host's random streams ended the step in, the gradients exact."""
 
 READ_OTHERWISE_HINT = (
     "Recomputation read other values of these buffers than the forward did: the forward changed them for the first"

@@ -55,7 +55,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     state_copy,
     write_values,
 )
-from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
+from lightning_ckpt_determinism.checkpointing.rng import capture_host_rng, capture_rng, restore_rng, same_host_rng
 from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
 
 __all__ = ["StepState", "named_metrics"]
@@ -142,6 +142,20 @@ class StepState:
         """
         found = self._python.differing(None if within is None else {id(sub) for sub in within})
         return [name for name in found if name.rsplit(".", 1)[-1] not in ignore]
+
+    def host_rng_moved(self) -> bool:
+        """Whether Python's ``random`` or NumPy's global RNG now holds another state than at capture (something drew
+        from it, or seeded it).
+
+        Example::
+
+            >>> import random
+            >>> state = StepState(torch.nn.Linear(2, 2))
+            >>> moved = (state.host_rng_moved(), random.random(), state.host_rng_moved())
+            >>> moved[0], moved[2]
+            (False, True)
+        """
+        return not same_host_rng(self._rng.host, capture_host_rng())
 
     def unrestored_parameters(self) -> list[str]:
         """The names of the parameters written in place since capture (their version counter moved) of which no copy

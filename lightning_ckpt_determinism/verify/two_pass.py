@@ -46,6 +46,7 @@ from lightning_ckpt_determinism.verify.core import (
 )
 from lightning_ckpt_determinism.verify.gradients import take_gradients
 from lightning_ckpt_determinism.verify.reports import (
+    HOST_RNG_STREAM_HINT,
     RecomputationReport,
     RegionReport,
     attribute_hint,
@@ -264,6 +265,7 @@ def _compare(
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
     changed_buffers = passes.changed_buffers()
     attributes = passes.changed_attributes()
+    host_rng = passes.changed_host_rng()
     not_restored = passes.scope.unrestored()
     eager_diverged = (
         passes.compiled and observer is not None and passes.diverges_eagerly(observer, tolerance, noise_floor)
@@ -288,6 +290,8 @@ def _compare(
         compiler_only = compiler_only and not any(region.diverged for region in regions)
         cause, regions = passes.compiled_cause(compiler_only, reference, checkpointed.gradients, regions)
     regions = _with_attributes(regions, attributes)
+    if host_rng and observer is not None:
+        regions = _with_host_rng(regions, observer.host_rng_readers())
     evidence = StepEvidence(
         gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
@@ -303,6 +307,7 @@ def _compare(
         # engine; the region reports, with attribution, say where.
         step_attributes=attributes,
         step_buffers=changed_buffers,
+        step_host_rng=host_rng,
     )
     return step_report(
         evidence,
@@ -326,6 +331,17 @@ def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list
             region = replace(region, diverged=True, cause=Cause.ATTRIBUTE_MUTATION, hint=attribute_hint(own))
         named.append(replace(region, attribute_mutations=own) if own else region)
     return named
+
+
+def _with_host_rng(regions: list[RegionReport], readers: frozenset[str]) -> list[RegionReport]:
+    """``regions``, those that read the host's random streams and have no other cause given ``host_rng``: the check
+    found the streams left otherwise by the checked pass, with exact values."""
+    return [
+        replace(region, diverged=True, cause=Cause.HOST_RNG, hint=HOST_RNG_STREAM_HINT)
+        if region.name in readers and region.cause is None
+        else region
+        for region in regions
+    ]
 
 
 @dataclass(frozen=True)
@@ -446,6 +462,11 @@ class _Passes:
         if self._after_reference is None:
             return []
         return self._after_reference.differing_attributes(region_modules(self.module), self._exclude)
+
+    def changed_host_rng(self) -> bool:
+        """Whether Python's ``random`` or NumPy's global RNG now holds another state than after the first reference
+        pass (call it right after a checkpointed pass): a region that drew from it again in its recomputation."""
+        return self._after_reference is not None and self._after_reference.host_rng_moved()
 
     def checkpointed(self, observer: Attribution | None = None) -> _Outcome:
         """A checkpointed pass, observed when ``observer`` is given; an error it raises is its outcome."""

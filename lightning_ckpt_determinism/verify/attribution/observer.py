@@ -697,6 +697,10 @@ class Attribution:
             if call.host_rng_read and call.divergence is not None and evidence_cause(call.divergence) is None
         )
 
+    def host_rng_readers(self) -> frozenset[str]:
+        """Regions whose forward read (drew from, or seeded) Python's or NumPy's global RNG at some call."""
+        return frozenset(call.region for call in self.calls if call.host_rng_read)
+
     def parameters_written_in_forward(self) -> frozenset[str]:
         """The parameters (as the model names them) a region's forward wrote in place, changing their values."""
         return frozenset(
