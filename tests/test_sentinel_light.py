@@ -220,3 +220,39 @@ def test_the_light_tier_never_spends_a_fixed_target_on_a_weight_computed_from_pa
     # Ground truth: the exact tier sees the noise at every step.
     assert all(mismatches > 0 for _, mismatches in found_by_step("exact"))
     assert all(mismatches > 0 for _, mismatches in found_by_step("light"))
+
+
+class FlippingBranched(BranchedBlock):
+    """:class:`BranchedBlock`, its input first through one more op while ``long`` (``cos`` saves its input: one more
+    saved tensor, ahead of the others and independent of the side branch)."""
+
+    long = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + torch.cos(x) if self.long else x)
+
+
+def test_a_side_branch_change_is_seen_in_a_region_whose_path_flips_every_step() -> None:
+    # The region never keeps one layout (its calls alternate paths), so no layout's rotation reaches the side
+    # branch: each call digests one more position drawn in turn by a hash instead.
+    steps = 48
+    # Every step but the first on the new path, which is learned, not compared (`on_new_paths`).
+    for mode, least in (("sampled", steps - 1), ("light", 4)):
+        model = model_with(FlippingBranched("side", armed=None))
+        found = []
+        with recomputation_sentinel(model, mode=mode) as sentinel:  # type: ignore[arg-type]
+            for step in range(steps):
+                model.blocks[1].long = step % 2 == 1
+                sentinel.next_step()
+                step_gradients(model, seed=step)
+                found.append(sentinel.settle()["blocks.1"].mismatches)
+        seen = [step for step, count in enumerate(found) if count]
+        assert len(seen) >= least, (mode, seen)
+        assert {step % 2 for step in seen} == {0, 1}  # on both paths
+    clean = model_with(FlippingBranched())
+    with recomputation_sentinel(clean, mode="light") as sentinel:
+        for step in range(steps):
+            clean.blocks[1].long = step % 2 == 1
+            sentinel.next_step()
+            step_gradients(clean, seed=step)
+    assert sentinel.report().mismatches == 0

@@ -152,6 +152,8 @@ class RegionCall:
         # Light without a layout: the layout is learned from this call, at its forward's end.
         self.learning = layout is None and self.mode.tier == "light"
         self._seen: list[tuple[int, int]] = []
+        # The position a learning call digests in turn (see `_in_turn`), drawn at its first saved tensor.
+        self._turn: int | None = None
         # The positions a learning call saw computed from parameters alone (see `SavedLayout.weights`).
         self._weights: set[int] = set()
         # How many tensors the forward saved, known when it ends.
@@ -208,12 +210,16 @@ class RegionCall:
     def _roll(self, saved: KeptTensor, local: torch.Tensor) -> None:
         """A learning call notes each comparable activation and holds only the last one and the last computed
         floating-point one (the targets it digests; the last floating-point one while none requires grad), so that
-        learning holds no more memory than two tensors."""
+        learning holds no more memory than two tensors. It digests one more as it comes, its tensor in turn
+        (:meth:`_in_turn`), where that one's value is final when saved."""
         if not readable(local):
             self._unreadable(local)
             return
         kind = self._kind(saved, local)
         self._seen.append((saved.position, kind))
+        if saved.position == self._in_turn() and kind != _WEIGHTS and saved.position not in self._filled_late():
+            self._take(saved, local)
+            return
         if kind == _WEIGHTS:  # never a fixed target: not held
             return
         # The held one that stays besides the new one: the best candidate for the computed target, unless the new
@@ -221,6 +227,22 @@ class RegionCall:
         best = max((self._kind(held, tensor) for held, tensor in self._held), default=0)
         kept = [] if kind >= best else [entry for entry in self._held if self._kind(*entry) == best][-1:]
         self._held = [*kept, (saved, local)]
+
+    def _in_turn(self) -> int:
+        """The position a learning call digests besides its last activations: drawn from the step's offset and the
+        call's place among its region's calls by a multiplicative hash, over as many positions as its profile saves.
+
+        A region whose calls keep taking other code paths (a branch on the input, a shared block whose first call in a
+        loop saves fewer tensors) learns at every call, so no layout's rotation reaches it; a hash, unlike a turn
+        taken call by call, covers every position of every path whatever the period of the paths.
+        """
+        if self._turn is None:
+            mixed = ((self.mode.offset + 1) * _TURN_HASH ^ (self.ordinal + 1) * _CALL_HASH) % (1 << 64)
+            self._turn = (mixed >> 17) % max(self.profile.saved if self.profile is not None else 1, 1)
+        return self._turn
+
+    def _filled_late(self) -> frozenset[int]:
+        return self.profile.filled_late if self.profile is not None else frozenset()
 
     def _kind(self, saved: KeptTensor, local: torch.Tensor) -> int:
         """How well a saved activation stands for the region's values: :data:`_COMPUTED` for a floating-point one
@@ -290,7 +312,7 @@ class RegionCall:
             held = [(saved, local) for saved, local in self._held if saved.position not in left_out]
             self.not_compared += len(self._held) - len(held)
             if self.learning:
-                held = self._learn(held)
+                held = [(saved, local) for saved, local in self._learn(held) if saved.slot is None]
             elif self.layout is not None and (another_path or self.packs != self.layout.saved):
                 self.sentinel._learned(self.region, None)  # another code path: its layout is learned again
             for saved, local in held:
@@ -444,6 +466,10 @@ class RegionCall:
 # How `RegionCall._kind` ranks a saved activation: one computed from parameters alone (below every other), a
 # floating-point one that does not require grad (dropout's noise), or one that does (computed from the region's values
 # or inputs autograd tracks).
+# The multipliers of `RegionCall._in_turn`'s hash (odd 64-bit constants of splitmix64).
+_TURN_HASH = 0x9E3779B97F4A7C15
+_CALL_HASH = 0xBF58476D1CE4E5B9
+
 _WEIGHTS = -1
 _FLOATING = 1
 _COMPUTED = 2

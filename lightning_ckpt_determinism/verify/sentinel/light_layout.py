@@ -19,6 +19,8 @@ light tier digests only :meth:`SavedLayout.targets`:
 
 A call that took another code path than its layout's (another number of saved tensors or autograd nodes, or its output
 from another op) is still compared where its targets fell, and the region's layout is learned again at its next call.
+A call that learns (every call of a region whose paths keep alternating) digests its last activations and one more
+position drawn by a hash (``RegionCall._in_turn``) in place of the rotating one.
 """
 
 from dataclasses import dataclass, field
