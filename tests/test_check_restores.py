@@ -6,6 +6,7 @@ check's own passes advanced."""
 
 import contextlib
 import random
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -161,6 +162,40 @@ class ContainedTensors(Outside):
         return 1.0 + 0.1 * self.stats["calls"] + 0.01 * self.history[0].sum() * float(self.history[1][0])
 
 
+class Seen(list):
+    """A list of the user's own class."""
+
+
+class SubclassedContainers(Outside):
+    """Counts its calls in a ``Counter``, an ``OrderedDict`` and a list of its own class: containers whose class is a
+    subclass of ``dict`` or ``list`` (as Lightning's ``AttributeDict``, ``self.hparams``, is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.ordered: OrderedDict[str, int] = OrderedDict(calls=0)
+        self.seen_list = Seen()
+
+    def scale(self, x: torch.Tensor) -> float:
+        self.counts["calls"] += 1
+        self.ordered["calls"] += 1
+        self.seen_list.append(self.counts["calls"])
+        return 1.0 + 0.1 * self.counts["calls"] + 0.01 * self.ordered["calls"] * len(self.seen_list)
+
+
+class RunningScale(Outside):
+    """Scales by a running mean of its inputs' means over a window of three calls (torchmetrics' `RunningMean`,
+    which keeps its place in the window in a plain attribute besides its states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = torchmetrics.aggregation.RunningMean(window=3)
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        self.running.update(x.mean().detach().abs())
+        return 1.0 + self.running.compute()
+
+
 class FrozenByTurns(Outside):
     """Freezes and unfreezes its head at every other call (`requires_grad_`)."""
 
@@ -204,6 +239,8 @@ CASES = {
     "a tensor attribute": Case(TensorAttribute),
     "tensors and an array inside containers": Case(ContainedTensors),
     "a head frozen by turns": Case(FrozenByTurns),
+    "subclasses of dict and list": Case(SubclassedContainers),
+    "a running metric": Case(RunningScale),
     # NaN is not `==` to itself: a NaN set again by recomputation is the same value, not a mutation.
     "a NaN statistic kept as an attribute": Case(lambda: Outside(NanStatistic())),
 }
@@ -221,6 +258,10 @@ def held_state(model: nn.Module) -> list[object]:
         [float(value) for value in getattr(model, "stats", {}).values()],
         [value.tolist() for value in getattr(model, "history", [])],
         [param.requires_grad for param in model.parameters()],
+        dict(getattr(model, "counts", {})),
+        dict(getattr(model, "ordered", {})),
+        list(getattr(model, "seen_list", [])),
+        None if not hasattr(model, "running") else (model.running._num_vals_seen, float(model.running.compute())),
     ]
 
 

@@ -395,6 +395,11 @@ class _MetricSnapshot:
             for key in METRIC_BOOKKEEPING:
                 if key in attributes:
                     setattr(metric, key, attributes[key])
+            # A metric's own counters besides its states (`Running`'s place in its window, `_num_vals_seen`).
+            now = vars(metric)
+            for key, value in attributes.items():
+                if isinstance(value, SCALARS) and (key not in now or now[key] != value):
+                    setattr(metric, key, value)
             for name, value in states.items():
                 setattr(metric, name, _copy_state(value))
 
@@ -577,8 +582,10 @@ def _is_plain(value: object) -> bool:
 
 def _is_object(value: object) -> bool:
     """An object of the user's own kind (``self.tracker = Tracker()``): it keeps its state in a ``__dict__`` and is
-    neither callable (functions, modules, the package's region wrappers, classes) nor a tensor, array or generator."""
-    if callable(value) or isinstance(value, (types.ModuleType, torch.Tensor, np.ndarray, *_GENERATORS)):
+    neither callable (functions, modules, the package's region wrappers, classes) nor a tensor, array or generator,
+    nor a container (a subclass of ``dict`` or ``list``, as ``Counter``, ``OrderedDict`` and Lightning's
+    ``AttributeDict`` are, keeps its state in its items, not in its ``__dict__``)."""
+    if callable(value) or isinstance(value, (types.ModuleType, torch.Tensor, np.ndarray, *_GENERATORS, *_CONTAINERS)):
         return False
     try:
         return isinstance(vars(value), dict)
