@@ -246,6 +246,24 @@ def test_a_checkpointing_given_no_mapping_says_which_mapping_to_write(
 
 
 @pytest.mark.usefixtures("in_process")
+def test_two_alike_monitors_are_one_line_not_lightnings_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lightning refuses them before any hook of the monitor runs: two stateful callbacks with one `state_key`.
+    config = yaml.safe_load(BASE_CONFIG.read_text())
+    config["trainer"]["callbacks"].append(config["trainer"]["callbacks"][0])
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(path, tmp_path))
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.callbacks`: `RecomputationMonitor` is in the Trainer's callbacks more than once: give it"
+        " once. One monitor checks every checkpointed region; several would check each step again, and only the last"
+        " one's sentinel would see the regions."
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_mistake_of_the_whole_config_is_named_by_the_configs_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -56,7 +56,7 @@ from lightning_ckpt_determinism.config import (
 )
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
-from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
+from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor, given_twice
 from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
 __all__ = ["CheckpointingCLI", "callback_indexed", "configuration_error", "misplaced_arguments", "yaml_error"]
@@ -116,7 +116,7 @@ class CheckpointingCLI(LightningCLI):
             if file_error is not None:
                 raise CheckpointingConfigError(file_error)
             super().__init__(*args, **kwargs)
-        except (ArgumentError, ValueError, RecomputationDivergenceError, ProcessRaisedException) as err:
+        except (ArgumentError, ValueError, RuntimeError, RecomputationDivergenceError, ProcessRaisedException) as err:
             said = _one_line(err)
             if said is None:
                 raise
@@ -161,6 +161,8 @@ def _one_line(err: Exception) -> tuple[str, int] | None:
         # A finding, not a crash: its message names the step, region and cause; the traceback adds nothing.
         wanted = os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0")
         return None if wanted else (" ".join(str(err).split()), 1)
+    if isinstance(err, RuntimeError) and _MONITORS_TWICE not in str(err):
+        return None  # the fit's own error, with its traceback
     message = configuration_error(err)
     return None if message is None else (message, 2)
 
@@ -370,6 +372,9 @@ def configuration_error(err: Exception) -> str | None:
         >>> configuration_error(ValueError("dropout probability has to be between 0 and 1")) is None
         True
     """
+    if isinstance(err, RuntimeError) and _MONITORS_TWICE in str(err):
+        # Lightning refuses two callbacks with one `state_key` (two monitors of the same arguments) in the Trainer.
+        return f"`trainer.callbacks`: {given_twice()}"
     if isinstance(err, CheckpointingConfigError):
         # A mistake of the config as a whole found when the strategy sets the model up, named by the config's key.
         if str(err).startswith(_WHOLE_CONFIG):
@@ -401,6 +406,7 @@ def configuration_error(err: Exception) -> str | None:
 
 
 _REFUSED = re.compile(r"Option '([^']+)' is not accepted")
+_MONITORS_TWICE = "Found more than one stateful callback of type `RecomputationMonitor`"
 _INIT_ARGS_LISTED = re.compile(
     r"Parser key \"([\w.]+)\":.*?Problem with given class_path '([\w.]+)':\s*'list' object has no attribute 'keys'",
     re.DOTALL,

@@ -50,7 +50,7 @@ from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
 from lightning_ckpt_determinism.verify.two_pass import PassFailed
 
-__all__ = ["RecomputationMonitor"]
+__all__ = ["RecomputationMonitor", "given_twice"]
 
 
 _CHECK_ELSEWHERE = (
@@ -717,12 +717,22 @@ def _last_batch_of_fit(trainer: "pl.Trainer") -> bool:
 def _given_twice(trainer: "pl.Trainer") -> str | None:
     """Why the Trainer's callbacks cannot hold several monitors; ``None`` where they hold one."""
     monitors = sum(isinstance(callback, RecomputationMonitor) for callback in trainer.callbacks)  # type: ignore[attr-defined]
-    if monitors < 2:
-        return None
+    return None if monitors < 2 else given_twice(monitors)
+
+
+def given_twice(monitors: int | None = None) -> str:
+    """Why the Trainer's callbacks cannot hold several monitors (``monitors`` of them, where known).
+
+    Example::
+
+        >>> given_twice(2).split(":")[0]
+        "`RecomputationMonitor` is in the Trainer's callbacks 2 times"
+    """
+    times = "more than once" if monitors is None else f"{monitors} times"
     return (
-        f"`RecomputationMonitor` is in the Trainer's callbacks {monitors} times: give it once. One monitor checks"
-        " every checkpointed region; several would check each step again, and only the last one's sentinel would see"
-        " the regions."
+        f"`RecomputationMonitor` is in the Trainer's callbacks {times}: give it once. One monitor checks every"
+        " checkpointed region; several would check each step again, and only the last one's sentinel would see the"
+        " regions."
     )
 
 
