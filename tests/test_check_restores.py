@@ -645,3 +645,31 @@ def test_small_tensors_in_containers_are_put_back_by_value_large_ones_and_long_l
     state.restore()
     assert float(model.stats["sum"]) == 0.0
     assert float(model.stats["cache"].sum()) == 1024.0 and float(model.losses[0]) == 1.0
+
+
+def test_a_step_that_prunes_a_layer_is_checked_and_leaves_the_layer_as_it_was() -> None:
+    # `torch.nn.utils.prune` moves `weight` to a `weight_orig` parameter, with a mask buffer and a pre-hook: each pass
+    # prunes from the state the check puts back, and the check leaves the model as it found it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = tokens(0)
+    before = list(model.named_parameters())
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def pruned_loss() -> torch.Tensor:
+        torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+        return loss_of(model, x)
+
+    report = check_recomputation(model, pruned_loss)
+    assert (report.diverged, report.grad_divergence, report.error, report.not_restored) == (False, 0.0, None, [])
+    assert [(name, id(param)) for name, param in model.named_parameters()] == [
+        (name, id(param)) for name, param in before
+    ]
+    assert same_state_dict(model.state_dict(), state)
+    assert not model[0]._forward_pre_hooks
+    loss_of(model, x).backward()  # the model still runs
+
+
+def same_state_dict(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
+    return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)

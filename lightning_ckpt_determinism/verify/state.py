@@ -42,7 +42,12 @@ from torch.nn.parameter import is_lazy
 from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
-from lightning_ckpt_determinism._torch_compat import is_fsdp1_parameter_view, own_buffers, version_counter
+from lightning_ckpt_determinism._torch_compat import (
+    is_fsdp1_parameter_view,
+    own_buffers,
+    own_parameters,
+    version_counter,
+)
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot
 from lightning_ckpt_determinism.checkpointing.modules import (
@@ -102,6 +107,7 @@ class StepState:
         self._generators = _GeneratorSnapshot(self._python.generators)
         self._tensors = _TensorAttributes(self._python.tensors)
         self._parameters = _ParameterSnapshot(module, parameters)
+        self._registered = _RegisteredParameters(module)
         self._training = {sub: sub.training for sub in module.modules()}
         # A hook the step registers once, behind an attribute it creates, comes back with that attribute.
         self._hooks = HookSnapshot([vars(sub) for sub in module.modules()])
@@ -193,6 +199,7 @@ class StepState:
         restore_rng(self._rng)
         self._generators.restore()
         self._tensors.restore()
+        self._registered.restore()
         self._parameters.restore()
         self._buffers.restore()
         self._metrics.restore()
@@ -201,6 +208,22 @@ class StepState:
         for sub, mode in self._training.items():
             sub.training = mode
         torch.set_grad_enabled(self._grad_enabled)
+
+
+class _RegisteredParameters:
+    """The parameters each module registered, by key: a step that moves one (``torch.nn.utils.prune`` registers
+    ``weight_orig`` in place of ``weight``) gets the captured ones back, the others removed. Modules whose keys are
+    those captured are left alone (FSDP2 swaps sharded and unsharded parameters under the same keys)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._entries = [(sub, dict(own_parameters(sub))) for sub in module.modules() if not is_fsdp1_unit(sub)]
+
+    def restore(self) -> None:
+        for sub, captured in self._entries:
+            registered = own_parameters(sub)
+            if registered.keys() != captured.keys():
+                registered.clear()  # in the captured order too: `named_parameters` and the state dict keep theirs
+                registered.update(captured)
 
 
 class _BufferSnapshot:
