@@ -246,6 +246,20 @@ def test_a_checkpointing_given_no_mapping_says_which_mapping_to_write(
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_strategy_class_swapped_on_the_command_line_does_not_drop_checkpointing_without_a_word(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    swapped = "--trainer.strategy.class_path=lightning.pytorch.strategies.SingleDeviceStrategy"
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(BASE_CONFIG, tmp_path, swapped, "--trainer.callbacks=null"))
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.strategy`: lightning.pytorch.strategies.SingleDeviceStrategy takes no `checkpointing`, which"
+        " the config gives it (the command line replaced the strategy's class and dropped it); use `class_path:"
+        " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`, whose `init_args` take it."
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
 def test_two_alike_monitors_are_one_line_not_lightnings_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -59,7 +59,14 @@ from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor, given_twice
 from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
 
-__all__ = ["CheckpointingCLI", "callback_indexed", "configuration_error", "misplaced_arguments", "yaml_error"]
+__all__ = [
+    "CheckpointingCLI",
+    "callback_indexed",
+    "checkpointing_dropped",
+    "configuration_error",
+    "misplaced_arguments",
+    "yaml_error",
+]
 
 TRACEBACK_VARIABLE = "LIGHTNING_CKPT_DETERMINISM_TRACEBACK"
 """Set to ``1`` to see the traceback of a fit that ``on_divergence: raise`` stopped, rather than its one line."""
@@ -112,7 +119,8 @@ class CheckpointingCLI(LightningCLI):
         kwargs["parser_kwargs"] = {"exit_on_error": False, **(kwargs.get("parser_kwargs") or {})}
         try:
             given = kwargs.get("args")
-            file_error = config_file_error(sys.argv[1:] if given is None else given)
+            self._arguments = sys.argv[1:] if given is None else given
+            file_error = config_file_error(self._arguments)
             if file_error is not None:
                 raise CheckpointingConfigError(file_error)
             super().__init__(*args, **kwargs)
@@ -143,7 +151,11 @@ class CheckpointingCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Check the package's values before anything is built, naming each mistake's key."""
         super().before_instantiate_classes()
-        check_parsed_config(self.config[self.subcommand] if self.subcommand else self.config)
+        parsed = self.config[self.subcommand] if self.subcommand else self.config
+        check_parsed_config(parsed)
+        dropped = checkpointing_dropped(_configs(getattr(self, "_arguments", ())), parsed.get("trainer"))
+        if dropped is not None:
+            raise CheckpointingConfigError(dropped)
 
 
 def _one_line(err: Exception) -> tuple[str, int] | None:
@@ -477,6 +489,55 @@ def _option_meant(text: str) -> str:
         return ""
     close = difflib.get_close_matches(refused[1].split(".")[0], accepted, n=1)
     return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
+    """One line for a ``checkpointing`` a config file gives its strategy that the parsed config no longer holds: the
+    command line replaced the strategy's ``class_path`` by one that takes none, and jsonargparse drops the
+    ``init_args`` it does not take without a word. ``None`` where nothing was dropped.
+
+    Args:
+        configs: The loaded ``--config`` files.
+        trainer: The parsed config's ``trainer`` (a namespace or a mapping).
+
+    Example::
+
+        >>> config = {"trainer": {"strategy": {"init_args": {"checkpointing": {"classes": "auto"}}}}}
+        >>> parsed = {"strategy": {"class_path": "lightning.pytorch.strategies.SingleDeviceStrategy", "init_args": {}}}
+        >>> checkpointing_dropped([config], parsed).split(" (")[0].split(": ")[1]
+        'lightning.pytorch.strategies.SingleDeviceStrategy takes no `checkpointing`, which the config gives it'
+    """
+    given = any(
+        isinstance(strategy := _at(config, "trainer", "strategy"), dict)
+        and isinstance(strategy.get("init_args"), dict)
+        and "checkpointing" in strategy["init_args"]
+        for config in configs
+    )
+    strategy = _at(trainer, "strategy")
+    class_path = _at(strategy, "class_path")
+    if not given or not isinstance(class_path, str) or _at(strategy, "init_args", "checkpointing") is not None:
+        return None
+    if class_path.startswith("lightning_ckpt_determinism."):
+        return None  # the package's own strategy: its `checkpointing` is checked where it is built
+    name = registered_name(class_path.rsplit(".", 1)[-1])
+    use = (
+        f"use `class_path: lightning_ckpt_determinism.{REGISTERED[name].__name__}`"
+        if name is not None
+        else "use one of this package's strategies"
+    )
+    return (
+        f"`trainer.strategy`: {class_path} takes no `checkpointing`, which the config gives it (the command line"
+        f" replaced the strategy's class and dropped it); {use}, whose `init_args` take it."
+    )
+
+
+def _at(node: Any, *keys: str) -> Any:
+    """``node[keys[0]][keys[1]]...`` of mappings or namespaces, ``None`` where one is missing."""
+    for key in keys:
+        if node is None:
+            return None
+        node = node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+    return node
 
 
 def _stock_strategy_given_checkpointing(text: str) -> str | None:
