@@ -62,7 +62,6 @@ from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered
 __all__ = [
     "CheckpointingCLI",
     "callback_indexed",
-    "checkpointing_dropped",
     "configuration_error",
     "misplaced_arguments",
     "yaml_error",
@@ -153,7 +152,7 @@ class CheckpointingCLI(LightningCLI):
         super().before_instantiate_classes()
         parsed = self.config[self.subcommand] if self.subcommand else self.config
         check_parsed_config(parsed)
-        dropped = checkpointing_dropped(_configs(getattr(self, "_arguments", ())), parsed.get("trainer"))
+        dropped = _checkpointing_dropped(_configs(getattr(self, "_arguments", ())), parsed.get("trainer"))
         if dropped is not None:
             raise CheckpointingConfigError(dropped)
 
@@ -491,7 +490,7 @@ def _option_meant(text: str) -> str:
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
-def checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
+def _checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
     """One line for a ``checkpointing`` a config file gives its strategy that the parsed config no longer holds: the
     command line replaced the strategy's ``class_path`` by one that takes none, and jsonargparse drops the
     ``init_args`` it does not take without a word. ``None`` where nothing was dropped.
@@ -504,7 +503,7 @@ def checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
 
         >>> config = {"trainer": {"strategy": {"init_args": {"checkpointing": {"classes": "auto"}}}}}
         >>> parsed = {"strategy": {"class_path": "lightning.pytorch.strategies.SingleDeviceStrategy", "init_args": {}}}
-        >>> checkpointing_dropped([config], parsed).split(" (")[0].split(": ")[1]
+        >>> _checkpointing_dropped([config], parsed).split(" (")[0].split(": ")[1]
         'lightning.pytorch.strategies.SingleDeviceStrategy takes no `checkpointing`, which the config gives it'
     """
     given = any(

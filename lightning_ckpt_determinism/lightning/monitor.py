@@ -50,7 +50,7 @@ from lightning_ckpt_determinism.verify.reports import RecomputationReport
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
 from lightning_ckpt_determinism.verify.two_pass import PassFailed
 
-__all__ = ["RecomputationMonitor", "given_twice"]
+__all__ = ["RecomputationMonitor"]
 
 
 _CHECK_ELSEWHERE = (

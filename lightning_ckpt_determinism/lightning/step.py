@@ -19,7 +19,7 @@ from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSet
 from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.core import region_modules
-from lightning_ckpt_determinism.verify.state import StepState
+from lightning_ckpt_determinism.verify.state import StateMark, StepState
 from lightning_ckpt_determinism.verify.two_pass import SkippedPass, raised_in_autograd
 
 __all__ = [
@@ -398,7 +398,7 @@ class StepCapture:
             return
         module = self.pl_module
         try:
-            before = StepState(module, self._internal)
+            before = StateMark(module, self._internal)
         except Exception:  # the check then compares them all, as without this note
             _log.debug("could not capture the state before the backward's hooks", exc_info=True)
             return

@@ -63,13 +63,87 @@ from lightning_ckpt_determinism.checkpointing.modules import (
 from lightning_ckpt_determinism.checkpointing.rng import capture_host_rng, capture_rng, restore_rng, same_host_rng
 from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
 
-__all__ = ["StepState", "named_metrics"]
+__all__ = ["StateMark", "StepState", "named_metrics"]
 
 _CONTAINERS = (list, dict, set, tuple, deque)
 _MISSING = object()
 
 
-class StepState:
+class StateMark:
+    """What a step may write that a check compares, captured now, to name what changed since: the buffers, the plain
+    Python attributes, and the state of Python's ``random`` and NumPy's global RNG. Nothing is put back (see
+    :class:`StepState`).
+
+    Args:
+        module: The model whose buffers and Python attributes are captured.
+        internal_attributes: Attribute names never captured on any module (see :class:`StepState`).
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 2)
+        >>> mark = StateMark(model)
+        >>> model.flag = True
+        >>> mark.differing_attributes(), mark.differing_buffers(), mark.host_rng_moved()
+        (['flag'], [], False)
+    """
+
+    def __init__(self, module: nn.Module, internal_attributes: Iterable[str] = ()) -> None:
+        self._buffers = _BufferSnapshot(module)
+        self._python = _PythonState(module, frozenset(internal_attributes))
+        self._host = capture_host_rng()
+
+    def differing_buffers(self) -> list[str]:
+        """The names of the buffers whose values now differ from the captured ones (one comparison each).
+
+        Example::
+
+            >>> model = torch.nn.BatchNorm1d(2)
+            >>> state = StateMark(model)
+            >>> _ = model(torch.randn(4, 2))
+            >>> state.differing_buffers()
+            ['running_mean', 'running_var', 'num_batches_tracked']
+        """
+        return self._buffers.differing()
+
+    def differing_attributes(
+        self, within: Collection[nn.Module] | None = None, ignore: Collection[str] = ()
+    ) -> list[str]:
+        """The dotted names of the plain attributes whose values now differ from the captured ones (a scalar
+        rebound, a container's contents changed, an attribute created or deleted), on the modules ``within`` (every
+        module when ``None``).
+
+        Args:
+            within: The modules to look at (those inside checkpointed regions, whose code recomputation reruns).
+            ignore: Attribute names not compared (they are still captured and restored).
+
+        Example::
+
+            >>> model = torch.nn.Linear(2, 2)
+            >>> model.seen = []
+            >>> state = StateMark(model)
+            >>> model.seen.append(1)
+            >>> state.differing_attributes()
+            ['seen']
+        """
+        found = self._python.differing(None if within is None else {id(sub) for sub in within})
+        return [name for name in found if name.rsplit(".", 1)[-1] not in ignore]
+
+    def host_rng_moved(self) -> bool:
+        """Whether Python's ``random`` or NumPy's global RNG now holds another state than at capture (something drew
+        from it, or seeded it).
+
+        Example::
+
+            >>> import random
+            >>> state = StateMark(torch.nn.Linear(2, 2))
+            >>> moved = (state.host_rng_moved(), random.random(), state.host_rng_moved())
+            >>> moved[0], moved[2]
+            (False, True)
+        """
+        return not same_host_rng(self._host, capture_host_rng())
+
+
+class StepState(StateMark):
     """Everything a step may change besides gradients, captured now; :meth:`restore` puts it back.
 
     Args:
@@ -101,9 +175,8 @@ class StepState:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             devices.add(torch.device("cuda", torch.cuda.current_device()))
         self._rng = capture_rng(devices)
-        self._buffers = _BufferSnapshot(module)
+        super().__init__(module, internal_attributes)
         self._metrics = _MetricSnapshot(module)
-        self._python = _PythonState(module, frozenset(internal_attributes))
         self._generators = _GeneratorSnapshot(self._python.generators)
         self._tensors = _TensorAttributes(self._python.tensors)
         self._parameters = _ParameterSnapshot(module, parameters)
@@ -112,56 +185,6 @@ class StepState:
         # A hook the step registers once, behind an attribute it creates, comes back with that attribute.
         self._hooks = HookSnapshot([vars(sub) for sub in module.modules()])
         self._grad_enabled = torch.is_grad_enabled()
-
-    def differing_buffers(self) -> list[str]:
-        """The names of the buffers whose values now differ from the captured ones (one comparison each).
-
-        Example::
-
-            >>> model = torch.nn.BatchNorm1d(2)
-            >>> state = StepState(model)
-            >>> _ = model(torch.randn(4, 2))
-            >>> state.differing_buffers()
-            ['running_mean', 'running_var', 'num_batches_tracked']
-        """
-        return self._buffers.differing()
-
-    def differing_attributes(
-        self, within: Collection[nn.Module] | None = None, ignore: Collection[str] = ()
-    ) -> list[str]:
-        """The dotted names of the plain attributes whose values now differ from the captured ones (a scalar
-        rebound, a container's contents changed, an attribute created or deleted), on the modules ``within`` (every
-        module when ``None``).
-
-        Args:
-            within: The modules to look at (those inside checkpointed regions, whose code recomputation reruns).
-            ignore: Attribute names not compared (they are still captured and restored).
-
-        Example::
-
-            >>> model = torch.nn.Linear(2, 2)
-            >>> model.seen = []
-            >>> state = StepState(model)
-            >>> model.seen.append(1)
-            >>> state.differing_attributes()
-            ['seen']
-        """
-        found = self._python.differing(None if within is None else {id(sub) for sub in within})
-        return [name for name in found if name.rsplit(".", 1)[-1] not in ignore]
-
-    def host_rng_moved(self) -> bool:
-        """Whether Python's ``random`` or NumPy's global RNG now holds another state than at capture (something drew
-        from it, or seeded it).
-
-        Example::
-
-            >>> import random
-            >>> state = StepState(torch.nn.Linear(2, 2))
-            >>> moved = (state.host_rng_moved(), random.random(), state.host_rng_moved())
-            >>> moved[0], moved[2]
-            (False, True)
-        """
-        return not same_host_rng(self._rng.host, capture_host_rng())
 
     def unrestored_parameters(self) -> list[str]:
         """The names of the parameters written in place since capture (their version counter moved) of which no copy
