@@ -49,6 +49,7 @@ __all__ = [
     "StopRecomputationError",
     "TorchDispatchMode",
     "aot_backends",
+    "at_backward_end",
     "autograd_nodes_made",
     "below_current_modes",
     "buffer_version_counter",
@@ -328,6 +329,23 @@ def is_fsdp1_parameter_view(tensor: torch.Tensor) -> bool:
 version_counter: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 """A tensor's version counter, ``Tensor._version``: bumped by every in-place write to it or to a view of it
 (>= 1.0). A C-level getter: the sentinel reads every parameter's at each region call."""
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward under way has finished (``Variable._execution_engine.queue_callback``,
+    as FSDP2 queues its final callback, >= 1.0). Call it from inside a backward (a tensor hook).
+
+    Example::
+
+        >>> ended = []
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = (x * 2).sum()
+        >>> _ = y.register_hook(lambda grad: at_backward_end(lambda: ended.append(x.grad is not None)))
+        >>> y.backward()
+        >>> ended
+        [True]
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def buffer_version_counter(tensor: torch.Tensor) -> int:

@@ -4,6 +4,7 @@ running statistics is ``buffer_mutation``; a torchmetrics metric updated inside 
 
 import copy
 import math
+import random
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -864,10 +865,27 @@ class ReseededModule(pl.LightningModule):
         return DataLoader(TensorDataset(torch.randn(32, 6, WIDTH, generator=torch.Generator().manual_seed(1))), 8)
 
 
-def _reseeded_fit(tmp_path: Path, strategy: object, monitor: RecomputationMonitor | None, hook_draws: bool = False):
+class Mixup(pl.Callback):
+    """Draws from Python's and NumPy's streams around the backward (a mixup weight for the next batch): listed
+    before the monitor, its `on_after_backward` runs before the monitor's check."""
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        random.random()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        np.random.beta(0.4, 0.4)
+
+
+def _reseeded_fit(
+    tmp_path: Path,
+    strategy: object,
+    monitor: RecomputationMonitor | None,
+    hook_draws: bool = False,
+    before: tuple[pl.Callback, ...] = (),
+):
     pl.seed_everything(0, verbose=False)
     module = ReseededModule(hook_draws)
-    callbacks = [] if monitor is None else [monitor]
+    callbacks = [*before] if monitor is None else [*before, monitor]
     pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=callbacks, max_steps=3)).fit(module)
     return {key: value.clone() for key, value in module.state_dict().items()}
 
@@ -895,7 +913,47 @@ def test_the_monitor_names_a_numpy_stream_recomputation_moved_and_the_fix_trains
     exact = _reseeded_fit(tmp_path / "fixed", strategy(True), fixed)
     assert all(torch.equal(plain[key], exact[key]) for key in plain)
     assert [record.diverged for record in fixed.history] == [False] * 3
-    # A hook between the forward and the backward that draws from NumPy is not recomputation's doing.
+    # Hooks around the backward that draw from the host's streams (the module's, a callback's listed before the
+    # monitor) are not recomputation's doing.
     hooked = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
     _reseeded_fit(tmp_path / "hooked", strategy(True), hooked, hook_draws=True)
     assert [record.diverged for record in hooked.history] == [False] * 3
+    mixed = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"`Mixup` run `on_after_backward` before"):
+        _reseeded_fit(tmp_path / "mixed", strategy(True), mixed, before=(Mixup(),))
+    assert [record.diverged for record in mixed.history] == [False] * 3
+
+
+class WrittenBetweenCalls(nn.Module):
+    """Calls its region ``body`` twice, writing one of its parameters in place under ``no_grad`` in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Around(nn.Tanh())
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        with torch.no_grad():
+            self.body.inp.bias.add_(0.1)
+        return self.head(self.body(h)).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_parameter_written_between_calls_is_a_parameter_write_under_autocast_too(autocast: bool) -> None:
+    # Under autocast the op that differs reads the weight's cast, an op the observer leaves out: it stands for the
+    # parameter it was cast from.
+    torch.manual_seed(0)
+    model = WrittenBetweenCalls()
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    x = tokens(0)
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model(x)
+
+    report = check_recomputation(model, loss, attribution=True)
+    assert report.diverged
+    assert [(region.name, region.cause) for region in report.regions if region.diverged] == [
+        ("body", "parameter_write")
+    ]

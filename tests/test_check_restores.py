@@ -673,3 +673,30 @@ def test_a_step_that_prunes_a_layer_is_checked_and_leaves_the_layer_as_it_was() 
 
 def same_state_dict(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
     return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+
+class KeepsModelOutput(Outside):
+    """Keeps its last output in a transformers ``ModelOutput`` (an ``OrderedDict`` whose fields are attributes too,
+    and which refuses ``update``), rebound at each call, and counts its calls in a ``Counter``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.modeling_outputs import BaseModelOutput
+
+        self.output_class = BaseModelOutput
+        self.last = BaseModelOutput(last_hidden_state=torch.zeros(2))
+        self.counts: Counter[str] = Counter()
+
+    def scale(self, x: torch.Tensor) -> float:
+        self.last = self.output_class(last_hidden_state=x.detach())
+        self.counts["calls"] += 1
+        return 1.0 + 0.1 * self.counts["calls"]
+
+
+def test_a_model_output_held_as_an_attribute_is_put_back_as_it_was() -> None:
+    checked = train(Case(KeepsModelOutput), checkpointed=True, check=True)
+    assert same_run(checked, train(Case(KeepsModelOutput), checkpointed=False, check=False))
+    assert [(report.diverged, report.error) for report in checked.reports] == [(False, None)] * STEPS
+    last = checked.model.last
+    assert list(last.keys()) == ["last_hidden_state"] and last["last_hidden_state"] is last.last_hidden_state
+    assert torch.equal(last.last_hidden_state, tokens(STEPS - 1))

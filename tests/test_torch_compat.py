@@ -716,6 +716,24 @@ def test_torchs_other_checkpoint_error_and_other_errors_are_not() -> None:
     assert not compat.is_metadata_mismatch(RuntimeError("different metadata"))
 
 
+@pins("at_backward_end")
+def test_a_callback_queued_inside_a_backward_runs_once_it_has_ended() -> None:
+    order: list[str] = []
+    weight = torch.ones(2, requires_grad=True)
+    loss = (weight * 3).sum()
+
+    def reached(grad: torch.Tensor) -> None:
+        order.append("reached")
+        compat.at_backward_end(lambda: order.append(f"ended, grad {weight.grad.tolist()}"))
+
+    loss.register_hook(reached)
+    loss.backward()
+    assert order == ["reached", "ended, grad [3.0, 3.0]"]
+    loss = (weight * 3).sum()
+    loss.backward()  # queued for one backward only
+    assert order == ["reached", "ended, grad [3.0, 3.0]"]
+
+
 def test_every_entry_has_a_test_pinned_to_it() -> None:
     assert sorted(set(compat.__all__) - PINNED) == []
     assert sorted(PINNED - set(compat.__all__)) == []

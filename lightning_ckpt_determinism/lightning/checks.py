@@ -188,7 +188,7 @@ class StepCheck:
             internal_attributes=settings.internals,
             written_parameters=capture.written_parameters,
             written_before_backward=capture.written_before_backward,
-            host_rng_drawn_before_backward=capture.host_rng_drawn_before_backward,
+            backward_drew_host_rng=capture.backward_drew_host_rng,
             device=strategy.root_device,
         )
 

@@ -13,6 +13,8 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 
+from lightning_ckpt_determinism._torch_compat import at_backward_end
+from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, same_host_rng
 from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, recomputations
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
@@ -296,8 +298,9 @@ class StepCapture:
         # The buffers and region attributes hooks wrote between the live forward and its backward (see
         # `backward_started`), which the reference pass, run without those hooks, leaves as its forward left them.
         self.written_before_backward: list[str] = []
-        # Whether those hooks drew from the host's random streams, whose states after the passes are then not compared.
-        self.host_rng_drawn_before_backward = False
+        # Whether the host's random streams moved during the live backward, where nothing but the regions'
+        # recomputation runs the user's code (see `_watch_hooks`).
+        self.backward_drew_host_rng = False
 
     @property
     def captured(self) -> bool:
@@ -408,11 +411,23 @@ class StepCapture:
             try:
                 within = region_modules(module)
                 self.written_before_backward = before.differing_buffers() + before.differing_attributes(within)
-                self.host_rng_drawn_before_backward = before.host_rng_moved()
+                at_backward_end(self._host_rng_watch(capture_host_rng()))
             except Exception:  # never the backward's failure
                 _log.debug("could not compare the state after the backward's hooks", exc_info=True)
 
         handle = loss.register_hook(backward_reached)
+
+    def _host_rng_watch(self, started: HostRNGState) -> Callable[[], None]:
+        """What notes, when the backward ends, whether the host's random streams moved since ``started``: a region's
+        recomputation that drew from them (hooks before and after the backward cannot)."""
+
+        def ended() -> None:
+            try:
+                self.backward_drew_host_rng = not same_host_rng(started, capture_host_rng())
+            except Exception:  # never the backward's failure
+                _log.debug("could not compare the host's random streams after the backward", exc_info=True)
+
+        return ended
 
 
 def _put_back(module: "pl.LightningModule", own: Any, installed: Callable[..., Any]) -> None:

@@ -211,7 +211,7 @@ def check_live_step(
     internal_attributes: Iterable[str] = (),
     written_parameters: Iterable[str] | None = None,
     written_before_backward: Collection[str] = (),
-    host_rng_drawn_before_backward: bool = False,
+    backward_drew_host_rng: bool = False,
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -225,8 +225,8 @@ def check_live_step(
     each): a difference is a divergence of cause ``"buffer_mutation"``, with the buffers' names in
     ``buffer_mutations``, even where the gradients agree. The plain Python attributes of the modules inside
     checkpointed regions are compared alike (``"attribute_mutation"``, ``attribute_mutations``): recomputation that
-    repeats a forward's side effect (a list appended to) shows there, and so do the host's random streams
-    (``"host_rng"``: a region that drew from them again). Gradients that diverge after a reference whose
+    repeats a forward's side effect (a list appended to) shows there; the host's random streams moved by the live
+    backward (``backward_drew_host_rng``) are ``"host_rng"``. Gradients that diverge after a reference whose
     loss already differs from ``live_loss`` are cause ``"outside_state"``: the forward differed before anything was
     recomputed (with ``calibrate_noise``, only when both reference passes agree on the loss; never where the live
     step recomputed a region before its loss, ``recomputed_in_forward``).
@@ -262,9 +262,9 @@ def check_live_step(
             written in place that ``entry_state`` or these have no copy of is reported in ``not_restored``.
         written_before_backward: Buffers and region attributes, by dotted name, that something the reference does
             not run wrote between the live step's forward and its backward (a Lightning hook): not compared.
-        host_rng_drawn_before_backward: Something the reference does not run drew from the host's random streams
-            between the live step's forward and its backward: the streams' states after the two passes are not
-            compared.
+        backward_drew_host_rng: The host's random streams moved during the live step's backward, measured by the
+            caller from its start to its end, where only the regions' recomputation runs the user's code (a
+            reference pass has nothing to recompute, so its backward never moves them): cause ``"host_rng"``.
         device: Where the reduced tensors live.
 
     Returns:
@@ -307,9 +307,9 @@ def check_live_step(
         changed = [name for name in after_step.state.differing_buffers() if name not in outside]
         attributes = after_step.state.differing_attributes(core.region_modules(module), frozenset(exclude_attributes))
         attributes = [name for name in attributes if name not in outside]
-        # The host's streams after the reference against those after the live step: a region that drew from them
-        # again in its recomputation (a NumPy seed and draw in forward) left them otherwise, with exact values.
-        host_rng = not host_rng_drawn_before_backward and after_step.state.host_rng_moved()
+        # A region that drew from the host's streams again in its recomputation (a NumPy seed and draw in forward)
+        # left them otherwise than the same step without checkpointing, with exact values.
+        host_rng = backward_drew_host_rng
         calibration = core.Calibration()
         if calibrate_noise:
             calibration = core.calibrate(

@@ -629,14 +629,16 @@ def _is_plain(value: object) -> bool:
 def _is_object(value: object) -> bool:
     """An object of the user's own kind (``self.tracker = Tracker()``): it keeps its state in a ``__dict__`` and is
     neither callable (functions, modules, the package's region wrappers, classes) nor a tensor, array or generator,
-    nor a container (a subclass of ``dict`` or ``list``, as ``Counter``, ``OrderedDict`` and Lightning's
-    ``AttributeDict`` are, keeps its state in its items, not in its ``__dict__``)."""
-    if callable(value) or isinstance(value, (types.ModuleType, torch.Tensor, np.ndarray, *_GENERATORS, *_CONTAINERS)):
+    nor a container that keeps its state in its items alone (a subclass of ``dict`` or ``list`` with an empty
+    ``__dict__``, as ``Counter``, ``OrderedDict`` and Lightning's ``AttributeDict`` are; one with attributes of its
+    own, as transformers' ``ModelOutput``, is an object)."""
+    if callable(value) or isinstance(value, (types.ModuleType, torch.Tensor, np.ndarray, *_GENERATORS)):
         return False
     try:
-        return isinstance(vars(value), dict)
+        own = vars(value)
     except TypeError:  # no `__dict__`
         return False
+    return isinstance(own, dict) and (bool(own) or not isinstance(value, _CONTAINERS))
 
 
 def _is_state(value: object) -> bool:
@@ -706,17 +708,18 @@ def _contents(value: Any) -> list[tuple[Any, Any]]:
 
 
 def _refill(original: Any, copy: Any) -> None:
-    """Give a mutable container or an array its captured contents back, in place."""
+    """Give a mutable container or an array its captured contents back, in place, through the base class's own
+    methods: a subclass may refuse its ``update`` (transformers' ``ModelOutput``) or count in its ``__setitem__``."""
     if isinstance(original, np.ndarray):
         np.copyto(original, copy)
     elif isinstance(original, dict):
-        original.clear()
-        original.update(copy)
+        dict.clear(original)
+        dict.update(original, copy)
     elif isinstance(original, list):
-        original[:] = copy
+        list.__setitem__(original, slice(None), copy)
     elif isinstance(original, deque):
-        original.clear()
-        original.extend(copy)
+        deque.clear(original)
+        deque.extend(original, copy)
     elif isinstance(original, set):
-        original.clear()
-        original.update(copy)
+        set.clear(original)
+        set.update(original, copy)

@@ -490,6 +490,13 @@ class CallRecord:
         ]
         return [(name, tensor, _recorded(tensor)) for name, tensor in written]
 
+    def note_cast(self, source: torch.Tensor, cast: torch.Tensor) -> None:
+        """A cast autocast may cache, left out of the ops (see ``_CallMode._autocast_cached_cast``): an op that reads
+        the cast of one of the region's parameters reads that parameter, for the cause rules."""
+        name = self.parameter_storages.get(storage_pointer(source))
+        if name is not None and isinstance(cast, torch.Tensor):
+            self.parameter_storages[storage_pointer(cast)] = name
+
     def note_writes(self, before: list[tuple[str, torch.Tensor, Any]], *, recomputing: bool) -> None:
         """Note the parameters an op wrote in place with other values than they held (see :meth:`parameters_before`)."""
         noted = self.parameters_written if recomputing else self.parameters_written_in_forward
@@ -536,8 +543,13 @@ class _CallMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         call = self.call
-        skipped = self._framework.skips(func, args) or not _observed(func) or self._autocast_cached_cast(func, args)
-        if skipped or call.abandoned is not None:
+        if self._autocast_cached_cast(func, args):
+            out = func(*args, **kwargs)
+            if call.abandoned is None:
+                with disable_current_modes(), call.contained(self.stage):
+                    call.note_cast(args[0], out)
+            return out
+        if self._framework.skips(func, args) or not _observed(func) or call.abandoned is not None:
             return func(*args, **kwargs)
         inputs: list[Any] | None = None
         before: list[tuple[str, torch.Tensor, Any]] = []
