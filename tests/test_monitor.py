@@ -622,9 +622,11 @@ def test_reference_regions_rotate_and_find_a_defect_in_one_block_within_a_cycle(
     checked = [entry.checked_regions for entry in monitor.history]
     assert checked == [["model.blocks.0"], ["model.blocks.1"], ["model.blocks.2"], ["model.blocks.3"]]
     # While the noise block stays checkpointed in the reference, it carries the same error as the live step; the
-    # check that runs it plainly finds it.
-    assert [entry.diverged for entry in monitor.history] == [False, False, True, False]
-    assert monitor.history[2].grad_divergence > 0.0
+    # check that runs it plainly finds it in the gradients. Its recomputation draws from NumPy again at every step,
+    # which every check sees in the stream the live backward moved (`host_rng`, with exact gradients elsewhere).
+    assert [entry.grad_divergence > 0.0 for entry in monitor.history] == [False, False, True, False]
+    assert [entry.diverged for entry in monitor.history] == [True] * 4
+    assert monitor.last_report is not None and monitor.last_report.cause == "host_rng"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a CUDA device")

@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism._library_compat import METRIC_BOOKKEEPING, metric_state_names
 from lightning_ckpt_determinism._torch_compat import (
+    buffer_version_counter,
     is_fsdp1_parameter_view,
     own_buffers,
     own_parameters,
@@ -70,9 +71,9 @@ _MISSING = object()
 
 
 class StateMark:
-    """What a step may write that a check compares, captured now, to name what changed since: the buffers, the plain
-    Python attributes, and the state of Python's ``random`` and NumPy's global RNG. Nothing is put back (see
-    :class:`StepState`).
+    """What a step may write that a check compares, captured now, to name what changed since: the buffers (their
+    objects and version counters, no copy of their values), the plain Python attributes, and the state of Python's
+    ``random`` and NumPy's global RNG. Nothing is put back (see :class:`StepState`).
 
     Args:
         module: The model whose buffers and Python attributes are captured.
@@ -88,20 +89,22 @@ class StateMark:
     """
 
     def __init__(self, module: nn.Module, internal_attributes: Iterable[str] = ()) -> None:
-        self._buffers = _BufferSnapshot(module)
+        self._buffers: _BufferVersions | _BufferSnapshot = _BufferVersions(module)
         self._python = _PythonState(module, frozenset(internal_attributes))
         self._host = capture_host_rng()
 
     def differing_buffers(self) -> list[str]:
-        """The names of the buffers whose values now differ from the captured ones (one comparison each).
+        """The names of the buffers written since capture: replaced, or their version counter moved (a
+        :class:`StepState` compares their values instead: a kernel such as ``batch_norm``'s updates its running
+        statistics without a version bump).
 
         Example::
 
             >>> model = torch.nn.BatchNorm1d(2)
-            >>> state = StateMark(model)
-            >>> _ = model(torch.randn(4, 2))
-            >>> state.differing_buffers()
-            ['running_mean', 'running_var', 'num_batches_tracked']
+            >>> mark = StateMark(model)
+            >>> _ = model.running_mean.add_(1.0)
+            >>> mark.differing_buffers()
+            ['running_mean']
         """
         return self._buffers.differing()
 
@@ -176,6 +179,7 @@ class StepState(StateMark):
             devices.add(torch.device("cuda", torch.cuda.current_device()))
         self._rng = capture_rng(devices)
         super().__init__(module, internal_attributes)
+        self._buffers = self._values = _BufferSnapshot(module)
         self._metrics = _MetricSnapshot(module)
         self._generators = _GeneratorSnapshot(self._python.generators)
         self._tensors = _TensorAttributes(self._python.tensors)
@@ -214,7 +218,7 @@ class StepState(StateMark):
             >>> state.initialised()
             ['0.weight', '0.bias', '1.running_mean', '1.running_var']
         """
-        return self._parameters.initialised() + self._buffers.initialised()
+        return self._parameters.initialised() + self._values.initialised()
 
     def restore(self) -> None:
         """Put everything captured back; can be called any number of times. A tensor that still holds its captured
@@ -224,13 +228,31 @@ class StepState(StateMark):
         self._tensors.restore()
         self._registered.restore()
         self._parameters.restore()
-        self._buffers.restore()
+        self._values.restore()
         self._metrics.restore()
         self._hooks.restore()
         self._python.restore()
         for sub, mode in self._training.items():
             sub.training = mode
         torch.set_grad_enabled(self._grad_enabled)
+
+
+class _BufferVersions:
+    """The buffer objects of a module and their version counters: what :class:`StateMark` compares, without copies."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._entries = [
+            (name, owner, key, buffer, buffer_version_counter(buffer))
+            for name, (owner, key, buffer) in buffer_slots(module).items()
+            if not is_lazy(buffer)
+        ]
+
+    def differing(self) -> list[str]:
+        return [
+            name
+            for name, owner, key, buffer, version in self._entries
+            if own_buffers(owner).get(key) is not buffer or buffer_version_counter(buffer) != version
+        ]
 
 
 class _RegisteredParameters:
