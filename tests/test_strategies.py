@@ -170,7 +170,7 @@ def test_model_already_checkpointed_by_the_user_is_left_alone(tmp_path: Path) ->
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CONFIG)
     with pytest.warns(
         LightningCkptDeterminismWarning,
-        match=r"1 modules of StackModule are already checkpointed \(1 x DropoutBlock\);"
+        match=r"1 module of StackModule is already checkpointed \(1 x DropoutBlock\);"
         r" `SingleDeviceCheckpointingStrategy` leaves them as they are and applies nothing",
     ):
         _fit(tmp_path, module, strategy, callbacks=[recorder])

@@ -218,8 +218,9 @@ class ActivationCheckpointingMixin(ModelSetupHook):
             budget = self.checkpointing.memory_budget
             ignored = f", nor its `memory_budget` ({budget!r})" if budget is not None else ""
             rank_zero_warn(
-                f"lightning_ckpt_determinism: {len(already)} modules of {type(module).__name__} are already"
-                f" checkpointed ({_summary(already)}); `{type(self).__name__}` leaves them as they are and applies"
+                f"lightning_ckpt_determinism: {len(already)} module{'s' if len(already) != 1 else ''} of"
+                f" {type(module).__name__} {'are' if len(already) != 1 else 'is'} already checkpointed"
+                f" ({_summary(already)}); `{type(self).__name__}` leaves them as they are and applies"
                 f" nothing{ignored}. Remove `apply_activation_checkpointing` from the model to let the strategy apply"
                 " it.",
                 category=LightningCkptDeterminismWarning,
