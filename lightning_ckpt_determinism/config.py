@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jsonargparse.typing import register_type
+from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
@@ -212,7 +213,9 @@ def choice_message(name: str, value: object, choices: Sequence[object]) -> str:
         >>> choice_message("sentinel", "always", ("sampled", "exact", "off"))
         "`sentinel` can be sampled, exact, off, got 'always'."
     """
-    return f"`{name}` can be {', '.join(str(choice) for choice in choices)}, got {value!r}."
+    meant = [choice for choice in ("none", "off") if value is None and choice in choices]
+    quoted = f" (a string: write {meant[0]!r})" if meant else ""
+    return f"`{name}` can be {', '.join(str(choice) for choice in choices)}, got {value!r}{quoted}."
 
 
 _SIZE_UNITS = {
@@ -486,8 +489,11 @@ class CheckpointingConfig:
         object.__setattr__(self, "every_n", check_positive_int("every_n", self.every_n))
         check_choice("determinism_check", self.determinism_check, ("default", "none"))
         for path in class_entries(self):
-            if "." in path:
-                resolve_class_path(path)
+            if "." in path and not issubclass(resolve_class_path(path), nn.Module):
+                raise CheckpointingConfigError(
+                    f"`classes` entry {path!r} is not a module class (`torch.nn.Module`), so it would match nothing:"
+                    " name the layer or block class to checkpoint."
+                )
         resolve_ops(self.save_ops)
         object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, self.every_n))
         check_choice("budget_granularity", self.budget_granularity, BUDGET_GRANULARITIES)

@@ -103,6 +103,7 @@ def test_determinism_check_none_is_accepted() -> None:
         ("torch.nn.NoSuchLayer", r"`classes` entry 'torch.nn.NoSuchLayer' cannot be imported"),
         ("no_such_package.Block", r"`classes` entry 'no_such_package.Block' cannot be imported"),
         ("math.pi", r"`classes` entry 'math.pi' is not a class, got float"),
+        ("torch.Tensor", r"`classes` entry 'torch.Tensor' is not a module class \(`torch.nn.Module`\), so it would"),
     ],
 )
 def test_unknown_class_path_is_rejected(path: str, message: str) -> None:
@@ -242,6 +243,13 @@ def test_a_class_path_to_a_module_that_does_not_export_it_advises_the_bare_name_
         "`classes` entry 'torch.Linear' cannot be imported (module 'torch' has no attribute 'Linear'). Use a bare"
         " class name such as 'Linear' or a dotted path to an importable class."
     )
+
+
+def test_none_where_a_choice_is_the_string_none_or_off_says_to_write_the_string() -> None:
+    with pytest.raises(CheckpointingConfigError, match=r"got None \(a string: write 'none'\)\.$"):
+        CheckpointingConfig(classes=["Linear"], determinism_check=None)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointingConfigError, match=r"got None \(a string: write 'off'\)\.$"):
+        RecomputationMonitor(sentinel=None)  # type: ignore[arg-type]
 
 
 def test_resolvers_raise_the_config_error() -> None:
