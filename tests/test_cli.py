@@ -260,6 +260,19 @@ def test_a_strategy_class_swapped_on_the_command_line_does_not_drop_checkpointin
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_memory_budget_of_another_type_is_said_as_the_package_says_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _config_with(tmp_path, "checkpointing", "memory_budget", [1])
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(path, tmp_path))
+    assert _error_lines(capsys.readouterr().err) == [
+        "error: `trainer.strategy.checkpointing.memory_budget` must be a size, got [1]; give bytes (1073741824,"
+        " '512MiB', '2GB'), a fraction in (0, 1] (0.5, '50%'), 'auto' or None."
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
 def test_two_alike_monitors_are_one_line_not_lightnings_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

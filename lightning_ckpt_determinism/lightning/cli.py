@@ -50,6 +50,7 @@ from lightning_ckpt_determinism._library_compat import (
 from lightning_ckpt_determinism.config import (
     AUTO_CLASSES,
     CheckpointingConfig,
+    check_memory_budget,
     choice_message,
     class_path_meant,
     resolve_class_path,
@@ -573,6 +574,9 @@ def _in_package_words(rejected: str) -> str:
     config = _config_not_a_mapping(found[1], found[2]) if found else None
     if config is not None:
         return config
+    budget = _budget_of_another_type(found[1], found[2]) if found else None
+    if budget is not None:
+        return budget
     if found is not None and "to be a function that returns" in found[2]:
         return f"{rejected} Annotate its return type, as `def loss(module, batch, batch_idx) -> torch.Tensor:`."
     choice = literal_rejection(found[2]) if found else None
@@ -584,6 +588,23 @@ def _in_package_words(rejected: str) -> str:
 
 _PATH_EXPECTED = re.compile(r"- Expected a path but (.+?) either not accessible or invalid")
 _MAPPING_EXPECTED = re.compile(r"expected a mapping of CheckpointingConfig arguments, got (.+)")
+
+
+_TYPE_EXPECTED = re.compile(r"Expected a <class '\w+'>, got (.+)")
+
+
+def _budget_of_another_type(key: str, reason: str) -> str | None:
+    """A ``memory_budget`` of a type it does not take (a list, a mapping), said as the package says it."""
+    found = _TYPE_EXPECTED.search(reason)
+    if not key.endswith("memory_budget") or found is None:
+        return None
+    try:
+        check_memory_budget(yaml.safe_load(found[1]), 1)
+    except CheckpointingConfigError as err:
+        return f"`{key}`{str(err).removeprefix('`memory_budget`')}"
+    except yaml.YAMLError:
+        return None
+    return None
 
 
 def _config_not_a_mapping(key: str, reason: str) -> str | None:
