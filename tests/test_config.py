@@ -282,6 +282,19 @@ def test_selections_that_wrap_nothing_raise_the_config_error() -> None:
         apply_activation_checkpointing(model, CheckpointingConfig(classes=["DropoutBlock"], every_n=4))
 
 
+def test_a_regular_expression_in_names_is_told_names_are_globs_with_the_glob_meant() -> None:
+    model = make_stack(n=3)
+    regex = r"blocks\.\d+"
+    with pytest.raises(CheckpointingConfigError) as raised:
+        select_modules(model, CheckpointingConfig(names=[regex]))
+    meant = f" Names are globs (`*`, `?`, `[0-9]`), not regular expressions: did you mean 'blocks.*' for {regex!r}?"
+    assert meant in str(raised.value)
+    assert select_modules(model, CheckpointingConfig(names=["blocks.*"])).keys() == {"blocks.0", "blocks.1", "blocks.2"}
+    with pytest.raises(CheckpointingConfigError) as raised:
+        select_modules(model, CheckpointingConfig(names=["layers.(0|1)"]))
+    assert " Names are globs (`*`, `?`, `[0-9]`), not regular expressions ('layers.(0|1)')." in str(raised.value)
+
+
 def test_strategy_without_a_config_raises_the_config_error_saying_how_to_give_one() -> None:
     for error in (CheckpointingConfigError, TypeError):
         with pytest.raises(

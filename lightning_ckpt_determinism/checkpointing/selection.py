@@ -252,7 +252,27 @@ def _names_meant(module_names: list[str], patterns: list[str]) -> str:
         found = next((p for p in tried if any(fnmatch.fnmatchcase(name, p) for name in module_names)), None)
         if found is not None:
             meant.append(f" Did you mean {found!r} for {pattern!r}?")
+        elif _REGEX_SYNTAX.search(pattern):
+            glob = _as_glob(pattern)
+            fits = any(fnmatch.fnmatchcase(name, glob) for name in module_names)
+            meant.append(
+                f" Names are globs (`*`, `?`, `[0-9]`), not regular expressions: did you mean {glob!r} for {pattern!r}?"
+                if fits
+                else f" Names are globs (`*`, `?`, `[0-9]`), not regular expressions ({pattern!r})."
+            )
     return "".join(meant)
+
+
+# What only a regular expression writes: a class escape, an escaped dot, a repeat, an anchor, a group or alternation.
+_REGEX_SYNTAX = re.compile(r"\\[dDwWsS.]|[+^$|()]")
+
+
+def _as_glob(pattern: str) -> str:
+    """The glob a regular expression of module names most likely means (``model\\.blocks\\.\\d+`` to
+    ``model.blocks.*``)."""
+    glob = re.sub(r"\\[dw][+*]|\.\+", "*", pattern.strip("^$"))
+    glob = re.sub(r"\\d", "[0-9]", glob)
+    return glob.replace("\\.", ".")
 
 
 def _did_you_mean(entries: list[str], class_names: list[str]) -> str:
