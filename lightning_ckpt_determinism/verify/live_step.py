@@ -307,9 +307,6 @@ def check_live_step(
         changed = [name for name in after_step.state.differing_buffers() if name not in outside]
         attributes = after_step.state.differing_attributes(core.region_modules(module), frozenset(exclude_attributes))
         attributes = [name for name in attributes if name not in outside]
-        # A region that drew from the host's streams again in its recomputation (a NumPy seed and draw in forward)
-        # left them otherwise than the same step without checkpointing, with exact values.
-        host_rng = backward_drew_host_rng
         calibration = core.Calibration()
         if calibrate_noise:
             calibration = core.calibrate(
@@ -333,7 +330,9 @@ def check_live_step(
             device=device,
             buffers_changed=len(changed),
             attributes_changed=len(attributes),
-            host_rng_changed=host_rng,
+            # A region that drew from the host's streams again in its recomputation (a NumPy seed and draw in
+            # forward) left them otherwise than the same step without checkpointing, with exact values.
+            host_rng_changed=backward_drew_host_rng,
         )
         not_restored += [name for name in after_step.unrestored() if name not in not_restored]
     if comparison.skipped:

@@ -61,7 +61,13 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     state_copy,
     write_values,
 )
-from lightning_ckpt_determinism.checkpointing.rng import capture_host_rng, capture_rng, restore_rng, same_host_rng
+from lightning_ckpt_determinism.checkpointing.rng import (
+    HostRNGState,
+    capture_host_rng,
+    capture_rng,
+    restore_rng,
+    same_host_rng,
+)
 from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
 
 __all__ = ["StateMark", "StepState", "named_metrics"]
@@ -89,9 +95,18 @@ class StateMark:
     """
 
     def __init__(self, module: nn.Module, internal_attributes: Iterable[str] = ()) -> None:
-        self._buffers: _BufferVersions | _BufferSnapshot = _BufferVersions(module)
+        self._buffers = self._buffers_of(module)
         self._python = _PythonState(module, frozenset(internal_attributes))
-        self._host = capture_host_rng()
+        self._host = self._host_rng()
+
+    def _buffers_of(self, module: nn.Module) -> "_BufferVersions | _BufferSnapshot":
+        """What :meth:`differing_buffers` compares with: the buffers' versions here, their values in a
+        :class:`StepState`."""
+        return _BufferVersions(module)
+
+    def _host_rng(self) -> HostRNGState:
+        """The host's random streams as :meth:`host_rng_moved` compares them (a :class:`StepState` has them already)."""
+        return capture_host_rng()
 
     def differing_buffers(self) -> list[str]:
         """The names of the buffers written since capture: replaced, or their version counter moved (a
@@ -178,8 +193,8 @@ class StepState(StateMark):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             devices.add(torch.device("cuda", torch.cuda.current_device()))
         self._rng = capture_rng(devices)
+        self._values = _BufferSnapshot(module)
         super().__init__(module, internal_attributes)
-        self._buffers = self._values = _BufferSnapshot(module)
         self._metrics = _MetricSnapshot(module)
         self._generators = _GeneratorSnapshot(self._python.generators)
         self._tensors = _TensorAttributes(self._python.tensors)
@@ -189,6 +204,12 @@ class StepState(StateMark):
         # A hook the step registers once, behind an attribute it creates, comes back with that attribute.
         self._hooks = HookSnapshot([vars(sub) for sub in module.modules()])
         self._grad_enabled = torch.is_grad_enabled()
+
+    def _buffers_of(self, module: nn.Module) -> "_BufferVersions | _BufferSnapshot":
+        return self._values
+
+    def _host_rng(self) -> HostRNGState:
+        return self._rng.host
 
     def unrestored_parameters(self) -> list[str]:
         """The names of the parameters written in place since capture (their version counter moved) of which no copy
