@@ -273,6 +273,24 @@ def test_strategy_needs_a_checkpointing_config(strategy: type) -> None:
         strategy(checkpointing={"classes": ["Block"]})
 
 
+def test_a_device_given_first_is_told_that_checkpointing_comes_first() -> None:
+    with pytest.raises(TypeError) as single:
+        SingleDeviceCheckpointingStrategy("cpu")  # type: ignore[arg-type]
+    assert str(single.value) == (
+        "`checkpointing` must be a `CheckpointingConfig`, got str. 'cpu' reads as a device, and `checkpointing` comes"
+        " first: pass the device by name, `SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(...),"
+        " device='cpu')`."
+    )
+    with pytest.raises(TypeError) as ddp:
+        DDPCheckpointingStrategy(torch.device("cpu"))  # type: ignore[arg-type]
+    assert str(ddp.value) == (
+        "`checkpointing` must be a `CheckpointingConfig`, got device. 'cpu' reads as a device: give devices to the"
+        " Trainer (`accelerator`, `devices`)."
+    )
+    with pytest.raises(TypeError, match=r"got str\. Build one with"):
+        SingleDeviceCheckpointingStrategy("Block")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "own", [{"activation_checkpointing_policy": {nn.Linear}}, {"activation_checkpointing": nn.Linear}]
 )

@@ -1,6 +1,7 @@
 """Apply activation checkpointing inside any Lightning strategy, in the order that strategy needs."""
 
 import contextlib
+import inspect
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -91,9 +92,12 @@ class ActivationCheckpointingMixin(ModelSetupHook):
             )
         if not isinstance(checkpointing, CheckpointingConfig):
             raise CheckpointingTypeError(
-                f"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}. Build one with"
-                " `CheckpointingConfig(classes=[...])` or give a mapping such as `checkpointing: {classes: [Block]}`"
-                " in YAML."
+                f"`checkpointing` must be a `CheckpointingConfig`, got {type(checkpointing).__name__}."
+                + (
+                    _device_first_hint(type(self), checkpointing)
+                    or " Build one with `CheckpointingConfig(classes=[...])` or give a mapping such as"
+                    " `checkpointing: {classes: [Block]}` in YAML."
+                )
             )
         self.checkpointing = checkpointing
         self._applied_checkpointing: dict[str, nn.Module] = {}
@@ -329,6 +333,22 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
     def parallel_devices(self, devices: list[Any]) -> None:
         if devices and not self._device_given:
             self._root_device = torch.device(devices[0])
+
+
+def _device_first_hint(strategy: type, given: object) -> str:
+    """What to write where a device was given in ``checkpointing``'s place (the first argument), else nothing."""
+    if not isinstance(given, (str, torch.device)):
+        return ""
+    try:
+        device = str(torch.device(given))
+    except (RuntimeError, ValueError):
+        return ""
+    if "device" not in inspect.signature(strategy).parameters:
+        return f" {device!r} reads as a device: give devices to the Trainer (`accelerator`, `devices`)."
+    return (
+        f" {device!r} reads as a device, and `checkpointing` comes first: pass the device by name,"
+        f" `{strategy.__name__}(checkpointing=CheckpointingConfig(...), device={device!r})`."
+    )
 
 
 def _indexed(device: str) -> torch.device:
