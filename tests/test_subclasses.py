@@ -594,3 +594,34 @@ def test_the_check_compares_every_inner_tensor_of_a_subclass_gradient() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*firsts, strict=True))
     assert not same_values(reference, recomputed)
     assert report.diverged and report.grad_divergence > 0.0, report
+
+
+class ObservedInt8Adapter(Int8Adapter):
+    """An ``Int8Adapter`` whose forward updates its frozen weight's scale in place (a running-scale observer): a write
+    to an inner tensor, which never moves the wrapper's own version counter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.scale.mul_(1.01)
+        return super().forward(x)
+
+
+def test_a_write_to_a_quantized_weights_inner_tensor_is_a_parameter_write_the_check_puts_back() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM_Q, DIM_Q), ObservedInt8Adapter("parameter"), nn.Linear(DIM_Q, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["ObservedInt8Adapter"]))
+    x = torch.randn(8, DIM_Q, generator=torch.Generator().manual_seed(1))
+    scale = model[1].weight.scale
+    before = scale.clone()
+    report = check_recomputation(model, lambda: model(x).sum(), attribution=True)
+    # The check ran the forward twice and recomputed once: it leaves the scale as it found it.
+    assert torch.equal(scale, before) and report.not_restored == []
+    assert report.diverged
+    assert [(region.name, region.cause) for region in report.regions] == [("1", "parameter_write")]
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        model(x).sum().backward()
+    found = sentinel.report().regions["1"]
+    # The saved activation made with the scale, and the weight recomputation wrote (as for a plain parameter).
+    assert (found.compared, found.mismatches) == (3, 2), found
+    # The live step: the forward's write and the recomputation's, as without the package (twice 1.01).
+    assert torch.allclose(scale, before * 1.01**2)

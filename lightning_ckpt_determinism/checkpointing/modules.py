@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism._torch_compat import OptimizedModule, buffer_version_counter, own_buffers, waited
 
@@ -21,6 +22,7 @@ __all__ = [
     "is_fsdp1_unit",
     "local_tensor",
     "named_modules",
+    "parameter_version",
     "plain_parts",
     "region_name",
     "state_copy",
@@ -98,6 +100,28 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
             return None
         parts.extend(inner)
     return tuple(parts) or None
+
+
+def parameter_version(tensor: torch.Tensor) -> int:
+    """A parameter's version counter, with those of the tensors that hold its values (see :func:`plain_parts`): an op
+    can write a wrapper subclass's inner tensor (a quantized weight's scale) without moving the wrapper's counter.
+
+    Args:
+        tensor: The parameter.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> weight = TwoTensor(torch.zeros(2), torch.ones(2))
+        >>> before = parameter_version(weight)
+        >>> _ = weight.b.mul_(2)
+        >>> parameter_version(weight) - before
+        1
+    """
+    version = tensor._version
+    if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor or is_lazy(tensor):
+        return version
+    return version + sum(part._version for part in plain_parts(tensor) or () if part is not tensor)
 
 
 def buffer_written(owner: nn.Module, key: str, buffer: torch.Tensor | None, version: int) -> bool:

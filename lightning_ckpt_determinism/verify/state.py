@@ -47,7 +47,6 @@ from lightning_ckpt_determinism._torch_compat import (
     is_fsdp1_parameter_view,
     own_buffers,
     own_parameters,
-    version_counter,
 )
 from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot
@@ -57,6 +56,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_slots,
     is_framework_attribute,
     is_fsdp1_unit,
+    parameter_version,
     same_inner_tensors,
     state_copy,
     write_values,
@@ -372,7 +372,7 @@ class _ParameterSnapshot:
         self._lazy = [name for name, param in named.items() if is_lazy(param)]
         copied = named if names is None else {name: named[name] for name in names if name in named}
         copied = {name: param for name, param in copied.items() if not is_lazy(param)}
-        self._versions = {name: (param, version_counter(param)) for name, param in named.items()}
+        self._versions = {name: (param, parameter_version(param)) for name, param in named.items()}
         # A step that freezes or unfreezes parameters (`requires_grad_`) is rerun from the flags it started with.
         self._requires_grad = [(param, param.requires_grad) for param in named.values()]
         with torch.no_grad():
@@ -386,7 +386,7 @@ class _ParameterSnapshot:
         return [
             name
             for name, (param, version) in self._versions.items()
-            if name not in self._copies and version_counter(param) != version
+            if name not in self._copies and parameter_version(param) != version
         ]
 
     def restore(self) -> None:
@@ -396,7 +396,7 @@ class _ParameterSnapshot:
         with torch.no_grad():
             for name, value in self._copies.items():
                 param, version = self._versions[name]
-                if self._always or version_counter(param) != version:
+                if self._always or parameter_version(param) != version:
                     _put_back(param, value)
 
 

@@ -61,7 +61,7 @@ from lightning_ckpt_determinism._torch_compat import (
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory, written_owners
 from lightning_ckpt_determinism.checkpointing.equality import same_item
 from lightning_ckpt_determinism.checkpointing.framework_ops import FrameworkOps
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, state_copy, storage_pointer
+from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, plain_parts, state_copy, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import (
     HostRNGState,
@@ -512,7 +512,12 @@ class CallRecord:
         self.buffer_writer_outputs = set()  # a recomputation's own, each time
         self.buffer_ids = frozenset(id(buffer) for buffer in module.buffers())
         self.buffer_storages = frozenset(storage_pointer(buffer) for buffer in module.buffers())
-        self.parameter_storages = {storage_pointer(param): name for name, param in module.named_parameters()}
+        # Each tensor holding a parameter's values (a quantized weight's data and scale) stands for the parameter.
+        self.parameter_storages = {
+            storage_pointer(part): name
+            for name, param in module.named_parameters()
+            for part in plain_parts(param) or (param,)
+        }
 
     def _writes_buffer(self, func: OpOverload, args: Any, kwargs: Any) -> bool:
         return any(id(tensor) in self.buffer_ids for tensor in written_tensors(func, args, kwargs))

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_ckpt_determinism._library_compat import metric_state_names
 from lightning_ckpt_determinism._torch_compat import no_python_dispatch, own_parameters, version_counter
+from lightning_ckpt_determinism.checkpointing.modules import parameter_version
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import EXACT, DigestPlans, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
@@ -142,9 +143,14 @@ def versions_of(held: Sequence[torch.Tensor | None]) -> tuple[int, ...]:
         (1, -1)
     """
     try:
-        return tuple(map(version_counter, held))  # type: ignore[arg-type]
+        versions = tuple(map(version_counter, held))  # type: ignore[arg-type]
     except AttributeError:  # an owner holds no parameter under its name
-        return tuple(-1 if param is None else version_counter(param) for param in held)
+        return tuple(-1 if param is None else parameter_version(param) for param in held)
+    # A wrapper subclass (a quantized weight) also counts the writes to its inner tensors.
+    return versions if _PLAIN.issuperset(map(type, held)) else tuple(map(parameter_version, held))  # type: ignore[arg-type]
+
+
+_PLAIN = frozenset((torch.Tensor, nn.Parameter))
 
 
 def changed(before: tuple[int, ...], after: tuple[int, ...]) -> list[int]:
