@@ -957,3 +957,47 @@ def test_a_parameter_written_between_calls_is_a_parameter_write_under_autocast_t
     assert [(region.name, region.cause) for region in report.regions if region.diverged] == [
         ("body", "parameter_write")
     ]
+
+
+class TiedHead(nn.Module):
+    """An LM head reading the weight of an embedding it does not hold (a list hides it from the module tree)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.tied = [embedding]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.proj(h)), self.tied[0].weight)
+
+
+class TiedSpectralHead(nn.Module):
+    """An embedding under new-style ``spectral_norm`` and a head tied to it: every read of its weight runs the power
+    iteration, which updates the embedding's ``_u`` and ``_v`` buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.utils.parametrizations.spectral_norm(nn.Embedding(WIDTH, WIDTH))
+        self.head = TiedHead(self.embedding)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens))
+
+
+def test_buffers_outside_a_region_its_recomputation_updates_again_are_a_buffer_mutation_naming_them() -> None:
+    torch.manual_seed(0)
+    plain = TiedSpectralHead()
+    model = copy.deepcopy(plain)
+    assert model.head.tied[0] is model.embedding
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["head"]))
+    tokens = torch.randint(0, WIDTH, (4, 6), generator=torch.Generator().manual_seed(1))
+    for twin in (plain, model):
+        twin(tokens).square().mean().backward()
+    buffers = ["embedding.parametrizations.weight.0._u", "embedding.parametrizations.weight.0._v"]
+    # Ground truth: the recomputation ran the power iteration once more than the plain twin.
+    assert [name for name in buffers if not torch.equal(plain.get_buffer(name), model.get_buffer(name))] == buffers
+    report = check_recomputation(model, lambda: model(tokens).square().mean(), attribution=True)
+    assert report.diverged and report.buffer_mutations == buffers
+    (region,) = report.regions
+    assert (region.name, region.cause, region.buffer_mutations) == ("head", "buffer_mutation", buffers)
+    assert region.hint.endswith(f"Changed: {', '.join(buffers)}.") and "does not hold" in region.hint

@@ -31,6 +31,7 @@ from lightning_ckpt_determinism.verify.reports import (
     buffer_hint,
     missing_reference_gradients,
     no_gradients,
+    outside_buffers_hint,
     read_otherwise_hint,
 )
 from lightning_ckpt_determinism.verify.state import StepState
@@ -349,6 +350,8 @@ def _decide(evidence: StepEvidence) -> _Decision:
         regions, unplaced = _with_read_otherwise(regions, evidence.read_otherwise)
         if unplaced:
             return _Decision(Cause.BUFFER_MUTATION, read_otherwise_hint(unplaced), regions)
+    if cause is None and evidence.gradients_diverged and evidence.step_buffers:
+        regions = _with_outside_buffers(regions, list(evidence.step_buffers))
     if cause is None:
         return _Decision(None, None, regions)
     return _Decision(cause, cause.hint + COMPILED_NOISE_NOTE * (cause == Cause.NONDETERMINISTIC_KERNEL), regions)
@@ -386,7 +389,7 @@ def _with_read_otherwise(regions: list[RegionReport], buffers: Sequence[str]) ->
     names = [region.name for region in regions]
     unplaced = []
     for buffer in buffers:
-        holders = [name for name in names if not name or buffer.startswith(f"{name}.")]
+        holders = [name for name in names if _holds(name, buffer)]
         if holders:
             by_region.setdefault(max(holders, key=len), []).append(buffer)
         else:
@@ -400,12 +403,32 @@ def _with_read_otherwise(regions: list[RegionReport], buffers: Sequence[str]) ->
     return named, unplaced
 
 
+def _with_outside_buffers(regions: list[RegionReport], buffers: list[str]) -> list[RegionReport]:
+    """``regions``, each found reading Python state that changed given ``buffer_mutation`` where some of ``buffers``
+    (that differ after the passes, the gradients diverged too) belong to no region: a recomputation updated them
+    again (the forward alone ran alike), and what that region read otherwise were their values."""
+    outside = [buffer for buffer in buffers if not any(_holds(region.name, buffer) for region in regions)]
+    if not outside:
+        return regions
+    return [
+        replace(region, cause=Cause.BUFFER_MUTATION, hint=outside_buffers_hint(outside), buffer_mutations=outside)
+        if region.cause == Cause.PYTHON_STATE
+        else region
+        for region in regions
+    ]
+
+
+def _holds(region: str, name: str) -> bool:
+    """Whether region ``region`` (the root for ``""``) holds the buffer or parameter ``name``."""
+    return not region or name.startswith(f"{region}.")
+
+
 def _with_forward_writes(regions: list[RegionReport], written: frozenset[str]) -> list[RegionReport]:
     """``regions``, each whose forward wrote one of the ``written`` parameters and has no other cause given
     ``parameter_write``."""
     named = []
     for region in regions:
-        own = sorted(name for name in written if name.startswith(f"{region.name}.") or not region.name)
+        own = sorted(name for name in written if _holds(region.name, name))
         if own and region.cause is None:
             hint = f"{Cause.PARAMETER_WRITE.hint} Written: {', '.join(own)}."
             region = replace(region, diverged=True, cause=Cause.PARAMETER_WRITE, hint=hint)

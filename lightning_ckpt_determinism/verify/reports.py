@@ -32,6 +32,7 @@ __all__ = [
     "first_line",
     "missing_reference_gradients",
     "no_gradients",
+    "outside_buffers_hint",
     "read_otherwise_hint",
     "uncomparable_layouts",
 ]
@@ -132,6 +133,28 @@ UNSEEN_WRITE_HINT = (
     " it in place without `.data` (`with torch.no_grad(): self.ema.mul_(decay)`): the region then sees the write and"
     " replays the buffer."
 )
+
+
+OUTSIDE_BUFFERS_HINT = (
+    "The region's forward runs a module it does not hold (a tied or shared one, a parametrization of another"
+    " module's weight) that updates its buffers as it runs: recomputation updated them a second time, and read other"
+    " values than the forward did. Make that module part of the region, or update its buffers outside the region's"
+    " forward."
+)
+
+
+def outside_buffers_hint(buffers: list[str]) -> str:
+    """The hint of a ``buffer_mutation`` by a region whose recomputation updated buffers of no region again.
+
+    Args:
+        buffers: The buffers, as the model names them.
+
+    Example::
+
+        >>> outside_buffers_hint(["emb.parametrizations.weight.0._u"]).endswith("weight.0._u.")
+        True
+    """
+    return f"{OUTSIDE_BUFFERS_HINT} Changed: {', '.join(buffers)}."
 
 
 def read_otherwise_hint(buffers: list[str]) -> str:
