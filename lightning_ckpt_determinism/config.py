@@ -254,6 +254,8 @@ def parse_memory_budget(value: object) -> int | float | str | None:
     """
     if value is None or value == "auto":
         return value  # type: ignore[return-value]
+    if value in _NONE_SPELT:
+        return None
     if isinstance(value, str):
         return _parse_size_string(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -299,6 +301,11 @@ def _parse_size_string(value: str) -> int | float:
     return size
 
 
+_NONE_SPELT = ("None", "null")
+"""``None`` as the command line may hand it over: jsonargparse passes ``--...memory_budget=null`` on as the string
+``'None'`` where it overrides a field of a strategy's nested config."""
+
+
 def check_memory_budget(value: object, every_n: int) -> int | float | str | None:
     """``memory_budget`` checked and as plain types: a number spelt as a string without a unit becomes that number,
     a string with a unit stays as written (so a saved config reads as it was given).
@@ -322,7 +329,7 @@ def check_memory_budget(value: object, every_n: int) -> int | float | str | None
             f"`memory_budget` chooses which matched modules to checkpoint and cannot be combined with"
             f" `every_n`={every_n}; set `every_n` to 1 or remove `memory_budget`."
         )
-    if isinstance(value, str) and value != "auto" and _unit_of(value) is None:
+    if isinstance(value, str) and (parsed is None or (value != "auto" and _unit_of(value) is None)):
         return parsed
     return str(value) if isinstance(value, str) else parsed
 

@@ -4,6 +4,8 @@ import copy
 import dataclasses
 import itertools
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -305,6 +307,23 @@ def test_planning_without_a_budget_or_with_auto_off_cuda_is_a_one_line_error(bud
         )
     assert "\n" not in str(raised.value)
     assert checkpointed_modules(model) == {}
+
+
+@pytest.mark.parametrize("without", [torch.no_grad, torch.inference_mode])
+def test_a_closure_without_gradients_is_refused_not_planned_from_nothing(without: Callable[[], Any]) -> None:
+    model = _mixed()
+    x, y = _batch()
+    config = CheckpointingConfig(**CONFIG, memory_budget=0.5)  # type: ignore[arg-type]
+
+    def evaluate() -> None:
+        with without():
+            F.mse_loss(model(x), y)
+
+    with pytest.raises(CheckpointingConfigError) as raised:
+        plan_activation_checkpointing(model, config, evaluate)
+    assert str(raised.value).startswith("`closure` ran none of the 6 modules the config matches with gradients, so")
+    assert checkpointed_modules(model) == {}
+    assert plan_activation_checkpointing(model, config, lambda: _closure(model)).checkpointed
 
 
 def test_save_ops_and_kept_routing_count_as_kept_when_checkpointed() -> None:

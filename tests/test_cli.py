@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from jsonargparse import ArgumentParser
 
 from examples import train
 from examples.broken import BrokenModule, SyntheticRegression
@@ -929,3 +930,18 @@ def test_a_field_refused_when_the_strategy_sets_the_model_up_is_named_by_its_ful
     tail = _SINGLE_DEVICE + "        classes: [DropoutBlock]\n        every_n: 5\n"
     (line,) = _yaml_error_lines(tmp_path, capsys, tail)
     assert line.startswith("error: `trainer.strategy.checkpointing.every_n`=5 selects none of the 3 matched modules")
+
+
+def test_a_memory_budget_set_to_null_on_the_command_line_removes_the_budget() -> None:
+    # jsonargparse hands `null` over as the string 'None' where it overrides a field of the strategy's nested config.
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(SingleDeviceCheckpointingStrategy, "strategy")
+    given = [
+        "--strategy=lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy",
+        "--strategy.init_args.checkpointing.classes=[Block]",
+        "--strategy.init_args.checkpointing.memory_budget=50%",
+        "--strategy.init_args.checkpointing.memory_budget=null",
+    ]
+    strategy = parser.instantiate_classes(parser.parse_args(given)).strategy
+    assert strategy.checkpointing.memory_budget is None
+    assert CheckpointingConfig(classes=["Block"], memory_budget="None") == CheckpointingConfig(classes=["Block"])

@@ -200,7 +200,8 @@ def plan_activation_checkpointing(
     Raises:
         CheckpointingConfigError: If ``config.memory_budget`` is ``None`` or ``"auto"`` (which reads the free memory
             a training step leaves after its first optimizer step: give it to a checkpointing strategy), the config
-            matches no module, or a module it matches is checkpointed already keeping other op outputs.
+            matches no module, a module it matches is checkpointed already keeping other op outputs, or ``closure``
+            ran none of them with gradients.
 
     Example::
 
@@ -215,7 +216,14 @@ def plan_activation_checkpointing(
         ['0', '1']
     """
     check_plannable(config, next(model.parameters(), torch.empty(0)).device)
-    return plan_from_figures(measure_candidates(model, config, closure), config)
+    figures = measure_candidates(model, config, closure)
+    if not any(entry.calls for entry in figures):
+        raise CheckpointingConfigError(
+            f"`closure` ran none of the {len(figures)} modules the config matches with gradients, so nothing was"
+            " measured: give one training forward and backward (`lambda: loss_fn(model(x), y).backward()`), outside"
+            " `torch.no_grad()` and `torch.inference_mode()`."
+        )
+    return plan_from_figures(figures, config)
 
 
 def check_plannable(config: CheckpointingConfig, device: torch.device) -> None:
