@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
@@ -152,6 +153,46 @@ def test_a_monitor_rerunning_the_measured_step_leaves_the_plan_as_without_it(tmp
     assert without is not None and monitored is not None
     assert str(monitored) == str(without)
     assert (monitored.checkpointed, monitored.saved_ops) == (without.checkpointed, without.saved_ops)
+
+
+class SizedModule(MixedModule):
+    """``MixedModule`` with the ``batch_size`` attribute Lightning's ``BatchSizeFinder`` scales."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(3)
+        x = torch.randn(4 * ROWS, DIM, generator=generator)
+        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=self.batch_size)
+
+
+def _sized_fit(tmp_path: Path, budget: object, batch_size: int, *callbacks: pl.Callback) -> SizedModule:
+    pl.seed_everything(0)
+    module = SizedModule(batch_size)
+    strategy = _strategy(budget)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[RecomputationMonitor(), *callbacks]))
+    trainer.fit(module)
+    assert strategy.checkpointing_plan is not None
+    module.plan = strategy.checkpointing_plan.checkpointed  # type: ignore[assignment]
+    return module
+
+
+@pytest.mark.parametrize("budget", ["10KiB", 1.0])
+def test_a_batch_size_finders_trials_are_not_what_the_budget_plans_from(tmp_path: Path, budget: object) -> None:
+    # The finder's trial batches (sizes 4, then 8) run inside the fit before the monitor's `on_fit_start`; it then
+    # restores the model, and the fit trains at size 8.
+    finder = BatchSizeFinder(mode="power", steps_per_trial=1, init_val=4, max_trials=2)
+    found = _sized_fit(tmp_path / "finder", budget, 4, finder)
+    assert found.batch_size == 8
+    at_eight, at_four = (_sized_fit(tmp_path / str(size), budget, size) for size in (8, 4))
+    assert found.plan == at_eight.plan  # type: ignore[attr-defined]
+    if budget == "10KiB":
+        assert at_four.plan != at_eight.plan  # type: ignore[attr-defined]
+    # The fit's own four steps: the first measured with every candidate checkpointed, then the plan.
+    planned = [name.removeprefix("model.") for name in found.plan]  # type: ignore[attr-defined]
+    assert found.checkpointed[-4:] == [[f"blocks.{index}" for index in range(6)]] + [planned] * 3
 
 
 def test_auto_off_cuda_is_a_one_line_error_at_setup(tmp_path: Path) -> None:

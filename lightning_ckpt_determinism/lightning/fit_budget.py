@@ -151,6 +151,11 @@ class BudgetedCheckpointing:
                 category=LightningCkptDeterminismWarning,
             )
 
+    @property
+    def started(self) -> bool:
+        """Whether a training batch has started measuring (the plan may be made already)."""
+        return self._meter is not None
+
     def stop(self) -> None:
         """Stop measuring (a fit that ended within its first batch); the plan stays readable."""
         self._measuring.close()

@@ -101,6 +101,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
             )
         self.checkpointing = checkpointing
         self._applied_checkpointing: dict[str, nn.Module] = {}
+        # What `apply_checkpointing` checkpointed, in which module: a budget measures them all again after a restore.
+        self._selected: tuple[nn.Module | None, dict[str, nn.Module]] = (None, {})
         self._model_set_up = False
         self._budgeted: BudgetedCheckpointing | None = None
         # The package's warnings and notes while this strategy's run lasts (see `fit_output`).
@@ -164,12 +166,33 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         if routing:
             rank_zero_info(_routing_line(routing))
 
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        # Lightning's finders (`BatchSizeFinder`, `LearningRateFinder`) restore the model after trial batches, which a
+        # `memory_budget` measured (and planned from, at another batch size): the training that follows measures anew.
+        self._measure_again()
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+
+    def _measure_again(self) -> None:
+        """Forget what a ``memory_budget`` measured or planned this fit: every candidate checkpointed again, and the
+        next training batch measured as the first."""
+        if self._budgeted is None or not self._budgeted.started:
+            return
+        self._budgeted.stop()
+        for module in self._applied_checkpointing.values():
+            remove_activation_checkpointing(module)
+        root, selected = self._selected
+        checkpoint_selected(root, selected, self.checkpointing)
+        self._applied_checkpointing = dict(selected)
+        self._budgeted = BudgetedCheckpointing(self.checkpointing)
+        self._batches_started = 0
+
     def teardown(self) -> None:
         if self._budgeted is not None:
             self._budgeted.stop()
         for module in self._applied_checkpointing.values():
             remove_activation_checkpointing(module)
         self._applied_checkpointing = {}
+        self._selected = (None, {})
         self._fit_output.release()
         super().teardown()  # type: ignore[misc]
 
@@ -247,6 +270,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         root = root if root is not None else self.lightning_module  # type: ignore[attr-defined]
         checkpoint_selected(root, selected, self.checkpointing)
         self._applied_checkpointing.update(selected)
+        self._selected = (root, dict(selected))
         chose = f", chosen by `auto`: {auto_layers(root).reason}" if self.checkpointing.classes == "auto" else ""
         # Under a budget every match is checkpointed for the first batch's measurement only: say the plan is to come.
         pending = (
