@@ -102,7 +102,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         self.checkpointing = checkpointing
         self._applied_checkpointing: dict[str, nn.Module] = {}
         # What `apply_checkpointing` checkpointed, in which module: a budget measures them all again after a restore.
-        self._selected: tuple[nn.Module | None, dict[str, nn.Module]] = (None, {})
+        self._selected: tuple[nn.Module, dict[str, nn.Module]] | None = None
         self._model_set_up = False
         self._budgeted: BudgetedCheckpointing | None = None
         # The package's warnings and notes while this strategy's run lasts (see `fit_output`).
@@ -175,7 +175,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
     def _measure_again(self) -> None:
         """Forget what a ``memory_budget`` measured or planned this fit: every candidate checkpointed again, and the
         next training batch measured as the first."""
-        if self._budgeted is None or not self._budgeted.started:
+        if self._budgeted is None or not self._budgeted.started or self._selected is None:
             return
         self._budgeted.stop()
         for module in self._applied_checkpointing.values():
@@ -192,7 +192,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         for module in self._applied_checkpointing.values():
             remove_activation_checkpointing(module)
         self._applied_checkpointing = {}
-        self._selected = (None, {})
+        self._selected = None
         self._fit_output.release()
         super().teardown()  # type: ignore[misc]
 
