@@ -546,6 +546,35 @@ def test_host_rng_under_a_gradient_penalty_is_its_regions_cause_not_outside_stat
     assert (region.name, region.diverged, region.cause) == ("blocks.1", True, "host_rng")
 
 
+_GLOBAL_CALLS = itertools.count()
+
+
+class GlobalCountBlock(PlainBlock):
+    """Scales by a module-level call count: its recomputation counts once more, and the check's rerun reads the
+    count anew, so the rerun's forward differs too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.01 * next(_GLOBAL_CALLS)))
+
+
+def test_a_global_counted_in_a_regions_forward_is_its_python_state_not_outside_state() -> None:
+    plain, model = stack_with(GlobalCountBlock), stack_with(GlobalCountBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    x, y = batch()
+    gradients = []
+    for twin in (plain, model):
+        F.mse_loss(twin(x), y).backward()
+        gradients.append([param.grad for param in twin.parameters()])
+    assert not all(map(torch.equal, *gradients))  # ground truth: recomputation reads another count
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    assert report.diverged and report.cause is None
+    assert [(region.name, region.diverged, region.cause) for region in report.regions] == [
+        ("blocks.0", False, None),
+        ("blocks.1", True, "python_state"),
+        ("blocks.2", False, None),
+    ]
+
+
 def test_state_outside_the_regions_under_a_gradient_penalty_is_outside_state_where_every_region_is_exact():
     # The penalty recomputes the regions before the loss, but attribution finds each recomputation exact: the loss
     # differs through the counter that scales the input, read anew by each pass.

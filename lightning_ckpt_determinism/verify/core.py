@@ -335,7 +335,11 @@ def _decide(evidence: StepEvidence) -> _Decision:
             # A region's forward wrote parameters the check did not put back: the reference pass wrote them first,
             # and the checkpointed pass started from its values. The write is the finding, not outside state.
             regions = _with_forward_writes(regions, evidence.forward_writes)
-        elif not evidence.not_restored and not _recomputed_before_loss(evidence.recomputed_in_forward, regions):
+        elif (
+            not evidence.not_restored
+            and not _recomputed_before_loss(evidence.recomputed_in_forward, regions)
+            and not _recomputed_otherwise(regions)
+        ):
             # The forward itself differed, before anything was recomputed, and no parameter the check could not put
             # back explains it: what the regions saw differ is its echo.
             cause = Cause.OUTSIDE_STATE
@@ -372,6 +376,13 @@ def read_otherwise_since(module: nn.Module, before: dict[str, int]) -> tuple[str
     """
     now = buffers_read_otherwise(module)
     return tuple(name for name, count in now.items() if count > before.get(name, 0))
+
+
+def _recomputed_otherwise(regions: list[RegionReport]) -> bool:
+    """Whether a region recomputed other values than its own forward in the same pass, from state it reads that
+    changed in between (``python_state``: a global its forward counts with): the forward differing from the step's
+    first run is that state's echo, not the other way round."""
+    return any(region.diverged and region.cause == Cause.PYTHON_STATE for region in regions)
 
 
 def _recomputed_before_loss(recomputed_in_forward: bool, regions: list[RegionReport]) -> bool:
