@@ -50,6 +50,10 @@ _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_orig_mod"})
 _FRAMEWORK_PREFIXES = ("__composable_api_state_key", "_fsdp_", "_is_fsdp_")
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return _DTensor is not None and isinstance(tensor, _DTensor)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2, tensor parallelism), or the tensor itself.
 
@@ -60,7 +64,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(torch.ones(2)).shape
         torch.Size([2])
     """
-    if _DTensor is not None and isinstance(tensor, _DTensor):
+    if _is_dtensor(tensor):
         return tensor.to_local()
     return tensor
 
@@ -119,7 +123,8 @@ def parameter_version(tensor: torch.Tensor) -> int:
         1
     """
     version = tensor._version
-    if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor or is_lazy(tensor):
+    if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor or is_lazy(tensor) or _is_dtensor(tensor):
+        # A DTensor's ops write its shard through it, moving its own counter (FSDP2 sets shards up behind it).
         return version
     return version + sum(part._version for part in plain_parts(tensor) or () if part is not tensor)
 
