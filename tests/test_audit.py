@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from examples.gpt import GPTModule
@@ -221,6 +222,31 @@ def test_calibrated_noise_tolerates_the_non_deterministic_kernel(capsys):
     assert out.splitlines()[-1] == (
         "result: none of the 4 checkpointed regions diverged (1 differ within the noise floor)"
     )
+
+
+def _with_monitor_arguments(tmp_path: Path, name: str, **arguments: object) -> Path:
+    """The example config ``name`` with ``arguments`` given to its ``RecomputationMonitor``."""
+    config = yaml.safe_load((CONFIGS / name).read_text())
+    (monitor,) = config["trainer"]["callbacks"]
+    monitor.setdefault("init_args", {}).update(arguments)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_audit_compares_as_the_configs_monitor_does(capsys, tmp_path):
+    # The fit of these configs finds nothing: the monitor leaves the attribute out and tolerates the kernel's noise.
+    excluded = _with_monitor_arguments(tmp_path, "broken_attribute_mutation.yaml", exclude_attributes=["batch_sizes"])
+    code, out, err = audit(capsys, "--config", str(excluded))
+    assert code == 0, err
+    assert table(out)["blocks.2"]["verdict"] == "ok"
+    assert "note: compared as the config's RecomputationMonitor compares (exclude_attributes ['batch_sizes'])" in out
+    tolerant = _with_monitor_arguments(tmp_path, "broken_nondeterministic_kernel.yaml", tolerance=1e-3)
+    code, out, err = audit(capsys, "--config", str(tolerant))
+    assert code == 0 and "(tolerance 0.001)" in out, err
+    # `--tolerance` given on the command line is the audit's own.
+    code, out, _ = audit(capsys, "--config", str(tolerant), "--tolerance", "0")
+    assert code == 1 and "(tolerance 0)" in out
 
 
 def test_json_reports_buffer_mutations_errors_and_infinities(capsys, tmp_path):

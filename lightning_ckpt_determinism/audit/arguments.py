@@ -110,7 +110,10 @@ def _audit_arguments(audit: argparse.ArgumentParser) -> None:
         " module and op granularity) as an SVG picture to this file",
     )
     audit.add_argument(
-        "--tolerance", type=_non_negative_float, default=0.0, help="largest gradient divergence counted as equal"
+        "--tolerance",
+        type=_non_negative_float,
+        default=None,
+        help="largest gradient divergence counted as equal (default: the config's RecomputationMonitor's, else 0)",
     )
     audit.add_argument(
         "--calibrate-noise",

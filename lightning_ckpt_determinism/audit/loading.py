@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,18 @@ from lightning_ckpt_determinism.lightning.cli import (
     yaml_error,
 )
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
+from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
-__all__ = ["build", "configs_text", "fit_notes", "one_process_notes", "quiet_lightning", "train_dataloader"]
+__all__ = [
+    "build",
+    "configs_text",
+    "fit_notes",
+    "monitor_settings",
+    "one_process_notes",
+    "quiet_lightning",
+    "train_dataloader",
+]
 
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 _MISSING_MODULE = re.compile(r"No module named '([^']+)'")
@@ -165,6 +174,36 @@ def fit_notes(arguments: dict[str, Any]) -> list[str]:
     if not path:
         return []
     return [f"note: `ckpt_path` {path} is not loaded: the audit checks the model as the config builds it"]
+
+
+def monitor_settings(args: argparse.Namespace, callbacks: Sequence[object]) -> list[str]:
+    """Give ``args`` what the config's first :class:`~lightning_ckpt_determinism.RecomputationMonitor` compares with,
+    as the fit's checks do: its ``tolerance`` unless ``--tolerance`` is given, ``calibrate_noise`` where either asks
+    for it, and its ``exclude_attributes``; and the note saying what was taken.
+
+    Example::
+
+        >>> args = argparse.Namespace(tolerance=None, calibrate_noise=False)
+        >>> monitor_settings(args, [RecomputationMonitor(tolerance=1e-6, exclude_attributes=["stamp"])])
+        ["note: compared as the config's RecomputationMonitor compares (tolerance 1e-06, exclude_attributes ['stamp'])"]
+        >>> args.tolerance, args.exclude_attributes
+        (1e-06, ['stamp'])
+    """
+    monitor = next((callback for callback in callbacks if isinstance(callback, RecomputationMonitor)), None)
+    taken = []
+    if args.tolerance is None:
+        args.tolerance = monitor.tolerance if monitor is not None else 0.0
+        if args.tolerance:
+            taken.append(f"tolerance {args.tolerance:g}")
+    if monitor is not None and monitor.calibrate_noise and not args.calibrate_noise:
+        args.calibrate_noise = True
+        taken.append("calibrate_noise")
+    args.exclude_attributes = list(monitor.exclude_attributes) if monitor is not None else []
+    if args.exclude_attributes:
+        taken.append(f"exclude_attributes {args.exclude_attributes}")
+    if not taken:
+        return []
+    return [f"note: compared as the config's RecomputationMonitor compares ({', '.join(taken)})"]
 
 
 def _require_runnable_here(strategy: Strategy, config: str) -> None:

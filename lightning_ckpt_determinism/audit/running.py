@@ -43,6 +43,7 @@ from lightning_ckpt_determinism.audit.loading import (
     build,
     configs_text,
     fit_notes,
+    monitor_settings,
     one_process_notes,
     quiet_lightning,
     train_dataloader,
@@ -175,7 +176,8 @@ def _audit(args: argparse.Namespace) -> int:
             f"`--plot` {str(args.plot)!r} draws a `memory_budget`'s trade-off, and {configs_text(args.config)} sets"
             " none: set `memory_budget` under `trainer.strategy.init_args.checkpointing`, or leave out `--plot`"
         )
-    notes = one_process_notes(strategy) + fit_notes(cli.fit_arguments)
+    callbacks = cli.trainer.callbacks  # type: ignore[attr-defined]
+    notes = one_process_notes(strategy) + fit_notes(cli.fit_arguments) + monitor_settings(args, callbacks)
     loader = train_dataloader(cli)
     with quiet_lightning():
         model = _set_up(cli.model, strategy)
@@ -293,7 +295,12 @@ def _check_batch(
     try:
         with strategy.precision_plugin.train_step_context(), logging_suppressed(model):
             return check_recomputation(
-                model, closure, tolerance=args.tolerance, attribution=True, calibrate_noise=args.calibrate_noise
+                model,
+                closure,
+                tolerance=args.tolerance,
+                attribution=True,
+                calibrate_noise=args.calibrate_noise,
+                exclude_attributes=args.exclude_attributes,
             )
     except SkippedStep:
         return None

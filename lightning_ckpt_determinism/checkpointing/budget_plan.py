@@ -74,6 +74,7 @@ class CheckpointingPlan:
 
     Example::
 
+        >>> from lightning_ckpt_determinism.checkpointing.budget_plan import RegionFigures, plan_from_figures
         >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=100)
         >>> figures = [RegionFigures("0", 80, 10, 5, 1, cost=50), RegionFigures("1", 80, 10, 1, 1, cost=10)]
         >>> plan = plan_from_figures(figures, config)
@@ -105,6 +106,7 @@ class CheckpointingPlan:
 
         Example::
 
+            >>> from lightning_ckpt_determinism.checkpointing.budget_plan import RegionFigures, plan_from_figures
             >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
             >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=12)
             >>> plan = plan_from_figures([RegionFigures("0", 8, 8, 1, 1), RegionFigures("1", 8, 4, 1, 1)], config)
@@ -126,6 +128,7 @@ class CheckpointingPlan:
 
         Example::
 
+            >>> from lightning_ckpt_determinism.checkpointing.budget_plan import RegionFigures, plan_from_figures
             >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=2048)
             >>> plan = plan_from_figures([RegionFigures("0", 4096, 1024, 10, 1, cost=8192)], config)
             >>> print(plan.summary())  # doctest: +NORMALIZE_WHITESPACE

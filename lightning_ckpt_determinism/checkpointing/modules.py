@@ -64,7 +64,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         >>> local_tensor(torch.ones(2)).shape
         torch.Size([2])
     """
-    if _is_dtensor(tensor):
+    if _DTensor is not None and isinstance(tensor, _DTensor):
         return tensor.to_local()
     return tensor
 

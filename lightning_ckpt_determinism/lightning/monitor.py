@@ -74,7 +74,7 @@ class RecomputationMonitor(Callback):
     (relative L2 of the gradient difference; ``0.0`` when recomputation is exact) and ``{log_prefix}/max_abs_diff``
     at the global step through the Trainer's loggers; every rank holds the same values and takes the same decision.
     A check that compares nothing (no gradient anywhere) is an error finding, never ``0.0``; a check whose live
-    gradients are not finite (a step the GradScaler skips) is recorded as skipped.
+    gradients are not finite under a GradScaler (a step it skips) is recorded as skipped.
 
     With attribution the monitor also compares, op by op, what each checkpointed region recomputes with what its
     forward produced, in a two-pass rerun from the captured state on every rank: a region that differs (or whose
@@ -151,6 +151,8 @@ class RecomputationMonitor(Callback):
             this much. The default 1 watches every step. Above 1 a defect that shows at unwatched steps only is
             missed, and the light tier's turn over a region's saved tensors counts watched steps;
             ``compared_per_step`` still divides by every step.
+        prog_bar: Show ``grad_divergence`` in the progress bar too (the other metrics stay in the loggers and
+            ``trainer.callback_metrics``).
         exclude_attributes: Attribute names the check never compares (on any module inside a checkpointed
             region): values that legitimately differ between the live step and the reference pass, such as a
             timestamp or a stored ``loss.item()``. They are still put back after each check.
