@@ -623,3 +623,57 @@ def test_a_reused_monitors_finding_is_followed_up_though_an_earlier_fit_diverged
     said = [str(warning.message) for warning in caught if "the sentinel saw" in str(warning.message)]
     assert len(said) == 1 and "at step 3" in said[0] and "Step 4 is checked in full" in said[0]
     assert [(entry.step, entry.diverged) for entry in monitor.history][2:] == [(0, False), (4, False)]
+
+
+class CriticFirst(StackModule):
+    """Manual optimization as a GAN steps: a critic first, on the stack's output detached (its backward recomputes
+    no checkpointed region), then the stack itself."""
+
+    def __init__(self) -> None:
+        super().__init__(block="DropoutBlock")
+        self.automatic_optimization = False
+        self.critic = torch.nn.Linear(1, 1)
+
+    def critic_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.critic(self.model(x).detach()), y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        critic, stack = self.optimizers()
+        for optimizer, loss in ((critic, self.critic_loss(batch)), (stack, super().training_step(batch, batch_idx))):
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.critic.parameters(), lr=0.1), torch.optim.SGD(self.model.parameters(), lr=0.1)]
+
+
+def test_a_first_manual_backward_that_recomputes_nothing_is_said_and_promises_no_check(tmp_path: Path) -> None:
+    # Dropout without its RNG state replayed: the sentinel sees the stack's recomputation differ at every step.
+    monitor = RecomputationMonitor(every_n_steps=2, loss_fn=lambda module, batch, _: module.critic_loss(batch))
+    config = CheckpointingConfig(names=["model.blocks.*"], preserve_rng_state=False)
+    kwargs = trainer_kwargs(
+        tmp_path, max_steps=8, strategy=SingleDeviceCheckpointingStrategy(checkpointing=config), callbacks=[monitor]
+    )
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        pl.Trainer(**kwargs).fit(CriticFirst())
+    said = [str(warning.message) for warning in caught]
+    assert [record.skipped for record in monitor.history] == ["no checkpointed region was recomputed in this step"] * 4
+    assert [line for line in said if "no checkpointed region, so" in line] == [
+        "lightning_ckpt_determinism: the first `manual_backward` of step 0, the one the check compares (with"
+        " `loss_fn` giving its loss), recomputed no checkpointed region, so its check was skipped rather than compare"
+        " that backward with itself; the sentinel still watches every recomputation. For the check to run, call"
+        " `manual_backward` first on a loss that runs the checkpointed modules, with `loss_fn` returning that loss."
+    ]
+    findings = [line for line in said if "recompute other values than its forward" in line]
+    assert findings and all(
+        line.endswith(
+            "No check names the cause while a step's first `manual_backward` recomputes no checkpointed region (see"
+            " that warning)."
+        )
+        for line in findings
+    ), findings
+    assert not [line for line in said if "is checked in full" in line or "fit ended before" in line]

@@ -236,6 +236,8 @@ class RecomputationMonitor(Callback):
         # The global steps whose check diverged in this fit.
         self._diverged_in_fit: set[int] = set()
         self._unchecked_here = "under this strategy"
+        # The last global step whose check was skipped because its first `manual_backward` recomputed nothing.
+        self._backward_unrecomputed: int | None = None
         self._support: StrategySupport | None = None
         self._capture: StepCapture | None = None
         self._armed = contextlib.ExitStack()
@@ -301,6 +303,7 @@ class RecomputationMonitor(Callback):
             self._unchecked_here = "for a `training_step` that fetches its own batches"
         problem = problem or self._refused_here(where, unattributed, unchecked) or _given_twice(trainer)
         self._checks_off = unchecked is not None
+        self._backward_unrecomputed = None
         self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
@@ -434,8 +437,9 @@ class RecomputationMonitor(Callback):
         if not compiled and not agree(trainer.strategy, recomputations(pl_module) > capture.recomputations_before):
             # No eager region recomputed on any rank (a compiled one recomputes inside its graph, uncounted): the
             # step ran as without checkpointing, and a check would compare it with itself.
-            self._skip_unrecomputed(step)
+            self._skip_unrecomputed(step, manual=not pl_module.automatic_optimization)
             return
+        self._backward_unrecomputed = None
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
@@ -522,11 +526,18 @@ class RecomputationMonitor(Callback):
         self._disarm()
         self._respond(trainer, self._watch.read(trainer), last=True)
         self._watch.failed_after_last_read()
-        if self._schedule.follow_up is not None:
-            # Stopped early (`EarlyStopping`, `should_stop`) after a finding promised the next step's full check.
+        follow_up = self._schedule.follow_up
+        if follow_up is not None:
+            # Stopped early (`EarlyStopping`, `should_stop`) after a finding promised the next step's full check, or
+            # every check from then on was skipped.
+            promised = (
+                f"the fit ended before step {follow_up}, whose check was"
+                if trainer.global_step <= follow_up
+                else f"every check from step {follow_up} on was skipped, the first of which was"
+            )
             rank_zero_warn(
-                f"lightning_ckpt_determinism: the fit ended before step {self._schedule.follow_up}, whose check was"
-                " to name the cause of the sentinel's finding: run the audit on this config to name it.",
+                f"lightning_ckpt_determinism: {promised} to name the cause of the sentinel's finding: run the audit on"
+                " this config to name it.",
                 category=LightningCkptDeterminismWarning,
             )
         if trainer.loggers:
@@ -579,10 +590,17 @@ class RecomputationMonitor(Callback):
             then = "The check of that step names the cause (in `history` and the fit's summary)."
         elif self._checks_off:
             then = f"No gradient check runs {self._unchecked_here}: run the audit on this config to name the cause."
+        elif self._backward_unrecomputed is not None:
+            then = (
+                "No check names the cause while a step's first `manual_backward` recomputes no checkpointed region"
+                " (see that warning)."
+            )
         elif last:
             then = "The fit ended before a check could name the cause: run the audit on this config to name it."
         else:
-            then = f"Step {step + 1} is checked in full, every saved tensor compared, to name the op and cause."
+            # Under manual optimization each optimizer's step moves the global step: the next batch's is unknown.
+            upcoming = f"Step {step + 1}" if trainer.lightning_module.automatic_optimization else "The next step"
+            then = f"{upcoming} is checked in full, every saved tensor compared, to name the op and cause."
         warned = self._watch.respond(
             told,
             on_divergence=self.on_divergence,
@@ -590,7 +608,7 @@ class RecomputationMonitor(Callback):
             then=then,
             syntax=self._results.syntax,
         )
-        if warned and not named and not last and not self._checks_off:
+        if warned and not named and not last and not self._checks_off and self._backward_unrecomputed is None:
             self._schedule.follow_up = step + 1
             self._watch.escalate(step + 1)
 
@@ -646,17 +664,29 @@ class RecomputationMonitor(Callback):
             " it.",
         )
 
-    def _skip_unrecomputed(self, step: int) -> None:
+    def _skip_unrecomputed(self, step: int, *, manual: bool) -> None:
         """Skip a check of a step in which no checkpointed region was recomputed, saying so once."""
         self._results.skipped(step, "no checkpointed region was recomputed in this step")
-        self._results.warn_once(
-            "unrecomputed",
-            f"lightning_ckpt_determinism: no checkpointed region was recomputed at step {step}: the step ran as"
-            " without checkpointing, so its check was skipped rather than compare the step with itself. If that"
-            " is not expected, check that `training_step` calls the modules the strategy checkpointed, with"
-            " gradients enabled (a function you compiled yourself that calls them hides their recomputation: compile"
-            " the module instead, or the LightningModule through `trainer.fit(torch.compile(module))`).",
-        )
+        if manual:
+            self._backward_unrecomputed = step
+            # Only the step's first `manual_backward` is checked: a GAN's discriminator stepped first on detached
+            # fakes recomputes nothing, though the generator's backward after it does.
+            said = (
+                f"lightning_ckpt_determinism: the first `manual_backward` of step {step}, the one the check compares"
+                " (with `loss_fn` giving its loss), recomputed no checkpointed region, so its check was skipped"
+                " rather than compare that backward with itself; the sentinel still watches every recomputation. For"
+                " the check to run, call `manual_backward` first on a loss that runs the checkpointed modules, with"
+                " `loss_fn` returning that loss."
+            )
+        else:
+            said = (
+                f"lightning_ckpt_determinism: no checkpointed region was recomputed at step {step}: the step ran as"
+                " without checkpointing, so its check was skipped rather than compare the step with itself. If that"
+                " is not expected, check that `training_step` calls the modules the strategy checkpointed, with"
+                " gradients enabled (a function you compiled yourself that calls them hides their recomputation:"
+                " compile the module instead, or the LightningModule through `trainer.fit(torch.compile(module))`)."
+            )
+        self._results.warn_once("unrecomputed", said)
 
     def _skip_changed_parameters(self, step: int, changed: list[str], initialised: list[str]) -> None:
         """Skip a check whose ``training_step`` changed parameters in place (on any rank): the capture copies them
