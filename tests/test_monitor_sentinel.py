@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
@@ -25,7 +26,7 @@ from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.lightning.reference import plain_regions, regions_that_fit
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from tests.helpers import ArmedBlock, PlainBlock, StackModule, failing_from, trainer_kwargs
+from tests.helpers import DIM, ArmedBlock, PlainBlock, StackModule, failing_from, trainer_kwargs
 
 METRIC = "recompute/sentinel/mismatches"
 
@@ -677,3 +678,55 @@ def test_a_first_manual_backward_that_recomputes_nothing_is_said_and_promises_no
         for line in findings
     ), findings
     assert not [line for line in said if "is checked in full" in line or "fit ended before" in line]
+
+
+class CountsWhenArmed(PlainBlock):
+    """Scales by how often it ran while armed, a count its recomputation adds to again: a defect only at calls made
+    armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return super().forward(x)
+        self.calls.append(1)
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.01 * len(self.calls)))
+
+
+class ArmedOnLastMicroBatch(StackModule):
+    """Arms its middle block on the last of every three micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.model.blocks[1] = CountsWhenArmed()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.model.blocks[1].armed = batch_idx % 3 == 2
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        x = torch.randn(72, DIM, generator=torch.Generator().manual_seed(2))  # 9 batches: three steps an epoch
+        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+def test_a_follow_up_check_that_finds_the_step_exact_says_the_finding_stays_unexplained(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=100, sentinel="exact")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(tmp_path, max_steps=4, strategy=strategy, callbacks=[monitor], accumulate_grad_batches=3)
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        pl.Trainer(**kwargs).fit(ArmedOnLastMicroBatch())
+    said = [str(warning.message) for warning in caught]
+    assert any("region `model.blocks.1` recompute other values" in line for line in said), said
+    follow_ups = [record for record in monitor.history if record.step > 0]
+    assert follow_ups and all(record.grad_divergence == 0.0 for record in follow_ups)
+    assert [line for line in said if "which a sentinel finding asked for" in line] == [
+        f"lightning_ckpt_determinism: the full check at step {follow_ups[0].step}, which a sentinel finding asked for,"
+        " found recomputation exact in its first micro-batch, the one a check reruns under `accumulate_grad_batches`:"
+        " the difference shows at some calls only, so no check names its cause; the sentinel's finding and its"
+        " region stand."
+    ]

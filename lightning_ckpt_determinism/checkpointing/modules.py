@@ -9,7 +9,13 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from lightning_ckpt_determinism._torch_compat import OptimizedModule, buffer_version_counter, own_buffers, waited
+from lightning_ckpt_determinism._torch_compat import (
+    OptimizedModule,
+    buffer_version_counter,
+    own_buffers,
+    version_counter,
+    waited,
+)
 
 __all__ = [
     "SCALARS",
@@ -122,11 +128,11 @@ def parameter_version(tensor: torch.Tensor) -> int:
         >>> parameter_version(weight) - before
         1
     """
-    version = tensor._version
+    version = version_counter(tensor)
     if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor or is_lazy(tensor) or _is_dtensor(tensor):
         # A DTensor's ops write its shard through it, moving its own counter (FSDP2 sets shards up behind it).
         return version
-    return version + sum(part._version for part in plain_parts(tensor) or () if part is not tensor)
+    return version + sum(version_counter(part) for part in plain_parts(tensor) or () if part is not tensor)
 
 
 def buffer_written(owner: nn.Module, key: str, buffer: torch.Tensor | None, version: int) -> bool:

@@ -472,6 +472,8 @@ class RecomputationMonitor(Callback):
         # own report alone would check a step the others do not, and wait in a collective they never enter).
         if self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up):
             self._diverged_in_fit.add(step)
+        elif follow_up:
+            self._follow_up_exact(trainer, step)
 
     @override
     def on_before_optimizer_step(
@@ -662,6 +664,20 @@ class RecomputationMonitor(Callback):
             " on as without the monitor. If the error is in your `training_step`, which the check runs again from"
             " the step's start, make it safe to run twice or give the monitor a `loss_fn`; otherwise please report"
             " it.",
+        )
+
+    def _follow_up_exact(self, trainer: "pl.Trainer", step: int) -> None:
+        """Say once that a check a sentinel finding asked for found the step exact: the finding stays unexplained."""
+        where = (
+            "its first micro-batch, the one a check reruns under `accumulate_grad_batches`"
+            if trainer.accumulate_grad_batches > 1
+            else "that step"
+        )
+        self._results.warn_once(
+            "follow_up_exact",
+            f"lightning_ckpt_determinism: the full check at step {step}, which a sentinel finding asked for, found"
+            f" recomputation exact in {where}: the difference shows at some calls only, so no check names its cause;"
+            " the sentinel's finding and its region stand.",
         )
 
     def _skip_unrecomputed(self, step: int, *, manual: bool) -> None:
