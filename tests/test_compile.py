@@ -10,6 +10,7 @@ import logging
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
@@ -646,8 +647,20 @@ def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path) ->
     monitor = RecomputationMonitor(every_n_steps=1)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]))
     trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[monitor], strategy=strategy, max_steps=2))
-    trainer.fit(torch.compile(module, backend="aot_eager"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(torch.compile(module, backend="aot_eager"))
     assert [(record.step, record.skipped, record.grad_divergence) for record in monitor.history] == [
         (0, None, 0.0),
         (1, None, 0.0),
+    ]
+    # Said at fit start: a divergence would be named without its region or cause.
+    said = [
+        str(warning.message) for warning in caught if "compiles the LightningModule's steps" in str(warning.message)
+    ]
+    assert said == [
+        "lightning_ckpt_determinism: `trainer.fit(torch.compile(module))` compiles the LightningModule's steps as"
+        " functions, inside which neither the sentinel nor attribution sees: the checks still compare gradients, but"
+        " a divergence is named without its region or cause. Compile the model or its blocks in `configure_model`"
+        " instead to have them named."
     ]

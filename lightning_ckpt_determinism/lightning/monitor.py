@@ -319,6 +319,14 @@ class RecomputationMonitor(Callback):
                 f" Its sentinel still compares each step's recomputation. To check gradients too, {_CHECK_ELSEWHERE}.",
                 category=LightningCkptDeterminismWarning,
             )
+        if compiled_by_lightning(pl_module) and not is_compiled(pl_module):
+            rank_zero_warn(
+                "lightning_ckpt_determinism: `trainer.fit(torch.compile(module))` compiles the LightningModule's steps"
+                " as functions, inside which neither the sentinel nor attribution sees: the checks still compare"
+                " gradients, but a divergence is named without its region or cause. Compile the model or its blocks"
+                " in `configure_model` instead to have them named.",
+                category=LightningCkptDeterminismWarning,
+            )
         earlier = after_backward_before(trainer.callbacks, self)  # type: ignore[attr-defined]
         if earlier and not self._checks_off:
             rank_zero_warn(
