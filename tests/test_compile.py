@@ -664,3 +664,46 @@ def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path) ->
         " a divergence is named without its region or cause. Compile the model or its blocks in `configure_model`"
         " instead to have them named."
     ]
+
+
+class BreakingBlock(PlainBlock):
+    """A block that graph-breaks: compiled, it runs eagerly, where the sentinel compares it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+class BlocksCompiledOneByOne(StackModule):
+    """Compiles each block in ``configure_model``; the middle one graph-breaks."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.model.blocks[1] = BreakingBlock()
+
+    def configure_model(self) -> None:
+        for block in self.model.blocks:
+            block.compile(backend="aot_eager")
+
+
+def test_the_summary_names_the_compiled_regions_the_sentinel_did_not_see(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch._dynamo.reset()
+    pl.seed_everything(0, verbose=False)
+    monitor = RecomputationMonitor(every_n_steps=100)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor], max_steps=2))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        trainer.fit(BlocksCompiledOneByOne())
+    report = monitor.sentinel_report
+    assert report is not None
+    assert {name: region.compared > 0 for name, region in report.regions.items()} == {
+        "model.blocks.0": False,
+        "model.blocks.1": True,
+        "model.blocks.2": False,
+    }
+    (summary,) = [record.getMessage() for record in caplog.records if "RecomputationMonitor ran" in record.getMessage()]
+    assert summary.endswith(
+        "It does not see 2 compiled regions (model.blocks.0, model.blocks.2), which the compiler recomputes."
+    )

@@ -258,7 +258,8 @@ class SentinelTotals:
     Attributes:
         compared: Recomputed saved tensors compared.
         mismatches: Mismatches by region, the regions that had any, in region order.
-        compiled: The regions inside compiled modules, which the sentinel does not see.
+        compiled: The regions inside compiled modules that the sentinel compared nothing of (the compiler recomputes
+            them; one that graph-breaks runs eagerly and is compared).
 
     Example::
 
@@ -345,8 +346,11 @@ class FitSummary:
             else:
                 parts.append("The sentinel compared no recomputed saved tensor.")
             if sentinel.compiled:
+                unseen = len(sentinel.compiled)
                 parts.append(
-                    f"It does not see the {len(sentinel.compiled)} compiled regions, which the compiler recomputes."
+                    f"It does not see {unseen} compiled region{'s' if unseen != 1 else ''}"
+                    f" ({', '.join(sentinel.compiled[:3])}{' ...' if unseen > 3 else ''}), which the compiler"
+                    " recomputes."
                 )
         return " ".join(parts)
 

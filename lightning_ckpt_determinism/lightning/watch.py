@@ -224,7 +224,10 @@ class SentinelWatch:
             return None
         found = self._read_totals.mismatches
         mismatches = {name: found[name] for name in self.sentinel.regions if found.get(name)}
-        return SentinelTotals(self._read_totals.compared, mismatches, self.sentinel.compiled)
+        # A compiled region that graph-breaks runs eagerly, and is compared: only the others go unseen.
+        regions = self.sentinel.report().regions
+        unseen = [name for name in self.sentinel.compiled if name not in regions or not regions[name].compared]
+        return SentinelTotals(self._read_totals.compared, mismatches, unseen)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Watch nothing inside this block (the monitor's check passes)."""
