@@ -575,6 +575,39 @@ def test_a_global_counted_in_a_regions_forward_is_its_python_state_not_outside_s
     ]
 
 
+class CachingBlock(PlainBlock):
+    """Builds a table at its first call and finds it built at its recomputation: other ops, the same values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] not in self.cache:
+            self.cache[x.shape[-1]] = torch.cos(torch.arange(x.shape[-1], dtype=x.dtype))
+        return x + torch.tanh(self.linear(x)) * self.cache[x.shape[-1]]
+
+
+@pytest.mark.parametrize(("block", "cause"), [(GlobalCountBlock, "python_state"), (CachingBlock, "outside_state")])
+def test_beside_outside_state_only_a_region_that_recomputed_other_values_is_blamed(block: type, cause: str) -> None:
+    # A counter outside the regions scales the input, read anew by each pass: the step is outside_state, unless a
+    # region's recomputation computed other values than its own forward at the same op. A cache its recomputation
+    # found built (other ops, the same values) does not stand for that.
+    model = stack_with(block)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    x, y = batch()
+    calls = itertools.count()
+    report = check_recomputation(
+        model, lambda: F.mse_loss(model(x * (1.0 + 0.1 * (next(calls) % 2))), y), attribution=True
+    )
+    assert report.diverged
+    blamed = [(region.name, region.cause) for region in report.regions if region.diverged]
+    if cause == "outside_state":
+        assert (report.cause, blamed) == ("outside_state", [])
+    else:
+        assert (report.cause, blamed) == (None, [("blocks.1", "python_state")])
+
+
 def test_state_outside_the_regions_under_a_gradient_penalty_is_outside_state_where_every_region_is_exact():
     # The penalty recomputes the regions before the loss, but attribution finds each recomputation exact: the loss
     # differs through the counter that scales the input, read anew by each pass.

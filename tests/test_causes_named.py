@@ -3,6 +3,7 @@ a parameter written in place in forward is ``parameter_write``, and only when it
 running statistics is ``buffer_mutation``; a torchmetrics metric updated inside a region is ``metric_update``."""
 
 import copy
+import itertools
 import math
 import random
 import re
@@ -1001,3 +1002,28 @@ def test_buffers_outside_a_region_its_recomputation_updates_again_are_a_buffer_m
     (region,) = report.regions
     assert (region.name, region.cause, region.buffer_mutations) == ("head", "buffer_mutation", buffers)
     assert region.hint.endswith(f"Changed: {', '.join(buffers)}.") and "does not hold" in region.hint
+
+
+class CountedBlock(nn.Module):
+    """Scales by a module-level call count: a Python-state defect of its own."""
+
+    calls = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) * (1.0 + 0.01 * next(CountedBlock.calls)))
+
+
+def test_a_norm_outside_the_regions_downstream_of_a_python_state_region_leaves_it_python_state() -> None:
+    # The norm's statistics differ after the passes because the region's output did, not because a recomputation
+    # updated them: the region is not renamed buffer_mutation.
+    torch.manual_seed(0)
+    model = nn.Sequential(CountedBlock(), nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["CountedBlock"]))
+    x = torch.randn(16, WIDTH, generator=torch.Generator().manual_seed(1))
+    report = check_recomputation(model, lambda: model(x).square().mean(), attribution=True)
+    assert report.diverged and report.buffer_mutations == ["1.running_mean", "1.running_var"]
+    assert [(region.name, region.cause) for region in report.regions] == [("0", "python_state")]

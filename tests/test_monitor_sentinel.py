@@ -130,6 +130,11 @@ def test_a_defect_of_one_step_is_caught_at_that_step_which_the_periodic_check_mi
         with (
             caplog.at_level("INFO", logger="lightning.pytorch"),
             pytest.warns(LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 5: 1"),
+            # A defect of one step: the check it asked for finds the next one exact, and says so.
+            pytest.warns(
+                LightningCkptDeterminismWarning,
+                match=r"the full check at step 6, which a sentinel finding asked for, found recomputation exact",
+            ),
         ):
             fit(tmp_path, monitor, armed_module(step=5))
     finally:
@@ -182,7 +187,13 @@ def test_a_finding_whose_message_fails_still_warns_or_raises_naming_its_region_a
         with pytest.raises(RecomputationDivergenceError, match=said):
             fit(tmp_path, monitor, armed_module(step=5))
         return
-    with pytest.warns(LightningCkptDeterminismWarning, match=said):
+    with (
+        pytest.warns(LightningCkptDeterminismWarning, match=said),
+        pytest.warns(
+            LightningCkptDeterminismWarning,
+            match=r"the full check at step 6, which a sentinel finding asked for, found recomputation exact",
+        ),
+    ):
         fit(tmp_path, monitor, armed_module(step=5))
     # Followed up as any finding is: step 6 checked in full, and the counts logged.
     assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, False), (6, False)]
@@ -196,9 +207,15 @@ def test_a_defect_read_at_a_later_logging_step_is_warned_and_logged_at_the_step_
     kwargs = trainer_kwargs(
         tmp_path, max_steps=12, strategy=strategy, callbacks=[monitor], logger=CSVLogger(tmp_path), log_every_n_steps=5
     )
-    with pytest.warns(
-        LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 2: 1"
-    ) as caught:
+    with (
+        pytest.warns(
+            LightningCkptDeterminismWarning, match=r"region `model.blocks.1` recompute .* at step 2: 1"
+        ) as caught,
+        pytest.warns(
+            LightningCkptDeterminismWarning,
+            match=r"the full check at step 5, which a sentinel finding asked for, found recomputation exact",
+        ),
+    ):
         pl.Trainer(**kwargs).fit(armed_module(step=2))
     # Read at the logging step 4, logged at step 2; the logging steps 4, 9 and the fit's last step (11) show the rest.
     assert logged(tmp_path, METRIC) == [(2, 1.0), (4, 0.0), (9, 0.0), (11, 0.0)]
@@ -281,7 +298,13 @@ def test_under_gradient_accumulation_the_follow_up_check_is_the_next_global_step
     kwargs = trainer_kwargs(
         tmp_path, max_steps=3, strategy=strategy, callbacks=[monitor], logger=logger, accumulate_grad_batches=2
     )
-    with pytest.warns(LightningCkptDeterminismWarning, match="at step 0") as caught:
+    with (
+        pytest.warns(LightningCkptDeterminismWarning, match="at step 0") as caught,
+        pytest.warns(
+            LightningCkptDeterminismWarning,
+            match=r"the full check at step 1, which a sentinel finding asked for, found recomputation exact",
+        ),
+    ):
         pl.Trainer(**kwargs).fit(armed_module(step=0))
     assert [(entry.step, entry.diverged) for entry in monitor.history] == [(0, True), (1, False)]
     assert any("the sentinel saw region `model.blocks.1`" in str(warning.message) for warning in caught)

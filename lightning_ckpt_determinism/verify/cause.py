@@ -313,8 +313,9 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
         Cause.BUFFER_MUTATION: (
             "recomputation updated the region's buffers a second time, or an op it recomputed read a buffer the "
             "forward had updated (the running statistics of BatchNorm, and of InstanceNorm with "
-            "`track_running_stats`, which copies them first); the hint names the buffers, and the gradients may well "
-            "be exact."
+            "`track_running_stats`, which copies them first), or it updated again the buffers of a module outside the "
+            "region that its forward runs (a tied embedding's `spectral_norm`); the hint names the buffers, and the "
+            "gradients may well be exact."
         ),
         Cause.SHAPE_CHANGE: (
             "a recomputed tensor has another shape or dtype than its forward's (torch's metadata error)."

@@ -354,7 +354,9 @@ def _decide(evidence: StepEvidence) -> _Decision:
         regions, unplaced = _with_read_otherwise(regions, evidence.read_otherwise)
         if unplaced:
             return _Decision(Cause.BUFFER_MUTATION, read_otherwise_hint(unplaced), regions)
-    if cause is None and evidence.gradients_diverged and evidence.step_buffers:
+    if cause is None and evidence.gradients_diverged and evidence.step_buffers and not forward_differed:
+        # The forward ran alike in both passes: buffers of no region that ended otherwise were updated again by a
+        # recomputation (where the forward differed, every buffer downstream of it differs too).
         regions = _with_outside_buffers(regions, list(evidence.step_buffers))
     if cause is None:
         return _Decision(None, None, regions)
@@ -379,10 +381,14 @@ def read_otherwise_since(module: nn.Module, before: dict[str, int]) -> tuple[str
 
 
 def _recomputed_otherwise(regions: list[RegionReport]) -> bool:
-    """Whether a region recomputed other values than its own forward in the same pass, from state it reads that
-    changed in between (``python_state``: a global its forward counts with): the forward differing from the step's
-    first run is that state's echo, not the other way round."""
-    return any(region.diverged and region.cause == Cause.PYTHON_STATE for region in regions)
+    """Whether a region recomputed other values than its own forward in the same pass, at the same op, from state it
+    reads that changed in between (``python_state``: a global its forward counts with): the forward differing from
+    the step's first run is that state's echo, not the other way round. A recomputation that ran other ops (a cache
+    its forward built and its recomputation found) proves nothing of the kind."""
+    return any(
+        region.diverged and region.cause == Cause.PYTHON_STATE and 0.0 < region.max_abs_diff < math.inf
+        for region in regions
+    )
 
 
 def _recomputed_before_loss(recomputed_in_forward: bool, regions: list[RegionReport]) -> bool:
