@@ -237,9 +237,11 @@ def _with_monitor_arguments(tmp_path: Path, name: str, **arguments: object) -> P
 def test_the_audit_compares_as_the_configs_monitor_does(capsys, tmp_path):
     # The fit of these configs finds nothing: the monitor leaves the attribute out and tolerates the kernel's noise.
     excluded = _with_monitor_arguments(tmp_path, "broken_attribute_mutation.yaml", exclude_attributes=["batch_sizes"])
-    code, out, err = audit(capsys, "--config", str(excluded))
+    code, out, err = audit(capsys, "--config", str(excluded), "--json", str(tmp_path / "audit.json"))
     assert code == 0, err
     assert table(out)["blocks.2"]["verdict"] == "ok"
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert (report["tolerance"], report["exclude_attributes"]) == (0.0, ["batch_sizes"])
     assert "note: compared as the config's RecomputationMonitor compares (exclude_attributes ['batch_sizes'])" in out
     tolerant = _with_monitor_arguments(tmp_path, "broken_nondeterministic_kernel.yaml", tolerance=1e-3)
     code, out, err = audit(capsys, "--config", str(tolerant))

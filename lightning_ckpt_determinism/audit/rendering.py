@@ -174,6 +174,7 @@ def document(
         "batches_asked": args.batches,
         "tolerance": args.tolerance,
         "calibrate_noise": args.calibrate_noise,
+        "exclude_attributes": args.exclude_attributes,
         "diverged": diverged(reports),
         "notes": notes,
         "regions": [asdict(summary) for summary in summaries],
