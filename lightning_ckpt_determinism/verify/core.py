@@ -31,7 +31,6 @@ from lightning_ckpt_determinism.verify.reports import (
     buffer_hint,
     missing_reference_gradients,
     no_gradients,
-    outside_buffers_hint,
     read_otherwise_hint,
 )
 from lightning_ckpt_determinism.verify.state import StepState
@@ -428,7 +427,7 @@ def _with_outside_buffers(regions: list[RegionReport], buffers: list[str]) -> li
     if not outside:
         return regions
     return [
-        replace(region, cause=Cause.BUFFER_MUTATION, hint=outside_buffers_hint(outside), buffer_mutations=outside)
+        replace(region, cause=Cause.BUFFER_MUTATION, hint=buffer_hint(outside, outside=True), buffer_mutations=outside)
         if region.cause == Cause.PYTHON_STATE
         else region
         for region in regions

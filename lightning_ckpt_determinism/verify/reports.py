@@ -32,7 +32,6 @@ __all__ = [
     "first_line",
     "missing_reference_gradients",
     "no_gradients",
-    "outside_buffers_hint",
     "read_otherwise_hint",
     "uncomparable_layouts",
 ]
@@ -91,13 +90,15 @@ COMPILED_NOISE_NOTE = (
 )
 
 
-def buffer_hint(buffers: list[str], *, protected: bool = False) -> str:
+def buffer_hint(buffers: list[str], *, protected: bool = False, outside: bool = False) -> str:
     """The hint of a ``buffer_mutation``: the cause's and the buffers that changed.
 
     Args:
         buffers: The buffers that changed, as the model names them.
         protected: Whether the region already puts its buffers back around its recomputation (``protect_buffers``):
             then the hint does not ask for it, and names what else writes them.
+        outside: Whether they are buffers of no region, which a region's recomputation updated again (a module
+            outside it that its forward runs): then the hint says to move that module or its update.
 
     Example::
 
@@ -105,8 +106,10 @@ def buffer_hint(buffers: list[str], *, protected: bool = False) -> str:
         True
         >>> "yet `protect_buffers=True`" in buffer_hint(["norm.running_mean"], protected=True)
         True
+        >>> "does not hold" in buffer_hint(["emb.parametrizations.weight.0._u"], outside=True)
+        True
     """
-    hint = PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
+    hint = OUTSIDE_BUFFERS_HINT if outside else PROTECTED_BUFFERS_HINT if protected else Cause.BUFFER_MUTATION.hint
     return f"{hint} Changed: {', '.join(buffers)}."
 
 
@@ -141,20 +144,6 @@ OUTSIDE_BUFFERS_HINT = (
     " values than the forward did. Make that module part of the region, or update its buffers outside the region's"
     " forward."
 )
-
-
-def outside_buffers_hint(buffers: list[str]) -> str:
-    """The hint of a ``buffer_mutation`` by a region whose recomputation updated buffers of no region again.
-
-    Args:
-        buffers: The buffers, as the model names them.
-
-    Example::
-
-        >>> outside_buffers_hint(["emb.parametrizations.weight.0._u"]).endswith("weight.0._u.")
-        True
-    """
-    return f"{OUTSIDE_BUFFERS_HINT} Changed: {', '.join(buffers)}."
 
 
 def read_otherwise_hint(buffers: list[str]) -> str:
