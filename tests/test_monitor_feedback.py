@@ -3,6 +3,7 @@ bar, `EarlyStopping` on them, a warning without a logger, and buffer mutations f
 
 import csv
 import logging
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,7 +19,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
 )
-from tests.helpers import StackModule, trained_state, trainer_kwargs
+from tests.helpers import PlainBlock, StackModule, trained_state, trainer_kwargs
 
 
 def fit(tmp_path: Path, monitor: RecomputationMonitor, *callbacks: pl.Callback, block: str = "DropoutBlock", **options):
@@ -265,3 +266,51 @@ def test_a_cause_in_several_regions_is_summarised_with_every_regions_state(tmp_p
         f"Cause buffer_mutation in model.blocks.0, model.blocks.1, model.blocks.2: {hint} Changed: {changed}."
         in summary
     )
+
+
+class HookCounted(pl.Callback):
+    """Moves a count the blocks read (through the module's `scale`) where the step's backward is about to start:
+    their recomputation reads another scale than their forward did, which no rerun of the step reproduces."""
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        pl_module.model.scale[0] += 0.5
+
+
+class ScaledBlock(PlainBlock):
+    """Scales its activation by the first item of a list it holds by reference."""
+
+    def __init__(self, scale: list[float]) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) * self.scale[0])
+
+
+class ScaledStack(StackModule):
+    """Its blocks scaled by `model.scale[0]`, one list they share."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.model.scale = [1.0]
+        for index in range(len(self.model.blocks)):
+            self.model.blocks[index] = ScaledBlock(self.model.scale)
+
+
+def test_a_difference_a_hook_makes_is_named_as_one_that_changes_from_pass_to_pass(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=1)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["ScaledBlock"]))
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor, HookCounted()], max_steps=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(ScaledStack())
+    # The sentinel names the blocks; the check's rerun runs no hook, so attribution finds every region exact.
+    assert any("region `model.blocks.0` recompute other values" in str(warning.message) for warning in caught)
+    (said,) = [str(warning.message) for warning in caught if "recomputation diverged" in str(warning.message)]
+    assert (
+        "Every checkpointed region recomputed exactly what its forward produced when rerun with attribution: the"
+        " difference changes from pass to pass, as Python state a module updates in forward (a counter) does, or"
+        " state that a hook between the forward and the backward changes (`on_before_backward`), which the rerun"
+        " does not run."
+    ) in said

@@ -185,7 +185,9 @@ def divergence_message(
     if any(finding.attributed for finding in findings.ranks):
         parts.append(
             "Every checkpointed region recomputed exactly what its forward produced when rerun with attribution: the"
-            " difference changes from pass to pass, as Python state a module updates in forward (a counter) does."
+            " difference changes from pass to pass, as Python state a module updates in forward (a counter) does, or"
+            " state that a hook between the forward and the backward changes (`on_before_backward`), which the rerun"
+            " does not run."
         )
     elif unattributed is not None:
         parts.append(
