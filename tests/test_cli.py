@@ -150,6 +150,13 @@ def _error_lines(stderr: str) -> list[str]:
     return lines[starts[0] :]
 
 
+def _refused(capsys: pytest.CaptureFixture[str], config: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """The error lines of ``examples/train.py fit`` on ``config`` (see :func:`_argv`), which must exit with code 2."""
+    with pytest.raises(SystemExit, match=r"^2$"):
+        train.main(_argv(config, tmp_path, *extra))
+    return _error_lines(capsys.readouterr().err)
+
+
 @pytest.fixture
 def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # LightningCLI seeds through `seed_everything`, which exports the seed, and warns about pytest's own argv.
@@ -206,9 +213,7 @@ def test_a_mistake_reads_the_same_from_python_and_from_yaml_with_the_fields_key(
     where: str, field: str, value: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     python = _python_error(where, field, value)
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(_config_with(tmp_path, where, field, value), tmp_path))
-    (line,) = _error_lines(capsys.readouterr().err)
+    (line,) = _refused(capsys, _config_with(tmp_path, where, field, value), tmp_path)
     assert line == f"error: `{KEYS[where]}.{field}`" + python.removeprefix(f"`{field}`")
 
 
@@ -220,11 +225,9 @@ def test_a_bare_off_that_yaml_reads_as_a_boolean_says_to_quote_it(
     path = _config_with(tmp_path, "monitor", "sentinel", "light")
     path.write_text(path.read_text().replace("sentinel: light", f"sentinel: {written}"))
     assert f"sentinel: {written}\n" in path.read_text()
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(path, tmp_path))
     quoted = "'off'" if written == "off" else "the choice"
     words = "off or no" if written == "off" else "on or yes"
-    assert _error_lines(capsys.readouterr().err) == [
+    assert _refused(capsys, path, tmp_path) == [
         f"error: `trainer.callbacks[0].sentinel` can be light, sampled, exact, off, got '{said}'. YAML reads a bare"
         f" {words} as {said.lower()}: write {quoted} in quotes."
     ]
@@ -237,9 +240,7 @@ def test_a_checkpointing_given_no_mapping_says_which_mapping_to_write(
 ) -> None:
     # jsonargparse reads a string there as a config file's path: "Expected a path but auto ...".
     path = _config_with(tmp_path, "strategy", "checkpointing", written)
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(path, tmp_path))
-    (line,) = _error_lines(capsys.readouterr().err)
+    (line,) = _refused(capsys, path, tmp_path)
     assert line == (
         f"error: `trainer.strategy.checkpointing` takes the fields of `CheckpointingConfig` as a mapping, got"
         f" {written}; write `checkpointing: {{classes: {meant}}}` to select modules by class."
@@ -251,9 +252,7 @@ def test_a_strategy_class_swapped_on_the_command_line_does_not_drop_checkpointin
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     swapped = "--trainer.strategy.class_path=lightning.pytorch.strategies.SingleDeviceStrategy"
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(BASE_CONFIG, tmp_path, swapped, "--trainer.callbacks=null"))
-    assert _error_lines(capsys.readouterr().err) == [
+    assert _refused(capsys, BASE_CONFIG, tmp_path, swapped, "--trainer.callbacks=null") == [
         "error: `trainer.strategy`: lightning.pytorch.strategies.SingleDeviceStrategy takes no `checkpointing`, which"
         " the config gives it (the command line replaced the strategy's class and dropped it); use `class_path:"
         " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`, whose `init_args` take it."
@@ -265,9 +264,7 @@ def test_a_memory_budget_of_another_type_is_said_as_the_package_says_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = _config_with(tmp_path, "checkpointing", "memory_budget", [1])
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(path, tmp_path))
-    assert _error_lines(capsys.readouterr().err) == [
+    assert _refused(capsys, path, tmp_path) == [
         "error: `trainer.strategy.checkpointing.memory_budget` must be a size, got [1]; give bytes (1073741824,"
         " '512MiB', '2GB'), a fraction in (0, 1] (0.5, '50%'), 'auto' or None."
     ]
@@ -278,13 +275,8 @@ def test_two_alike_monitors_are_one_line_not_lightnings_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Lightning refuses them before any hook of the monitor runs: two stateful callbacks with one `state_key`.
-    config = yaml.safe_load(BASE_CONFIG.read_text())
-    config["trainer"]["callbacks"].append(config["trainer"]["callbacks"][0])
-    path = tmp_path / "twice.yaml"
-    path.write_text(yaml.safe_dump(config))
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(path, tmp_path))
-    assert _error_lines(capsys.readouterr().err) == [
+    path = _edited(tmp_path, lambda config: config["trainer"]["callbacks"].append(config["trainer"]["callbacks"][0]))
+    assert _refused(capsys, path, tmp_path) == [
         "error: `trainer.callbacks`: `RecomputationMonitor` is in the Trainer's callbacks more than once: give it"
         " once. One monitor checks every checkpointed region; several would check each step again, and only the last"
         " one's sentinel would see the regions."
@@ -297,9 +289,9 @@ def test_a_mistake_of_the_whole_config_is_named_by_the_configs_key(
 ) -> None:
     with pytest.raises(CheckpointingConfigError, match=r"^`CheckpointingConfig` selects nothing") as raised:
         CheckpointingConfig(classes=[])
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(_config_with(tmp_path, "checkpointing", "classes", []), tmp_path))
-    assert _error_lines(capsys.readouterr().err) == [f"error: `trainer.strategy.checkpointing`: {raised.value}"]
+    assert _refused(capsys, _config_with(tmp_path, "checkpointing", "classes", []), tmp_path) == [
+        f"error: `trainer.strategy.checkpointing`: {raised.value}"
+    ]
 
 
 @pytest.mark.usefixtures("in_process")
@@ -307,10 +299,8 @@ def test_a_command_line_value_reads_as_the_same_value_in_yaml(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     python = _python_error("checkpointing", "every_n", 0)
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_n=0"))
     located = f"error: `{KEYS['checkpointing']}.every_n`" + python.removeprefix("`every_n`")
-    assert _error_lines(capsys.readouterr().err) == [located]
+    assert _refused(capsys, BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_n=0") == [located]
     # A number on the command line is a number, as in YAML.
     cli = train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_n=2")[1:], run=False)
     assert cli.trainer.strategy.checkpointing.every_n == 2
@@ -329,9 +319,7 @@ def test_help_names_what_each_field_takes(capsys: pytest.CaptureFixture[str]) ->
 
 @pytest.mark.usefixtures("in_process")
 def test_a_command_line_override_is_named_by_its_full_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_nn=2"))
-    assert _error_lines(capsys.readouterr().err) == [
+    assert _refused(capsys, BASE_CONFIG, tmp_path, "--trainer.strategy.checkpointing.every_nn=2") == [
         "error: `trainer.strategy.checkpointing`: Option 'every_nn' is not accepted; did you mean `every_n`?"
     ]
 
@@ -650,9 +638,7 @@ def test_a_monitor_without_a_checkpointing_strategy_stops_the_fit_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = _edited(tmp_path, lambda config: config["trainer"].pop("strategy"))
-    with pytest.raises(SystemExit, match=r"^2$"):
-        train.main(_argv(config, tmp_path))
-    (line,) = _error_lines(capsys.readouterr().err)
+    (line,) = _refused(capsys, config, tmp_path)
     assert line.startswith(
         "error: `RecomputationMonitor` has nothing to check: no module of GPTModule is checkpointed at fit start"
         " under SingleDeviceStrategy. Add a checkpointing strategy (e.g."
