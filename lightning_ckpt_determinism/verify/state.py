@@ -54,6 +54,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
     buffer_keys,
     buffer_slots,
+    buffer_written,
     is_framework_attribute,
     is_fsdp1_unit,
     parameter_version,
@@ -270,9 +271,7 @@ class _BufferVersions:
 
     def differing(self) -> list[str]:
         return [
-            name
-            for name, owner, key, buffer, version in self._entries
-            if own_buffers(owner).get(key) is not buffer or buffer_version_counter(buffer) != version
+            name for name, owner, key, buffer, version in self._entries if buffer_written(owner, key, buffer, version)
         ]
 
 
