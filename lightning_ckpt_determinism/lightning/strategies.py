@@ -177,21 +177,23 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         next training batch measured as the first."""
         if self._budgeted is None or not self._budgeted.started or self._selected is None:
             return
-        self._budgeted.stop()
-        for module in self._applied_checkpointing.values():
-            remove_activation_checkpointing(module)
+        self._remove_checkpointing()
         root, selected = self._selected
         checkpoint_selected(root, selected, self.checkpointing)
         self._applied_checkpointing = dict(selected)
         self._budgeted = BudgetedCheckpointing(self.checkpointing)
         self._batches_started = 0
 
-    def teardown(self) -> None:
+    def _remove_checkpointing(self) -> None:
+        """Stop a budget's measurement and remove the checkpointing this strategy applied."""
         if self._budgeted is not None:
             self._budgeted.stop()
         for module in self._applied_checkpointing.values():
             remove_activation_checkpointing(module)
         self._applied_checkpointing = {}
+
+    def teardown(self) -> None:
+        self._remove_checkpointing()
         self._selected = None
         self._fit_output.release()
         super().teardown()  # type: ignore[misc]
