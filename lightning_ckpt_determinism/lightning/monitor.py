@@ -236,8 +236,8 @@ class RecomputationMonitor(Callback):
         # The global steps whose check diverged in this fit.
         self._diverged_in_fit: set[int] = set()
         self._unchecked_here = "under this strategy"
-        # The last global step whose check was skipped because its first `manual_backward` recomputed nothing.
-        self._backward_unrecomputed: int | None = None
+        # Whether the last check was skipped because the step's first `manual_backward` recomputed nothing.
+        self._backward_unrecomputed = False
         self._support: StrategySupport | None = None
         self._capture: StepCapture | None = None
         self._armed = contextlib.ExitStack()
@@ -303,7 +303,7 @@ class RecomputationMonitor(Callback):
             self._unchecked_here = "for a `training_step` that fetches its own batches"
         problem = problem or self._refused_here(where, unattributed, unchecked) or _given_twice(trainer)
         self._checks_off = unchecked is not None
-        self._backward_unrecomputed = None
+        self._backward_unrecomputed = False
         self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
@@ -447,7 +447,7 @@ class RecomputationMonitor(Callback):
             # step ran as without checkpointing, and a check would compare it with itself.
             self._skip_unrecomputed(step, manual=not pl_module.automatic_optimization)
             return
-        self._backward_unrecomputed = None
+        self._backward_unrecomputed = False
         plain = self._reference_regions(trainer, pl_module)
         follow_up = self._schedule.follow_up is not None and step >= self._schedule.follow_up
         settings = self._settings(self._schedule.attribution(step, self.attribution))
@@ -600,7 +600,7 @@ class RecomputationMonitor(Callback):
             then = "The check of that step names the cause (in `history` and the fit's summary)."
         elif self._checks_off:
             then = f"No gradient check runs {self._unchecked_here}: run the audit on this config to name the cause."
-        elif self._backward_unrecomputed is not None:
+        elif self._backward_unrecomputed:
             then = (
                 "No check names the cause while a step's first `manual_backward` recomputes no checkpointed region"
                 " (see that warning)."
@@ -618,7 +618,7 @@ class RecomputationMonitor(Callback):
             then=then,
             syntax=self._results.syntax,
         )
-        if warned and not named and not last and not self._checks_off and self._backward_unrecomputed is None:
+        if warned and not named and not last and not self._checks_off and not self._backward_unrecomputed:
             self._schedule.follow_up = step + 1
             self._watch.escalate(step + 1)
 
@@ -692,7 +692,7 @@ class RecomputationMonitor(Callback):
         """Skip a check of a step in which no checkpointed region was recomputed, saying so once."""
         self._results.skipped(step, "no checkpointed region was recomputed in this step")
         if manual:
-            self._backward_unrecomputed = step
+            self._backward_unrecomputed = True
             # Only the step's first `manual_backward` is checked: a GAN's discriminator stepped first on detached
             # fakes recomputes nothing, though the generator's backward after it does.
             said = (
