@@ -466,13 +466,13 @@ class RegionCall:
 # How `RegionCall._kind` ranks a saved activation: one computed from parameters alone (below every other), a
 # floating-point one that does not require grad (dropout's noise), or one that does (computed from the region's values
 # or inputs autograd tracks).
-# The multipliers of `RegionCall._in_turn`'s hash (odd 64-bit constants of splitmix64).
-_TURN_HASH = 0x9E3779B97F4A7C15
-_CALL_HASH = 0xBF58476D1CE4E5B9
-
 _WEIGHTS = -1
 _FLOATING = 1
 _COMPUTED = 2
+
+# The multipliers of `RegionCall._in_turn`'s hash (odd 64-bit constants of splitmix64).
+_TURN_HASH = 0x9E3779B97F4A7C15
+_CALL_HASH = 0xBF58476D1CE4E5B9
 
 # The most autograd nodes `from_parameters` walks: a weight's cast, transpose or reparametrization takes a few.
 _WEIGHT_NODES = 16
