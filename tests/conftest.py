@@ -1,9 +1,10 @@
-"""What every test gets: the process environment put back after it."""
+"""What every test gets: the process environment put back after it, and no process group left behind."""
 
 import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +19,13 @@ def _environment_put_back() -> Iterator[None]:
     for name, value in saved.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind() -> Iterator[None]:
+    """Destroy the default process group a test's in-process Trainer left initialised (``ModelParallelStrategy`` on
+    one process starts a gloo group and keeps it): with one, Lightning evaluates under ``no_grad`` instead of
+    ``inference_mode``, and a later test would run otherwise than alone."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
