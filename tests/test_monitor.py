@@ -850,16 +850,24 @@ def test_parameters_a_step_changes_in_place_are_copied_after_the_first_skip_and_
 def test_a_step_that_initialises_lazy_modules_is_skipped_as_such_and_the_next_is_checked_without_copies(
     tmp_path, block, initialised
 ):
-    _, plain = fit(tmp_path / "plain", block=block, checkpointing=False)
+    _, plain = fit(tmp_path / "plain", block=block, checkpointing=False, log_every_n_steps=1)
     monitor = RecomputationMonitor(every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LightningCkptDeterminismWarning)
-        _, module = fit(tmp_path / "monitored", block=block, monitor=monitor)
+        _, module = fit(tmp_path / "monitored", block=block, monitor=monitor, log_every_n_steps=1)
     said = [str(w.message) for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]
     assert [m for m in said if "skipped" in m or "could not" in m or "failed" in m] == [
         "lightning_ckpt_determinism: the check at step 0 was skipped: its `training_step` initialised lazy modules"
         f" ({initialised}), which a rerun of the step cannot undo. The next step is checked; initialise them before the"
         " fit (one forward in `setup`) to check this one too."
+    ]
+    # The first step's calls ran plainly, which is why the sentinel compared nothing at it.
+    assert [m for m in said if "compared nothing" in m] == [
+        "lightning_ckpt_determinism: the sentinel compared nothing in the steps logged at step 0: no checkpointed"
+        " region ran checkpointed, eagerly and with gradients, in the steps since the last logged one (a call that"
+        " initialises a region's lazy modules runs without checkpointing). `recompute/sentinel/compared` is 0 and no"
+        " `recompute/sentinel/mismatches` is logged for them; the periodic check still compares gradients at the steps"
+        " that recompute a region."
     ]
     skipped, *checked = monitor.history
     assert (skipped.step, skipped.skipped) == (0, "lazy modules initialised in training_step")

@@ -566,7 +566,10 @@ class SentinelWatch:
                 " bits to read, or tensors it failed to read)"
             )
         else:
-            why = "no checkpointed region ran eagerly with gradients in the steps since the last logged one"
+            why = (
+                "no checkpointed region ran checkpointed, eagerly and with gradients, in the steps since the last"
+                " logged one (a call that initialises a region's lazy modules runs without checkpointing)"
+            )
         rank_zero_warn(
             f"lightning_ckpt_determinism: the sentinel compared nothing in the steps logged at step {self.step}:"
             f" {why}. `{self.prefix}/sentinel/compared` is 0 and no `{self.prefix}/sentinel/mismatches` is logged"
