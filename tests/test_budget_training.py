@@ -182,10 +182,14 @@ def _sized_fit(tmp_path: Path, budget: object, batch_size: int, *callbacks: pl.C
 @pytest.mark.parametrize("budget", ["20KiB", 1.0])
 def test_a_batch_size_finders_trials_are_not_what_the_budget_plans_from(tmp_path: Path, budget: object) -> None:
     # The finder's trial batches (from size 4 up) run inside the fit before the monitor's `on_fit_start`; it then
-    # restores the model, and the fit trains at the size it found (8 or 16, by Lightning's version).
-    finder = BatchSizeFinder(mode="power", steps_per_trial=1, init_val=4, max_trials=2)
-    found = _sized_fit(tmp_path / "finder", budget, 4, finder)
+    # restores the model, and the fit trains at the size it found (8 or 16, by Lightning's version). Each trial
+    # measures at its own size and plans at its second batch, so a trial's batch is never larger than its plan's.
+    finder = BatchSizeFinder(mode="power", steps_per_trial=2, init_val=4, max_trials=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        found = _sized_fit(tmp_path / "finder", budget, 4, finder)
     assert found.batch_size > 4
+    assert [str(w.message) for w in caught if "batch holds" in str(w.message)] == []
     at_found, at_four = (_sized_fit(tmp_path / str(size), budget, size) for size in (found.batch_size, 4))
     assert found.plan == at_found.plan  # type: ignore[attr-defined]
     if budget == "20KiB":

@@ -109,6 +109,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         self._fit_output = FitOutput()
         # Training batches started this fit: at the second, the regions that route are named.
         self._batches_started = 0
+        # The global step the latest training batch started at: a later batch starting before it restarted the loop.
+        self._batch_step = -1
         super().__init__(*args, **kwargs)
 
     @property
@@ -119,7 +121,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self._model_set_up = False
-        self._batches_started = 0
+        self._batches_started, self._batch_step = 0, -1
         self._fit_output.hold(trainer)
         if self.checkpointing.memory_budget is not None:
             check_budget_device(self.checkpointing, self.root_device)  # type: ignore[attr-defined]
@@ -145,9 +147,13 @@ class ActivationCheckpointingMixin(ModelSetupHook):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        root = self.lightning_module  # type: ignore[attr-defined]
+        if root.trainer.global_step < self._batch_step:
+            # `BatchSizeFinder` starts each trial, at its next batch size, from step 0: the trial measures anew.
+            self._measure_again()
+        self._batch_step = root.trainer.global_step
         if self._budgeted is not None:
             # Before the batch's forward, on every rank alike: the plan's reduction is a collective.
-            root = self.lightning_module  # type: ignore[attr-defined]
             made_plain = self._budgeted.batch_started(
                 self, root, self._applied_checkpointing, batch, root.trainer.loggers, root.trainer.global_step
             )
