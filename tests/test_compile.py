@@ -639,14 +639,16 @@ class UnloggedStack(StackModule):
         return F.mse_loss(self.model(x), y)
 
 
-def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path) -> None:
+def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # `trainer.fit(torch.compile(module))` compiles the module's step and forward as functions: its regions are
     # recomputed inside the compiled backward, where the package counts nothing, and every step is checked.
     pl.seed_everything(0, verbose=False)
     module = UnloggedStack(block="PlainBlock")
     monitor = RecomputationMonitor(every_n_steps=1)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"]))
-    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[monitor], strategy=strategy, max_steps=2))
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path, callbacks=[monitor], strategy=strategy, max_steps=2, log_every_n_steps=1)
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LightningCkptDeterminismWarning)
         trainer.fit(torch.compile(module, backend="aot_eager"))
@@ -664,6 +666,14 @@ def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path) ->
         " a divergence is named without its region or cause. Compile the model or its blocks in `configure_model`"
         " instead to have them named."
     ]
+    # The sentinel's silence is put down to the compiled steps, which hide every region from it.
+    silent = [str(warning.message) for warning in caught if "compared nothing" in str(warning.message)]
+    assert len(silent) == 1
+    assert "at step 0: the LightningModule's steps are compiled (`trainer.fit(torch.compile(module))`)" in silent[0]
+    assert (
+        "The sentinel compared no recomputed saved tensor. It does not see 3 compiled regions (model.blocks.0,"
+        " model.blocks.1, model.blocks.2), which the compiler recomputes." in caplog.text
+    )
 
 
 class BreakingBlock(PlainBlock):

@@ -311,6 +311,8 @@ class RecomputationMonitor(Callback):
             raise CheckpointingConfigError(
                 problem or "`RecomputationMonitor` has nothing to check on another rank; see the error it raised."
             )
+        steps_compiled = compiled_by_lightning(pl_module) and not is_compiled(pl_module)
+        self._watch.steps_compiled = steps_compiled
         if self.sentinel != "off":
             self._watch.start(trainer, pl_module)
         if unchecked is not None:
@@ -319,7 +321,7 @@ class RecomputationMonitor(Callback):
                 f" Its sentinel still compares each step's recomputation. To check gradients too, {_CHECK_ELSEWHERE}.",
                 category=LightningCkptDeterminismWarning,
             )
-        if compiled_by_lightning(pl_module) and not is_compiled(pl_module):
+        if steps_compiled:
             rank_zero_warn(
                 "lightning_ckpt_determinism: `trainer.fit(torch.compile(module))` compiles the LightningModule's steps"
                 " as functions, inside which neither the sentinel nor attribution sees: the checks still compare"

@@ -132,6 +132,9 @@ class SentinelWatch:
         self._failed_since_read: Exception | None = None
         # Whether a memory budget's plan keeps every module plain: there is nothing to compare.
         self.all_plain = False
+        # Whether Lightning compiles the LightningModule's steps (`trainer.fit(torch.compile(module))`): the compiler
+        # recomputes every region out of the sentinel's sight, and none is a compiled module the sentinel can name.
+        self.steps_compiled = False
         self._unlogged: dict[int, _StepCounts] = {}
         # Everything the fit's reads counted, over every rank: the fit's summary says it.
         self._read_totals = _StepCounts()
@@ -226,7 +229,8 @@ class SentinelWatch:
         mismatches = {name: found[name] for name in self.sentinel.regions if found.get(name)}
         # A compiled region that graph-breaks runs eagerly, and is compared: only the others go unseen.
         regions = self.sentinel.report().regions
-        unseen = [name for name in self.sentinel.compiled if name not in regions or not regions[name].compared]
+        compiled = self.sentinel.regions if self.steps_compiled else self.sentinel.compiled
+        unseen = [name for name in compiled if name not in regions or not regions[name].compared]
         return SentinelTotals(self._read_totals.compared, mismatches, unseen)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
@@ -553,7 +557,12 @@ class SentinelWatch:
             return  # without a checkpointed region the monitor says so itself
         self._said_nothing_compared = True
         report = self.sentinel.report()
-        if report.compiled and len(report.compiled) == len(report.regions):
+        if self.steps_compiled:
+            why = (
+                "the LightningModule's steps are compiled (`trainer.fit(torch.compile(module))`), and the compiler"
+                " recomputes every region out of the sentinel's sight"
+            )
+        elif report.compiled and len(report.compiled) == len(report.regions):
             why = "every checkpointed region is compiled, and the compiler recomputes it out of the sentinel's sight"
         elif report.not_compared and report.on_new_paths == report.not_compared:
             why = (
