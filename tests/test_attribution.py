@@ -575,6 +575,35 @@ def test_a_global_counted_in_a_regions_forward_is_its_python_state_not_outside_s
     ]
 
 
+_GLOBAL_GENERATOR = torch.Generator()
+
+
+class GlobalGeneratorBlock(PlainBlock):
+    """Masks with a module-level generator: its recomputation draws another mask, and the check's rerun, which cannot
+    restore a generator no module holds, draws another one too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.linear(x))
+        return x + hidden * (torch.rand(hidden.shape, generator=_GLOBAL_GENERATOR) > 0.3)
+
+
+def test_a_global_generator_drawn_in_a_regions_forward_is_its_rng_not_preserved_not_outside_state() -> None:
+    plain, model = stack_with(GlobalGeneratorBlock), stack_with(GlobalGeneratorBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    x, y = batch()
+    gradients = []
+    for twin in (plain, model):
+        _GLOBAL_GENERATOR.manual_seed(5)
+        F.mse_loss(twin(x), y).backward()
+        gradients.append([param.grad for param in twin.parameters()])
+    assert not all(map(torch.equal, *gradients))  # ground truth: recomputation draws another mask
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    assert report.diverged and report.cause is None
+    region = only_finding(report)
+    assert (region.name, region.diverged, region.cause) == ("blocks.1", True, "rng_not_preserved")
+    assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.rand.generator"
+
+
 class CachingBlock(PlainBlock):
     """Builds a table at its first call and finds it built at its recomputation: other ops, the same values."""
 

@@ -261,7 +261,7 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
             " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
             " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
-            " state in buffers, generators, or numbers, tensors and arrays held as module attributes or in their"
+            " state in buffers, or in generators, numbers, tensors and arrays held as module attributes or in their"
             " lists and dicts, which the check restores, or check with {} for kernels that are not reproducible.",
             _CALIBRATE_NOISE,
         ),

@@ -379,13 +379,19 @@ def read_otherwise_since(module: nn.Module, before: dict[str, int]) -> tuple[str
     return tuple(name for name, count in now.items() if count > before.get(name, 0))
 
 
+_READS_MOVED_STATE = frozenset({Cause.PYTHON_STATE, Cause.RNG_NOT_PRESERVED, Cause.HOST_RNG})
+"""Region causes of state a forward reads that moved before its recomputation (see :func:`_recomputed_otherwise`)."""
+
+
 def _recomputed_otherwise(regions: list[RegionReport]) -> bool:
     """Whether a region recomputed other values than its own forward in the same pass, at the same op, from state it
-    reads that changed in between (``python_state``: a global its forward counts with): the forward differing from
-    the step's first run is that state's echo, not the other way round. A recomputation that ran other ops (a cache
-    its forward built and its recomputation found) proves nothing of the kind."""
+    reads that changed in between (``python_state``: a global its forward counts with; ``rng_not_preserved`` or
+    ``host_rng``: a stream it draws from, such as a global ``torch.Generator``, which the check cannot restore
+    either): the forward differing from the step's first run is that state's echo, not the other way round. A
+    recomputation that ran other ops (a cache its forward built and its recomputation found) proves nothing of the
+    kind."""
     return any(
-        region.diverged and region.cause == Cause.PYTHON_STATE and 0.0 < region.max_abs_diff < math.inf
+        region.diverged and region.cause in _READS_MOVED_STATE and 0.0 < region.max_abs_diff < math.inf
         for region in regions
     )
 
