@@ -37,7 +37,11 @@ from lightning_ckpt_determinism.verify.attribution import observer as observer_m
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
 from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
-from lightning_ckpt_determinism.verify.reports import HOST_RNG_STREAM_HINT, SUBSTITUTED_PARAMETERS_HINT
+from lightning_ckpt_determinism.verify.reports import (
+    HOST_RNG_STREAM_HINT,
+    SUBSTITUTED_PARAMETERS_HINT,
+    TORCH_RNG_STREAM_HINT,
+)
 from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
 from tests.test_verdicts import (
     STEPS,
@@ -923,6 +927,117 @@ def test_the_monitor_names_a_numpy_stream_recomputation_moved_and_the_fix_trains
     with pytest.warns(LightningCkptDeterminismWarning, match=r"`Mixup` run `on_after_backward` before"):
         _reseeded_fit(tmp_path / "mixed", strategy(True), mixed, before=(Mixup(),))
     assert [record.diverged for record in mixed.history] == [False] * 3
+
+
+class RandomHalf(nn.Module):
+    """Keeps a random half of its tokens, chosen by `argsort` of a torch draw (as ViTMAE masks patches): the draw
+    reaches the gradients only through the indices `keep_data_dependent` keeps from the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = torch.argsort(torch.rand(x.shape[0], x.shape[1]), dim=1)[:, : x.shape[1] // 2]
+        return torch.tanh(self.inp(torch.gather(x, 1, kept.unsqueeze(-1).expand(-1, -1, x.shape[-1]))))
+
+
+class RandomlyMasked(nn.Module):
+    """A :class:`RandomHalf` region and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = RandomHalf()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).pow(2).mean()
+
+
+@pytest.mark.parametrize("preserve_rng_state", [False, True])
+def test_a_draw_whose_result_recomputation_keeps_still_moves_torchs_rng_unless_replayed(
+    preserve_rng_state: bool,
+) -> None:
+    torch.manual_seed(0)
+    plain = RandomlyMasked()
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"], preserve_rng_state=preserve_rng_state))
+    states = []
+    for twin in (plain, model):
+        torch.manual_seed(5)
+        twin(tokens(0)).backward()
+        states.append(torch.get_rng_state())
+    # The gradients agree; what draws from torch next does not, unless recomputation replays its RNG.
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    assert torch.equal(*states) is preserve_rng_state
+    x = tokens(1)
+    for attribution in (False, True):
+        report = check_recomputation(model, lambda: model(x), attribution=attribution)
+        assert report.grad_divergence == 0.0
+        if preserve_rng_state:
+            assert (report.diverged, report.cause) == (False, None)
+            assert all(region.cause is None for region in report.regions)
+            continue
+        assert (report.diverged, report.cause, report.hint) == (True, "rng_not_preserved", TORCH_RNG_STREAM_HINT)
+        if attribution:
+            (region,) = report.regions
+            assert (region.name, region.diverged, region.cause, region.hint) == (
+                "body",
+                True,
+                "rng_not_preserved",
+                TORCH_RNG_STREAM_HINT,
+            )
+            assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.rand.default"
+
+
+class RandomlyMaskedModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = RandomlyMasked()
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(24, 6, WIDTH, generator=torch.Generator().manual_seed(1))), 8)
+
+
+def test_the_monitor_names_torchs_rng_moved_by_recomputation_and_the_fix_trains_as_the_plain_twin(
+    tmp_path: Path,
+) -> None:
+    def fit(
+        name: str, preserve_rng_state: bool | None, monitor: RecomputationMonitor | None
+    ) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0, verbose=False)
+        module = RandomlyMaskedModule()
+        strategy: object = "auto"
+        if preserve_rng_state is not None:
+            config = CheckpointingConfig(classes=["RandomHalf"], preserve_rng_state=preserve_rng_state)
+            strategy = SingleDeviceCheckpointingStrategy(checkpointing=config)
+        callbacks = [] if monitor is None else [monitor]
+        pl.Trainer(**trainer_kwargs(tmp_path / name, strategy=strategy, callbacks=callbacks, max_steps=3)).fit(module)
+        return {key: value.clone() for key, value in module.state_dict().items()}
+
+    plain = fit("plain", None, None)
+    broken = RecomputationMonitor(every_n_steps=1)
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        moved = fit("broken", False, broken)
+    assert any(not torch.equal(plain[key], moved[key]) for key in plain)  # the next step kept other tokens
+    said = [str(warning.message) for warning in caught if "recomputation drew" in str(warning.message)]
+    assert len(said) == 3
+    assert said[0].startswith(
+        "lightning_ckpt_determinism: recomputation drew from torch's RNG at step 0: it ended the step in another"
+        " state than the same step without checkpointing; the gradients are exact. Region `model.body` diverged at"
+        " `aten.rand.default`"
+    )
+    assert [(record.diverged, record.grad_divergence) for record in broken.history] == [(True, 0.0)] * 3
+    fixed = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    exact = fit("fixed", True, fixed)
+    assert all(torch.equal(plain[key], exact[key]) for key in plain)
+    assert [record.diverged for record in fixed.history] == [False] * 3
 
 
 class WrittenBetweenCalls(nn.Module):

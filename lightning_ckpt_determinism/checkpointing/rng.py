@@ -17,6 +17,7 @@ __all__ = [
     "restore_host_rng",
     "restore_rng",
     "same_host_rng",
+    "same_torch_rng",
 ]
 
 
@@ -107,6 +108,26 @@ def same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
         np.array_equal(a, b) for a, b in zip(before.numpy[1:], after.numpy[1:], strict=True)
     )
     return bool(before.python == after.python and numpy_same)
+
+
+def same_torch_rng(before: RNGState, after: RNGState) -> bool:
+    """Whether two snapshots hold torch's CPU RNG, and the RNG of each accelerator device ``before`` holds, in the
+    same states (nothing drew from them in between); the host streams are :func:`same_host_rng`'s.
+
+    Args:
+        before: A snapshot from :func:`capture_rng`.
+        after: A later one, of the same devices.
+
+    Example::
+
+        >>> before = capture_rng()
+        >>> same_torch_rng(before, capture_rng()), (torch.rand(1), same_torch_rng(before, capture_rng()))[1]
+        (True, False)
+    """
+    return torch.equal(before.torch_cpu, after.torch_cpu) and all(
+        device in after.devices and torch.equal(state, after.devices[device])
+        for device, state in before.devices.items()
+    )
 
 
 def capture_rng(devices: Iterable[torch.device] = ()) -> RNGState:

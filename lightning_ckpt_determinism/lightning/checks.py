@@ -189,6 +189,7 @@ class StepCheck:
             written_parameters=capture.written_parameters,
             written_before_backward=capture.written_before_backward,
             backward_drew_host_rng=capture.backward_drew_host_rng,
+            backward_drew_torch_rng=capture.backward_drew_torch_rng,
             device=strategy.root_device,
         )
 

@@ -212,9 +212,11 @@ def _worst_parameters_over_ranks(ranks: list[RankFindings]) -> list[tuple[str, f
 
 def _headline(step: int, findings: Findings, tolerance: float) -> str:
     """What diverged: the gradients (with their figures), or, where they are exact, the buffers or the attributes
-    (named), or the host's random streams."""
+    (named), or the host's random streams, or torch's RNG."""
     host_rng = any(finding.cause == Cause.HOST_RNG for finding in findings.ranks)
-    if findings.gradients_diverged or not (findings.buffers_changed or findings.attributes_changed or host_rng):
+    torch_rng = any(finding.cause == Cause.RNG_NOT_PRESERVED for finding in findings.ranks)
+    streams = host_rng or torch_rng
+    if findings.gradients_diverged or not (findings.buffers_changed or findings.attributes_changed or streams):
         shown = "inf" if math.isinf(findings.grad_divergence) else f"{findings.grad_divergence:.3g}"
         return (
             f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
@@ -226,6 +228,11 @@ def _headline(step: int, findings: Findings, tolerance: float) -> str:
     if findings.attributes_changed:
         names = [name for finding in findings.ranks for name in finding.attribute_mutations]
         return _changed_state(step, "Python attribute", findings.attributes_changed, names)
+    if not host_rng:
+        return (
+            f"lightning_ckpt_determinism: recomputation drew from torch's RNG at step {step}: it ended the step in"
+            " another state than the same step without checkpointing; the gradients are exact."
+        )
     return (
         f"lightning_ckpt_determinism: recomputation drew from the host's random streams at step {step}: Python's"
         " `random` or NumPy's global RNG ended the step in another state than the same step without checkpointing;"

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import at_backward_end
-from lightning_ckpt_determinism.checkpointing.rng import HostRNGState, capture_host_rng, same_host_rng
+from lightning_ckpt_determinism.checkpointing.rng import RNGState, capture_rng, same_host_rng, same_torch_rng
 from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, recomputations
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
@@ -298,9 +298,10 @@ class StepCapture:
         # The buffers and region attributes hooks wrote between the live forward and its backward (see
         # `backward_started`), which the reference pass, run without those hooks, leaves as its forward left them.
         self.written_before_backward: list[str] = []
-        # Whether the host's random streams moved during the live backward, where nothing but the regions'
-        # recomputation runs the user's code (see `_watch_hooks`).
+        # Whether the host's random streams, and torch's RNG, moved during the live backward, where nothing but the
+        # regions' recomputation runs the user's code (see `_watch_hooks`).
         self.backward_drew_host_rng = False
+        self.backward_drew_torch_rng = False
 
     @property
     def captured(self) -> bool:
@@ -411,21 +412,24 @@ class StepCapture:
             try:
                 within = region_modules(module)
                 self.written_before_backward = before.differing_buffers() + before.differing_attributes(within)
-                at_backward_end(self._host_rng_watch(capture_host_rng()))
+                at_backward_end(self._rng_watch(capture_rng([module.device])))
             except Exception:  # never the backward's failure
                 _log.debug("could not compare the state after the backward's hooks", exc_info=True)
 
         handle = loss.register_hook(backward_reached)
 
-    def _host_rng_watch(self, started: HostRNGState) -> Callable[[], None]:
-        """What notes, when the backward ends, whether the host's random streams moved since ``started``: a region's
-        recomputation that drew from them (hooks before and after the backward cannot)."""
+    def _rng_watch(self, started: RNGState) -> Callable[[], None]:
+        """What notes, when the backward ends, whether the host's random streams or torch's RNG moved since
+        ``started``: a region's recomputation that drew from them unreplayed (hooks before and after the backward
+        cannot; torch replays its own RNG in a recomputation under ``preserve_rng_state``)."""
 
         def ended() -> None:
             try:
-                self.backward_drew_host_rng = not same_host_rng(started, capture_host_rng())
+                now = capture_rng(started.devices)
+                self.backward_drew_host_rng = not same_host_rng(started.host, now.host)
+                self.backward_drew_torch_rng = not same_torch_rng(started, now)
             except Exception:  # never the backward's failure
-                _log.debug("could not compare the host's random streams after the backward", exc_info=True)
+                _log.debug("could not compare the random streams after the backward", exc_info=True)
 
         return ended
 

@@ -225,8 +225,8 @@ class Cause(str, enum.Enum):
 _HINTS: Mapping[Cause, Hints] = MappingProxyType(
     {
         Cause.RNG_NOT_PRESERVED: _hints(
-            "A random op draws other numbers in recomputation: set {}, and draw from torch's default generators (a"
-            " generator of your own is not replayed).",
+            "A random op draws other numbers in recomputation: set {}, and draw from torch's default generators or"
+            " from generators the region's modules hold as attributes (no other generator is replayed).",
             _checkpointing("preserve_rng_state"),
         ),
         Cause.HOST_RNG: _hints(
@@ -302,7 +302,10 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
 _WHEN: Mapping[Cause, str] = MappingProxyType(
     {
         Cause.RNG_NOT_PRESERVED: (
-            "a random op (dropout, `rand*`, `bernoulli` ...) drew other numbers in recomputation."
+            "a random op (dropout, `rand*`, `bernoulli` ...) drew other numbers in recomputation; or the step left"
+            " torch's RNG in another state than the same step without checkpointing, with exact gradients (a region"
+            " drew from it again, its results kept from the forward: masking by `argsort`, as ViTMAE's, or a"
+            " LayerDrop decision), so that whatever draws from it next draws other numbers."
         ),
         Cause.HOST_RNG: (
             "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that region;"

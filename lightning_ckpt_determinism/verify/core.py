@@ -25,6 +25,7 @@ from lightning_ckpt_determinism.verify.outcome import diverging
 from lightning_ckpt_determinism.verify.reports import (
     COMPILED_NOISE_NOTE,
     HOST_RNG_STREAM_HINT,
+    TORCH_RNG_STREAM_HINT,
     RecomputationReport,
     RegionReport,
     attribute_hint,
@@ -295,6 +296,8 @@ class StepEvidence:
         step_host_rng: Python's ``random`` or NumPy's global RNG ended the checked pass in another state than the
             reference pass (a region drew from it again in its recomputation; the values it drew may have been the
             same, as after a seed), on some rank.
+        step_torch_rng: torch's RNG ended the checked pass in another state than the reference pass (a region drew
+            from it again in its recomputation, unreplayed), on some rank.
         read_otherwise: Buffers a region's recomputation in the checkpointed pass got with other values than its
             forward read, as the model names them (see
             :func:`~lightning_ckpt_determinism.checkpointing.wrapper.buffers_read_otherwise`).
@@ -312,6 +315,7 @@ class StepEvidence:
     step_buffers: Sequence[str] = ()
     step_attributes: Sequence[str] = ()
     step_host_rng: bool = False
+    step_torch_rng: bool = False
     read_otherwise: Sequence[str] = ()
 
 
@@ -349,6 +353,8 @@ def _decide(evidence: StepEvidence) -> _Decision:
         return _Decision(Cause.ATTRIBUTE_MUTATION, attribute_hint(list(evidence.step_attributes)), regions)
     elif cause is None and not evidence.gradients_diverged and evidence.step_host_rng:
         return _Decision(Cause.HOST_RNG, HOST_RNG_STREAM_HINT, regions)
+    elif cause is None and not evidence.gradients_diverged and evidence.step_torch_rng:
+        return _Decision(Cause.RNG_NOT_PRESERVED, TORCH_RNG_STREAM_HINT, regions)
     if cause is None and evidence.gradients_diverged and evidence.read_otherwise:
         regions, unplaced = _with_read_otherwise(regions, evidence.read_otherwise)
         if unplaced:
@@ -508,6 +514,7 @@ def step_report(
             or bool(evidence.step_buffers)
             or bool(evidence.step_attributes)
             or evidence.step_host_rng
+            or evidence.step_torch_rng
         ),
         tolerance=tolerance,
         per_parameter=per_parameter,

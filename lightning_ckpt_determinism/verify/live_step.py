@@ -65,6 +65,7 @@ class GradientComparison:
         buffers_changed: The most buffers any rank said changed (``buffers_changed`` of :func:`compare_gradients`).
         attributes_changed: The most attributes any rank said changed (``attributes_changed``).
         host_rng_changed: Whether any rank said its host random streams changed (``host_rng_changed``).
+        torch_rng_changed: Whether any rank said torch's RNG changed (``torch_rng_changed``).
     """
 
     grad_divergence: float
@@ -75,6 +76,7 @@ class GradientComparison:
     buffers_changed: int = 0
     attributes_changed: int = 0
     host_rng_changed: bool = False
+    torch_rng_changed: bool = False
 
 
 def compare_gradients(
@@ -89,6 +91,7 @@ def compare_gradients(
     buffers_changed: int = 0,
     attributes_changed: int = 0,
     host_rng_changed: bool = False,
+    torch_rng_changed: bool = False,
 ) -> GradientComparison:
     """Compare two sets of gradients held by this rank, with every sum and maximum reduced over ranks.
 
@@ -108,6 +111,7 @@ def compare_gradients(
         attributes_changed: How many of this rank's plain attributes differ likewise, reduced alike.
         host_rng_changed: Whether this rank's host random streams ended the two passes in other states, reduced
             alike.
+        torch_rng_changed: Whether this rank's torch RNG ended them in other states, reduced alike.
 
     Returns:
         The :class:`GradientComparison`.
@@ -136,16 +140,16 @@ def compare_gradients(
             unequal += 1
         if skip_non_finite and live_grad is not None and not all_finite(live_grad):
             non_finite = True
-    states = float(buffers_changed > 0 or attributes_changed > 0 or host_rng_changed)
+    states = float(buffers_changed > 0 or attributes_changed > 0 or host_rng_changed or torch_rng_changed)
     flags = [unequal, len(missing), elements, float(non_finite), states, len(odd_layouts)]
     reduced = all_reduce(torch.tensor(flags, dtype=torch.float64, device=device), "sum").tolist()
     unequal_anywhere, missing_anywhere, elements_anywhere, non_finite_anywhere, states_anywhere, odd_anywhere = reduced
     # The counts themselves are needed only where some rank saw one: never read on a clean check.
-    buffers, attributes, host_rng = buffers_changed, attributes_changed, host_rng_changed
+    buffers, attributes, host_rng, torch_rng = buffers_changed, attributes_changed, host_rng_changed, torch_rng_changed
     if states_anywhere > 0:
-        seen = [float(buffers), float(attributes), float(host_rng)]
+        seen = [float(buffers), float(attributes), float(host_rng), float(torch_rng)]
         most = all_reduce(torch.tensor(seen, device=device), "max").tolist()
-        buffers, attributes, host_rng = int(most[0]), int(most[1]), most[2] > 0
+        buffers, attributes, host_rng, torch_rng = int(most[0]), int(most[1]), most[2] > 0, most[3] > 0
     zeros = dict.fromkeys(names, 0.0)
     if skip_non_finite and non_finite_anywhere > 0:
         return GradientComparison(0.0, 0.0, zeros, skipped=True)
@@ -167,10 +171,17 @@ def compare_gradients(
             buffers_changed=buffers,
             attributes_changed=attributes,
             host_rng_changed=host_rng,
+            torch_rng_changed=torch_rng,
         )
     if unequal_anywhere == 0:
         return GradientComparison(
-            0.0, 0.0, zeros, buffers_changed=buffers, attributes_changed=attributes, host_rng_changed=host_rng
+            0.0,
+            0.0,
+            zeros,
+            buffers_changed=buffers,
+            attributes_changed=attributes,
+            host_rng_changed=host_rng,
+            torch_rng_changed=torch_rng,
         )
     sums = [0.0, 0.0]
     maxima = []
@@ -189,6 +200,7 @@ def compare_gradients(
         buffers_changed=buffers,
         attributes_changed=attributes,
         host_rng_changed=host_rng,
+        torch_rng_changed=torch_rng,
     )
 
 
@@ -212,6 +224,7 @@ def check_live_step(
     written_parameters: Iterable[str] | None = None,
     written_before_backward: Collection[str] = (),
     backward_drew_host_rng: bool = False,
+    backward_drew_torch_rng: bool = False,
     device: torch.device | str = "cpu",
 ) -> RecomputationReport | None:
     """Compare the gradients the live (checkpointed) step left in ``.grad`` with one reference pass.
@@ -265,6 +278,8 @@ def check_live_step(
         backward_drew_host_rng: The host's random streams moved during the live step's backward, measured by the
             caller from its start to its end, where only the regions' recomputation runs the user's code (a
             reference pass has nothing to recompute, so its backward never moves them): cause ``"host_rng"``.
+        backward_drew_torch_rng: torch's RNG moved during the live step's backward, measured alike: a region's
+            recomputation drew from it unreplayed (``preserve_rng_state`` off), cause ``"rng_not_preserved"``.
         device: Where the reduced tensors live.
 
     Returns:
@@ -333,6 +348,7 @@ def check_live_step(
             # A region that drew from the host's streams again in its recomputation (a NumPy seed and draw in
             # forward) left them otherwise than the same step without checkpointing, with exact values.
             host_rng_changed=backward_drew_host_rng,
+            torch_rng_changed=backward_drew_torch_rng,
         )
         not_restored += [name for name in after_step.unrestored() if name not in not_restored]
     if comparison.skipped:
@@ -351,6 +367,7 @@ def check_live_step(
         step_buffers=(changed or [OTHER_RANKS_STATE[0]]) if comparison.buffers_changed else [],
         step_attributes=(attributes or [OTHER_RANKS_STATE[1]]) if comparison.attributes_changed else [],
         step_host_rng=comparison.host_rng_changed,
+        step_torch_rng=comparison.torch_rng_changed,
     )
     return core.step_report(
         evidence,

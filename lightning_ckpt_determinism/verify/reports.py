@@ -23,6 +23,7 @@ __all__ = [
     "ROUTING_TOO_LARGE_HINT",
     "SAVED_DIFFERS_HINT",
     "SUBSTITUTED_PARAMETERS_HINT",
+    "TORCH_RNG_STREAM_HINT",
     "UNSEEN_WRITE_HINT",
     "RecomputationReport",
     "RegionReport",
@@ -119,6 +120,13 @@ HOST_RNG_STREAM_HINT = (
     " next (data masking, augmentation) draws other numbers."
 )
 """The hint of a ``host_rng`` found by the state the host's random streams ended the step in, the gradients exact."""
+
+TORCH_RNG_STREAM_HINT = (
+    f"{Cause.RNG_NOT_PRESERVED.hint} Recomputation drew from torch's RNG again (its results unused, or kept from the"
+    " forward: routing, masking by `argsort`), so the step left it in another state than the same step without"
+    " checkpointing: whatever draws from it next (the next step's dropout and masking) draws other numbers."
+)
+"""The hint of a ``rng_not_preserved`` found by the state torch's RNG ended the step in, the gradients exact."""
 
 READ_OTHERWISE_HINT = (
     "Recomputation read other values of these buffers than the forward did: the forward changed them for the first"

@@ -68,6 +68,7 @@ from lightning_ckpt_determinism.checkpointing.rng import (
     capture_rng,
     restore_rng,
     same_host_rng,
+    same_torch_rng,
 )
 from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
 
@@ -211,6 +212,19 @@ class StepState(StateMark):
 
     def _host_rng(self) -> HostRNGState:
         return self._rng.host
+
+    def torch_rng_moved(self) -> bool:
+        """Whether torch's CPU RNG, or that of an accelerator device captured, now holds another state than at
+        capture (something drew from it, or seeded it).
+
+        Example::
+
+            >>> state = StepState(torch.nn.Linear(2, 2))
+            >>> moved = (state.torch_rng_moved(), torch.rand(1), state.torch_rng_moved())
+            >>> moved[0], moved[2]
+            (False, True)
+        """
+        return not same_torch_rng(self._rng, capture_rng(self._rng.devices))
 
     def unrestored_parameters(self) -> list[str]:
         """The names of the parameters written in place since capture (their version counter moved) of which no copy

@@ -47,6 +47,7 @@ from lightning_ckpt_determinism.verify.core import (
 from lightning_ckpt_determinism.verify.gradients import take_gradients
 from lightning_ckpt_determinism.verify.reports import (
     HOST_RNG_STREAM_HINT,
+    TORCH_RNG_STREAM_HINT,
     RecomputationReport,
     RegionReport,
     attribute_hint,
@@ -266,6 +267,7 @@ def _compare(
     changed_buffers = passes.changed_buffers()
     attributes = passes.changed_attributes()
     host_rng = passes.changed_host_rng()
+    torch_rng = passes.changed_torch_rng()
     not_restored = passes.scope.unrestored()
     eager_diverged = (
         passes.compiled and observer is not None and passes.diverges_eagerly(observer, tolerance, noise_floor)
@@ -292,6 +294,8 @@ def _compare(
     regions = _with_attributes(regions, attributes)
     if host_rng and observer is not None:
         regions = _with_host_rng(regions, observer.host_rng_readers())
+    if torch_rng:
+        regions = _with_torch_rng(regions)
     evidence = StepEvidence(
         gradients_diverged=verdict.diverged,
         reference_loss=reference_loss,
@@ -308,6 +312,7 @@ def _compare(
         step_attributes=attributes,
         step_buffers=changed_buffers,
         step_host_rng=host_rng,
+        step_torch_rng=torch_rng,
     )
     return step_report(
         evidence,
@@ -331,6 +336,17 @@ def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list
             region = replace(region, diverged=True, cause=Cause.ATTRIBUTE_MUTATION, hint=attribute_hint(own))
         named.append(replace(region, attribute_mutations=own) if own else region)
     return named
+
+
+def _with_torch_rng(regions: list[RegionReport]) -> list[RegionReport]:
+    """``regions``, those whose recomputation drew other numbers from torch's RNG (``rng_not_preserved``, the
+    gradients exact) given the hint that says the step left the stream otherwise."""
+    return [
+        replace(region, diverged=True, hint=TORCH_RNG_STREAM_HINT)
+        if region.cause == Cause.RNG_NOT_PRESERVED and not region.diverged
+        else region
+        for region in regions
+    ]
 
 
 def _with_host_rng(regions: list[RegionReport], readers: frozenset[str]) -> list[RegionReport]:
@@ -462,6 +478,12 @@ class _Passes:
         if self._after_reference is None:
             return []
         return self._after_reference.differing_attributes(region_modules(self.module), self._exclude)
+
+    def changed_torch_rng(self) -> bool:
+        """Whether torch's RNG now holds another state than after the first reference pass (call it right after a
+        checkpointed pass): a region that drew from it again in its recomputation, unreplayed. A compiled model is
+        never said to: the compiler draws its random ops' seeds by its own rules, and never recomputes them."""
+        return self._after_reference is not None and not self.compiled and self._after_reference.torch_rng_moved()
 
     def changed_host_rng(self) -> bool:
         """Whether Python's ``random`` or NumPy's global RNG now holds another state than after the first reference
