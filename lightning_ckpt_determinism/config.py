@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import importlib
 import math
+import numbers
 import pickle
 import pkgutil
 import re
@@ -123,7 +124,8 @@ def check_positive_int(name: str, value: object, *, optional: bool = False, choi
     """
     if (optional and value is None) or (isinstance(value, str) and value in choices):
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    # `numbers.Integral` takes NumPy's integers too (a sweep's `np.int64(2)`); a bool is refused, though an int.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         allowed = ["None"] * optional + [repr(choice) for choice in choices] + ["an integer >= 1"]
         said = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
         raise CheckpointingConfigError(f"`{name}` must be {said}, got {value!r}.")
@@ -178,9 +180,9 @@ def check_non_negative_float(name: str, value: object) -> float:
         >>> check_non_negative_float("tolerance", 0)
         0.0
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0.0:
         raise CheckpointingConfigError(f"`{name}` must be a non-negative float, got {value!r}.")
-    if math.isinf(value):
+    if math.isinf(float(value)):
         raise CheckpointingConfigError(
             f"`{name}` must be a finite non-negative float, got {value!r}: an infinite `{name}` counts every"
             " difference as equal, so nothing could ever be found."
@@ -258,13 +260,13 @@ def parse_memory_budget(value: object) -> int | float | str | None:
         return None
     if isinstance(value, str):
         return _parse_size_string(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise CheckpointingConfigError(f"`memory_budget` must be a size, got {value!r}; {_BUDGET_FORMS}")
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):
         if value <= 0:
             raise CheckpointingConfigError(f"`memory_budget` must be more than 0 bytes, got {value!r}.")
         return int(value)
-    if not 0.0 < value <= 1.0:
+    if not 0.0 < float(value) <= 1.0:
         raise CheckpointingConfigError(
             f"`memory_budget` as a fraction must be in (0, 1], got {value!r}; give bytes as an int or with a unit."
         )
@@ -446,6 +448,11 @@ class CheckpointingConfig:
     def __post_init__(self) -> None:
         for name in ("classes", "names", "save_ops"):
             value = getattr(self, name)
+            if value is None:
+                # A YAML key left empty (`save_ops:`) reads as null.
+                raise CheckpointingConfigError(
+                    f"`{name}` must be a list, got None; write `[]` for none, or leave `{name}` out."
+                )
             if isinstance(value, str) and not (name == "classes" and value == AUTO_CLASSES):
                 if name == "classes" and value.lower() != value and value.lower() == AUTO_CLASSES:
                     raise CheckpointingConfigError(f"`classes` must be 'auto' or a list, got {value!r}; write 'auto'.")

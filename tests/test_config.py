@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -208,6 +209,35 @@ def test_a_string_for_a_list_field_is_rejected(field_name: str) -> None:
     allowed = "a list of strings or 'auto'" if field_name == "classes" else "a list of strings"
     with pytest.raises(CheckpointingConfigError, match=rf"^`{field_name}` must be {allowed}, got 'aten.mm'; use"):
         CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field_name", ["classes", "names", "save_ops"])
+def test_none_for_a_list_field_is_one_line_saying_to_write_an_empty_list(field_name: str) -> None:
+    # A YAML key left empty (`save_ops:`) reads as null.
+    kwargs = {"classes": ["Block"], "names": ["model.*"], field_name: None}
+    with pytest.raises(CheckpointingConfigError) as raised:
+        CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        f"`{field_name}` must be a list, got None; write `[]` for none, or leave `{field_name}` out."
+    )
+
+
+def test_numpys_numbers_are_taken_as_the_plain_numbers_they_are() -> None:
+    # A sweep computes its settings with NumPy: `np.int64(2)` is an integer, `np.float32(0.5)` a fraction.
+    config = CheckpointingConfig(classes=["Block"], every_n=np.int64(2))  # type: ignore[arg-type]
+    assert (config.every_n, type(config.every_n)) == (2, int)
+    assert CheckpointingConfig(classes=["Block"], memory_budget=np.int64(2**20)).memory_budget == 2**20  # type: ignore[arg-type]
+    budget = CheckpointingConfig(classes=["Block"], memory_budget=np.float32(0.5)).memory_budget  # type: ignore[arg-type]
+    assert (budget, type(budget)) == (0.5, float)
+    monitor = RecomputationMonitor(
+        every_n_steps=np.int64(50),  # type: ignore[arg-type]
+        sentinel_every_n_steps=np.int64(2),  # type: ignore[arg-type]
+        tolerance=np.float32(0.25),  # type: ignore[arg-type]
+    )
+    assert (monitor.every_n_steps, monitor.sentinel_every_n_steps, monitor.tolerance) == (50, 2, 0.25)
+    assert (type(monitor.every_n_steps), type(monitor.tolerance)) == (int, float)
+    with pytest.raises(CheckpointingConfigError, match=r"^`every_n` must be an integer >= 1, got np.True_\.$"):
+        CheckpointingConfig(classes=["Block"], every_n=np.bool_(True))  # type: ignore[arg-type]
 
 
 def test_config_error_is_a_value_error_exported_from_the_package_root() -> None:
