@@ -26,6 +26,7 @@ from jsonargparse.typing import register_type
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket
+from lightning_ckpt_determinism.checkpointing.routing import is_random_op
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 __all__ = [
@@ -785,6 +786,12 @@ def _resolve_op(name: str) -> list[OpOverload]:
     known = [_decomposed_before_dispatch(op) for overload, op in pairs if not overload.endswith("out")]
     if any(known) and all(composite is not False for composite in known):
         raise CheckpointingConfigError(_composite_message(name, f"{namespace}.{op_name}"))
+    if any(map(is_random_op, ops)):
+        # Kept, it is not run again in recomputation, so every random op after it draws other numbers there.
+        raise CheckpointingConfigError(
+            f"`save_ops` entry {name!r} is a random op: a kept one is not run again in recomputation, which shifts"
+            " what every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
+        )
     return ops
 
 

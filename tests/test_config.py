@@ -191,6 +191,16 @@ def test_a_composite_save_op_is_refused_naming_the_ops_autograd_runs_for_it(entr
         CheckpointingConfig(classes=["Block"], save_ops=[named.strip("'")])
 
 
+@pytest.mark.parametrize("entry", ["aten.bernoulli", "aten.native_dropout", "aten.rrelu_with_noise.default"])
+def test_a_random_save_op_is_refused_in_one_line(entry: str) -> None:
+    with pytest.raises(CheckpointingConfigError) as raised:
+        CheckpointingConfig(classes=["Block"], save_ops=[entry])
+    assert str(raised.value) == (
+        f"`save_ops` entry {entry!r} is a random op: a kept one is not run again in recomputation, which shifts what"
+        " every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
+    )
+
+
 def test_resolve_ops_expands_packets_to_every_overload_without_duplicates() -> None:
     ops = resolve_ops(["aten.mm", "aten.mm.default", "aten.addmm.default"])
     expected_mm = [getattr(torch.ops.aten.mm, name) for name in torch.ops.aten.mm.overloads()]
