@@ -19,8 +19,10 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.lightning import watch
 from lightning_ckpt_determinism.lightning.findings import FitSummary
+from lightning_ckpt_determinism.lightning.results import CheckResults
+from lightning_ckpt_determinism.lightning.step import StepCapture
 from lightning_ckpt_determinism.lightning.watch import SentinelWatch
-from lightning_ckpt_determinism.verify import live_step
+from lightning_ckpt_determinism.verify import core, live_step
 from lightning_ckpt_determinism.verify.sentinel import RecomputationSentinel, observer, recomputation_sentinel
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
 from lightning_ckpt_determinism.verify.sentinel.state import RegionParameters
@@ -109,8 +111,13 @@ def test_a_failure_inside_the_sentinel_stops_it_with_one_warning_and_training_is
 
 @pytest.mark.parametrize(
     ("owner", "name", "call"),
-    [(live_step, "compare_gradients", 2), (StepState, "__init__", 1)],
-    ids=["inside_the_check", "capturing_the_step"],
+    [
+        (live_step, "compare_gradients", 2),
+        (StepState, "__init__", 1),
+        (StepCapture, "initialised", 2),
+        (CheckResults, "record", 2),
+    ],
+    ids=["inside_the_check", "capturing_the_step", "before_the_check", "recording_the_check"],
 )
 def test_a_check_that_raises_on_one_process_is_skipped_with_one_warning_and_training_is_unchanged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, call: int
@@ -130,6 +137,32 @@ def test_a_check_that_raises_on_one_process_is_skipped_with_one_warning_and_trai
         " the check runs again from the step's start, make it safe to run twice or give the monitor a `loss_fn`;"
         " otherwise please report it."
     )
+
+
+def test_a_failure_setting_the_frozen_gradients_aside_gives_the_live_ones_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A check sets the live gradients aside, then the frozen parameters' ones: the second failing at the first check
+    # (and the first at every later one) must leave the step's gradients for its optimizer.
+    monkeypatch.setattr(core, "GradientStash", failing_from(2, core.GradientStash))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert [(record.step, (record.skipped or "")[:40]) for record in monitor.history] == [
+        (step, "the check failed (RuntimeError: injected") for step in range(STEPS)
+    ]
+    (warning,) = said
+    assert warning.startswith("lightning_ckpt_determinism: the check at step 0 failed (RuntimeError: injected")
+
+
+def test_a_failure_reading_the_sentinels_counts_stops_it_with_one_warning_and_training_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(SentinelStep, "compared", property(failing_from(2, SentinelStep.compared.fget)))
+    _, _, monitor, said = monitored_fit(tmp_path)
+    assert said == [
+        "lightning_ckpt_determinism: the sentinel stopped after a failure of its own (RuntimeError: injected);"
+        " training goes on, and the periodic check still runs. Please report it."
+    ]
+    assert [(record.step, record.grad_divergence) for record in monitor.history] == [(n, 0.0) for n in range(STEPS)]
 
 
 # Where the monitor's own code runs at the fit's edges: the sentinel's start, and the summary's writing at its end

@@ -27,7 +27,11 @@ from lightning_ckpt_determinism.config import (
     check_non_negative_float,
     check_positive_int,
 )
-from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    LightningCkptDeterminismWarning,
+    RecomputationDivergenceError,
+)
 from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
 from lightning_ckpt_determinism.lightning.findings import CheckRecord
 from lightning_ckpt_determinism.lightning.fit_output import FitOutput
@@ -438,8 +442,15 @@ class RecomputationMonitor(Callback):
             return
         step = trainer.global_step
         self._schedule.checking(step)
-        initialised = capture.initialised()
-        changed = list(dict.fromkeys([*capture.changed_parameters(), *initialised]))
+        failure: Exception | None = None
+        try:
+            initialised = capture.initialised()
+            changed = list(dict.fromkeys([*capture.changed_parameters(), *initialised]))
+        except Exception as err:  # the monitor's own failure skips the check, on every rank alike
+            failure, initialised, changed = err, [], []
+        if agree(trainer.strategy, failure is not None):
+            self._check_failed(step, failure or RuntimeError("the check failed on another rank"))
+            return
         if agree(trainer.strategy, bool(changed)):
             self._skip_changed_parameters(step, changed, initialised)
             return
@@ -480,7 +491,16 @@ class RecomputationMonitor(Callback):
         self.last_report = report
         # Reduced over ranks: a follow-up check is decided alike on every rank from it (a rank that decided from its
         # own report alone would check a step the others do not, and wait in a collective they never enter).
-        if self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up):
+        try:
+            diverged = self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up)
+        except RecomputationDivergenceError:  # `on_divergence="raise"`, on every rank
+            raise
+        except Exception as err:
+            if trainer.world_size > 1:  # another rank may wait in a collective of the record
+                raise
+            self._check_failed(step, err)
+            return
+        if diverged:
             self._diverged_in_fit.add(step)
         elif follow_up:
             self._follow_up_exact(trainer, step)

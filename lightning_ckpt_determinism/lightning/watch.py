@@ -312,16 +312,18 @@ class SentinelWatch:
         regions = len(sentinel.regions)
         failed = next((error for _, _, error in pending if error is not None), self._failed_since_read)
         self._failed_since_read = None
-        counts = []
+        counts, compared = [], []
         for _, record, _ in pending:
+            found, seen = None, 0
             try:
-                found = record.mismatch_counts(device) if record is not None and failed is None else None
+                if record is not None and failed is None:
+                    found, seen = record.mismatch_counts(device), record.compared
             except Exception as err:
                 failed, found = err, None
             counts.append(found if found is not None else torch.zeros(regions, dtype=torch.int64, device=device))
+            compared.append(seen)
         # Each record's mismatches per region, then what every record compared, then the failure flag: summed over
         # ranks in one collective, so that `compared` and `mismatches` count the same ranks.
-        compared = [record.compared if record is not None else 0 for _, record, _ in pending]
         tail = torch.tensor([*compared, int(failed is not None)], dtype=torch.int64, device=device)
         reduced = all_reduce(strategy)(torch.cat([*counts, tail]), "sum").tolist()
         if reduced[-1]:

@@ -114,9 +114,16 @@ class CheckScope:
         self._state = StepState(self._module, self._internal, self._written)
         if self._set_aside:
             self._stash = GradientStash(self._params, clone=self._clone)
-            held = {id(param) for param in self._params}
-            frozen = [param for param in self._module.parameters() if not param.requires_grad and id(param) not in held]
-            self._frozen = GradientStash(frozen, clone=self._clone)
+            try:
+                held = {id(param) for param in self._params}
+                frozen = [
+                    param for param in self._module.parameters() if not param.requires_grad and id(param) not in held
+                ]
+                self._frozen = GradientStash(frozen, clone=self._clone)
+            except BaseException:
+                # `__exit__` never runs for an `__enter__` that raised: the live gradients come back here.
+                self._stash.put_back()
+                raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
