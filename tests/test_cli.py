@@ -260,6 +260,27 @@ def test_a_strategy_class_swapped_on_the_command_line_does_not_drop_checkpointin
 
 
 @pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("name", "keep"),
+    [
+        ("ddp", "`class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy`"),
+        ("ddp_checkpointing", "`class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy`"),
+        ("auto", "one of this package's strategies as `class_path`"),
+    ],
+)
+def test_a_strategy_name_given_on_the_command_line_does_not_drop_checkpointing_without_a_word(
+    name: str, keep: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A name takes no arguments: the strategy would train without the config's `checkpointing` (`ddp_checkpointing`
+    # with its own defaults).
+    assert _refused(capsys, BASE_CONFIG, tmp_path, f"--trainer.strategy={name}", "--trainer.callbacks=null") == [
+        f"error: `trainer.strategy`: {name!r} is a strategy's name, which takes no `checkpointing`, and the config"
+        " gives one (a later `--config` or the command line replaced the strategy, dropping it); to train with it,"
+        f" use {keep}, whose `init_args` take it."
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_memory_budget_of_another_type_is_said_as_the_package_says_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

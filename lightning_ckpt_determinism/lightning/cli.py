@@ -514,6 +514,8 @@ def _checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
         for config in configs
     )
     strategy = _at(trainer, "strategy")
+    if given and isinstance(strategy, str):
+        return _dropped_by_a_name(strategy)
     class_path = _at(strategy, "class_path")
     if not given or not isinstance(class_path, str) or _at(strategy, "init_args", "checkpointing") is not None:
         return None
@@ -528,6 +530,22 @@ def _checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
     return (
         f"`trainer.strategy`: {class_path} takes no `checkpointing`, which the config gives it (the command line"
         f" replaced the strategy's class and dropped it); {use}, whose `init_args` take it."
+    )
+
+
+def _dropped_by_a_name(strategy: str) -> str:
+    """The line for a config's ``checkpointing`` that a strategy given by name (``ddp``, ``ddp_checkpointing``)
+    replaced: a name takes no arguments, so the strategy runs without the config's ``checkpointing``."""
+    name = registered_name(strategy)
+    keep = (
+        f"`class_path: lightning_ckpt_determinism.{REGISTERED[name].__name__}`"
+        if name is not None
+        else "one of this package's strategies as `class_path`"
+    )
+    return (
+        f"`trainer.strategy`: {strategy!r} is a strategy's name, which takes no `checkpointing`, and the config gives"
+        f" one (a later `--config` or the command line replaced the strategy, dropping it); to train with it, use"
+        f" {keep}, whose `init_args` take it."
     )
 
 
