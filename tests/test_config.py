@@ -34,12 +34,15 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     SingleDeviceCheckpointingStrategy,
     apply_activation_checkpointing,
+    check_recomputation,
 )
 from lightning_ckpt_determinism import config as config_module
 from lightning_ckpt_determinism.checkpointing import select_modules
 from lightning_ckpt_determinism.checkpointing.determinism_check import DETERMINISM_CHECKS
+from lightning_ckpt_determinism.checkpointing.wrapper import KEPT_OUTPUT_WRITTEN_HINT
 from lightning_ckpt_determinism.config import parse_memory_budget, resolve_class_path, resolve_ops
 from tests.helpers import (
+    DIM,
     REPO,
     DropoutBlock,
     PlainBlock,
@@ -199,6 +202,37 @@ def test_a_random_save_op_is_refused_in_one_line(entry: str) -> None:
         f"`save_ops` entry {entry!r} is a random op: a kept one is not run again in recomputation, which shifts what"
         " every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
     )
+
+
+class ReluInPlaceAfterLinear(nn.Module):
+    """``Linear -> ReLU(inplace=True) -> Linear``: the first linear's `addmm` output is written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(inplace=True), nn.Linear(DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)
+
+
+def test_an_output_save_ops_keeps_that_is_written_in_place_later_is_named_with_the_fix() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(ReluInPlaceAfterLinear(), nn.Linear(DIM, 1))
+    model, fixed = copy.deepcopy(plain), copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"], save_ops=["aten.addmm"]))
+    x = torch.randn(4, DIM)
+    with pytest.raises(CheckpointingConfigError) as raised:
+        model(x).sum().backward()
+    kept = "region `0` keeps op outputs by `save_ops` ['aten.addmm']."
+    assert str(raised.value) == f"lightning_ckpt_determinism: {kept} {KEPT_OUTPUT_WRITTEN_HINT}"
+    report = check_recomputation(model, lambda: model(x).sum(), attribution=True)
+    (region,) = report.regions
+    assert (region.cause, region.hint) == ("recompute_error", KEPT_OUTPUT_WRITTEN_HINT)
+    # Without that entry the same block trains checkpointed as it does plainly.
+    apply_activation_checkpointing(fixed, CheckpointingConfig(names=["0"]))
+    plain(x).sum().backward()
+    fixed(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), fixed.parameters(), strict=True))
 
 
 def test_resolve_ops_expands_packets_to_every_overload_without_duplicates() -> None:

@@ -95,9 +95,11 @@ from lightning_ckpt_determinism.checkpointing.registered_buffers import (
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
 __all__ = [
+    "KEPT_OUTPUT_WRITTEN",
+    "KEPT_OUTPUT_WRITTEN_HINT",
     "CheckpointedForward",
     "RegionCall",
     "buffers_read_otherwise",
@@ -681,7 +683,9 @@ class CheckpointedForward:
     def _selective_pair(self) -> _ContextPair:
         """torch's selective-checkpointing pair for one call: ``save_ops``, and the kept op calls counted afresh."""
         policy = _KeptCallsPolicy(self) if self.kept_calls else self._save_ops_policy
-        return create_selective_checkpoint_contexts(policy)
+        forward, recompute = create_selective_checkpoint_contexts(policy)
+        kept = list(dict.fromkeys(str(op).rsplit(".", 1)[0] for op in self.plan.save_ops))  # as the config names them
+        return forward, _KeptOutputWritten(recompute, self.region, kept)
 
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
@@ -787,6 +791,45 @@ class CheckpointedForward:
         """The saved-tensor observer registered on the region, if it reads the calls starting now (``watching``)."""
         saved = self.saved_observer
         return saved if saved is not None and saved.watching else None
+
+
+KEPT_OUTPUT_WRITTEN = "Tensor cached during selective activation checkpoint has been mutated"
+"""How torch's recompute context of selective checkpointing says a kept output was written in place after the
+forward kept it."""
+
+KEPT_OUTPUT_WRITTEN_HINT = (
+    "An op output the region keeps (`save_ops`, or a `budget_granularity`='op' plan) was written in place after the"
+    " forward kept it (by an in-place op, such as `nn.ReLU(inplace=True)` after `aten.addmm`): torch cannot give the"
+    " recomputation the value it kept. Remove that op from `save_ops`, or make the later op out of place"
+    " (`inplace=False`); a `memory_budget` at `budget_granularity: op` leaves such outputs out itself."
+)
+"""What to do where torch says :data:`KEPT_OUTPUT_WRITTEN`."""
+
+
+class _KeptOutputWritten:
+    """torch's recompute context of selective checkpointing, re-enterable as it is, whose error on a kept output that
+    was written in place after the forward kept it (by a `ReLU(inplace=True)` after `aten.addmm`) names the region and
+    what keeps outputs there."""
+
+    __slots__ = ("_context", "_kept", "_region")
+
+    def __init__(self, context: Any, region: str, kept: list[str]) -> None:
+        self._context = context
+        self._region = region
+        self._kept = kept
+
+    def __enter__(self) -> Any:
+        return self._context.__enter__()
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> Any:
+        handled = self._context.__exit__(kind, error, trace)
+        if isinstance(error, RuntimeError) and str(error).startswith(KEPT_OUTPUT_WRITTEN):
+            keeps = f"`save_ops` {self._kept}" if self._kept else "a `budget_granularity`='op' plan"
+            raise CheckpointingConfigError(
+                f"lightning_ckpt_determinism: region `{self._region}` keeps op outputs by {keeps}."
+                f" {KEPT_OUTPUT_WRITTEN_HINT}"
+            ) from error
+        return handled
 
 
 class _KeptCallsPolicy:
