@@ -453,6 +453,57 @@ def test_arguments_out_of_their_init_args_are_named_where_they_sit(
     assert line == "error: " + said.format(first=first)
 
 
+def _strategy_class(class_path: str) -> Any:
+    def edit(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"]["class_path"] = class_path
+
+    return edit
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("class_path", "said"),
+    [
+        (
+            "ddp",
+            "`ddp` is a strategy's name, which takes no arguments: give"
+            " `lightning_ckpt_determinism.DDPCheckpointingStrategy` as `class_path:`, with the arguments under"
+            " `init_args:`.",
+        ),
+        (
+            "lightning_ckpt_determinism.CheckpointingConfig",
+            "`lightning_ckpt_determinism.CheckpointingConfig` is not a strategy (a subclass of Lightning's `Strategy`);"
+            " it is the strategy's `checkpointing`: write it under `init_args: {checkpointing: ...}` of one of this"
+            " package's strategies.",
+        ),
+        (
+            "lightning_ckpt_determinism.RecomputationMonitor",
+            "`lightning_ckpt_determinism.RecomputationMonitor` is not a strategy (a subclass of Lightning's"
+            " `Strategy`); it is a callback: list it under `trainer.callbacks`, and give `trainer.strategy` one of this"
+            " package's strategies.",
+        ),
+    ],
+)
+def test_what_is_not_a_strategy_class_in_the_strategys_place_is_named_with_where_it_goes(
+    class_path: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # jsonargparse's own line was "Expected a <class 'str'>, got {'class_path': ...}".
+    line = _cli_error(capsys, _argv(_edited(tmp_path, _strategy_class(class_path)), tmp_path))
+    assert line == f"error: `trainer.strategy`: {said}"
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_stock_strategy_name_given_the_packages_arguments_names_the_class_that_takes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ("--trainer.strategy=ddp", "--trainer.strategy.init_args.checkpointing.classes=[Block]")
+    assert _refused(capsys, BASE_CONFIG, tmp_path, *extra) == [
+        "error: `trainer.strategy`: `ddp` is a strategy's name, which takes no arguments (`checkpointing.classes`"
+        " here): give `lightning_ckpt_determinism.DDPCheckpointingStrategy` as `class_path:`, with the arguments"
+        " under `init_args:`."
+    ]
+
+
 @pytest.mark.usefixtures("in_process")
 def test_a_flag_given_another_value_in_yaml_is_said_as_python_says_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

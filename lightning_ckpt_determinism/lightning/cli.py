@@ -402,7 +402,7 @@ def configuration_error(err: Exception) -> str | None:
         return stock
     if not isinstance(err, ArgumentError):
         return None
-    named = _registered_name_given_arguments(str(err))
+    named = _registered_name_given_arguments(str(err)) or _not_a_strategy(str(err))
     if named is not None:
         return named
     listed = _INIT_ARGS_LISTED.search(str(err))
@@ -434,15 +434,46 @@ def _registered_name_given_arguments(text: str) -> str | None:
     if 'Parser key "trainer.strategy"' not in text:
         return None
     as_class_path, over_a_name = _NAME_AS_CLASS_PATH.search(text), _ARGUMENT_OVER_A_NAME.search(text)
-    if as_class_path is None or as_class_path[1] not in REGISTERED:
+    if as_class_path is None:
         return None
     name = as_class_path[1]
     argument = f" (`{over_a_name[1]}` here)" if over_a_name is not None else ""
-    return (
-        f"`trainer.strategy`: `{name}` is a registered name, which takes no arguments{argument}: to configure it, give"
-        f" its class as `class_path:` `lightning_ckpt_determinism.{REGISTERED[name].__name__}`, with the arguments"
-        " under `init_args:`."
+    if name in REGISTERED:
+        return (
+            f"`trainer.strategy`: `{name}` is a registered name, which takes no arguments{argument}: to configure it,"
+            f" give its class as `class_path:` `lightning_ckpt_determinism.{REGISTERED[name].__name__}`, with the"
+            " arguments under `init_args:`."
+        )
+    # A stock name (`ddp`) given the package's arguments: the package's strategy built on it takes them.
+    ours = registered_name(name)
+    give = (
+        f"`lightning_ckpt_determinism.{REGISTERED[ours].__name__}`"
+        if ours is not None
+        else "one of this package's strategies"
     )
+    return (
+        f"`trainer.strategy`: `{name}` is a strategy's name, which takes no arguments{argument}: give {give} as"
+        " `class_path:`, with the arguments under `init_args:`."
+    )
+
+
+_NOT_A_STRATEGY = re.compile(r"Import path ([\w.]+) does not correspond to a subclass of Strategy")
+
+
+def _not_a_strategy(text: str) -> str | None:
+    """One line for a class that is not a strategy given as ``trainer.strategy``'s ``class_path``: the package's
+    config or monitor put in the strategy's place, say."""
+    found = _NOT_A_STRATEGY.search(text) if 'Parser key "trainer.strategy"' in text else None
+    if found is None:
+        return None
+    path = found[1]
+    where = {
+        "CheckpointingConfig": "it is the strategy's `checkpointing`: write it under `init_args: {checkpointing: ...}`"
+        " of one of this package's strategies",
+        "RecomputationMonitor": "it is a callback: list it under `trainer.callbacks`, and give `trainer.strategy` one"
+        " of this package's strategies",
+    }.get(path.rsplit(".", 1)[-1], "give one of this package's strategies")
+    return f"`trainer.strategy`: `{path}` is not a strategy (a subclass of Lightning's `Strategy`); {where}."
 
 
 def _belongs_elsewhere(text: str) -> str | None:

@@ -222,30 +222,32 @@ def _headline(step: int, findings: Findings, tolerance: float) -> str:
             f"lightning_ckpt_determinism: recomputation diverged at step {step}: grad_divergence={shown} (tolerance"
             f" {tolerance:g}), max_abs_diff={findings.max_abs_diff:.3g}."
         )
+    # A difference within the tolerance does not diverge: the gradients are not exact then.
+    gradients = "exact" if findings.grad_divergence == 0.0 else f"within the tolerance ({tolerance:g})"
     if findings.buffers_changed:
         names = [name for finding in findings.ranks for name in finding.buffer_mutations]
-        return _changed_state(step, "buffer", findings.buffers_changed, names)
+        return _changed_state(step, "buffer", findings.buffers_changed, names, gradients)
     if findings.attributes_changed:
         names = [name for finding in findings.ranks for name in finding.attribute_mutations]
-        return _changed_state(step, "Python attribute", findings.attributes_changed, names)
+        return _changed_state(step, "Python attribute", findings.attributes_changed, names, gradients)
     if not host_rng:
         return (
             f"lightning_ckpt_determinism: recomputation drew from torch's RNG at step {step}: it ended the step in"
-            " another state than the same step without checkpointing; the gradients are exact."
+            f" another state than the same step without checkpointing; the gradients are {gradients}."
         )
     return (
         f"lightning_ckpt_determinism: recomputation drew from the host's random streams at step {step}: Python's"
         " `random` or NumPy's global RNG ended the step in another state than the same step without checkpointing;"
-        " the gradients are exact."
+        f" the gradients are {gradients}."
     )
 
 
-def _changed_state(step: int, kind: str, count: int, names: list[str]) -> str:
+def _changed_state(step: int, kind: str, count: int, names: list[str], gradients: str) -> str:
     named = list(dict.fromkeys(names))
     return (
         f"lightning_ckpt_determinism: recomputation changed {kind}s at step {step}: {count}"
         f" {kind.split()[-1]}{'s' if count != 1 else ''} ended the step otherwise than in the same step without"
-        f" checkpointing ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are exact."
+        f" checkpointing ({', '.join(named[:6])}{' ...' if len(named) > 6 else ''}); the gradients are {gradients}."
     )
 
 
