@@ -444,16 +444,15 @@ def _registered_name_given_arguments(text: str) -> str | None:
             f" give its class as `class_path:` `lightning_ckpt_determinism.{REGISTERED[name].__name__}`, with the"
             " arguments under `init_args:`."
         )
-    # A stock name (`ddp`) given the package's arguments: the package's strategy built on it takes them.
+    # A stock name (`ddp`) given the package's arguments: the package's strategy built on it takes them. (jsonargparse
+    # says the same of any word it tried as a class path: `checkpointing: auto` is told elsewhere.)
     ours = registered_name(name)
-    give = (
-        f"`lightning_ckpt_determinism.{REGISTERED[ours].__name__}`"
-        if ours is not None
-        else "one of this package's strategies"
-    )
+    if ours is None:
+        return None
     return (
-        f"`trainer.strategy`: `{name}` is a strategy's name, which takes no arguments{argument}: give {give} as"
-        " `class_path:`, with the arguments under `init_args:`."
+        f"`trainer.strategy`: `{name}` is a strategy's name, which takes no arguments{argument}: give"
+        f" `lightning_ckpt_determinism.{REGISTERED[ours].__name__}` as `class_path:`, with the arguments under"
+        " `init_args:`."
     )
 
 
