@@ -285,6 +285,11 @@ _BUDGET_FORMS = "give bytes (1073741824, '512MiB', '2GB'), a fraction in (0, 1] 
 
 def _parse_size_string(value: str) -> int | float:
     found = _SIZE.match(value)
+    if found is None and value.strip().lower() in ("none", "off", "no", "false"):
+        # `determinism_check: none` is a string; no budget is YAML's null.
+        raise CheckpointingConfigError(
+            f"`memory_budget` {value!r} is not a size: for no budget write `null` (`None` in Python), or leave it out."
+        )
     if found is None:
         raise CheckpointingConfigError(f"`memory_budget` {value!r} is not a size; {_BUDGET_FORMS}")
     number, unit = found.groups()

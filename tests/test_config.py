@@ -513,6 +513,8 @@ def test_memory_budget_takes_bytes_units_and_fractions(given: object, stored: ob
         ("3XB", r"`memory_budget` '3XB' has an unknown unit 'XB'; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
         ("lots", r"`memory_budget` 'lots' is not a size; give bytes"),
         ("-5MiB", r"`memory_budget` '-5MiB' is not a size; give bytes"),
+        ("none", r"`memory_budget` 'none' is not a size: for no budget write `null` \(`None` in Python\), or leave"),
+        ("Off", r"`memory_budget` 'Off' is not a size: for no budget write `null`"),
         (True, r"`memory_budget` must be a size, got True; give bytes"),
         ([1], r"`memory_budget` must be a size, got \[1\]; give bytes"),
     ],
