@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointError, _allowed_determinism_checks_to_fns, _StopRecomputationError
 
 __all__ = [
+    "KEPT_OUTPUT_MUTATED",
     "RECOMPILE_LOGGER",
     "RECORD_FUNCTION_ENTER",
     "RECORD_FUNCTION_EXIT",
@@ -76,12 +77,14 @@ __all__ = [
     "innermost_backend",
     "is_compiled_module",
     "is_fsdp1_parameter_view",
+    "is_kept_output_mutation",
     "is_metadata_mismatch",
     "module_call",
     "module_path_steps",
     "no_python_dispatch",
     "own_buffers",
     "own_parameters",
+    "random_only_through_dropout_p",
     "returned_views",
     "returns_alias",
     "run_and_save_rng_state",
@@ -195,6 +198,31 @@ def is_metadata_mismatch(error: BaseException) -> bool:
         (False, False)
     """
     return isinstance(error, CheckpointError) and "different metadata" in str(error)
+
+
+KEPT_OUTPUT_MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+"""How torch's recompute context of selective checkpointing says that an op output it kept was written in place after
+the forward kept it (>= 2.4; the same words to 2.13, read in its sources); ``tests/test_torch_compat.py`` pins it on the
+installed torch."""
+
+
+def is_kept_output_mutation(error: BaseException) -> bool:
+    """Whether ``error`` is torch's refusal to give a recomputation an op output that selective checkpointing kept and
+    the forward then wrote in place (a ``RuntimeError`` told by its message, :data:`KEPT_OUTPUT_MUTATED`; >= 2.4).
+
+    Example::
+
+        >>> is_kept_output_mutation(RuntimeError(KEPT_OUTPUT_MUTATED)), is_kept_output_mutation(ValueError("x"))
+        (True, False)
+    """
+    return isinstance(error, RuntimeError) and str(error).startswith(KEPT_OUTPUT_MUTATED)
+
+
+def random_only_through_dropout_p(func: OpOverload) -> bool:
+    """Whether an op's randomness is a ``dropout_p`` argument of its schema (the attention kernels:
+    ``_scaled_dot_product_flash_attention`` and its kin, tagged random for their dropout), read from
+    ``OpOverload._schema`` (>= 1.13)."""
+    return any(argument.name == "dropout_p" for argument in func._schema.arguments)
 
 
 def returned_views(func: OpOverload) -> list[bool]:

@@ -25,7 +25,7 @@ import torch
 from jsonargparse.typing import register_type
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket
+from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket, random_only_through_dropout_p
 from lightning_ckpt_determinism.checkpointing.routing import is_random_op
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
@@ -791,7 +791,8 @@ def _resolve_op(name: str) -> list[OpOverload]:
     known = [_decomposed_before_dispatch(op) for overload, op in pairs if not overload.endswith("out")]
     if any(known) and all(composite is not False for composite in known):
         raise CheckpointingConfigError(_composite_message(name, f"{namespace}.{op_name}"))
-    if any(map(is_random_op, ops)):
+    # An attention kernel is tagged random for its `dropout_p`, 0 in most models (and torch's own save lists keep it).
+    if any(is_random_op(op) and not random_only_through_dropout_p(op) for op in ops):
         # Kept, it is not run again in recomputation, so every random op after it draws other numbers there.
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is a random op: a kept one is not run again in recomputation, which shifts"

@@ -94,6 +94,10 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
         ({"sentinel": "always"}, r"`sentinel` can be light, sampled, exact, off, got 'always'\."),
         ({"sentinel_every_n_steps": 0}, r"`sentinel_every_n_steps` must be an integer >= 1, got 0\."),
         (
+            {"sentinel": "off", "sentinel_every_n_steps": 5},
+            r"`sentinel_every_n_steps`=5 paces the sentinel, which `sentinel`='off' turns off; choose a tier",
+        ),
+        (
             {"exclude_attributes": 5},
             r"`exclude_attributes` must be a list of attribute names \(non-empty strings\), got 5\.",
         ),
@@ -1151,3 +1155,31 @@ def test_a_random_stream_left_elsewhere_within_the_tolerance_is_said_with_gradie
         f"lightning_ckpt_determinism: recomputation drew from torch's RNG at step {first.step}: it ended the step in"
         " another state than the same step without checkpointing; the gradients are within the tolerance (10)."
     )
+
+
+class GradientNoiseModule(StackModule):
+    """A dropout stack whose parameters' hooks add noise drawn from torch's RNG to their gradients in every backward."""
+
+    def on_fit_start(self) -> None:
+        for param in self.parameters():
+            param.register_hook(lambda grad: grad + 1e-3 * torch.randn_like(grad))
+
+
+def test_a_backward_hook_drawing_from_torchs_rng_is_not_recomputation_moving_it(tmp_path):
+    # The regions replay torch's RNG (the default): what draws from it in the live backward is the hooks, which the
+    # step without checkpointing runs too.
+    _, plain = fit(tmp_path / "plain", module=GradientNoiseModule(), checkpointing=False)
+    monitor = RecomputationMonitor(every_n_steps=1, on_divergence="raise")
+    _, checked = fit(tmp_path / "checked", module=GradientNoiseModule(), monitor=monitor)
+    assert [(record.diverged, record.grad_divergence) for record in monitor.history] == [(False, 0.0)] * 4
+    assert all(torch.equal(value, plain.state_dict()[key]) for key, value in checked.state_dict().items())
+
+
+def test_a_divergence_a_warning_filter_turns_into_an_error_ends_the_fit_as_before(tmp_path):
+    # The check's own warning, the sentinel off: recording the check raises it, which is not a failure of the monitor.
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel="off")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lightning_ckpt_determinism: recomputation diverged")
+        diverged = r"^lightning_ckpt_determinism: recomputation diverged at step 0"
+        with pytest.raises(LightningCkptDeterminismWarning, match=diverged):
+            fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})

@@ -21,7 +21,12 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_debug_enabled
+from torch.utils.checkpoint import (
+    CheckpointError,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_debug_enabled,
+)
 
 from lightning_ckpt_determinism import _torch_compat as compat
 from tests.helpers import fsdp1_unit_on_the_cpu, one_process_group
@@ -714,6 +719,30 @@ def test_torchs_other_checkpoint_error_and_other_errors_are_not() -> None:
     assert "A different number of tensors was saved" in str(error)
     assert not compat.is_metadata_mismatch(error)
     assert not compat.is_metadata_mismatch(RuntimeError("different metadata"))
+
+
+@pins("is_kept_output_mutation", "KEPT_OUTPUT_MUTATED")
+def test_torchs_refusal_of_a_kept_output_written_in_place_is_recognised() -> None:
+    def function(x: torch.Tensor) -> torch.Tensor:
+        y = torch.mm(x, x)
+        return y.relu_().sum()
+
+    contexts = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    x = torch.ones(2, 2, requires_grad=True)
+    with pytest.raises(RuntimeError) as raised:
+        checkpoint(function, x, use_reentrant=False, context_fn=contexts).backward()
+    assert str(raised.value).startswith(compat.KEPT_OUTPUT_MUTATED)
+    assert compat.is_kept_output_mutation(raised.value)
+    assert not compat.is_kept_output_mutation(ValueError(compat.KEPT_OUTPUT_MUTATED))
+
+
+@pins("random_only_through_dropout_p")
+def test_an_op_random_through_its_dropout_p_alone_is_told_from_one_that_draws() -> None:
+    aten = torch.ops.aten
+    assert torch.Tag.nondeterministic_seeded in aten._scaled_dot_product_flash_attention_for_cpu.default.tags
+    assert compat.random_only_through_dropout_p(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert not compat.random_only_through_dropout_p(aten.bernoulli.default)
+    assert not compat.random_only_through_dropout_p(aten.native_dropout.default)
 
 
 @pins("at_backward_end")

@@ -55,6 +55,7 @@ from lightning_ckpt_determinism._torch_compat import (
     checkpoint_saved_counter,
     child_modules,
     disable_current_modes,
+    is_kept_output_mutation,
     own_buffers,
 )
 from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLimitFilter
@@ -95,10 +96,9 @@ from lightning_ckpt_determinism.checkpointing.registered_buffers import (
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
+from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = [
-    "KEPT_OUTPUT_WRITTEN",
     "KEPT_OUTPUT_WRITTEN_HINT",
     "CheckpointedForward",
     "RegionCall",
@@ -113,6 +113,7 @@ __all__ = [
     "observing_saved_tensors",
     "recomputations",
     "remove_activation_checkpointing",
+    "replays_torch_rng",
     "routes",
     "run_plainly",
 ]
@@ -793,17 +794,14 @@ class CheckpointedForward:
         return saved if saved is not None and saved.watching else None
 
 
-KEPT_OUTPUT_WRITTEN = "Tensor cached during selective activation checkpoint has been mutated"
-"""How torch's recompute context of selective checkpointing says a kept output was written in place after the
-forward kept it."""
-
 KEPT_OUTPUT_WRITTEN_HINT = (
     "An op output the region keeps (`save_ops`, or a `budget_granularity`='op' plan) was written in place after the"
     " forward kept it (by an in-place op, such as `nn.ReLU(inplace=True)` after `aten.addmm`): torch cannot give the"
     " recomputation the value it kept. Remove that op from `save_ops`, or make the later op out of place"
     " (`inplace=False`); a `memory_budget` at `budget_granularity: op` leaves such outputs out itself."
 )
-"""What to do where torch says :data:`KEPT_OUTPUT_WRITTEN`."""
+"""What to do where torch refuses a kept output written in place (see
+:func:`~lightning_ckpt_determinism._torch_compat.is_kept_output_mutation`)."""
 
 
 class _KeptOutputWritten:
@@ -823,9 +821,10 @@ class _KeptOutputWritten:
 
     def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> Any:
         handled = self._context.__exit__(kind, error, trace)
-        if isinstance(error, RuntimeError) and str(error).startswith(KEPT_OUTPUT_WRITTEN):
+        if error is not None and is_kept_output_mutation(error):
             keeps = f"`save_ops` {self._kept}" if self._kept else "a `budget_granularity`='op' plan"
-            raise CheckpointingConfigError(
+            # A `RuntimeError` still, as torch's was: the words name the region, what keeps outputs, and the fix.
+            raise RuntimeError(
                 f"lightning_ckpt_determinism: region `{self._region}` keeps op outputs by {keeps}."
                 f" {KEPT_OUTPUT_WRITTEN_HINT}"
             ) from error
@@ -1043,6 +1042,22 @@ def checkpointing_config(module: nn.Module) -> CheckpointingConfig | None:
     """
     wrapper = module.__dict__.get("forward")
     return wrapper.config if isinstance(wrapper, CheckpointedForward) else None
+
+
+def replays_torch_rng(module: nn.Module) -> bool:
+    """Whether every region checkpointed in ``module`` replays torch's RNG in its recomputations
+    (``preserve_rng_state``, torch's stash and restore), so that none can leave it elsewhere than its forward did.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Linear"], preserve_rng_state=False))
+        >>> replays_torch_rng(layer), replays_torch_rng(torch.nn.ReLU())
+        (False, True)
+    """
+    configs = (checkpointing_config(sub) for sub in module.modules())
+    return all(config.preserve_rng_state for config in configs if config is not None)
 
 
 def routes(module: nn.Module) -> bool | None:

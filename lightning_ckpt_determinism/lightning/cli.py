@@ -35,6 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 import yaml
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 from torch.multiprocessing import ProcessRaisedException
 
 from lightning_ckpt_determinism import errors
@@ -446,7 +447,7 @@ def _registered_name_given_arguments(text: str) -> str | None:
         )
     # A stock name (`ddp`) given the package's arguments: the package's strategy built on it takes them. (jsonargparse
     # says the same of any word it tried as a class path: `checkpointing: auto` is told elsewhere.)
-    ours = registered_name(name)
+    ours = registered_name(name) if name in StrategyRegistry else None
     if ours is None:
         return None
     return (

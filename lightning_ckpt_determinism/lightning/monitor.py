@@ -217,6 +217,11 @@ class RecomputationMonitor(Callback):
         )
         self.sentinel = check_choice("sentinel", sentinel, (*get_args(SentinelMode), "off"))
         self.sentinel_every_n_steps = check_positive_int("sentinel_every_n_steps", sentinel_every_n_steps)
+        if self.sentinel == "off" and self.sentinel_every_n_steps != 1:
+            raise CheckpointingConfigError(
+                f"`sentinel_every_n_steps`={self.sentinel_every_n_steps} paces the sentinel, which `sentinel`='off'"
+                " turns off; choose a tier (`light`, the default) or leave `sentinel_every_n_steps` at 1."
+            )
         self.prog_bar = check_bool("prog_bar", prog_bar)
         self.exclude_attributes = _attribute_names(exclude_attributes)
         # How hints name settings: "python", or "yaml" where the run is YAML-driven (`CheckpointingCLI` says so).
@@ -493,7 +498,7 @@ class RecomputationMonitor(Callback):
         # own report alone would check a step the others do not, and wait in a collective they never enter).
         try:
             diverged = self._results.record(trainer, pl_module, step, report, plain is not None, follow_up=follow_up)
-        except RecomputationDivergenceError:  # `on_divergence="raise"`, on every rank
+        except (RecomputationDivergenceError, Warning):  # `on_divergence="raise"`; a warning filter set to "error"
             raise
         except Exception as err:
             if trainer.world_size > 1:  # another rank may wait in a collective of the record

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import at_backward_end
 from lightning_ckpt_determinism.checkpointing.rng import RNGState, capture_rng, same_host_rng, same_torch_rng
-from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, recomputations
+from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, recomputations, replays_torch_rng
 from lightning_ckpt_determinism.lightning.comm_hooks import CommHookStates
 from lightning_ckpt_determinism.lightning.optimizer_settings import OptimizerSettings
 from lightning_ckpt_determinism.lightning.parallel import agree
@@ -412,22 +412,23 @@ class StepCapture:
             try:
                 within = region_modules(module)
                 self.written_before_backward = before.differing_buffers() + before.differing_attributes(within)
-                at_backward_end(self._rng_watch(capture_rng([module.device])))
+                at_backward_end(self._rng_watch(capture_rng([module.device]), torch_rng=not replays_torch_rng(module)))
             except Exception:  # never the backward's failure
                 _log.debug("could not compare the state after the backward's hooks", exc_info=True)
 
         handle = loss.register_hook(backward_reached)
 
-    def _rng_watch(self, started: RNGState) -> Callable[[], None]:
-        """What notes, when the backward ends, whether the host's random streams or torch's RNG moved since
-        ``started``: a region's recomputation that drew from them unreplayed (hooks before and after the backward
-        cannot; torch replays its own RNG in a recomputation under ``preserve_rng_state``)."""
+    def _rng_watch(self, started: RNGState, *, torch_rng: bool) -> Callable[[], None]:
+        """What notes, when the backward ends, whether the host's random streams, and torch's RNG where some region
+        does not replay it (``torch_rng``), moved since ``started``: a region's recomputation that drew from them
+        unreplayed (hooks before and after the backward cannot; a backward hook that draws from torch's RNG, as
+        gradient noise does, is told apart only by the regions replaying it, the default)."""
 
         def ended() -> None:
             try:
                 now = capture_rng(started.devices)
                 self.backward_drew_host_rng = not same_host_rng(started.host, now.host)
-                self.backward_drew_torch_rng = not same_torch_rng(started, now)
+                self.backward_drew_torch_rng = torch_rng and not same_torch_rng(started, now)
             except Exception:  # never the backward's failure
                 _log.debug("could not compare the random streams after the backward", exc_info=True)
 

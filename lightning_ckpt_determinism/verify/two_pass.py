@@ -25,6 +25,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import (
     buffers_read_otherwise,
     checkpointed_modules,
     recomputations,
+    replays_torch_rng,
 )
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError
@@ -481,9 +482,12 @@ class _Passes:
 
     def changed_torch_rng(self) -> bool:
         """Whether torch's RNG now holds another state than after the first reference pass (call it right after a
-        checkpointed pass): a region that drew from it again in its recomputation, unreplayed. A compiled model is
-        never said to: the compiler draws its random ops' seeds by its own rules, and never recomputes them."""
-        return self._after_reference is not None and not self.compiled and self._after_reference.torch_rng_moved()
+        checkpointed pass): a region that drew from it again in its recomputation, unreplayed. Asked only where some
+        region does not replay it (``preserve_rng_state`` off); a compiled model is never said to: the compiler draws
+        its random ops' seeds by its own rules, and never recomputes them."""
+        if self._after_reference is None or self.compiled or replays_torch_rng(self.module):
+            return False  # with every region replaying it, what moved it is outside recomputation
+        return self._after_reference.torch_rng_moved()
 
     def changed_host_rng(self) -> bool:
         """Whether Python's ``random`` or NumPy's global RNG now holds another state than after the first reference

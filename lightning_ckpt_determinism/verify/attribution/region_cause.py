@@ -41,7 +41,8 @@ produced: a new cause is a member of :class:`~lightning_ckpt_determinism.verify.
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from lightning_ckpt_determinism.checkpointing.wrapper import KEPT_OUTPUT_WRITTEN, KEPT_OUTPUT_WRITTEN_HINT
+from lightning_ckpt_determinism._torch_compat import KEPT_OUTPUT_MUTATED
+from lightning_ckpt_determinism.checkpointing.wrapper import KEPT_OUTPUT_WRITTEN_HINT
 from lightning_ckpt_determinism.verify.attribution.evidence import CallEvidence, Divergence, RecomputeFailure
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.reports import (
@@ -250,7 +251,7 @@ def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[st
     if cause == Cause.PARAMETER_WRITE:
         written = _names(call.region, (*call.parameters_written_in_forward, *call.parameters_written))
         return f"{cause.hint} Written: {', '.join(written)}." if written else cause.hint
-    if cause == Cause.RECOMPUTE_ERROR and call.error is not None and KEPT_OUTPUT_WRITTEN in call.error:
+    if cause == Cause.RECOMPUTE_ERROR and call.error is not None and KEPT_OUTPUT_MUTATED in call.error:
         return KEPT_OUTPUT_WRITTEN_HINT
     return cause.hint
 
