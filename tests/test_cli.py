@@ -492,6 +492,30 @@ def test_what_is_not_a_strategy_class_in_the_strategys_place_is_named_with_where
     assert line == f"error: `trainer.strategy`: {said}"
 
 
+def _strategy_as_a_string(config: dict[str, Any]) -> None:
+    config["trainer"]["strategy"] = "lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy"
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("how", ["in the config", "over the config's strategy"])
+def test_a_class_path_written_where_a_strategy_name_goes_is_told_to_be_a_class_path(
+    how: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lightning read it as a name, lowercased, and listed its registered names.
+    given = "lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy"
+    if how == "in the config":
+        config, extra = _edited(tmp_path, _strategy_as_a_string), ()
+    else:
+        config, extra = BASE_CONFIG, (f"--trainer.strategy={given}",)
+    expected = given if how != "in the config" else given.lower()
+    assert _refused(capsys, config, tmp_path, *extra) == [
+        f"error: `trainer.strategy`: {expected!r} is a class path written where a strategy's name goes: write it as"
+        " `class_path:`, with its arguments under `init_args:` (`class_path:"
+        " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy` and `init_args: {checkpointing: {classes:"
+        " [Block]}}`)."
+    ]
+
+
 @pytest.mark.usefixtures("in_process")
 def test_a_stock_strategy_name_given_the_packages_arguments_names_the_class_that_takes_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

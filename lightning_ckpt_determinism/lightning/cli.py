@@ -397,7 +397,7 @@ def configuration_error(err: Exception) -> str | None:
     if package_message is not None:
         return package_message
     if is_unknown_strategy_error(err):
-        return " ".join(str(err).split())
+        return _class_path_as_a_name(err) or " ".join(str(err).split())
     stock = _stock_strategy_given_checkpointing(str(err))
     if stock is not None:
         return stock
@@ -567,6 +567,8 @@ def _checkpointing_dropped(configs: list[Any], trainer: Any) -> str | None:
 def _dropped_by_a_name(strategy: str) -> str:
     """The line for a config's ``checkpointing`` that a strategy given by name (``ddp``, ``ddp_checkpointing``)
     replaced: a name takes no arguments, so the strategy runs without the config's ``checkpointing``."""
+    if "." in strategy:
+        return _CLASS_PATH_AS_A_NAME.format(given=strategy)
     name = registered_name(strategy)
     keep = (
         f"`class_path: lightning_ckpt_determinism.{REGISTERED[name].__name__}`"
@@ -578,6 +580,20 @@ def _dropped_by_a_name(strategy: str) -> str:
         f" one (a later `--config` or the command line replaced the strategy, dropping it); to train with it, use"
         f" {keep}, whose `init_args` take it."
     )
+
+
+_CLASS_PATH_AS_A_NAME = (
+    "`trainer.strategy`: {given!r} is a class path written where a strategy's name goes: write it as `class_path:`,"
+    " with its arguments under `init_args:` (`class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`"
+    " and `init_args: {{checkpointing: {{classes: [Block]}}}}`)."
+)
+_INVALID_NAME = re.compile(r"strategy='([^']+)'")
+
+
+def _class_path_as_a_name(err: BaseException) -> str | None:
+    """One line for Lightning's "invalid strategy name" where the name is a dotted class path (it lowercases it)."""
+    found = _INVALID_NAME.search(str(err))
+    return _CLASS_PATH_AS_A_NAME.format(given=found[1]) if found is not None and "." in found[1] else None
 
 
 def _at(node: Any, *keys: str) -> Any:
