@@ -492,6 +492,26 @@ def test_what_is_not_a_strategy_class_in_the_strategys_place_is_named_with_where
     assert line == f"error: `trainer.strategy`: {said}"
 
 
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("checkpointing", "it belongs to the strategy: put it under `trainer.strategy.init_args.checkpointing`."),
+        ("strategy", "it is the Trainer's: put it under `trainer.strategy`."),
+        ("callbacks", "they are the Trainer's: put them under `trainer.callbacks`."),
+    ],
+)
+def test_a_trainer_key_at_the_top_of_the_config_is_told_where_it_goes(
+    key: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The subcommand's own line was "Subcommand 'fit' does not accept option 'checkpointing.classes'".
+    def to_the_top(config: dict[str, Any]) -> None:
+        config[key] = config["trainer"].pop(key) if key != "checkpointing" else {"classes": ["Block"]}
+
+    line = _cli_error(capsys, _argv(_edited(tmp_path, to_the_top), tmp_path))
+    assert line == f"error: `{key}` sits at the top of the config; {said}"
+
+
 def _strategy_as_a_string(config: dict[str, Any]) -> None:
     config["trainer"]["strategy"] = "lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy"
 

@@ -206,6 +206,15 @@ def config_file_error(args: Any) -> str | None:
 
 _CLASS_KEYS = ("class_path", "init_args", "dict_kwargs")
 
+# What a config's top level may hold that belongs under `trainer` (the subcommand refuses it as "does not accept
+# option 'checkpointing.classes'"), and where it goes.
+_AT_THE_TOP = re.compile(r"Subcommand '\w+' does not accept option '(checkpointing|strategy|callbacks)[.']")
+_TRAINER_KEYS = {
+    "checkpointing": "it belongs to the strategy: put it under `trainer.strategy.init_args.checkpointing`",
+    "strategy": "it is the Trainer's: put it under `trainer.strategy`",
+    "callbacks": "they are the Trainer's: put them under `trainer.callbacks`",
+}
+
 
 def misplaced_arguments(configs: list[Any]) -> str | None:
     """The first argument a config puts beside a ``class_path`` instead of under its ``init_args``, or the strategy's
@@ -406,6 +415,9 @@ def configuration_error(err: Exception) -> str | None:
     named = _registered_name_given_arguments(str(err)) or _not_a_strategy(str(err))
     if named is not None:
         return named
+    top = _AT_THE_TOP.search(str(err))
+    if top is not None:
+        return f"`{top[1]}` sits at the top of the config; {_TRAINER_KEYS[top[1]]}."
     listed = _INIT_ARGS_LISTED.search(str(err))
     if listed is not None:
         return (
