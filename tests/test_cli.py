@@ -537,6 +537,16 @@ def test_a_class_path_written_where_a_strategy_name_goes_is_told_to_be_a_class_p
 
 
 @pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("typed", ["SingleDeviceCheckpointingStrateg", "DDPStrategyy"])
+def test_a_mistyped_bare_class_path_is_not_called_a_strategys_name(
+    typed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _cli_error(capsys, _argv(_edited(tmp_path, _strategy_class(typed)), tmp_path))
+    assert line.startswith("error: `trainer.strategy`")
+    assert typed in line and "strategy's name" not in line
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_stock_strategy_name_given_the_packages_arguments_names_the_class_that_takes_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
