@@ -764,6 +764,8 @@ def resolve_ops(names: list[str]) -> list[OpOverload]:
 
 
 def _resolve_op(name: str) -> list[OpOverload]:
+    if name != name.strip():
+        raise CheckpointingConfigError(f"`save_ops` entry {name!r} holds spaces: write {name.strip()!r}.")
     parts = name.split(".")
     if len(parts) not in (2, 3) or not all(parts):
         raise CheckpointingConfigError(
@@ -774,6 +776,12 @@ def _resolve_op(name: str) -> list[OpOverload]:
     try:
         packet = getattr(getattr(torch.ops, namespace), op_name)
     except (AttributeError, RuntimeError) as err:
+        if namespace == "torch" and hasattr(torch.ops.aten, op_name):
+            # `torch.mm` is the Python function; selective checkpointing sees the ATen op it dispatches to.
+            raise CheckpointingConfigError(
+                f"`save_ops` entry {name!r} names a torch function; checkpointing sees the ops below it: write"
+                f" 'aten.{'.'.join(parts[1:])}'."
+            ) from err
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is not an op torch knows. Check the spelling against `torch.ops.{namespace}`"
             " (e.g. 'aten.mm', 'aten.addmm', 'aten._scaled_dot_product_flash_attention')."
@@ -784,6 +792,11 @@ def _resolve_op(name: str) -> list[OpOverload]:
     if parts[2:] and parts[2] not in packet.overloads():
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} names an unknown overload; {namespace}.{op_name} has {packet.overloads()}."
+        )
+    if parts[2:] and parts[2].endswith("out"):
+        raise CheckpointingConfigError(
+            f"`save_ops` entry {name!r} is an `out=` overload, which autograd never runs, so nothing would be kept;"
+            f" write '{namespace}.{op_name}' (every overload) or '{namespace}.{op_name}.default'."
         )
     ops = [getattr(packet, overload) for overload in overloads]
     # An `out=` overload is never differentiated: what autograd runs is the functional one.

@@ -144,6 +144,9 @@ def test_a_module_given_for_a_class_is_named_by_its_class_in_one_line() -> None:
         ("aten.mm.default.extra", r"`save_ops` entry 'aten.mm.default.extra' is not an op name"),
         ("aten..default", r"`save_ops` entry 'aten..default' is not an op name"),
         ("aten.mm.no_such_overload", r"`save_ops` entry 'aten.mm.no_such_overload' names an unknown overload"),
+        (" aten.mm", r"`save_ops` entry ' aten.mm' holds spaces: write 'aten.mm'\.$"),
+        ("torch.mm", r"`save_ops` entry 'torch.mm' names a torch function; .* write 'aten.mm'\.$"),
+        ("aten.mm.out", r"`save_ops` entry 'aten.mm.out' is an `out=` overload, which autograd never runs, .*"),
     ],
 )
 def test_unknown_save_op_is_rejected(op: str, message: str) -> None:
