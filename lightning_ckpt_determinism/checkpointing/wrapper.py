@@ -685,8 +685,7 @@ class CheckpointedForward:
         """torch's selective-checkpointing pair for one call: ``save_ops``, and the kept op calls counted afresh."""
         policy = _KeptCallsPolicy(self) if self.kept_calls else self._save_ops_policy
         forward, recompute = create_selective_checkpoint_contexts(policy)
-        kept = list(dict.fromkeys(str(op).rsplit(".", 1)[0] for op in self.plan.save_ops))  # as the config names them
-        return forward, _KeptOutputWritten(recompute, self.region, kept)
+        return forward, _KeptOutputWritten(recompute, self.region, self.plan.save_ops)
 
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
@@ -809,12 +808,12 @@ class _KeptOutputWritten:
     was written in place after the forward kept it (by a `ReLU(inplace=True)` after `aten.addmm`) names the region and
     what keeps outputs there."""
 
-    __slots__ = ("_context", "_kept", "_region")
+    __slots__ = ("_context", "_region", "_save_ops")
 
-    def __init__(self, context: Any, region: str, kept: list[str]) -> None:
+    def __init__(self, context: Any, region: str, save_ops: frozenset[Any]) -> None:
         self._context = context
         self._region = region
-        self._kept = kept
+        self._save_ops = save_ops
 
     def __enter__(self) -> Any:
         return self._context.__enter__()
@@ -822,7 +821,9 @@ class _KeptOutputWritten:
     def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> Any:
         handled = self._context.__exit__(kind, error, trace)
         if error is not None and is_kept_output_mutation(error):
-            keeps = f"`save_ops` {self._kept}" if self._kept else "a `budget_granularity`='op' plan"
+            # Named as the config names them (`aten.addmm`, every overload), read only here, off the per-call path.
+            kept = list(dict.fromkeys(str(op).rsplit(".", 1)[0] for op in self._save_ops))
+            keeps = f"`save_ops` {kept}" if kept else "a `budget_granularity`='op' plan"
             # A `RuntimeError` still, as torch's was: the words name the region, what keeps outputs, and the fix.
             raise RuntimeError(
                 f"lightning_ckpt_determinism: region `{self._region}` keeps op outputs by {keeps}."
