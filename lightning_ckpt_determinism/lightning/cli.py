@@ -206,15 +206,6 @@ def config_file_error(args: Any) -> str | None:
 
 _CLASS_KEYS = ("class_path", "init_args", "dict_kwargs")
 
-# What a config's top level may hold that belongs under `trainer` (the subcommand refuses it as "does not accept
-# option 'checkpointing.classes'"), and where it goes.
-_AT_THE_TOP = re.compile(r"Subcommand '\w+' does not accept option '(checkpointing|strategy|callbacks)[.']")
-_TRAINER_KEYS = {
-    "checkpointing": "it belongs to the strategy: put it under `trainer.strategy.init_args.checkpointing`",
-    "strategy": "it is the Trainer's: put it under `trainer.strategy`",
-    "callbacks": "they are the Trainer's: put them under `trainer.callbacks`",
-}
-
 
 def misplaced_arguments(configs: list[Any]) -> str | None:
     """The first argument a config puts beside a ``class_path`` instead of under its ``init_args``, or the strategy's
@@ -436,6 +427,14 @@ _INIT_ARGS_LISTED = re.compile(
     r"Parser key \"([\w.]+)\":.*?Problem with given class_path '([\w.]+)':\s*'list' object has no attribute 'keys'",
     re.DOTALL,
 )
+# What a config's top level may hold that belongs under `trainer` (the subcommand refuses it as "does not accept
+# option 'checkpointing.classes'"), and where it goes.
+_AT_THE_TOP = re.compile(r"Subcommand '\w+' does not accept option '(checkpointing|strategy|callbacks)[.']")
+_TRAINER_KEYS = {
+    "checkpointing": "it belongs to the strategy: put it under `trainer.strategy.init_args.checkpointing`",
+    "strategy": "it is the Trainer's: put it under `trainer.strategy`",
+    "callbacks": "they are the Trainer's: put them under `trainer.callbacks`",
+}
 _NAME_AS_CLASS_PATH = re.compile(r"Expected a dot import path string: (\w+)")
 _ARGUMENT_OVER_A_NAME = re.compile(r"NestedArg\(key='([\w.]+)'")
 
