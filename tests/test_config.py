@@ -385,6 +385,24 @@ def test_a_regular_expression_in_names_is_told_names_are_globs_with_the_glob_mea
     assert " Names are globs (`*`, `?`, `[0-9]`), not regular expressions ('layers.(0|1)')." in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("written", "meant"),
+    [("model.blocks.*", "blocks.*"), ("blokcs.*", "blocks.*"), ("blocks.1.linaer", "blocks.1.linear")],
+)
+def test_a_name_with_a_leading_name_too_many_or_misspelt_is_told_the_name_meant(written: str, meant: str) -> None:
+    model = make_stack(n=3)
+    with pytest.raises(CheckpointingConfigError) as raised:
+        select_modules(model, CheckpointingConfig(names=[written]))
+    assert f" Did you mean {meant!r} for {written!r}? The model's module classes" in str(raised.value)
+    assert select_modules(model, CheckpointingConfig(names=[meant]))
+
+
+def test_a_name_that_only_globs_would_match_is_not_told_a_glob_of_everything() -> None:
+    with pytest.raises(CheckpointingConfigError) as raised:
+        select_modules(make_stack(n=3), CheckpointingConfig(names=["model.*"]))
+    assert "Did you mean" not in str(raised.value)
+
+
 def test_strategy_without_a_config_raises_the_config_error_saying_how_to_give_one() -> None:
     for error in (CheckpointingConfigError, TypeError):
         with pytest.raises(

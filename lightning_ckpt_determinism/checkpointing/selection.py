@@ -241,14 +241,19 @@ def _root_named(module: nn.Module, config: CheckpointingConfig) -> str:
 
 def _names_meant(module_names: list[str], patterns: list[str]) -> str:
     """`` Did you mean 'model.blocks.*' for 'blocks.*'?`` for each pattern that matches as a module name's tail
-    (under a top-level child) or with Python's indexing written as names are (``blocks[0]`` for ``blocks.0``)."""
+    (under a top-level child), without its leading names (``model.blocks.*`` where the config is applied to the model
+    itself), with a misspelt name respelt (``blokcs.*``) or with Python's indexing written as names are (``blocks[0]``
+    for ``blocks.0``)."""
     children = list(dict.fromkeys(name.split(".")[0] for name in module_names))
+    words = sorted({word for name in module_names for word in name.split(".")})
     meant = []
     for pattern in patterns:
         if any(fnmatch.fnmatchcase(name, pattern) for name in module_names):
             continue
         dotted = re.sub(r"\[(\d+)\]", r".\1", pattern)
-        tried = [dotted, *(f"{child}.{dotted}" for child in children)]
+        tails = [dotted.split(".", depth)[-1] for depth in range(1, dotted.count(".") + 1)]
+        named_tails = [tail for tail in tails if tail.strip("*?.")]
+        tried = [dotted, *(f"{child}.{dotted}" for child in children), _respelt(dotted, words), *named_tails]
         found = next((p for p in tried if any(fnmatch.fnmatchcase(name, p) for name in module_names)), None)
         if found is not None:
             meant.append(f" Did you mean {found!r} for {pattern!r}?")
@@ -261,6 +266,16 @@ def _names_meant(module_names: list[str], patterns: list[str]) -> str:
                 else f" Names are globs (`*`, `?`, `[0-9]`), not regular expressions ({pattern!r})."
             )
     return "".join(meant)
+
+
+def _respelt(pattern: str, words: list[str]) -> str:
+    """``pattern`` with each literal name in it that no module name holds replaced by the closest one that does."""
+    return ".".join(
+        part
+        if part in words or any(sign in part for sign in "*?[")
+        else next(iter(difflib.get_close_matches(part, words, n=1)), part)
+        for part in pattern.split(".")
+    )
 
 
 # What only a regular expression writes: a class escape, an escaped dot, a repeat, an anchor, a group or alternation.
