@@ -1074,14 +1074,21 @@ def test_a_callback_that_changes_gradients_before_the_monitor_is_named_with_the_
 
 
 @pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes need Python 3.11")
-def test_a_fit_whose_recomputation_raises_says_under_the_error_what_names_the_region(tmp_path):
+@pytest.mark.parametrize(
+    ("syntax", "naming"),
+    [
+        ("yaml", "`python -m lightning_ckpt_determinism audit --config <the run's config>`"),
+        ("python", "`check_recomputation(model, closure, attribution=True)` on one batch"),
+    ],
+)
+def test_a_fit_whose_recomputation_raises_says_under_the_error_what_names_the_region(tmp_path, syntax, naming):
     monitor = RecomputationMonitor(every_n_steps=1)
+    monitor.hint_syntax = syntax
     with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
         fit(tmp_path, monitor=monitor, block="InPlaceReluBlock", max_steps=2)
     assert raised.value.__notes__ == [
         "lightning_ckpt_determinism: raised in backward, where the checkpointed regions are recomputed. If their"
-        " recomputation raised it, `python -m lightning_ckpt_determinism audit --config <the run's config>` names the"
-        " region, the cause and the fix."
+        f" recomputation raised it, {naming} names the region, the cause and the fix."
     ]
 
 

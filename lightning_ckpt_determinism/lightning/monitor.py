@@ -548,10 +548,14 @@ class RecomputationMonitor(Callback):
         self._watch.stop()
         self._fit_output.release()
         if self._enabled and raised_in_backward(exception):
+            naming = (
+                "`python -m lightning_ckpt_determinism audit --config <the run's config>`"
+                if _hint_syntax(self.hint_syntax) == "yaml"
+                else "`check_recomputation(model, closure, attribution=True)` on one batch"
+            )
             line = (
                 "lightning_ckpt_determinism: raised in backward, where the checkpointed regions are recomputed. If"
-                " their recomputation raised it, `python -m lightning_ckpt_determinism audit --config <the run's"
-                " config>` names the region, the cause and the fix."
+                f" their recomputation raised it, {naming} names the region, the cause and the fix."
             )
             if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the error, where people read it
                 exception.add_note(line)
