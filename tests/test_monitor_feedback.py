@@ -5,6 +5,7 @@ import csv
 import logging
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import lightning.pytorch as pl
 import pytest
@@ -56,6 +57,64 @@ def test_a_clean_fit_ends_with_a_summary_of_what_was_checked(tmp_path: Path, lig
     )
     assert " The sentinel compared " in summary and summary.endswith(
         " recomputed saved tensors with the forward's: none differed."
+    )
+
+
+class CountsOnceArmed(PlainBlock):
+    """Exact until ``armed``: then it scales by a count it keeps in a global, a code path its region had not taken,
+    which its recomputation counts on."""
+
+    armed = False
+    count: ClassVar[list[int]] = [0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        if self.armed:
+            self.count[0] += 1
+            hidden = hidden * (1 + 0.01 * self.count[0])
+        return x + torch.tanh(hidden)
+
+
+class ArmedAtTheSecondMicroBatch(StackModule):
+    """Arms its blocks for the second micro-batch of the second step, and for it alone."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock", n=2)
+        self.model.blocks = torch.nn.ModuleList([CountsOnceArmed(), CountsOnceArmed()])
+
+    def on_train_batch_start(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        for block in self.model.blocks:
+            block.armed = batch_idx == 3
+
+
+def _saved_by_one_armed_call() -> int:
+    """How many activations one armed call saves for backward (its weights are not recomputed), counted by torch's
+    own hooks without checkpointing."""
+    block, packs = CountsOnceArmed(), []
+    block.armed = True
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packs.append(t) or t, lambda t: t):
+        block(torch.randn(2, 8, requires_grad=True))
+    weights = {parameter.untyped_storage().data_ptr() for parameter in block.parameters()}
+    return sum(saved.untyped_storage().data_ptr() not in weights for saved in packs)
+
+
+def test_calls_down_a_first_taken_code_path_are_said_to_be_left_out_not_that_none_differed(
+    tmp_path: Path, lightning_info
+) -> None:
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["CountsOnceArmed"]))
+    monitor = RecomputationMonitor(every_n_steps=1, sentinel="exact")
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path, strategy=strategy, callbacks=[monitor], max_steps=2, accumulate_grad_batches=2)
+    )
+    trainer.fit(ArmedAtTheSecondMicroBatch())
+    # Neither engine saw it: the path's one call is learned, and the check reruns the first micro-batch only.
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0, 0.0]
+    (summary,) = summaries(lightning_info)
+    assert summary.endswith(
+        f" It left out {2 * _saved_by_one_armed_call()} saved tensors of calls down code paths their regions had not"
+        " taken before: a path is compared from its second call on, and a check reruns a step's first micro-batch"
+        " only."
     )
 
 

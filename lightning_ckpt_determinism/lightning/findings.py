@@ -271,6 +271,8 @@ class SentinelTotals:
         mismatches: Mismatches by region, the regions that had any, in region order.
         compiled: The regions inside compiled modules that the sentinel compared nothing of (the compiler recomputes
             them; one that graph-breaks runs eagerly and is compared).
+        on_new_paths: Saved tensors left uncompared because their call took a code path its region had not learned
+            yet (a branch taken for the first time).
 
     Example::
 
@@ -281,6 +283,7 @@ class SentinelTotals:
     compared: int
     mismatches: dict[str, int] = field(default_factory=dict)
     compiled: list[str] = field(default_factory=list)
+    on_new_paths: int = 0
 
 
 @dataclass
@@ -356,6 +359,12 @@ class FitSummary:
                 )
             else:
                 parts.append("The sentinel compared no recomputed saved tensor.")
+            if sentinel.on_new_paths:
+                parts.append(
+                    f"It left out {sentinel.on_new_paths} saved tensors of calls down code paths their regions had"
+                    " not taken before: a path is compared from its second call on, and a check reruns a step's"
+                    " first micro-batch only."
+                )
             if sentinel.compiled:
                 unseen = len(sentinel.compiled)
                 parts.append(

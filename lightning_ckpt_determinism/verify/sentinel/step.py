@@ -32,6 +32,8 @@ class SentinelStep:
 
     Attributes:
         compared: Saved tensors compared (known on the host, without reading the device).
+        on_new_paths: Saved tensors left out on calls down a code path their region had not learned yet (known on
+            the host).
 
     Example::
 
@@ -54,6 +56,12 @@ class SentinelStep:
     def compared(self) -> int:
         """Saved tensors compared in this step (known on the host)."""
         return sum(call.compared + len(call.metadata_mismatches) for call in self.calls)
+
+    @property
+    def on_new_paths(self) -> int:
+        """Saved tensors not compared in this step because their call took a code path its region had not learned
+        yet (known on the host)."""
+        return sum(call.on_new_paths for call in self.calls)
 
     def updated(self) -> None:
         """Something was added to the step (comparisons made after :meth:`flags` are compared again)."""
