@@ -307,7 +307,9 @@ class _Capture:
             if start is not None and buffer is not None:
                 state._captured.append((owner, key, buffer, start))
                 continue
-            if name in written:  # recomputed from the value this forward left (a kernel's write unseen is not named)
+            # Recomputed from the value this forward left (a kernel's write unseen is not named); one this forward
+            # created is recomputed from none, as the forward was (`_Replay`), exactly.
+            if name in written and buffer is not None:
                 state._read_otherwise(name)
             state._late.append((owner, key, buffer is None))
         state._watched, state._starts = [], {}

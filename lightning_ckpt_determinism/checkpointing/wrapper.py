@@ -640,20 +640,21 @@ class CheckpointedForward:
 
     def _buffer_changed(self, name: str) -> None:
         if name not in self._replayed:
-            _log.info(
-                "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward for the first time after"
-                " its first call; the region replays it from now on.",
-                self.region,
-                name,
-            )
+            if self._profiles:  # a first call (one creating a buffer registered as `None`) is learned from anyway
+                _log.info(
+                    "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward for the first time"
+                    " after its first call; the region replays it from now on.",
+                    self.region,
+                    name,
+                )
             self._replay_buffers(frozenset({name}))
 
     def _buffer_read_otherwise(self, name: str) -> None:
         self.buffers_read_otherwise[name] += 1
         _log.info(
             "lightning_ckpt_determinism: region `%s` recomputes with other values of its buffer `%s` than its forward"
-            " started from or read (over %d bytes, not copied before a forward was seen to change it): that call's"
-            " recomputation may differ from its forward, once.",
+            " started from or read (not copied before a forward was seen to change it: over %d bytes, or not a"
+            " plain tensor): that call's recomputation may differ from its forward, once.",
             self.region,
             name,
             KEPT_BUFFER_BYTES,
