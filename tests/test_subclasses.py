@@ -294,7 +294,14 @@ class Opaque(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         unwrap = torch.utils._pytree.tree_map_only(Opaque, lambda t: t.inner, (args, kwargs or {}))
         out = func(*unwrap[0], **unwrap[1])
-        return torch.utils._pytree.tree_map_only(torch.Tensor, Opaque, out)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, cls, out)
+
+
+class Unflattenable(Opaque):
+    """A wrapper subclass whose ``__tensor_flatten__`` refuses its layout."""
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        raise NotImplementedError("no flatten for this layout")
 
 
 def unwrapped(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -302,32 +309,47 @@ def unwrapped(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
 
 
 class OpaqueInput(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, kind: type[Opaque] = Opaque) -> None:
         super().__init__()
+        self.kind = kind
         self.body = plain_body()
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(Opaque(x)))
+        return self.head(self.body(self.kind(x)))
 
 
+@pytest.mark.parametrize("kind", [Opaque, Unflattenable])
 @pytest.mark.parametrize("tier", TIERS)
 def test_a_subclass_without_inner_tensors_is_left_out_counted_and_noted_once(
-    tier: str, caplog: pytest.LogCaptureFixture
+    tier: str, kind: type[Opaque], caplog: pytest.LogCaptureFixture
 ) -> None:
     torch.manual_seed(0)
-    hand = OpaqueInput()
+    hand = OpaqueInput(kind)
     torch.manual_seed(0)
-    ours = OpaqueInput()
+    ours = OpaqueInput(kind)
     apply_activation_checkpointing(ours, CheckpointingConfig(names=["body"]))
-    expected = [gradients(hand, lambda model, x: model.head(checkpoint(model.body, Opaque(x), use_reentrant=False)))]
+    expected = [gradients(hand, lambda model, x: model.head(checkpoint(model.body, kind(x), use_reentrant=False)))]
     with caplog.at_level(logging.WARNING), recomputation_sentinel(ours, mode=tier) as sentinel:  # type: ignore[arg-type]
         found = [gradients(ours, lambda model, x: model(x)) for _ in range(2)]
     assert all(same_values(unwrapped(expected[0]), unwrapped(grads)) for grads in found)
     region = sentinel.report().regions["body"]
     assert region.compared == 0 and region.mismatches == 0 and region.not_compared > 0
-    notes = [record.getMessage() for record in caplog.records if "`Opaque`" in record.getMessage()]
-    assert len(notes) == 1 and "region `body` saves a `Opaque`" in notes[0] and "not compared" in notes[0]
+    name = kind.__name__
+    notes = [record.getMessage() for record in caplog.records if f"`{name}`" in record.getMessage()]
+    assert len(notes) == 1 and f"region `body` saves a `{name}`" in notes[0] and "not compared" in notes[0]
+
+
+def test_a_subclass_whose_flatten_raises_trains_checkpointed_as_under_torchs_checkpoint() -> None:
+    torch.manual_seed(0)
+    hand = OpaqueInput(Unflattenable)
+    torch.manual_seed(0)
+    ours = OpaqueInput(Unflattenable)
+    apply_activation_checkpointing(ours, CheckpointingConfig(names=["body"]))
+    expected = gradients(
+        hand, lambda model, x: model.head(checkpoint(model.body, Unflattenable(x), use_reentrant=False))
+    )
+    assert same_values(unwrapped(expected), unwrapped(gradients(ours, lambda model, x: model(x))))
 
 
 def test_a_subclass_digest_reads_every_inner_tensor_by_the_formula() -> None:

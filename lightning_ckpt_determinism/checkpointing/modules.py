@@ -80,7 +80,7 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     DTensor, a functional collective's result once waited for, or the inner tensors of a wrapper subclass
     (``__tensor_flatten__``, torch's protocol for subclasses such as quantized weights: in its order, flattened again
     where one is a subclass itself); ``None`` for a subclass whose values are nowhere to be read (no storage and no
-    ``__tensor_flatten__``).
+    ``__tensor_flatten__``, or one that raises).
 
     A wrapper subclass has no storage of its own: an op run on it with Python dispatch off (as the package's own
     reads are) would read no memory, so the package reads its inner tensors instead.
@@ -103,8 +103,12 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None:
         return (tensor,) if _own_storage(tensor) is not None else None
+    try:
+        names = flatten()[0]
+    except Exception:  # a layout its subclass cannot flatten: read as one without the protocol, never a failure
+        return None
     parts: list[torch.Tensor] = []
-    for name in flatten()[0]:
+    for name in names:
         inner = plain_parts(getattr(tensor, name))
         if inner is None:
             return None
