@@ -22,10 +22,12 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     recomputation_sentinel,
 )
+from lightning_ckpt_determinism.checkpointing.contexts import KEPT_BUFFER_BYTES
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.lightning.reference import plain_regions, regions_that_fit
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding
 from lightning_ckpt_determinism.verify.digest import DigestTier
+from lightning_ckpt_determinism.verify.reports import read_otherwise_hint
 from tests.helpers import DIM, ArmedBlock, PlainBlock, StackModule, failing_from, trainer_kwargs
 
 METRIC = "recompute/sentinel/mismatches"
@@ -752,4 +754,50 @@ def test_a_follow_up_check_that_finds_the_step_exact_says_the_finding_stays_unex
         " found recomputation exact in its first micro-batch, the one a check reruns under `accumulate_grad_batches`:"
         " the difference shows at some calls only, so no check names its cause; the sentinel's finding and its"
         " region stand."
+    ]
+
+
+class ShiftsALargeTableFromAStep(PlainBlock):
+    """Shifts a table over 1 MiB in its forward from step ``start`` on, then reads it: the region copies no table that
+    large before it knows a forward changes it, so the first changing call recomputes from the shifted values."""
+
+    def __init__(self, start: int = 2) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros((KEPT_BUFFER_BYTES // 4 + DIM) // DIM, DIM))
+        self.start = start
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step >= self.start:
+            with torch.no_grad():
+                self.table.add_(0.5)
+        return x + torch.tanh(self.linear(x) + self.table[0])
+
+
+class LargeTableModule(StackModule):
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.model.blocks[1] = ShiftsALargeTableFromAStep()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.model.blocks[1].step = self.global_step
+
+
+def test_a_follow_up_check_that_finds_the_step_exact_names_large_buffers_read_otherwise_this_fit(
+    tmp_path: Path,
+) -> None:
+    monitor = RecomputationMonitor(every_n_steps=100, sentinel="exact")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        pl.Trainer(
+            **trainer_kwargs(tmp_path, max_steps=4, strategy=strategy, callbacks=[monitor], log_every_n_steps=1)
+        ).fit(LargeTableModule())
+    said = [str(warning.message) for warning in caught if "which a sentinel finding asked for" in str(warning.message)]
+    assert [record.step for record in monitor.history] == [0, 3]
+    assert said == [
+        "lightning_ckpt_determinism: the full check at step 3, which a sentinel finding asked for, found recomputation"
+        " exact in that step: the difference shows at some calls only, so no check names its cause; the sentinel's"
+        f" finding and its region stand. A cause seen this fit: {read_otherwise_hint(['model.blocks.1.table'])}"
     ]

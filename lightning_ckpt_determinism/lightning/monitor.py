@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_ckpt_determinism._library_compat import compiled_by_lightning
 from lightning_ckpt_determinism.checkpointing import checkpointed_modules
-from lightning_ckpt_determinism.checkpointing.wrapper import recomputations
+from lightning_ckpt_determinism.checkpointing.wrapper import buffers_read_otherwise, recomputations
 from lightning_ckpt_determinism.config import (
     NonNegativeFloat,
     NotEmptyStr,
@@ -50,7 +50,7 @@ from lightning_ckpt_determinism.lightning.support import StrategySupport, suppor
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelWatch
 from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
-from lightning_ckpt_determinism.verify.reports import RecomputationReport
+from lightning_ckpt_determinism.verify.reports import RecomputationReport, read_otherwise_hint
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
 from lightning_ckpt_determinism.verify.two_pass import PassFailed
 
@@ -508,7 +508,7 @@ class RecomputationMonitor(Callback):
         if diverged:
             self._diverged_in_fit.add(step)
         elif follow_up:
-            self._follow_up_exact(trainer, step)
+            self._follow_up_exact(trainer, pl_module, step)
 
     @override
     def on_before_optimizer_step(
@@ -705,18 +705,21 @@ class RecomputationMonitor(Callback):
             " it.",
         )
 
-    def _follow_up_exact(self, trainer: "pl.Trainer", step: int) -> None:
-        """Say once that a check a sentinel finding asked for found the step exact: the finding stays unexplained."""
+    def _follow_up_exact(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
+        """Say once that a check a sentinel finding asked for found the step exact: the finding stays unexplained,
+        but for the large buffers some calls of this fit recomputed from other values than their forwards read."""
         where = (
             "its first micro-batch, the one a check reruns under `accumulate_grad_batches`"
             if trainer.accumulate_grad_batches > 1
             else "that step"
         )
+        read = sorted(buffers_read_otherwise(pl_module))
+        seen = f" A cause seen this fit: {read_otherwise_hint(read)}" if read else ""
         self._results.warn_once(
             "follow_up_exact",
             f"lightning_ckpt_determinism: the full check at step {step}, which a sentinel finding asked for, found"
             f" recomputation exact in {where}: the difference shows at some calls only, so no check names its cause;"
-            " the sentinel's finding and its region stand.",
+            f" the sentinel's finding and its region stand.{seen}",
         )
 
     def _skip_unrecomputed(self, step: int, *, manual: bool) -> None:
