@@ -21,6 +21,8 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
+from lightning_ckpt_determinism.checkpointing.budget_plan import choose_checkpointed
+from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 from tests.helpers import Stack, recomputation
 
 DIM = 32
@@ -130,6 +132,42 @@ def _brute_force(figures: dict[str, tuple[int, int, int]], budget: int) -> tuple
             optima.append(chosen)
     assert best is not None
     return best, optima
+
+
+def _least_by_dynamic_programming(figures: list[RegionFigures], budget: int) -> tuple[int, int] | None:
+    """The least (recompute cost, modules checkpointed) that keeps at most ``budget``, by dynamic programming over the
+    bytes still to save (an independent reference for figures of a few hundred bytes)."""
+    need = max(0, sum(entry.plain_bytes for entry in figures) - budget)
+    least: list[tuple[int, int] | None] = [(0, 0)] + [None] * need
+    for entry in figures:
+        for saved in range(need, -1, -1):
+            before = least[saved]
+            if before is not None:
+                after = min(need, saved + entry.saving)
+                found = (before[0] + entry.cost, before[1] + 1)
+                least[after] = found if least[after] is None else min(least[after], found)  # type: ignore[type-var]
+    return least[need]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_module_choice_is_exact_and_quick_for_many_distinct_candidates(seed: int) -> None:
+    # Forty candidates, each with figures of its own and about the same recompute per byte saved (experts given
+    # different numbers of tokens): the search must stay exact without trying every subset.
+    generator = torch.Generator().manual_seed(seed)
+    figures = []
+    for index in range(40):
+        plain, kept = 200 + int(torch.randint(0, 100, (1,), generator=generator)), 10
+        cost = (plain - kept) * 50 + int(torch.randint(-20, 20, (1,), generator=generator))
+        figures.append(RegionFigures(f"experts.{index}", plain, kept, cost, 1, cost))
+    total = sum(entry.plain_bytes for entry in figures)
+    for fraction in (0.2, 0.5, 0.8):
+        budget = int(fraction * total)
+        chosen = choose_checkpointed(figures, budget, [entry.cost for entry in figures])
+        assert chosen is not None
+        kept = sum(entry.checkpointed_bytes if entry.name in chosen else entry.plain_bytes for entry in figures)
+        assert kept <= budget
+        cost = sum(entry.cost for entry in figures if entry.name in chosen)
+        assert (cost, len(chosen)) == _least_by_dynamic_programming(figures, budget)
 
 
 def test_the_measurement_equals_the_tests_own() -> None:

@@ -501,7 +501,9 @@ def choose_checkpointed(
 
 def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int] | None:
     """How many of each group (bytes saved, recompute cost, size) to checkpoint to save at least ``need`` bytes,
-    ordered by (cost, count, -saved); ``None`` if even all of them save less."""
+    ordered by (cost, count, -saved); ``None`` if even all of them save less. ``groups`` come cheapest recompute per
+    byte saved first, so that the least cost of what is still missing, were modules divisible, is the greedy one
+    (:func:`_exceeds_the_least_cost`): a branch that cannot beat the best choice so far is cut with it."""
     reachable = [0] * (len(groups) + 1)
     for index in range(len(groups) - 1, -1, -1):
         saving, _, size = groups[index]
@@ -520,6 +522,8 @@ def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int]
             return
         if saved + reachable[index] < need or (best is not None and (flops, chosen) >= best[0][:2]):
             return
+        if best is not None and _exceeds_the_least_cost(groups[index:], need - saved, best[0][0] - flops):
+            return
         saving, cost, size = groups[index]
         for count in range(size, -1, -1):
             counts[index] = count
@@ -529,6 +533,22 @@ def _least_recompute(groups: list[tuple[int, int, int]], need: int) -> list[int]
     visit(0, 0, 0, 0)
     assert best is not None  # checkpointing every group saves `need`: some choice fits
     return best[1]
+
+
+def _exceeds_the_least_cost(groups: list[tuple[int, int, int]], missing: int, allowed: int) -> bool:
+    """Whether saving ``missing`` more bytes from ``groups`` (cheapest per byte first) costs more than ``allowed``
+    even with modules divisible: that fractional cost bounds every whole choice from below. Compared in integers, so
+    that a choice costing exactly ``allowed`` (which may win on its count) is never cut."""
+    spent = 0
+    for saving, cost, size in groups:
+        if saving * size >= missing:
+            # The last group in part: spent + cost * missing / saving > allowed.
+            return (spent - allowed) * saving + cost * missing > 0
+        spent += cost * size
+        missing -= saving * size
+        if spent > allowed:
+            return True
+    return False  # unreachable from the caller: what is missing is reachable
 
 
 def format_bytes(num_bytes: int) -> str:
