@@ -28,7 +28,7 @@ from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
-from examples.compiled import redraw_recomputed_random_ops
+from examples.compiled import redraw_recomputed_random_ops, redrawing_aot_eager
 from lightning_ckpt_determinism import (
     CAUSE_HINTS,
     CheckpointingConfig,
@@ -673,6 +673,29 @@ def test_a_module_lightning_compiles_is_checked_at_every_step(tmp_path: Path, ca
     assert (
         "The sentinel compared no recomputed saved tensor. It does not see 3 compiled regions (model.blocks.0,"
         " model.blocks.1, model.blocks.2), which the compiler recomputes." in caplog.text
+    )
+
+
+def test_a_divergence_in_steps_lightning_compiles_is_not_called_exact_for_want_of_a_region(tmp_path: Path) -> None:
+    # The compiler draws dropout's mask anew in the backward: the gradients differ, and attribution, which sees no
+    # region inside the compiled steps, compared no op; no region was seen to recompute exactly.
+    pl.seed_everything(0, verbose=False)
+    monitor = RecomputationMonitor(every_n_steps=1)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[monitor], strategy=strategy, max_steps=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        trainer.fit(torch.compile(UnloggedStack(block="DropoutBlock"), backend=redrawing_aot_eager))
+    assert monitor.history[0].grad_divergence > 0
+    assert monitor.last_report is not None
+    assert [region.ops_compared for region in monitor.last_report.regions] == [0, 0, 0]
+    (said,) = [str(warning.message) for warning in caught if "diverged at step 0" in str(warning.message)]
+    assert "Every checkpointed region recomputed exactly" not in said
+    assert (
+        " No region is named: the LightningModule's steps are compiled (`trainer.fit(torch.compile(module))`), and"
+        " attribution sees no region inside them; the difference may be the compiler's own recomputation"
+        " (`compiler_recompute`) as well as a cause below. Compile the model or its blocks in `configure_model`"
+        " instead to have the region and cause named. " in said
     )
 
 

@@ -74,7 +74,8 @@ class RankFindings:
             report.error,
             report.worst_parameters,
             regions,
-            bool(report.regions),
+            # Attribution that compared no op of any region saw none (steps compiled as functions): it proves nothing.
+            any(region.ops_compared for region in report.regions),
             None if _told_by_another_rank(report) else report.hint,
             report.buffer_mutations,
             report.attribute_mutations,
@@ -156,11 +157,17 @@ def warning_key(findings: Findings) -> str:
 
 
 def divergence_message(
-    step: int, findings: Findings, report: RecomputationReport, attribution: str, unattributed: str | None = None
+    step: int,
+    findings: Findings,
+    report: RecomputationReport,
+    attribution: str,
+    unattributed: str | None = None,
+    unseen: str | None = None,
 ) -> str:
     """The warning (or error) for a check that diverged: the figures, the first error, the worst parameters, up to
     three regions with their op, cause, hint and ranks, or what to look for (with ``unattributed``, why no region is
-    named: the strategy cannot run the two-pass check)."""
+    named: the strategy cannot run the two-pass check; with ``unseen``, a sentence saying why attribution sees no
+    region of this fit and what to do)."""
     several = len(findings.ranks) > 1
     parts = [_headline(step, findings, report.tolerance)]
     errors = [finding for finding in findings.ranks if finding.error]
@@ -194,6 +201,8 @@ def divergence_message(
             f"No region is named: {unattributed}. To be told which region and op, check the same model under FSDP2"
             " (`ModelParallelCheckpointingStrategy`) or on one device."
         )
+    elif unseen is not None:
+        parts.append(unseen)
     elif attribution == "never":
         parts.append("Set `attribution` to be told which region and op.")
     return " ".join([*parts, _GENERIC_CAUSES])

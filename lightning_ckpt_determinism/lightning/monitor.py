@@ -313,14 +313,15 @@ class RecomputationMonitor(Callback):
         problem = problem or self._refused_here(where, unattributed, unchecked) or _given_twice(trainer)
         self._checks_off = unchecked is not None
         self._backward_unrecomputed = False
-        self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked)
+        steps_compiled = compiled_by_lightning(pl_module) and not is_compiled(pl_module)
+        unseen = _STEPS_COMPILED_UNSEEN if steps_compiled else None
+        self._results.start_fit(_hint_syntax(self.hint_syntax), unattributed, unchecked, unseen)
         # Agreed before raising: a rank that went on alone would wait for the others in its first collective.
         self._enabled = not agree(trainer.strategy, problem is not None)
         if not self._enabled:
             raise CheckpointingConfigError(
                 problem or "`RecomputationMonitor` has nothing to check on another rank; see the error it raised."
             )
-        steps_compiled = compiled_by_lightning(pl_module) and not is_compiled(pl_module)
         self._watch.steps_compiled = steps_compiled
         if self.sentinel != "off":
             self._watch.start(trainer, pl_module)
@@ -852,6 +853,14 @@ def _checked_loss_fn(loss_fn: object) -> LossFn | None:
             f"`loss_fn` must take (module, batch, batch_idx), got a function of {signature}."
         ) from None
     return loss_fn  # type: ignore[return-value]
+
+
+_STEPS_COMPILED_UNSEEN = (
+    "No region is named: the LightningModule's steps are compiled (`trainer.fit(torch.compile(module))`), and"
+    " attribution sees no region inside them; the difference may be the compiler's own recomputation"
+    " (`compiler_recompute`) as well as a cause below. Compile the model or its blocks in `configure_model` instead to"
+    " have the region and cause named."
+)
 
 
 def _hint_syntax(syntax: object) -> Syntax:

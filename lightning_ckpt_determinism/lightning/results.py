@@ -67,6 +67,7 @@ class CheckResults:
         self.summary = FitSummary()
         self.syntax: Syntax = "python"
         self.unattributed: str | None = None
+        self.unseen: str | None = None
         # The check count at which each kind of finding last warned.
         self._warned: dict[str, int] = {}
         # The steps whose check warned this fit (a rate-limited one did not): only those may be pointed to.
@@ -75,7 +76,11 @@ class CheckResults:
         self._regions: set[str] = set()
 
     def start_fit(
-        self, syntax: Syntax = "python", unattributed: str | None = None, unchecked: str | None = None
+        self,
+        syntax: Syntax = "python",
+        unattributed: str | None = None,
+        unchecked: str | None = None,
+        unseen: str | None = None,
     ) -> None:
         """A fit starts: its summary is empty, and every kind of finding warns at once.
 
@@ -83,9 +88,10 @@ class CheckResults:
             syntax: How the fit's warnings and summary spell the settings their hints name.
             unattributed: Why this fit's strategy cannot attribute a divergence to a region, or ``None``.
             unchecked: Why no gradient check runs this fit, or ``None``.
+            unseen: A sentence saying why attribution sees no region of this fit and what to do, or ``None``.
         """
         self.summary = FitSummary(unchecked=unchecked)
-        self._warned, self.syntax, self.unattributed = {}, syntax, unattributed
+        self._warned, self.syntax, self.unattributed, self.unseen = {}, syntax, unattributed, unseen
         self.warned_steps = set()
         self._regions = set()
 
@@ -148,7 +154,9 @@ class CheckResults:
         )
         if not findings.diverged or self.on_divergence == "ignore":
             return findings.diverged
-        message = respelt(divergence_message(step, findings, report, self.attribution, self.unattributed), self.syntax)
+        message = respelt(
+            divergence_message(step, findings, report, self.attribution, self.unattributed, self.unseen), self.syntax
+        )
         if self.on_divergence == "raise":
             shown_before_raising(trainer)
             raise RecomputationDivergenceError(message)
