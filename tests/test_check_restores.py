@@ -700,3 +700,16 @@ def test_a_model_output_held_as_an_attribute_is_put_back_as_it_was() -> None:
     last = checked.model.last
     assert list(last.keys()) == ["last_hidden_state"] and last["last_hidden_state"] is last.last_hidden_state
     assert torch.equal(last.last_hidden_state, tokens(STEPS - 1))
+
+
+def test_the_state_of_a_compiled_module_is_named_as_users_write_it() -> None:
+    # `torch.compile` wraps the model in a module holding it as `_orig_mod`: hints name what the config and the
+    # warnings' own figures name, without it (nothing is compiled here: the wrapper compiles at its first call).
+    model = nn.Sequential(nn.BatchNorm1d(2))
+    model[0].seen = 0
+    state = StepState(torch.compile(model))
+    with torch.no_grad():
+        model[0].running_mean.add_(1.0)
+    model[0].seen = 1
+    assert state.differing_buffers() == ["0.running_mean"]
+    assert state.differing_attributes() == ["0.seen"]

@@ -58,6 +58,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     is_framework_attribute,
     is_fsdp1_unit,
     parameter_version,
+    region_name,
     same_inner_tensors,
     state_copy,
     write_values,
@@ -113,7 +114,8 @@ class StateMark:
     def differing_buffers(self) -> list[str]:
         """The names of the buffers written since capture: replaced, or their version counter moved (a
         :class:`StepState` compares their values instead: a kernel such as ``batch_norm``'s updates its running
-        statistics without a version bump).
+        statistics without a version bump). Named as users write them, without the ``_orig_mod`` of a compiled
+        module (:func:`~lightning_ckpt_determinism.checkpointing.modules.region_name`).
 
         Example::
 
@@ -123,14 +125,14 @@ class StateMark:
             >>> mark.differing_buffers()
             ['running_mean']
         """
-        return self._buffers.differing()
+        return [region_name(name) for name in self._buffers.differing()]
 
     def differing_attributes(
         self, within: Collection[nn.Module] | None = None, ignore: Collection[str] = ()
     ) -> list[str]:
         """The dotted names of the plain attributes whose values now differ from the captured ones (a scalar
         rebound, a container's contents changed, an attribute created or deleted), on the modules ``within`` (every
-        module when ``None``).
+        module when ``None``), named as users write them (see :meth:`differing_buffers`).
 
         Args:
             within: The modules to look at (those inside checkpointed regions, whose code recomputation reruns).
@@ -146,7 +148,7 @@ class StateMark:
             ['seen']
         """
         found = self._python.differing(None if within is None else {id(sub) for sub in within})
-        return [name for name in found if name.rsplit(".", 1)[-1] not in ignore]
+        return [region_name(name) for name in found if name.rsplit(".", 1)[-1] not in ignore]
 
     def host_rng_moved(self) -> bool:
         """Whether Python's ``random`` or NumPy's global RNG now holds another state than at capture (something drew
