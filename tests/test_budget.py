@@ -391,12 +391,30 @@ class Bias:
     table: torch.Tensor
 
 
+@dataclasses.dataclass(slots=True)
+class SlottedBias:
+    """A bias object with ``__slots__``, no ``__dict__``."""
+
+    table: torch.Tensor
+
+
+class NestedBias:
+    """A bias object that holds the tensor through another object."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.inner = Bias(table)
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self.inner.table
+
+
 class BiasedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(DIM, DIM)
 
-    def forward(self, x: torch.Tensor, bias: Bias) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: Bias | SlottedBias | NestedBias) -> torch.Tensor:
         return torch.tanh(self.linear(x) + bias.table)
 
 
@@ -404,9 +422,10 @@ class BiasedStack(nn.Module):
     """Two blocks, each given a fresh bias that nothing else holds (a view of a wider table): a weak reference to each
     table tells whether the step holds it after the forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, holder: type[Bias | SlottedBias | NestedBias] = Bias) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([BiasedBlock(), BiasedBlock()])
+        self.holder = holder
         self.tables: list[weakref.ref[torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -414,14 +433,17 @@ class BiasedStack(nn.Module):
         for block in self.blocks:
             table = torch.ones(ROWS, 2 * DIM)
             self.tables.append(weakref.ref(table))
-            x = block(x, Bias(table[:, :DIM]))
+            x = block(x, self.holder(table[:, :DIM]))
             del table
         return x
 
 
-def test_tensors_an_input_object_holds_count_as_kept_when_checkpointed_as_the_step_holds_them() -> None:
+@pytest.mark.parametrize("holder", [Bias, SlottedBias, NestedBias])
+def test_tensors_an_input_object_holds_count_as_kept_when_checkpointed_as_the_step_holds_them(
+    holder: type[Bias | SlottedBias | NestedBias],
+) -> None:
     torch.manual_seed(0)
-    model = BiasedStack()
+    model = BiasedStack(holder)
     x = torch.randn(ROWS, DIM, requires_grad=True)
     plain_graph = model(x).grad_fn
     # Plain, nothing holds them after the forward: an addition saves no operand.

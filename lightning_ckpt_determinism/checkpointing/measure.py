@@ -308,17 +308,43 @@ class _RegionMeter:
         return SavedPlan(extract)
 
 
+_HELD_DEPTH = 3
+"""How deep :func:`_held_tensors` looks into the objects among a call's inputs (an object in an object ...)."""
+
+
 def _held_tensors(inputs: tuple[Any, ...]) -> list[torch.Tensor]:
-    """The tensors a call's ``inputs`` hold: their pytree leaves, and the tensors each other object among them holds
-    as an attribute, one level deep (a dataclass, an attention-bias object; modules left out). torch's checkpoint keeps
-    the inputs as they came for the recomputation, and so everything they hold."""
-    leaves = tree_leaves(inputs)
-    held = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    for leaf in leaves:
-        attributes = getattr(leaf, "__dict__", None)
-        if isinstance(attributes, dict) and not isinstance(leaf, (torch.Tensor, nn.Module)):
-            held += [value for value in tree_leaves(list(attributes.values())) if isinstance(value, torch.Tensor)]
+    """The tensors a call's ``inputs`` hold: their pytree leaves, and the tensors the other objects among them hold as
+    attributes (in ``__dict__`` or ``__slots__``; a dataclass, an attention-bias object, an object inside one, down to
+    :data:`_HELD_DEPTH` levels; modules left out). torch's checkpoint keeps the inputs as they came for the
+    recomputation, and so everything they hold."""
+    held: list[torch.Tensor] = []
+    seen: set[int] = set()
+    values, depth = list(inputs), 0
+    while values and depth <= _HELD_DEPTH:
+        inner: list[Any] = []
+        for leaf in tree_leaves(values):
+            if isinstance(leaf, torch.Tensor):
+                held.append(leaf)
+            elif not isinstance(leaf, nn.Module) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                inner += _attribute_values(leaf)
+        values, depth = inner, depth + 1
     return held
+
+
+def _attribute_values(value: object) -> list[Any]:
+    """The values ``value`` holds as attributes, in its ``__dict__`` and in the ``__slots__`` of its classes."""
+    attributes = getattr(value, "__dict__", None)
+    found = list(attributes.values()) if isinstance(attributes, dict) else []
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__"):
+                try:
+                    found.append(getattr(value, slot))
+                except Exception:  # a slot never set (AttributeError), or a descriptor of its own that raises
+                    continue
+    return found
 
 
 def _state_storages(module: nn.Module) -> frozenset[int | None]:
