@@ -500,3 +500,57 @@ def test_a_compiled_model_is_planned_from_its_eager_measurement(whole: bool) -> 
         torch._dynamo.reset()
     assert compiled.candidates == eager.candidates and compiled.checkpointed == eager.checkpointed
     assert [entry.calls for entry in compiled.candidates] == [1] * 6
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class ExpertsOnViews(nn.Module):
+    """Four experts, each given its own rows of one activation as a view (as `torch.split` of sorted tokens does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.experts = nn.ModuleList([Expert() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(x)
+        rows = len(x) // len(self.experts)
+        return torch.cat([expert(hidden[rows * i : rows * (i + 1)]) for i, expert in enumerate(self.experts)])
+
+
+def test_an_activation_experts_get_views_of_is_counted_once_as_the_step_keeps_it_once() -> None:
+    torch.manual_seed(0)
+    model = ExpertsOnViews()
+    plan = plan_activation_checkpointing(
+        model, CheckpointingConfig(classes=["Expert"], memory_budget=1.0), lambda: model(_batch()[0]).sum().backward()
+    )
+    shared = ROWS * DIM * 4  # the activation behind every expert's input view, kept checkpointed or not
+    own = (ROWS // 4) * 2 * DIM * 4  # each expert's ReLU output, which its second layer saves
+    # Plain, each expert saves its input view (the whole storage behind it) and its ReLU output; checkpointed, torch
+    # holds the input view. The storage behind the views is one, held by every expert: counted at the first only.
+    assert [(entry.plain_bytes, entry.checkpointed_bytes) for entry in plan.candidates] == [
+        (shared + own, shared),
+        *[(own, 0)] * 3,
+    ]
+    assert plan.kept_bytes == shared + 4 * own  # what the step keeps without checkpointing, the storage once
+    # The step's own saved storages, without checkpointing: the batch (the first layer's input) besides those.
+    saved: dict[int, int] = {}
+    weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in weights:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    batch = _batch()[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(batch)
+    assert sum(saved.values()) == batch.untyped_storage().nbytes() + plan.kept_bytes

@@ -38,6 +38,7 @@ step. Compiled regions are not seen: the compiler recomputes them itself and cal
 """
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -133,8 +134,9 @@ class _Tally:
         self.plain = self.checkpointed = self.flops = self.calls = self.cost = 0
         # The op calls, added up over the region's calls; None once two calls ran different sequences.
         self.ops: list[OpFigures] | None = []
-        # The inputs of the call about to run (from the forward pre-hook): their bytes and the size rule's limit.
-        self.pending: tuple[int, Any] = (0, 0)
+        # The inputs of the call about to run (from the forward pre-hook): the tensors they hold and the size rule's
+        # limit.
+        self.pending: tuple[list[torch.Tensor], Any] = ([], 0)
 
 
 class ActivationMeter:
@@ -179,6 +181,10 @@ class ActivationMeter:
         self._save_ops = frozenset(resolve_ops(list(save_ops)))
         self._keep = keep_data_dependent
         self._tallies = {name: _Tally() for name in self._regions}
+        # The storages a region call keeps checkpointed or not (it saves them, and holds them among its inputs), with
+        # an input tensor on each, weakly: another call that keeps one of them while that tensor lives (experts given
+        # views of one activation) does not count it again.
+        self._kept_anyway: dict[int, weakref.ref[torch.Tensor]] = {}
         # Inside `not_counting`: the forwards run count nothing.
         self.paused = False
 
@@ -215,7 +221,7 @@ class ActivationMeter:
         if self.paused:
             return
         inputs = (*args, *kwargs.values())
-        self._tallies[name].pending = (self.activation_bytes(_held_tensors(inputs)), input_limit(inputs))
+        self._tallies[name].pending = (_held_tensors(inputs), input_limit(inputs))
 
     def activation_bytes(self, tensors: Sequence[Any], state: frozenset[int | None] = frozenset()) -> int:
         """The bytes of the distinct storages behind the tensors among ``tensors`` (this rank's shards of DTensors),
@@ -225,15 +231,35 @@ class ActivationMeter:
             tensors: Values, of which the tensors count.
             state: More storages that are state, not activations.
         """
-        storages: dict[int, int] = {}
+        return sum(size for size, _ in self._storages(tensors, state).values())
+
+    def _storages(
+        self, tensors: Sequence[Any], state: frozenset[int | None] = frozenset()
+    ) -> dict[int, tuple[int, torch.Tensor]]:
+        """The distinct storages behind the tensors among ``tensors``, by pointer: their bytes and a tensor on each."""
+        storages: dict[int, tuple[int, torch.Tensor]] = {}
         for value in tensors:
             local = local_tensor(value) if isinstance(value, torch.Tensor) else None
             # Other tensor subclasses have no storage of their own to count.
             if local is not None and type(local) is torch.Tensor:
                 pointer = storage_pointer(local)
                 if pointer is not None and pointer not in self._state and pointer not in state:
-                    storages[pointer] = local.untyped_storage().nbytes()
-        return sum(storages.values())
+                    storages[pointer] = (local.untyped_storage().nbytes(), local)
+        return storages
+
+    def _counted_before(
+        self, saved: dict[int, tuple[int, torch.Tensor]], inputs: dict[int, tuple[int, torch.Tensor]]
+    ) -> int:
+        """The bytes of the storages a region call keeps checkpointed or not (among both ``saved`` and ``inputs``)
+        that an earlier call kept so too and that are still the same (their input tensor lives): counted once."""
+        counted = 0
+        for pointer in saved.keys() & inputs.keys():
+            earlier = self._kept_anyway.get(pointer)
+            if earlier is not None and earlier() is not None:
+                counted += saved[pointer][0]
+            else:
+                self._kept_anyway[pointer] = weakref.ref(inputs[pointer][1])
+        return counted
 
 
 class _RegionMeter:
@@ -259,7 +285,8 @@ class _RegionMeter:
             with inner:
                 yield
             return
-        inputs_bytes, limit = self._tally.pending
+        held, limit = self._tally.pending
+        self._tally.pending = ([], 0)
         # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
         state = _state_storages(module)
         calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
@@ -277,8 +304,11 @@ class _RegionMeter:
         rerun = len(kept.costs) if to_end else kept.rerun
         tally = self._tally
         tally.calls += 1
-        tally.plain += self._meter.activation_bytes(self._saved, state)
-        tally.checkpointed += inputs_bytes + self._meter.activation_bytes(kept.outputs)
+        meter = self._meter
+        saved, inputs = meter._storages(self._saved, state), meter._storages(held)
+        counted = meter._counted_before(saved, inputs)
+        tally.plain += sum(size for size, _ in saved.values()) - counted
+        tally.checkpointed += sum(size for size, _ in inputs.values()) + meter.activation_bytes(kept.outputs) - counted
         tally.flops += sum(kept.flops[:rerun])
         tally.cost += sum(kept.costs[:rerun])
         if calls is not None:
