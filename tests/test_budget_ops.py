@@ -486,3 +486,50 @@ def test_the_op_calls_costed_are_those_the_regions_recomputation_runs_again(bloc
     # Early stop ends a recomputation before a last op that saves only its inputs (they are saved before it runs); the
     # package runs a region ending in RReLU to its end.
     assert rerun == len(costs) if block is RReLUBlock else rerun < len(costs)
+
+
+class SharingBlock(nn.Module):
+    """A block whose second layer is shared with the other blocks."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.own = nn.Linear(DIM, 2 * DIM)
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shared(F.gelu(self.own(x)))
+
+
+class SharingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(2 * DIM, DIM)
+        self.blocks = nn.ModuleList([SharingBlock(shared), SharingBlock(shared)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _autocast_step(model: nn.Module) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(_batch()[0]).float().pow(2).mean()
+    loss.backward()
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+
+
+def test_regions_sharing_a_layer_under_autocasts_cache_are_planned_whole_and_train_as_the_plain_twin() -> None:
+    # Autocast caches the shared weight's cast from the first block: the second block's forward casts it one time less
+    # than its recomputation, so op outputs kept by position would be other ops in backward.
+    torch.manual_seed(0)
+    plain = SharingStack()
+    model = copy.deepcopy(plain)
+    config = CheckpointingConfig(classes=["SharingBlock"], memory_budget=0.6, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: _autocast_step(model))
+    assert [entry.ops for entry in plan.candidates] == [(), ()]
+    assert all(not kept for kept in plan.saved_ops.values())
+    plan.apply(model)
+    expected, got = _autocast_step(plain), _autocast_step(model)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[name], got[name]) for name in expected)

@@ -39,6 +39,7 @@ step. Compiled regions are not seen: the compiler recomputes them itself and cal
 
 import contextlib
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -181,6 +182,7 @@ class ActivationMeter:
         self._save_ops = frozenset(resolve_ops(list(save_ops)))
         self._keep = keep_data_dependent
         self._tallies = {name: _Tally() for name in self._regions}
+        self._sharing = _sharing_parameters(self._regions)
         # The storages a region call keeps checkpointed or not (it saves them, and holds them among its inputs), with
         # an input tensor on each, weakly: another call that keeps one of them while that tensor lives (experts given
         # views of one activation) does not count it again.
@@ -267,6 +269,7 @@ class _RegionMeter:
 
     def __init__(self, meter: ActivationMeter, name: str, inner: SavedTensorObserver | None) -> None:
         self._meter = meter
+        self._name = name
         self._tally = meter._tallies[name]
         self._inner = inner
         self._saved: list[torch.Tensor] = []
@@ -290,6 +293,10 @@ class _RegionMeter:
         # FSDP2 gathers a region's parameters into new storages before its forward: state too, not activations.
         state = _state_storages(module)
         calls = _OpCalls(self._meter._state | state) if self._meter._ops else None
+        # Under autocast's weight-cast cache, a call casts a weight another region cast before it (and cached) one
+        # time less than its recomputation, which runs after the cache is cleared: the op calls' positions differ, and
+        # a plan keeping outputs by position would meet another op in backward. Such a region is planned whole.
+        positions_shift = calls is not None and self._name in self._meter._sharing and _casts_cached(module)
         kept = _KeptOps(self._meter._save_ops, self._meter._keep, limit, self._meter._rates, calls)
         self._saved = []
         self._forward = kept
@@ -311,7 +318,9 @@ class _RegionMeter:
         tally.checkpointed += sum(size for size, _ in inputs.values()) + meter.activation_bytes(kept.outputs) - counted
         tally.flops += sum(kept.flops[:rerun])
         tally.cost += sum(kept.costs[:rerun])
-        if calls is not None:
+        if positions_shift:
+            tally.ops = None
+        elif calls is not None:
             figures = [entry if entry.index < rerun else replace(entry, cost=0, flops=0) for entry in calls.figures]
             tally.ops = _added(tally.ops, figures) if tally.calls > 1 else figures
         self._saved = []
@@ -375,6 +384,20 @@ def _attribute_values(value: object) -> list[Any]:
                 except Exception:  # a slot never set (AttributeError), or a descriptor of its own that raises
                     continue
     return found
+
+
+def _sharing_parameters(regions: Mapping[str, nn.Module]) -> frozenset[str]:
+    """The regions that hold a parameter another region holds too (a layer shared by two blocks)."""
+    holders = Counter(id(parameter) for module in regions.values() for parameter in module.parameters())
+    return frozenset(
+        name for name, module in regions.items() if any(holders[id(parameter)] > 1 for parameter in module.parameters())
+    )
+
+
+def _casts_cached(module: nn.Module) -> bool:
+    """Whether autocast runs now, with its weight-cast cache, on a device ``module``'s parameters are on."""
+    devices = {parameter.device.type for parameter in module.parameters()}
+    return torch.is_autocast_cache_enabled() and any(torch.is_autocast_enabled(device) for device in devices)
 
 
 def _state_storages(module: nn.Module) -> frozenset[int | None]:
