@@ -1077,8 +1077,8 @@ def test_a_callback_that_changes_gradients_before_the_monitor_is_named_with_the_
 @pytest.mark.parametrize(
     ("syntax", "naming"),
     [
-        ("yaml", "`python -m lightning_ckpt_determinism audit --config <the run's config>`"),
-        ("python", "`check_recomputation(model, closure, attribution=True)` on one batch"),
+        ("yaml", "`python -m lightning_ckpt_determinism audit --config <the run's config>` names"),
+        ("python", "the `regions` of `check_recomputation(model, closure, attribution=True)` run on one batch name"),
     ],
 )
 def test_a_fit_whose_recomputation_raises_says_under_the_error_what_names_the_region(tmp_path, syntax, naming):
@@ -1088,7 +1088,7 @@ def test_a_fit_whose_recomputation_raises_says_under_the_error_what_names_the_re
         fit(tmp_path, monitor=monitor, block="InPlaceReluBlock", max_steps=2)
     assert raised.value.__notes__ == [
         "lightning_ckpt_determinism: raised in backward, where the checkpointed regions are recomputed. If their"
-        f" recomputation raised it, {naming} names the region, the cause and the fix."
+        f" recomputation raised it, {naming} the region, the cause and the fix."
     ]
 
 

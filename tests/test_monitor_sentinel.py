@@ -241,7 +241,10 @@ def test_a_finding_at_the_fits_last_step_promises_no_check_after_it(tmp_path: Pa
         pl.Trainer(**kwargs).fit(armed_module(step=3))
     said = [str(w.message) for w in caught if "the sentinel saw" in str(w.message)]
     assert len(said) == 1 and "at step 3" in said[0]
-    ended = "The fit ended before a check could name the cause: run the audit on this config to name it."
+    ended = (
+        "The fit ended before a check could name the cause: run `check_recomputation(model, closure,"
+        " attribution=True)` on a batch of that step to name it."
+    )
     assert said[0].endswith(ended)
 
 
@@ -257,6 +260,7 @@ class _StopAfter(pl.Callback):
 
 def test_a_fit_stopped_before_the_check_a_finding_promised_says_so_at_its_end(tmp_path: Path) -> None:
     monitor = RecomputationMonitor(every_n_steps=50, exclude_attributes=ARMED_COUNT)
+    monitor.hint_syntax = "yaml"  # as `CheckpointingCLI` sets it: the run has a config for the audit
     pl.seed_everything(0, verbose=False)
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
     callbacks = [monitor, _StopAfter(step=2)]
@@ -801,3 +805,41 @@ def test_a_follow_up_check_that_finds_the_step_exact_names_large_buffers_read_ot
         " exact in that step: the difference shows at some calls only, so no check names its cause; the sentinel's"
         f" finding and its region stand. A cause seen this fit: {read_otherwise_hint(['model.blocks.1.table'])}"
     ]
+
+
+class TableThenArmed(LargeTableModule):
+    """:class:`LargeTableModule` whose last block counts when armed, on the last of every three micro-batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.blocks[2] = CountsWhenArmed()
+        self.arming = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.model.blocks[2].armed = self.arming and batch_idx % 3 == 2
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        x = torch.randn(72, DIM, generator=torch.Generator().manual_seed(2))
+        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+
+
+def test_a_follow_up_check_names_only_the_buffers_read_otherwise_in_its_own_fit(tmp_path: Path) -> None:
+    # Checkpointed by hand, the regions' counts outlive a fit: the second fit read no buffer otherwise.
+    module = TableThenArmed()
+    apply_activation_checkpointing(module, CheckpointingConfig(names=["model.blocks.*"]))
+    said = []
+    for fit, accumulate in ((0, 1), (1, 3)):
+        module.arming = fit == 1
+        monitor = RecomputationMonitor(every_n_steps=100, sentinel="exact")
+        kwargs = trainer_kwargs(
+            tmp_path, max_steps=4, callbacks=[monitor], log_every_n_steps=1, accumulate_grad_batches=accumulate
+        )
+        pl.seed_everything(0, verbose=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LightningCkptDeterminismWarning)
+            pl.Trainer(**kwargs).fit(module)
+        (line,) = [str(w.message) for w in caught if "which a sentinel finding asked for" in str(w.message)]
+        said.append(line)
+    assert said[0].endswith(f"A cause seen this fit: {read_otherwise_hint(['model.blocks.1.table'])}")
+    assert said[1].endswith("the sentinel's finding and its region stand.")

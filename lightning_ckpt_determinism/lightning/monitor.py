@@ -244,6 +244,7 @@ class RecomputationMonitor(Callback):
         self._checks_off = False
         # The global steps whose check diverged in this fit.
         self._diverged_in_fit: set[int] = set()
+        self._read_otherwise_at_start: dict[str, int] = {}
         self._unchecked_here = "under this strategy"
         # Whether the last check was skipped because the step's first `manual_backward` recomputed nothing.
         self._backward_unrecomputed = False
@@ -302,6 +303,8 @@ class RecomputationMonitor(Callback):
         self._internals = lightning_internals()
         self._schedule.start_fit()
         self._diverged_in_fit = set()
+        # The regions' counts outlive a fit where the model was checkpointed by hand: this fit's are those that grow.
+        self._read_otherwise_at_start = buffers_read_otherwise(pl_module)
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         unattributed = None if self._support is None else self._support.two_pass_unavailable()
@@ -550,13 +553,13 @@ class RecomputationMonitor(Callback):
         self._fit_output.release()
         if self._enabled and raised_in_backward(exception):
             naming = (
-                "`python -m lightning_ckpt_determinism audit --config <the run's config>`"
+                "`python -m lightning_ckpt_determinism audit --config <the run's config>` names"
                 if _hint_syntax(self.hint_syntax) == "yaml"
-                else "`check_recomputation(model, closure, attribution=True)` on one batch"
+                else "the `regions` of `check_recomputation(model, closure, attribution=True)` run on one batch name"
             )
             line = (
                 "lightning_ckpt_determinism: raised in backward, where the checkpointed regions are recomputed. If"
-                f" their recomputation raised it, {naming} names the region, the cause and the fix."
+                f" their recomputation raised it, {naming} the region, the cause and the fix."
             )
             if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the error, where people read it
                 exception.add_note(line)
@@ -578,8 +581,8 @@ class RecomputationMonitor(Callback):
                 else f"every check from step {follow_up} on was skipped, the first of which was"
             )
             rank_zero_warn(
-                f"lightning_ckpt_determinism: {promised} to name the cause of the sentinel's finding: run the audit on"
-                " this config to name it.",
+                f"lightning_ckpt_determinism: {promised} to name the cause of the sentinel's finding:"
+                f" {self._how_to_name()}.",
                 category=LightningCkptDeterminismWarning,
             )
         if trainer.loggers:
@@ -631,14 +634,14 @@ class RecomputationMonitor(Callback):
         elif named:
             then = "The check of that step names the cause (in `history` and the fit's summary)."
         elif self._checks_off:
-            then = f"No gradient check runs {self._unchecked_here}: run the audit on this config to name the cause."
+            then = f"No gradient check runs {self._unchecked_here}: {self._how_to_name()}."
         elif self._backward_unrecomputed:
             then = (
                 "No check names the cause while a step's first `manual_backward` recomputes no checkpointed region"
                 " (see that warning)."
             )
         elif last:
-            then = "The fit ended before a check could name the cause: run the audit on this config to name it."
+            then = f"The fit ended before a check could name the cause: {self._how_to_name()}."
         else:
             # Under manual optimization each optimizer's step moves the global step: the next batch's is unknown.
             upcoming = f"Step {step + 1}" if trainer.lightning_module.automatic_optimization else "The next step"
@@ -706,6 +709,13 @@ class RecomputationMonitor(Callback):
             " it.",
         )
 
+    def _how_to_name(self) -> str:
+        """What names the cause of a finding no check of the fit named: the audit of the run's config under
+        `CheckpointingCLI`, `check_recomputation` in a run built in Python."""
+        if _hint_syntax(self.hint_syntax) == "yaml":
+            return "run the audit on this config to name it"
+        return "run `check_recomputation(model, closure, attribution=True)` on a batch of that step to name it"
+
     def _follow_up_exact(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
         """Say once that a check a sentinel finding asked for found the step exact: the finding stays unexplained,
         but for the large buffers some calls of this fit recomputed from other values than their forwards read."""
@@ -714,7 +724,8 @@ class RecomputationMonitor(Callback):
             if trainer.accumulate_grad_batches > 1
             else "that step"
         )
-        read = sorted(buffers_read_otherwise(pl_module))
+        before = self._read_otherwise_at_start
+        read = sorted(name for name, count in buffers_read_otherwise(pl_module).items() if count > before.get(name, 0))
         seen = f" A cause seen this fit: {read_otherwise_hint(read)}" if read else ""
         self._results.warn_once(
             "follow_up_exact",
