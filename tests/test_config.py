@@ -397,9 +397,20 @@ def test_a_name_with_a_leading_name_too_many_or_misspelt_is_told_the_name_meant(
     assert select_modules(model, CheckpointingConfig(names=[meant]))
 
 
-def test_a_name_that_only_globs_would_match_is_not_told_a_glob_of_everything() -> None:
+@pytest.mark.parametrize("written", ["model.*", "blocks.3", "blocks.-1", "blocks.30", "model.blocks.[a-z]*"])
+def test_a_name_no_module_name_is_close_to_is_told_no_name_meant(written: str) -> None:
+    # Not a glob matching everything, nor another block's index for one out of range.
     with pytest.raises(CheckpointingConfigError) as raised:
-        select_modules(make_stack(n=3), CheckpointingConfig(names=["model.*"]))
+        select_modules(make_stack(n=3), CheckpointingConfig(names=[written]))
+    assert "Did you mean" not in str(raised.value)
+
+
+def test_a_regular_expression_is_told_so_not_respelt() -> None:
+    with pytest.raises(CheckpointingConfigError) as raised:
+        select_modules(make_stack(n=3), CheckpointingConfig(names=["blocks.*.linear|dropout"]))
+    assert " Names are globs (`*`, `?`, `[0-9]`), not regular expressions ('blocks.*.linear|dropout')." in str(
+        raised.value
+    )
     assert "Did you mean" not in str(raised.value)
 
 

@@ -251,9 +251,10 @@ def _names_meant(module_names: list[str], patterns: list[str]) -> str:
         if any(fnmatch.fnmatchcase(name, pattern) for name in module_names):
             continue
         dotted = re.sub(r"\[(\d+)\]", r".\1", pattern)
-        tails = [dotted.split(".", depth)[-1] for depth in range(1, dotted.count(".") + 1)]
-        named_tails = [tail for tail in tails if tail.strip("*?.")]
-        tried = [dotted, *(f"{child}.{dotted}" for child in children), _respelt(dotted, words), *named_tails]
+        tried = [dotted, *(f"{child}.{dotted}" for child in children)]
+        if not _REGEX_SYNTAX.search(pattern):  # a regular expression is told so below, not respelt
+            tails = [dotted.split(".", depth)[-1] for depth in range(1, dotted.count(".") + 1)]
+            tried += [_respelt(dotted, words), *(tail for tail in tails if any(map(_is_a_name, tail.split("."))))]
         found = next((p for p in tried if any(fnmatch.fnmatchcase(name, p) for name in module_names)), None)
         if found is not None:
             meant.append(f" Did you mean {found!r} for {pattern!r}?")
@@ -269,13 +270,19 @@ def _names_meant(module_names: list[str], patterns: list[str]) -> str:
 
 
 def _respelt(pattern: str, words: list[str]) -> str:
-    """``pattern`` with each literal name in it that no module name holds replaced by the closest one that does."""
+    """``pattern`` with each name in it (not an index, not a glob) that no module name holds replaced by the closest
+    one that does."""
     return ".".join(
-        part
-        if part in words or any(sign in part for sign in "*?[")
-        else next(iter(difflib.get_close_matches(part, words, n=1)), part)
+        next(iter(difflib.get_close_matches(part, words, n=1)), part)
+        if _is_a_name(part) and part not in words
+        else part
         for part in pattern.split(".")
     )
+
+
+def _is_a_name(part: str) -> bool:
+    """Whether ``part`` of a dotted pattern is a literal attribute name (``blocks``), not an index or a glob."""
+    return part.isidentifier()
 
 
 # What only a regular expression writes: a class escape, an escaped dot, a repeat, an anchor, a group or alternation.
