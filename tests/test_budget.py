@@ -554,3 +554,42 @@ def test_an_activation_experts_get_views_of_is_counted_once_as_the_step_keeps_it
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(batch)
     assert sum(saved.values()) == batch.untyped_storage().nbytes() + plan.kept_bytes
+
+
+def _least_by_brute_force(figures: list[RegionFigures], budget: int) -> tuple[int, int, int]:
+    """The least (cost, count, -bytes saved) over every subset that keeps at most ``budget``."""
+    need = sum(entry.plain_bytes for entry in figures) - budget
+    return min(
+        (sum(entry.cost for entry in chosen), len(chosen), -sum(entry.saving for entry in chosen))
+        for count in range(len(figures) + 1)
+        for chosen in itertools.combinations(figures, count)
+        if sum(entry.saving for entry in chosen) >= need
+    )
+
+
+def test_the_module_choice_is_exact_where_costs_per_byte_differ_below_a_floats_precision() -> None:
+    # Costs near 2**56 per GiB saved: ratios a float division ties or misorders (the search's bound needs their order).
+    rows = [
+        (2**30, 2**56 - 1),
+        (2**30 + 64, 2**56 + 2**32 + 5),
+        (2**30 + 2, 2**56 + 2**27 + 3),
+        (2**30 + 64, 2**56 + 2**32 + 4),
+    ]
+    cases = [(rows, 2 * 2**30 + 66)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        drawn = [
+            (
+                2**30 + int(torch.randint(0, 128, (1,), generator=generator)),
+                2**56 + int(torch.randint(0, 2**33, (1,), generator=generator)),
+            )
+            for _ in range(5)
+        ]
+        cases.append((drawn, int(torch.randint(2**30, 4 * 2**30, (1,), generator=generator))))
+    for drawn, budget in cases:
+        figures = [RegionFigures(f"m{index}", saving, 0, cost, 1, cost) for index, (saving, cost) in enumerate(drawn)]
+        chosen = choose_checkpointed(figures, budget, [entry.cost for entry in figures])
+        assert chosen is not None
+        picked = [entry for entry in figures if entry.name in chosen]
+        found = (sum(entry.cost for entry in picked), len(picked), -sum(entry.saving for entry in picked))
+        assert found == _least_by_brute_force(figures, budget)

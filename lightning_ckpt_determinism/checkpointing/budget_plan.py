@@ -23,6 +23,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -488,8 +489,9 @@ def choose_checkpointed(
         if entry.calls and entry.saving > 0:
             groups.setdefault((entry.saving, cost, entry.checkpointed_bytes), []).append(entry.name)
     need = sum(entry.plain_bytes for entry in figures) - budget_bytes
-    # Cheapest recompute per byte saved first: the bound then finds a good choice early.
-    order = sorted(groups, key=lambda key: (key[1] / key[0], -key[0]))
+    # Cheapest recompute per byte saved first, compared exactly (a float ratio misorders costs over 2**53): the
+    # search's bound counts on that order.
+    order = sorted(groups, key=lambda key: (Fraction(key[1], key[0]), -key[0]))
     counts = _least_recompute([(key[0], key[1], len(groups[key])) for key in order], need)
     if counts is None:
         return None
