@@ -640,13 +640,12 @@ class CheckpointedForward:
 
     def _buffer_changed(self, name: str) -> None:
         if name not in self._replayed:
-            if self._profiles:  # a first call (one creating a buffer registered as `None`) is learned from anyway
-                _log.info(
-                    "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward for the first time"
-                    " after its first call; the region replays it from now on.",
-                    self.region,
-                    name,
-                )
+            _log.info(
+                "lightning_ckpt_determinism: region `%s` changed its buffer `%s` in forward, which it had not been seen"
+                " to do (or created it); the region replays it from now on.",
+                self.region,
+                name,
+            )
             self._replay_buffers(frozenset({name}))
 
     def _buffer_read_otherwise(self, name: str) -> None:
