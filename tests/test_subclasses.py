@@ -352,6 +352,30 @@ def test_a_subclass_whose_flatten_raises_trains_checkpointed_as_under_torchs_che
     assert same_values(unwrapped(expected), unwrapped(gradients(ours, lambda model, x: model(x))))
 
 
+class UnflattenableScale(nn.Module):
+    """Scales its body's output by a buffer held as a subclass whose ``__tensor_flatten__`` raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = plain_body()
+        self.register_buffer("scale", Unflattenable(torch.full((WIDTH,), 0.5)))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x) * self.scale.inner)
+
+
+def test_a_buffer_whose_flatten_raises_is_copied_through_its_own_ops_and_trains_as_under_torchs_checkpoint() -> None:
+    torch.manual_seed(0)
+    hand = nn.Sequential(UnflattenableScale())
+    torch.manual_seed(0)
+    ours = nn.Sequential(UnflattenableScale())
+    apply_activation_checkpointing(ours, CheckpointingConfig(names=["0"]))
+    expected = gradients(hand, lambda model, x: checkpoint(model[0], x, use_reentrant=False))
+    for _ in range(2):
+        assert same_values(expected, gradients(ours, lambda model, x: model(x)))
+
+
 def test_a_subclass_digest_reads_every_inner_tensor_by_the_formula() -> None:
     first, second = torch.randn(4, 16), torch.randn(4, 16)
     pair = TwoTensor(first, second)

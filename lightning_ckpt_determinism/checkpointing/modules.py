@@ -235,10 +235,17 @@ def write_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _wrapper_subclass(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a wrapper subclass whose values are its inner tensors' (a DTensor copies its own)."""
+    """Whether ``tensor`` is a wrapper subclass whose values are its inner tensors' (a DTensor copies its own; one
+    whose ``__tensor_flatten__`` raises is copied through its own ops)."""
     if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
         return False
-    return hasattr(tensor, "__tensor_flatten__") and not (_DTensor is not None and isinstance(tensor, _DTensor))
+    if not hasattr(tensor, "__tensor_flatten__") or (_DTensor is not None and isinstance(tensor, _DTensor)):
+        return False
+    try:
+        tensor.__tensor_flatten__()
+    except Exception:  # a layout its class does not flatten
+        return False
+    return True
 
 
 def storage_pointer(tensor: torch.Tensor) -> int | None:
