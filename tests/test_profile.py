@@ -230,6 +230,44 @@ def test_a_buffer_the_forward_creates_is_not_named_the_cause_of_another_defect(l
     assert (report.cause, report.hint, report.buffer_mutations) == (None, None, [])
 
 
+class AveragedFromItsSecondCall(nn.Module):
+    """Creates a buffer registered as `None` at its second call, and updates it in place at every call after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.register_buffer("mean", None)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.mean is None and self.calls >= 2:
+            self.mean = x.detach().mean(0)
+        elif self.mean is not None:
+            self.mean.mul_(0.5).add_(x.detach().mean(0))
+        return torch.tanh(self.linear(x)) * (1 + (self.mean if self.mean is not None else 0))
+
+
+class CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = AveragedFromItsSecondCall()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.block(x))
+
+
+def test_a_call_that_ran_without_a_buffer_a_later_call_creates_is_recomputed_without_it() -> None:
+    # The first call's recomputation, after the second call created the buffer, runs as its forward did: without it,
+    # so it neither takes the update path nor writes the live average a second time.
+    plain, model = twins(CalledTwice, ["block"])
+    for seed in range(3):
+        expected, got = step(plain, seed), step(model, seed)
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+        assert torch.equal(plain.block.mean, model.block.mean)
+        assert plain.block.calls == model.block.calls
+
+
 class CumulativeInstanceNorm(nn.Module):
     """An instance norm tracking running statistics with ``momentum=None``: its kernel writes them back unchanged
     in training (a version bump with the same values)."""

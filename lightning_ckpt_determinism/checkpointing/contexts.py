@@ -301,6 +301,8 @@ class _Capture:
                     state._captured.append((owner, key, buffer, start))
                 elif buffer is not None:
                     state._read.append((name, owner, key, buffer, version, start))
+                else:  # `None` through this forward: recomputed from none, whatever a later call creates
+                    state._late.append((owner, key, True))
                 continue
             state._kept_starts.forget(name)
             start = state._starts.get(at)
