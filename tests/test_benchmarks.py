@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import subprocess
@@ -13,8 +14,10 @@ from typing import Any, get_args
 import pytest
 import torch
 
+import lightning_ckpt_determinism
 from benchmarks import (
     budget,
+    budget_search,
     compiled,
     digest_floor,
     memory,
@@ -517,3 +520,22 @@ def test_the_probe_benchmark_counts_the_probes_of_varying_paths_and_times_a_prob
     assert result["layer_drop_probes"] == 3
     assert all(isinstance(count, int) and 1 <= count <= 40 for count in result["expert_probes"].values())
     assert _finite_positive(result["probed_step"][16])
+
+
+def test_the_budget_search_benchmark_times_a_choice_as_many_as_a_brute_force_checkpoints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    figures = budget_search.distinct_figures(8)
+    need = sum(entry.plain_bytes for entry in figures) - sum(entry.plain_bytes for entry in figures) // 2
+    least = min(
+        (sum(entry.cost for entry in chosen), len(chosen))
+        for count in range(9)
+        for chosen in itertools.combinations(figures, count)
+        if sum(entry.saving for entry in chosen) >= need
+    )
+    seconds, checkpointed = budget_search.seconds_to_choose(lightning_ckpt_determinism, 8)
+    assert seconds > 0 and checkpointed == least[1]
+    assert budget_search.main(["--counts", "4,8"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split() == ["package", "candidates", "seconds", "checkpointed"]
+    assert [row.split()[:2] for row in rows[1:]] == [["now", "4"], ["now", "8"]]
