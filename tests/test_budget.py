@@ -22,7 +22,7 @@ from lightning_ckpt_determinism import (
     plan_activation_checkpointing,
 )
 from lightning_ckpt_determinism.checkpointing.budget_plan import choose_checkpointed
-from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
+from lightning_ckpt_determinism.checkpointing.measure import RegionFigures, _held_tensors
 from tests.helpers import Stack, recomputation
 
 DIM = 32
@@ -593,3 +593,27 @@ def test_the_module_choice_is_exact_where_costs_per_byte_differ_below_a_floats_p
         picked = [entry for entry in figures if entry.name in chosen]
         found = (sum(entry.cost for entry in picked), len(picked), -sum(entry.saving for entry in picked))
         assert found == _least_by_brute_force(figures, budget)
+
+
+def test_figures_given_with_float_costs_plan_as_their_exact_values_do() -> None:
+    figures = [RegionFigures("a", 100, 10, 1.5, 1, 1.5), RegionFigures("b", 100, 10, 2.5, 1, 2.5)]  # type: ignore[arg-type]
+    assert choose_checkpointed(figures, 20, [1.5, 2.5]) == {"a", "b"}  # type: ignore[list-item]
+    assert choose_checkpointed(figures, 150, [1.5, 2.5]) == {"a"}  # type: ignore[list-item]
+
+
+class RaisesOnEveryAttribute:
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        raise KeyError(name)
+
+
+class HoldsAnOddObject:
+    def __init__(self, table: torch.Tensor) -> None:
+        self.odd = RaisesOnEveryAttribute()
+        self.table = table
+
+
+def test_an_input_object_holding_one_whose_attributes_raise_is_measured_by_what_it_does_hold() -> None:
+    table = torch.ones(ROWS, DIM)
+    assert [held is table for held in _held_tensors((HoldsAnOddObject(table), nn.functional))] == [True]

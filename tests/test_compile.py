@@ -699,6 +699,33 @@ def test_a_divergence_in_steps_lightning_compiles_is_not_called_exact_for_want_o
     )
 
 
+class BreakingBatchNormBlock(BatchNormBlock):
+    """A BatchNorm block that graph-breaks: compiled, it runs (and is checkpointed) eagerly."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def test_a_compiled_models_region_updating_its_buffers_again_is_named_with_them_as_users_write_them() -> None:
+    torch.manual_seed(0)
+    model = make_stack(BreakingBatchNormBlock, n=1)
+    apply_activation_checkpointing(
+        model, CheckpointingConfig(classes=["BreakingBatchNormBlock"], protect_buffers=False)
+    )
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, DIM)
+    report = check_recomputation(compiled, lambda: compiled(x).pow(2).mean(), attribution=True)
+    named = ["blocks.0.norm.running_mean", "blocks.0.norm.running_var", "blocks.0.norm.num_batches_tracked"]
+    ((region_name, cause, buffers),) = [
+        (region.name, region.cause, region.buffer_mutations) for region in report.regions
+    ]
+    assert (region_name, cause, buffers) == ("blocks.0", "buffer_mutation", named)
+    assert (
+        report.cause == "buffer_mutation" and report.hint is not None and report.hint.endswith(f"{', '.join(named)}.")
+    )
+
+
 class BreakingBlock(PlainBlock):
     """A block that graph-breaks: compiled, it runs eagerly, where the sentinel compares it."""
 

@@ -491,7 +491,7 @@ def choose_checkpointed(
     need = sum(entry.plain_bytes for entry in figures) - budget_bytes
     # Cheapest recompute per byte saved first, compared exactly (a float ratio misorders costs over 2**53): the
     # search's bound counts on that order.
-    order = sorted(groups, key=lambda key: (Fraction(key[1], key[0]), -key[0]))
+    order = sorted(groups, key=lambda key: (Fraction(key[1]) / Fraction(key[0]), -key[0]))
     counts = _least_recompute([(key[0], key[1], len(groups[key])) for key in order], need)
     if counts is None:
         return None

@@ -38,6 +38,7 @@ step. Compiled regions are not seen: the compiler recomputes them itself and cal
 """
 
 import contextlib
+import types
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -364,16 +365,24 @@ def _held_tensors(inputs: tuple[Any, ...]) -> list[torch.Tensor]:
         for leaf in tree_leaves(values):
             if isinstance(leaf, torch.Tensor):
                 held.append(leaf)
-            elif not isinstance(leaf, nn.Module) and id(leaf) not in seen:
+            elif not isinstance(leaf, _NOT_HOLDERS) and id(leaf) not in seen:
                 seen.add(id(leaf))
                 inner += _attribute_values(leaf)
         values, depth = inner, depth + 1
     return held
 
 
+# What holds no activation of a call, however it is reached: modules (state), Python modules and classes.
+_NOT_HOLDERS = (nn.Module, types.ModuleType, type)
+
+
 def _attribute_values(value: object) -> list[Any]:
-    """The values ``value`` holds as attributes, in its ``__dict__`` and in the ``__slots__`` of its classes."""
-    attributes = getattr(value, "__dict__", None)
+    """The values ``value`` holds as attributes, in its ``__dict__`` and in the ``__slots__`` of its classes; none
+    where reading them raises (a ``__getattr__`` of its own)."""
+    try:
+        attributes = vars(value) if hasattr(value, "__dict__") else None
+    except Exception:  # a `__getattr__` that raises another error than AttributeError
+        return []
     found = list(attributes.values()) if isinstance(attributes, dict) else []
     for cls in type(value).__mro__:
         slots = cls.__dict__.get("__slots__", ())

@@ -656,7 +656,8 @@ def raised_in_autograd(error: BaseException, *also_in: str) -> bool:
 
 
 def _buffer_places(module: nn.Module, names: Iterable[str]) -> set[BufferPlace]:
-    """Where the buffers of ``module`` named ``names`` are held (see
+    """Where the buffers of ``module`` named ``names`` (as users write them, see
+    :func:`~lightning_ckpt_determinism.checkpointing.modules.region_name`) are held (see
     :data:`~lightning_ckpt_determinism.verify.attribution.observer.BufferPlace`)."""
-    slots = buffer_slots(module)
+    slots = {region_name(name): slot for name, slot in buffer_slots(module).items()}
     return {(id(slots[name][0]), slots[name][1]) for name in names if name in slots}
