@@ -533,3 +533,27 @@ def test_regions_sharing_a_layer_under_autocasts_cache_are_planned_whole_and_tra
     plan.apply(model)
     expected, got = _autocast_step(plain), _autocast_step(model)
     assert expected.keys() == got.keys() and all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_op_choice_is_the_brute_force_optimum_on_drawn_figures(seed: int) -> None:
+    # Three candidates of four op calls each, with drawn bytes and costs: every budget from the least to all plain.
+    generator = torch.Generator().manual_seed(seed)
+
+    def drawn(high: int) -> int:
+        return int(torch.randint(1, high, (1,), generator=generator))
+
+    own: Figures = {}
+    figures = []
+    for index in range(3):
+        calls = [("aten.mm.default", drawn(60), drawn(40)) for _ in range(4)]
+        inputs, plain = drawn(20), 20 + sum(size for _, size, _ in calls) + drawn(30)
+        own[f"m{index}"] = (plain, inputs, calls)
+        ops = tuple(OpFigures(at, op, size, cost) for at, (op, size, cost) in enumerate(calls))
+        total = sum(cost for _, _, cost in calls)
+        figures.append(RegionFigures(f"m{index}", plain, inputs, 0, 1, total, ops))
+    least = sum(inputs for _, inputs, _ in own.values())
+    for budget in range(least, sum(plain for plain, _, _ in own.values()) + 1, 7):
+        choice = choose_kept_ops(figures, budget)
+        assert choice is not None and choice.slack_bytes == 0 and choice.kept_bytes <= budget
+        assert choice.cost == _brute_force(own, budget)

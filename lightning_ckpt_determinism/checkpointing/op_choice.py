@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import torch
+
 from lightning_ckpt_determinism.checkpointing.measure import RegionFigures
 
 __all__ = ["choose_kept_ops"]
@@ -26,8 +28,6 @@ __all__ = ["choose_kept_ops"]
 MAX_POINTS = 20_000
 """The most points a frontier keeps before it is thinned (see the module's text)."""
 
-# A point: (bytes, cost, back), where back is (the point it extends, the candidate's option) or None.
-_Point = tuple[int, int, tuple["_Point", int] | None]
 _T = TypeVar("_T", bound=tuple[int, int, Any])
 
 
@@ -74,6 +74,10 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
         {'a': (0,)}
     """
     ran = [entry for entry in figures if entry.calls]
+    unran: dict[str, tuple[int, ...]] = {entry.name: () for entry in figures if not entry.calls}
+    plain = sum(entry.plain_bytes for entry in ran)
+    if plain <= budget_bytes:  # every candidate plain fits: nothing recomputed, no module checkpointed, no search
+        return OpChoice(kept=unran, kept_bytes=plain, cost=0, slack_bytes=0)
     # Costs are weighed times `scale`, plus one for each module checkpointed: of equal costs, fewer modules win.
     scale = len(ran) + 1
     # Identical candidates (equal figures under other names) share one frontier.
@@ -87,34 +91,23 @@ def choose_kept_ops(figures: Sequence[RegionFigures], budget_bytes: int) -> OpCh
     rest = [sum(least[index:]) for index in range(len(ran) + 1)]
     if rest[0] > budget_bytes:
         return None
-    frontier: list[_Point] = [(0, 0, None)]
+    frontier = _Frontier()
     slack = 0
     for index, entry in enumerate(ran):
-        room = budget_bytes - rest[index + 1]
-        combined: list[_Point] = [
-            (point[0] + size, point[1] + cost, (point, option))
-            for point in frontier
-            for option, (size, cost, _) in enumerate(options[entry.name])
-            if point[0] + size <= room
-        ]
-        frontier = _pareto(combined)
+        frontier.extend(options[entry.name], budget_bytes - rest[index + 1])
         if len(frontier) > MAX_POINTS:
-            frontier, band = _thinned(frontier)
-            slack += band
-    best = min(frontier, key=lambda point: (point[1], point[0]))
-    kept: dict[str, tuple[int, ...]] = {entry.name: () for entry in figures if not entry.calls}
-    point: _Point = best
-    for entry in reversed(ran):
-        assert point[2] is not None  # one step back per candidate
-        point, option = point[2]
+            slack += frontier.thin()
+    kept = dict(unran)
+    for entry, option in zip(ran, frontier.cheapest_path(), strict=True):
         chosen = options[entry.name][option][2]
         if chosen is not None:
             kept[entry.name] = chosen
+    kept_bytes, cost = frontier.cheapest()
     order = [entry.name for entry in figures]
     return OpChoice(
         kept=dict(sorted(kept.items(), key=lambda item: order.index(item[0]))),
-        kept_bytes=best[0],
-        cost=best[1] // scale,
+        kept_bytes=kept_bytes,
+        cost=cost // scale,
         slack_bytes=slack,
     )
 
@@ -141,11 +134,77 @@ def _pareto(points: list[_T]) -> list[_T]:
     return kept
 
 
-def _thinned(frontier: list[_Point]) -> tuple[list[_Point], int]:
-    """The cheapest point of each band of bytes, and the band's width, so that at most :data:`MAX_POINTS` stay."""
-    low, high = frontier[0][0], frontier[-1][0]
-    band = max(1, -(-(high - low + 1) // MAX_POINTS))
-    kept: dict[int, _Point] = {}
-    for point in frontier:
-        kept[(point[0] - low) // band] = point  # cost descends with bytes: the last in a band is its cheapest
-    return list(kept.values()), band
+class _Frontier:
+    """The combinations of the candidates added so far that no other beats in both bytes and cost, as tensors
+    (bytes ascending, cost strictly descending), with the option each step took and the point it extended, to read
+    the cheapest combination back. Combining is a sum of every point with every option, filtered and reduced to its
+    Pareto points on tensors, a block of points at a time."""
+
+    def __init__(self) -> None:
+        self.bytes = torch.zeros(1, dtype=torch.int64)
+        self.cost = torch.zeros(1, dtype=torch.int64)
+        # Per candidate added: for each point then, the index of the point it extended and of the option it took.
+        self._steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+    def extend(self, options: Sequence[tuple[int, int, Any]], room: int) -> None:
+        """Add a candidate: every point with each of its ``options`` (bytes, cost, ...) that keeps at most ``room``."""
+        sizes = torch.tensor([option[0] for option in options], dtype=torch.int64)
+        costs = torch.tensor([option[1] for option in options], dtype=torch.int64)
+        rows = max(1, _BLOCK // len(options))
+        parts = []
+        for start in range(0, len(self.bytes), rows):
+            points = torch.arange(start, min(start + rows, len(self.bytes)))
+            total = (self.bytes[points, None] + sizes[None, :]).flatten()
+            parent = points[:, None].expand(-1, len(options)).flatten()
+            option = torch.arange(len(options)).expand(len(points), -1).flatten()
+            fits = total <= room
+            parts.append(
+                _pareto_points(total[fits], (self.cost[parent] + costs[option])[fits], parent[fits], option[fits])
+            )
+        columns = [torch.cat(column) for column in zip(*parts, strict=True)]
+        self.bytes, self.cost, parent, option = _pareto_points(*columns)
+        self._steps.append((parent, option))
+
+    def thin(self) -> int:
+        """Keep the cheapest point of each band of bytes so that at most :data:`MAX_POINTS` stay; the band's width."""
+        low, high = int(self.bytes[0]), int(self.bytes[-1])
+        band = max(1, -(-(high - low + 1) // MAX_POINTS))
+        bands = (self.bytes - low) // band
+        # Cost descends with bytes: the last point of a band is its cheapest.
+        last = torch.cat([bands[1:] != bands[:-1], torch.tensor([True])]).nonzero().flatten()
+        self.bytes, self.cost = self.bytes[last], self.cost[last]
+        parent, option = self._steps[-1]
+        self._steps[-1] = (parent[last], option[last])
+        return band
+
+    def cheapest(self) -> tuple[int, int]:
+        """The bytes and cost of the cheapest point (the last: cost descends strictly with bytes)."""
+        return int(self.bytes[-1]), int(self.cost[-1])
+
+    def cheapest_path(self) -> list[int]:
+        """The option each candidate took in the cheapest point, in the order they were added."""
+        point, path = len(self.bytes) - 1, []
+        for parent, option in reversed(self._steps):
+            path.append(int(option[point]))
+            point = int(parent[point])
+        return path[::-1]
+
+
+_BLOCK = 1 << 22
+"""How many sums :meth:`_Frontier.extend` forms at a time (a few tens of MiB of int64)."""
+
+
+def _pareto_points(
+    size: torch.Tensor, cost: torch.Tensor, parent: torch.Tensor, option: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The points no other beats, bytes ascending and cost strictly descending; of equal points the first given
+    stays (sorted stably by cost, then by bytes)."""
+    order = torch.sort(cost, stable=True).indices
+    order = order[torch.sort(size[order], stable=True).indices]
+    size, cost, parent, option = size[order], cost[order], parent[order], option[order]
+    before = torch.cummin(cost, dim=0).values
+    keep = torch.cat([torch.tensor([True]), cost[1:] < before[:-1]]) if len(cost) else cost.bool()
+    return size[keep], cost[keep], parent[keep], option[keep]
