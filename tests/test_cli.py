@@ -537,6 +537,22 @@ def test_a_class_path_written_where_a_strategy_name_goes_is_told_to_be_a_class_p
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_strategy_class_written_by_its_bare_name_where_a_name_goes_is_told_its_class_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lightning's own line lowercased it and listed its registered names, without a fix.
+    def bare(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"] = "DDPCheckpointingStrategy"
+
+    assert _refused(capsys, _edited(tmp_path, bare), tmp_path) == [
+        "error: `trainer.strategy`: 'ddpcheckpointingstrategy' is this package's DDPCheckpointingStrategy, written"
+        " where a strategy's name goes: write it as `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy`,"
+        " with its arguments under `init_args:` (`init_args: {checkpointing: {classes: [Block]}}`), or `strategy:"
+        " ddp_checkpointing` for `classes: auto`."
+    ]
+
+
+@pytest.mark.usefixtures("in_process")
 @pytest.mark.parametrize("typed", ["SingleDeviceCheckpointingStrateg", "DDPStrategyy"])
 def test_a_mistyped_bare_class_path_is_not_called_a_strategys_name(
     typed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -397,6 +397,16 @@ def test_a_name_with_a_leading_name_too_many_or_misspelt_is_told_the_name_meant(
     assert select_modules(model, CheckpointingConfig(names=[meant]))
 
 
+def test_a_misspelt_name_beside_one_that_matches_is_warned_with_the_name_meant() -> None:
+    with pytest.warns(
+        LightningCkptDeterminismWarning,
+        match=r"entries \['blokcs\.1'\] match no module of Stack; check their spelling\. Did you mean 'blocks\.1' for"
+        r" 'blokcs\.1'\?$",
+    ):
+        selected = select_modules(make_stack(n=3), CheckpointingConfig(names=["blocks.0", "blokcs.1"]))
+    assert list(selected) == ["blocks.0"]
+
+
 @pytest.mark.parametrize("written", ["model.*", "blocks.3", "blocks.-1", "blocks.30", "model.blocks.[a-z]*"])
 def test_a_name_no_module_name_is_close_to_is_told_no_name_meant(written: str) -> None:
     # Not a glob matching everything, nor another block's index for one out of range.

@@ -322,11 +322,13 @@ def _warn_unused_entries(
     seen_class_names = {base.__name__ for _, sub in named for base in type(sub).__mro__}
     unused = [name for name in sorted(bare_names) if name not in seen_class_names]
     unused += [cls.__name__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]
-    unused += [pattern for pattern in config.names if not any(fnmatch.fnmatchcase(n, pattern) for n, _ in named)]
+    patterns = [pattern for pattern in config.names if not any(fnmatch.fnmatchcase(n, pattern) for n, _ in named)]
+    unused += patterns
     if unused:
+        meant = _did_you_mean(unused, sorted(seen_class_names)) + _names_meant([name for name, _ in named], patterns)
         warnings.warn(
             f"lightning_ckpt_determinism: `CheckpointingConfig` entries {unused} match no module of"
-            f" {type(module).__name__}; check their spelling.{_did_you_mean(unused, sorted(seen_class_names))}",
+            f" {type(module).__name__}; check their spelling.{meant}",
             LightningCkptDeterminismWarning,
             stacklevel=3,
         )

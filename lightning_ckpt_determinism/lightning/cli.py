@@ -601,10 +601,26 @@ _CLASS_PATH_AS_A_NAME = (
 _INVALID_NAME = re.compile(r"strategy='([^']+)'")
 
 
+_CLASS_AS_A_NAME = (
+    "`trainer.strategy`: {given!r} is this package's {name}, written where a strategy's name goes: write it as"
+    " `class_path: lightning_ckpt_determinism.{name}`, with its arguments under `init_args:` (`init_args:"
+    " {{checkpointing: {{classes: [Block]}}}}`), or `strategy: {registered}` for `classes: auto`."
+)
+
+
 def _class_path_as_a_name(err: BaseException) -> str | None:
-    """One line for Lightning's "invalid strategy name" where the name is a dotted class path (it lowercases it)."""
+    """One line for Lightning's "invalid strategy name" where the name is a dotted class path, or one of the package's
+    strategy classes by its bare name (Lightning lowercases it)."""
     found = _INVALID_NAME.search(str(err))
-    return _CLASS_PATH_AS_A_NAME.format(given=found[1]) if found is not None and "." in found[1] else None
+    if found is None:
+        return None
+    if "." in found[1]:
+        return _CLASS_PATH_AS_A_NAME.format(given=found[1])
+    bare = {strategy.__name__.lower(): (registered, strategy.__name__) for registered, strategy in REGISTERED.items()}
+    if found[1].lower() not in bare:
+        return None
+    registered, name = bare[found[1].lower()]
+    return _CLASS_AS_A_NAME.format(given=found[1], name=name, registered=registered)
 
 
 def _at(node: Any, *keys: str) -> Any:
