@@ -251,6 +251,25 @@ def test_the_audit_compares_as_the_configs_monitor_does(capsys, tmp_path):
     assert code == 1 and "(tolerance 0)" in out
 
 
+def test_a_config_whose_fit_refuses_two_monitors_is_refused_by_its_audit_alike(capsys, tmp_path):
+    # Two monitors with other `every_n_steps` (other `state_key`s): Lightning takes them, the fit refuses them as it
+    # starts.
+    config = yaml.safe_load((CONFIGS / "gpt_blocks_by_class.yaml").read_text())
+    (monitor,) = config["trainer"]["callbacks"]
+    config["trainer"]["callbacks"].append(
+        {**monitor, "init_args": {**monitor.get("init_args", {}), "every_n_steps": 7}}
+    )
+    path = tmp_path / "two_monitors.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, out, err = audit(capsys, "--config", str(path))
+    assert (code, out) == (2, "")
+    assert err.strip().endswith(
+        "`trainer.callbacks`: `RecomputationMonitor` is in the Trainer's callbacks 2 times: give it once. One monitor"
+        " checks every checkpointed region; several would check each step again, and only the last one's sentinel"
+        " would see the regions."
+    )
+
+
 def test_json_reports_buffer_mutations_errors_and_infinities(capsys, tmp_path):
     report = tmp_path / "buffers.json"
     code, out, _ = audit(capsys, "--config", str(CONFIGS / "broken_buffer_mutation.yaml"), "--json", str(report))

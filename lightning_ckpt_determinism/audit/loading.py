@@ -25,7 +25,7 @@ from lightning_ckpt_determinism.lightning.cli import (
     yaml_error,
 )
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
-from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor
+from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor, given_twice
 from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpointingMixin
 
 __all__ = [
@@ -177,7 +177,7 @@ def fit_notes(arguments: dict[str, Any]) -> list[str]:
 
 
 def monitor_settings(args: argparse.Namespace, callbacks: Sequence[object]) -> list[str]:
-    """Give ``args`` what the config's first :class:`~lightning_ckpt_determinism.RecomputationMonitor` compares with,
+    """Give ``args`` what the config's :class:`~lightning_ckpt_determinism.RecomputationMonitor` compares with,
     as the fit's checks do: its ``tolerance`` unless ``--tolerance`` is given, ``calibrate_noise`` where either asks
     for it, and its ``exclude_attributes``; and the note saying what was taken.
 
@@ -189,7 +189,10 @@ def monitor_settings(args: argparse.Namespace, callbacks: Sequence[object]) -> l
         >>> args.tolerance, args.exclude_attributes
         (1e-06, ['stamp'])
     """
-    monitor = next((callback for callback in callbacks if isinstance(callback, RecomputationMonitor)), None)
+    monitors = [callback for callback in callbacks if isinstance(callback, RecomputationMonitor)]
+    if len(monitors) > 1:  # the fit refuses them as it starts: so does its audit
+        raise UsageError(f"`trainer.callbacks`: {given_twice(len(monitors))}")
+    monitor = monitors[0] if monitors else None
     taken = []
     if args.tolerance is None:
         args.tolerance = monitor.tolerance if monitor is not None else 0.0
