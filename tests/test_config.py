@@ -415,6 +415,13 @@ def test_a_name_no_module_name_is_close_to_is_told_no_name_meant(written: str) -
     assert "Did you mean" not in str(raised.value)
 
 
+@pytest.mark.parametrize("written", ["blocks.3", "blocks.30"])
+def test_an_index_past_a_containers_last_is_told_its_range(written: str) -> None:
+    with pytest.raises(CheckpointingConfigError) as raised:
+        select_modules(make_stack(n=3), CheckpointingConfig(names=[written]))
+    assert f" 'blocks' holds 0 to 2: {written!r} is past its last. The model's module classes" in str(raised.value)
+
+
 def test_a_regular_expression_is_told_so_not_respelt() -> None:
     with pytest.raises(CheckpointingConfigError) as raised:
         select_modules(make_stack(n=3), CheckpointingConfig(names=["blocks.*.linear|dropout"]))

@@ -266,7 +266,25 @@ def _names_meant(module_names: list[str], patterns: list[str]) -> str:
                 if fits
                 else f" Names are globs (`*`, `?`, `[0-9]`), not regular expressions ({pattern!r})."
             )
+        else:
+            meant.append(_out_of_range(module_names, dotted, pattern))
     return "".join(meant)
+
+
+def _out_of_range(module_names: list[str], dotted: str, pattern: str) -> str:
+    """`` 'blocks' holds 0 to 11: 'blocks.12' is past its last.`` where ``dotted`` indexes a container past its
+    children; else nothing."""
+    head, _, index = dotted.rpartition(".")
+    if not index.isdigit() or head not in module_names:
+        return ""
+    held = sorted(
+        int(name[len(head) + 1 :])
+        for name in module_names
+        if name.rpartition(".")[0] == head and name.rpartition(".")[2].isdigit()
+    )
+    if not held:
+        return ""
+    return f" {head!r} holds {held[0]} to {held[-1]}: {pattern!r} is past its last."
 
 
 def _respelt(pattern: str, words: list[str]) -> str:
