@@ -100,15 +100,13 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     tensor = waited(local_tensor(tensor))
     if type(tensor) is torch.Tensor:
         return (tensor,)
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is None:
+    if not hasattr(tensor, "__tensor_flatten__"):
         return (tensor,) if _own_storage(tensor) is not None else None
-    try:
-        names = flatten()[0]
-    except Exception:  # a layout its subclass cannot flatten: read as one without the protocol, never a failure
+    flattened = _flattened(tensor)
+    if flattened is None:
         return None
     parts: list[torch.Tensor] = []
-    for name in names:
+    for name in flattened[0]:
         inner = plain_parts(getattr(tensor, name))
         if inner is None:
             return None
@@ -205,9 +203,10 @@ def state_copy(tensor: torch.Tensor) -> torch.Tensor:
         >>> type(copy).__name__, copy.b.tolist()
         ('TwoTensor', [1.0, 1.0])
     """
-    if not _wrapper_subclass(tensor):
+    flattened = _wrapper_flattening(tensor)
+    if flattened is None:
         return tensor.detach().clone()
-    names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, context = flattened
     inner = {name: state_copy(getattr(tensor, name)) for name in names}
     return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())  # type: ignore[attr-defined]
 
@@ -227,25 +226,35 @@ def write_values(tensor: torch.Tensor, value: torch.Tensor) -> None:
         >>> buffer.tolist(), buffer._version
         ([1.0, 1.0], 0)
     """
-    if not _wrapper_subclass(tensor):
+    flattened = _wrapper_flattening(tensor)
+    if flattened is None:
         tensor.data.copy_(value)
         return
-    for name in tensor.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+    for name in flattened[0]:
         write_values(getattr(tensor, name), getattr(value, name))
 
 
-def _wrapper_subclass(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a wrapper subclass whose values are its inner tensors' (a DTensor copies its own; one
-    whose ``__tensor_flatten__`` raises is copied through its own ops)."""
+def _wrapper_flattening(tensor: torch.Tensor) -> tuple[list[str], Any] | None:
+    """The ``__tensor_flatten__`` of a wrapper subclass whose values are its inner tensors'; ``None`` for a tensor
+    that copies its own (a plain one, a DTensor, one whose ``__tensor_flatten__`` raises: through its own ops)."""
     if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
-        return False
-    if not hasattr(tensor, "__tensor_flatten__") or (_DTensor is not None and isinstance(tensor, _DTensor)):
-        return False
+        return None
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        return None
+    return _flattened(tensor)
+
+
+def _flattened(tensor: torch.Tensor) -> tuple[list[str], Any] | None:
+    """``tensor.__tensor_flatten__()`` (its inner tensors' names and its context); ``None`` without the protocol, or
+    for a layout its class does not flatten (it raises): read as a subclass without it, never a failure."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
     try:
-        tensor.__tensor_flatten__()
-    except Exception:  # a layout its class does not flatten
-        return False
-    return True
+        names, context = flatten()
+    except Exception:
+        return None
+    return list(names), context
 
 
 def storage_pointer(tensor: torch.Tensor) -> int | None:

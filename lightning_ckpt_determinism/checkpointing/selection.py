@@ -277,11 +277,8 @@ def _out_of_range(module_names: list[str], dotted: str, pattern: str) -> str:
     head, _, index = dotted.rpartition(".")
     if not index.isdigit() or head not in module_names:
         return ""
-    held = sorted(
-        int(name[len(head) + 1 :])
-        for name in module_names
-        if name.rpartition(".")[0] == head and name.rpartition(".")[2].isdigit()
-    )
+    children = (name.rpartition(".") for name in module_names)
+    held = sorted(int(child) for parent, _, child in children if parent == head and child.isdigit())
     if not held:
         return ""
     return f" {head!r} holds {held[0]} to {held[-1]}: {pattern!r} is past its last."
