@@ -632,6 +632,34 @@ def test_a_loss_fn_the_cli_refuses_says_why_in_one_line(
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_loss_fn_given_as_a_bare_name_is_told_to_be_an_import_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"]["callbacks"][0]["init_args"].update(loss_fn="my_loss"))
+    assert _cli_error(capsys, _argv(config, tmp_path)) == (
+        "error: `trainer.callbacks[0].loss_fn` must be a function's import path, as `my_package.losses.my_loss`, got"
+        " 'my_loss': define it in a module Python can import, as `def my_loss(module, batch, batch_idx) ->"
+        " torch.Tensor:`."
+    )
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("field", "example"), [("save_ops", "[aten.mm, aten.convolution]"), ("names", "[layers.0, layers.1]")]
+)
+def test_a_list_field_given_a_mapping_is_shown_as_a_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, example: str
+) -> None:
+    def give_a_mapping(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"]["init_args"]["checkpointing"][field] = {"aten.mm": True}
+
+    assert _cli_error(capsys, _argv(_edited(tmp_path, give_a_mapping), tmp_path)) == (
+        f"error: `trainer.strategy.checkpointing.{field}` must be a list, got a mapping {{'aten.mm': True}}; write its"
+        f" items as a list: {example}."
+    )
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_loss_fn_of_another_signature_is_one_line_naming_its_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -668,10 +696,100 @@ def test_a_misspelt_strategy_class_gets_its_own_line(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.usefixtures("in_process")
-def test_a_misspelt_strategy_name_gets_its_own_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = _edited(tmp_path, lambda config: config["trainer"].update(strategy="dpp"))
+@pytest.mark.parametrize(
+    ("given", "meant"), [("dpp", "ddp"), ("single_device_checkpointin", "single_device_checkpointing")]
+)
+def test_a_misspelt_strategy_name_gets_the_name_meant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, meant: str
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"].update(strategy=given))
     line = _cli_error(capsys, _argv(config, tmp_path))
-    assert line.startswith("error: You selected an invalid strategy name: `strategy='dpp'`. It must be either a string")
+    assert line == f"error: `trainer.strategy`: {given!r} is not a strategy's name; did you mean `{meant}`?"
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_strategy_name_that_is_close_to_none_keeps_lightnings_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _edited(tmp_path, lambda config: config["trainer"].update(strategy="qqqqq"))
+    line = _cli_error(capsys, _argv(config, tmp_path))
+    assert line.startswith("error: You selected an invalid strategy name: `strategy='qqqqq'`. It must be either")
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("dpp", "'dpp' is not a strategy's name; did you mean `ddp`? (a name"),
+        ("qqqqq", "'qqqqq' is not a strategy's name (a name"),
+    ],
+)
+def test_a_misspelt_strategy_name_over_a_config_with_checkpointing_is_not_called_a_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, said: str
+) -> None:
+    line = _cli_error(capsys, _argv(BASE_CONFIG, tmp_path, f"--trainer.strategy={given}"))
+    assert line == (
+        f"error: `trainer.strategy`: {said} takes no `checkpointing`: to keep the config's, give one of this"
+        " package's strategies as `class_path`)."
+    )
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(
+    ("where", "given", "meant"),
+    [
+        (
+            "trainer.strategy",
+            "lightning_ckpt_determinism.strategies.SingleDeviceCheckpointingStrategy",
+            "module 'lightning_ckpt_determinism' has no attribute 'strategies'; did you mean"
+            " `lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy`?",
+        ),
+        (
+            "trainer.callbacks[0]",
+            "lightning_ckpt_determinism.monitor.RecomputationMonitor",
+            "module 'lightning_ckpt_determinism' has no attribute 'monitor'; did you mean"
+            " `lightning_ckpt_determinism.RecomputationMonitor`?",
+        ),
+        (
+            "model",
+            "examples.models.GPTModule",
+            "module 'examples' has no attribute 'models'; did you mean `examples.gpt.GPTModule`?",
+        ),
+    ],
+    ids=["the strategy", "the monitor", "the model, through an imported module"],
+)
+def test_a_class_path_through_a_wrong_submodule_gets_the_path_meant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, given: str, meant: str
+) -> None:
+    def misplace(config: dict[str, Any]) -> None:
+        node = {
+            "trainer.strategy": config["trainer"]["strategy"],
+            "trainer.callbacks[0]": config["trainer"]["callbacks"][0],
+            "model": config["model"],
+        }[where]
+        node["class_path"] = given
+
+    assert _cli_error(capsys, _argv(_edited(tmp_path, misplace), tmp_path)) == f"error: `{where}`: {meant}"
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("first", [True, False], ids=["in the first file", "in the second file"])
+def test_a_monitor_mistake_with_callbacks_listed_in_two_config_files_names_its_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], first: bool
+) -> None:
+    # jsonargparse refuses a file as it loads it; the file whose callbacks hold the field is the one.
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n"
+        "    - class_path: lightning_ckpt_determinism.RecomputationMonitor\n      init_args:\n        sentinel: heavy\n"
+    )
+    other = tmp_path / "other.yaml"
+    other.write_text("trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.LearningRateMonitor\n")
+    configs = [wrong, other] if first else [other, wrong]
+    argv = [*_argv(BASE_CONFIG, tmp_path), "--config", str(configs[0]), "--config", str(configs[1])]
+    assert _cli_error(capsys, argv) == (
+        "error: `trainer.callbacks[1].sentinel` can be light, sampled, exact, off, got 'heavy'."
+    )
 
 
 @pytest.mark.usefixtures("in_process")

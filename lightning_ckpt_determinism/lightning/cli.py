@@ -27,7 +27,7 @@ import os
 import re
 import sys
 from argparse import ArgumentError
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from lightning_ckpt_determinism.config import (
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, RecomputationDivergenceError
 from lightning_ckpt_determinism.lightning.cli_values import check_parsed_config
 from lightning_ckpt_determinism.lightning.monitor import RecomputationMonitor, given_twice
-from lightning_ckpt_determinism.lightning.registry import REGISTERED, registered_name
+from lightning_ckpt_determinism.lightning.registry import REGISTERED, register_strategies, registered_name
 
 __all__ = [
     "CheckpointingCLI",
@@ -86,6 +86,7 @@ def _keyed_field(found: re.Match[str]) -> str:
 
 # Python's words for a class path whose module has no such name, as jsonargparse passes them on.
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+_GIVEN_CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
 # The package's error that ended a spawned process, last in the traceback text its parent receives.
 _PACKAGE_ERROR = re.compile(r"^lightning_ckpt_determinism\.errors\.(\w+): (.*)\Z", re.MULTILINE | re.DOTALL)
 
@@ -255,22 +256,25 @@ def callback_indexed(message: str, configs: list[Any], arguments: Any = ()) -> s
     found = _CALLBACKS_KEY.match(message)
     if found is None:
         return message
-    refused, listed = _REFUSED.search(message), _LISTED_OF.search(message)
+    refused, listed, missing = _REFUSED.search(message), _LISTED_OF.search(message), _NO_ATTRIBUTE.search(message)
     field = found[1] or (refused[1] if refused is not None else None)
-    callbacks = _listed_callbacks(configs)
+    lists = _listed_callbacks(configs)
     if field is not None:
-        holding = [index for index, (_, init_args) in enumerate(callbacks) if field in init_args]
+        holding = _holding(lists, lambda path, init_args: field in init_args)
         typed = _typed_callback_argument(field, arguments) if not holding else None
         if typed is not None:
             return f"`{typed}`{message[found.end() :]}"
     elif listed is not None:  # its `init_args` a list: the callback of that class, its path written in full or not
         named = listed[1].rsplit(".", 1)[-1]
-        holding = [index for index, (path, _) in enumerate(callbacks) if str(path).rsplit(".", 1)[-1] == named]
+        holding = _holding(lists, lambda path, init_args: str(path).rsplit(".", 1)[-1] == named)
+    elif missing is not None:  # a class path that names nothing: the callback whose path goes through the name
+        through = f"{missing[1]}.{missing[2]}."
+        holding = _holding(lists, lambda path, init_args: f"{path}.".startswith(through))
     else:
         return message
     if len(holding) != 1:
         return message
-    key = f"trainer.callbacks[{holding[0]}]" + (f".{found[1]}" if found[1] else "")
+    key = f"trainer.callbacks[{min(holding)}]" + (f".{found[1]}" if found[1] else "")
     return f"`{key}`{message[found.end() :]}"
 
 
@@ -290,16 +294,25 @@ def _typed_callback_argument(field: str, arguments: Any) -> str | None:
 _LISTED_OF = re.compile(r"the `init_args` of `([\w.]+)` are a list")
 
 
-def _listed_callbacks(configs: list[Any]) -> list[tuple[object, dict[str, Any]]]:
-    """``(class_path, init_args)`` of each callback of the one config that lists callbacks, in its order; none where
-    several do (jsonargparse may have refused either file's)."""
+def _listed_callbacks(configs: list[Any]) -> list[list[tuple[object, dict[str, Any]]]]:
+    """``(class_path, init_args)`` of each callback of each config that lists callbacks, in their orders."""
     lists = []
     for config in configs:
         trainer = config.get("trainer") if isinstance(config, dict) else None
         callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
         if isinstance(callbacks, list):
-            lists.append(callbacks)
-    return [_class_and_arguments(callback) for callback in lists[0]] if len(lists) == 1 else []
+            lists.append([_class_and_arguments(callback) for callback in callbacks])
+    return lists
+
+
+def _holding(
+    lists: list[list[tuple[object, dict[str, Any]]]], holds: Callable[[object, dict[str, Any]], bool]
+) -> set[int]:
+    """The indices, in their own config's list, of the callbacks for which ``holds(class_path, init_args)``; empty
+    where callbacks of two configs do (jsonargparse refuses a file as it loads it, so either may be the one)."""
+    found = [(number, index) for number, callbacks in enumerate(lists) for index, callback in enumerate(callbacks)]
+    found = [(number, index) for number, index in found if holds(*lists[number][index])]
+    return {index for _, index in found} if len({number for number, _ in found}) == 1 else set()
 
 
 def _class_and_arguments(callback: object) -> tuple[object, dict[str, Any]]:
@@ -514,10 +527,32 @@ def _belongs_elsewhere(text: str) -> str | None:
 
 
 def _class_path_meant(text: str) -> str:
-    """``; did you mean `module.Class`?`` for a ``class_path`` whose module has no such name but a close one."""
+    """``; did you mean `module.Class`?`` for a ``class_path`` whose module has no such name but a close one, or
+    whose module has the class itself where the path goes through a submodule it does not have
+    (``lightning_ckpt_determinism.strategies.SingleDeviceCheckpointingStrategy``)."""
     missing = _NO_ATTRIBUTE.search(text)
-    meant = None if missing is None else class_path_meant(missing[1], missing[2])
+    if missing is None:
+        return ""
+    meant = class_path_meant(missing[1], missing[2])
+    # The class path that goes through the missing name (not another class path the text names: a callback's
+    # whose `loss_fn` is the missing name).
+    given = [path for path in _GIVEN_CLASS_PATH.findall(text) if path.startswith(f"{missing[1]}.{missing[2]}.")]
+    last = given[0].rsplit(".", 1)[-1] if given else missing[2]
+    if meant is None and last != missing[2]:
+        meant = class_path_meant(missing[1], last) or _imported_holder(missing[1], last)
     return f"; did you mean `{meant}`?" if meant else ""
+
+
+def _imported_holder(package: str, name: str) -> str | None:
+    """``package.sub.name`` for the one module already imported under ``package`` that defines ``name`` (a class path
+    through the wrong submodule: ``examples.models.GPTModule`` for ``examples.gpt.GPTModule``); nothing is imported."""
+    holders = sorted(
+        module_name
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith(f"{package}.")
+        and getattr(getattr(module, name, None), "__module__", None) == module_name
+    )
+    return f"{holders[0]}.{name}" if len(holders) == 1 else None
 
 
 def _option_meant(text: str) -> str:
@@ -581,6 +616,13 @@ def _dropped_by_a_name(strategy: str) -> str:
     if "." in strategy:
         return _CLASS_PATH_AS_A_NAME.format(given=strategy)
     name = registered_name(strategy)
+    if strategy not in _strategy_names():
+        meant = _strategy_name_meant(strategy)
+        return (
+            f"`trainer.strategy`: {strategy!r} is not a strategy's name{f'; did you mean `{meant}`?' if meant else ''}"
+            " (a name takes no `checkpointing`: to keep the config's, give one of this package's strategies as"
+            " `class_path`)."
+        )
     keep = (
         f"`class_path: lightning_ckpt_determinism.{REGISTERED[name].__name__}`"
         if name is not None
@@ -618,9 +660,27 @@ def _class_path_as_a_name(err: BaseException) -> str | None:
         return _CLASS_PATH_AS_A_NAME.format(given=found[1])
     bare = {strategy.__name__.lower(): (registered, strategy.__name__) for registered, strategy in REGISTERED.items()}
     if found[1].lower() not in bare:
-        return None
+        meant = _strategy_name_meant(found[1])
+        return (
+            None
+            if meant is None
+            else f"`trainer.strategy`: {found[1]!r} is not a strategy's name; did you mean `{meant}`?"
+        )
     registered, name = bare[found[1].lower()]
     return _CLASS_AS_A_NAME.format(given=found[1], name=name, registered=registered)
+
+
+def _strategy_names() -> list[str]:
+    """Every name ``Trainer(strategy=...)`` takes: Lightning's registry, with the package's names, and ``auto``."""
+    register_strategies()
+    return [*StrategyRegistry.available_strategies(), "auto"]
+
+
+def _strategy_name_meant(given: str) -> str | None:
+    """The strategy name closest to ``given``, where ``given`` is none and one is close (``ddp`` for ``dpp``)."""
+    names = _strategy_names()
+    close = difflib.get_close_matches(given, names, n=1, cutoff=0.6) if given not in names else []
+    return close[0] if close else None
 
 
 def _at(node: Any, *keys: str) -> Any:
@@ -654,6 +714,9 @@ def _in_package_words(rejected: str) -> str:
     single = list_expected(found[2]) if found else None
     if found is not None and single is not None:
         if not found[1].endswith("classes"):
+            if single.startswith("{"):
+                example = _LIST_EXAMPLES.get(found[1].rsplit(".", 1)[-1], "[first, second]")
+                return f"`{found[1]}` must be a list, got a mapping {single}; write its items as a list: {example}."
             return f"`{found[1]}` must be a list, got {single}; write [{single}]."
         if difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
@@ -663,7 +726,7 @@ def _in_package_words(rejected: str) -> str:
     flag = bool_expected(found[2]) if found else None
     if found is not None and flag is not None:
         return f"`{found[1]}` must be true or false, got {flag}."
-    config = _config_not_a_mapping(found[1], found[2]) if found else None
+    config = (_config_not_a_mapping(found[1], found[2]) or _function_not_a_path(found[1], found[2])) if found else None
     if config is not None:
         return config
     budget = _budget_of_another_type(found[1], found[2]) if found else None
@@ -683,6 +746,10 @@ _MAPPING_EXPECTED = re.compile(r"expected a mapping of CheckpointingConfig argum
 
 
 _TYPE_EXPECTED = re.compile(r"Expected a <class '\w+'>, got (.+)")
+
+
+# How each of the config's list fields is written, for a mapping given in its place.
+_LIST_EXAMPLES = {"save_ops": "[aten.mm, aten.convolution]", "names": "[layers.0, layers.1]"}
 
 
 def _budget_of_another_type(key: str, reason: str) -> str | None:
@@ -713,6 +780,17 @@ def _config_not_a_mapping(key: str, reason: str) -> str | None:
     return (
         f"`{key}` takes the fields of `CheckpointingConfig` as a mapping, got {value}; write `checkpointing:"
         f" {{classes: {meant}}}` to select modules by class."
+    )
+
+
+def _function_not_a_path(key: str, reason: str) -> str | None:
+    """One line for a ``loss_fn`` given a name that is not a dotted import path (``loss_fn: my_loss``)."""
+    found = _PATH_EXPECTED.search(reason)
+    if not key.endswith("loss_fn") or found is None:
+        return None
+    return (
+        f"`{key}` must be a function's import path, as `my_package.losses.my_loss`, got {found[1]!r}: define it in a"
+        " module Python can import, as `def my_loss(module, batch, batch_idx) -> torch.Tensor:`."
     )
 
 
