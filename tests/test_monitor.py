@@ -814,6 +814,63 @@ def test_an_optimizer_that_calls_its_closure_again_is_checked_once_per_step(tmp_
         assert torch.equal(expected, actual), key
 
 
+class EpochLoggingLBFGSModule(LBFGSModule):
+    """LBFGS whose closure logs its loss for the epoch: every closure call adds to the epoch's mean."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+class LogsAroundBackwardModule(ManualModule):
+    """Manual optimization logging on both sides of its backward, as Lightning's GAN example does."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = F.mse_loss(self.model(x), y)
+        self.log("before", loss, on_step=True, on_epoch=True)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        self.log("after", 2 * loss.detach(), on_step=True, on_epoch=True)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("make", "loss_fn"),
+    [(EpochLoggingLBFGSModule, None), (LogsAroundBackwardModule, manual_loss)],
+    ids=["LBFGS", "manual"],
+)
+def test_what_training_step_logs_is_the_same_with_the_monitor_checking_the_first_batch(
+    tmp_path: Path, make: Callable[[], pl.LightningModule], loss_fn: Any
+) -> None:
+    # Lightning drops an epoch's first-batch values of a hook when another hook logged between two of its calls: the
+    # check's metrics, logged from `on_after_backward`, wiped what `training_step` logged before them.
+    logged = []
+    for name, monitor in (("plain", None), ("monitored", RecomputationMonitor(every_n_steps=1, loss_fn=loss_fn))):
+        logger = CSVLogger(tmp_path, name=name)
+        trainer, _ = fit(
+            tmp_path / name, module=make(), monitor=monitor, max_steps=3, logger=logger, log_every_n_steps=1
+        )
+        logger.save()
+        with open(logger.experiment.metrics_file_path) as file:
+            rows = [
+                {k: v for k, v in row.items() if v and not k.startswith("recompute/")} for row in csv.DictReader(file)
+            ]
+        shown = {key: value for key, value in trainer.callback_metrics.items() if not key.startswith("recompute/")}
+        logged.append(([row for row in rows if len(row) > 2], shown))
+        if monitor is not None:
+            assert [entry.step for entry in monitor.history] == [0, 1, 2]
+            assert trainer.callback_metrics["recompute/grad_divergence"] == 0.0
+    (plain_rows, plain_shown), (rows, shown) = logged
+    assert rows == plain_rows
+    assert plain_shown.keys() == shown.keys() and len(shown) >= 1
+    assert all(torch.equal(plain_shown[key], shown[key]) for key in shown)
+
+
 @pytest.mark.parametrize("every_n_steps", [1, 2])
 def test_parameters_a_step_changes_in_place_are_copied_after_the_first_skip_and_training_is_unchanged(
     tmp_path, every_n_steps

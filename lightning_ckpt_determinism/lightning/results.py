@@ -74,6 +74,8 @@ class CheckResults:
         self.warned_steps: set[int] = set()
         # The per-region metrics put in `trainer.callback_metrics` this fit (see `_region_keys_kept`).
         self._regions: set[str] = set()
+        # The last check's metrics, held for `trainer.callback_metrics` until the batch ends (see `show_held`).
+        self._held: tuple[dict[str, float], int] | None = None
 
     def start_fit(
         self,
@@ -94,6 +96,7 @@ class CheckResults:
         self._warned, self.syntax, self.unattributed, self.unseen = {}, syntax, unattributed, unseen
         self.warned_steps = set()
         self._regions = set()
+        self._held = None
 
     def skipped(self, step: int, reason: str) -> None:
         """Keep a check of ``step`` skipped for ``reason``.
@@ -119,7 +122,7 @@ class CheckResults:
 
         Args:
             trainer: The Trainer.
-            pl_module: The LightningModule (its ``self.log`` fills ``trainer.callback_metrics``).
+            pl_module: The LightningModule (its ``self.log`` fills ``trainer.callback_metrics``, see :meth:`show_held`).
             step: The global step checked.
             report: This rank's report.
             subset: Whether the reference ran only some regions plainly (they are kept with the history entry).
@@ -142,7 +145,8 @@ class CheckResults:
         )
         self.summary.add(step, findings, follow_up=follow_up)
         logged = metrics(findings, self.log_prefix, calibrate_noise=self.calibrate_noise)
-        self.publish(trainer, pl_module, logged, step)
+        self.publish(trainer, None, logged, step)
+        self._held = (logged, step)
         self.history.append(
             CheckRecord(
                 step,
@@ -158,6 +162,7 @@ class CheckResults:
             divergence_message(step, findings, report, self.attribution, self.unattributed, self.unseen), self.syntax
         )
         if self.on_divergence == "raise":
+            self.show_held(trainer, pl_module)
             shown_before_raising(trainer)
             raise RecomputationDivergenceError(message)
         if self.warn_once(warning_key(findings), message):
@@ -197,6 +202,21 @@ class CheckResults:
             pl_module.log(
                 name, float(value), logger=False, on_step=True, on_epoch=False, prog_bar=prog_bar, batch_size=1
             )
+
+    def show_held(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Put the last check's metrics in ``trainer.callback_metrics``, at the batch's end (or before the check
+        raises). A check runs in ``on_after_backward``, where a ``self.log`` would make Lightning drop, at an epoch's
+        first batch, what ``training_step`` logged before it whenever ``training_step`` logs again after it (a closure
+        LBFGS calls again, manual optimization logging on both sides of a backward): Lightning resets a hook's values
+        there when another hook logged since.
+
+        Args:
+            trainer: The Trainer.
+            pl_module: The LightningModule.
+        """
+        held, self._held = self._held, None
+        if held is not None:
+            self.publish(trainer, pl_module, held[0], held[1], loggers=False)
 
     def warn_once(self, key: str, message: str) -> bool:
         """Warn on rank zero when a kind of finding first shows, and again when it recurs ``every_n_steps`` checks
