@@ -178,9 +178,10 @@ def performance_tables(result: dict[str, Any]) -> str:
         f" {_goal(result, 'check cost under DDP in steps')} |",
         f"| the same without the reference's all-reduce (no valid check; its share) |"
         f" {ddp['check without all-reduce/step']['median']:.3f} | |",
-        f"| two-pass check with attribution (`attribution: always`, the rerun of a divergence) / step |"
-        f" {cost['two-pass attribution/step']['median']:.2f} | |",
-        f"| throughput with `attribution: always` | {always['in_run']['median']:.3f} in-run | |",
+        f"| two-pass check with attribution (the rerun of a divergence; `attribution: always` runs it after every"
+        f" live check) / step | {cost['two-pass attribution/step']['median']:.2f} | |",
+        f"| throughput with `attribution: always` (measured when it ran the two-pass check instead of the live one) |"
+        f" {always['in_run']['median']:.3f} in-run | |",
         f"| peak memory of a check step / a training step | {peaks['checked step'] / peaks['step']:.2f}"
         f" ({peaks['checked step'] / mib:.1f} MiB / {peaks['step'] / mib:.1f} MiB) | |",
         f"| same with `reference_regions: 1` | {peaks['checked step, reference_regions=1'] / peaks['step']:.2f}"

@@ -108,10 +108,8 @@ class StepCheck:
         settings = self.settings
         two_pass = self.support.two_pass_unavailable() is None
         try:
-            if two_pass and (
-                settings.attribution == "always"
-                or (settings.loss_fn is not None and self.pl_module.automatic_optimization)
-            ):
+            if two_pass and settings.loss_fn is not None and self.pl_module.automatic_optimization:
+                # The live step's loss is `training_step`'s, not `loss_fn`'s: both passes are `loss_fn`'s.
                 return self._two_pass(attribution=settings.attribution == "always")
             report = self._live(plain, gradients_before)
         except SkippedStep:  # a rerun of `training_step` returned None, on every rank alike: nothing to compare
@@ -126,12 +124,16 @@ class StepCheck:
             return None
         checked = [name for name, _ in (plain if plain is not None else checkpointed_modules(self.pl_module).items())]
         report = replace(report, checked_regions=checked, compiled=is_compiled(self.pl_module))
-        if two_pass and report.diverged and report.error is None and settings.attribution == "on_divergence":
-            # Decided alike on every rank: the comparison's figures are reduced over ranks.
+        attributed = settings.attribution == "always" or (report.diverged and settings.attribution == "on_divergence")
+        if two_pass and attributed and report.error is None:
+            # Decided alike on every rank: the comparison's figures are reduced over ranks. The live gradients are
+            # the ones applied: a difference in them stands whatever a fresh two-pass finds (a large buffer first
+            # written at this call recomputes otherwise live only, and is copied for every later pass).
             try:
-                report = with_attribution(report, self._two_pass(attribution=True))
+                two_passes = self._two_pass(attribution=True)
             except SkippedStep:
                 return report  # its rerun skipped: the live check's finding, without a region named
+            report = with_attribution(report, two_passes) if report.diverged or not two_passes.diverged else two_passes
         if (
             not self.pl_module.automatic_optimization
             and report.cause == Cause.OUTSIDE_STATE
