@@ -1,3 +1,4 @@
+import copy
 import csv
 import itertools
 import logging
@@ -291,6 +292,58 @@ def test_selective_checkpointing_is_observed_without_false_positives():
     assert_clean(report)
     _, broken = attributed(DropoutBlock, save_ops=save_ops, preserve_rng_state=False)
     assert only_finding(broken).cause == "rng_not_preserved"
+
+
+@torch.library.custom_op("lightning_ckpt_determinism_tests::masked", mutates_args=())
+def masked(x: torch.Tensor) -> torch.Tensor:
+    """A dropout written as a custom op: it draws from torch's default generator inside, without torch's random tag."""
+    return x * (torch.rand(x.shape) > 0.3).to(x.dtype) / 0.7
+
+
+@masked.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _keep_the_scale(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+    (x,) = inputs
+    ctx.save_for_backward(torch.where(x != 0, output / x, torch.zeros_like(x)))
+
+
+masked.register_autograd(lambda ctx, grad: grad * ctx.saved_tensors[0], setup_context=_keep_the_scale)
+
+
+class CustomOpDropoutBlock(nn.Module):
+    """Linear, tanh and :func:`masked`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + masked(torch.tanh(self.linear(x)))
+
+
+@pytest.mark.parametrize("preserve_rng_state", [False, True])
+def test_a_custom_op_drawing_from_torchs_generator_is_rng_not_preserved(preserve_rng_state: bool) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), CustomOpDropoutBlock(), nn.Linear(8, 1))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["1"], preserve_rng_state=preserve_rng_state))
+    x, y = batch()
+    for twin in (plain, model):  # ground truth: the same seed before each
+        torch.manual_seed(3)
+        F.mse_loss(twin(x), y).backward()
+    differs = any(not torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert differs is not preserve_rng_state
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    (region,) = report.regions
+    assert report.diverged is not preserve_rng_state
+    if preserve_rng_state:
+        assert (region.diverged, region.cause, report.grad_divergence) == (False, None, 0.0)
+        return
+    assert (region.name, region.cause) == ("1", "rng_not_preserved")
+    assert region.first_divergent_op == ("lightning_ckpt_determinism_tests.masked.default", 3)
 
 
 def test_a_flag_that_changes_which_ops_run_is_python_state():

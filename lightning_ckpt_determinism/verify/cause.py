@@ -259,10 +259,12 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
         ),
         Cause.OUTSIDE_STATE: _hints(
             "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
-            " outside the checkpointed regions differs between them (a global, an object the check does not capture,"
-            " data drawn afresh), or a kernel differs from run to run. Recomputation is not the cause: keep such"
-            " state in buffers, or in generators, numbers, tensors and arrays held as module attributes or in their"
-            " lists and dicts, which the check restores, or check with {} for kernels that are not reproducible.",
+            " outside the checkpointed regions differs between them (a global, an object the check does not capture"
+            " such as an iterator the step draws from, data drawn afresh), or a kernel differs from run to run."
+            " Recomputation is not the cause. State the step advances itself, each rerun advanced again, so training"
+            " from here differs from training without the check: keep such state in buffers, or in generators,"
+            " numbers, tensors and arrays held as module attributes or in their lists and dicts, which the check"
+            " restores, or check with {} for kernels that are not reproducible.",
             _CALIBRATE_NOISE,
         ),
         Cause.ATTRIBUTE_MUTATION: _hints(
@@ -272,7 +274,9 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
         ),
         Cause.NONDETERMINISTIC_KERNEL: _hints(
             "A kernel returned other values for the same inputs: {}, or check with {} so that differences within"
-            " the noise floor are tolerated.",
+            " the noise floor are tolerated. An op that draws from a generator held outside the region's modules"
+            " (a custom op given a global `torch.Generator`) reads the same: no such generator is replayed, so let"
+            " the op draw from torch's default generator or from one a module of the region holds.",
             _DETERMINISTIC,
             _CALIBRATE_NOISE,
         ),

@@ -361,7 +361,7 @@ class CallRecord:
             index,
             str(func),
             kind,
-            random=is_random_op(func),
+            random=is_random_op(func) or (kind == "values" and same_inputs and _draws_torch_rng(func, args, kwargs)),
             same_inputs=same_inputs,
             diff=diff,
             buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
@@ -863,6 +863,32 @@ def _keep_data_dependent(kept: KeptOutputs | None) -> KeepDataDependent:
     if kept is not None and kept.keep:
         return "on"
     return "unguarded" if kept is not None and kept.dropped else "off"
+
+
+def _draws_torch_rng(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``func``, an op without torch's random tag that returned other values for the same inputs, draws from
+    torch's generator of its device (a custom op drawing ``torch.rand`` inside): run once more on those inputs, it
+    moves that generator's state, which is then put back. An op that writes its arguments is not run again."""
+    if not isinstance(func, OpOverload) or func._schema.is_mutable:
+        return False
+    tensors = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        return False
+    get_state, set_state = (
+        (torch.get_rng_state, torch.set_rng_state)
+        if device.type == "cpu"
+        else (partial(torch.cuda.get_rng_state, device), partial(torch.cuda.set_rng_state, device=device))
+    )
+    before = get_state()
+    try:
+        func(*args, **(kwargs or {}))
+    except Exception:  # an op that cannot run again here proves nothing either way
+        return False
+    finally:
+        after = get_state()
+        set_state(before)
+    return not torch.equal(before, after)
 
 
 def _flatten(value: Any) -> list[Any]:
