@@ -38,6 +38,7 @@ from lightning_ckpt_determinism import (
     RecomputationMonitor,
     apply_activation_checkpointing,
 )
+from lightning_ckpt_determinism.checkpointing.contexts import KEPT_BUFFER_BYTES
 from lightning_ckpt_determinism.lightning import monitor as monitor_module
 from lightning_ckpt_determinism.lightning.watch import SentinelWatch
 from lightning_ckpt_determinism.verify.gradients import local_tensor
@@ -86,6 +87,34 @@ class RankOneBufferBlock(torch.nn.Module):
         if dist.get_rank() == 1:
             self.count += 1
         return x + torch.tanh(self.linear(x))
+
+
+class RankOneShiftsALargeTable(torch.nn.Module):
+    """On rank 1 only, shifts a table over 1 MiB in forward from step 2 on, then reads it: the region copies no table
+    that large before it knows a forward changes it, so that call recomputes from the shifted values there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+        self.register_buffer("table", torch.zeros((KEPT_BUFFER_BYTES // 4 + DIM) // DIM, DIM))
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1 and self.step >= 2:
+            with torch.no_grad():
+                self.table.add_(0.5)
+        return x + torch.tanh(self.linear(x) + self.table[0])
+
+
+class RankOneLargeTableModule(StackModule):
+    """A stack whose second block is :class:`RankOneShiftsALargeTable`, told the step."""
+
+    def __init__(self, block: str = "PlainBlock") -> None:
+        super().__init__(block=block)
+        self.model.blocks[1] = RankOneShiftsALargeTable()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.model.blocks[1].step = self.global_step
 
 
 class SometimesBranchBlock(torch.nn.Module):
@@ -383,6 +412,10 @@ def main(kind: str, out_dir: Path) -> None:
             module_class=ManualModule,
         )
         run(kind, out_dir, "manual_plain", "DropoutBlock", None, None, {}, module_class=ManualModule)
+        # A sentinel finding on rank 1 alone whose follow-up check finds the step exact: rank 0 names rank 1's buffer.
+        monitor = RecomputationMonitor(every_n_steps=100, sentinel="exact")
+        tables = {"names": ["model.blocks.*"]}
+        run(kind, out_dir, "table_rank_one", "PlainBlock", monitor, tables, {}, module_class=RankOneLargeTableModule)
         checkpointing = {"classes": ["PlainBlock", "RankOneCounterBlock"]}
         for mode in ("warn", "raise"):
             monitor = RecomputationMonitor(every_n_steps=2, on_divergence=mode, sentinel="off")  # type: ignore[arg-type]

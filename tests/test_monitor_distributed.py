@@ -15,6 +15,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_ckpt_determinism.verify.reports import read_otherwise_hint
 from tests.helpers import launch_ranks, run_launcher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,6 +169,17 @@ def test_ddp_a_defect_on_rank_one_only_is_named_with_its_region_cause_and_rank(d
     assert all(
         value > 0.0 for value in logged(out_dir, "rank_one_warn", "recompute/regions/model.blocks.1/max_abs_diff")
     )
+
+
+def test_ddp_a_follow_up_check_that_finds_the_step_exact_names_the_buffer_read_otherwise_on_another_rank(ddp):
+    rank0, rank1 = result(ddp, "table_rank_one", 0), result(ddp, "table_rank_one", 1)
+    assert [record["step"] for record in rank0["history"]] == [record["step"] for record in rank1["history"]] == [0, 3]
+    said = [line for line in rank0["warnings"] if "which a sentinel finding asked for" in line]
+    assert said == [
+        "lightning_ckpt_determinism: the full check at step 3, which a sentinel finding asked for, found recomputation"
+        " exact in that step: the difference shows at some calls only, so no check names its cause; the sentinel's"
+        f" finding and its region stand. A cause seen this fit: {read_otherwise_hint(['model.blocks.1.table'])}"
+    ]
 
 
 @pytest.mark.parametrize("name", ["buffer_rank_one", "buffer_rank_one_live"], ids=["attributed", "live check only"])

@@ -807,6 +807,65 @@ def test_a_follow_up_check_that_finds_the_step_exact_names_large_buffers_read_ot
     ]
 
 
+@pytest.mark.parametrize("attribution", ["on_divergence", "always"])
+def test_a_difference_in_the_live_steps_gradients_alone_is_found_whatever_the_attribution(
+    tmp_path: Path, attribution: Any
+) -> None:
+    # The table's first shift (step 2) is recomputed from the shifted values in the live step only: a fresh two-pass
+    # rerun copies the table first, so a check that looked at its own passes alone read 0.0 there.
+    weights = []
+    for name, monitor in (
+        ("plain", None),
+        ("monitored", RecomputationMonitor(every_n_steps=1, attribution=attribution, sentinel="off")),
+    ):
+        pl.seed_everything(0, verbose=False)
+        module = LargeTableModule()
+        callbacks = [] if monitor is None else [monitor]
+        strategy = (
+            "auto"
+            if monitor is None
+            else SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LightningCkptDeterminismWarning)
+            pl.Trainer(**trainer_kwargs(tmp_path / name, max_steps=3, strategy=strategy, callbacks=callbacks)).fit(
+                module
+            )
+        weights.append(module.state_dict())
+        if monitor is not None:
+            assert [(record.step, record.diverged) for record in monitor.history] == [(0, False), (1, False), (2, True)]
+            assert monitor.history[2].grad_divergence > 0.0
+    # Ground truth: the checkpointed fit's step 2 applied other gradients than the plain twin's.
+    assert not torch.equal(weights[0]["model.blocks.1.linear.weight"], weights[1]["model.blocks.1.linear.weight"])
+
+
+class ScaledInBackward(PlainBlock):
+    """Scales ``tanh``'s input in its recomputation (inside a backward) only: a defect of every step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.5 if torch._C._current_graph_task_id() != -1 else 1.0
+        return x + torch.tanh(self.linear(x) * scale)
+
+
+def test_a_follow_up_check_within_the_tolerance_says_so_rather_than_exact(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=100, tolerance=1e6)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.1"]))
+    module = StackModule(block="PlainBlock")
+    module.model.blocks[1] = ScaledInBackward()
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, strategy=strategy, callbacks=[monitor])).fit(module)
+    follow_up = monitor.history[-1]
+    assert [record.step for record in monitor.history] == [0, 1] and 0.0 < follow_up.grad_divergence < 1e6
+    said = [str(warning.message) for warning in caught if "which a sentinel finding asked for" in str(warning.message)]
+    assert said == [
+        "lightning_ckpt_determinism: the full check at step 1, which a sentinel finding asked for, found the gradients"
+        f" of that step within `tolerance` (grad_divergence {follow_up.grad_divergence:.3g}): no check tells a"
+        " difference that small from agreement; the sentinel's finding and its region stand."
+    ]
+
+
 class TableThenArmed(LargeTableModule):
     """:class:`LargeTableModule` whose last block counts when armed, on the last of every three micro-batches."""
 

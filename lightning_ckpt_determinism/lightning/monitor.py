@@ -35,7 +35,7 @@ from lightning_ckpt_determinism.errors import (
 from lightning_ckpt_determinism.lightning.checks import CheckSettings, LossFn, StepCheck
 from lightning_ckpt_determinism.lightning.findings import CheckRecord
 from lightning_ckpt_determinism.lightning.fit_output import FitOutput
-from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, same_on_every_rank
+from lightning_ckpt_determinism.lightning.parallel import agree, all_reduce, gather, same_on_every_rank
 from lightning_ckpt_determinism.lightning.reference import free_memory, plain_regions, regions_that_fit_now
 from lightning_ckpt_determinism.lightning.results import CheckResults, shown_before_raising
 from lightning_ckpt_determinism.lightning.schedule import CheckSchedule
@@ -117,8 +117,8 @@ class RecomputationMonitor(Callback):
         history_size: How many recent results the callback keeps (and saves in checkpoints).
         attribution: When to attribute differences to regions, ops and causes (see above for the cost):
             ``"on_divergence"`` reruns a check that diverged with attribution (decided on all ranks alike);
-            ``"always"`` runs the two-pass check with attribution on every check, which also catches buffer
-            mutations that change no gradient;
+            ``"always"`` follows every live check with the two-pass check with attribution, which also catches
+            buffer mutations that change no gradient (the live gradients' verdict stands where they differed);
             ``"never"`` keeps to gradients, and the warning names parameters only. Under FSDP1, whose model runs only
             through its root wrapper, no check is attributed: a divergence is reported without a region, and
             ``"always"`` is refused at fit start.
@@ -533,6 +533,7 @@ class RecomputationMonitor(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
+        self._results.show_held(trainer, pl_module)
         self._watch.step_ended(next_step=trainer.global_step)
         plan = getattr(trainer.strategy, "checkpointing_plan", None)
         self._watch.all_plain = plan is not None and not plan.checkpointed
@@ -725,12 +726,22 @@ class RecomputationMonitor(Callback):
             else "that step"
         )
         before = self._read_otherwise_at_start
-        read = sorted(name for name, count in buffers_read_otherwise(pl_module).items() if count > before.get(name, 0))
+        own = [name for name, count in buffers_read_otherwise(pl_module).items() if count > before.get(name, 0)]
+        # Every rank's (a rank alone may have read a buffer otherwise): each rank reaches here at the same check.
+        read = sorted(set().union(*gather(trainer.strategy, own)))
         seen = f" A cause seen this fit: {read_otherwise_hint(read)}" if read else ""
+        divergence = self._results.history[-1].grad_divergence if self._results.history else 0.0
+        allowed = "the noise floor `calibrate_noise` measured" if self.calibrate_noise else "`tolerance`"
+        found = (
+            f"found recomputation exact in {where}: the difference shows at some calls only, so no check names its"
+            " cause"
+            if not divergence
+            else f"found the gradients of {where} within {allowed} (grad_divergence {divergence:.3g}): no check tells"
+            " a difference that small from agreement"
+        )
         self._results.warn_once(
             "follow_up_exact",
-            f"lightning_ckpt_determinism: the full check at step {step}, which a sentinel finding asked for, found"
-            f" recomputation exact in {where}: the difference shows at some calls only, so no check names its cause;"
+            f"lightning_ckpt_determinism: the full check at step {step}, which a sentinel finding asked for, {found};"
             f" the sentinel's finding and its region stand.{seen}",
         )
 
