@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision, Precision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 from torch.nn import functional as F
 
 from lightning_ckpt_determinism import (
@@ -33,6 +34,7 @@ from tests.helpers import (
     DIM,
     BatchOnlyModule,
     CollectingModule,
+    FailingRecomputeBlock,
     GradientPenaltyModule,
     HeldNoiseModule,
     ManualModule,
@@ -40,6 +42,7 @@ from tests.helpers import (
     MomentumTeacherModule,
     NumpyNoiseBlock,
     OwnBackwardModule,
+    PlainBlock,
     PlainMetricsModule,
     ReentrantHeadModule,
     SkipsOnItsSecondCallModule,
@@ -1079,8 +1082,8 @@ def test_a_metric_held_in_a_plain_dict_is_updated_once_per_step(tmp_path):
 
 @pytest.mark.parametrize(
     ("attribution", "skips_from"),
-    [("on_divergence", 2), ("always", 2), ("always", 3)],
-    ids=["live reference", "two-pass reference", "two-pass checkpointed pass"],
+    [("on_divergence", 2), ("always", 2), ("always", 3), ("always", 4)],
+    ids=["live reference", "live reference before attribution", "two-pass reference", "two-pass checkpointed pass"],
 )
 def test_a_rerun_that_returns_no_loss_is_an_error_finding(tmp_path, monkeypatch, attribution, skips_from):
     SkipsOnItsSecondCallModule.calls = []
@@ -1160,6 +1163,32 @@ def test_an_error_outside_backward_gets_no_note(tmp_path):
     with pytest.raises(ValueError, match="the user's own error") as raised:
         fit(tmp_path, module=RaisesAtSecondStep(), monitor=RecomputationMonitor(every_n_steps=1), max_steps=3)
     assert getattr(raised.value, "__notes__", []) == []
+
+
+class TooNarrowBlock(PlainBlock):
+    """A shape mistake in a checkpointed block's forward: its layer takes twice the features it is given."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim)
+        self.linear = nn.Linear(2 * dim, dim)
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes need Python 3.11")
+@pytest.mark.parametrize(
+    ("block", "noted"), [("TooNarrowBlock", False), ("FailingRecomputeBlock", True)], ids=["forward", "recomputation"]
+)
+def test_an_error_of_a_checkpointed_forward_gets_no_note_and_one_of_its_recomputation_does(tmp_path, block, noted):
+    # The region's forward runs inside torch's checkpoint as well: only a backward frame says a recomputation ran.
+    module = StackModule(block="PlainBlock")
+    module.model.blocks[1] = TooNarrowBlock() if block == "TooNarrowBlock" else FailingRecomputeBlock()
+    with pytest.raises(RuntimeError) as raised:
+        fit(
+            tmp_path,
+            module=module,
+            monitor=RecomputationMonitor(every_n_steps=100),
+            block="PlainBlock",
+        )
+    assert ("raised in backward" in " ".join(getattr(raised.value, "__notes__", []))) is noted, raised.value
 
 
 @pytest.mark.parametrize("max_steps", [1, 3])

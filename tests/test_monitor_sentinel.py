@@ -422,6 +422,36 @@ def test_a_step_whose_every_call_takes_a_new_code_path_is_said_to_compare_nothin
     assert report is not None and report.on_new_paths == report.not_compared > 0
 
 
+class ShorterAtOneStep(BranchAtOneStep):
+    """Exact, but saves fewer tensors at one step (``branch_at``): a path that never reaches the positions the light
+    tier's targets hold on the path it learned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.linear(x))
+        if self.step == self.branch_at:
+            return x + hidden
+        return x + hidden * torch.sigmoid(self.gate(hidden)) * torch.tanh(self.gate(x))
+
+
+def test_a_light_step_whose_calls_never_reach_their_targets_is_said_to_take_new_paths(tmp_path: Path) -> None:
+    module = BranchingModule()
+    module.model.blocks = torch.nn.ModuleList([ShorterAtOneStep(), ShorterAtOneStep()])
+    monitor = RecomputationMonitor(every_n_steps=50, sentinel="light")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, monitor, module, steps=6)
+    said = [str(warning.message) for warning in caught if "compared nothing" in str(warning.message)]
+    assert len(said) == 1 and "at step 3: every call it met took a code path its region had not learned yet" in said[0]
+    assert [step for step, count in logged(tmp_path, "recompute/sentinel/compared") if count == 0] == [3]
+    report = monitor.sentinel_report
+    # Two targets a call, each left out on the new path, in each of the two blocks.
+    assert report is not None and report.on_new_paths == report.not_compared == 4
+
+
 def test_training_is_bit_identical_with_the_sentinel_on_and_off(tmp_path: Path) -> None:
     off = _weights(tmp_path / "off", "off")
     for name, weights in (

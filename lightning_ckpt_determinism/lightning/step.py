@@ -3,7 +3,6 @@
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -80,17 +79,15 @@ def after_backward_before(callbacks: list[pl.Callback], callback: pl.Callback) -
 
 
 def raised_in_backward(error: BaseException) -> bool:
-    """Whether ``error`` was raised in autograd's backward or in torch's checkpoint (where a recomputation runs).
+    """Whether ``error`` was raised in autograd's backward, where a recomputation runs (not in a checkpointed
+    region's forward, which runs inside torch's checkpoint too).
 
     Example::
 
         >>> raised_in_backward(ValueError("not in a backward"))
         False
     """
-    return raised_in_autograd(error, _CHECKPOINT_FILE)
-
-
-_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+    return raised_in_autograd(error)
 
 
 def fetches_its_batches(pl_module: "pl.LightningModule") -> str | None:

@@ -352,6 +352,9 @@ class RegionCall:
             saved.slot = slot
         if profile is None:
             dropped += len(self._held)
+            if self.targets is not None:
+                # The light tier's targets, placed on the path it knew: those the new path never saved count too.
+                dropped = max(dropped, len(self.targets))
             self.on_new_paths += dropped
             self._held = []
         self.not_compared += dropped

@@ -201,11 +201,17 @@ class RecomputationSentinel:
         self._layouts.pop(name, None)
 
     def _forward_done(self, call: RegionCall, module: nn.Module, *, finished: bool) -> None:
-        """Close ``call`` once its forward returned (``finished``) or raised, and add it to the step."""
-        if not call.saved:
-            return
+        """Close ``call`` once its forward returned (``finished``) or raised, and add it to the step. A call that saved
+        nothing it handles is closed only where it took another path than its light tier's targets were placed on
+        (their positions never reached): its targets count as left out on a new path."""
         try:
-            call.forward_done(digest=finished, profile=region_profile(module), packs=region_saved(module))
+            profile = region_profile(module)
+            known = call.profile
+            if not call.saved and (
+                call.targets is None or known is None or (profile is not None and profile.path == known.path)
+            ):
+                return
+            call.forward_done(digest=finished, profile=profile, packs=region_saved(module))
             if finished:
                 self._saved_bytes.setdefault(call.region, call.saved_bytes)
                 self._joined(call)
