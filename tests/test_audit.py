@@ -304,6 +304,12 @@ def write_config(tmp_path: Path, name: str, strategy: str | None, model: str = "
     return path
 
 
+def _with_auto_strategy(config: Path) -> Path:
+    """``config`` with ``strategy: auto`` written under ``trainer``."""
+    config.write_text(config.read_text().replace("  accelerator: cpu\n", "  accelerator: cpu\n  strategy: auto\n"))
+    return config
+
+
 CHECKPOINTING = (
     "    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
     "    init_args:\n      checkpointing:\n        classes: [{classes}]"
@@ -323,6 +329,11 @@ CHECKPOINTING = (
             r" lightning_ckpt_determinism\.SingleDeviceCheckpointingStrategy` with `init_args: \{checkpointing:"
             r" \{classes: auto\}\}` \(a transformer's layers\) or `\{classes: \[YourBlock\]\}`\n$",
         ),
+        (
+            "auto_strategy",
+            r"error: .*auto_strategy\.yaml sets `trainer\.strategy: auto`, Lightning's choice, so nothing is"
+        ),
+        ("auto_override", r"error: .*no_strategy\.yaml sets `trainer\.strategy: auto`, Lightning's choice, so nothing"),
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         # Named by the config's key, as `CheckpointingCLI` names it.
         (
@@ -391,6 +402,17 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
             str(write_config(tmp_path, "plain", "    class_path: SingleDeviceStrategy")),
         ],
         "no_strategy": ["audit", "--config", str(write_config(tmp_path, "no_strategy", None))],
+        "auto_strategy": [
+            "audit",
+            "--config",
+            str(_with_auto_strategy(write_config(tmp_path, "auto_strategy", None))),
+        ],
+        "auto_override": [
+            "audit",
+            "--config",
+            str(write_config(tmp_path, "no_strategy", None)),
+            "--trainer.strategy=auto",
+        ],
         "unknown_model": [
             "audit",
             "--config",

@@ -735,6 +735,19 @@ def test_a_misspelt_strategy_name_over_a_config_with_checkpointing_is_not_called
 
 
 @pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("given", ["DDP", "Ddp_Checkpointing", "DDPStrategy"])
+def test_a_strategy_name_in_another_case_over_a_config_with_checkpointing_keeps_its_class_path_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    # Lightning reads strategy names in any case: these are names, whose class takes the config's `checkpointing`.
+    line = _cli_error(capsys, _argv(BASE_CONFIG, tmp_path, f"--trainer.strategy={given}"))
+    assert line.startswith(f"error: `trainer.strategy`: {given!r} is a strategy's name, which takes no")
+    assert line.endswith(
+        "use `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy`, whose `init_args` take it."
+    )
+
+
+@pytest.mark.usefixtures("in_process")
 @pytest.mark.parametrize(
     ("where", "given", "meant"),
     [

@@ -896,6 +896,22 @@ def test_a_follow_up_check_within_the_tolerance_says_so_rather_than_exact(tmp_pa
     ]
 
 
+def test_a_sentinel_that_raises_at_a_checked_step_leaves_that_checks_figures_in_callback_metrics(
+    tmp_path: Path,
+) -> None:
+    monitor = RecomputationMonitor(every_n_steps=1, tolerance=1e6, on_divergence="raise")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.1"]))
+    module = StackModule(block="PlainBlock")
+    module.model.blocks[1] = ScaledInBackward()
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, strategy=strategy, callbacks=[monitor]))
+    with pytest.raises(RecomputationDivergenceError, match="at step 0"):
+        trainer.fit(module)
+    (check,) = monitor.history
+    assert (check.step, check.diverged) == (0, False) and check.grad_divergence > 0.0
+    assert trainer.callback_metrics["recompute/grad_divergence"].item() == pytest.approx(check.grad_divergence)
+    assert trainer.callback_metrics["recompute/sentinel/mismatches"] > 0
+
+
 class TableThenArmed(LargeTableModule):
     """:class:`LargeTableModule` whose last block counts when armed, on the last of every three micro-batches."""
 

@@ -96,8 +96,13 @@ def build(args: argparse.Namespace) -> _ParsedFit:
         raise UsageError(f"{given} cannot be loaded: {import_hint(message)}") from err
     strategy = cli.trainer.strategy
     if cli.config[cli.subcommand].trainer.strategy == "auto":
+        written = any(
+            isinstance(section, dict) and isinstance(section.get("trainer"), dict) and "strategy" in section["trainer"]
+            for section in sections
+        ) or any(str(override).startswith("--trainer.strategy") for override in args.overrides)
+        says = "sets `trainer.strategy: auto`, Lightning's choice," if written else "sets no `trainer.strategy`,"
         raise UsageError(
-            f"{where} sets no `trainer.strategy`, so nothing is checkpointed; give it one of this package's"
+            f"{where} {says} so nothing is checkpointed; give it one of this package's"
             " strategies with `checkpointing`, e.g. `class_path:"
             " lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy` with `init_args: {checkpointing:"
             " {classes: auto}}` (a transformer's layers) or `{classes: [YourBlock]}`"

@@ -616,7 +616,7 @@ def _dropped_by_a_name(strategy: str) -> str:
     if "." in strategy:
         return _CLASS_PATH_AS_A_NAME.format(given=strategy)
     name = registered_name(strategy)
-    if strategy not in _strategy_names():
+    if name is None and strategy.lower() not in _strategy_names():  # Lightning reads names in any case
         meant = _strategy_name_meant(strategy)
         return (
             f"`trainer.strategy`: {strategy!r} is not a strategy's name{f'; did you mean `{meant}`?' if meant else ''}"
@@ -679,6 +679,7 @@ def _strategy_names() -> list[str]:
 def _strategy_name_meant(given: str) -> str | None:
     """The strategy name closest to ``given``, where ``given`` is none and one is close (``ddp`` for ``dpp``)."""
     names = _strategy_names()
+    given = given.lower()
     close = difflib.get_close_matches(given, names, n=1, cutoff=0.6) if given not in names else []
     return close[0] if close else None
 

@@ -524,7 +524,9 @@ class RecomputationMonitor(Callback):
         self._watch.step_ended(batch_end=False)
         findings = self._watch.read(trainer)
         if findings:
-            self._publish(trainer, pl_module)  # the loggers and `trainer.callback_metrics` show the step that raises
+            # The loggers and `trainer.callback_metrics` show the step that raises, its check's figures included.
+            self._results.show_held(trainer, pl_module)
+            self._publish(trainer, pl_module)
             shown_before_raising(trainer)
         self._respond(trainer, findings)
 
@@ -731,7 +733,8 @@ class RecomputationMonitor(Callback):
         read = sorted(set().union(*gather(trainer.strategy, own)))
         seen = f" A cause seen this fit: {read_otherwise_hint(read)}" if read else ""
         divergence = self._results.history[-1].grad_divergence if self._results.history else 0.0
-        allowed = "the noise floor `calibrate_noise` measured" if self.calibrate_noise else "`tolerance`"
+        floor = self.last_report.noise_floor if self.last_report is not None else 0.0
+        allowed = "the noise floor `calibrate_noise` measured" if floor > self.tolerance else "`tolerance`"
         found = (
             f"found recomputation exact in {where}: the difference shows at some calls only, so no check names its"
             " cause"

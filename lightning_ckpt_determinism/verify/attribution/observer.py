@@ -868,11 +868,15 @@ def _keep_data_dependent(kept: KeptOutputs | None) -> KeepDataDependent:
 def _draws_torch_rng(func: Any, args: Any, kwargs: Any) -> bool:
     """Whether ``func``, an op without torch's random tag that returned other values for the same inputs, draws from
     torch's generator of its device (a custom op drawing ``torch.rand`` inside): run once more on those inputs, it
-    moves that generator's state, which is then put back. An op that writes its arguments is not run again."""
+    moves that generator's state, which is then put back. An op that writes its arguments (by its schema) or takes a
+    tensor subclass is not run again; what else the op does (a generator of its own drawn, a Python counter) happens
+    once more, in attribution's pass only."""
     if not isinstance(func, OpOverload) or func._schema.is_mutable:
         return False
     tensors = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
+    if any(type(tensor) is not torch.Tensor for tensor in tensors):
+        return False  # a subclass's op may run collectives (DTensor), which one rank alone must not enter
+    device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), torch.device("cpu"))
     if device.type not in ("cpu", "cuda"):
         return False
     get_state, set_state = (
