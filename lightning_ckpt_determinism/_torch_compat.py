@@ -97,6 +97,7 @@ __all__ = [
     "version_counter",
     "view_base",
     "waited",
+    "writes_its_arguments",
     "written_tensors",
 ]
 
@@ -229,6 +230,12 @@ def returned_views(func: OpOverload) -> list[bool]:
     """For each return of an op, whether its schema declares it a view of an argument (``Tensor(a)``, not written),
     read from ``OpOverload._schema`` (>= 1.13)."""
     return [ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns]
+
+
+def writes_its_arguments(func: OpOverload) -> bool:
+    """Whether an op's schema declares that it writes an argument (an in-place or ``out=`` op), read from
+    ``OpOverload._schema`` (>= 1.13)."""
+    return bool(func._schema.is_mutable)
 
 
 def returns_alias(func: OpOverload) -> bool:

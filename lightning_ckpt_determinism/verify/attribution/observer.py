@@ -56,6 +56,7 @@ from lightning_ckpt_determinism._torch_compat import (
     is_metadata_mismatch,
     own_buffers,
     returned_views,
+    writes_its_arguments,
     written_tensors,
 )
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory, written_owners
@@ -871,7 +872,7 @@ def _draws_torch_rng(func: Any, args: Any, kwargs: Any) -> bool:
     moves that generator's state, which is then put back. An op that writes its arguments (by its schema) or takes a
     tensor subclass is not run again; what else the op does (a generator of its own drawn, a Python counter) happens
     once more, in attribution's pass only."""
-    if not isinstance(func, OpOverload) or func._schema.is_mutable:
+    if not isinstance(func, OpOverload) or writes_its_arguments(func):
         return False
     tensors = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Tensor)]
     if any(type(tensor) is not torch.Tensor for tensor in tensors):
