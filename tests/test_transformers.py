@@ -1,17 +1,20 @@
 """Hugging Face transformers models (tiny GPT-2 and Llama built from configs, no downloads) under the package's
 checkpointing: the key-value cache kept out of recomputation, exact gradients, clean attribution and a clean fit."""
 
+import copy
 import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from lightning_ckpt_determinism import (
@@ -194,6 +197,43 @@ def test_transformers_gradient_checkpointing_under_a_region_is_warned_with_what_
     )
     assert "do not call `activation_checkpointing_enable()` or `gradient_checkpointing_enable()`" in messages[0]
     assert "call the matching `..._disable()`" in messages[0]
+
+
+def noisy_sdpa(module: nn.Module, *args: object, **kwargs: object) -> tuple[torch.Tensor, object]:
+    """sdpa attention scaled by a draw from NumPy's global RNG: a defect of recomputation inside every layer."""
+    out, weights = sdpa_attention_forward(module, *args, **kwargs)
+    return out * (1 + 0.01 * float(np.random.standard_normal())), weights
+
+
+AttentionInterface.register("lightning_ckpt_determinism_tests_noisy", noisy_sdpa)
+
+
+@pytest.mark.parametrize("noisy", [False, True], ids=["clean", "a defect inside the layers"])
+def test_transformers_checkpointing_stacked_on_regions_is_off_in_the_reference_pass(noisy: bool) -> None:
+    # Left on there, transformers' checkpoint recomputed the layers in both passes and a defect inside them cancelled
+    # out: the check read 0.0 where the gradients differ from a plain twin's.
+    plain, layer = build("llama", "lightning_ckpt_determinism_tests_noisy" if noisy else "sdpa")
+    model = copy.deepcopy(plain)
+    ids = token_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[layer]))
+    grads = []
+    for twin in (plain, model):
+        np.random.seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LightningCkptDeterminismWarning)  # the nesting warning
+            lm_loss(twin, ids)().backward()
+        grads.append([param.grad for param in twin.parameters()])
+    differs = any(not torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert differs is noisy
+    np.random.seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LightningCkptDeterminismWarning)
+        report = check_recomputation(model, lm_loss(model, ids))
+    assert report.diverged is noisy and (report.grad_divergence > 0.0) is noisy
+    assert all(sub.gradient_checkpointing for sub in model.modules() if type(sub).__name__ == layer)
 
 
 def test_a_check_of_a_model_with_only_transformers_checkpointing_is_an_error() -> None:

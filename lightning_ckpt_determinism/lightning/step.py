@@ -467,7 +467,7 @@ def live_reference(
 
     def run() -> float:
         args, kwargs = capture.arguments()
-        with reference_pass(plain_modules), logging_suppressed(pl_module):
+        with reference_pass(plain_modules, pl_module), logging_suppressed(pl_module):
             if loss_fn is None:
                 loss = loss_on_every_rank(strategy, lambda: loss_of(strategy.training_step(*args, **kwargs)))
             else:

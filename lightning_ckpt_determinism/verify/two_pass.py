@@ -434,7 +434,7 @@ class _Passes:
         self._exclude = exclude_attributes
         self._after_reference: StepState | None = None
         self.compiled = is_compiled(module)
-        self._take = partial(_gradients, self._counted(closure), params, use_backward=use_backward)
+        self._take = partial(_gradients, self._counted(closure), params, use_backward=use_backward, model=module)
         self._agreed = agree if agree is not None else bool
         self._ran = False
         # Whether the last pass recomputed a region before its closure returned the loss (a gradient penalty).
@@ -608,8 +608,9 @@ def _gradients(
     *,
     disable_checkpointing: bool,
     use_backward: bool,
+    model: nn.Module | None = None,
 ) -> tuple[float, _Gradients]:
-    context = reference_pass() if disable_checkpointing else contextlib.nullcontext()
+    context = reference_pass(model=model) if disable_checkpointing else contextlib.nullcontext()
     with context, torch.enable_grad():
         loss = closure()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_ckpt_determinism._torch_compat import functorch_config, is_compiled_module
+from lightning_ckpt_determinism.checkpointing.foreign import foreign_checkpointing_off
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointing_disabled, run_plainly
 
 __all__ = ["eager_semantics", "is_compiled", "reference_pass"]
@@ -50,8 +51,9 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def reference_pass(plain: Iterable[nn.Module] | None = None) -> Iterator[None]:
-    """Run a check's reference pass: checkpointing off, and no recomputation chosen by the compiler either.
+def reference_pass(plain: Iterable[nn.Module] | None = None, model: nn.Module | None = None) -> Iterator[None]:
+    """Run a check's reference pass: checkpointing off (transformers' own on ``model`` too), and no recomputation
+    chosen by the compiler either.
 
     Enter it around every reference call (each forward and backward of the reference), compiled or not: it costs
     nothing eagerly, and a graph compiled during the call, first or later, is compiled with the budget at 1.0.
@@ -60,6 +62,8 @@ def reference_pass(plain: Iterable[nn.Module] | None = None) -> Iterator[None]:
     Args:
         plain: The checkpointed modules to run plainly; ``None`` for all of them. Each subset is another set of
             guards for a compiled region, so a compiled model should keep to ``None``.
+        model: The model the pass runs, whose transformers' gradient checkpointing is switched off for it (see
+            :func:`~lightning_ckpt_determinism.checkpointing.foreign.foreign_checkpointing_off`).
 
     Example::
 
@@ -70,7 +74,7 @@ def reference_pass(plain: Iterable[nn.Module] | None = None) -> Iterator[None]:
         1.0
     """
     checkpointing_off = checkpointing_disabled() if plain is None else run_plainly(plain)
-    with checkpointing_off, functorch_config.patch(activation_memory_budget=1.0):
+    with checkpointing_off, foreign_checkpointing_off(model), functorch_config.patch(activation_memory_budget=1.0):
         yield
 
 
