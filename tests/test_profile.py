@@ -21,6 +21,7 @@ from tests.helpers import (
     PlainBlock,
     WrittenAfterItsForward,
     batch,
+    one_process_group,
     twins,
 )
 
@@ -447,3 +448,43 @@ def test_a_region_pickled_after_its_first_call_learns_again_in_its_copy() -> Non
     assert copied[0].forward.profile is None
     assert all(torch.equal(a, b) for a, b in zip(step(model).values(), step(copied).values(), strict=True))
     assert copied[0].forward.profile is not None
+
+
+class DTensorDropoutBlock(nn.Module):
+    """An up projection whose output stays a DTensor under tensor parallelism, dropout on it (two in-place ops on
+    its noise), and a down projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.dropout = nn.Dropout(0.3)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.dropout(torch.tanh(self.up(x))))
+
+
+def test_a_learning_call_counts_the_autograd_nodes_the_forward_makes_under_tensor_parallelism(tmp_path) -> None:
+    # The probe's own reads of DTensors (`to_local()`) made autograd nodes a steady call does not: every later call
+    # took an unknown path, was not compared, and made the next call learn again.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_ckpt_determinism.verify.sentinel.observer import region_profile
+
+    with one_process_group(tmp_path):
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        plain = nn.Sequential(DTensorDropoutBlock())
+        parallelize_module(plain[0], mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        x = torch.randn(4, 8)
+        before = torch.autograd._get_sequence_nr()
+        plain(x)
+        made = torch.autograd._get_sequence_nr() - before  # ground truth: the nodes a plain forward makes
+        apply_activation_checkpointing(plain, CheckpointingConfig(names=["0"]))
+        paths = []
+        for _ in range(3):
+            plain(x).sum().backward()
+            profile = region_profile(plain[0])
+            paths.append(None if profile is None else profile.path[1])
+    assert paths == [made, made, made]

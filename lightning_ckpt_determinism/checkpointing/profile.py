@@ -288,6 +288,12 @@ class _FirstCallMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        # Its own reads make no autograd node (a DTensor's `to_local()` would), which the path counts.
+        with torch.no_grad():
+            self._note(func, args, kwargs, out)
+        return out
+
+    def _note(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         self.probe.events += 1
         for tensor in written_tensors(func, args, kwargs):
             storage = storage_pointer(tensor)
@@ -307,7 +313,6 @@ class _FirstCallMode(TorchDispatchMode):
                 storage = storage_pointer(out[position]) if position < len(out) else None
                 if storage is not None and type(out[position]) is torch.Tensor:
                     self.storages.add(storage)
-        return out
 
     def written_after(self, storage: int | None, event: int) -> bool:
         """Whether an op wrote ``storage`` after ``event``."""
