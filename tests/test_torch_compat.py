@@ -157,6 +157,17 @@ def test_returned_views_are_the_returns_the_schema_marks_aliased_and_not_written
     assert compat.returned_views(aten.max.dim) == [False, False]
 
 
+@pins("writes_its_arguments")
+def test_writes_its_arguments_is_an_in_place_or_out_op_by_its_schema() -> None:
+    aten = torch.ops.aten
+    assert compat.writes_its_arguments(aten.add_.Tensor)
+    assert compat.writes_its_arguments(aten.add.out)
+    assert compat.writes_its_arguments(aten.bernoulli_.float)
+    assert not compat.writes_its_arguments(aten.add.Tensor)
+    assert not compat.writes_its_arguments(aten.view.default)
+    assert not compat.writes_its_arguments(aten.native_dropout.default)
+
+
 @pins("returns_alias")
 def test_returns_alias_is_any_return_the_schema_marks_aliased_written_or_not() -> None:
     aten = torch.ops.aten
