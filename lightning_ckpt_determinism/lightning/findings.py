@@ -178,9 +178,11 @@ def divergence_message(
     if worst and not errors:
         parts.append(f"The worst parameters: {', '.join(f'{name} ({diff:.3g})' for name, diff in worst)}.")
     sentences: dict[str, list[int]] = {}
-    for finding in findings.ranks:
-        for region in finding.regions[:_NAMED_REGIONS]:
-            sentences.setdefault(region_outcome(region).finding or "", []).append(finding.rank)
+    named = [(finding.rank, region) for finding in findings.ranks for region in finding.regions[:_NAMED_REGIONS]]
+    # The catch-all cause last: under tensor parallelism a rank without a defect of its own sees other inputs arrive
+    # through a collective (`python_state`), while the rank that has it names its specific cause.
+    for rank, region in sorted(named, key=lambda entry: _is_catch_all(region_outcome(entry[1]).cause)):
+        sentences.setdefault(region_outcome(region).finding or "", []).append(rank)
     for sentence, on in list(sentences.items())[:_NAMED_REGIONS]:
         suffix = f" (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" if several else ""
         parts.append(f"{sentence.rstrip('.')}{suffix}.")
@@ -206,6 +208,12 @@ def divergence_message(
     elif attribution == "never":
         parts.append("Set `attribution` to be told which region and op.")
     return " ".join([*parts, _GENERIC_CAUSES])
+
+
+def _is_catch_all(cause: object) -> bool:
+    """Whether ``cause`` is attribution's last rule (other inputs, or another sequence of ops: ``python_state``), which
+    a difference arriving from elsewhere also gets; named after the causes an op proves."""
+    return cause == Cause.PYTHON_STATE
 
 
 def _worst_parameters_over_ranks(ranks: list[RankFindings]) -> list[tuple[str, float]]:
@@ -356,7 +364,7 @@ class FitSummary:
             parts[0] += f": {self.diverged} diverged, the worst grad_divergence {shown} at step {self.worst_step}."
         else:
             parts[0] += f": {self.diverged} found a defect, with exact gradients."
-        for cause, regions in self.causes.items():
+        for cause, regions in sorted(self.causes.items(), key=lambda entry: _is_catch_all(entry[0])):
             parts.append(f"Cause {cause} in {', '.join(regions)}: {_joined_hint(list(regions.values()))}")
         if sentinel is not None:
             found = ", ".join(f"{name}: {count}" for name, count in sentinel.mismatches.items())
