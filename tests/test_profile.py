@@ -488,3 +488,26 @@ def test_a_learning_call_counts_the_autograd_nodes_the_forward_makes_under_tenso
             profile = region_profile(plain[0])
             paths.append(None if profile is None else profile.path[1])
     assert paths == [made, made, made]
+
+
+def test_a_region_given_op_outputs_to_keep_learns_its_path_again_at_its_next_call() -> None:
+    # A memory budget's op plan takes effect at the fit's second batch: what the region saves then is not what its
+    # learned paths say (under tensor parallelism with a tiny Llama every call of that step read as an unknown path,
+    # "the sentinel compared nothing"); the calls of the same plan keep the profile they learn.
+    from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
+    from lightning_ckpt_determinism.verify.sentinel.observer import region_profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), PlainBlock(), nn.Linear(DIM, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+    x = torch.randn(4, DIM)
+    profiles = []
+    for step in range(5):
+        if step == 2:
+            keep_op_calls(model[1], [(1, "aten.addmm.default")])
+        if step == 4:
+            keep_op_calls(model[1], [(1, "aten.addmm.default")])  # the same plan again: nothing to learn
+        model(x).sum().backward()
+        profiles.append(region_profile(model[1]))
+    assert all(profile is not None for profile in profiles)
+    assert profiles[0] is profiles[1] and profiles[2] is profiles[3] is profiles[4] and profiles[2] is not profiles[1]

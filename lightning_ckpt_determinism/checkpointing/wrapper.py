@@ -510,6 +510,13 @@ class CheckpointedForward:
         call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key, torch_keeps=torch_keeps)
         return self._checkpoint(call.run, inputs, context_fn, torch_keeps=torch_keeps)
 
+    def forget_paths(self) -> None:
+        """Forget the code paths and profiles the region learned: its next call learns again (a plan that keeps other
+        op outputs changes what every path saves)."""
+        self._paths.clear()
+        self._profiles.clear()
+        self.profile = None
+
     def _buffers_registered(self, count: int) -> list[RegisteredBuffer]:
         """The region's modules hold ``count`` buffers now, another number than when its plan was made (a buffer
         registered in a forward, sized at its first call): the plan takes them in, and every call learns again which
@@ -1188,7 +1195,12 @@ def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]]) -> None:
         >>> layer(torch.ones(1, 2, requires_grad=True)).sum().backward()
     """
     wrapper = module.__dict__["forward"]
-    wrapper.kept_calls = dict(calls)
+    kept = dict(calls)
+    if kept != wrapper.kept_calls:
+        # Other outputs kept: the region saves other tensors, so the paths it learned are stale; its next call learns
+        # again rather than take an unknown path.
+        wrapper.forget_paths()
+    wrapper.kept_calls = kept
     wrapper.said_mismatch = False
 
 
