@@ -331,9 +331,12 @@ CHECKPOINTING = (
         ),
         (
             "auto_strategy",
-            r"error: .*auto_strategy\.yaml sets `trainer\.strategy: auto`, Lightning's choice, so nothing is"
+            r"error: .*auto_strategy\.yaml sets `trainer\.strategy: auto`, Lightning's choice, so nothing is",
         ),
-        ("auto_override", r"error: .*no_strategy\.yaml sets `trainer\.strategy: auto`, Lightning's choice, so nothing"),
+        (
+            "auto_override",
+            r"error: .*no_strategy\.yaml with `--trainer\.strategy=auto` leaves the strategy to Lightning, so nothing",
+        ),
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         # Named by the config's key, as `CheckpointingCLI` names it.
         (

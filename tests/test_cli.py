@@ -721,6 +721,7 @@ def test_a_strategy_name_that_is_close_to_none_keeps_lightnings_line(
     ("given", "said"),
     [
         ("dpp", "'dpp' is not a strategy's name; did you mean `ddp`? (a name"),
+        ("ddp_spwan", "'ddp_spwan' is not a strategy's name; did you mean `ddp_spawn`? (a name"),
         ("qqqqq", "'qqqqq' is not a strategy's name (a name"),
     ],
 )
@@ -735,7 +736,7 @@ def test_a_misspelt_strategy_name_over_a_config_with_checkpointing_is_not_called
 
 
 @pytest.mark.usefixtures("in_process")
-@pytest.mark.parametrize("given", ["DDP", "Ddp_Checkpointing", "DDPStrategy"])
+@pytest.mark.parametrize("given", ["DDP", "Ddp_Checkpointing"])
 def test_a_strategy_name_in_another_case_over_a_config_with_checkpointing_keeps_its_class_path_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
 ) -> None:
@@ -744,6 +745,19 @@ def test_a_strategy_name_in_another_case_over_a_config_with_checkpointing_keeps_
     assert line.startswith(f"error: `trainer.strategy`: {given!r} is a strategy's name, which takes no")
     assert line.endswith(
         "use `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy`, whose `init_args` take it."
+    )
+
+
+@pytest.mark.usefixtures("in_process")
+def test_a_strategy_class_name_over_a_config_with_checkpointing_is_told_its_class_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lightning refuses `DDPStrategy` as a name (it reads 'ddpstrategy'): it is a class's name.
+    line = _cli_error(capsys, _argv(BASE_CONFIG, tmp_path, "--trainer.strategy=DDPStrategy"))
+    assert line == (
+        "error: `trainer.strategy`: 'DDPStrategy' is a class's name, not a strategy's; to train with the config's"
+        " `checkpointing`, use `class_path: lightning_ckpt_determinism.DDPCheckpointingStrategy`, whose `init_args`"
+        " take it."
     )
 
 

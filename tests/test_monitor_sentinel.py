@@ -452,6 +452,29 @@ def test_a_light_step_whose_calls_never_reach_their_targets_is_said_to_take_new_
     assert report is not None and report.on_new_paths == report.not_compared == 4
 
 
+class FrozenFeatureLoss(StackModule):
+    """A perceptual-style loss: a frozen, checkpointed feature block applied to the prediction and to the target (a
+    call that saves nothing, and so recomputes nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock", n=2)
+        self.features = PlainBlock(dim=1)
+        self.features.requires_grad_(False)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.features(self.model(x)), self.features(y))
+
+
+def test_a_region_call_that_saves_nothing_is_not_counted_as_left_out(tmp_path: Path) -> None:
+    monitor = RecomputationMonitor(every_n_steps=50, sentinel="light")
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["features"]))
+    pl.Trainer(**trainer_kwargs(tmp_path, max_steps=4, strategy=strategy, callbacks=[monitor])).fit(FrozenFeatureLoss())
+    report = monitor.sentinel_report
+    assert report is not None and report.compared > 0
+    assert (report.on_new_paths, report.not_compared, report.mismatches) == (0, 0, 0)
+
+
 def test_training_is_bit_identical_with_the_sentinel_on_and_off(tmp_path: Path) -> None:
     off = _weights(tmp_path / "off", "off")
     for name, weights in (

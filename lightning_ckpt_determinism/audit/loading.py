@@ -96,11 +96,18 @@ def build(args: argparse.Namespace) -> _ParsedFit:
         raise UsageError(f"{given} cannot be loaded: {import_hint(message)}") from err
     strategy = cli.trainer.strategy
     if cli.config[cli.subcommand].trainer.strategy == "auto":
+        overridden = any(str(override).startswith("--trainer.strategy") for override in args.overrides)
         written = any(
             isinstance(section, dict) and isinstance(section.get("trainer"), dict) and "strategy" in section["trainer"]
             for section in sections
-        ) or any(str(override).startswith("--trainer.strategy") for override in args.overrides)
-        says = "sets `trainer.strategy: auto`, Lightning's choice," if written else "sets no `trainer.strategy`,"
+        )
+        says = (
+            "with `--trainer.strategy=auto` leaves the strategy to Lightning,"
+            if overridden
+            else "sets `trainer.strategy: auto`, Lightning's choice,"
+            if written
+            else "sets no `trainer.strategy`,"
+        )
         raise UsageError(
             f"{where} {says} so nothing is checkpointed; give it one of this package's"
             " strategies with `checkpointing`, e.g. `class_path:"

@@ -1,11 +1,11 @@
 """The step adapter: run a check of the live Lightning step with the engine its settings call for.
 
 By default the live-step engine (:func:`~lightning_ckpt_determinism.verify.live_step.check_live_step`) compares the
-live, checkpointed gradients with one reference pass through the strategy's own wrapper; a divergence is then rerun
-with attribution by the two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) from the step's
-captured state, whose regions and cause join the live report. ``attribution="always"`` and a ``loss_fn`` under
-automatic optimization run the two-pass engine directly. Under a strategy whose support says the two-pass engine
-cannot run there (FSDP1), every check is live and a divergence is reported without attribution.
+live, checkpointed gradients with one reference pass through the strategy's own wrapper; a divergence is then rerun with
+attribution by the two-pass engine (:func:`~lightning_ckpt_determinism.check_recomputation`) from the step's captured
+state, whose regions and cause join the live report; ``attribution="always"`` does so after every live check. A
+``loss_fn`` under automatic optimization runs the two-pass engine directly. Under a strategy whose support says the
+two-pass engine cannot run there (FSDP1), every check is live and a divergence is reported without attribution.
 """
 
 import math
@@ -115,11 +115,14 @@ class StepCheck:
             if report is not None and two_pass and settings.attribution == "always" and report.error is None:
                 # The live gradients are the ones applied: a difference in them stands whatever a fresh two-pass
                 # finds (a large buffer first written at this call recomputes otherwise live only, and is copied for
-                # every later pass). A rerun of it that returns None is the error finding a live rerun's is.
-                two_passes = self._two_pass(attribution=True)
-                report = (
-                    with_attribution(report, two_passes) if report.diverged or not two_passes.diverged else two_passes
-                )
+                # every later pass). Its rerun returning None leaves the live check's finding, without a region named.
+                try:
+                    two_passes: RecomputationReport | None = self._two_pass(attribution=True)
+                except SkippedStep:
+                    two_passes = None
+                if two_passes is not None:
+                    joined = report.diverged or not two_passes.diverged
+                    report = with_attribution(report, two_passes) if joined else two_passes
         except SkippedStep:  # a rerun of `training_step` returned None, on every rank alike: nothing to compare
             return RecomputationReport(
                 grad_divergence=math.inf,

@@ -616,7 +616,13 @@ def _dropped_by_a_name(strategy: str) -> str:
     if "." in strategy:
         return _CLASS_PATH_AS_A_NAME.format(given=strategy)
     name = registered_name(strategy)
-    if name is None and strategy.lower() not in _strategy_names():  # Lightning reads names in any case
+    if strategy.lower() not in _strategy_names():  # Lightning reads names in any case
+        if name is not None and strategy.lower().endswith("strategy"):  # a class's bare name (`DDPStrategy`)
+            return (
+                f"`trainer.strategy`: {strategy!r} is a class's name, not a strategy's; to train with the config's"
+                f" `checkpointing`, use `class_path: lightning_ckpt_determinism.{REGISTERED[name].__name__}`, whose"
+                " `init_args` take it."
+            )
         meant = _strategy_name_meant(strategy)
         return (
             f"`trainer.strategy`: {strategy!r} is not a strategy's name{f'; did you mean `{meant}`?' if meant else ''}"

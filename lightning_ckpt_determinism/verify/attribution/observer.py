@@ -875,7 +875,7 @@ def _draws_torch_rng(func: Any, args: Any, kwargs: Any) -> bool:
     if not isinstance(func, OpOverload) or writes_its_arguments(func):
         return False
     tensors = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Tensor)]
-    if any(type(tensor) is not torch.Tensor for tensor in tensors):
+    if any(type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ for tensor in tensors):
         return False  # a subclass's op may run collectives (DTensor), which one rank alone must not enter
     device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), torch.device("cpu"))
     if device.type not in ("cpu", "cuda"):

@@ -208,7 +208,10 @@ class RecomputationSentinel:
             profile = region_profile(module)
             known = call.profile
             if not call.saved and (
-                call.targets is None or known is None or (profile is not None and profile.path == known.path)
+                call.targets is None
+                or known is None
+                or (profile is not None and profile.path == known.path)
+                or region_saved(module) == 0  # nothing saved, nothing to recompute (a frozen block's call)
             ):
                 return
             call.forward_done(digest=finished, profile=profile, packs=region_saved(module))
