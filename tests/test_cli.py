@@ -722,6 +722,7 @@ def test_a_strategy_name_that_is_close_to_none_keeps_lightnings_line(
     [
         ("dpp", "'dpp' is not a strategy's name; did you mean `ddp`? (a name"),
         ("ddp_spwan", "'ddp_spwan' is not a strategy's name; did you mean `ddp_spawn`? (a name"),
+        ("ddp_strategy", "'ddp_strategy' is not a strategy's name (a name"),
         ("qqqqq", "'qqqqq' is not a strategy's name (a name"),
     ],
 )

@@ -617,7 +617,7 @@ def _dropped_by_a_name(strategy: str) -> str:
         return _CLASS_PATH_AS_A_NAME.format(given=strategy)
     name = registered_name(strategy)
     if strategy.lower() not in _strategy_names():  # Lightning reads names in any case
-        if name is not None and strategy.lower().endswith("strategy"):  # a class's bare name (`DDPStrategy`)
+        if name is not None and "_" not in strategy and strategy.lower().endswith("strategy"):  # `DDPStrategy`
             return (
                 f"`trainer.strategy`: {strategy!r} is a class's name, not a strategy's; to train with the config's"
                 f" `checkpointing`, use `class_path: lightning_ckpt_determinism.{REGISTERED[name].__name__}`, whose"
