@@ -335,7 +335,7 @@ CHECKPOINTING = (
         ),
         (
             "auto_override",
-            r"error: .*no_strategy\.yaml with `--trainer\.strategy=auto` leaves the strategy to Lightning, so nothing",
+            r"error: .*no_strategy\.yaml with `--trainer\.strategy=AUTO` leaves the strategy to Lightning, so nothing",
         ),
         ("unknown_model", r"cannot be loaded: `model`: module 'examples\.broken' has no attribute 'Nope'$"),
         # Named by the config's key, as `CheckpointingCLI` names it.
@@ -414,7 +414,7 @@ def test_usage_and_configuration_errors_exit_2_with_the_error_not_a_traceback(ca
             "audit",
             "--config",
             str(write_config(tmp_path, "no_strategy", None)),
-            "--trainer.strategy=auto",
+            "--trainer.strategy=AUTO",
         ],
         "unknown_model": [
             "audit",

@@ -95,14 +95,15 @@ def build(args: argparse.Namespace) -> _ParsedFit:
         given = f"{where} with {' '.join(args.overrides)}" if args.overrides else where
         raise UsageError(f"{given} cannot be loaded: {import_hint(message)}") from err
     strategy = cli.trainer.strategy
-    if cli.config[cli.subcommand].trainer.strategy == "auto":
+    given = cli.config[cli.subcommand].trainer.strategy
+    if isinstance(given, str) and given.lower() == "auto":  # Lightning reads names in any case
         overridden = any(str(override).startswith("--trainer.strategy") for override in args.overrides)
         written = any(
             isinstance(section, dict) and isinstance(section.get("trainer"), dict) and "strategy" in section["trainer"]
             for section in sections
         )
         says = (
-            "with `--trainer.strategy=auto` leaves the strategy to Lightning,"
+            f"with `--trainer.strategy={given}` leaves the strategy to Lightning,"
             if overridden
             else "sets `trainer.strategy: auto`, Lightning's choice,"
             if written
