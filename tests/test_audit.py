@@ -217,6 +217,9 @@ def test_calibrated_noise_tolerates_the_non_deterministic_kernel(capsys):
     assert code == 0, err
     row = table(out)["blocks.0"]
     assert (row["verdict"], row["cause"]) == ("noise", "nondeterministic_kernel")
+    # The hint says the difference is tolerated, and no longer asks for the calibration the audit ran.
+    assert row["hint"].startswith("Within the noise floor measured, so tolerated. A kernel returned other values")
+    assert "--calibrate-noise" not in row["hint"]
     floor = float(re.search(r"noise floor ([0-9.e+-]+)\)", out).group(1))  # type: ignore[union-attr]
     assert 0.0 < floor < 1e-5
     assert out.splitlines()[-1] == (

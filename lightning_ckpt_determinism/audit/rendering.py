@@ -51,12 +51,24 @@ def summarize(reports: list[RecomputationReport]) -> list[RegionSummary]:
                 # The audit reads a YAML and takes flags: its hints name settings as they are written there.
                 summary.cause = outcome.cause
                 summary.hint = None if outcome.hint is None else respelt(outcome.hint, "audit")
+                if outcome.verdict == "noise" and summary.hint is not None:
+                    summary.hint = _within_the_floor(summary.hint)
                 summary.first_divergent_op = region.first_divergent_op
             summary.verdict = worse(summary.verdict, outcome.verdict)
             summary.ops_compared += region.ops_compared
             for op, kept in region.data_dependent_ops.items():
                 summary.data_dependent_ops[op] = summary.data_dependent_ops.get(op, True) and kept
     return list(summaries.values())
+
+
+# The advice a `nondeterministic_kernel` hint ends with, taken already where the verdict is `noise`.
+_CALIBRATE_ADVICE = ", or check with `--calibrate-noise` so that differences within the noise floor are tolerated"
+
+
+def _within_the_floor(hint: str) -> str:
+    """A cause's hint for a region whose difference the measured noise floor tolerates (the verdict `noise`): said
+    first, and without the advice to calibrate, which the audit followed."""
+    return f"Within the noise floor measured, so tolerated. {hint.replace(_CALIBRATE_ADVICE, '')}"
 
 
 def diverged(reports: list[RecomputationReport]) -> bool:
