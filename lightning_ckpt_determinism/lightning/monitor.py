@@ -44,7 +44,6 @@ from lightning_ckpt_determinism.lightning.step import (
     after_backward_before,
     fetches_its_batches,
     lightning_internals,
-    raised_in_backward,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport, support_of, unmonitored
 from lightning_ckpt_determinism.lightning.watch import SentinelFinding, SentinelWatch
@@ -52,7 +51,7 @@ from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, read_otherwise_hint
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
-from lightning_ckpt_determinism.verify.two_pass import PassFailed
+from lightning_ckpt_determinism.verify.two_pass import PassFailed, raised_in_autograd
 
 __all__ = ["RecomputationMonitor"]
 
@@ -554,7 +553,7 @@ class RecomputationMonitor(Callback):
         self._disarm()
         self._watch.stop()
         self._fit_output.release()
-        if self._enabled and raised_in_backward(exception):
+        if self._enabled and raised_in_autograd(exception):
             naming = (
                 "`python -m lightning_ckpt_determinism audit --config <the run's config>` names"
                 if _hint_syntax(self.hint_syntax) == "yaml"

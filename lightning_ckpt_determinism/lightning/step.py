@@ -21,7 +21,7 @@ from lightning_ckpt_determinism.lightning.parallel import agree
 from lightning_ckpt_determinism.verify.compiled import reference_pass
 from lightning_ckpt_determinism.verify.core import region_modules
 from lightning_ckpt_determinism.verify.state import StateMark, StepState
-from lightning_ckpt_determinism.verify.two_pass import SkippedPass, raised_in_autograd
+from lightning_ckpt_determinism.verify.two_pass import SkippedPass
 
 __all__ = [
     "SkippedStep",
@@ -33,7 +33,6 @@ __all__ = [
     "logging_suppressed",
     "loss_fn_loss",
     "loss_on_every_rank",
-    "raised_in_backward",
     "scales_the_loss",
     "training_step_arguments",
     "training_step_loss",
@@ -76,18 +75,6 @@ def after_backward_before(callbacks: list[pl.Callback], callback: pl.Callback) -
         for other in earlier
         if getattr(type(other), "on_after_backward", None) is not pl.Callback.on_after_backward
     ]
-
-
-def raised_in_backward(error: BaseException) -> bool:
-    """Whether ``error`` was raised in autograd's backward, where a recomputation runs (not in a checkpointed
-    region's forward, which runs inside torch's checkpoint too).
-
-    Example::
-
-        >>> raised_in_backward(ValueError("not in a backward"))
-        False
-    """
-    return raised_in_autograd(error)
 
 
 def fetches_its_batches(pl_module: "pl.LightningModule") -> str | None:

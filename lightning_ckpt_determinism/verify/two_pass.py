@@ -633,14 +633,13 @@ def _gradients(
     return float(loss.detach()), grads
 
 
-def raised_in_autograd(error: BaseException, *also_in: str) -> bool:
+def raised_in_autograd(error: BaseException) -> bool:
     """Whether ``error`` was raised inside autograd's backward (``backward()`` or ``autograd.grad``, also one a
-    closure runs in its forward, as a gradient penalty does), where checkpointed regions are recomputed, or in code of
-    a file whose path ends with one of ``also_in``.
+    closure runs in its forward, as a gradient penalty does), where checkpointed regions are recomputed; not in a
+    checkpointed region's forward, which runs inside torch's checkpoint too.
 
     Args:
         error: The error, with its traceback.
-        also_in: Path endings of more files that count.
 
     Example::
 
@@ -650,7 +649,7 @@ def raised_in_autograd(error: BaseException, *also_in: str) -> bool:
     trace = error.__traceback__
     while trace is not None:
         code = trace.tb_frame.f_code
-        if code.co_name == "_engine_run_backward" or code.co_filename.endswith(also_in):
+        if code.co_name == "_engine_run_backward":
             return True
         trace = trace.tb_next
     return False
