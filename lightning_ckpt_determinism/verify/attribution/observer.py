@@ -67,8 +67,11 @@ from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import (
     HostRNGState,
     capture_host_rng,
+    capture_rng,
     replaying_host_rng,
+    restore_rng,
     same_host_rng,
+    same_torch_rng,
 )
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, is_data_dependent, is_random_op
 from lightning_ckpt_determinism.checkpointing.wrapper import (
@@ -868,32 +871,25 @@ def _keep_data_dependent(kept: KeptOutputs | None) -> KeepDataDependent:
 
 def _draws_torch_rng(func: Any, args: Any, kwargs: Any) -> bool:
     """Whether ``func``, an op without torch's random tag that returned other values for the same inputs, draws from
-    torch's generator of its device (a custom op drawing ``torch.rand`` inside): run once more on those inputs, it
-    moves that generator's state, which is then put back. An op that writes its arguments (by its schema) or takes a
-    tensor subclass is not run again; what else the op does (a generator of its own drawn, a Python counter) happens
-    once more, in attribution's pass only."""
+    torch's generators (a custom op drawing ``torch.rand`` inside): run once more on those inputs, it moves the state of
+    the CPU's or its devices' generator, which every stream is then put back from. An op that writes its arguments (by
+    its schema) or takes a tensor subclass with a dispatch of its own (a DTensor) is not run again; what else the op
+    does (a generator of its own drawn, a Python counter) happens once more, in attribution's pass only."""
     if not isinstance(func, OpOverload) or writes_its_arguments(func):
         return False
     tensors = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Tensor)]
     if any(type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ for tensor in tensors):
         return False  # a subclass's op may run collectives (DTensor), which one rank alone must not enter
-    device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), torch.device("cpu"))
-    if device.type not in ("cpu", "cuda"):
-        return False
-    get_state, set_state = (
-        (torch.get_rng_state, torch.set_rng_state)
-        if device.type == "cpu"
-        else (partial(torch.cuda.get_rng_state, device), partial(torch.cuda.set_rng_state, device=device))
-    )
-    before = get_state()
+    devices = {tensor.device for tensor in tensors}
+    before = capture_rng(devices)
     try:
         func(*args, **(kwargs or {}))
     except Exception:  # an op that cannot run again here proves nothing either way
         return False
     finally:
-        after = get_state()
-        set_state(before)
-    return not torch.equal(before, after)
+        after = capture_rng(devices)
+        restore_rng(before)
+    return not same_torch_rng(before, after)
 
 
 def _flatten(value: Any) -> list[Any]:
