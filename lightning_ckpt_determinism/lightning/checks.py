@@ -112,17 +112,6 @@ class StepCheck:
                 # The live step's loss is `training_step`'s, not `loss_fn`'s: both passes are `loss_fn`'s.
                 return self._two_pass(attribution=settings.attribution == "always")
             report = self._live(plain, gradients_before)
-            if report is not None and two_pass and settings.attribution == "always" and report.error is None:
-                # The live gradients are the ones applied: a difference in them stands whatever a fresh two-pass
-                # finds (a large buffer first written at this call recomputes otherwise live only, and is copied for
-                # every later pass). Its rerun returning None leaves the live check's finding, without a region named.
-                try:
-                    two_passes: RecomputationReport | None = self._two_pass(attribution=True)
-                except SkippedStep:
-                    two_passes = None
-                if two_passes is not None:
-                    joined = report.diverged or not two_passes.diverged
-                    report = with_attribution(report, two_passes) if joined else two_passes
         except SkippedStep:  # a rerun of `training_step` returned None, on every rank alike: nothing to compare
             return RecomputationReport(
                 grad_divergence=math.inf,
@@ -133,14 +122,20 @@ class StepCheck:
             )
         if report is None:
             return None
+        attributed = settings.attribution == "always" or (report.diverged and settings.attribution == "on_divergence")
+        if two_pass and attributed and report.error is None:
+            # Decided alike on every rank: the comparison's figures are reduced over ranks. The live gradients are the
+            # ones applied: a difference in them stands whatever a fresh two-pass finds (a large buffer first written
+            # at this call recomputes otherwise live only, and is copied for every later pass).
+            try:
+                two_passes = self._two_pass(attribution=True)
+            except SkippedStep:
+                pass  # its rerun returned None: the live check's finding stands, without a region named
+            else:
+                joined = report.diverged or not two_passes.diverged
+                report = with_attribution(report, two_passes) if joined else two_passes
         checked = [name for name, _ in (plain if plain is not None else checkpointed_modules(self.pl_module).items())]
         report = replace(report, checked_regions=checked, compiled=is_compiled(self.pl_module))
-        if two_pass and report.diverged and report.error is None and settings.attribution == "on_divergence":
-            # Decided alike on every rank: the comparison's figures are reduced over ranks.
-            try:
-                report = with_attribution(report, self._two_pass(attribution=True))
-            except SkippedStep:
-                return report  # its rerun skipped: the live check's finding, without a region named
         if (
             not self.pl_module.automatic_optimization
             and report.cause == Cause.OUTSIDE_STATE
