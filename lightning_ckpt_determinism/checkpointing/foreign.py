@@ -34,7 +34,10 @@ def foreign_checkpointing_off(module: nn.Module | None) -> Iterator[None]:
         >>> layer.gradient_checkpointing
         True
     """
-    flagged = [] if module is None else [sub for sub in module.modules() if _flag(sub) is True]
+    # The flag as its layers hold it (`vars`: a class attribute or a property is not transformers' switch).
+    flagged = (
+        [] if module is None else [sub for sub in module.modules() if vars(sub).get("gradient_checkpointing") is True]
+    )
     for sub in flagged:
         setattr(sub, "gradient_checkpointing", False)  # noqa: B010 - a flag nn.Module's own typing does not know
     try:
@@ -42,10 +45,3 @@ def foreign_checkpointing_off(module: nn.Module | None) -> Iterator[None]:
     finally:
         for sub in flagged:
             setattr(sub, "gradient_checkpointing", True)  # noqa: B010
-
-
-def _flag(module: nn.Module) -> object:
-    try:
-        return module.__dict__.get("gradient_checkpointing", None)
-    except Exception:  # a module whose `__dict__` cannot be read has no flag of transformers'
-        return None

@@ -205,16 +205,15 @@ class RecomputationSentinel:
         nothing it handles is closed only where it took another path than its light tier's targets were placed on
         (their positions never reached): its targets count as left out on a new path."""
         try:
-            profile = region_profile(module)
-            known = call.profile
+            profile, packs, known = region_profile(module), region_saved(module), call.profile
             if not call.saved and (
                 call.targets is None
                 or known is None
                 or (profile is not None and profile.path == known.path)
-                or region_saved(module) == 0  # nothing saved, nothing to recompute (a frozen block's call)
+                or packs == 0  # nothing saved, nothing to recompute (a frozen block's call)
             ):
                 return
-            call.forward_done(digest=finished, profile=profile, packs=region_saved(module))
+            call.forward_done(digest=finished, profile=profile, packs=packs)
             if finished:
                 self._saved_bytes.setdefault(call.region, call.saved_bytes)
                 self._joined(call)
