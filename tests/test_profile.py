@@ -490,6 +490,39 @@ def test_a_learning_call_counts_the_autograd_nodes_the_forward_makes_under_tenso
     assert paths == [made, made, made]
 
 
+@pytest.mark.parametrize("ops", [False, True], ids=["module", "op"])
+def test_a_call_measured_for_a_memory_budget_counts_the_autograd_nodes_the_forward_makes_under_tensor_parallelism(
+    tmp_path, ops: bool
+) -> None:
+    # A memory budget measures the fit's first batch, reading each region's saved tensors and inputs (DTensors under
+    # tensor parallelism) as that batch's forwards run. Read with grad mode on, `to_local()` made autograd nodes the
+    # forward does not: the path learned at that call was one no later call takes, and every region's call at the
+    # batch the plan took effect went uncompared (counted as a new path).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter
+    from lightning_ckpt_determinism.verify.sentinel.observer import region_profile
+
+    with one_process_group(tmp_path):
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        plain = nn.Sequential(DTensorDropoutBlock())
+        parallelize_module(plain[0], mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        x = torch.randn(4, 8)
+        before = torch.autograd._get_sequence_nr()
+        plain(x)
+        made = torch.autograd._get_sequence_nr() - before  # ground truth: the nodes a plain forward makes
+        apply_activation_checkpointing(plain, CheckpointingConfig(names=["0"]))
+        meter = ActivationMeter(plain, {"0": plain[0]}, ops=ops)
+        with meter.measuring():
+            plain(x).sum().backward()
+        profile = region_profile(plain[0])
+    assert profile is not None
+    assert profile.path[1] == made
+    assert meter.figures()[0].calls == 1
+
+
 def test_a_region_given_op_outputs_to_keep_learns_its_path_again_at_its_next_call() -> None:
     # A memory budget's op plan takes effect at the fit's second batch: what the region saves then is not what its
     # learned paths say (under tensor parallelism with a tiny Llama every call of that step read as an unknown path,

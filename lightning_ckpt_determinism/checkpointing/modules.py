@@ -63,7 +63,8 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2, tensor parallelism), or the tensor itself.
 
-    Comparing shards keeps every comparison local: in torch 2.13 ``torch.equal`` on DTensors runs a collective.
+    Comparing shards keeps every comparison local: in torch 2.13 ``torch.equal`` on DTensors runs a collective. The
+    shard is read, never differentiated: it is taken without recording an autograd node.
 
     Example::
 
@@ -71,7 +72,10 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         torch.Size([2])
     """
     if _DTensor is not None and isinstance(tensor, _DTensor):
-        return tensor.to_local()
+        # `to_local` is an autograd function: read under grad mode, it would add a node to the graph being recorded
+        # (a region's path counts them).
+        with torch.no_grad():
+            return tensor.to_local()
     return tensor
 
 
