@@ -1,8 +1,11 @@
 """What a region's first checkpointed forward teaches its wrapper (`checkpointing/profile.py`), and the replay of a
 forward's state in recomputation (`checkpointing/contexts.py`): buffers, plain attributes and generators."""
 
+import contextlib
 import logging
 import pickle
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -464,28 +467,36 @@ class DTensorDropoutBlock(nn.Module):
         return x + self.down(self.dropout(torch.tanh(self.up(x))))
 
 
-def test_a_learning_call_counts_the_autograd_nodes_the_forward_makes_under_tensor_parallelism(tmp_path) -> None:
-    # The probe's own reads of DTensors (`to_local()`) made autograd nodes a steady call does not: every later call
-    # took an unknown path, was not compared, and made the next call learn again.
+@contextlib.contextmanager
+def tensor_parallel_block(tmp_path: Path) -> Iterator[tuple[nn.Sequential, torch.Tensor, int]]:
+    """A :class:`DTensorDropoutBlock` sharded over a one-process mesh and checkpointed, an input, and the number of
+    autograd nodes its plain forward makes (the ground truth of a learned path's count)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from lightning_ckpt_determinism.verify.sentinel.observer import region_profile
 
     with one_process_group(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         torch.manual_seed(0)
-        plain = nn.Sequential(DTensorDropoutBlock())
-        parallelize_module(plain[0], mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
+        model = nn.Sequential(DTensorDropoutBlock())
+        parallelize_module(model[0], mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
         x = torch.randn(4, 8)
         before = torch.autograd._get_sequence_nr()
-        plain(x)
-        made = torch.autograd._get_sequence_nr() - before  # ground truth: the nodes a plain forward makes
-        apply_activation_checkpointing(plain, CheckpointingConfig(names=["0"]))
+        model(x)
+        made = torch.autograd._get_sequence_nr() - before
+        apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+        yield model, x, made
+
+
+def test_a_learning_call_counts_the_autograd_nodes_the_forward_makes_under_tensor_parallelism(tmp_path) -> None:
+    # The probe's own reads of DTensors (`to_local()`) made autograd nodes a steady call does not: every later call
+    # took an unknown path, was not compared, and made the next call learn again.
+    from lightning_ckpt_determinism.verify.sentinel.observer import region_profile
+
+    with tensor_parallel_block(tmp_path) as (model, x, made):
         paths = []
         for _ in range(3):
-            plain(x).sum().backward()
-            profile = region_profile(plain[0])
+            model(x).sum().backward()
+            profile = region_profile(model[0])
             paths.append(None if profile is None else profile.path[1])
     assert paths == [made, made, made]
 
@@ -498,26 +509,14 @@ def test_a_call_measured_for_a_memory_budget_counts_the_autograd_nodes_the_forwa
     # tensor parallelism) as that batch's forwards run. Read with grad mode on, `to_local()` made autograd nodes the
     # forward does not: the path learned at that call was one no later call takes, and every region's call at the
     # batch the plan took effect went uncompared (counted as a new path).
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     from lightning_ckpt_determinism.checkpointing.measure import ActivationMeter
     from lightning_ckpt_determinism.verify.sentinel.observer import region_profile
 
-    with one_process_group(tmp_path):
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        plain = nn.Sequential(DTensorDropoutBlock())
-        parallelize_module(plain[0], mesh, {"up": ColwiseParallel(use_local_output=False), "down": RowwiseParallel()})
-        x = torch.randn(4, 8)
-        before = torch.autograd._get_sequence_nr()
-        plain(x)
-        made = torch.autograd._get_sequence_nr() - before  # ground truth: the nodes a plain forward makes
-        apply_activation_checkpointing(plain, CheckpointingConfig(names=["0"]))
-        meter = ActivationMeter(plain, {"0": plain[0]}, ops=ops)
+    with tensor_parallel_block(tmp_path) as (model, x, made):
+        meter = ActivationMeter(model, {"0": model[0]}, ops=ops)
         with meter.measuring():
-            plain(x).sum().backward()
-        profile = region_profile(plain[0])
+            model(x).sum().backward()
+        profile = region_profile(model[0])
     assert profile is not None
     assert profile.path[1] == made
     assert meter.figures()[0].calls == 1
