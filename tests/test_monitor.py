@@ -329,6 +329,23 @@ def test_manual_optimization_needs_a_loss_fn(tmp_path):
     assert all(entry.grad_divergence > 0.0 for entry in broken.history)
 
 
+def test_a_loss_fn_that_runs_no_region_skips_the_check_rather_than_find_it_exact(tmp_path):
+    # Its two passes ran the same computation: their equal gradients proved nothing, and the check read 0.0.
+    def head_only(module, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(module.model.head(x), y)
+
+    monitor = RecomputationMonitor(every_n_steps=2, loss_fn=head_only, sentinel="off")
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        _, monitored = fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
+    [line] = [str(w.message) for w in caught if "the check at step 0 was skipped" in str(w.message)]
+    assert "its passes, `loss_fn`, recomputed no checkpointed region" in line
+    assert {entry.skipped for entry in monitor.history} == {"the check's passes recomputed no checkpointed region"}
+    _, unmonitored = fit(tmp_path / "plain", config={"preserve_rng_state": False})
+    for (key, expected), actual in zip(unmonitored.state_dict().items(), monitored.state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), key
+
+
 @pytest.mark.parametrize("manual", [False, True])
 def test_a_loss_fn_returning_none_skips_the_check_with_a_line_naming_loss_fn(tmp_path, manual):
     monitor = RecomputationMonitor(loss_fn=lambda module, batch, batch_idx: None)

@@ -15,7 +15,8 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     gradient_divergence,
 )
-from lightning_ckpt_determinism.verify.two_pass import PassFailed
+from lightning_ckpt_determinism.checkpointing import checkpointing_disabled
+from lightning_ckpt_determinism.verify.two_pass import NothingRecomputed, PassFailed
 from tests.helpers import (
     BatchNormBlock,
     DropoutBlock,
@@ -259,6 +260,30 @@ def test_a_check_with_no_gradient_to_compare_is_an_error_finding_not_zero():
         assert report.error is not None
         assert report.error.startswith("the check could not compare gradients: no parameter received a gradient")
         assert (report.diverged, report.grad_divergence) == (True, math.inf)
+
+
+def test_a_check_whose_closure_recomputes_no_region_raises_rather_than_pass() -> None:
+    # Two passes that run the same computation have equal gradients whatever the regions recompute: a closure run
+    # under `checkpointing_disabled()`, or one calling no region, read 0.0 with the regions' recomputation broken.
+    model = checked_stack(NumpyNoiseBlock)
+    x, y = batch(1)
+    assert check_recomputation(model, lambda: F.mse_loss(model(x), y)).diverged  # ground truth: the defect is there
+
+    def disabled() -> torch.Tensor:
+        with checkpointing_disabled():
+            return F.mse_loss(model(x), y)
+
+    for closure in (disabled, lambda: F.mse_loss(model.head(x), y)):
+        with pytest.raises(NothingRecomputed, match="recomputed no checkpointed region"):
+            check_recomputation(model, closure, attribution=True)
+
+
+def test_checked_regions_are_the_regions_the_checkpointed_pass_recomputed() -> None:
+    model = checked_stack(PlainBlock)
+    x, y = batch(1)
+    first = check_recomputation(model, lambda: F.mse_loss(model.head(model.blocks[0](x)), y))
+    every = check_recomputation(model, mse_closure(model))
+    assert (first.checked_regions, every.checked_regions) == (["blocks.0"], ["blocks.0", "blocks.1", "blocks.2"])
 
 
 @pytest.mark.parametrize("block", [DropoutBlock, BatchNormBlock])

@@ -77,7 +77,7 @@ from lightning_ckpt_determinism.lightning.strategies import ActivationCheckpoint
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan, scanned
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
-from lightning_ckpt_determinism.verify.two_pass import PassFailed, check_recomputation
+from lightning_ckpt_determinism.verify.two_pass import NothingRecomputed, PassFailed, check_recomputation
 
 __all__ = ["main"]
 
@@ -304,6 +304,11 @@ def _check_batch(
             )
     except SkippedStep:
         return None
+    except NothingRecomputed as err:
+        raise UsageError(
+            "the training step recomputed no checkpointed region, so the audit would compare it with itself: check"
+            " that `training_step` calls the modules the config checkpoints, with gradients enabled"
+        ) from err
     except PassFailed as err:  # the checkpointed pass failed before its backward: not in a recomputation
         raise UsageError(
             f"the training step runs without checkpointing but fails when run again with it, before its backward"

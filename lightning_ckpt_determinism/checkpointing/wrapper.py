@@ -112,6 +112,7 @@ __all__ = [
     "observing",
     "observing_saved_tensors",
     "recomputations",
+    "recomputations_by_region",
     "remove_activation_checkpointing",
     "replays_torch_rng",
     "routes",
@@ -1129,7 +1130,26 @@ def recomputations(module: nn.Module) -> int:
         >>> recomputations(model)
         1
     """
-    return sum(vars(sub)["forward"].recomputations for sub in checkpointed_modules(module).values())
+    return sum(recomputations_by_region(module).values())
+
+
+def recomputations_by_region(module: nn.Module) -> dict[str, int]:
+    """How many eager recomputations each checkpointed region in ``module`` has run so far, by name (as
+    :func:`checkpointed_modules` names them).
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Tanh())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1", "2"]))
+        >>> model[1](torch.ones(1, 2, requires_grad=True)).sum().backward()
+        >>> recomputations_by_region(model)
+        {'1': 1, '2': 0}
+    """
+    return {name: vars(sub)["forward"].recomputations for name, sub in checkpointed_modules(module).items()}
 
 
 def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:

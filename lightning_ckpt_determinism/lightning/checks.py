@@ -36,7 +36,7 @@ from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.core import CheckScope, losses_differ, read_otherwise_since, with_attribution
 from lightning_ckpt_determinism.verify.live_step import check_live_step
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
-from lightning_ckpt_determinism.verify.two_pass import check_recomputation
+from lightning_ckpt_determinism.verify.two_pass import NothingRecomputed, check_recomputation
 
 __all__ = ["CheckSettings", "LossFn", "StepCheck"]
 
@@ -129,8 +129,8 @@ class StepCheck:
             # at this call recomputes otherwise live only, and is copied for every later pass).
             try:
                 two_passes = self._two_pass(attribution=True)
-            except SkippedStep:
-                pass  # its rerun returned None: the live check's finding stands, without a region named
+            except (SkippedStep, NothingRecomputed):
+                pass  # its rerun returned None or ran no region: the live finding stands, without a region named
             else:
                 joined = report.diverged or not two_passes.diverged
                 report = with_attribution(report, two_passes) if joined else two_passes

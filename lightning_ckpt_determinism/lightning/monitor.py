@@ -51,7 +51,7 @@ from lightning_ckpt_determinism.verify.cause import Syntax
 from lightning_ckpt_determinism.verify.compiled import is_compiled
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, read_otherwise_hint
 from lightning_ckpt_determinism.verify.sentinel import SentinelMode, SentinelReport
-from lightning_ckpt_determinism.verify.two_pass import PassFailed, raised_in_autograd
+from lightning_ckpt_determinism.verify.two_pass import NothingRecomputed, PassFailed, raised_in_autograd
 
 __all__ = ["RecomputationMonitor"]
 
@@ -476,6 +476,9 @@ class RecomputationMonitor(Callback):
         with self._watch.paused(), support.check_running():
             try:
                 report = StepCheck(trainer, pl_module, capture, settings, support).run(plain, self._gradients_before)
+            except NothingRecomputed:  # raised on every rank alike
+                self._skip_rerun_unrecomputed(step)
+                return
             except PassFailed as err:
                 # Raised on every rank alike: none waits in a collective of this check, and each skips it.
                 self._check_failed(step, err.__cause__ if isinstance(err.__cause__, Exception) else err)
@@ -770,6 +773,17 @@ class RecomputationMonitor(Callback):
                 " compile the module instead, or the LightningModule through `trainer.fit(torch.compile(module))`)."
             )
         self._results.warn_once("unrecomputed", said)
+
+    def _skip_rerun_unrecomputed(self, step: int) -> None:
+        """Skip a check whose own passes recomputed no checkpointed region, though the step did, saying so once."""
+        self._results.skipped(step, "the check's passes recomputed no checkpointed region")
+        rerun = "`loss_fn`" if self.loss_fn is not None else "`training_step` run again"
+        self._results.warn_once(
+            "rerun_unrecomputed",
+            f"lightning_ckpt_determinism: the check at step {step} was skipped: its passes, {rerun}, recomputed no"
+            " checkpointed region, so they would compare a step with itself. Make them run the checkpointed modules"
+            " as the step does (`loss_fn` returning the loss the step backpropagates).",
+        )
 
     def _skip_changed_parameters(self, step: int, changed: list[str], initialised: list[str]) -> None:
         """Skip a check whose ``training_step`` changed parameters in place (on any rank): the capture copies them

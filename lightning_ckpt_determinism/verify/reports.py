@@ -317,7 +317,8 @@ class RecomputationReport:
             that differ).
         error: The exception raised during the checkpointed pass (e.g. torch's ``CheckpointError`` when a
             recomputed tensor's shape differs), as ``"Type: message"``; ``None`` when it ran.
-        checked_regions: Names of the checkpointed modules the check exercised.
+        checked_regions: Names of the checkpointed modules the check exercised: those its checkpointed pass
+            recomputed (every region of a compiled model, whose recomputation runs inside its graphs).
         reference_loss: The loss of the reference pass.
         checkpointed_loss: The loss of the checkpointed pass (``nan`` when it raised before computing one).
         noise_floor: With ``calibrate_noise``, twice the ``grad_divergence`` between two reference passes: what

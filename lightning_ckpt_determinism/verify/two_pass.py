@@ -20,11 +20,13 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from lightning_ckpt_determinism._library_compat import compiled_by_lightning
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, region_name
 from lightning_ckpt_determinism.checkpointing.wrapper import (
     buffers_read_otherwise,
     checkpointed_modules,
     recomputations,
+    recomputations_by_region,
     replays_torch_rng,
 )
 from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
@@ -57,7 +59,7 @@ from lightning_ckpt_determinism.verify.reports import (
 )
 from lightning_ckpt_determinism.verify.state import StepState
 
-__all__ = ["PassFailed", "SkippedPass", "check_recomputation", "raised_in_autograd"]
+__all__ = ["NothingRecomputed", "PassFailed", "SkippedPass", "check_recomputation", "raised_in_autograd"]
 
 _Gradients = list[torch.Tensor | None]
 
@@ -73,6 +75,13 @@ class PassFailed(Exception):
     backward on any (the ``closure``'s own code, run again, not a recomputation): no gradients can be compared, and
     the failure is not about recomputation. It holds that error as its ``__cause__`` on the rank that raised it; every
     rank raises alike, so none waits in a collective of the check."""
+
+
+class NothingRecomputed(ValueError):
+    """Raised by :func:`check_recomputation` on every rank when its checkpointed pass recomputed no region on any: the
+    ``closure`` calls none of them with gradients enabled (or under
+    :func:`~lightning_ckpt_determinism.checkpointing.checkpointing_disabled`), or they save nothing for backward, so
+    both passes ran the same computation and their equal gradients would prove nothing."""
 
 
 def check_recomputation(
@@ -171,6 +180,9 @@ def check_recomputation(
         CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``), or if
             ``module`` has no region checkpointed by this package (its answer would say nothing).
         PassFailed: If the checkpointed pass raised before its backward (on any rank, with ``agree``).
+        NothingRecomputed: If the checkpointed pass recomputed no region (on any rank, with ``agree``) and
+            found gradients to compare; a compiled model (or one whose steps Lightning compiles) recomputes inside its
+            graphs, uncounted, and is checked whatever it recomputed.
         ValueError: If ``module`` has no parameter that requires grad, or one a lazy module has not initialised yet.
 
     Example::
@@ -224,7 +236,8 @@ def check_recomputation(
             calibrate_noise=calibrate_noise,
             captured=captured,
         )
-    return replace(report, checked_regions=regions, compiled=passes.compiled)
+    checked = regions if passes.recomputation_uncounted else report.checked_regions
+    return replace(report, checked_regions=checked, compiled=passes.compiled)
 
 
 def _no_region_message(module: nn.Module) -> str:
@@ -265,6 +278,7 @@ def _compare(
     observer = Attribution(passes.module) if attribution else None
     # The observer sees eager dispatch only: a compiled model is observed in the same step rerun eagerly.
     checkpointed = passes.checkpointed(None if passes.compiled else observer)
+    recomputed = passes.recomputed_regions
     changed_buffers = passes.changed_buffers()
     attributes = passes.changed_attributes()
     host_rng = passes.changed_host_rng()
@@ -275,6 +289,15 @@ def _compare(
     )
     explained = passes.host_rng_explained(observer.host_rng_suspects() if observer is not None else frozenset())
     verdict = _verdict(names, reference, checkpointed, tolerance, noise_floor)
+    # Decided alike on every rank: a rank that recomputed, failed in backward or found nothing to compare reports so.
+    if not passes.recomputation_uncounted and not passes.agreed(
+        bool(recomputed) or checkpointed.error is not None or verdict.error is not None
+    ):
+        raise NothingRecomputed(
+            "`check_recomputation`'s checkpointed pass recomputed no checkpointed region, so it would compare a"
+            " step with itself: make `closure` call the checkpointed modules with gradients enabled (not under"
+            " `checkpointing_disabled()` or `torch.no_grad()`), on inputs or parameters that require grad."
+        )
     regions, buffers = (
         ([], [])
         if observer is None
@@ -315,7 +338,7 @@ def _compare(
         step_host_rng=host_rng,
         step_torch_rng=torch_rng,
     )
-    return step_report(
+    report = step_report(
         evidence,
         grad_divergence=verdict.divergence,
         max_abs_diff=max(verdict.max_diffs, default=0.0),
@@ -325,6 +348,7 @@ def _compare(
         buffer_mutations=buffers or changed_buffers,
         attribute_mutations=attributes,
     )
+    return replace(report, checked_regions=recomputed)
 
 
 def _with_attributes(regions: list[RegionReport], attributes: list[str]) -> list[RegionReport]:
@@ -439,6 +463,18 @@ class _Passes:
         self._ran = False
         # Whether the last pass recomputed a region before its closure returned the loss (a gradient penalty).
         self._recomputed_in_forward = False
+        # The regions the last checkpointed pass recomputed (eager recomputations; a compiled region's are uncounted).
+        self.recomputed_regions: list[str] = []
+
+    @property
+    def recomputation_uncounted(self) -> bool:
+        """Whether the regions recompute inside compiled graphs, where no recomputation is counted: a compiled
+        model, or one whose steps Lightning compiles."""
+        return self.compiled or compiled_by_lightning(self.module)
+
+    def agreed(self, decision: bool) -> bool:
+        """``decision`` reduced over ranks (``True`` on any makes it ``True`` on all); itself on one process."""
+        return self._agreed(decision)
 
     def _counted(self, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """``closure``, noting whether it recomputed a region before it returned."""
@@ -500,6 +536,7 @@ class _Passes:
         observing = observer.observing() if observer is not None else contextlib.nullcontext()
         error: Exception | None = None
         before = buffers_read_otherwise(self.module)
+        counts = recomputations_by_region(self.module)
         try:
             with observing:
                 loss, grads = self._take(disable_checkpointing=False)
@@ -514,6 +551,9 @@ class _Passes:
             said = describe_error(outside) if outside is not None else "the checkpointed pass failed on another rank"
             raise PassFailed(said) from outside
         read_otherwise = read_otherwise_since(self.module, before)
+        self.recomputed_regions = [
+            name for name, count in recomputations_by_region(self.module).items() if count > counts.get(name, 0)
+        ]
         if error is not None:
             return _Outcome(math.nan, None, error, self._recomputed_in_forward, read_otherwise)
         return _Outcome(loss, grads, None, self._recomputed_in_forward, read_otherwise)
