@@ -25,7 +25,12 @@ import torch
 from jsonargparse.typing import register_type
 from torch import nn
 
-from lightning_ckpt_determinism._torch_compat import OpOverload, OpOverloadPacket, random_only_through_dropout_p
+from lightning_ckpt_determinism._torch_compat import (
+    OpOverload,
+    OpOverloadPacket,
+    random_only_through_dropout_p,
+    writes_its_arguments,
+)
 from lightning_ckpt_determinism.checkpointing.routing import is_random_op
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 
@@ -810,6 +815,13 @@ def _resolve_op(name: str) -> list[OpOverload]:
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is a random op: a kept one is not run again in recomputation, which shifts"
             " what every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
+        )
+    functional = [op for overload, op in zip(overloads, ops, strict=True) if not overload.endswith("out")]
+    if functional and all(writes_its_arguments(op) for op in functional):
+        raise CheckpointingConfigError(
+            f"`save_ops` entry {name!r} is an in-place op: its output is its input written over, which torch's"
+            f" selective checkpointing refuses to keep; write the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"
+            " or the op before it."
         )
     return ops
 

@@ -207,6 +207,19 @@ def test_a_random_save_op_is_refused_in_one_line(entry: str) -> None:
     )
 
 
+@pytest.mark.parametrize(("entry", "meant"), [("aten.relu_", "aten.relu"), ("aten.add_.Tensor", "aten.add")])
+def test_an_in_place_save_op_is_refused_naming_its_out_of_place_op(entry: str, meant: str) -> None:
+    # torch's selective checkpointing refuses to keep an in-place op's output; accepted, the config failed at the
+    # first backward with a hint about a later op writing the kept output.
+    with pytest.raises(CheckpointingConfigError) as raised:
+        CheckpointingConfig(classes=["Block"], save_ops=[entry])
+    assert str(raised.value) == (
+        f"`save_ops` entry {entry!r} is an in-place op: its output is its input written over, which torch's selective"
+        f" checkpointing refuses to keep; write the out-of-place op ({meant!r}) or the op before it."
+    )
+    assert CheckpointingConfig(classes=["Block"], save_ops=[meant]).save_ops == [meant]
+
+
 class ReluInPlaceAfterLinear(nn.Module):
     """``Linear -> ReLU(inplace=True) -> Linear``: the first linear's `addmm` output is written in place."""
 

@@ -238,6 +238,59 @@ def test_with_the_guard_a_drifting_router_keeps_its_routing_and_differs_by_ulps_
         assert "keep_data_dependent" not in (region.hint or "")
 
 
+class _TupleCalled(nn.Module):
+    """Calls its drifting MoE block on the first tensor of a tuple: the region's input comes nested."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = DriftingRouterMoEBlock(DIM)
+
+    def forward(self, inputs: tuple[torch.Tensor]) -> torch.Tensor:
+        return self.block(inputs[0])
+
+
+def test_a_region_given_its_tokens_in_a_tuple_keeps_its_routing() -> None:
+    # The size rule's limit read top-level tensors only: 0 here, so `topk` was recomputed, its routing flipped under
+    # drift, and the hint blamed the op's size (32 floating values against 1,024 input elements).
+    x, y = tokens()
+    torch.manual_seed(0)
+    model = nn.ModuleList([_TupleCalled(), nn.Linear(DIM, 1)])
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    report = check_recomputation(model, lambda: F.mse_loss(model[1](model[0]((x,))), y), attribution=True)
+    assert report.error is None
+    assert 0.0 < report.grad_divergence < 1e-5  # the drift's ulps, no routing flip
+    assert report.regions[0].data_dependent_ops == {"aten.topk.default": True, "aten.nonzero.default": True}
+
+
+class _OutFormRouter(nn.Module):
+    """Routes each token to one expert with `torch.argmax(..., out=index)` into a preallocated tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        index = torch.zeros(x.shape[0], 1, dtype=torch.long)
+        torch.argmax(logits.detach(), dim=-1, keepdim=True, out=index)
+        return x * logits.softmax(-1).gather(-1, index)
+
+
+def test_an_out_form_of_a_routing_op_is_served_into_its_out_tensor() -> None:
+    # The guard served a copy of the kept output in place of running the op, so the `out` tensor kept its zeros in
+    # recomputation: gradients off the plain twin's by up to 0.2, with the guard on by default.
+    x, y = tokens()
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_OutFormRouter(), nn.Linear(DIM, 1))
+        if checkpointed:
+            apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+        grads.append(gradients_of(model, x, y))
+    assert unequal(*grads) == []
+    assert model[0].forward.data_dependent is True  # the guard ran, and served the argmax
+
+
 def test_without_the_guard_the_routing_flips_and_attribution_names_the_region() -> None:
     report = mse_check(moe(drifting=True, keep=False), attribution=True)
     assert report.diverged

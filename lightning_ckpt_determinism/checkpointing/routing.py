@@ -8,12 +8,16 @@ untagged although their result decides which rows go where: ``topk``, ``sort``, 
 for its boolean-mask form only, which is the one that counts: indexing with integer indices (a gather) has the
 shape of its indices, and keeping it would keep activation-sized data.
 
-Which outputs are kept (the size rule): integer and boolean outputs (indices, counts, masks) and Python scalars
-always; floating outputs (``topk``'s values, ``masked_select`` of activations) only when an op's floating outputs
-hold at most as many elements as the region's largest tensor input, so that the floating values kept cost at most
-what checkpointing already saves for the region. A larger op is recomputed, and the audit lists it as not kept.
-Integer outputs are kept whatever their size: routing indices are tokens x k, but an integer op over a hidden layer
-keeps activation-sized data.
+Which outputs are kept (the size rule): an op's outputs are kept or recomputed together. An op with integer and
+boolean outputs only (indices, counts, masks) and Python scalars is kept always; an op with floating outputs
+(``topk``'s values with its indices, ``masked_select`` of activations) only when its floating outputs hold at most as
+many elements as the region's largest tensor input (nested in the call's tuples, lists and dicts too), so that the
+floating values kept cost at most what checkpointing already saves for the region. A larger op is recomputed, its
+indices too, and the audit lists it as not kept. Integer outputs are kept whatever their size: routing indices are
+tokens x k, but an integer op over a hidden layer keeps activation-sized data.
+
+An op's ``out=`` form (``torch.argmax(x, out=index)``) is served by running it, then writing the kept values into
+its ``out`` tensors: the region reads them there.
 
 Eagerly, :class:`KeptOutputs` caches the kept outputs of one checkpointed call and serves copies of them to every
 recomputation of that call (a gradient penalty or ``retain_graph=True`` recomputes it more than once; torch's
@@ -36,6 +40,7 @@ from lightning_ckpt_determinism._torch_compat import (
     statically_known_true,
     tree_leaves,
     tree_map,
+    writes_its_arguments,
 )
 
 __all__ = [
@@ -112,18 +117,19 @@ def _by_rule(func: Any) -> bool:
 
 
 def input_limit(inputs: Iterable[Any]) -> Any:
-    """The size rule's limit: the number of elements of the largest tensor among ``inputs`` (symbolic if compiled).
+    """The size rule's limit: the number of elements of the largest tensor among ``inputs``, in their tuples, lists
+    and dicts too (symbolic if compiled).
 
     Args:
         inputs: A region call's inputs.
 
     Example::
 
-        >>> input_limit((torch.ones(4, 2), 3))
-        8
+        >>> input_limit((torch.ones(4, 2), 3, [torch.ones(10)]))
+        10
     """
     limit: Any = 0
-    for value in inputs:
+    for value in tree_leaves(list(inputs)):
         if isinstance(value, torch.Tensor):
             limit = torch.sym_max(limit, value.numel())
     return limit
@@ -251,10 +257,23 @@ class _ServeRecompute(TorchDispatchMode):
             self._served[func] = position + 1
             # Past the forward's calls the region runs other code than it did; torch's metadata check then says so.
             if position < len(entries) and entries[position] is not _RECOMPUTED:
+                if writes_its_arguments(func):
+                    # An `out=` form: the region reads its `out` tensors, which the values are written into.
+                    return _written(func(*args, **(kwargs or {})), entries[position])
                 # A copy each time: the region may modify what it gets in place, and a later recomputation must
                 # get the forward's values again.
                 return tree_map(_copy, entries[position])
         return func(*args, **(kwargs or {}))
+
+
+def _written(out: Any, kept: Any) -> Any:
+    """``out``, what an ``out=`` op returned (its ``out`` tensors), with the kept values written into them below
+    every dispatch mode (resized first where the kept ones have another shape)."""
+    with disable_current_modes(), torch.no_grad():
+        for target, value in zip(tree_leaves(out), tree_leaves(kept), strict=True):
+            if isinstance(target, torch.Tensor):
+                target.resize_(value.shape).copy_(value)
+    return out
 
 
 def _copy(value: Any) -> Any:
