@@ -270,22 +270,50 @@ def _sins_recomputed(model: nn.Module) -> int:
     return Count.count
 
 
-def test_an_op_call_unlike_the_plans_recomputes_with_one_warning_and_stays_exact() -> None:
+class _CacheAtFirstCall(nn.Module):
+    """Builds a cache with three ops at its first call only, then two linear layers, the second's output written in
+    place (`relu_`), and a third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k, self.m, self.o = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = torch.ones(1).add_(1).mul_(0.5)
+        return x + self.o(self.m(self.k(x).tanh()).relu_()) * self.cache
+
+
+def test_a_call_that_runs_fewer_ops_before_a_kept_one_keeps_the_op_the_plan_chose() -> None:
+    # The plan measured the first call, whose cache ops put `k`'s addmm at position 4; later calls have `m`'s addmm
+    # there, whose output `relu_` writes in place: kept by position, every later backward raised (a fit ended at its
+    # second batch), and a wider `m` kept more than the budget.
+    torch.manual_seed(0)
+    model = nn.Sequential(_CacheAtFirstCall(), _CacheAtFirstCall())
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, DIM)
+    config = CheckpointingConfig(names=["0", "1"], memory_budget=0.9, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: model(x).square().mean().backward())
+    assert plan.saved_ops == {"0": ((4, "aten.addmm.default"),)}
+    plan.apply(model)
+    twin(x).square().mean().backward()  # the twin's first call builds its caches too
+    for step in range(2):
+        model.zero_grad()
+        twin.zero_grad()
+        model(x + step).square().mean().backward()
+        twin(x + step).square().mean().backward()
+        for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_keep_op_calls_refuses_calls_the_measured_ops_do_not_hold() -> None:
     model = _small()
     plan = _plan(model, 0.85)
     plan.apply(model)
     name = plan.checkpointed[0]
-    keep_op_calls(model.get_submodule(name), [(1, "aten.cos.default")])
-    model.zero_grad(set_to_none=True)
-    twin = _small()
-    with pytest.warns(LightningCkptDeterminismWarning, match=r"ran aten\.addmm\.default as its op call 1") as caught:
-        _closure(model)
-        _closure(model)
-    assert len([w for w in caught if issubclass(w.category, LightningCkptDeterminismWarning)]) == 1
-    _closure(twin)
-    _closure(twin)
-    for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(ours.grad, theirs.grad)
+    with pytest.raises(ValueError, match=r"the measured call does not run aten\.cos\.default as its op call 1"):
+        keep_op_calls(model.get_submodule(name), [(1, "aten.cos.default")], plan.measured_ops(name))
 
 
 def test_module_granularity_plans_keep_no_op_outputs_and_share_the_flop_model() -> None:

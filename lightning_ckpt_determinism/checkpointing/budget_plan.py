@@ -121,8 +121,24 @@ class CheckpointingPlan:
         chosen = {name: module for name, module in candidates.items() if name in self.checkpointed}
         checkpoint_selected(model, chosen, self.config)
         for name, module in chosen.items():
-            keep_op_calls(module, self.saved_ops.get(name, ()))
+            keep_op_calls(module, self.saved_ops.get(name, ()), self.measured_ops(name))
         return list(chosen)
+
+    def measured_ops(self, name: str) -> list[str]:
+        """The overloads of candidate ``name``'s op calls in its measured forward, in order (empty at module
+        granularity, or for a name that is no candidate): what :attr:`saved_ops`' positions count.
+
+        Args:
+            name: A candidate's name.
+
+        Example::
+
+            >>> from lightning_ckpt_determinism.checkpointing.budget_plan import RegionFigures, plan_from_figures
+            >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=12)
+            >>> plan_from_figures([RegionFigures("0", 8, 8, 1, 1)], config).measured_ops("0")
+            []
+        """
+        return next((list(op.op for op in entry.ops) for entry in self.candidates if entry.name == name), [])
 
     def summary(self) -> str:
         """The plan in one line.

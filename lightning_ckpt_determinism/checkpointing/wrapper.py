@@ -35,9 +35,8 @@ torch's frame counts what it saves.
 import collections
 import contextlib
 import logging
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -96,7 +95,6 @@ from lightning_ckpt_determinism.checkpointing.registered_buffers import (
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = [
     "KEPT_OUTPUT_WRITTEN_HINT",
@@ -353,11 +351,11 @@ class CheckpointedForward:
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
         self.saved_observer: SavedTensorObserver | None = None
-        # The op calls whose outputs an eager forward keeps (a `budget_granularity="op"` plan), by position: their
-        # overloads, checked at each call. Traced calls keep none (the compiled graph holds no per-call policy).
+        # The op calls whose outputs an eager forward keeps (a `budget_granularity="op"` plan): their overloads by
+        # position in the measured call, and, as each forward finds them, by overload and occurrence (the second
+        # `aten.addmm.default` of the call). Traced calls keep none (the compiled graph holds no per-call policy).
         self.kept_calls: dict[int, str] = {}
-        # Whether a call ran another op than the plan says at a kept position (said once per region).
-        self.said_mismatch = False
+        self.kept_occurrences: frozenset[tuple[str, int]] = frozenset()
         # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
         self.recomputations = 0
         # By buffer name, how many calls' recomputations got other values of it than their forward started from or
@@ -698,20 +696,6 @@ class CheckpointedForward:
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def kept_call_differs(self, position: int, expected: str, found: Any) -> None:
-        """A call ran ``found`` at ``position``, where the plan keeps ``expected``: it recomputes the rest of that
-        call; said once per region."""
-        if not self.said_mismatch:
-            self.said_mismatch = True
-            warnings.warn(
-                f"lightning_ckpt_determinism: region `{self.region}` ran {found} as its op call {position}, where"
-                f" the `budget_granularity`='op' plan keeps the output of {expected}: its calls that differ from the"
-                " measured one recompute those ops instead (exact, at more recompute cost). Plan again on batches"
-                " that take the same path.",
-                LightningCkptDeterminismWarning,
-                stacklevel=2,
-            )
-
     def _found_data_dependent(self, found: bool) -> None:
         # A later forward that shows routing (one observed by a check) turns a dropped guard back on.
         if found or self.data_dependent is None:
@@ -841,30 +825,29 @@ class _KeptOutputWritten:
 
 
 class _KeptCallsPolicy:
-    """The selective-checkpointing policy of one forward with kept op calls: counts the calls it is asked about (as
-    the meter counted them) and keeps those the plan names, if they are the op the plan measured there."""
+    """The selective-checkpointing policy of one forward with kept op calls: counts the calls of each op it is asked
+    about (as the meter counted them) and keeps the occurrences the plan names.
+
+    By occurrence rather than by position: a call that runs other ops before a kept one (a cache its region built at
+    the measured call only) keeps the same op's output as the measured call, where the op at the measured position
+    would be another one (a wider output, or one written in place later, which torch cannot keep)."""
 
     def __init__(self, wrapper: CheckpointedForward) -> None:
         self._wrapper = wrapper
-        self._position = 0
-        self._differed = False
+        self._seen: dict[str, int] = {}
         self._framework = FrameworkOps()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self._framework.skips(op, args):  # an FSDP2 unit's gathering, uncounted as the meter left it out
             return CheckpointPolicy.PREFER_RECOMPUTE
-        position = self._position
-        self._position += 1
         if op in self._wrapper.plan.save_ops:
             return CheckpointPolicy.MUST_SAVE
-        expected = self._wrapper.kept_calls.get(position)
-        if expected is None or self._differed:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        if str(op) != expected:
-            self._differed = True
-            self._wrapper.kept_call_differs(position, expected, op)
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        name = str(op)
+        occurrence = self._seen.get(name, 0)
+        self._seen[name] = occurrence + 1
+        if (name, occurrence) in self._wrapper.kept_occurrences:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @dataclass(slots=True, eq=False)
@@ -1195,33 +1178,47 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
         module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
 
 
-def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]]) -> None:
+def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]], measured: Sequence[str] = ()) -> None:
     """Make the checkpointed ``module``'s eager forwards keep the outputs of ``calls`` (position among the op calls
-    selective checkpointing sees, overload name) and recompute its other ops; no calls keeps none.
+    selective checkpointing sees in the ``measured`` call, overload name) and recompute its other ops; no calls keeps
+    none.
 
-    A call whose op at a kept position is not the one named recomputes from there on, with one warning per region.
-    Compiled calls keep none of them.
+    Each forward keeps the same occurrences of the same ops as the measured call (its second
+    ``aten.addmm.default``, say), wherever they come in it: a call that runs other ops first keeps what the plan
+    chose. A call that runs a kept op fewer times keeps fewer outputs. Compiled calls keep none of them.
 
     Args:
         module: A checkpointed module.
         calls: The op calls to keep, as ``CheckpointingPlan.saved_ops`` lists them.
+        measured: The overloads of the measured call's op calls in order, as its candidate's ``ops`` list them
+            (needed where ``calls`` is not empty).
+
+    Raises:
+        ValueError: If ``measured`` does not hold a call's overload at its position.
 
     Example::
 
         >>> from lightning_ckpt_determinism import CheckpointingConfig
         >>> layer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
         >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Sequential"]))
-        >>> keep_op_calls(layer, [(1, "aten.addmm.default")])
+        >>> keep_op_calls(layer, [(1, "aten.addmm.default")], ["aten.t.default", "aten.addmm.default"])
         >>> layer(torch.ones(1, 2, requires_grad=True)).sum().backward()
     """
     wrapper = module.__dict__["forward"]
     kept = dict(calls)
+    ops = list(measured)
+    wrong = [(position, name) for position, name in kept.items() if position >= len(ops) or ops[position] != name]
+    if wrong:
+        raise ValueError(
+            f"`keep_op_calls`: the measured call does not run {wrong[0][1]} as its op call {wrong[0][0]}: give the"
+            " overloads of the measured call's op calls in order (its candidate's `ops` in the plan)."
+        )
     if kept != wrapper.kept_calls:
         # Other outputs kept: the region saves other tensors, so the paths it learned are stale; its next call learns
         # again rather than take an unknown path.
         wrapper.forget_paths()
     wrapper.kept_calls = kept
-    wrapper.said_mismatch = False
+    wrapper.kept_occurrences = frozenset((name, ops[:position].count(name)) for position, name in kept.items())
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:

@@ -124,7 +124,7 @@ class BudgetedCheckpointing:
             remove_activation_checkpointing(regions[name])
         for name in plan.checkpointed:
             if name in regions:
-                keep_op_calls(regions[name], plan.saved_ops.get(name, ()))
+                keep_op_calls(regions[name], plan.saved_ops.get(name, ()), plan.measured_ops(name))
         rank_zero_info(f"lightning_ckpt_determinism: {plan.summary()}.")
         if strategy.is_global_zero:
             log_plan_text(loggers, plan, step)
