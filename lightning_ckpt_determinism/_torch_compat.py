@@ -6,6 +6,7 @@ sets the package's floor. The package is tested on the versions its README names
 """
 
 import contextlib
+import copy
 import inspect
 import operator
 import re
@@ -43,6 +44,7 @@ __all__ = [
     "RECORD_FUNCTION_ENTER",
     "RECORD_FUNCTION_EXIT",
     "SAVED_VALUE_COMPARED_ON_THE_LEFT",
+    "KeptOutputsServedAgain",
     "OpOverload",
     "OpOverloadPacket",
     "OptimizeContext",
@@ -205,6 +207,38 @@ KEPT_OUTPUT_MUTATED = "Tensor cached during selective activation checkpoint has 
 """How torch's recompute context of selective checkpointing says that an op output it kept was written in place after
 the forward kept it (>= 2.4; the same words to 2.13, read in its sources); ``tests/test_torch_compat.py`` pins it on the
 installed torch."""
+
+
+class KeptOutputsServedAgain:
+    """torch's recompute context of selective checkpointing, serving the outputs its forward kept to every
+    recomputation: torch's serves them to the first only, and a second backward through the graph
+    (``retain_graph=True``) or a gradient penalty then fails ("Trying to backward an extra time"). At its first entry
+    it copies the cache torch's forward filled (``_CachedTorchDispatchMode.storage``, a mapping of each op to its kept
+    outputs, which torch marks consumed as it serves them; checked on 2.13, and copied one level deep whatever holds
+    an op's entries) and puts that copy back at every later entry. The kept outputs then live as long as the graph
+    that holds the context, not until their first use.
+
+    Args:
+        context: The recompute context ``create_selective_checkpoint_contexts`` returned.
+    """
+
+    __slots__ = ("_context", "_kept")
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._kept: dict[Any, Any] | None = None
+
+    def __enter__(self) -> Any:
+        storage = self._context.storage
+        if self._kept is None:
+            self._kept = {key: copy.copy(entries) for key, entries in storage.items()}
+        else:
+            storage.clear()
+            storage.update({key: copy.copy(entries) for key, entries in self._kept.items()})
+        return self._context.__enter__()
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> Any:
+        return self._context.__exit__(kind, error, trace)
 
 
 def is_kept_output_mutation(error: BaseException) -> bool:

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lightning_ckpt_determinism._library_compat import reads_cache_only
 from lightning_ckpt_determinism._torch_compat import (
+    KeptOutputsServedAgain,
     autograd_nodes_made,
     checkpoint_debug_enabled,
     checkpoint_saved_counter,
@@ -691,7 +692,7 @@ class CheckpointedForward:
         """torch's selective-checkpointing pair for one call: ``save_ops``, and the kept op calls counted afresh."""
         policy = _KeptCallsPolicy(self) if self.kept_calls else self._save_ops_policy
         forward, recompute = create_selective_checkpoint_contexts(policy)
-        return forward, _KeptOutputWritten(recompute, self.region, self.plan.save_ops)
+        return forward, _KeptOutputWritten(KeptOutputsServedAgain(recompute), self.region, self.plan.save_ops)
 
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
