@@ -82,6 +82,12 @@ def fit(tmp_path, module=None, monitor=None, block="DropoutBlock", checkpointing
             {"loss_fn": lambda module, batch: batch},
             r"`loss_fn` must take \(module, batch, batch_idx\), got a function of \(module, batch\)\.",
         ),
+        (
+            {"loss_fn": nn.MSELoss()},
+            r"`loss_fn` must take \(module, batch, batch_idx\) and return the step's loss, got the loss criterion"
+            r" MSELoss: give a function",
+        ),
+        ({"loss_fn": F.mse_loss}, r"`loss_fn` must take .* got the loss criterion mse_loss: give a function"),
         ({"log_prefix": ""}, r"`log_prefix` must be a non-empty string, got ''\."),
         ({"log_prefix": 5}, r"`log_prefix` must be a non-empty string, got 5\."),
         (
@@ -354,6 +360,8 @@ def test_a_loss_fn_returning_none_skips_the_check_with_a_line_naming_loss_fn(tmp
         _, monitored = fit(tmp_path, module=module, monitor=monitor)
     [line] = [str(w.message) for w in caught if "the check at step 0 failed" in str(w.message)]
     assert "(TypeError: `loss_fn` returned NoneType: return the step's loss, a tensor of one element" in line
+    assert "If the error is in your `loss_fn`, which the check calls as `loss_fn(module, batch, batch_idx)`" in line
+    assert "give the monitor a `loss_fn`" not in line
     assert line.count("lightning_ckpt_determinism:") == 1
     _, plain = fit(tmp_path / "plain", module=ManualModule() if manual else StackModule())
     for (key, expected), actual in zip(plain.state_dict().items(), monitored.state_dict().values(), strict=True):

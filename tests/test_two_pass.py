@@ -204,6 +204,10 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match=said):
         check_recomputation(lazy, lambda: lazy(torch.ones(1, 2)).sum())
     assert torch.nn.parameter.is_lazy(lazy[0].weight)
+    with pytest.raises(TypeError, match=r"takes the model, then the closure computing its loss: got \(function, "):
+        check_recomputation(mse_closure(model), model)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`attribution` must be True or False, got 'yes'"):
+        check_recomputation(model, mse_closure(model), attribution="yes")  # type: ignore[arg-type]
 
 
 def reference_divergence(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:

@@ -414,6 +414,17 @@ def test_checkpoint_module_wraps_the_module_itself_once() -> None:
     assert len(block.calls) == 2
 
 
+def test_checkpoint_module_refuses_another_config_and_arguments_out_of_order() -> None:
+    # Given another config, it kept the first silently: a NumPy draw stayed unreplayed with `preserve_host_rng=True`.
+    block = NumpyNoiseBlock()
+    checkpoint_module(block, "block", CheckpointingConfig(classes=["Unused"]))
+    with pytest.raises(CheckpointingConfigError, match=r"^`block` is checkpointed already with another"):
+        checkpoint_module(block, "block", CheckpointingConfig(classes=["Unused"], preserve_host_rng=True))
+    assert wrapping_module.checkpointing_config(block) == CheckpointingConfig(classes=["Unused"])
+    with pytest.raises(CheckpointingTypeError, match=r"^`region` must be a str, got CheckpointingConfig: call"):
+        checkpoint_module(PlainBlock(), CheckpointingConfig(classes=["Unused"]), "block")  # type: ignore[arg-type]
+
+
 # Inputs and outputs pass through.
 
 

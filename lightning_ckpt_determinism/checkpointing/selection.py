@@ -200,7 +200,8 @@ def checkpoint_selected(root: nn.Module, selected: Mapping[str, nn.Module], conf
         True
     """
     for name, sub in selected.items():
-        checkpoint_module(sub, name, config)
+        if not is_checkpointed(sub):  # one checkpointed before keeps its config (callers refuse or accept it)
+            checkpoint_module(sub, name, config)
     switch_off_kv_caches(root, selected.values())
 
 

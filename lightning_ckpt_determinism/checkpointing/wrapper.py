@@ -96,6 +96,7 @@ from lightning_ckpt_determinism.checkpointing.registered_buffers import (
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, CheckpointingTypeError
 
 __all__ = [
     "KEPT_OUTPUT_WRITTEN_HINT",
@@ -1157,7 +1158,8 @@ def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfig) -> None:
-    """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is.
+    """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is with an
+    equal config.
 
     ``config``'s selection fields are ignored; its other fields say how to checkpoint.
 
@@ -1165,6 +1167,11 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
         module: The module to checkpoint.
         region: The name reports use for it, usually its name in the model.
         config: How to checkpoint it.
+
+    Raises:
+        CheckpointingTypeError: If an argument has the wrong type (arguments given in another order).
+        CheckpointingConfigError: If ``module`` is checkpointed already with another config, which this call would
+            not change (:func:`remove_activation_checkpointing` first).
 
     Example::
 
@@ -1174,9 +1181,25 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
         >>> list(checkpointed_modules(layer))
         ['']
     """
-    if not is_checkpointed(module):
+    for name, value, kind in (
+        ("module", module, nn.Module),
+        ("region", region, str),
+        ("config", config, CheckpointingConfig),
+    ):
+        if not isinstance(value, kind):
+            raise CheckpointingTypeError(
+                f"`{name}` must be a {kind.__name__}, got {type(value).__name__}: call"
+                " `checkpoint_module(module, region, config)`."
+            )
+    own = checkpointing_config(module)
+    if own is None:
         register_determinism_checks()
         module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
+    elif own != config:
+        raise CheckpointingConfigError(
+            f"`{region}` is checkpointed already with another `CheckpointingConfig`, which checkpointing it again"
+            " would not change: call `remove_activation_checkpointing(module)` first, then checkpoint it."
+        )
 
 
 def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]], measured: Sequence[str] = ()) -> None:

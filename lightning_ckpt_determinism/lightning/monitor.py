@@ -709,9 +709,19 @@ class RecomputationMonitor(Callback):
         self._results.warn_once(
             "check_failed",
             f"lightning_ckpt_determinism: the check at step {step} failed ({reason}) and was skipped; training goes"
-            " on as without the monitor. If the error is in your `training_step`, which the check runs again from"
-            " the step's start, make it safe to run twice or give the monitor a `loss_fn`; otherwise please report"
-            " it.",
+            f" on as without the monitor. {self._where_a_check_fails()} otherwise please report it.",
+        )
+
+    def _where_a_check_fails(self) -> str:
+        """The user's code a check runs again, where its failures usually come from."""
+        if self.loss_fn is not None:
+            return (
+                "If the error is in your `loss_fn`, which the check calls as `loss_fn(module, batch, batch_idx)` for"
+                " the step's loss, fix it there;"
+            )
+        return (
+            "If the error is in your `training_step`, which the check runs again from the step's start, make it safe"
+            " to run twice or give the monitor a `loss_fn`;"
         )
 
     def _how_to_name(self) -> str:
@@ -880,8 +890,16 @@ def _checked_loss_fn(loss_fn: object) -> LossFn | None:
         return None
     if not callable(loss_fn):
         raise CheckpointingConfigError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    if str(getattr(loss_fn, "__module__", "")).startswith("torch.nn"):
+        # A criterion (`nn.MSELoss()`, `F.mse_loss`) binds three positional arguments too, and fails in every check.
+        raise CheckpointingConfigError(
+            f"`loss_fn` must take (module, batch, batch_idx) and return the step's loss, got the loss criterion"
+            f" {getattr(loss_fn, '__name__', type(loss_fn).__name__)}: give a function that computes the loss from"
+            " the batch, as `training_step` does."
+        )
+    called = loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn  # a module's own signature is (*args)
     try:
-        signature = inspect.signature(loss_fn, follow_wrapped=False)  # a decorator's wrapper is what is called
+        signature = inspect.signature(called, follow_wrapped=False)  # a decorator's wrapper is what is called
     except (TypeError, ValueError):  # a builtin or extension without one: called as it is
         return loss_fn  # type: ignore[return-value]
     try:

@@ -29,8 +29,8 @@ from lightning_ckpt_determinism.checkpointing.wrapper import (
     recomputations_by_region,
     replays_torch_rng,
 )
-from lightning_ckpt_determinism.config import check_choice, check_non_negative_float
-from lightning_ckpt_determinism.errors import CheckpointingConfigError
+from lightning_ckpt_determinism.config import check_bool, check_choice, check_non_negative_float
+from lightning_ckpt_determinism.errors import CheckpointingConfigError, CheckpointingTypeError
 from lightning_ckpt_determinism.verify.attribution import Attribution
 from lightning_ckpt_determinism.verify.attribution.observer import BufferPlace
 from lightning_ckpt_determinism.verify.cause import Cause
@@ -177,8 +177,10 @@ def check_recomputation(
         The :class:`RecomputationReport`.
 
     Raises:
-        CheckpointingConfigError: If ``tolerance`` is negative or ``gradients`` unknown (a ``ValueError``), or if
-            ``module`` has no region checkpointed by this package (its answer would say nothing).
+        CheckpointingConfigError: If ``tolerance`` is negative, ``gradients`` unknown or a switch not a bool (a
+            ``ValueError``), or if ``module`` has no region checkpointed by this package (its answer would say
+            nothing).
+        CheckpointingTypeError: If ``module`` is not a module or ``closure`` not callable (given in the other order).
         PassFailed: If the checkpointed pass raised before its backward (on any rank, with ``agree``).
         NothingRecomputed: If the checkpointed pass recomputed no region (on any rank, with ``agree``) and
             found gradients to compare; a compiled model (or one whose steps Lightning compiles) recomputes inside its
@@ -197,7 +199,14 @@ def check_recomputation(
         >>> [(region.name, region.diverged) for region in report.regions]
         [('0', False), ('1', False)]
     """
+    if not isinstance(module, nn.Module) or not callable(closure):
+        raise CheckpointingTypeError(
+            f"`check_recomputation` takes the model, then the closure computing its loss: got"
+            f" ({type(module).__name__}, {type(closure).__name__})."
+        )
     tolerance = check_non_negative_float("tolerance", tolerance)
+    attribution = check_bool("attribution", attribution)
+    calibrate_noise = check_bool("calibrate_noise", calibrate_noise)
     check_choice("gradients", gradients, ("autograd", "backward"))
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named:
