@@ -671,3 +671,47 @@ def test_a_write_to_a_quantized_weights_inner_tensor_is_a_parameter_write_the_ch
     assert (found.compared, found.mismatches) == (3, 2), found
     # The live step: the forward's write and the recomputation's, as without the package (twice 1.01).
     assert torch.allclose(scale, before * 1.01**2)
+
+
+class ScaleHistoryWeight(Int8Weight):
+    """An :class:`Int8Weight` whose every use updates its scale in place (a delayed-scaling history), inside its own
+    ``__torch_dispatch__``: below the dispatch keys that move version counters."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, transposed: bool = False) -> "ScaleHistoryWeight":
+        shape = data.shape[::-1] if transposed else data.shape
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=scale.dtype)  # type: ignore[attr-defined,no-any-return]
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: dict[str, bool], *_: Any) -> "ScaleHistoryWeight":
+        return ScaleHistoryWeight(inner["data_int8"], inner["scale"], meta["transposed"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        aten = torch.ops.aten
+        if func in (aten.detach.default, aten.alias.default, aten.t.default):
+            weight = args[0]
+            transposed = not weight.transposed if func is aten.t.default else weight.transposed
+            return ScaleHistoryWeight(weight.data_int8, weight.scale, transposed)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for arg in args:
+            if isinstance(arg, ScaleHistoryWeight):
+                arg.scale.mul_(0.5).add_(0.01)
+        return out
+
+
+def test_check_recomputation_puts_back_an_inner_tensor_a_subclass_writes_in_its_own_dispatch() -> None:
+    # Its version counters never moved, so the check left the scale updated by its passes (6 uses where the step made
+    # 2) and said nothing was left unrestored: training after the check differed from training without it.
+    torch.manual_seed(0)
+    adapter = Int8Adapter("parameter")
+    adapter.weight = nn.Parameter(
+        ScaleHistoryWeight(adapter.weight.data_int8, adapter.weight.scale), requires_grad=False
+    )
+    model = nn.Sequential(nn.Linear(DIM_Q, DIM_Q), adapter, nn.Linear(DIM_Q, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["Int8Adapter"]))
+    x = torch.randn(8, DIM_Q, generator=torch.Generator().manual_seed(1))
+    before = adapter.weight.scale.clone()
+    report = check_recomputation(model, lambda: model(x).sum())
+    assert torch.equal(adapter.weight.scale, before)
+    assert report.not_restored == []

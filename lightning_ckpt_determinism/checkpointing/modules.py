@@ -26,6 +26,7 @@ __all__ = [
     "holds_values",
     "is_framework_attribute",
     "is_fsdp1_unit",
+    "is_wrapper_subclass",
     "local_tensor",
     "named_modules",
     "parameter_version",
@@ -116,6 +117,19 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
             return None
         parts.extend(inner)
     return tuple(parts) or None
+
+
+def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a tensor subclass other than a parameter or a DTensor (a quantized weight), whose own
+    ``__torch_dispatch__`` may write its inner tensors without moving any version counter.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> is_wrapper_subclass(TwoTensor(torch.zeros(2), torch.ones(2))), is_wrapper_subclass(torch.zeros(2))
+        (True, False)
+    """
+    return type(tensor) is not nn.Parameter and type(tensor) is not torch.Tensor and not _is_dtensor(tensor)
 
 
 def parameter_version(tensor: torch.Tensor) -> int:

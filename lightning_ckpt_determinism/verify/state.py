@@ -57,6 +57,7 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     buffer_written,
     is_framework_attribute,
     is_fsdp1_unit,
+    is_wrapper_subclass,
     parameter_version,
     region_name,
     same_inner_tensors,
@@ -377,7 +378,9 @@ class _ParameterSnapshot:
     """The version counter of every parameter, and copies of the values of those named (every one for ``None``).
 
     Named parameters are always put back (they are known to be written); with ``None``, a parameter is put back only
-    where its version counter moved, so that the others keep their versions (autograd and the sentinel read them).
+    where its version counter moved, so that the others keep their versions (autograd and the sentinel read them), or
+    where its values differ for a wrapper subclass (a quantized weight): its own ``__torch_dispatch__`` can write its
+    inner tensors (a scale history updated at every use) below the dispatch keys that move version counters.
     """
 
     def __init__(self, module: nn.Module, names: Iterable[str] | None) -> None:
@@ -411,8 +414,8 @@ class _ParameterSnapshot:
         with torch.no_grad():
             for name, value in self._copies.items():
                 param, version = self._versions[name]
-                if self._always or parameter_version(param) != version:
-                    _put_back(param, value)
+                if self._always or parameter_version(param) != version or is_wrapper_subclass(param):
+                    _put_back(param, value)  # a copy of the same bits is left as it is
 
 
 def _put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
