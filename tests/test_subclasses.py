@@ -26,7 +26,7 @@ from lightning_ckpt_determinism import (
     recomputation_sentinel,
 )
 from lightning_ckpt_determinism.verify.digest import EXACT, DigestPlans, DigestTier, digest, fingerprint, row_weights
-from tests.helpers import REPO, StackModule, trainer_kwargs
+from tests.helpers import DIM, REPO, DropoutBlock, StackModule, trainer_kwargs
 from tests.test_verdicts import STEPS, WIDTH, Case, Head, tokens, trial
 
 TIERS = get_args(DigestTier)
@@ -715,3 +715,24 @@ def test_check_recomputation_puts_back_an_inner_tensor_a_subclass_writes_in_its_
     report = check_recomputation(model, lambda: model(x).sum())
     assert torch.equal(adapter.weight.scale, before)
     assert report.not_restored == []
+
+
+def _jagged_loss(model: nn.Module) -> torch.Tensor:
+    parts = [torch.randn(rows, DIM, generator=torch.Generator().manual_seed(rows)) for rows in (3, 5, 2)]
+    return sum(out.square().sum() for out in model(torch.nested.nested_tensor(parts, layout=torch.jagged)).unbind())
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_a_jagged_nested_tensor_is_attributed_by_the_ops_it_runs_not_its_metadata_queries(
+    preserve_rng_state: bool,
+) -> None:
+    # The nested tensor sends size and stride queries through dispatch, not alike in the forward and its
+    # recomputation: attribution compared them as ops and named `python_state` at op 0 of both regions, clean or not.
+    torch.manual_seed(0)
+    model = nn.Sequential(DropoutBlock(), DropoutBlock())
+    config = CheckpointingConfig(classes=["DropoutBlock"], preserve_rng_state=preserve_rng_state)
+    apply_activation_checkpointing(model, config)
+    report = check_recomputation(model, lambda: _jagged_loss(model), attribution=True)
+    assert report.diverged is not preserve_rng_state
+    expected = None if preserve_rng_state else "rng_not_preserved"
+    assert [(region.cause, region.ops_compared > 0) for region in report.regions] == [(expected, True)] * 2

@@ -105,6 +105,22 @@ module shared by several parents has)."""
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
 """The op namespaces of collectives and their waits, never recorded nor compared."""
+_METADATA_QUERIES = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+        "is_contiguous",
+        "sym_is_contiguous",
+        "is_non_overlapping_and_dense",
+        "is_strides_like_format",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+"""Queries of a tensor's metadata, which a subclass (a jagged nested tensor) sends through dispatch as often as its
+code asks, in the forward and its recomputation alike or not: they compute nothing, and are never recorded."""
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 """The device types whose autocast state a call reads as it starts."""
 
@@ -596,8 +612,9 @@ class _CallMode(TorchDispatchMode):
 
 def _observed(func: Any) -> bool:
     """Whether the observer records and compares ``func``: not ``aten.detach`` (recomputation detaches its inputs,
-    the forward does not), and no collective (see :data:`COLLECTIVE_NAMESPACES`)."""
-    if func is torch.ops.aten.detach.default:
+    the forward does not), no metadata query (see :data:`_METADATA_QUERIES`) and no collective (see
+    :data:`COLLECTIVE_NAMESPACES`)."""
+    if func is torch.ops.aten.detach.default or getattr(func, "overloadpacket", None) in _METADATA_QUERIES:
         return False
     return getattr(func, "namespace", None) not in COLLECTIVE_NAMESPACES
 
