@@ -52,6 +52,7 @@ from tests.helpers import (
     SyncNormBlock,
     WrittenAfterItsForward,
     batch,
+    make_stack,
     stack_with,
     trainer_kwargs,
     twins,
@@ -839,6 +840,38 @@ class HistoryBlock(PlainBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.history.append(x.shape[0])
         return super().forward(x)
+
+
+class _Log:
+    """An object of the user's own kind, held by several blocks."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+
+class SharedLogBlock(PlainBlock):
+    """Appends its batch size to a log every block of the stack shares."""
+
+    log = _Log()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = SharedLogBlock.log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.shared.sizes.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_an_object_every_region_holds_is_one_changed_attribute() -> None:
+    # It was named once per block that holds it: three attributes for one list.
+    SharedLogBlock.log = _Log()
+    model = make_stack(SharedLogBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["blocks.*"]))
+    x, y = batch()
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y))
+    assert report.attribute_mutations == ["blocks.0.shared"]
+    assert SharedLogBlock.log.sizes == []  # put back
 
 
 def test_a_side_effect_recomputation_repeats_is_an_attribute_mutation_with_exact_gradients():

@@ -638,13 +638,21 @@ class _PythonState:
 
     def differing(self, within: set[int] | None) -> list[str]:
         differing = []
+        # An object several modules hold (a mask cache every layer shares) is one attribute, named where first held.
+        named_objects: set[int] = set()
         for prefix, sub, captured in self._entries:
             if within is not None and id(sub) not in within:
                 continue
             attributes = vars(sub)
-            names = [
-                name for name, (value, contents) in captured.items() if _changed(attributes, name, value, contents)
-            ]
+            names = []
+            for name, (value, contents) in captured.items():
+                if not _changed(attributes, name, value, contents):
+                    continue
+                if _is_object(value) and attributes.get(name) is value:
+                    if id(value) in named_objects:
+                        continue
+                    named_objects.add(id(value))
+                names.append(name)
             for name in sorted(names + self._created(sub, captured)):
                 differing.append(f"{prefix}.{name}" if prefix else name)
         return differing
