@@ -29,7 +29,8 @@ from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
     OpOverloadPacket,
     random_only_through_dropout_p,
-    writes_its_arguments,
+    returned_views,
+    returns_alias,
 )
 from lightning_ckpt_determinism.checkpointing.routing import is_random_op
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
@@ -817,7 +818,9 @@ def _resolve_op(name: str) -> list[OpOverload]:
             " what every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
         )
     functional = [op for overload, op in zip(overloads, ops, strict=True) if not overload.endswith("out")]
-    if functional and all(writes_its_arguments(op) for op in functional):
+    # In place: it returns an argument it wrote (`relu_`); an op that writes state and returns new tensors (a fused
+    # fake-quantize updating its observer) is kept as any other.
+    if functional and all(returns_alias(op) and not any(returned_views(op)) for op in functional):
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is an in-place op: its output is its input written over, which torch's"
             f" selective checkpointing refuses to keep; write the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"

@@ -307,6 +307,46 @@ def test_a_call_that_runs_fewer_ops_before_a_kept_one_keeps_the_op_the_plan_chos
             assert torch.equal(ours.grad, theirs.grad)
 
 
+class _BranchLater(nn.Module):
+    """A linear layer; from when `branch` is set, an extra linear layer first, its output written in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.extra = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.branch = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.branch:
+            x = self.extra(x * 2).relu_()
+        return torch.sin(torch.sin(self.linear(x)))
+
+
+def test_a_call_that_runs_an_op_the_measured_call_does_not_keeps_nothing_from_there_with_one_warning() -> None:
+    # Aligned by op and occurrence alone, the branch's own `addmm` took the kept one's place and `relu_` wrote it:
+    # backward raised. A call off the measured path recomputes from there on instead, exactly.
+    torch.manual_seed(0)
+    model = nn.Sequential(_BranchLater(), _BranchLater())
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, DIM)
+    config = CheckpointingConfig(names=["0", "1"], memory_budget=0.9, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: model(x).square().mean().backward())
+    assert any(plan.saved_ops.values())
+    plan.apply(model)
+    for block in (*model, *twin):
+        block.branch = True
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"ran aten\.mul\.Tensor where the measured call") as said:
+        for step in range(2):
+            model.zero_grad()
+            twin.zero_grad()
+            model(x + step).square().mean().backward()
+            twin(x + step).square().mean().backward()
+            for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+                assert torch.equal(ours.grad, theirs.grad)
+    assert len([w for w in said if issubclass(w.category, LightningCkptDeterminismWarning)]) == sum(
+        1 for calls in plan.saved_ops.values() if calls
+    )
+
+
 def test_keep_op_calls_refuses_calls_the_measured_ops_do_not_hold() -> None:
     model = _small()
     plan = _plan(model, 0.85)

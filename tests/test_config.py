@@ -218,6 +218,9 @@ def test_an_in_place_save_op_is_refused_naming_its_out_of_place_op(entry: str, m
         f" checkpointing refuses to keep; write the out-of-place op ({meant!r}) or the op before it."
     )
     assert CheckpointingConfig(classes=["Block"], save_ops=[meant]).save_ops == [meant]
+    # An op that writes state and returns new tensors (a fused fake-quantize updating its observer) is kept as any.
+    fused = "aten._fused_moving_avg_obs_fq_helper"
+    assert CheckpointingConfig(classes=["Block"], save_ops=[fused]).save_ops == [fused]
 
 
 class ReluInPlaceAfterLinear(nn.Module):

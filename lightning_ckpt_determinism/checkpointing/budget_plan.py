@@ -75,6 +75,7 @@ class CheckpointingPlan:
 
     Example::
 
+        >>> from lightning_ckpt_determinism import CheckpointingConfig
         >>> from lightning_ckpt_determinism.checkpointing.budget_plan import RegionFigures, plan_from_figures
         >>> config = CheckpointingConfig(classes=["Linear"], memory_budget=100)
         >>> figures = [RegionFigures("0", 80, 10, 5, 1, cost=50), RegionFigures("1", 80, 10, 1, 1, cost=10)]
@@ -225,6 +226,8 @@ def plan_activation_checkpointing(
 
     Example::
 
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, plan_activation_checkpointing
         >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
         >>> model = torch.nn.Sequential(*[block() for _ in range(4)])
         >>> config = CheckpointingConfig(classes=["Sequential"], memory_budget=0.75)

@@ -147,6 +147,7 @@ def apply_activation_checkpointing(module: nn.Module, config: CheckpointingConfi
     Example::
 
         >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
         >>> apply_activation_checkpointing(model, CheckpointingConfig(classes=["torch.nn.Linear"]))
         ['0', '2']

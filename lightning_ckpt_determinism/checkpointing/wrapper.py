@@ -35,6 +35,7 @@ torch's frame counts what it saves.
 import collections
 import contextlib
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -96,7 +97,11 @@ from lightning_ckpt_determinism.checkpointing.registered_buffers import (
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
-from lightning_ckpt_determinism.errors import CheckpointingConfigError, CheckpointingTypeError
+from lightning_ckpt_determinism.errors import (
+    CheckpointingConfigError,
+    CheckpointingTypeError,
+    LightningCkptDeterminismWarning,
+)
 
 __all__ = [
     "KEPT_OUTPUT_WRITTEN_HINT",
@@ -107,6 +112,7 @@ __all__ = [
     "checkpointed_modules",
     "checkpointing_config",
     "checkpointing_disabled",
+    "ever_traced",
     "is_checkpointed",
     "keep_op_calls",
     "observing",
@@ -354,12 +360,16 @@ class CheckpointedForward:
         self.region_observer: RegionObserver | None = None
         self.saved_observer: SavedTensorObserver | None = None
         # The op calls whose outputs an eager forward keeps (a `budget_granularity="op"` plan): their overloads by
-        # position in the measured call, and, as each forward finds them, by overload and occurrence (the second
-        # `aten.addmm.default` of the call). Traced calls keep none (the compiled graph holds no per-call policy).
+        # position in the measured call, whose op calls (overloads, in order) each forward is aligned with. Traced
+        # calls keep none (the compiled graph holds no per-call policy).
         self.kept_calls: dict[int, str] = {}
-        self.kept_occurrences: frozenset[tuple[str, int]] = frozenset()
+        self.measured_calls: tuple[str, ...] = ()
+        # Whether a call ran an op the measured call does not run from there on (said once per region).
+        self.said_mismatch = False
         # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
         self.recomputations = 0
+        # Whether a compiled function has traced the region: its recomputations then run uncounted, in graphs.
+        self.traced = False
         # By buffer name, how many calls' recomputations got other values of it than their forward started from or
         # read (see `ForwardState`'s `read_otherwise`): a check names them as its cause.
         self.buffers_read_otherwise: collections.Counter[str] = collections.Counter()
@@ -433,6 +443,7 @@ class CheckpointedForward:
         inputs = (*args, *kwargs.values()) if kwargs else args
         # Dynamo reads `is_compiling()` as a constant: a traced call never reaches the eager path.
         if torch.compiler.is_compiling():
+            self.traced = True
             context_fn = self.plan.compiled_context(next(self.module.buffers(), None) is not None)
             return self._checkpoint(self._traced_run(len(args), tuple(kwargs)), inputs, context_fn)
         attributes = self._current_modules()
@@ -698,6 +709,20 @@ class CheckpointedForward:
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
+    def kept_call_differs(self, found: Any) -> None:
+        """A call ran ``found`` where the measured call runs no such op from there on: it recomputes the rest of its
+        ops; said once per region."""
+        if not self.said_mismatch:
+            self.said_mismatch = True
+            warnings.warn(
+                f"lightning_ckpt_determinism: region `{self.region}` ran {found} where the measured call of its"
+                " `budget_granularity`='op' plan runs no such op from there on: its calls that differ from the"
+                " measured one keep no op outputs from there (exact, at more recompute cost). Plan again on"
+                " batches that take the same path.",
+                LightningCkptDeterminismWarning,
+                stacklevel=2,
+            )
+
     def _found_data_dependent(self, found: bool) -> None:
         # A later forward that shows routing (one observed by a check) turns a dropped guard back on.
         if found or self.data_dependent is None:
@@ -827,16 +852,18 @@ class _KeptOutputWritten:
 
 
 class _KeptCallsPolicy:
-    """The selective-checkpointing policy of one forward with kept op calls: counts the calls of each op it is asked
-    about (as the meter counted them) and keeps the occurrences the plan names.
+    """The selective-checkpointing policy of one forward with kept op calls: aligns each op call it is asked about
+    (as the meter counted them) with the measured call's, and keeps those aligned with a kept one.
 
-    By occurrence rather than by position: a call that runs other ops before a kept one (a cache its region built at
-    the measured call only) keeps the same op's output as the measured call, where the op at the measured position
-    would be another one (a wider output, or one written in place later, which torch cannot keep)."""
+    Each call is matched with the next measured call of the same overload, skipping measured calls this forward does
+    not run: a call that runs fewer ops (a cache its region built at the measured call only) keeps the outputs the
+    plan chose, where the op at each measured position would be another one (a wider output, or one written in place
+    later, which torch cannot keep). A call that runs an op the measured call does not run from there on (another
+    branch) keeps nothing from there, with one warning per region."""
 
     def __init__(self, wrapper: CheckpointedForward) -> None:
         self._wrapper = wrapper
-        self._seen: dict[str, int] = {}
+        self._next = 0  # the measured call aligned with the next op call
         self._framework = FrameworkOps()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -844,12 +871,20 @@ class _KeptCallsPolicy:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if op in self._wrapper.plan.save_ops:
             return CheckpointPolicy.MUST_SAVE
+        measured = self._wrapper.measured_calls
+        if self._next > len(measured):  # the call left the measured path
+            return CheckpointPolicy.PREFER_RECOMPUTE
         name = str(op)
-        occurrence = self._seen.get(name, 0)
-        self._seen[name] = occurrence + 1
-        if (name, occurrence) in self._wrapper.kept_occurrences:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        position = self._next
+        while position < len(measured) and measured[position] != name:
+            position += 1
+        if position == len(measured):
+            if any(kept >= self._next for kept in self._wrapper.kept_calls):
+                self._wrapper.kept_call_differs(op)
+            self._next = len(measured) + 1
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        self._next = position + 1
+        return CheckpointPolicy.MUST_SAVE if position in self._wrapper.kept_calls else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @dataclass(slots=True, eq=False)
@@ -1137,6 +1172,24 @@ def recomputations_by_region(module: nn.Module) -> dict[str, int]:
     return {name: vars(sub)["forward"].recomputations for name, sub in checkpointed_modules(module).items()}
 
 
+def ever_traced(module: nn.Module) -> bool:
+    """Whether a compiled function (a compiled model, step or closure) has traced a checkpointed region of
+    ``module``: that region's recomputations run inside graphs, where :func:`recomputations` does not count them.
+
+    Args:
+        module: The root module.
+
+    Example::
+
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> ever_traced(model)
+        False
+    """
+    return any(vars(sub)["forward"].traced for sub in checkpointed_modules(module).values())
+
+
 def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
     """The checkpointed submodules of ``module`` by name (``module`` itself included, under ``""``).
 
@@ -1175,7 +1228,8 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
 
     Example::
 
-        >>> from lightning_ckpt_determinism import CheckpointingConfig
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, checkpoint_module, checkpointed_modules
         >>> layer = torch.nn.Linear(2, 2)
         >>> checkpoint_module(layer, "layer", CheckpointingConfig(classes=["Linear"]))
         >>> list(checkpointed_modules(layer))
@@ -1207,9 +1261,10 @@ def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]], measured:
     selective checkpointing sees in the ``measured`` call, overload name) and recompute its other ops; no calls keeps
     none.
 
-    Each forward keeps the same occurrences of the same ops as the measured call (its second
-    ``aten.addmm.default``, say), wherever they come in it: a call that runs other ops first keeps what the plan
-    chose. A call that runs a kept op fewer times keeps fewer outputs. Compiled calls keep none of them.
+    Each forward's op calls are aligned with the measured call's, each with the next measured call of its overload: a
+    call that runs fewer ops (a cache the measured call built) keeps what the plan chose; one that runs an op the
+    measured call does not run from there on keeps nothing from there, with one warning per region. Compiled calls
+    keep none of them.
 
     Args:
         module: A checkpointed module.
@@ -1242,7 +1297,8 @@ def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]], measured:
         # again rather than take an unknown path.
         wrapper.forget_paths()
     wrapper.kept_calls = kept
-    wrapper.kept_occurrences = frozenset((name, ops[:position].count(name)) for position, name in kept.items())
+    wrapper.measured_calls = tuple(ops) if kept else ()
+    wrapper.said_mismatch = False
 
 
 def remove_activation_checkpointing(module: nn.Module) -> list[str]:
@@ -1256,7 +1312,9 @@ def remove_activation_checkpointing(module: nn.Module) -> list[str]:
 
     Example::
 
+        >>> import torch
         >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> from lightning_ckpt_determinism import checkpointed_modules, remove_activation_checkpointing
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
         >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(classes=["Linear"]))
         >>> remove_activation_checkpointing(model)

@@ -785,7 +785,9 @@ class RecomputationMonitor(Callback):
         self._results.warn_once("unrecomputed", said)
 
     def _skip_rerun_unrecomputed(self, step: int) -> None:
-        """Skip a check whose own passes recomputed no checkpointed region, though the step did, saying so once."""
+        """Skip a check whose own passes recomputed no checkpointed region, though the step did, saying so once; the
+        next check comes `every_n_steps` on (its passes would likely recompute nothing either)."""
+        self._schedule.checked_this_fit = True
         self._results.skipped(step, "the check's passes recomputed no checkpointed region")
         rerun = "`loss_fn`" if self.loss_fn is not None else "`training_step` run again"
         self._results.warn_once(

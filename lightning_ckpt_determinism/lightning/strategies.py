@@ -72,6 +72,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
     Example::
 
         >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> from lightning_ckpt_determinism import ActivationCheckpointingMixin, CheckpointingConfig
         >>> class MyStrategy(ActivationCheckpointingMixin, SingleDeviceStrategy):
         ...     pass
         >>> strategy = MyStrategy(checkpointing=CheckpointingConfig(classes=["Block"]), device="cpu")
@@ -343,6 +344,7 @@ class SingleDeviceCheckpointingStrategy(ActivationCheckpointingMixin, SingleDevi
 
     Example::
 
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, SingleDeviceCheckpointingStrategy
         >>> strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"]))
         >>> strategy.root_device
         device(type='cpu')
@@ -401,6 +403,7 @@ class DDPCheckpointingStrategy(ActivationCheckpointingMixin, DDPStrategy):  # ty
 
     Example::
 
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, DDPCheckpointingStrategy
         >>> strategy = DDPCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
         >>> strategy.checkpointing.names
         ['model.blocks.*']
@@ -428,6 +431,7 @@ class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
 
     Example::
 
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, FSDPCheckpointingStrategy
         >>> strategy = FSDPCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["Block"]))
         >>> strategy.checkpointing.classes
         ['Block']
@@ -461,6 +465,7 @@ class ModelParallelCheckpointingStrategy(ActivationCheckpointingMixin, ModelPara
 
     Example::
 
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, ModelParallelCheckpointingStrategy
         >>> strategy = ModelParallelCheckpointingStrategy(
         ...     checkpointing=CheckpointingConfig(classes=["Block"]), data_parallel_size=2, tensor_parallel_size=1
         ... )

@@ -150,6 +150,8 @@ def gradient_divergence(
 
     Example::
 
+        >>> import torch
+        >>> from lightning_ckpt_determinism import gradient_divergence
         >>> gradient_divergence([torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 4.5])])
         (0.1, [0.5])
     """

@@ -25,6 +25,7 @@ from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, regio
 from lightning_ckpt_determinism.checkpointing.wrapper import (
     buffers_read_otherwise,
     checkpointed_modules,
+    ever_traced,
     recomputations,
     recomputations_by_region,
     replays_torch_rng,
@@ -183,8 +184,8 @@ def check_recomputation(
         CheckpointingTypeError: If ``module`` is not a module or ``closure`` not callable (given in the other order).
         PassFailed: If the checkpointed pass raised before its backward (on any rank, with ``agree``).
         NothingRecomputed: If the checkpointed pass recomputed no region (on any rank, with ``agree``) and
-            found gradients to compare; a compiled model (or one whose steps Lightning compiles) recomputes inside its
-            graphs, uncounted, and is checked whatever it recomputed.
+            found gradients to compare; a compiled model (one whose steps Lightning compiles, or whose regions a
+            compiled function traced) recomputes inside its graphs, uncounted, and is checked whatever it recomputed.
         ValueError: If ``module`` has no parameter that requires grad, or one a lazy module has not initialised yet.
 
     Example::
@@ -477,9 +478,9 @@ class _Passes:
 
     @property
     def recomputation_uncounted(self) -> bool:
-        """Whether the regions recompute inside compiled graphs, where no recomputation is counted: a compiled
-        model, or one whose steps Lightning compiles."""
-        return self.compiled or compiled_by_lightning(self.module)
+        """Whether the regions may recompute inside compiled graphs, where no recomputation is counted: a compiled
+        model, one whose steps Lightning compiles, or one a compiled function (a closure, a `loss_fn`) traced."""
+        return self.compiled or compiled_by_lightning(self.module) or ever_traced(self.module)
 
     def agreed(self, decision: bool) -> bool:
         """``decision`` reduced over ranks (``True`` on any makes it ``True`` on all); itself on one process."""

@@ -55,6 +55,18 @@ class RecomputationSentinel:
 
     Raises:
         ValueError: If ``mode`` is not one of :data:`SentinelMode`.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+        >>> from lightning_ckpt_determinism import recomputation_sentinel
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
+        >>> with recomputation_sentinel(model, mode="exact") as sentinel:
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> isinstance(sentinel, RecomputationSentinel), sentinel.report().mismatches
+        (True, 0)
     """
 
     def __init__(self, module: nn.Module, *, mode: SentinelMode = "light", exact: bool | None = None) -> None:
