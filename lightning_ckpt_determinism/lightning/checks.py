@@ -109,10 +109,8 @@ class StepCheck:
         two_pass = self.support.two_pass_unavailable() is None
         try:
             if two_pass and settings.loss_fn is not None and self.pl_module.automatic_optimization:
-                # The live step's loss is `training_step`'s, not `loss_fn`'s: both passes are `loss_fn`'s, and the
-                # reference runs every region plainly.
-                both = self._two_pass(attribution=settings.attribution == "always")
-                return replace(both, checked_regions=list(checkpointed_modules(self.pl_module)))
+                # The live step's loss is `training_step`'s, not `loss_fn`'s: both passes are `loss_fn`'s.
+                return self._two_pass(attribution=settings.attribution == "always")
             report = self._live(plain, gradients_before)
         except SkippedStep:  # a rerun of `training_step` returned None, on every rank alike: nothing to compare
             return RecomputationReport(
