@@ -89,6 +89,7 @@ __all__ = [
     "random_only_through_dropout_p",
     "returned_views",
     "returns_alias",
+    "returns_written_arguments_only",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
@@ -258,6 +259,12 @@ def random_only_through_dropout_p(func: OpOverload) -> bool:
     ``_scaled_dot_product_flash_attention`` and its kin, tagged random for their dropout), read from
     ``OpOverload._schema`` (>= 1.13)."""
     return any(argument.name == "dropout_p" for argument in func._schema.arguments)
+
+
+def returns_written_arguments_only(func: OpOverload) -> bool:
+    """Whether every return of an op is an argument it wrote (``relu_``, ``add_``), or it returns nothing
+    (``_foreach_mul_``): what it gives back is its input written over, read from ``OpOverload._schema`` (>= 1.13)."""
+    return all(ret.alias_info is not None and ret.alias_info.is_write for ret in func._schema.returns)
 
 
 def returned_views(func: OpOverload) -> list[bool]:

@@ -29,8 +29,8 @@ from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
     OpOverloadPacket,
     random_only_through_dropout_p,
-    returned_views,
-    returns_alias,
+    returns_written_arguments_only,
+    writes_its_arguments,
 )
 from lightning_ckpt_determinism.checkpointing.routing import is_random_op
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
@@ -818,9 +818,9 @@ def _resolve_op(name: str) -> list[OpOverload]:
             " what every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
         )
     functional = [op for overload, op in zip(overloads, ops, strict=True) if not overload.endswith("out")]
-    # In place: it returns an argument it wrote (`relu_`); an op that writes state and returns new tensors (a fused
-    # fake-quantize updating its observer) is kept as any other.
-    if functional and all(returns_alias(op) and not any(returned_views(op)) for op in functional):
+    # In place: it writes an argument and returns only arguments it wrote, or nothing (`relu_`, `_foreach_mul_`); an
+    # op that writes state and returns new tensors (a fused fake-quantize updating its observer) is kept as any other.
+    if any(writes_its_arguments(op) and returns_written_arguments_only(op) for op in functional):
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is an in-place op: its output is its input written over, which torch's"
             f" selective checkpointing refuses to keep; write the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"

@@ -285,56 +285,43 @@ class _CacheAtFirstCall(nn.Module):
         return x + self.o(self.m(self.k(x).tanh()).relu_()) * self.cache
 
 
-def test_a_call_that_runs_fewer_ops_before_a_kept_one_keeps_the_op_the_plan_chose() -> None:
-    # The plan measured the first call, whose cache ops put `k`'s addmm at position 4; later calls have `m`'s addmm
-    # there, whose output `relu_` writes in place: kept by position, every later backward raised (a fit ended at its
-    # second batch), and a wider `m` kept more than the budget.
-    torch.manual_seed(0)
-    model = nn.Sequential(_CacheAtFirstCall(), _CacheAtFirstCall())
-    twin = copy.deepcopy(model)
-    x = torch.randn(8, DIM)
-    config = CheckpointingConfig(names=["0", "1"], memory_budget=0.9, budget_granularity="op")
-    plan = plan_activation_checkpointing(model, config, lambda: model(x).square().mean().backward())
-    assert plan.saved_ops == {"0": ((4, "aten.addmm.default"),)}
-    plan.apply(model)
-    twin(x).square().mean().backward()  # the twin's first call builds its caches too
-    for step in range(2):
-        model.zero_grad()
-        twin.zero_grad()
-        model(x + step).square().mean().backward()
-        twin(x + step).square().mean().backward()
-        for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
-            assert torch.equal(ours.grad, theirs.grad)
-
-
 class _BranchLater(nn.Module):
-    """A linear layer; from when `branch` is set, an extra linear layer first, its output written in place."""
+    """A linear layer; from when `branch` is set, a scaled input through an extra linear layer first, its output
+    written in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaled: bool = True) -> None:
         super().__init__()
         self.linear, self.extra = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
         self.branch = False
+        self.scaled = scaled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.branch:
-            x = self.extra(x * 2).relu_()
+            x = self.extra(x * 2 if self.scaled else x).relu_()
         return torch.sin(torch.sin(self.linear(x)))
 
 
-def test_a_call_that_runs_an_op_the_measured_call_does_not_keeps_nothing_from_there_with_one_warning() -> None:
-    # Aligned by op and occurrence alone, the branch's own `addmm` took the kept one's place and `relu_` wrote it:
-    # backward raised. A call off the measured path recomputes from there on instead, exactly.
+@pytest.mark.parametrize("block", [_CacheAtFirstCall, _BranchLater], ids=["cache_at_first_call", "later_branch"])
+def test_a_call_unlike_the_measured_one_keeps_nothing_from_where_it_differs_with_one_warning(
+    block: type[nn.Module],
+) -> None:
+    # The plan measures a region's first call. Where later calls run fewer ops first (a cache built at the first call
+    # only) or more (a branch taken later, its own `addmm` first), the op at a kept position was another `addmm`,
+    # whose output `relu_` then wrote: kept by position or by occurrence, backward raised (a fit ended at its second
+    # batch). Such a call now keeps nothing from its first op unlike the measured call's, and stays exact.
     torch.manual_seed(0)
-    model = nn.Sequential(_BranchLater(), _BranchLater())
+    model = nn.Sequential(block(), block())
     twin = copy.deepcopy(model)
     x = torch.randn(8, DIM)
     config = CheckpointingConfig(names=["0", "1"], memory_budget=0.9, budget_granularity="op")
     plan = plan_activation_checkpointing(model, config, lambda: model(x).square().mean().backward())
-    assert any(plan.saved_ops.values())
+    kept = [name for name, calls in plan.saved_ops.items() if calls]
+    assert kept
     plan.apply(model)
-    for block in (*model, *twin):
-        block.branch = True
-    with pytest.warns(LightningCkptDeterminismWarning, match=r"ran aten\.mul\.Tensor where the measured call") as said:
+    twin(x).square().mean().backward()  # the twin's first call builds its caches too
+    for module in (*model, *twin):
+        module.branch = True
+    with pytest.warns(LightningCkptDeterminismWarning, match=r"where the measured call of its") as said:
         for step in range(2):
             model.zero_grad()
             twin.zero_grad()
@@ -342,9 +329,22 @@ def test_a_call_that_runs_an_op_the_measured_call_does_not_keeps_nothing_from_th
             twin(x + step).square().mean().backward()
             for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
                 assert torch.equal(ours.grad, theirs.grad)
-    assert len([w for w in said if issubclass(w.category, LightningCkptDeterminismWarning)]) == sum(
-        1 for calls in plan.saved_ops.values() if calls
-    )
+    assert len([w for w in said if issubclass(w.category, LightningCkptDeterminismWarning)]) == len(kept)
+
+
+def test_a_branch_that_starts_as_the_measured_call_and_writes_a_kept_output_is_told_to_take_it_at_measuring() -> None:
+    # Its first ops are the measured call's, a kept one among them, until `relu_` writes that output: torch cannot
+    # undo that, and said to remove the op from `save_ops`, which the user never set.
+    torch.manual_seed(0)
+    model = nn.Sequential(_BranchLater(scaled=False))
+    x = torch.randn(8, DIM)
+    config = CheckpointingConfig(names=["0"], memory_budget=0.9, budget_granularity="op")
+    plan = plan_activation_checkpointing(model, config, lambda: model(x).square().mean().backward())
+    assert plan.saved_ops == {"0": ((1, "aten.addmm.default"),)}
+    plan.apply(model)
+    model[0].branch = True
+    with pytest.raises(RuntimeError, match=r"then another path \(a branch taken after the measured batch\)"):
+        model(x).square().mean().backward()
 
 
 def test_keep_op_calls_refuses_calls_the_measured_ops_do_not_hold() -> None:

@@ -157,6 +157,17 @@ def test_returned_views_are_the_returns_the_schema_marks_aliased_and_not_written
     assert compat.returned_views(aten.max.dim) == [False, False]
 
 
+@pins("returns_written_arguments_only")
+def test_an_op_returning_only_arguments_it_wrote_or_nothing_is_told_by_its_schema() -> None:
+    aten = torch.ops.aten
+    assert compat.returns_written_arguments_only(aten.relu_.default)
+    assert compat.returns_written_arguments_only(aten._foreach_mul_.Scalar)  # returns nothing
+    assert not compat.returns_written_arguments_only(aten.add_.t)  # a list overload returning its input unmarked
+    assert not compat.returns_written_arguments_only(aten.relu.default)
+    assert not compat.returns_written_arguments_only(aten.view.default)  # an alias, not written
+    assert not compat.returns_written_arguments_only(aten._fused_moving_avg_obs_fq_helper.default)
+
+
 @pins("writes_its_arguments")
 def test_writes_its_arguments_is_an_in_place_or_out_op_by_its_schema() -> None:
     aten = torch.ops.aten

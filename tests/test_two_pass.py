@@ -290,6 +290,24 @@ def test_checked_regions_are_the_regions_the_checkpointed_pass_recomputed() -> N
     assert (first.checked_regions, every.checked_regions) == (["blocks.0"], ["blocks.0", "blocks.1", "blocks.2"])
 
 
+def test_a_reference_pass_failing_on_one_rank_raises_pass_failed_on_every_rank() -> None:
+    # Under DDP a `loss_fn` failing on rank 1 alone (a detached loss) raised there, while rank 0 went on into the
+    # checkpointed pass's collective and waited for it: a hang, where one process skips the check.
+    model = checked_stack(PlainBlock)
+    x, y = batch()
+
+    def detached() -> torch.Tensor:
+        return F.mse_loss(model(x), y).detach()
+
+    with pytest.raises(PassFailed) as here:  # this rank's own failure, agreed
+        check_recomputation(model, detached, agree=lambda decision: decision)
+    assert isinstance(here.value.__cause__, ValueError)
+    with pytest.raises(PassFailed, match="reference pass failed on another rank"):  # the other rank's
+        check_recomputation(model, mse_closure(model), agree=lambda decision: True)
+    with pytest.raises(ValueError, match="does not require grad"):  # one process: the error itself
+        check_recomputation(model, detached)
+
+
 @pytest.mark.parametrize("block", [DropoutBlock, BatchNormBlock])
 def test_backward_gradients_equal_autograd_ones_and_leave_grad_as_it_was(block):
     model = checked_stack(block)
@@ -351,9 +369,9 @@ def test_extra_passes_of_attribution_follow_the_agreed_decision():
     check_recomputation(model, closure, attribution=True, agree=lambda decision: decision)
     alone = len(passes)
     passes.clear()
-    # The other rank's answers, in order: its checkpointed pass did not fail, it wants the host-RNG confirmation,
-    # and that pass did not fail either.
-    others = iter([False, True, False])
+    # The other rank's answers, in order: its reference pass did not fail, nor its checkpointed pass, it wants the
+    # host-RNG confirmation, and that pass did not fail either.
+    others = iter([False, False, True, False])
     report = check_recomputation(model, closure, attribution=True, agree=lambda decision: decision or next(others))
     assert (alone, len(passes)) == (2, 3)
     assert report.grad_divergence == 0.0 and not report.diverged

@@ -421,6 +421,7 @@ def test_checkpoint_module_refuses_another_config_and_arguments_out_of_order() -
     with pytest.raises(CheckpointingConfigError, match=r"^`block` is checkpointed already with another"):
         checkpoint_module(block, "block", CheckpointingConfig(classes=["Unused"], preserve_host_rng=True))
     assert wrapping_module.checkpointing_config(block) == CheckpointingConfig(classes=["Unused"])
+    checkpoint_module(block, "block", CheckpointingConfig(names=["other"]))  # selection fields alone: as it is
     with pytest.raises(CheckpointingTypeError, match=r"^`region` must be a str, got CheckpointingConfig: call"):
         checkpoint_module(PlainBlock(), CheckpointingConfig(classes=["Unused"]), "block")  # type: ignore[arg-type]
 

@@ -120,8 +120,9 @@ def plain_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a tensor subclass other than a parameter or a DTensor (a quantized weight), whose own
-    ``__torch_dispatch__`` may write its inner tensors without moving any version counter.
+    """Whether ``tensor`` is a wrapper subclass whose values are inner tensors it flattens to (``__tensor_flatten__``,
+    a quantized weight), other than a DTensor: its own ``__torch_dispatch__`` may write those inner tensors without
+    moving any version counter. A parameter subclass holding its own data (a tagged parameter) is not one.
 
     Example::
 
@@ -129,7 +130,7 @@ def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
         >>> is_wrapper_subclass(TwoTensor(torch.zeros(2), torch.ones(2))), is_wrapper_subclass(torch.zeros(2))
         (True, False)
     """
-    return type(tensor) is not nn.Parameter and type(tensor) is not torch.Tensor and not _is_dtensor(tensor)
+    return hasattr(type(tensor), "__tensor_flatten__") and not _is_dtensor(tensor)
 
 
 def parameter_version(tensor: torch.Tensor) -> int:

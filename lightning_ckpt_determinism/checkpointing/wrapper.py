@@ -112,7 +112,6 @@ __all__ = [
     "checkpointed_modules",
     "checkpointing_config",
     "checkpointing_disabled",
-    "ever_traced",
     "is_checkpointed",
     "keep_op_calls",
     "observing",
@@ -123,6 +122,7 @@ __all__ = [
     "replays_torch_rng",
     "routes",
     "run_plainly",
+    "tracing_noted",
 ]
 
 _log = logging.getLogger(__name__)
@@ -360,15 +360,16 @@ class CheckpointedForward:
         self.region_observer: RegionObserver | None = None
         self.saved_observer: SavedTensorObserver | None = None
         # The op calls whose outputs an eager forward keeps (a `budget_granularity="op"` plan): their overloads by
-        # position in the measured call, whose op calls (overloads, in order) each forward is aligned with. Traced
-        # calls keep none (the compiled graph holds no per-call policy).
+        # position in the measured call, whose op calls (overloads, in order) each forward follows. Traced calls keep
+        # none (the compiled graph holds no per-call policy).
         self.kept_calls: dict[int, str] = {}
         self.measured_calls: tuple[str, ...] = ()
         # Whether a call ran an op the measured call does not run from there on (said once per region).
         self.said_mismatch = False
         # How many eager recomputations the region has run: a check reads whether any ran inside a forward.
         self.recomputations = 0
-        # Whether a compiled function has traced the region: its recomputations then run uncounted, in graphs.
+        # Whether a compiled function ran the region since `tracing_noted` cleared it: its recomputations then run
+        # uncounted, in graphs (dynamo replays the store at each compiled call).
         self.traced = False
         # By buffer name, how many calls' recomputations got other values of it than their forward started from or
         # read (see `ForwardState`'s `read_otherwise`): a check names them as its cause.
@@ -709,14 +710,15 @@ class CheckpointedForward:
     def _save_ops_policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in self.plan.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def kept_call_differs(self, found: Any) -> None:
-        """A call ran ``found`` where the measured call runs no such op from there on: it recomputes the rest of its
-        ops; said once per region."""
+    def kept_call_differs(self, position: int, found: Any) -> None:
+        """A call ran ``found`` as its op call ``position``, where the measured call ran another op: it keeps no op
+        output from there; said once per region."""
         if not self.said_mismatch:
             self.said_mismatch = True
+            ran = self.measured_calls[position] if position < len(self.measured_calls) else "none"
             warnings.warn(
-                f"lightning_ckpt_determinism: region `{self.region}` ran {found} where the measured call of its"
-                " `budget_granularity`='op' plan runs no such op from there on: its calls that differ from the"
+                f"lightning_ckpt_determinism: region `{self.region}` ran {found} as its op call {position}, where"
+                f" the measured call of its `budget_granularity`='op' plan ran {ran}: its calls that differ from the"
                 " measured one keep no op outputs from there (exact, at more recompute cost). Plan again on"
                 " batches that take the same path.",
                 LightningCkptDeterminismWarning,
@@ -821,6 +823,15 @@ KEPT_OUTPUT_WRITTEN_HINT = (
 """What to do where torch refuses a kept output written in place (see
 :func:`~lightning_ckpt_determinism._torch_compat.is_kept_output_mutation`)."""
 
+KEPT_OUTPUT_WRITTEN_BY_ANOTHER_PATH_HINT = (
+    "An op output the plan keeps was written in place after the forward kept it: this call ran the measured call's"
+    " ops up to that op, then another path (a branch taken after the measured batch) whose in-place op wrote it, which"
+    " torch cannot undo. Take that path at the measured batch too (the fit's first), make the in-place op out of"
+    " place, or set `budget_granularity: module`."
+)
+"""What to do where torch refuses an output a `budget_granularity`='op' plan keeps, written in place by a call that
+left the measured path after keeping it."""
+
 
 class _KeptOutputWritten:
     """torch's recompute context of selective checkpointing, re-enterable as it is, whose error on a kept output that
@@ -843,27 +854,29 @@ class _KeptOutputWritten:
             # Named as the config names them (`aten.addmm`, every overload), read only here, off the per-call path.
             kept = list(dict.fromkeys(str(op).rsplit(".", 1)[0] for op in self._save_ops))
             keeps = f"`save_ops` {kept}" if kept else "a `budget_granularity`='op' plan"
+            # A plan leaves out what its measured call writes in place: this call took another path after a kept op.
+            hint = KEPT_OUTPUT_WRITTEN_HINT if kept else KEPT_OUTPUT_WRITTEN_BY_ANOTHER_PATH_HINT
             # A `RuntimeError` still, as torch's was: the words name the region, what keeps outputs, and the fix.
             raise RuntimeError(
-                f"lightning_ckpt_determinism: region `{self._region}` keeps op outputs by {keeps}."
-                f" {KEPT_OUTPUT_WRITTEN_HINT}"
+                f"lightning_ckpt_determinism: region `{self._region}` keeps op outputs by {keeps}. {hint}"
             ) from error
         return handled
 
 
 class _KeptCallsPolicy:
-    """The selective-checkpointing policy of one forward with kept op calls: aligns each op call it is asked about
-    (as the meter counted them) with the measured call's, and keeps those aligned with a kept one.
+    """The selective-checkpointing policy of one forward with kept op calls: follows the measured call op by op (as
+    the meter counted them) and keeps the calls at the positions the plan names while the forward has run the same
+    ops as the measured call.
 
-    Each call is matched with the next measured call of the same overload, skipping measured calls this forward does
-    not run: a call that runs fewer ops (a cache its region built at the measured call only) keeps the outputs the
-    plan chose, where the op at each measured position would be another one (a wider output, or one written in place
-    later, which torch cannot keep). A call that runs an op the measured call does not run from there on (another
-    branch) keeps nothing from there, with one warning per region."""
+    From the first op the measured call did not run there, the forward keeps nothing (exact, at more recompute cost),
+    with one warning per region: an op at a kept position of a call that ran other ops before it (a branch, a cache
+    the measured call built) may be another op's output, wider than planned or written in place later, which torch
+    cannot keep."""
 
     def __init__(self, wrapper: CheckpointedForward) -> None:
         self._wrapper = wrapper
-        self._next = 0  # the measured call aligned with the next op call
+        self._position = 0
+        self._differed = False
         self._framework = FrameworkOps()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -871,19 +884,16 @@ class _KeptCallsPolicy:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if op in self._wrapper.plan.save_ops:
             return CheckpointPolicy.MUST_SAVE
+        if self._differed:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        position = self._position
+        self._position += 1
         measured = self._wrapper.measured_calls
-        if self._next > len(measured):  # the call left the measured path
+        if position >= len(measured) or measured[position] != str(op):
+            self._differed = True
+            if any(kept >= position for kept in self._wrapper.kept_calls):
+                self._wrapper.kept_call_differs(position, op)
             return CheckpointPolicy.PREFER_RECOMPUTE
-        name = str(op)
-        position = self._next
-        while position < len(measured) and measured[position] != name:
-            position += 1
-        if position == len(measured):
-            if any(kept >= self._next for kept in self._wrapper.kept_calls):
-                self._wrapper.kept_call_differs(op)
-            self._next = len(measured) + 1
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        self._next = position + 1
         return CheckpointPolicy.MUST_SAVE if position in self._wrapper.kept_calls else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -1172,9 +1182,12 @@ def recomputations_by_region(module: nn.Module) -> dict[str, int]:
     return {name: vars(sub)["forward"].recomputations for name, sub in checkpointed_modules(module).items()}
 
 
-def ever_traced(module: nn.Module) -> bool:
-    """Whether a compiled function (a compiled model, step or closure) has traced a checkpointed region of
-    ``module``: that region's recomputations run inside graphs, where :func:`recomputations` does not count them.
+@contextlib.contextmanager
+def tracing_noted(module: nn.Module) -> Iterator[list[bool]]:
+    """A block after which the list it gives holds whether a compiled function (a compiled model, step or closure)
+    ran a checkpointed region of ``module`` inside it: that region's recomputations run inside graphs, where
+    :func:`recomputations` does not count them. (Each compiled call of a region marks it, as dynamo replays the
+    mark.)
 
     Args:
         module: The root module.
@@ -1184,10 +1197,19 @@ def ever_traced(module: nn.Module) -> bool:
         >>> from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
         >>> _ = apply_activation_checkpointing(model, CheckpointingConfig(names=["1"]))
-        >>> ever_traced(model)
-        False
+        >>> with tracing_noted(model) as traced:
+        ...     _ = model(torch.ones(1, 2))
+        >>> traced
+        [False]
     """
-    return any(vars(sub)["forward"].traced for sub in checkpointed_modules(module).values())
+    wrappers = [vars(sub)["forward"] for sub in checkpointed_modules(module).values()]
+    for wrapper in wrappers:
+        wrapper.traced = False
+    noted: list[bool] = []
+    try:
+        yield noted
+    finally:
+        noted.append(any(wrapper.traced for wrapper in wrappers))
 
 
 def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
@@ -1210,9 +1232,20 @@ def checkpointed_modules(module: nn.Module) -> dict[str, nn.Module]:
     return {name: sub for name, sub in named_modules(module) if is_checkpointed(sub)}
 
 
+_HOW_FIELDS = (
+    "save_ops",
+    "preserve_rng_state",
+    "preserve_host_rng",
+    "protect_buffers",
+    "determinism_check",
+    "keep_data_dependent",
+)
+"""The fields of a :class:`CheckpointingConfig` that say how a module is checkpointed (the others select modules)."""
+
+
 def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfig) -> None:
-    """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is with an
-    equal config.
+    """Checkpoint ``module`` itself (not a selection of its submodules); nothing happens if it already is, checkpointed
+    the same way.
 
     ``config``'s selection fields are ignored; its other fields say how to checkpoint.
 
@@ -1223,8 +1256,9 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
 
     Raises:
         CheckpointingTypeError: If an argument has the wrong type (arguments given in another order).
-        CheckpointingConfigError: If ``module`` is checkpointed already with another config, which this call would
-            not change (:func:`remove_activation_checkpointing` first).
+        CheckpointingConfigError: If ``module`` is checkpointed already with a config that checkpoints it otherwise
+            (another field than a selection field differs), which this call would not change
+            (:func:`remove_activation_checkpointing` first).
 
     Example::
 
@@ -1249,7 +1283,7 @@ def checkpoint_module(module: nn.Module, region: str, config: CheckpointingConfi
     if own is None:
         register_determinism_checks()
         module.forward = CheckpointedForward(module, region, config)  # type: ignore[method-assign]
-    elif own != config:
+    elif any(getattr(own, name) != getattr(config, name) for name in _HOW_FIELDS):
         raise CheckpointingConfigError(
             f"`{region}` is checkpointed already with another `CheckpointingConfig`, which checkpointing it again"
             " would not change: call `remove_activation_checkpointing(module)` first, then checkpoint it."
@@ -1261,10 +1295,9 @@ def keep_op_calls(module: nn.Module, calls: Iterable[tuple[int, str]], measured:
     selective checkpointing sees in the ``measured`` call, overload name) and recompute its other ops; no calls keeps
     none.
 
-    Each forward's op calls are aligned with the measured call's, each with the next measured call of its overload: a
-    call that runs fewer ops (a cache the measured call built) keeps what the plan chose; one that runs an op the
-    measured call does not run from there on keeps nothing from there, with one warning per region. Compiled calls
-    keep none of them.
+    Each forward keeps them while it runs the measured call's ops, in order; from its first op call that differs (a
+    branch, a cache the measured call built) it keeps nothing, with one warning per region. Compiled calls keep none
+    of them.
 
     Args:
         module: A checkpointed module.

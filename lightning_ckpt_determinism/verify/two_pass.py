@@ -25,10 +25,10 @@ from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, regio
 from lightning_ckpt_determinism.checkpointing.wrapper import (
     buffers_read_otherwise,
     checkpointed_modules,
-    ever_traced,
     recomputations,
     recomputations_by_region,
     replays_torch_rng,
+    tracing_noted,
 )
 from lightning_ckpt_determinism.config import check_bool, check_choice, check_non_negative_float
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, CheckpointingTypeError
@@ -182,7 +182,8 @@ def check_recomputation(
             ``ValueError``), or if ``module`` has no region checkpointed by this package (its answer would say
             nothing).
         CheckpointingTypeError: If ``module`` is not a module or ``closure`` not callable (given in the other order).
-        PassFailed: If the checkpointed pass raised before its backward (on any rank, with ``agree``).
+        PassFailed: If the checkpointed pass raised before its backward (on any rank, with ``agree``), or, with
+            ``agree``, if the reference pass raised on any rank.
         NothingRecomputed: If the checkpointed pass recomputed no region (on any rank, with ``agree``) and
             found gradients to compare; a compiled model (one whose steps Lightning compiles, or whose regions a
             compiled function traced) recomputes inside its graphs, uncounted, and is checked whatever it recomputed.
@@ -470,17 +471,21 @@ class _Passes:
         self.compiled = is_compiled(module)
         self._take = partial(_gradients, self._counted(closure), params, use_backward=use_backward, model=module)
         self._agreed = agree if agree is not None else bool
+        self._several_ranks = agree is not None
         self._ran = False
         # Whether the last pass recomputed a region before its closure returned the loss (a gradient penalty).
         self._recomputed_in_forward = False
-        # The regions the last checkpointed pass recomputed (eager recomputations; a compiled region's are uncounted).
+        # The regions the last checkpointed pass recomputed (eager recomputations; a compiled region's are uncounted),
+        # and whether a compiled function ran a region in it.
         self.recomputed_regions: list[str] = []
+        self._traced = False
 
     @property
     def recomputation_uncounted(self) -> bool:
         """Whether the regions may recompute inside compiled graphs, where no recomputation is counted: a compiled
-        model, one whose steps Lightning compiles, or one a compiled function (a closure, a `loss_fn`) traced."""
-        return self.compiled or compiled_by_lightning(self.module) or ever_traced(self.module)
+        model, one whose steps Lightning compiles, or one a compiled function (a closure, a `loss_fn`) ran in the
+        last checkpointed pass."""
+        return self.compiled or compiled_by_lightning(self.module) or self._traced
 
     def agreed(self, decision: bool) -> bool:
         """``decision`` reduced over ranks (``True`` on any makes it ``True`` on all); itself on one process."""
@@ -499,9 +504,20 @@ class _Passes:
         return counted
 
     def reference(self) -> tuple[float, _Gradients]:
-        """A reference pass: checkpointing off, the compiler's own recomputation off too."""
+        """A reference pass: checkpointing off, the compiler's own recomputation off too. An error it raises is
+        re-raised on one process; with ``agree``, every rank raises :class:`PassFailed` where any rank's failed, so
+        that none waits for the others in a collective of the checkpointed pass."""
         self._restore()
-        taken = self._take(disable_checkpointing=True)
+        try:
+            taken = self._take(disable_checkpointing=True)
+        except SkippedPass:
+            raise
+        except Exception as err:
+            if self._several_ranks and self._agreed(True):
+                raise PassFailed(describe_error(err)) from err
+            raise
+        if self._several_ranks and self._agreed(False):
+            raise PassFailed("the check's reference pass failed on another rank")
         if self._after_reference is None:
             self._after_reference = StepState(self.module)
         return taken
@@ -548,7 +564,7 @@ class _Passes:
         before = buffers_read_otherwise(self.module)
         counts = recomputations_by_region(self.module)
         try:
-            with observing:
+            with observing, tracing_noted(self.module) as traced:
                 loss, grads = self._take(disable_checkpointing=False)
         except SkippedPass:
             raise
@@ -561,6 +577,7 @@ class _Passes:
             said = describe_error(outside) if outside is not None else "the checkpointed pass failed on another rank"
             raise PassFailed(said) from outside
         read_otherwise = read_otherwise_since(self.module, before)
+        self._traced = any(traced)
         self.recomputed_regions = [
             name for name, count in recomputations_by_region(self.module).items() if count > counts.get(name, 0)
         ]
