@@ -122,7 +122,9 @@ def test_a_cause_prints_pickles_and_formats_as_its_string() -> None:
 def test_a_region_outcome_reads_a_cause_given_as_its_string() -> None:
     outcome = region_outcome(RegionReport("blocks.1", ops_compared=3, cause="buffer_mutation", hint="Set it."))
     assert (outcome.verdict, outcome.cause) == ("noise", Cause.BUFFER_MUTATION)
-    assert outcome.finding == "Region `blocks.1` updated its buffers a second time in recomputation: Set it."
+    assert outcome.finding == (
+        "Region `blocks.1` updated its buffers a second time, or read them otherwise, in recomputation: Set it."
+    )
     assert region_outcome(RegionReport("blocks.2")).verdict == "unchecked"
     assert worse("noise", "unchecked") == "noise"
 

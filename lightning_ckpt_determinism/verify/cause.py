@@ -372,7 +372,7 @@ _STEP_CAUSES = frozenset({Cause.OUTSIDE_STATE, Cause.COMPILER_RECOMPUTE})
 
 _STATE_CHANGES: Mapping[Cause, str] = MappingProxyType(
     {
-        Cause.BUFFER_MUTATION: "updated its buffers a second time in recomputation",
+        Cause.BUFFER_MUTATION: "updated its buffers a second time, or read them otherwise, in recomputation",
         Cause.ATTRIBUTE_MUTATION: "changed Python attributes a second time in recomputation",
         Cause.PARAMETER_WRITE: "wrote a parameter in place in forward or recomputation",
         Cause.METRIC_UPDATE: "updated a torchmetrics metric a second time in recomputation",
