@@ -75,6 +75,7 @@ __all__ = [
     "hit_recompile_limit",
     "hook_dicts",
     "hook_handles_made",
+    "in_place_overload",
     "inductor_compilers",
     "innermost_backend",
     "is_compiled_module",
@@ -89,7 +90,6 @@ __all__ = [
     "random_only_through_dropout_p",
     "returned_views",
     "returns_alias",
-    "returns_written_arguments_only",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
@@ -261,9 +261,18 @@ def random_only_through_dropout_p(func: OpOverload) -> bool:
     return any(argument.name == "dropout_p" for argument in func._schema.arguments)
 
 
-def returns_written_arguments_only(func: OpOverload) -> bool:
-    """Whether every return of an op is an argument it wrote (``relu_``, ``add_``), or it returns nothing
-    (``_foreach_mul_``): what it gives back is its input written over, read from ``OpOverload._schema`` (>= 1.13)."""
+def in_place_overload(func: OpOverload) -> bool | None:
+    """Whether an op overload that writes a positional tensor argument (``relu_``, ``_foreach_mul_``) returns only
+    arguments it wrote, or nothing: what it gives back is its input written over. ``None`` for one that writes no
+    positional tensor argument (a functional op, an ``out=`` form writing keyword-only ``out`` tensors, a list
+    overload writing an ``int[]``). Read from ``OpOverload._schema`` (>= 1.13)."""
+    written = [
+        argument
+        for argument in func._schema.arguments
+        if argument.alias_info is not None and argument.alias_info.is_write and not argument.kwarg_only
+    ]
+    if not any(str(argument.type) in ("Tensor", "List[Tensor]") for argument in written):
+        return None
     return all(ret.alias_info is not None and ret.alias_info.is_write for ret in func._schema.returns)
 
 

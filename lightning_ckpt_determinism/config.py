@@ -28,8 +28,8 @@ from torch import nn
 from lightning_ckpt_determinism._torch_compat import (
     OpOverload,
     OpOverloadPacket,
+    in_place_overload,
     random_only_through_dropout_p,
-    returns_written_arguments_only,
     writes_its_arguments,
 )
 from lightning_ckpt_determinism.checkpointing.routing import is_random_op
@@ -817,10 +817,11 @@ def _resolve_op(name: str) -> list[OpOverload]:
             f"`save_ops` entry {name!r} is a random op: a kept one is not run again in recomputation, which shifts"
             " what every later random op there draws; remove it (`preserve_rng_state` replays random ops exactly)."
         )
-    functional = [op for overload, op in zip(overloads, ops, strict=True) if not overload.endswith("out")]
-    # In place: it writes an argument and returns only arguments it wrote, or nothing (`relu_`, `_foreach_mul_`); an
-    # op that writes state and returns new tensors (a fused fake-quantize updating its observer) is kept as any other.
-    if any(writes_its_arguments(op) and returns_written_arguments_only(op) for op in functional):
+    # In place: no overload writes nothing, and those that write a positional tensor return only what they wrote, or
+    # nothing (`relu_`, `_foreach_mul_`). An op with a functional overload (`sort`, beside its list and `out=` forms)
+    # or one that writes state but returns new tensors (a fused fake-quantize updating its observer) is kept.
+    in_place = [verdict for verdict in map(in_place_overload, ops) if verdict is not None]
+    if all(map(writes_its_arguments, ops)) and in_place and all(in_place):
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is an in-place op: its output is its input written over, which torch's"
             f" selective checkpointing refuses to keep; write the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"

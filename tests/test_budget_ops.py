@@ -347,6 +347,47 @@ def test_a_branch_that_starts_as_the_measured_call_and_writes_a_kept_output_is_t
         model(x).square().mean().backward()
 
 
+class _NormedMLP(nn.Module):
+    """A layer norm, then two linear layers around a GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x)))).tanh()
+
+
+class _CountAddmm(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func is torch.ops.aten.addmm.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_op_plan_with_save_ops_keeps_what_it_planned_at_every_step() -> None:
+    # The policy did not count the `save_ops` calls the meter counted: from the first of them every call read as
+    # unlike the measured one, kept none of the plan's outputs (a warning naming a `view` each fit) and recomputed them.
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormedMLP(), _NormedMLP(), _NormedMLP())
+    x = torch.randn(4, 8, DIM)
+    config = CheckpointingConfig(
+        classes=["_NormedMLP"], memory_budget=0.6, budget_granularity="op", save_ops=["aten.native_layer_norm"]
+    )
+    plan = plan_activation_checkpointing(model, config, lambda: model(x).square().mean().backward())
+    kept_addmm = sum(op == "aten.addmm.default" for calls in plan.saved_ops.values() for _, op in calls)
+    assert kept_addmm > 0
+    plan.apply(model)
+    for step in range(3):
+        loss = model(x + step).square().mean()
+        with _CountAddmm() as recomputed:
+            loss.backward()
+        assert recomputed.count == 2 * len(plan.checkpointed) - kept_addmm, step
+
+
 def test_keep_op_calls_refuses_calls_the_measured_ops_do_not_hold() -> None:
     model = _small()
     plan = _plan(model, 0.85)

@@ -157,15 +157,16 @@ def test_returned_views_are_the_returns_the_schema_marks_aliased_and_not_written
     assert compat.returned_views(aten.max.dim) == [False, False]
 
 
-@pins("returns_written_arguments_only")
-def test_an_op_returning_only_arguments_it_wrote_or_nothing_is_told_by_its_schema() -> None:
+@pins("in_place_overload")
+def test_an_in_place_overload_writes_a_positional_tensor_and_returns_only_what_it_wrote() -> None:
     aten = torch.ops.aten
-    assert compat.returns_written_arguments_only(aten.relu_.default)
-    assert compat.returns_written_arguments_only(aten._foreach_mul_.Scalar)  # returns nothing
-    assert not compat.returns_written_arguments_only(aten.add_.t)  # a list overload returning its input unmarked
-    assert not compat.returns_written_arguments_only(aten.relu.default)
-    assert not compat.returns_written_arguments_only(aten.view.default)  # an alias, not written
-    assert not compat.returns_written_arguments_only(aten._fused_moving_avg_obs_fq_helper.default)
+    assert compat.in_place_overload(aten.relu_.default)
+    assert compat.in_place_overload(aten._foreach_mul_.Scalar)  # writes a list of tensors, returns nothing
+    assert compat.in_place_overload(aten._fused_moving_avg_obs_fq_helper.default) is False  # returns new tensors
+    assert compat.in_place_overload(aten.add_.t) is None  # writes an int list
+    assert compat.in_place_overload(aten.topk.values) is None  # an `out=` form: keyword-only `out` tensors
+    assert compat.in_place_overload(aten.div.out_mode) is None
+    assert compat.in_place_overload(aten.relu.default) is None
 
 
 @pins("writes_its_arguments")

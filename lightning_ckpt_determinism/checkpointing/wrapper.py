@@ -882,19 +882,20 @@ class _KeptCallsPolicy:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if self._framework.skips(op, args):  # an FSDP2 unit's gathering, uncounted as the meter left it out
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if op in self._wrapper.plan.save_ops:
-            return CheckpointPolicy.MUST_SAVE
-        if self._differed:
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        # Every other call counts, `save_ops`' too, as the meter counted them.
         position = self._position
         self._position += 1
-        measured = self._wrapper.measured_calls
-        if position >= len(measured) or measured[position] != str(op):
-            self._differed = True
-            if any(kept >= position for kept in self._wrapper.kept_calls):
-                self._wrapper.kept_call_differs(position, op)
+        if not self._differed:
+            measured = self._wrapper.measured_calls
+            if position >= len(measured) or measured[position] != str(op):
+                self._differed = True
+                if any(kept >= position for kept in self._wrapper.kept_calls):
+                    self._wrapper.kept_call_differs(position, op)
+        if op in self._wrapper.plan.save_ops:
+            return CheckpointPolicy.MUST_SAVE
+        if self._differed or position not in self._wrapper.kept_calls:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if position in self._wrapper.kept_calls else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
 
 @dataclass(slots=True, eq=False)

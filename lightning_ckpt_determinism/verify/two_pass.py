@@ -73,9 +73,10 @@ class SkippedPass(Exception):
 
 class PassFailed(Exception):
     """Raised by :func:`check_recomputation` on every rank when the checkpointed pass raised outside autograd's
-    backward on any (the ``closure``'s own code, run again, not a recomputation): no gradients can be compared, and
-    the failure is not about recomputation. It holds that error as its ``__cause__`` on the rank that raised it; every
-    rank raises alike, so none waits in a collective of the check."""
+    backward on any (the ``closure``'s own code, run again, not a recomputation), or, given ``agree``, when the
+    reference pass raised on any: no gradients can be compared, and the failure is not about recomputation. It holds
+    that error as its ``__cause__`` on the rank that raised it; every rank raises alike, so none waits in a
+    collective of the check."""
 
 
 class NothingRecomputed(ValueError):
@@ -130,8 +131,9 @@ def check_recomputation(
 
     An exception raised by the checkpointed pass in autograd's backward, where regions are recomputed (torch's
     ``CheckpointError`` when a recomputed shape differs, for example), is reported as a divergence; one raised by the
-    reference pass is re-raised, and one raised by the checkpointed pass before its backward (the closure's own code
-    failing when run again) raises :class:`PassFailed`, since neither is about recomputation. A check that finds nothing
+    reference pass is re-raised (with ``agree``, every rank raises :class:`PassFailed` instead), and one raised by the
+    checkpointed pass before its backward (the closure's own code failing when run again) raises :class:`PassFailed`,
+    since neither is about recomputation. A check that finds nothing
     to compare (no gradient reached any parameter, or the reference pass gave none where the checkpointed pass did) does
     not pass: its ``error`` says why, with ``diverged`` set and ``grad_divergence`` infinite.
 
