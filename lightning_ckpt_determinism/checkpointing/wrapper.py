@@ -34,6 +34,7 @@ torch's frame counts what it saves.
 
 import collections
 import contextlib
+import functools
 import logging
 import warnings
 import weakref
@@ -863,6 +864,13 @@ class _KeptOutputWritten:
         return handled
 
 
+@functools.cache
+def _overload_name(op: Any) -> str:
+    """``str(op)`` (``"aten.addmm.default"``), built once per op: an op plan's policy names every op call of its
+    region's forwards, and torch builds the string afresh at each ``str`` (over a microsecond)."""
+    return str(op)
+
+
 class _KeptCallsPolicy:
     """The selective-checkpointing policy of one forward with kept op calls: follows the measured call op by op (as
     the meter counted them) and keeps the calls at the positions the plan names while the forward has run the same
@@ -887,7 +895,7 @@ class _KeptCallsPolicy:
         self._position += 1
         if not self._differed:
             measured = self._wrapper.measured_calls
-            if position >= len(measured) or measured[position] != str(op):
+            if position >= len(measured) or measured[position] != _overload_name(op):
                 self._differed = True
                 if any(kept >= position for kept in self._wrapper.kept_calls):
                     self._wrapper.kept_call_differs(position, op)
