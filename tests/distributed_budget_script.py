@@ -34,10 +34,9 @@ from lightning_ckpt_determinism import (
     apply_activation_checkpointing,
     plan_activation_checkpointing,
 )
-from lightning_ckpt_determinism._torch_compat import TorchDispatchMode
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
 from lightning_ckpt_determinism.verify.gradients import local_tensor
-from tests.helpers import StackModule, TensorParallelStackModule, run_rank, trainer_kwargs
+from tests.helpers import OpCounter, StackModule, TensorParallelStackModule, run_rank, trainer_kwargs
 from tests.test_budget import CONFIG, DIM, _mixed
 from tests.test_budget_training import MixedModule
 
@@ -64,33 +63,21 @@ class ShardedRankSizedModule(RankSizedModule):
         shard_blocks_then_model(self)
 
 
-class _AddmmCount(TorchDispatchMode):
-    """Counts ``aten.addmm`` calls: in a backward, the recomputed ones (a linear layer's backward runs ``mm``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func is torch.ops.aten.addmm.default
-        return func(*args, **(kwargs or {}))
-
-
 class RecomputedAddmm(pl.Callback):
     """How many ``aten.addmm`` calls each step's backward runs; placed before the monitor, so that the count ends
     before the monitor's reference pass starts."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []
-        self._mode: _AddmmCount | None = None
+        self._mode: OpCounter | None = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._mode = _AddmmCount().__enter__()
+        self._mode = OpCounter().__enter__()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._mode is not None
         self._mode.__exit__(None, None, None)
-        self.counts.append(self._mode.count)
+        self.counts.append(self._mode.counts["aten.addmm"])
 
 
 def _figures(plan: CheckpointingPlan) -> list[list[int]]:
@@ -233,9 +220,9 @@ def _addmm_in_plain_pytorch(module: RankSizedModule, plan: CheckpointingPlan) ->
             for name in plan.checkpointed:
                 keep_op_calls(twin.get_submodule(name), ())
         loss = F.mse_loss(twin["model"](x), y)
-        with _AddmmCount() as mode:
+        with OpCounter() as mode:
             loss.backward()
-        counts.append(mode.count)
+        counts.append(mode.counts["aten.addmm"])
     return counts
 
 

@@ -26,7 +26,7 @@ from lightning_ckpt_determinism.checkpointing.budget_plan import plan_from_figur
 from lightning_ckpt_determinism.checkpointing.measure import OpFigures, RegionFigures
 from lightning_ckpt_determinism.checkpointing.op_choice import choose_kept_ops
 from lightning_ckpt_determinism.checkpointing.wrapper import keep_op_calls
-from tests.helpers import Stack, recomputation
+from tests.helpers import OpCounter, Stack, recomputation
 from tests.test_budget import CONFIG, DIM, ROWS, CheapBlock, CostlyBlock, WideBlock, _batch, _closure
 
 # The cost model's documented ratio of FLOP rate to bandwidth: 100 TFLOP/s over 2 TB/s.
@@ -257,17 +257,9 @@ def _sins_recomputed(model: nn.Module) -> int:
     """How many `aten.sin` calls the backward of one step runs (recomputation; sin's own backward runs cos)."""
     x, y = _batch()
     loss = torch.nn.functional.mse_loss(model(x), y)
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            Count.count += func is torch.ops.aten.sin.default
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    with OpCounter() as counter:
         loss.backward()
-    return Count.count
+    return counter.counts["aten.sin"]
 
 
 class _CacheAtFirstCall(nn.Module):
@@ -358,16 +350,6 @@ class _NormedMLP(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x)))).tanh()
 
 
-class _CountAddmm(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func is torch.ops.aten.addmm.default
-        return func(*args, **(kwargs or {}))
-
-
 def test_an_op_plan_with_save_ops_keeps_what_it_planned_at_every_step() -> None:
     # The policy did not count the `save_ops` calls the meter counted: from the first of them every call read as
     # unlike the measured one, kept none of the plan's outputs (a warning naming a `view` each fit) and recomputed them.
@@ -383,9 +365,9 @@ def test_an_op_plan_with_save_ops_keeps_what_it_planned_at_every_step() -> None:
     plan.apply(model)
     for step in range(3):
         loss = model(x + step).square().mean()
-        with _CountAddmm() as recomputed:
+        with OpCounter() as recomputed:
             loss.backward()
-        assert recomputed.count == 2 * len(plan.checkpointed) - kept_addmm, step
+        assert recomputed.counts["aten.addmm"] == 2 * len(plan.checkpointed) - kept_addmm, step
 
 
 def test_keep_op_calls_refuses_calls_the_measured_ops_do_not_hold() -> None:
