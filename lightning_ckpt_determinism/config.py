@@ -751,7 +751,8 @@ def resolve_ops(names: list[str]) -> list[OpOverload]:
         names: Op names such as ``"aten.mm"`` (every overload) or ``"aten.addmm.default"`` (one overload).
 
     Returns:
-        The op overloads, in order, without duplicates.
+        The op overloads, in order, without duplicates, less those that write their arguments and return them (an
+        ``out=`` form): a forward that calls one has it recomputed, since torch cannot keep what an op wrote into.
 
     Raises:
         CheckpointingConfigError: If a name does not name an op torch knows.
@@ -799,15 +800,8 @@ def _resolve_op(name: str) -> list[OpOverload]:
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} names an unknown overload; {namespace}.{op_name} has {packet.overloads()}."
         )
-    if parts[2:] and parts[2].endswith("out"):
-        raise CheckpointingConfigError(
-            f"`save_ops` entry {name!r} is an `out=` overload, which autograd never runs, so nothing would be kept;"
-            f" write '{namespace}.{op_name}' (every overload) or '{namespace}.{op_name}.default'."
-        )
     ops = [getattr(packet, overload) for overload in overloads]
-    # An `out=` overload is never differentiated: what autograd runs is the functional one.
-    pairs = zip(overloads, ops, strict=True)
-    known = [_decomposed_before_dispatch(op) for overload, op in pairs if not overload.endswith("out")]
+    known = [_decomposed_before_dispatch(op) for op in ops if not writes_its_arguments(op)]
     if any(known) and all(composite is not False for composite in known):
         raise CheckpointingConfigError(_composite_message(name, f"{namespace}.{op_name}"))
     # An attention kernel is tagged random for its `dropout_p`, 0 in most models (and torch's own save lists keep it).
@@ -827,7 +821,16 @@ def _resolve_op(name: str) -> list[OpOverload]:
             f" selective checkpointing refuses to keep; write the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"
             " or the op before it."
         )
-    return ops
+    # What a forward calls with `out=` (or another form that writes its arguments and returns them) is recomputed:
+    # selective checkpointing cannot keep a tensor the op wrote into, and autograd never runs such a form anyway.
+    returning = [op for op in ops if not writes_its_arguments(op) or in_place_overload(op) is False]
+    if not returning:
+        raise CheckpointingConfigError(
+            f"`save_ops` entry {name!r} is an `out=` overload, which autograd never runs, so nothing would be kept;"
+            f" write '{namespace}.{op_name}' (every overload that returns new tensors) or"
+            f" '{namespace}.{op_name}.default'."
+        )
+    return returning
 
 
 def _decomposed_before_dispatch(op: OpOverload) -> bool | None:

@@ -185,6 +185,32 @@ def test_save_ops_keeps_matmul_outputs_instead_of_recomputing_them() -> None:
     assert _unequal(unchecked.gradients, selective.gradients) == []
 
 
+class _MatmulIntoABuffer(nn.Module):
+    """A block that multiplies its input by a fixed matrix with `torch.mm(..., out=...)` before its linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("mix", torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = torch.empty(x.shape[0], 8)
+        torch.mm(x, self.mix, out=mixed)
+        return torch.sin(self.linear(mixed))
+
+
+def test_save_ops_recomputes_what_a_forward_calls_in_its_out_form() -> None:
+    torch.manual_seed(0)
+    plain = _MatmulIntoABuffer()
+    model = copy.deepcopy(plain)
+    checkpoint_module(model, "block", CheckpointingConfig(classes=["_MatmulIntoABuffer"], save_ops=["aten.mm"]))
+    x = torch.randn(4, 8)
+    for twin in (plain, model):
+        twin(x).sum().backward()
+    gradients = {name: parameter.grad for name, parameter in plain.named_parameters()}
+    assert _unequal(gradients, {name: parameter.grad for name, parameter in model.named_parameters()}) == []
+
+
 # Buffers: BatchNorm running statistics.
 
 
