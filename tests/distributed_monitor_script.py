@@ -217,8 +217,10 @@ class PowerSGDModule(StackModule):
 
 def _fsdp1_on_the_cpu() -> None:
     """Let Lightning's ``FSDPStrategy`` run on CPU processes: it passes ``device_id=None`` there, which torch's FSDP1
-    refuses without an accelerator; given the CPU device, FSDP1 shards and reduces over gloo as it does over NCCL."""
+    refuses without an accelerator; given the CPU device, FSDP1 shards and reduces over gloo as it does over NCCL.
+    ``FSDPCheckpointingStrategy``'s refusal of a CPU device, which tells users so, is lifted with it."""
     wrap = FullyShardedDataParallel.__init__
+    FSDPCheckpointingStrategy.setup_environment = FSDPStrategy.setup_environment  # type: ignore[method-assign]
 
     def on_the_cpu(self: FullyShardedDataParallel, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("device_id") is None:

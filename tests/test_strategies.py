@@ -21,6 +21,7 @@ from examples.broken import SyntheticRegression
 from examples.moe import MoEModule
 from lightning_ckpt_determinism import (
     CheckpointingConfig,
+    CheckpointingConfigError,
     DDPCheckpointingStrategy,
     FSDPCheckpointingStrategy,
     LightningCkptDeterminismWarning,
@@ -300,6 +301,20 @@ def test_fsdp_strategy_rejects_fsdps_own_checkpointing(own: dict[str, object]) -
         ValueError, match=rf"`{name}` is FSDP's own activation checkpointing; `FSDPCheckpointingStrategy`"
     ):
         FSDPCheckpointingStrategy(checkpointing=CONFIG, **own)
+
+
+def test_fsdp_strategy_on_cpu_is_refused_in_one_line_that_names_the_cpu_strategy(tmp_path: Path) -> None:
+    module = StackModule()
+    initial = _weights(module)
+    strategy = FSDPCheckpointingStrategy(checkpointing=CONFIG)
+    refused = (
+        r"^`FSDPCheckpointingStrategy` needs a CUDA accelerator \(Lightning's FSDP shards on GPUs only\), got CPU;"
+        r" shard on CPU with `ModelParallelCheckpointingStrategy\(data_parallel_size=N, .*`fully_shard`"
+    )
+    with pytest.raises(CheckpointingConfigError, match=refused):
+        _fit(tmp_path, module, strategy, accelerator="cpu", devices=1)
+    assert _unequal(initial, _weights(module)) == []
+    assert checkpointed_modules(module) == {}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs a CUDA device")

@@ -449,6 +449,16 @@ class FSDPCheckpointingStrategy(ActivationCheckpointingMixin, FSDPStrategy):
                 )
         super().__init__(checkpointing=checkpointing, **kwargs)
 
+    def setup_environment(self) -> None:
+        """Refuse a CPU device in one line before any process group starts: FSDP1 wraps modules on CUDA only."""
+        if self.root_device.type == "cpu":
+            raise CheckpointingConfigError(
+                "`FSDPCheckpointingStrategy` needs a CUDA accelerator (Lightning's FSDP shards on GPUs only), got"
+                " CPU; shard on CPU with `ModelParallelCheckpointingStrategy(data_parallel_size=N,"
+                ' tensor_parallel_size=1, process_group_backend="gloo")` and `fully_shard` in `configure_model`.'
+            )
+        super().setup_environment()
+
 
 class ModelParallelCheckpointingStrategy(ActivationCheckpointingMixin, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) with this package's checkpointing.
