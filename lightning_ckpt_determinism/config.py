@@ -16,7 +16,7 @@ import pickle
 import pkgutil
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import astuple, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
@@ -464,6 +464,12 @@ class CheckpointingConfig:
                 # A YAML key left empty (`save_ops:`) reads as null.
                 raise CheckpointingConfigError(
                     f"`{name}` must be a list, got None; write `[]` for none, or leave `{name}` out."
+                )
+            if isinstance(value, Mapping):
+                # Iterated, a mapping gives its keys: the values (`{Block: 2}`) would be dropped without a word.
+                raise CheckpointingConfigError(
+                    f"`{name}` must be a list, got a mapping {dict(value)!r}, whose values nothing reads; list the"
+                    f" names alone: {list(value)!r}."
                 )
             if isinstance(value, str) and not (name == "classes" and value == AUTO_CLASSES):
                 if name == "classes" and value.lower() != value and value.lower() == AUTO_CLASSES:

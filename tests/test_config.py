@@ -307,6 +307,17 @@ def test_none_for_a_list_field_is_one_line_saying_to_write_an_empty_list(field_n
     )
 
 
+@pytest.mark.parametrize(("field_name", "entry"), [("classes", "Block"), ("names", "model.*"), ("save_ops", "aten.mm")])
+def test_a_mapping_for_a_list_field_is_refused_since_its_values_would_be_dropped(field_name: str, entry: str) -> None:
+    kwargs = {"classes": ["Block"], field_name: {entry: 2}}
+    with pytest.raises(CheckpointingConfigError) as raised:
+        CheckpointingConfig(**kwargs)  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        f"`{field_name}` must be a list, got a mapping {{{entry!r}: 2}}, whose values nothing reads; list the names"
+        f" alone: [{entry!r}]."
+    )
+
+
 def test_numpys_numbers_are_taken_as_the_plain_numbers_they_are() -> None:
     # A sweep computes its settings with NumPy: `np.int64(2)` is an integer, `np.float32(0.5)` a fraction.
     config = CheckpointingConfig(classes=["Block"], every_n=np.int64(2))  # type: ignore[arg-type]
