@@ -310,6 +310,11 @@ def _parse_size_string(value: str) -> int | float:
             f"`memory_budget` {value!r} has an unknown unit {unit!r}; use one of {', '.join(_SIZE_UNITS)} or %."
         )
     size = int(float(number) * _SIZE_UNITS[unit])
+    if size <= 0 < float(number):
+        raise CheckpointingConfigError(
+            f"`memory_budget` {value!r} is less than a byte: give at least 1 byte, or a fraction without a unit"
+            " (0.5, '50%')."
+        )
     if size <= 0:
         raise CheckpointingConfigError(f"`memory_budget` must be more than 0 bytes, got {value!r}.")
     return size

@@ -603,6 +603,7 @@ def test_memory_budget_takes_bytes_units_and_fractions(given: object, stored: ob
         (0, r"`memory_budget` must be more than 0 bytes, got 0\.$"),
         (-5, r"`memory_budget` must be more than 0 bytes, got -5\.$"),
         ("0MiB", r"`memory_budget` must be more than 0 bytes, got '0MiB'\.$"),
+        ("0.5B", r"`memory_budget` '0\.5B' is less than a byte: give at least 1 byte, or a fraction without a unit"),
         (0.0, r"`memory_budget` as a fraction must be in \(0, 1\], got 0\.0;"),
         (-0.5, r"`memory_budget` as a fraction must be in \(0, 1\], got -0\.5;"),
         (1.5, r"`memory_budget` as a fraction must be in \(0, 1\], got 1\.5;"),
