@@ -4,6 +4,7 @@ The models are :mod:`examples.moe`'s: a deterministic mixture of experts, and on
 ulps in recomputation only, with ties at the top-k boundary that the drift breaks the other way.
 """
 
+import copy
 import gc
 import json
 from collections import Counter
@@ -451,6 +452,30 @@ def test_compiled_the_guard_saves_the_routing_with_no_more_graph_breaks() -> Non
     assert largest_difference(expected, kept) < 1e-5
     _, _, recomputed_topk = _compiled_step(moe(keep=False, blocks=1))
     assert recomputed_topk == 1
+
+
+class _TupleFeeding(nn.Module):
+    """Hands its tokens to a :class:`_TupleCalled` region inside a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.region = _TupleCalled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.region((x,))
+
+
+@pytest.mark.usefixtures("moe_dynamo")
+def test_compiled_a_region_given_its_tokens_in_a_tuple_keeps_its_routing() -> None:
+    # The compiled size rule read top-level inputs only: its limit was 0 here, so the router's `topk` was recomputed.
+    torch.manual_seed(0)
+    model = nn.Sequential(_TupleFeeding(), nn.Linear(DIM, 1))
+    plain = copy.deepcopy(model)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0.region"]))
+    expected, _, _ = _compiled_step(plain)
+    kept, _, kept_topk = _compiled_step(model)
+    assert kept_topk == 0
+    assert largest_difference(expected, kept) < 1e-5
 
 
 def test_recomputation_reads_the_forwards_item() -> None:

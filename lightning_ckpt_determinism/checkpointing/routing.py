@@ -156,12 +156,17 @@ def fits_size_rule(output: Any, limit: Any) -> bool:
 
 
 def mark_region_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``inputs`` with each tensor behind an ``aten.alias`` (a view, free once compiled), for :class:`CompiledPolicy`.
+    """``inputs`` with each tensor behind an ``aten.alias`` (a view, free once compiled), for :class:`CompiledPolicy`;
+    tensors in the inputs' tuples, lists and dicts too, as :func:`input_limit` reads them eagerly.
 
     Traced inside the region, so the policy sees the markers first and reads the inputs' sizes from them: the
     compiler calls the policy with each op and its output, never with the region's inputs.
     """
-    return tuple(_aten.alias.default(value) if isinstance(value, torch.Tensor) else value for value in inputs)
+    return tuple(tree_map(_marked, value) for value in inputs)
+
+
+def _marked(value: Any) -> Any:
+    return _aten.alias.default(value) if isinstance(value, torch.Tensor) else value
 
 
 class KeptOutputs:
