@@ -162,11 +162,17 @@ def mark_region_inputs(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     Traced inside the region, so the policy sees the markers first and reads the inputs' sizes from them: the
     compiler calls the policy with each op and its output, never with the region's inputs.
     """
-    return tuple(tree_map(_marked, value) for value in inputs)
-
-
-def _marked(value: Any) -> Any:
-    return _aten.alias.default(value) if isinstance(value, torch.Tensor) else value
+    marked = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            marked.append(_aten.alias.default(value))
+            continue
+        # Nested ones are marked, not replaced: the forward may write into the very list or dict it was given.
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                _aten.alias.default(leaf)
+        marked.append(value)
+    return tuple(marked)
 
 
 class KeptOutputs:
