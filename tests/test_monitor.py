@@ -1289,6 +1289,29 @@ def test_a_random_stream_left_elsewhere_within_the_tolerance_is_said_with_gradie
     )
 
 
+class NanLossModule(StackModule):
+    """A dropout stack whose loss is NaN: every gradient of both of a check's passes is NaN at the same places."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * math.nan
+
+
+def test_a_random_stream_left_elsewhere_at_a_nan_loss_does_not_call_the_gradients_exact(tmp_path):
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        fit(tmp_path, module=NanLossModule(), monitor=monitor, config={"preserve_rng_state": False})
+    first = next(record for record in monitor.history if record.skipped is None)
+    # NaN in the same places on both passes compares equal.
+    assert (first.grad_divergence, first.diverged) == (0.0, True)
+    said = [str(w.message) for w in caught if "recomputation drew from torch's RNG" in str(w.message)]
+    assert said and said[0].startswith(
+        f"lightning_ckpt_determinism: recomputation drew from torch's RNG at step {first.step}: it ended the step in"
+        " another state than the same step without checkpointing; the gradients are not comparable (the loss is nan"
+        " in both passes)."
+    )
+
+
 class GradientNoiseModule(StackModule):
     """A dropout stack whose parameters' hooks add noise drawn from torch's RNG to their gradients in every backward."""
 

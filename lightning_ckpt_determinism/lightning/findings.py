@@ -169,7 +169,7 @@ def divergence_message(
     named: the strategy cannot run the two-pass check; with ``unseen``, a sentence saying why attribution sees no
     region of this fit and what to do)."""
     several = len(findings.ranks) > 1
-    parts = [_headline(step, findings, report.tolerance)]
+    parts = [_headline(step, findings, report)]
     errors = [finding for finding in findings.ranks if finding.error]
     for finding in errors[:1]:
         where = f" on rank {finding.rank}" if several else ""
@@ -227,9 +227,10 @@ def _worst_parameters_over_ranks(ranks: list[RankFindings]) -> list[tuple[str, f
     return worst_parameters(largest)
 
 
-def _headline(step: int, findings: Findings, tolerance: float) -> str:
+def _headline(step: int, findings: Findings, report: RecomputationReport) -> str:
     """What diverged: the gradients (with their figures), or, where they are exact, the buffers or the attributes
     (named), or the host's random streams, or torch's RNG."""
+    tolerance = report.tolerance
     host_rng = any(finding.cause == Cause.HOST_RNG for finding in findings.ranks)
     torch_rng = any(finding.cause == Cause.RNG_NOT_PRESERVED for finding in findings.ranks)
     streams = host_rng or torch_rng
@@ -241,6 +242,9 @@ def _headline(step: int, findings: Findings, tolerance: float) -> str:
         )
     # A difference within the tolerance does not diverge: the gradients are not exact then.
     gradients = "exact" if findings.grad_divergence == 0.0 else f"within the tolerance ({tolerance:g})"
+    if not (math.isfinite(report.reference_loss) or math.isfinite(report.checkpointed_loss)):
+        # NaN in both passes at the same places compares equal: such gradients hold nothing to compare.
+        gradients = f"not comparable (the loss is {report.reference_loss} in both passes)"
     if findings.buffers_changed:
         names = [name for finding in findings.ranks for name in finding.buffer_mutations]
         return _changed_state(step, "buffer", findings.buffers_changed, names, gradients)
