@@ -67,11 +67,14 @@ def test_the_first_call_learns_which_saved_tensors_are_filled_after_they_are_sav
 
 class PrefilledNoise(nn.Module):
     """``rrelu_with_noise`` given a noise tensor that already holds the values the op writes into it, as the caching
-    allocator can hand an uninitialised one (the memory of the same draw, just freed)."""
+    allocator can hand an uninitialised one (the memory of the same draw, just freed). With ``module``, the region
+    also holds an ``nn.RReLU`` (unused), whose mode keys the region's profiles."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: bool = True) -> None:
         super().__init__()
         self.linear = nn.Linear(DIM, DIM)
+        if module:
+            self.act = nn.RReLU(1.0, 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         noise = torch.ones_like(x)
@@ -83,6 +86,20 @@ def test_a_saved_tensor_an_op_writes_after_saving_it_is_filled_late_even_if_its_
     step(model)
     # addmm saves the input, rrelu_with_noise its noise (written in place after it is saved), then its input.
     assert model[0].forward.profile.filled_late == frozenset({1})
+
+
+def test_the_noise_of_a_functional_rrelu_is_mode_dependent_not_filled_late() -> None:
+    # Without an `nn.RReLU` module, the op's `training` argument, which no profile key sees, decides whether it
+    # writes: neither filled late nor unwritten holds at every call.
+    model = checkpointed(nn.Sequential(PrefilledNoise(module=False)))
+    step(model)
+    profile = model[0].forward.profile
+    assert (profile.mode_dependent, profile.filled_late, profile.unwritten) == (
+        frozenset({1}),
+        frozenset(),
+        frozenset(),
+    )
+    assert profile.left_out == frozenset({1})
 
 
 def test_an_lstm_workspace_is_found_among_the_saved_tensors() -> None:

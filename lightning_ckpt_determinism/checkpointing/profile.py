@@ -83,6 +83,9 @@ _EMPTY_OPS = frozenset(
     }
 )
 
+# The ops that fill their `noise` argument only where their `training` argument is true, by packet name.
+_RRELU_OPS = frozenset({"aten.rrelu_with_noise", "aten.rrelu_with_noise_"})
+
 OPAQUE_WORKSPACES: Mapping[str, tuple[int, ...]] = MappingProxyType(
     {
         # oneDNN's LSTM/GRU layer on the CPU (`nn.LSTM`, `nn.GRU`): its uint8 workspace, of which about 65k of 90k bytes
@@ -111,13 +114,17 @@ class RegionProfile:
         filled_late: Positions among them whose values changed after they were saved (read at the forward's end).
         workspaces: Positions that are opaque workspaces (see :data:`OPAQUE_WORKSPACES`), never compared.
         unwritten: Positions no op wrote (a declared write that did not happen), never compared.
+        mode_dependent: Positions an op fills late or leaves unwritten by an argument the profile's key does not see:
+            the ``noise`` of a functional ``F.rrelu`` in a region without an ``nn.RReLU`` module (written only where
+            its ``training`` argument is true, which need not be the module's mode). Never compared, and the
+            region's recomputation runs to its end, so that such a call fills them whichever it does.
         buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
             wrapper adds those it sees changed later, and those other calls of the region changed.
         generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
         nodes: How many autograd nodes the forward made (the ops it recorded for backward).
         ends_in: The type of the autograd node the forward's output came from (the op the path ended in), ``None``
             for an output without one; with ``saved`` and ``nodes``, the path the profile is valid for (:attr:`path`).
-        left_out: The positions the sentinel never compares: ``workspaces`` and ``unwritten`` together.
+        left_out: The positions the sentinel never compares: ``workspaces``, ``unwritten`` and ``mode_dependent``.
 
     Example::
 
@@ -131,6 +138,7 @@ class RegionProfile:
     filled_late: frozenset[int] = frozenset()
     workspaces: frozenset[int] = frozenset()
     unwritten: frozenset[int] = frozenset()
+    mode_dependent: frozenset[int] = frozenset()
     buffers: frozenset[str] = frozenset()
     generators: tuple[tuple[str, torch.Generator], ...] = ()
     nodes: int = 0
@@ -139,7 +147,7 @@ class RegionProfile:
     left_out: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "left_out", self.workspaces | self.unwritten)
+        object.__setattr__(self, "left_out", self.workspaces | self.unwritten | self.mode_dependent)
 
     @property
     def path(self) -> tuple[int, int, type | None]:
@@ -184,6 +192,8 @@ class FirstForwardProbe:
         self.events = 0
         self._finder = _FirstCallMode(self)
         self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, _Snapshot | None, int]] = {}
+        # An `nn.RReLU`'s mode keys the region's profiles; a functional `F.rrelu`'s `training` argument does not.
+        self._functional_rrelu = not any(isinstance(sub, nn.RReLU) for sub in module.modules())
 
     def __enter__(self) -> "FirstForwardProbe":
         self._buffers = {
@@ -224,11 +234,17 @@ class FirstForwardProbe:
             and holds_values(tensor)  # not freed since (FSDP2's gathered parameters, see `_kept`)
             and bool(tensor.isnan().all())
         )
+        mode_dependent = frozenset(
+            position
+            for position, (tensor, _, _) in enumerate(self._packed)
+            if self._functional_rrelu and storage_pointer(tensor) in self._finder.noise
+        )
         filled_late = frozenset(
             position
             for position, (tensor, copy, packed_at) in enumerate(self._packed)
             if position not in workspaces
             and position not in unwritten
+            and position not in mode_dependent
             and storage_pointer(tensor) not in state
             and (
                 self._finder.written_after(storage_pointer(tensor), packed_at) or (copy is not None and not _kept(copy))
@@ -245,7 +261,8 @@ class FirstForwardProbe:
             saved=len(self._packed),
             filled_late=filled_late,
             workspaces=workspaces,
-            unwritten=unwritten,
+            unwritten=unwritten - mode_dependent,
+            mode_dependent=mode_dependent,
             buffers=buffers,
             generators=tuple(generator_slots(self.module)),
         )
@@ -283,6 +300,8 @@ class _FirstCallMode(TorchDispatchMode):
         self.probe = probe
         self.storages: set[int] = set()
         self.uninitialised: set[int] = set()
+        # The storages given to `rrelu_with_noise` as its `noise`, whichever its `training` argument.
+        self.noise: set[int] = set()
         self._writes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -300,6 +319,10 @@ class _FirstCallMode(TorchDispatchMode):
             if storage is not None:
                 self._writes[storage] = self.probe.events
         name = str(func.overloadpacket)
+        if name in _RRELU_OPS and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            storage = storage_pointer(args[1])
+            if storage is not None:
+                self.noise.add(storage)
         if name in _EMPTY_OPS and type(out) is torch.Tensor and out.is_floating_point() and not out.is_meta:
             # Uninitialised memory may hold anything; NaN tells, at the forward's end, whether an op wrote it.
             with no_python_dispatch(), torch.no_grad():

@@ -572,7 +572,7 @@ class CheckpointedForward:
             # others. There it stops as torch's checkpoint does (a module `nn.RReLU` still recomputes to its end).
             if not _across_ranks():
                 return True
-        elif self.profile.filled_late:
+        elif self.profile.filled_late or self.profile.mode_dependent:
             return True
         # A region holding an `nn.RReLU` in training mode recomputes to its end whatever its profile says: a path that
         # runs it may look like one learned without it (a LayerDrop choosing between like-shaped layers).
