@@ -572,7 +572,8 @@ class SentinelWatch:
         elif report.not_compared and report.on_new_paths == report.not_compared:
             why = (
                 "every call it met took a code path its region had not learned yet (a branch taken for the first"
-                " time; the next call that takes it is learned and compared)"
+                " time, or a loop run another number of times, as a recurrent layer over a new sequence length; the"
+                " next call that takes it is learned and compared)"
             )
         elif report.not_compared:
             why = (
