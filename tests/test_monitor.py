@@ -1289,6 +1289,21 @@ def test_a_random_stream_left_elsewhere_within_the_tolerance_is_said_with_gradie
     )
 
 
+def test_a_second_fit_in_the_process_shows_its_findings_where_the_first_showed_the_same_words(tmp_path):
+    # Under Python's default filter a warning shows once per message and line for the life of the process: a notebook
+    # cell run again showed no finding of its fit.
+    shown = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for run in range(2):
+            monitor = RecomputationMonitor(every_n_steps=1)
+            fit(tmp_path / str(run), monitor=monitor, config={"preserve_rng_state": False})
+            assert all(record.diverged for record in monitor.history)
+            shown.append([str(w.message) for w in caught if "recomputation diverged at step" in str(w.message)])
+            caught.clear()
+    assert shown[0] and shown[1] == shown[0]
+
+
 class NanLossModule(StackModule):
     """A dropout stack whose loss is NaN: every gradient of both of a check's passes is NaN at the same places."""
 

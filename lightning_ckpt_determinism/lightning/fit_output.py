@@ -14,6 +14,12 @@ runs, the package's ``lightning_ckpt_determinism`` logger gets such a handler to
 stderr, rank zero only), unless it or the root logger has a handler already: the application configured logging,
 the records reach its handlers on every rank, and it decides (the package's logger then only lets INFO through).
 
+**Each fit's warnings.** Python shows a warning once per message and line under its default filter, remembering
+those shown in the registry of the module that warned, for the life of the process. A fit that finds what an earlier
+fit in the same process found (a notebook cell run again, a sweep, a retry) would then show none of its findings. When
+a fit starts, the package forgets which of its own warnings its modules have shown; other warnings, and other
+modules' registries, are left alone.
+
 Both last from the strategy's ``setup`` or the monitor's ``on_fit_start`` until the end of the fit, whether it
 ends or raises, each part of a fit (the strategy, each monitor) holding them through its own :class:`FitOutput`.
 When the last part of the last fit lets go, the warning format and the logger's handlers, level and ``propagate``
@@ -21,6 +27,7 @@ are what they were before the first took hold.
 """
 
 import logging
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -55,6 +62,29 @@ _notes: list[_Notes] = []
 _AT_IMPORT = warnings.formatwarning
 
 
+def _forget_shown_warnings() -> None:
+    """Drop the package's own warnings from its modules' warning registries, so that a new fit shows its findings even
+    where an earlier fit in this process showed the same words from the same line."""
+    for name, module in list(sys.modules.items()):
+        if name != _PACKAGE and not name.startswith(f"{_PACKAGE}."):
+            continue
+        registry = getattr(module, "__dict__", {}).get("__warningregistry__")
+        if not isinstance(registry, dict):
+            continue
+        for key in [key for key in registry if _is_own(key)]:
+            del registry[key]
+
+
+def _is_own(key: object) -> bool:
+    """Whether a warning registry's key (``(text, category, lineno)``) is one of the package's warnings."""
+    return (
+        isinstance(key, tuple)
+        and len(key) == 3
+        and isinstance(key[1], type)
+        and issubclass(key[1], LightningCkptDeterminismWarning)
+    )
+
+
 class FitOutput:
     """One part of a fit's hold on the package's output (warnings on lines of their own, notes on rank zero).
 
@@ -85,6 +115,8 @@ class FitOutput:
         """
         self.release()
         self._trainer = trainer
+        if trainer not in _fits:
+            _forget_shown_warnings()
         _fits[trainer] = _fits.get(trainer, 0) + 1
         if not _notes:
             _notes.append(_show_notes())
