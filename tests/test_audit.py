@@ -8,6 +8,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,13 @@ import yaml
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from examples.gpt import GPTModule
-from lightning_ckpt_determinism import CAUSE_HINTS, Cause, CheckpointingConfig, plan_activation_checkpointing
+from lightning_ckpt_determinism import (
+    CAUSE_HINTS,
+    Cause,
+    CheckpointingConfig,
+    checkpointed_modules,
+    plan_activation_checkpointing,
+)
 from lightning_ckpt_determinism.audit import files, loading, main, running
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +198,29 @@ def test_a_clean_config_exits_0_and_its_json_replaces_the_old_report(capsys, tmp
     assert (written["diverged"], written["batches"], written["buffer_mutations"]) == (False, 1, [])
     assert written["checks"][0]["grad_divergence"] == 0.0
     assert all(region["ops_compared"] > 0 and region["cause"] is None for region in written["regions"])
+
+
+def test_an_audit_run_inside_python_leaves_the_callers_seed_and_no_checkpointed_model(capsys, monkeypatch):
+    # The audit's LightningCLI seeds everything with 0: a script that audited, then trained, trained on seed 0.
+    audited = []
+    set_up = running._set_up
+
+    def recorded(model: Any, strategy: Any) -> Any:
+        audited.append(set_up(model, strategy))
+        return audited[-1]
+
+    monkeypatch.setattr(running, "_set_up", recorded)
+    torch.manual_seed(1234)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    code, _, err = audit(capsys, "--config", str(GPT_CONFIG))
+    assert code == 0, err
+    assert torch.equal(torch.rand(3), expected)
+    assert (os.environ["PL_GLOBAL_SEED"], os.environ["PL_SEED_WORKERS"]) == ("1234", "0")
+    (model,) = audited
+    assert checkpointed_modules(model) == {}
 
 
 def test_batches_are_checked_in_turn_and_summed_up_per_region(capsys, tmp_path):

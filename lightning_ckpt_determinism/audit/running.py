@@ -65,6 +65,8 @@ from lightning_ckpt_determinism.checkpointing.budget_plan import (
     measure_candidates,
     plan_from_figures,
 )
+from lightning_ckpt_determinism.checkpointing.rng import capture_rng, restore_rng
+from lightning_ckpt_determinism.checkpointing.wrapper import remove_activation_checkpointing
 from lightning_ckpt_determinism.errors import CheckpointingConfigError, LightningCkptDeterminismWarning
 from lightning_ckpt_determinism.lightning.cli import configuration_error
 from lightning_ckpt_determinism.lightning.step import (
@@ -115,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     args.overrides = overrides
     try:
-        with _importable_from(os.getcwd()), _own_warnings_as_lines():
+        with _importable_from(os.getcwd()), _own_warnings_as_lines(), _seeds_kept():
             return _audit(args)
     except CheckpointingConfigError as err:
         print(f"{PROGRAM} audit: error: {_keyed(err)}", file=sys.stderr)
@@ -123,6 +125,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"{PROGRAM} audit: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+
+
+@contextlib.contextmanager
+def _seeds_kept() -> Iterator[None]:
+    """Every random stream and Lightning's seed variables as they were before the block: the audit's LightningCLI
+    seeds everything (``seed_everything``), and a script that audits then trains in one process keeps its own seed."""
+    devices = [torch.device("cuda")] if torch.cuda.is_available() else []
+    streams = capture_rng(devices)
+    variables = {name: os.environ.get(name) for name in _SEED_VARIABLES}
+    try:
+        yield
+    finally:
+        restore_rng(streams)
+        for name, value in variables.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# What `lightning.seed_everything` sets in the environment.
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @contextlib.contextmanager
@@ -181,6 +205,26 @@ def _audit(args: argparse.Namespace) -> int:
     loader = train_dataloader(cli)
     with quiet_lightning():
         model = _set_up(cli.model, strategy)
+    try:
+        return _audit_model(args, cli, model, notes, loader, target, picture)
+    finally:
+        # The caller's process keeps no checkpointed model of the audit's (`main` runs inside Python too).
+        remove_activation_checkpointing(model)
+
+
+def _audit_model(
+    args: argparse.Namespace,
+    cli: Any,
+    model: pl.LightningModule,
+    notes: list[str],
+    loader: Any,
+    target: Path | None,
+    picture: Path | None,
+) -> int:
+    """The audit of the set-up ``model``: its batches checked, the trade-off planned where budgeted, the verdict
+    printed and written."""
+    strategy = cli.trainer.strategy
+    budgeted = cast(ActivationCheckpointingMixin, strategy).checkpointing.memory_budget is not None
     reports, seen, scan = _check_batches(model, strategy, loader, args)
     if not reports:
         raise UsageError(
