@@ -158,6 +158,28 @@ def test_a_cache_passed_in_training_is_dropped_with_a_warning_and_the_gradients_
         assert model(input_ids=ids, use_cache=True).past_key_values.get_seq_length() == ids.shape[1]
 
 
+def test_models_built_from_one_config_keep_its_cache_off_until_the_last_ones_checkpointing_is_removed() -> None:
+    # Each model's switch was its own: removing the first model's checkpointing turned the shared config's cache back
+    # on while the second's layers were still checkpointed.
+    first = tiny_gpt2("sdpa")
+    torch.manual_seed(0)
+    second = GPT2LMHeadModel(first.config)
+    plain = copy.deepcopy(second)
+    config = CheckpointingConfig(classes=["GPT2Block"])
+    apply_activation_checkpointing(first, config)
+    apply_activation_checkpointing(second, config)
+    remove_activation_checkpointing(first)
+    assert first.config.use_cache is False
+    ids = token_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningCkptDeterminismWarning)  # no cache reaches a checkpointed layer
+        checkpointed = gradients(second, lm_loss(second, ids))
+    expected = gradients(plain, lm_loss(plain, ids))
+    assert all(torch.equal(expected[key], checkpointed[key]) for key in expected)
+    remove_activation_checkpointing(second)
+    assert first.config.use_cache is True
+
+
 def test_a_model_whose_cache_is_off_is_left_as_it_is(caplog: pytest.LogCaptureFixture) -> None:
     model, layer = build("gpt2", "sdpa")
     model.config.use_cache = False

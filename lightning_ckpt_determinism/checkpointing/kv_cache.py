@@ -22,6 +22,7 @@ transformers is never imported: its models are recognised by the name and module
 import inspect
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -98,14 +99,23 @@ class CacheSwitch:
         self.holders -= 1
         if self.holders == 0:
             self.config.use_cache = True
+            if _held.get(id(self.config)) is self:
+                del _held[id(self.config)]
+
+
+# The switch of each config that checkpointed regions hold, by the config's identity: models built from one config
+# object share its switch, so that the cache comes back on only when the last region of any of them is removed. Held
+# weakly: the regions' wrappers own the switches, and a switch lives (and keeps its config's identity) while they do.
+_held: "weakref.WeakValueDictionary[int, CacheSwitch]" = weakref.WeakValueDictionary()
 
 
 def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[CacheSwitch]:
     """Turn off ``config.use_cache`` of each transformers model of ``root`` that holds one of ``regions``.
 
     Each region's wrapper holds the switches of the models around it and releases them when it is removed. Models
-    that share a config (``LlamaForCausalLM`` and its ``LlamaModel``) share one switch. Regions are matched by
-    identity, so names changed by a wrapper (FSDP) do not matter.
+    that share a config (``LlamaForCausalLM`` and its ``LlamaModel``, or two models built from one config object),
+    checkpointed together or one after the other, share one switch. Regions are matched by identity, so names
+    changed by a wrapper (FSDP) do not matter.
 
     Args:
         root: A module that contains the regions.
@@ -128,11 +138,11 @@ def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[
             config = model.config
             if id(region) not in inside:
                 continue
-            switch = switches.get(id(config))
+            switch = switches.get(id(config)) or _held.get(id(config))
             if switch is None:
                 if getattr(config, "use_cache", False) is not True:
                     continue
-                switch = switches[id(config)] = CacheSwitch(type(model).__name__, config)
+                switch = switches[id(config)] = _held[id(config)] = CacheSwitch(type(model).__name__, config)
             if switch not in wrapper.cache_switches:
                 switch.hold()
                 wrapper.cache_switches.append(switch)
