@@ -5,6 +5,7 @@ step, trains bit-identically to a twin that runs no check, and no verdict blames
 check's own passes advanced."""
 
 import contextlib
+import contextvars
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -713,3 +714,16 @@ def test_the_state_of_a_compiled_module_is_named_as_users_write_it() -> None:
     model[0].seen = 1
     assert state.differing_buffers() == ["0.running_mean"]
     assert state.differing_attributes() == ["0.seen"]
+
+
+def test_checks_leave_no_more_context_variables_in_the_callers_context_than_the_first_one() -> None:
+    # torch makes a context variable for each config patch object, which stays after the patch exits: a patch made
+    # per reference pass left one more at every check, for the life of the run.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0", "1"]))
+    x = torch.randn(4, 8)
+    check_recomputation(model, lambda: model(x).sum())
+    before = len(contextvars.copy_context())
+    for _ in range(5):
+        assert not check_recomputation(model, lambda: model(x).sum()).diverged
+    assert len(contextvars.copy_context()) == before

@@ -17,7 +17,9 @@ The engine of the live-step check uses the same helpers for its reference pass.
 """
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,8 +76,16 @@ def reference_pass(plain: Iterable[nn.Module] | None = None, model: nn.Module | 
         1.0
     """
     checkpointing_off = checkpointing_disabled() if plain is None else run_plainly(plain)
-    with checkpointing_off, foreign_checkpointing_off(model), functorch_config.patch(activation_memory_budget=1.0):
+    with checkpointing_off, foreign_checkpointing_off(model), _whole_budget():
         yield
+
+
+@functools.cache
+def _whole_budget() -> Any:
+    """The one patch of the compiler's ``activation_memory_budget`` to 1.0 that every reference pass enters (it nests):
+    torch makes a context variable for each patch object, which stays in the caller's context after it exits, so a
+    patch made per pass would leave one more at every check."""
+    return functorch_config.patch(activation_memory_budget=1.0)
 
 
 def eager_semantics() -> contextlib.AbstractContextManager[None]:
