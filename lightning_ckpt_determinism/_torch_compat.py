@@ -90,6 +90,7 @@ __all__ = [
     "random_only_through_dropout_p",
     "returned_views",
     "returns_alias",
+    "returns_what_it_wrote",
     "run_and_save_rng_state",
     "run_with_rng_state",
     "set_compiled_call",
@@ -280,6 +281,16 @@ def returned_views(func: OpOverload) -> list[bool]:
     """For each return of an op, whether its schema declares it a view of an argument (``Tensor(a)``, not written),
     read from ``OpOverload._schema`` (>= 1.13)."""
     return [ret.alias_info is not None and not ret.alias_info.is_write for ret in func._schema.returns]
+
+
+def returns_what_it_wrote(func: OpOverload) -> bool:
+    """Whether an op writes an argument and returns it, or returns nothing: an ``out=`` form (``mm.out``) or an
+    in-place op, whose outputs selective checkpointing cannot keep; an op that writes state and returns new tensors
+    (a fused fake-quantize updating its observer) does not. Read from ``OpOverload._schema`` (>= 1.13)."""
+    returns = func._schema.returns
+    return bool(func._schema.is_mutable) and (
+        not returns or any(ret.alias_info is not None and ret.alias_info.is_write for ret in returns)
+    )
 
 
 def writes_its_arguments(func: OpOverload) -> bool:

@@ -30,6 +30,7 @@ from lightning_ckpt_determinism._torch_compat import (
     OpOverloadPacket,
     in_place_overload,
     random_only_through_dropout_p,
+    returns_what_it_wrote,
     writes_its_arguments,
 )
 from lightning_ckpt_determinism.checkpointing.routing import is_random_op
@@ -834,14 +835,18 @@ def _resolve_op(name: str) -> list[OpOverload]:
         )
     # What a forward calls with `out=` (or another form that writes its arguments and returns them) is recomputed:
     # selective checkpointing cannot keep a tensor the op wrote into, and autograd never runs such a form anyway.
-    returning = [op for op in ops if not writes_its_arguments(op) or in_place_overload(op) is False]
-    if not returning:
+    returning = [op for op in ops if not returns_what_it_wrote(op)]
+    if returning:
+        return returning
+    if parts[2:] and parts[2].endswith("out"):
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is an `out=` overload, which autograd never runs, so nothing would be kept;"
-            f" write '{namespace}.{op_name}' (every overload that returns new tensors) or"
-            f" '{namespace}.{op_name}.default'."
+            f" write '{namespace}.{op_name}' (every overload) or '{namespace}.{op_name}.default'."
         )
-    return returning
+    raise CheckpointingConfigError(
+        f"`save_ops` entry {name!r} returns only what it writes into its arguments (an `out=` or in-place form),"
+        " which selective checkpointing cannot keep, so nothing would be kept; name the op that computes the value."
+    )
 
 
 def _decomposed_before_dispatch(op: OpOverload) -> bool | None:

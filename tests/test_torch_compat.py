@@ -180,6 +180,17 @@ def test_writes_its_arguments_is_an_in_place_or_out_op_by_its_schema() -> None:
     assert not compat.writes_its_arguments(aten.native_dropout.default)
 
 
+@pins("returns_what_it_wrote")
+def test_returns_what_it_wrote_is_an_out_or_in_place_form_by_its_schema() -> None:
+    aten = torch.ops.aten
+    assert compat.returns_what_it_wrote(aten.mm.out)
+    assert compat.returns_what_it_wrote(aten.sort.values)  # keyword-only `values` and `indices`, returned
+    assert compat.returns_what_it_wrote(aten.relu_.default)
+    assert compat.returns_what_it_wrote(aten._foreach_mul_.Scalar)  # writes a list of tensors, returns nothing
+    assert not compat.returns_what_it_wrote(aten._fused_moving_avg_obs_fq_helper.default)  # returns new tensors
+    assert not compat.returns_what_it_wrote(aten.mm.default)
+
+
 @pins("returns_alias")
 def test_returns_alias_is_any_return_the_schema_marks_aliased_written_or_not() -> None:
     aten = torch.ops.aten

@@ -211,6 +211,45 @@ def test_save_ops_recomputes_what_a_forward_calls_in_its_out_form() -> None:
     assert _unequal(gradients, {name: parameter.grad for name, parameter in model.named_parameters()}) == []
 
 
+@torch.library.custom_op("lightning_ckpt_determinism_tests::tracked_tanh", mutates_args=("state",))
+def _tracked_tanh(x: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+    """tanh, with a running mean of its input kept in ``state`` when given: writes state, returns a new tensor."""
+    if state is not None:
+        state.mul_(0.9).add_(0.1 * x.mean(0))
+    return torch.tanh(x)
+
+
+class _TrackedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("state", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return torch.tanh(h) * _tracked_tanh(h.detach(), self.state)
+
+
+def test_save_ops_keeps_an_op_that_writes_an_optional_state_and_returns_a_new_tensor() -> None:
+    # Its written argument is an optional tensor: it was taken for an `out=` form and the entry refused.
+    torch.manual_seed(0)
+    plain = _TrackedBlock()
+    model = copy.deepcopy(plain)
+    config = CheckpointingConfig(classes=["_TrackedBlock"], save_ops=["lightning_ckpt_determinism_tests.tracked_tanh"])
+    checkpoint_module(model, "block", config)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        with OpCounter() as ops:
+            for twin in (plain, model):
+                twin.zero_grad()
+                twin(x).sum().backward()
+        # Kept: run once by each twin's forward, never again by the recomputation.
+        assert ops.counts["lightning_ckpt_determinism_tests.tracked_tanh"] == 2
+        grads = [{name: p.grad for name, p in twin.named_parameters()} for twin in (plain, model)]
+        assert _unequal(*grads) == []
+        assert torch.equal(plain.state, model.state)
+
+
 # Buffers: BatchNorm running statistics.
 
 

@@ -114,17 +114,17 @@ class RegionProfile:
         filled_late: Positions among them whose values changed after they were saved (read at the forward's end).
         workspaces: Positions that are opaque workspaces (see :data:`OPAQUE_WORKSPACES`), never compared.
         unwritten: Positions no op wrote (a declared write that did not happen), never compared.
-        mode_dependent: Positions an op fills late or leaves unwritten by an argument the profile's key does not see:
-            the ``noise`` of a functional ``F.rrelu`` in a region without an ``nn.RReLU`` module (written only where
-            its ``training`` argument is true, which need not be the module's mode). Never compared, and the
-            region's recomputation runs to its end, so that such a call fills them whichever it does.
+        mode_dependent: Of ``unwritten``, the ``noise`` of ``rrelu_with_noise``, which the op writes where its
+            ``training`` argument is true: an argument no profile key sees where it is not the module's mode
+            (``F.rrelu(x, training=self.noisy)``). The region's recomputation runs to its end at every call of
+            the profile, so that a later call that writes it fills it before it is unpacked.
         buffers: Names (relative to the region) of the buffers the forward changed, replayed in recomputation; the
             wrapper adds those it sees changed later, and those other calls of the region changed.
         generators: The ``torch.Generator`` objects the region's modules hold, as ``(dotted name, generator)``.
         nodes: How many autograd nodes the forward made (the ops it recorded for backward).
         ends_in: The type of the autograd node the forward's output came from (the op the path ended in), ``None``
             for an output without one; with ``saved`` and ``nodes``, the path the profile is valid for (:attr:`path`).
-        left_out: The positions the sentinel never compares: ``workspaces``, ``unwritten`` and ``mode_dependent``.
+        left_out: The positions the sentinel never compares: ``workspaces`` and ``unwritten`` together.
 
     Example::
 
@@ -147,7 +147,7 @@ class RegionProfile:
     left_out: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "left_out", self.workspaces | self.unwritten | self.mode_dependent)
+        object.__setattr__(self, "left_out", self.workspaces | self.unwritten)
 
     @property
     def path(self) -> tuple[int, int, type | None]:
@@ -192,8 +192,6 @@ class FirstForwardProbe:
         self.events = 0
         self._finder = _FirstCallMode(self)
         self._buffers: dict[str, tuple[nn.Module, str, torch.Tensor, _Snapshot | None, int]] = {}
-        # An `nn.RReLU`'s mode keys the region's profiles; a functional `F.rrelu`'s `training` argument does not.
-        self._functional_rrelu = not any(isinstance(sub, nn.RReLU) for sub in module.modules())
 
     def __enter__(self) -> "FirstForwardProbe":
         self._buffers = {
@@ -235,16 +233,13 @@ class FirstForwardProbe:
             and bool(tensor.isnan().all())
         )
         mode_dependent = frozenset(
-            position
-            for position, (tensor, _, _) in enumerate(self._packed)
-            if self._functional_rrelu and storage_pointer(tensor) in self._finder.noise
+            position for position in unwritten if storage_pointer(self._packed[position][0]) in self._finder.noise
         )
         filled_late = frozenset(
             position
             for position, (tensor, copy, packed_at) in enumerate(self._packed)
             if position not in workspaces
             and position not in unwritten
-            and position not in mode_dependent
             and storage_pointer(tensor) not in state
             and (
                 self._finder.written_after(storage_pointer(tensor), packed_at) or (copy is not None and not _kept(copy))
@@ -261,7 +256,7 @@ class FirstForwardProbe:
             saved=len(self._packed),
             filled_late=filled_late,
             workspaces=workspaces,
-            unwritten=unwritten - mode_dependent,
+            unwritten=unwritten,
             mode_dependent=mode_dependent,
             buffers=buffers,
             generators=tuple(generator_slots(self.module)),

@@ -367,7 +367,7 @@ class FitSummary:
             shown = "inf" if math.isinf(self.worst) else f"{self.worst:.3g}"
             parts[0] += f": {self.diverged} diverged, the worst grad_divergence {shown} at step {self.worst_step}."
         else:
-            parts[0] += f": {self.diverged} found a defect, with exact gradients."
+            parts[0] += f": {self.diverged} found a defect, with gradients that compared equal."
         for cause, regions in sorted(self.causes.items(), key=lambda entry: _is_catch_all(entry[0])):
             parts.append(f"Cause {cause} in {', '.join(regions)}: {_joined_hint(list(regions.values()))}")
         if sentinel is not None:
