@@ -19,6 +19,7 @@ of every alternative it tried. This CLI prints the one line that matters, naming
 Any other error keeps its traceback.
 """
 
+import ast
 import contextlib
 import dataclasses
 import difflib
@@ -720,10 +721,16 @@ def _in_package_words(rejected: str) -> str:
     found = _KEY_AND_REASON.fullmatch(rejected)
     single = list_expected(found[2]) if found else None
     if found is not None and single is not None:
+        if single.startswith("{"):
+            keys = _mapping_keys(single)
+            if keys is not None:
+                return (
+                    f"`{found[1]}` must be a list, got a mapping {single}, whose values nothing reads; list the names"
+                    f" alone: [{', '.join(keys)}]."
+                )
+            example = _LIST_EXAMPLES.get(found[1].rsplit(".", 1)[-1], "[first, second]")
+            return f"`{found[1]}` must be a list, got a mapping {single}; write its items as a list: {example}."
         if not found[1].endswith("classes"):
-            if single.startswith("{"):
-                example = _LIST_EXAMPLES.get(found[1].rsplit(".", 1)[-1], "[first, second]")
-                return f"`{found[1]}` must be a list, got a mapping {single}; write its items as a list: {example}."
             return f"`{found[1]}` must be a list, got {single}; write [{single}]."
         if difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
@@ -746,6 +753,18 @@ def _in_package_words(rejected: str) -> str:
         return rejected
     choices, value = choice
     return choice_message(found[1], value, choices) + _yaml_boolean(value, choices)
+
+
+def _mapping_keys(printed: str) -> list[str] | None:
+    """The keys of a mapping as jsonargparse prints it (``{'Block': 2}``), as YAML writes them; ``None`` where it does
+    not read back as a non-empty mapping of names."""
+    try:
+        value = ast.literal_eval(printed)
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(value, dict) or not value or not all(isinstance(key, str) for key in value):
+        return None
+    return list(value)
 
 
 _PATH_EXPECTED = re.compile(r"- Expected a path but (.+?) either not accessible or invalid")
