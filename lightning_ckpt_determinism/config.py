@@ -828,10 +828,14 @@ def _resolve_op(name: str) -> list[OpOverload]:
     # or one that writes state but returns new tensors (a fused fake-quantize updating its observer) is kept.
     in_place = [verdict for verdict in map(in_place_overload, ops) if verdict is not None]
     if all(map(writes_its_arguments, ops)) and in_place and all(in_place):
+        functional = (
+            f"the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"
+            if op_name.endswith("_")
+            else "the op that computes what it writes"
+        )
         raise CheckpointingConfigError(
             f"`save_ops` entry {name!r} is an in-place op: its output is its input written over, which torch's"
-            f" selective checkpointing refuses to keep; write the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"
-            " or the op before it."
+            f" selective checkpointing refuses to keep; write {functional} or the op before it."
         )
     # What a forward calls with `out=` (or another form that writes its arguments and returns them) is recomputed:
     # selective checkpointing cannot keep a tensor the op wrote into, and autograd never runs such a form anyway.

@@ -644,9 +644,17 @@ def test_a_loss_fn_given_as_a_bare_name_is_told_to_be_an_import_path(
 
 
 @pytest.mark.usefixtures("in_process")
-@pytest.mark.parametrize(("field", "name"), [("save_ops", "aten.mm"), ("names", "blocks.*"), ("classes", "Block")])
-def test_a_list_field_given_a_mapping_is_shown_as_the_list_of_its_names(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, name: str
+@pytest.mark.parametrize(
+    ("field", "name", "listed"),
+    [
+        ("save_ops", "aten.mm", "[aten.mm]"),
+        ("names", "blocks.*", "[blocks.*]"),
+        ("names", "*.attn", "['*.attn']"),  # unquoted, YAML reads `*` as an alias
+        ("classes", "Block", "[Block]"),
+    ],
+)
+def test_a_list_field_given_a_mapping_is_shown_as_the_list_of_its_names_in_yaml(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, name: str, listed: str
 ) -> None:
     # `classes` was told to write [{'Block': 2}], which does not load either.
     def give_a_mapping(config: dict[str, Any]) -> None:
@@ -654,8 +662,9 @@ def test_a_list_field_given_a_mapping_is_shown_as_the_list_of_its_names(
 
     assert _cli_error(capsys, _argv(_edited(tmp_path, give_a_mapping), tmp_path)) == (
         f"error: `trainer.strategy.checkpointing.{field}` must be a list, got a mapping {{'{name}': 2}}, whose values"
-        f" nothing reads; list the names alone: [{name}]."
+        f" nothing reads; list the names alone: {listed}."
     )
+    assert yaml.safe_load(listed) == [name]
 
 
 @pytest.mark.usefixtures("in_process")

@@ -208,6 +208,19 @@ def test_a_random_save_op_is_refused_in_one_line(entry: str) -> None:
     )
 
 
+@torch.library.custom_op("lightning_ckpt_determinism_tests::fill_state", mutates_args=("state",))
+def _fill_state(x: torch.Tensor, state: torch.Tensor) -> None:
+    """Writes ``x`` into ``state`` and returns nothing: in place, with no name ending in an underscore."""
+    state.copy_(x)
+
+
+def test_an_in_place_custom_op_is_refused_without_naming_itself_as_the_fix() -> None:
+    # Its name has no trailing underscore to drop: the hint told users to write the very entry they wrote.
+    with pytest.raises(CheckpointingConfigError) as raised:
+        CheckpointingConfig(classes=["Block"], save_ops=["lightning_ckpt_determinism_tests.fill_state"])
+    assert str(raised.value).endswith("refuses to keep; write the op that computes what it writes or the op before it.")
+
+
 @pytest.mark.parametrize(
     ("entry", "meant"),
     [

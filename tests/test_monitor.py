@@ -1289,12 +1289,13 @@ def test_a_random_stream_left_elsewhere_within_the_tolerance_is_said_with_gradie
     )
 
 
-def test_a_second_fit_in_the_process_shows_its_findings_where_the_first_showed_the_same_words(tmp_path):
+@pytest.mark.parametrize("action", ["default", "module", "once"])
+def test_a_second_fit_in_the_process_shows_its_findings_where_the_first_showed_the_same_words(tmp_path, action):
     # Under Python's default filter a warning shows once per message and line for the life of the process: a notebook
     # cell run again showed no finding of its fit.
     shown = []
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+        warnings.simplefilter(action)
         for run in range(2):
             monitor = RecomputationMonitor(every_n_steps=1)
             fit(tmp_path / str(run), monitor=monitor, config={"preserve_rng_state": False})

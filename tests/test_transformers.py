@@ -3,6 +3,7 @@ checkpointing: the key-value cache kept out of recomputation, exact gradients, c
 
 import copy
 import logging
+import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -176,6 +177,32 @@ def test_models_built_from_one_config_keep_its_cache_off_until_the_last_ones_che
         checkpointed = gradients(second, lm_loss(second, ids))
     expected = gradients(plain, lm_loss(plain, ids))
     assert all(torch.equal(expected[key], checkpointed[key]) for key in expected)
+    remove_activation_checkpointing(second)
+    assert first.config.use_cache is True
+
+
+def test_a_copy_of_a_model_sharing_its_config_gets_its_cache_back_when_its_own_checkpointing_is_removed() -> None:
+    first = tiny_gpt2("sdpa")
+    second = GPT2LMHeadModel(first.config)
+    config = CheckpointingConfig(classes=["GPT2Block"])
+    apply_activation_checkpointing(first, config)
+    apply_activation_checkpointing(second, config)
+    for copied in (copy.deepcopy(first), pickle.loads(pickle.dumps(first))):
+        assert copied.config is not first.config and copied.config.use_cache is False
+        remove_activation_checkpointing(copied)
+        assert copied.config.use_cache is True
+    assert first.config.use_cache is False
+
+
+def test_a_cache_turned_back_on_while_a_model_is_checkpointed_is_turned_off_for_the_next_model() -> None:
+    first = tiny_gpt2("sdpa")
+    config = CheckpointingConfig(classes=["GPT2Block"])
+    apply_activation_checkpointing(first, config)
+    first.config.use_cache = True  # for a `generate()` between training phases
+    second = GPT2LMHeadModel(first.config)
+    apply_activation_checkpointing(second, config)
+    assert first.config.use_cache is False
+    remove_activation_checkpointing(first)
     remove_activation_checkpointing(second)
     assert first.config.use_cache is True
 

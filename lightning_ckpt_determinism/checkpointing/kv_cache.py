@@ -94,6 +94,16 @@ class CacheSwitch:
         """Count one more region inside the model."""
         self.holders += 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (`copy.deepcopy`, `torch.save`) is held by the copied regions alone, each counting itself again as it
+        # is restored: the original's count includes the regions of other models built from its config.
+        return {**self.__dict__, "holders": 0}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # Models built later from the copy's config share its switch.
+        _held.setdefault(id(self.config), self)
+
     def release(self) -> None:
         """Count one region less; the last one turns the cache back on."""
         self.holders -= 1
@@ -135,10 +145,15 @@ def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[
     for region in regions:
         wrapper = region.__dict__["forward"]
         for model, inside in contents:
-            config = model.config
+            config: Any = model.config
             if id(region) not in inside:
                 continue
-            switch = switches.get(id(config)) or _held.get(id(config))
+            switch = switches.get(id(config))
+            if switch is None and (held := _held.get(id(config))) is not None and held.holders > 0:
+                switch = held
+                if getattr(config, "use_cache", False) is True:  # turned back on since the switch was made
+                    config.use_cache = False
+                    switches[id(config)] = switch
             if switch is None:
                 if getattr(config, "use_cache", False) is not True:
                     continue

@@ -427,6 +427,8 @@ class CheckpointedForward:
         self.config = _shared_configs.setdefault(self.config, self.config)
         self.plan = replace(self.plan, config=self.config)
         RecompileLimitFilter.serve(self, __file__, CheckpointedForward.__name__)
+        for switch in self.cache_switches:  # restored without holders (see `CacheSwitch.__getstate__`)
+            switch.hold()
 
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward, not checkpointed."""

@@ -724,9 +724,10 @@ def _in_package_words(rejected: str) -> str:
         if single.startswith("{"):
             keys = _mapping_keys(single)
             if keys is not None:
+                listed = yaml.safe_dump(keys, default_flow_style=True, width=1 << 16).strip()
                 return (
                     f"`{found[1]}` must be a list, got a mapping {single}, whose values nothing reads; list the names"
-                    f" alone: [{', '.join(keys)}]."
+                    f" alone: {listed}."
                 )
             example = _LIST_EXAMPLES.get(found[1].rsplit(".", 1)[-1], "[first, second]")
             return f"`{found[1]}` must be a list, got a mapping {single}; write its items as a list: {example}."

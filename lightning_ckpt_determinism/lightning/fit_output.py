@@ -17,8 +17,8 @@ the records reach its handlers on every rank, and it decides (the package's logg
 **Each fit's warnings.** Python shows a warning once per message and line under its default filter, remembering
 those shown in the registry of the module that warned, for the life of the process. A fit that finds what an earlier
 fit in the same process found (a notebook cell run again, a sweep, a retry) would then show none of its findings. When
-a fit starts, the package forgets which of its own warnings its modules have shown; other warnings, and other
-modules' registries, are left alone.
+a fit starts, the package forgets which of its own warnings were shown (from every module's registry, whatever
+the filter's action); other warnings are left alone.
 
 Both last from the strategy's ``setup`` or the monitor's ``on_fit_start`` until the end of the fit, whether it
 ends or raises, each part of a fit (the strategy, each monitor) holding them through its own :class:`FitOutput`.
@@ -63,23 +63,24 @@ _AT_IMPORT = warnings.formatwarning
 
 
 def _forget_shown_warnings() -> None:
-    """Drop the package's own warnings from its modules' warning registries, so that a new fit shows its findings even
-    where an earlier fit in this process showed the same words from the same line."""
-    for name, module in list(sys.modules.items()):
-        if name != _PACKAGE and not name.startswith(f"{_PACKAGE}."):
-            continue
-        registry = getattr(module, "__dict__", {}).get("__warningregistry__")
-        if not isinstance(registry, dict):
-            continue
-        for key in [key for key in registry if _is_own(key)]:
-            del registry[key]
+    """Drop the package's own warnings from every warning registry (each module's, and the one of the "once" action),
+    so that a new fit shows its findings even where an earlier fit in this process showed the same words from the same
+    line. Other warnings stay where they are."""
+    # The "once" action's registry is the `warnings` module's own (not in its type stubs).
+    registries = [getattr(warnings, "onceregistry", None)]
+    registries += [getattr(module, "__dict__", {}).get("__warningregistry__") for module in list(sys.modules.values())]
+    for registry in registries:
+        if isinstance(registry, dict):
+            for key in [key for key in list(registry) if _is_own(key)]:
+                registry.pop(key, None)
 
 
 def _is_own(key: object) -> bool:
-    """Whether a warning registry's key (``(text, category, lineno)``) is one of the package's warnings."""
+    """Whether a warning registry's key (``(text, category, lineno)``, or ``(text, category)`` for the "module" and
+    "once" actions) is one of the package's warnings."""
     return (
         isinstance(key, tuple)
-        and len(key) == 3
+        and len(key) in (2, 3)
         and isinstance(key[1], type)
         and issubclass(key[1], LightningCkptDeterminismWarning)
     )
