@@ -828,9 +828,10 @@ def _resolve_op(name: str) -> list[OpOverload]:
     # or one that writes state but returns new tensors (a fused fake-quantize updating its observer) is kept.
     in_place = [verdict for verdict in map(in_place_overload, ops) if verdict is not None]
     if all(map(writes_its_arguments, ops)) and in_place and all(in_place):
+        out_of_place = _out_of_place(namespace, op_name)
         functional = (
-            f"the out-of-place op ('{namespace}.{op_name.rstrip('_')}')"
-            if op_name.endswith("_")
+            f"the out-of-place op ('{namespace}.{out_of_place}')"
+            if out_of_place is not None
             else "the op that computes what it writes"
         )
         raise CheckpointingConfigError(
@@ -851,6 +852,19 @@ def _resolve_op(name: str) -> list[OpOverload]:
         f"`save_ops` entry {name!r} returns only what it writes into its arguments (an `out=` or in-place form),"
         " which selective checkpointing cannot keep, so nothing would be kept; name the op that computes the value."
     )
+
+
+def _out_of_place(namespace: str, op_name: str) -> str | None:
+    """The out-of-place op of an in-place one by torch's naming (``relu_`` for ``relu``), where torch has it; ``None``
+    for a dunder (``__iand__``) or an op without one."""
+    if not op_name.endswith("_") or op_name.startswith("__"):
+        return None
+    name = op_name[:-1]
+    try:
+        found = getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return None
+    return name if isinstance(found, OpOverloadPacket) else None
 
 
 def _decomposed_before_dispatch(op: OpOverload) -> bool | None:

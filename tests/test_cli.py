@@ -668,6 +668,18 @@ def test_a_list_field_given_a_mapping_is_shown_as_the_list_of_its_names_in_yaml(
 
 
 @pytest.mark.usefixtures("in_process")
+def test_a_list_field_given_one_name_that_yaml_would_misread_is_shown_quoted_in_a_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def give_a_name(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"]["init_args"]["checkpointing"]["names"] = "*.attn"
+
+    assert _cli_error(capsys, _argv(_edited(tmp_path, give_a_name), tmp_path)) == (
+        "error: `trainer.strategy.checkpointing.names` must be a list, got *.attn; write ['*.attn']."
+    )
+
+
+@pytest.mark.usefixtures("in_process")
 def test_a_loss_fn_of_another_signature_is_one_line_naming_its_key(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -214,10 +214,11 @@ def _fill_state(x: torch.Tensor, state: torch.Tensor) -> None:
     state.copy_(x)
 
 
-def test_an_in_place_custom_op_is_refused_without_naming_itself_as_the_fix() -> None:
-    # Its name has no trailing underscore to drop: the hint told users to write the very entry they wrote.
+@pytest.mark.parametrize("entry", ["lightning_ckpt_determinism_tests.fill_state", "aten.__iand__"])
+def test_an_in_place_op_without_an_out_of_place_twin_is_refused_without_naming_one(entry: str) -> None:
+    # The hint dropped a trailing underscore: the custom op was told to write itself, `__iand__` to write `__iand`.
     with pytest.raises(CheckpointingConfigError) as raised:
-        CheckpointingConfig(classes=["Block"], save_ops=["lightning_ckpt_determinism_tests.fill_state"])
+        CheckpointingConfig(classes=["Block"], save_ops=[entry])
     assert str(raised.value).endswith("refuses to keep; write the op that computes what it writes or the op before it.")
 
 

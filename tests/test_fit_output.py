@@ -2,10 +2,12 @@
 stderr, and the warning format and the package logger are what they were before once the fit ends or raises."""
 
 import contextlib
+import importlib.util
 import logging
 import re
 import subprocess
 import sys
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +103,27 @@ def test_a_fit_that_raises_puts_the_format_back(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="the user's callback failed"):
         trainer.fit(StackModule(block="PlainBlock"))
     assert warnings.formatwarning is before
+
+
+def test_a_fit_leaves_a_module_imported_lazily_unloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fit reads the warning registry of every loaded module: reading a lazily imported module's attributes imports
+    # it (scikit-image and librosa register theirs so), which here fails and ended the fit.
+    source = tmp_path / "optional_plugin.py"
+    source.write_text("raise ImportError('a dependency that is not installed')\n")
+    spec = importlib.util.spec_from_file_location("optional_plugin", source)
+    assert spec is not None and spec.loader is not None
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "optional_plugin", module)
+    spec.loader.exec_module(module)
+    trainer = pl.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=1),
+        callbacks=[RecomputationMonitor()],
+        strategy=SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["PlainBlock"])),
+    )
+    trainer.fit(StackModule(block="PlainBlock"))
+    assert trainer.global_step == 1
+    assert type(module) is not types.ModuleType  # still the lazy loader's: never loaded
 
 
 class NotingModule(StackModule):

@@ -194,6 +194,17 @@ def test_a_copy_of_a_model_sharing_its_config_gets_its_cache_back_when_its_own_c
     assert first.config.use_cache is False
 
 
+def test_a_copy_sharing_its_originals_config_object_joins_its_switch() -> None:
+    first = tiny_gpt2("sdpa")
+    apply_activation_checkpointing(first, CheckpointingConfig(classes=["GPT2Block"]))
+    copied = copy.deepcopy(first, {id(first.config): first.config})
+    assert copied.config is first.config
+    remove_activation_checkpointing(copied)
+    assert first.config.use_cache is False  # the original's layers are still checkpointed
+    remove_activation_checkpointing(first)
+    assert first.config.use_cache is True
+
+
 def test_a_cache_turned_back_on_while_a_model_is_checkpointed_is_turned_off_for_the_next_model() -> None:
     first = tiny_gpt2("sdpa")
     config = CheckpointingConfig(classes=["GPT2Block"])

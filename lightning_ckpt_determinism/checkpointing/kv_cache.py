@@ -31,7 +31,14 @@ from torch import nn
 
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
-__all__ = ["CacheParameters", "CacheSwitch", "is_transformers_layer", "is_transformers_model", "switch_off_kv_caches"]
+__all__ = [
+    "CacheParameters",
+    "CacheSwitch",
+    "is_transformers_layer",
+    "is_transformers_model",
+    "restored_switch",
+    "switch_off_kv_caches",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -100,9 +107,8 @@ class CacheSwitch:
         return {**self.__dict__, "holders": 0}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        # Models built later from the copy's config share its switch.
-        _held.setdefault(id(self.config), self)
+        # Also a switch pickled with its count (by an earlier version): the restored regions count themselves again.
+        self.__dict__.update({**state, "holders": 0})
 
     def release(self) -> None:
         """Count one region less; the last one turns the cache back on."""
@@ -117,6 +123,28 @@ class CacheSwitch:
 # object share its switch, so that the cache comes back on only when the last region of any of them is removed. Held
 # weakly: the regions' wrappers own the switches, and a switch lives (and keeps its config's identity) while they do.
 _held: "weakref.WeakValueDictionary[int, CacheSwitch]" = weakref.WeakValueDictionary()
+
+
+def restored_switch(switch: CacheSwitch) -> CacheSwitch:
+    """The switch a region restored from a copy or a pickle holds: the live switch of its config where one is held (a
+    copy that shares the original's config), else ``switch`` itself, which models built later from its config share.
+
+    Args:
+        switch: The switch as the region was restored with it (see :meth:`CacheSwitch.__getstate__`).
+
+    Example::
+
+        >>> import copy
+        >>> from types import SimpleNamespace
+        >>> switch = CacheSwitch("model", SimpleNamespace(use_cache=True))
+        >>> restored_switch(copy.deepcopy(switch)) is not switch  # the copy has a config of its own
+        True
+    """
+    held = _held.get(id(switch.config))
+    if held is not None and held is not switch and held.config is switch.config and held.holders > 0:
+        return held
+    _held.setdefault(id(switch.config), switch)
+    return switch
 
 
 def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[CacheSwitch]:

@@ -84,7 +84,12 @@ from lightning_ckpt_determinism.checkpointing.determinism_check import (
     register_determinism_checks,
 )
 from lightning_ckpt_determinism.checkpointing.framework_ops import FrameworkOps
-from lightning_ckpt_determinism.checkpointing.kv_cache import CacheParameters, CacheSwitch, is_transformers_layer
+from lightning_ckpt_determinism.checkpointing.kv_cache import (
+    CacheParameters,
+    CacheSwitch,
+    is_transformers_layer,
+    restored_switch,
+)
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, named_modules
 from lightning_ckpt_determinism.checkpointing.nesting import probing_for_nesting
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe, RegionProfile
@@ -427,7 +432,9 @@ class CheckpointedForward:
         self.config = _shared_configs.setdefault(self.config, self.config)
         self.plan = replace(self.plan, config=self.config)
         RecompileLimitFilter.serve(self, __file__, CheckpointedForward.__name__)
-        for switch in self.cache_switches:  # restored without holders (see `CacheSwitch.__getstate__`)
+        # Restored without holders (see `CacheSwitch.__getstate__`); a copy sharing its config joins the live switch.
+        self.cache_switches = [restored_switch(switch) for switch in self.cache_switches]
+        for switch in self.cache_switches:
             switch.hold()
 
     def plain_forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -724,7 +724,7 @@ def _in_package_words(rejected: str) -> str:
         if single.startswith("{"):
             keys = _mapping_keys(single)
             if keys is not None:
-                listed = yaml.safe_dump(keys, default_flow_style=True, width=1 << 16).strip()
+                listed = _as_yaml_list(keys)
                 return (
                     f"`{found[1]}` must be a list, got a mapping {single}, whose values nothing reads; list the names"
                     f" alone: {listed}."
@@ -732,11 +732,12 @@ def _in_package_words(rejected: str) -> str:
             example = _LIST_EXAMPLES.get(found[1].rsplit(".", 1)[-1], "[first, second]")
             return f"`{found[1]}` must be a list, got a mapping {single}; write its items as a list: {example}."
         if not found[1].endswith("classes"):
-            return f"`{found[1]}` must be a list, got {single}; write [{single}]."
+            return f"`{found[1]}` must be a list, got {single}; write {_as_yaml_list([single])}."
         if difflib.get_close_matches(single.lower(), [AUTO_CLASSES], cutoff=0.75):
             return f"`{found[1]}` must be auto or a list, got {single}: did you mean auto? A class name goes in a list."
         return (
-            f"`{found[1]}` must be auto or a list, got {single}; write [{single}], or auto for a transformer's layers."
+            f"`{found[1]}` must be auto or a list, got {single}; write {_as_yaml_list([single])}, or auto for a"
+            " transformer's layers."
         )
     flag = bool_expected(found[2]) if found else None
     if found is not None and flag is not None:
@@ -754,6 +755,12 @@ def _in_package_words(rejected: str) -> str:
         return rejected
     choices, value = choice
     return choice_message(found[1], value, choices) + _yaml_boolean(value, choices)
+
+
+def _as_yaml_list(names: list[str]) -> str:
+    """``names`` as a YAML flow list, each quoted where YAML would read it otherwise (``'*.attn'``: unquoted, YAML
+    reads an alias)."""
+    return str(yaml.safe_dump(names, default_flow_style=True, allow_unicode=True, width=1 << 16)).strip()
 
 
 def _mapping_keys(printed: str) -> list[str] | None:

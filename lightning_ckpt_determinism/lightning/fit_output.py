@@ -28,6 +28,7 @@ are what they were before the first took hold.
 
 import logging
 import sys
+import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -68,11 +69,22 @@ def _forget_shown_warnings() -> None:
     line. Other warnings stay where they are."""
     # The "once" action's registry is the `warnings` module's own (not in its type stubs).
     registries = [getattr(warnings, "onceregistry", None)]
-    registries += [getattr(module, "__dict__", {}).get("__warningregistry__") for module in list(sys.modules.values())]
+    registries += [_registry_of(module) for module in list(sys.modules.values())]
     for registry in registries:
         if isinstance(registry, dict):
             for key in [key for key in list(registry) if _is_own(key)]:
                 registry.pop(key, None)
+
+
+def _registry_of(module: object) -> object:
+    """A module's warning registry, read without running anything of it: a module imported lazily
+    (`importlib.util.LazyLoader`) imports itself at its first attribute read, which may fail or have effects."""
+    if not isinstance(module, types.ModuleType):
+        return None
+    try:
+        return object.__getattribute__(module, "__dict__").get("__warningregistry__")
+    except Exception:  # a module type of its own whose namespace is out of reach
+        return None
 
 
 def _is_own(key: object) -> bool:
