@@ -206,49 +206,33 @@ def _audit(args: argparse.Namespace) -> int:
     with quiet_lightning():
         model = _set_up(cli.model, strategy)
     try:
-        return _audit_model(args, cli, model, notes, loader, target, picture)
+        reports, seen, scan = _check_batches(model, strategy, loader, args)
+        if not reports:
+            raise UsageError(
+                f"the training data of {configs_text(args.config)} gave no batch whose `training_step` returned a loss"
+            )
+        if len(reports) < args.batches:
+            notes.append(shortfall_note(len(reports), seen, args.batches))
+        if scan is not None:
+            notes.extend(scan_notes(scan))
+        summaries = summarize(reports)
+        found = None
+        if budgeted:
+            plan = _plan(model, strategy, loader)
+            found = trade_off(plan)
+            print(trade_off_table(found, plan) + "\n")
+        print(table(summaries))
+        print(footer(reports, summaries, notes, args))
+        if target is not None:
+            budget = found.figures() if found is not None else None
+            report = document(args, str(strategy.root_device), reports, summaries, notes, budget)
+            _write(args.json, target, json.dumps(finite(report), indent=2) + "\n", "--json", "report")
+        if picture is not None and found is not None:
+            _write(args.plot, picture, trade_off_svg(found), "--plot", "picture")
+        return EXIT_DIVERGED if diverged(reports) else EXIT_OK
     finally:
         # The caller's process keeps no checkpointed model of the audit's (`main` runs inside Python too).
         remove_activation_checkpointing(model)
-
-
-def _audit_model(
-    args: argparse.Namespace,
-    cli: Any,
-    model: pl.LightningModule,
-    notes: list[str],
-    loader: Any,
-    target: Path | None,
-    picture: Path | None,
-) -> int:
-    """The audit of the set-up ``model``: its batches checked, the trade-off planned where budgeted, the verdict
-    printed and written."""
-    strategy = cli.trainer.strategy
-    budgeted = cast(ActivationCheckpointingMixin, strategy).checkpointing.memory_budget is not None
-    reports, seen, scan = _check_batches(model, strategy, loader, args)
-    if not reports:
-        raise UsageError(
-            f"the training data of {configs_text(args.config)} gave no batch whose `training_step` returned a loss"
-        )
-    if len(reports) < args.batches:
-        notes.append(shortfall_note(len(reports), seen, args.batches))
-    if scan is not None:
-        notes.extend(scan_notes(scan))
-    summaries = summarize(reports)
-    found = None
-    if budgeted:
-        plan = _plan(model, strategy, loader)
-        found = trade_off(plan)
-        print(trade_off_table(found, plan) + "\n")
-    print(table(summaries))
-    print(footer(reports, summaries, notes, args))
-    if target is not None:
-        budget = found.figures() if found is not None else None
-        report = document(args, str(strategy.root_device), reports, summaries, notes, budget)
-        _write(args.json, target, json.dumps(finite(report), indent=2) + "\n", "--json", "report")
-    if picture is not None and found is not None:
-        _write(args.plot, picture, trade_off_svg(found), "--plot", "picture")
-    return EXIT_DIVERGED if diverged(reports) else EXIT_OK
 
 
 def _plot_target(args: argparse.Namespace) -> Path | None:
