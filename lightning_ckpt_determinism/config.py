@@ -813,7 +813,10 @@ def _resolve_op(name: str) -> list[OpOverload]:
             f"`save_ops` entry {name!r} names an unknown overload; {namespace}.{op_name} has {packet.overloads()}."
         )
     ops = [getattr(packet, overload) for overload in overloads]
-    known = [_decomposed_before_dispatch(op) for op in ops if not writes_its_arguments(op)]
+    # What a forward calls with `out=` (or another form that writes its arguments and returns them) is recomputed:
+    # selective checkpointing cannot keep a tensor the op wrote into, and autograd never runs such a form anyway.
+    returning = [op for op in ops if not returns_what_it_wrote(op)]
+    known = [_decomposed_before_dispatch(op) for op in returning]
     if any(known) and all(composite is not False for composite in known):
         raise CheckpointingConfigError(_composite_message(name, f"{namespace}.{op_name}"))
     # An attention kernel is tagged random for its `dropout_p`, 0 in most models (and torch's own save lists keep it).
@@ -838,9 +841,6 @@ def _resolve_op(name: str) -> list[OpOverload]:
             f"`save_ops` entry {name!r} is an in-place op: its output is its input written over, which torch's"
             f" selective checkpointing refuses to keep; write {functional} or the op before it."
         )
-    # What a forward calls with `out=` (or another form that writes its arguments and returns them) is recomputed:
-    # selective checkpointing cannot keep a tensor the op wrote into, and autograd never runs such a form anyway.
-    returning = [op for op in ops if not returns_what_it_wrote(op)]
     if returning:
         return returning
     if parts[2:] and parts[2].endswith("out"):
