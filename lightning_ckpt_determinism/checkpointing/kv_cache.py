@@ -140,11 +140,17 @@ def restored_switch(switch: CacheSwitch) -> CacheSwitch:
         >>> restored_switch(copy.deepcopy(switch)) is not switch  # the copy has a config of its own
         True
     """
-    held = _held.get(id(switch.config))
-    if held is not None and held is not switch and held.config is switch.config and held.holders > 0:
+    held = _live_switch(switch.config)
+    if held is not None:
         return held
     _held.setdefault(id(switch.config), switch)
     return switch
+
+
+def _live_switch(config: Any) -> CacheSwitch | None:
+    """The switch that checkpointed regions hold for ``config``, if any."""
+    held = _held.get(id(config))
+    return held if held is not None and held.config is config and held.holders > 0 else None
 
 
 def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[CacheSwitch]:
@@ -177,7 +183,7 @@ def switch_off_kv_caches(root: nn.Module, regions: Iterable[nn.Module]) -> list[
             if id(region) not in inside:
                 continue
             switch = switches.get(id(config))
-            if switch is None and (held := _held.get(id(config))) is not None and held.holders > 0:
+            if switch is None and (held := _live_switch(config)) is not None:
                 switch = held
                 if getattr(config, "use_cache", False) is True:  # turned back on since the switch was made
                     config.use_cache = False
