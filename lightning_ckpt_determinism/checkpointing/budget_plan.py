@@ -572,6 +572,9 @@ def _exceeds_the_least_cost(groups: list[tuple[int, int, int]], missing: int, al
     return False  # unreachable from the caller: what is missing is reachable
 
 
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
 def format_bytes(num_bytes: int) -> str:
     """Bytes in binary units, one decimal.
 
@@ -580,10 +583,10 @@ def format_bytes(num_bytes: int) -> str:
 
     Example::
 
-        >>> format_bytes(512), format_bytes(3 * 2**20 // 2)
-        ('512 B', '1.5 MiB')
+        >>> format_bytes(512), format_bytes(3 * 2**20 // 2), format_bytes(10**30)
+        ('512 B', '1.5 MiB', '867361737988.4 EiB')
     """
-    exponent = min(3, int(math.log(abs(num_bytes), 1024))) if num_bytes else 0
+    exponent = min(len(_BINARY_UNITS), int(math.log(abs(num_bytes), 1024))) if num_bytes else 0
     if exponent == 0:
         return f"{num_bytes} B"
-    return f"{num_bytes / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+    return f"{num_bytes / 1024**exponent:.1f} {_BINARY_UNITS[exponent - 1]}"
