@@ -225,8 +225,9 @@ class Cause(str, enum.Enum):
 _HINTS: Mapping[Cause, Hints] = MappingProxyType(
     {
         Cause.RNG_NOT_PRESERVED: _hints(
-            "A random op draws other numbers in recomputation: set {}, and draw from torch's default generators or"
-            " from generators the region's modules hold as attributes (no other generator is replayed).",
+            "A random op draws other numbers in recomputation: set {} (the default), which replays torch's default"
+            " generators and those the region's modules hold as attributes, and draw from those: no other generator"
+            " is replayed.",
             _checkpointing("preserve_rng_state"),
         ),
         Cause.HOST_RNG: _hints(
