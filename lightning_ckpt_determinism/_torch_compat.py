@@ -88,6 +88,7 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "random_only_through_dropout_p",
+    "reentrant_backward_code",
     "returned_views",
     "returns_alias",
     "returns_what_it_wrote",
@@ -371,6 +372,13 @@ def checkpoint_codes() -> frozenset[CodeType]:
             torch_checkpoint.CheckpointFunction.forward.__code__,
         }
     )
+
+
+def reentrant_backward_code() -> CodeType:
+    """The code of the reentrant checkpoint's ``CheckpointFunction.backward`` (>= 2.1), which runs the checkpointed
+    function again with grad enabled: a frame running it is a reentrant checkpoint's recomputation, whose call has
+    returned."""
+    return _torch_checkpoint.CheckpointFunction.backward.__code__
 
 
 def aot_backends() -> tuple[Any, Callable[..., Any], Callable[..., Any]]:

@@ -180,3 +180,49 @@ def test_a_norm_a_checkpoint_inside_a_region_updates_again_is_no_finding_as_the_
     report = check_recomputation(model, lambda: model(x).square().mean(), attribution=attribution)
     assert (report.diverged, report.cause, report.buffer_mutations) == (False, None, [])
     assert [(region.cause, region.diverged) for region in report.regions] == [(None, False)] * (2 * attribution)
+
+
+def test_a_region_inside_a_reentrant_checkpoint_is_warned_from_its_backward() -> None:
+    # The reentrant checkpoint runs the region under no_grad in forward (plainly) and again in its backward, where
+    # the region checkpoints itself: the inner part is recomputed once more there.
+    plain, model = twins(lambda: nn.Sequential(PlainBlock(), PlainBlock()), ["1"])
+    x = torch.randn(4, DIM, requires_grad=True)  # the reentrant checkpoint backpropagates to its inputs only
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        checkpoint(model, x, use_reentrant=True).square().mean().backward()
+    plain(x).square().mean().backward()
+    (message,) = [str(w.message) for w in caught]
+    assert message == (
+        PREFIX.format("PlainBlock", "around")
+        + "a reentrant checkpoint (`use_reentrant=True`), which runs the region once more in its backward. Nested"
+        " checkpointing recomputes the inner part once more in backward for no memory saved, and this package's"
+        " checks cannot see into the other one: remove it, or leave this module out of the `CheckpointingConfig`."
+    )
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+
+
+class RecursiveBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        return h + self(h, depth - 1) if depth > 0 else h
+
+
+def test_a_region_calling_itself_is_named_as_such_and_its_check_sees_into_it() -> None:
+    plain, model = twins(lambda: nn.Sequential(RecursiveBlock()), ["0"])
+    x = torch.randn(4, DIM)
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        model[0](x, depth=2).square().mean().backward()
+    plain[0](x, depth=2).square().mean().backward()
+    assert {str(w.message) for w in caught} == {
+        PREFIX.format("RecursiveBlock", "inside")
+        + "the same region, `0`, whose forward calls the module itself. Nested checkpointing recomputes the inner"
+        " part once more in backward for no memory saved: recurse through a function the forward calls rather than"
+        " through the module, or checkpoint a module around the recursion instead."
+    }
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    # Nothing else is checkpointed there: the check compares the region's recomputations, and finds them exact.
+    report = check_recomputation(model, lambda: model[0](x, depth=2).square().mean(), attribution=True)
+    assert (report.diverged, [(region.name, region.diverged) for region in report.regions]) == (False, [("0", False)])

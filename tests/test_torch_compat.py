@@ -390,6 +390,23 @@ def test_checkpoint_debug_mode_is_read_globally_and_then_refuses_a_context_fn() 
     assert compat.checkpoint_debug_enabled() is False
 
 
+@pins("reentrant_backward_code")
+def test_the_reentrant_backward_code_runs_the_function_again_with_grad_enabled() -> None:
+    code = compat.reentrant_backward_code()
+    seen: list[tuple[bool, bool]] = []
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        frame: FrameType | None = sys._getframe()
+        while frame is not None and frame.f_code is not code:
+            frame = frame.f_back
+        seen.append((frame is not None, torch.is_grad_enabled()))
+        return x.sin()
+
+    checkpoint(region, torch.ones(2, requires_grad=True), use_reentrant=True).sum().backward()
+    # Its forward runs the function under no_grad; its backward, again, with grad enabled.
+    assert seen == [(False, False), (True, True)]
+
+
 @pins("checkpoint_codes")
 def test_checkpoint_codes_find_each_kind_of_checkpoint_call() -> None:
     codes = compat.checkpoint_codes()

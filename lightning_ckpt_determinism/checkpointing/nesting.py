@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from types import CodeType, FrameType
 from typing import Any
 
-from lightning_ckpt_determinism._torch_compat import checkpoint_codes
+from lightning_ckpt_determinism._torch_compat import checkpoint_codes, reentrant_backward_code
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = ["probing_for_nesting"]
@@ -36,19 +36,31 @@ class NestedCheckpoint:
     """The other checkpointing, as told by the frame that called into it.
 
     Args:
-        frame: The first frame outside torch's checkpoint machinery that led to the checkpoint call.
+        frame: The first frame outside torch's checkpoint machinery that led to the checkpoint call, ``None`` for a
+            reentrant checkpoint found in its backward (the call that made it has returned).
         region_code: The code of the package's region call, to tell a region of its own.
+        region: The region call the probe runs in (the wrapper), to tell a region calling itself.
     """
 
-    def __init__(self, frame: FrameType | None, region_code: CodeType) -> None:
-        self.what, self.fix = _describe(frame, region_code)
+    def __init__(self, frame: FrameType | None, region_code: CodeType, region: object) -> None:
+        self.recursion = frame is not None and frame.f_code is region_code and frame.f_locals["self"] is region
+        self.what, self.fix = _describe(frame, region_code, recursion=self.recursion)
 
 
-def _describe(frame: FrameType | None, region_code: CodeType) -> tuple[str, str]:
+def _describe(frame: FrameType | None, region_code: CodeType, *, recursion: bool) -> tuple[str, str]:
     if frame is None:
-        return "a checkpoint call", "remove it, or leave this module out of the `CheckpointingConfig`"
+        return (
+            "a reentrant checkpoint (`use_reentrant=True`), which runs the region once more in its backward",
+            "remove it, or leave this module out of the `CheckpointingConfig`",
+        )
     code = frame.f_code
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})"
+    if recursion:
+        return (
+            f"the same region, `{frame.f_locals['self'].region}`, whose forward calls the module itself",
+            "recurse through a function the forward calls rather than through the module, or checkpoint a module"
+            " around the recursion instead",
+        )
     if code is region_code:
         return (
             f"another region of this package, `{frame.f_locals['self'].region}`",
@@ -91,31 +103,35 @@ def probing_for_nesting(region_class: str, region_code: CodeType) -> Iterator[No
         region_code: The code of the package's region call (the frame in the stack above the block whose callers are
             "around").
     """
-    around = _checkpoint_around(sys._getframe(), region_code)
+    frame: FrameType | None = sys._getframe()
+    while frame is not None and frame.f_code is not region_code:
+        frame = frame.f_back
+    region = None if frame is None else frame.f_locals["self"]
+    around = _checkpoint_around(frame, region_code, region)
     if around is not None:
         _warn_nested(region_class, around, inside=False)
-    with _checkpoints_inside(region_code) as inside:
+    with _checkpoints_inside(region_code, region) as inside:
         yield
     if inside:
         _warn_nested(region_class, inside[0], inside=True)
 
 
-def _checkpoint_around(frame: FrameType | None, region_code: CodeType) -> NestedCheckpoint | None:
-    """The checkpoint call among the frames above the region's own call (the first frame of ``region_code`` from
-    ``frame`` outwards), if there is one."""
-    while frame is not None and frame.f_code is not region_code:
-        frame = frame.f_back
+def _checkpoint_around(frame: FrameType | None, region_code: CodeType, region: object) -> NestedCheckpoint | None:
+    """The checkpoint call among the frames above the region's own call ``frame``, if there is one: a checkpoint
+    call, or the backward of a reentrant one, which runs its function again with grad enabled."""
     codes = checkpoint_codes()
     frame = None if frame is None else frame.f_back
     while frame is not None:
+        if frame.f_code is reentrant_backward_code():
+            return NestedCheckpoint(None, region_code, region)
         if frame.f_code in codes:
-            return NestedCheckpoint(_caller(frame), region_code)
+            return NestedCheckpoint(_caller(frame), region_code, region)
         frame = frame.f_back
     return None
 
 
 @contextmanager
-def _checkpoints_inside(region_code: CodeType) -> Iterator[list[NestedCheckpoint]]:
+def _checkpoints_inside(region_code: CodeType, region: object) -> Iterator[list[NestedCheckpoint]]:
     """Collect the checkpoint calls entered inside this block (in this thread); nothing if a profiler is set."""
     found: list[NestedCheckpoint] = []
     if sys.getprofile() is not None:
@@ -125,7 +141,7 @@ def _checkpoints_inside(region_code: CodeType) -> Iterator[list[NestedCheckpoint
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and not found and frame.f_code in codes:
-            found.append(NestedCheckpoint(_caller(frame.f_back), region_code))
+            found.append(NestedCheckpoint(_caller(frame.f_back), region_code, region))
 
     sys.setprofile(profile)
     try:
@@ -143,11 +159,12 @@ def _warn_nested(region_class: str, nested: NestedCheckpoint, *, inside: bool) -
         nested: The other checkpointing.
         inside: Whether it runs inside the region (else around it).
     """
+    # A region in itself is checkpointed by this package alone, which the checks see into.
+    unseen = "" if nested.recursion else ", and this package's checks cannot see into the other one"
     warnings.warn(
         f"lightning_ckpt_determinism: checkpointed `{region_class}` regions have another activation checkpointing"
         f" {'inside' if inside else 'around'} them: {nested.what}. Nested checkpointing recomputes the inner part"
-        " once more in backward for no memory saved, and this package's checks cannot see into the other one:"
-        f" {nested.fix}.",
+        f" once more in backward for no memory saved{unseen}: {nested.fix}.",
         LightningCkptDeterminismWarning,
         stacklevel=2,
     )
