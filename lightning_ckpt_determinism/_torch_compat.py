@@ -78,6 +78,7 @@ __all__ = [
     "in_place_overload",
     "inductor_compilers",
     "innermost_backend",
+    "is_checkpoint_hooks",
     "is_compiled_module",
     "is_fsdp1_parameter_view",
     "is_kept_output_mutation",
@@ -94,6 +95,7 @@ __all__ = [
     "returns_what_it_wrote",
     "run_and_save_rng_state",
     "run_with_rng_state",
+    "saved_tensors_hooks_entered",
     "set_compiled_call",
     "set_dynamo_context",
     "statically_known_true",
@@ -379,6 +381,18 @@ def reentrant_backward_code() -> CodeType:
     function again with grad enabled: a frame running it is a reentrant checkpoint's recomputation, whose call has
     returned."""
     return _torch_checkpoint.CheckpointFunction.backward.__code__
+
+
+def saved_tensors_hooks_entered() -> CodeType:
+    """The code of ``torch.autograd.graph.saved_tensors_hooks.__enter__`` (>= 1.13), which every saved-tensor hooks
+    context runs (``save_on_cpu``, ``allow_mutation_on_saved_tensors``, a user's own, and checkpoint's)."""
+    return torch.autograd.graph.saved_tensors_hooks.__enter__.__code__
+
+
+def is_checkpoint_hooks(hooks: object) -> bool:
+    """Whether ``hooks`` are the non-reentrant checkpoint's own saved-tensor hooks, those of its forward or of its
+    recomputation (``_checkpoint_hook``, ``_recomputation_hook``, >= 2.1)."""
+    return isinstance(hooks, (_torch_checkpoint._checkpoint_hook, _torch_checkpoint._recomputation_hook))
 
 
 def aot_backends() -> tuple[Any, Callable[..., Any], Callable[..., Any]]:

@@ -18,6 +18,7 @@ from lightning_ckpt_determinism import (
     check_recomputation,
     checkpoint_module,
 )
+from lightning_ckpt_determinism.checkpointing.wrapper import recomputations_by_region
 from tests.helpers import DIM, PartsBlock, PlainBlock, twins
 
 PREFIX = "lightning_ckpt_determinism: checkpointed `{}` regions have another activation checkpointing {} them: "
@@ -226,3 +227,46 @@ def test_a_region_calling_itself_is_named_as_such_and_its_check_sees_into_it() -
     # Nothing else is checkpointed there: the check compares the region's recomputations, and finds them exact.
     report = check_recomputation(model, lambda: model[0](x, depth=2).square().mean(), attribution=True)
     assert (report.diverged, [(region.name, region.diverged) for region in report.regions]) == (False, [("0", False)])
+
+
+class OffloadingBlock(nn.Module):
+    """A block that offloads its own saved tensors: autograd gives them to `save_on_cpu`, not to checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return x + torch.tanh(self.linear(x))
+
+
+def test_saved_tensor_hooks_inside_a_region_are_warned_naming_where_they_are_entered() -> None:
+    plain, model = twins(lambda: nn.Sequential(OffloadingBlock(), OffloadingBlock()), ["0", "1"])
+    x = torch.randn(4, DIM)
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    (message,) = {str(w.message) for w in caught}
+    assert message.startswith(
+        "lightning_ckpt_determinism: checkpointed `OffloadingBlock` regions enter saved-tensor hooks inside them:"
+        " `save_on_cpu` entered in OffloadingBlock.forward ("
+    ), message
+    assert message.endswith(
+        "Autograd gives the tensors saved under them to those hooks, not to checkpointing: they are kept (or"
+        " offloaded) rather than recomputed, and the checks cannot compare them. Enter the hooks around the"
+        " checkpointed module instead (around the step), or leave this module out of the `CheckpointingConfig`."
+    ), message
+    # What the warning says: nothing of the regions is recomputed, and training is as without checkpointing.
+    assert recomputations_by_region(model) == {"0": 0, "1": 0}
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+
+
+def test_saved_tensor_hooks_around_a_region_leave_it_to_checkpointing_unwarned() -> None:
+    plain, model = twins(lambda: nn.Sequential(PlainBlock(), PlainBlock()), ["0", "1"])
+    x = torch.randn(4, DIM)
+    with torch.autograd.graph.save_on_cpu():  # the suite turns a warning of the package into an error
+        model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    assert recomputations_by_region(model) == {"0": 1, "1": 1}
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))

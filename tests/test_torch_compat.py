@@ -880,3 +880,25 @@ def test_every_entry_names_the_torch_versions_it_exists_in() -> None:
     documentation = _documentation(COMPAT_SOURCE.read_text())
     versions = re.compile(r">= ?\d+\.\d+|checked on \d+\.\d+")
     assert [name for name in compat.__all__ if not versions.search(documentation.get(name, ""))] == []
+
+
+@pins("saved_tensors_hooks_entered", "is_checkpoint_hooks")
+def test_saved_tensor_hooks_are_told_from_checkpoints_own() -> None:
+    entered = compat.saved_tensors_hooks_entered()
+    seen: list[bool] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is entered:
+            seen.append(compat.is_checkpoint_hooks(frame.f_locals["self"]))
+
+    x = torch.ones(2, requires_grad=True)
+    sys.setprofile(profile)
+    try:
+        with torch.autograd.graph.save_on_cpu():
+            y = x.sin()
+        checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+    finally:
+        sys.setprofile(None)
+    y.sum().backward()
+    # `save_on_cpu`, then the checkpoint's forward hooks and its recomputation's.
+    assert seen == [False, True, True]

@@ -4,12 +4,15 @@ Nested checkpointing is not wrong, but it recomputes the inner part once more in
 this package's checks cannot see into a checkpoint of someone else's. The usual cause is stacking two libraries:
 transformers' ``gradient_checkpointing_enable()``, torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
 ``torch.distributed.algorithms._checkpoint``), torch's composable ``checkpoint(module)``, or a
-``torch.utils.checkpoint.checkpoint`` call in the forward.
+``torch.utils.checkpoint.checkpoint`` call in the forward. Saved-tensor hooks entered inside a region
+(``torch.autograd.graph.save_on_cpu``, a user's own ``saved_tensors_hooks``) are warned of alike: autograd gives the
+tensors saved under them to those hooks rather than to checkpointing, so the region keeps them and recomputes
+nothing of them.
 
 The probe (:func:`probing_for_nesting`) is the package's only frame inspection, and it is active only inside its
 block: once per region, around its first eager forward with grad enabled, it looks for a checkpoint call among the
 frames above the region's call (a checkpoint around it), and a profile function (``sys.setprofile``, set only while
-that forward runs and only if no profiler is set) catches a checkpoint entered inside it.
+that forward runs and only if no profiler is set) catches a checkpoint or saved-tensor hooks entered inside it.
 """
 
 import os
@@ -20,11 +23,20 @@ from contextlib import contextmanager
 from types import CodeType, FrameType
 from typing import Any
 
-from lightning_ckpt_determinism._torch_compat import checkpoint_codes, reentrant_backward_code
+import torch
+
+from lightning_ckpt_determinism._torch_compat import (
+    checkpoint_codes,
+    is_checkpoint_hooks,
+    reentrant_backward_code,
+    saved_tensors_hooks_entered,
+)
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = ["probing_for_nesting"]
 
+# Frames of files below this folder are torch's: the hooks' caller is the first frame outside it.
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
 # Frames of these files are torch's checkpoint machinery or its dynamo wrappers, never the caller.
 _MACHINERY = tuple(
     os.path.join("torch", *parts)
@@ -110,10 +122,12 @@ def probing_for_nesting(region_class: str, region_code: CodeType) -> Iterator[No
     around = _checkpoint_around(frame, region_code, region)
     if around is not None:
         _warn_nested(region_class, around, inside=False)
-    with _checkpoints_inside(region_code, region) as inside:
+    with _checkpoints_inside(region_code, region) as (inside, hooks):
         yield
     if inside:
         _warn_nested(region_class, inside[0], inside=True)
+    if hooks:
+        _warn_hooks(region_class, hooks[0])
 
 
 def _checkpoint_around(frame: FrameType | None, region_code: CodeType, region: object) -> NestedCheckpoint | None:
@@ -131,23 +145,56 @@ def _checkpoint_around(frame: FrameType | None, region_code: CodeType, region: o
 
 
 @contextmanager
-def _checkpoints_inside(region_code: CodeType, region: object) -> Iterator[list[NestedCheckpoint]]:
-    """Collect the checkpoint calls entered inside this block (in this thread); nothing if a profiler is set."""
+def _checkpoints_inside(region_code: CodeType, region: object) -> Iterator[tuple[list[NestedCheckpoint], list[str]]]:
+    """Collect the checkpoint calls and the saved-tensor hooks (described) entered inside this block (in this
+    thread); nothing if a profiler is set."""
     found: list[NestedCheckpoint] = []
+    hooks: list[str] = []
     if sys.getprofile() is not None:
-        yield found
+        yield found, hooks
         return
     codes = checkpoint_codes()
+    entered = saved_tensors_hooks_entered()
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and not found and frame.f_code in codes:
+        if event != "call":
+            return
+        if not found and frame.f_code in codes:
             found.append(NestedCheckpoint(_caller(frame.f_back), region_code, region))
+        elif not hooks and frame.f_code is entered and not is_checkpoint_hooks(frame.f_locals["self"]):
+            hooks.append(_hooks_entered(frame))
 
     sys.setprofile(profile)
     try:
-        yield found
+        yield found, hooks
     finally:
         sys.setprofile(None)
+
+
+def _hooks_entered(frame: FrameType) -> str:
+    """The saved-tensor hooks whose ``__enter__`` runs in ``frame``, and the first frame outside torch that entered
+    them."""
+    name = type(frame.f_locals["self"]).__name__
+    caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+        caller = caller.f_back
+    if caller is None:
+        return f"`{name}`"
+    code = caller.f_code
+    return f"`{name}` entered in {getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{caller.f_lineno})"
+
+
+def _warn_hooks(region_class: str, hooks: str) -> None:
+    """Warn once that regions of ``region_class`` enter saved-tensor hooks inside them, which autograd gives the
+    tensors saved under them instead of checkpointing."""
+    warnings.warn(
+        f"lightning_ckpt_determinism: checkpointed `{region_class}` regions enter saved-tensor hooks inside them:"
+        f" {hooks}. Autograd gives the tensors saved under them to those hooks, not to checkpointing: they are kept"
+        " (or offloaded) rather than recomputed, and the checks cannot compare them. Enter the hooks around the"
+        " checkpointed module instead (around the step), or leave this module out of the `CheckpointingConfig`.",
+        LightningCkptDeterminismWarning,
+        stacklevel=2,
+    )
 
 
 def _warn_nested(region_class: str, nested: NestedCheckpoint, *, inside: bool) -> None:

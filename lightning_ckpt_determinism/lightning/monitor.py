@@ -779,8 +779,9 @@ class RecomputationMonitor(Callback):
                 f"lightning_ckpt_determinism: no checkpointed region was recomputed at step {step}: the step ran as"
                 " without checkpointing, so its check was skipped rather than compare the step with itself. If that"
                 " is not expected, check that `training_step` calls the modules the strategy checkpointed, with"
-                " gradients enabled (a function you compiled yourself that calls them hides their recomputation:"
-                " compile the module instead, or the LightningModule through `trainer.fit(torch.compile(module))`)."
+                " gradients enabled. A function you compiled yourself that calls them hides their recomputation:"
+                " compile the module instead, or the LightningModule through `trainer.fit(torch.compile(module))`."
+                " Saved-tensor hooks (`save_on_cpu`) entered inside them take their saved tensors from checkpointing."
             )
         self._results.warn_once("unrecomputed", said)
 

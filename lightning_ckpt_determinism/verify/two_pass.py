@@ -309,7 +309,9 @@ def _compare(
         raise NothingRecomputed(
             "`check_recomputation`'s checkpointed pass recomputed no checkpointed region, so it would compare a"
             " step with itself: make `closure` call the checkpointed modules with gradients enabled (not under"
-            " `checkpointing_disabled()` or `torch.no_grad()`), on inputs or parameters that require grad."
+            " `checkpointing_disabled()` or `torch.no_grad()`), on inputs or parameters that require grad, and"
+            " without saved-tensor hooks (`save_on_cpu`) entered inside them, which take their saved tensors from"
+            " checkpointing."
         )
     regions, buffers = (
         ([], [])
