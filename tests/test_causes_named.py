@@ -36,9 +36,11 @@ from lightning_ckpt_determinism import (
 from lightning_ckpt_determinism.verify.attribution import observer as observer_module
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
 from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
 from lightning_ckpt_determinism.verify.reports import (
     HOST_RNG_STREAM_HINT,
+    INPUT_CHANGED_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
     TORCH_RNG_STREAM_HINT,
 )
@@ -1142,3 +1144,43 @@ def test_a_norm_outside_the_regions_downstream_of_a_python_state_region_leaves_i
     report = check_recomputation(model, lambda: model(x).square().mean(), attribution=True)
     assert report.diverged and report.buffer_mutations == ["1.running_mean", "1.running_var"]
     assert [(region.name, region.cause) for region in report.regions] == [("0", "python_state")]
+
+
+def test_lossy_saved_tensor_hooks_around_the_regions_are_named_by_the_input_recomputation_started_from() -> None:
+    plain, model = twins(lambda: nn.Sequential(PlainBlock(), PlainBlock(), nn.Linear(DIM, 1)), ["0", "1"])
+    x = torch.randn(4, DIM)
+
+    def loss(module: nn.Module) -> torch.Tensor:
+        # Activation compression: what the hooks give back is rounded to bfloat16.
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t.float()):
+            return module(x).square().sum()
+
+    loss(plain).backward()
+    loss(model).backward()
+    # The twin saves its activations through the hooks, the checkpointed model its regions' inputs, which every
+    # recomputed op reads rounded: gradients differ.
+    assert not all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    report = check_recomputation(model, lambda: loss(model), attribution=True)
+    assert report.diverged
+    assert [(region.name, region.cause, region.hint) for region in report.regions] == [
+        (name, "python_state", INPUT_CHANGED_HINT) for name in ("0", "1")
+    ]
+
+
+def test_python_state_read_by_an_op_on_the_regions_input_keeps_its_own_hint() -> None:
+    calls = itertools.count()
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(DIM, DIM)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.linear(x * (1.0 + next(calls))))
+
+    model = nn.Sequential(Counting())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(4, DIM)
+    report = check_recomputation(model, lambda: model(x).square().sum(), attribution=True)
+    # The op that differs reads the region's input, unchanged, and a factor the counter gave: not the input's doing.
+    assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]

@@ -16,6 +16,7 @@ __all__ = [
     "CAUSE_HINTS",
     "COMPILED_NOISE_NOTE",
     "HOST_RNG_STREAM_HINT",
+    "INPUT_CHANGED_HINT",
     "INPUT_MODIFIED_HINT",
     "READ_OTHERWISE_HINT",
     "ROUTING_DROPPED_HINT",
@@ -70,6 +71,15 @@ INPUT_MODIFIED_HINT = (
     " version counter changed when it came to recompute the region. Use the out-of-place op (`inplace=False`), or"
     " modify a copy (`x = x.clone()` first)."
 )
+
+INPUT_CHANGED_HINT = (
+    "The region's recomputation started from other input values than its forward received, without torch's version"
+    " counter moving: saved-tensor hooks around the region that give back other values than they were given (a"
+    " lossy compression such as a cast to bfloat16, whose rounding reaches every op after it), or a write through"
+    " `.data`. Give back what the hooks were given, enter them only around modules that are not checkpointed, or"
+    " write a copy."
+)
+"""The hint of a ``python_state`` whose first differing op read one of the region's own inputs, changed."""
 
 SAVED_DIFFERS_HINT = (
     "Differs: {saved}, made by no op the recomputation ran (made outside the region's ops: `torch.from_numpy`, a"

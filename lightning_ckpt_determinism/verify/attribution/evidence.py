@@ -39,6 +39,9 @@ class Divergence:
         parameter_input: Whether one of the region's parameters, among the op's inputs, held other values than in the
             forward (a parameter written in place since).
         saved: For a ``"saved"`` difference, the tensor that differed, as the sentinel describes it.
+        region_input: Whether one of the region's own inputs, among the op's inputs, held other values than in the
+            forward: what recomputation started from was not what the forward received (saved-tensor hooks around
+            the region that give back other values than they were given, a write through ``.data``).
 
     Example::
 
@@ -54,6 +57,7 @@ class Divergence:
     buffer_input: bool = False
     parameter_input: bool = False
     saved: str | None = None
+    region_input: bool = False
 
 
 @dataclass(frozen=True)

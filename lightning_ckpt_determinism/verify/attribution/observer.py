@@ -155,6 +155,7 @@ class _Op:
     parameter_inputs: tuple[int, ...] = ()
     # The name of the parameter at each of `parameter_inputs`.
     parameter_names: tuple[str, ...] = ()
+    region_inputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -172,6 +173,8 @@ class CallRecord:
     buffer_ids: frozenset[int] = frozenset()
     buffer_storages: frozenset[int | None] = frozenset()
     parameter_storages: dict[int | None, str] = field(default_factory=dict)
+    # The storages of the call's own tensor arguments, as its forward received them.
+    input_storages: frozenset[int | None] = frozenset()
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     protects_buffers: bool = True
@@ -286,6 +289,7 @@ class CallRecord:
                 buffer_inputs=self._positions(leaves, self.buffer_storages),
                 parameter_inputs=parameter_inputs,
                 parameter_names=self._parameters_at(leaves, parameter_inputs),
+                region_inputs=self._positions(leaves, self.input_storages) if self.input_storages else (),
             )
         )
 
@@ -358,9 +362,10 @@ class CallRecord:
                 kind = "values"
         same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
         changed: frozenset[int] = frozenset()
-        from_buffer_writer = False
+        from_buffer_writer = region_input = False
         if kind is not None and inputs is not None:
             changed = _changed_inputs(recorded, inputs)
+            region_input = bool(_changed_inputs(recorded, inputs, recorded.region_inputs))
             leaves = _flatten([args, kwargs or {}])
             # An input that an op which updated the region's buffers gave it, changed (QAT's fused fake-quantize hands
             # the statistics it updated again on through its output, which is not compared).
@@ -386,6 +391,7 @@ class CallRecord:
             diff=diff,
             buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
+            region_input=region_input,
         )
 
     def release(self) -> None:
@@ -493,10 +499,13 @@ class CallRecord:
         buffer_input: bool = False,
         parameter_input: bool = False,
         saved: str | None = None,
+        region_input: bool = False,
     ) -> None:
         self.max_abs_diff = max(self.max_abs_diff, diff)
         if self.divergence is None:
-            self.divergence = Divergence(index, op, kind, random, same_inputs, buffer_input, parameter_input, saved)
+            self.divergence = Divergence(
+                index, op, kind, random, same_inputs, buffer_input, parameter_input, saved, region_input
+            )
 
     def parameters_before(self, func: OpOverload, args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor, Any]]:
         """The region's parameters an op is about to write in place (``embedding_renorm_`` on a detached weight:
@@ -658,6 +667,9 @@ class Attribution:
             for value in region_call.inputs
             if isinstance(value, torch.Tensor)
         ]
+        call.input_storages = frozenset(
+            storage_pointer(value) for value in region_call.inputs if isinstance(value, torch.Tensor)
+        )
         return partial(self._forward, call), partial(self._recompute, call)
 
     @contextlib.contextmanager

@@ -46,6 +46,7 @@ from lightning_ckpt_determinism.checkpointing.wrapper import KEPT_OUTPUT_WRITTEN
 from lightning_ckpt_determinism.verify.attribution.evidence import CallEvidence, Divergence, RecomputeFailure
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.reports import (
+    INPUT_CHANGED_HINT,
     INPUT_MODIFIED_HINT,
     ROUTING_DROPPED_HINT,
     ROUTING_HINT,
@@ -237,6 +238,8 @@ def _metric_hint(metrics: list[str]) -> str:
 
 def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[str]) -> str:
     """The hint of a cause a call proved, naming the state behind it where the call knows it."""
+    if cause == Cause.PYTHON_STATE and call.divergence is not None and call.divergence.region_input:
+        return INPUT_CHANGED_HINT
     if cause == Cause.BUFFER_MUTATION and buffers:
         return _buffers_hint(buffers, [call])
     if cause == Cause.BUFFER_MUTATION and call.protects_buffers:
