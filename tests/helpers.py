@@ -145,6 +145,17 @@ class RoutingBlock(nn.Module):
         return out
 
 
+class RampBlock(nn.Module):
+    """Linear and tanh over a ramp the forward makes without a dtype: it takes torch's default dtype."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x) + torch.linspace(0, 1, x.shape[-1]))
+
+
 class PlainBlock(nn.Module):
     """Linear and tanh with a residual: nothing in it can differ on recomputation."""
 

@@ -50,6 +50,7 @@ __all__ = [
     "HostRNGReplay",
     "Reenterable",
     "TrainingModes",
+    "default_dtype",
     "put_back_always",
     "same_context",
     "training_flags",
@@ -533,6 +534,29 @@ def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     live = _LiveValues(buffer.data, resized=True)
     buffer.data = value.clone()  # a copy: a second recomputation starts from `value` again
     return live
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside the block, and put back after it.
+
+    Args:
+        dtype: A floating dtype.
+
+    Example::
+
+        >>> with default_dtype(torch.float64):
+        ...     torch.tensor(0.5).dtype
+        torch.float64
+        >>> torch.tensor(0.5).dtype
+        torch.float32
+    """
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 @contextlib.contextmanager

@@ -71,6 +71,7 @@ from lightning_ckpt_determinism.checkpointing.contexts import (
     HostRNGReplay,
     Reenterable,
     TrainingModes,
+    default_dtype,
     put_back_always,
     same_context,
     training_flags,
@@ -942,6 +943,10 @@ class _EagerCall:
         modules: The region's modules as the call started, whose training flags its key holds.
         torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
             observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
+        default_dtype: torch's default dtype as the forward ran, which each recomputation runs with: Lightning's
+            ``"bf16-true"``, ``"16-true"`` and ``"64-true"`` set it around ``training_step`` only, so backward, where
+            recomputation runs, would make the region's new tensors (``torch.linspace``, ``torch.tensor(0.1)``) in
+            float32.
     """
 
     wrapper: CheckpointedForward
@@ -958,6 +963,7 @@ class _EagerCall:
     registered: list[RegisteredBuffer] = field(default_factory=list, init=False)
     made: list[tuple[nn.Module, str]] = field(default_factory=list, init=False)
     modules: tuple[nn.Module, ...] = field(default=(), init=False)
+    default_dtype: torch.dtype = field(default=torch.float32, init=False)
 
     def __post_init__(self) -> None:
         # The region's modules as the call starts: its forward may make others, which the next call reads.
@@ -978,11 +984,13 @@ class _EagerCall:
             left_out = buffers_left_out(self.registered) if self.registered else NO_CONTEXT
             # The buffers of submodules the forward made, which the region protects from its next call on.
             made = values_kept(_held_buffers(self.made)) if self.made else NO_CONTEXT
-            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out, made:
+            dtype = NO_CONTEXT if torch.get_default_dtype() is self.default_dtype else default_dtype(self.default_dtype)
+            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out, made, dtype:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             if self.full:
                 _mark_end()
             return out
+        self.default_dtype = torch.get_default_dtype()
         nested = probing_for_nesting(type(wrapper.module).__name__, _REGION_CALL) if self.first else NO_CONTEXT
         learning = self.key is not None and wrapper.profile is None
         probe = FirstForwardProbe(wrapper.module) if learning else None
