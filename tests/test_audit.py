@@ -831,3 +831,16 @@ def test_a_training_step_that_fails_without_checkpointing_is_named_where_your_co
     assert found is not None, err
     assert (Path(found["path"]).name, found["name"]) == ("broken.py", "forward")
     assert "self.linear(x)" in Path(found["path"]).read_text().splitlines()[int(found["line"]) - 1]
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_a_true_precision_audit_gives_training_step_its_batch_converted_as_fit_does(capsys, tmp_path, precision):
+    strategy = (
+        "    class_path: lightning_ckpt_determinism.SingleDeviceCheckpointingStrategy\n"
+        "    init_args:\n      checkpointing:\n        classes: [Block]"
+    )
+    config = write_config(tmp_path, "true_precision", strategy)
+    # Float features: the model's weights are in the precision's dtype, and so must its batch be, as `fit` makes it.
+    code, out, err = audit(capsys, "--config", str(config), f"--trainer.precision={precision}")
+    assert code == 0, err
+    assert out.splitlines()[-1] == "result: none of the 4 checkpointed regions diverged"

@@ -271,7 +271,7 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
     except CheckpointingConfigError as err:
         raise UsageError(_keyed(err)) from err
     for batch_idx, batch in enumerate(loader):
-        batch = model.transfer_batch_to_device(batch, strategy.root_device, 0)
+        batch = _prepared(model, strategy, batch)
 
         def step(batch: Any = batch, batch_idx: int = batch_idx) -> None:
             training_step_loss(model, *training_step_arguments(model, batch, batch_idx)).backward()
@@ -287,11 +287,16 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
     raise UsageError("the training data gave no batch whose `training_step` returned a loss to plan the budget on")
 
 
+def _prepared(model: pl.LightningModule, strategy: Any, batch: Any) -> Any:
+    """``batch`` as `fit` gives it to ``training_step``: converted to the precision's dtype (``"bf16-true"`` casts
+    floating inputs to bfloat16), then moved to the strategy's device."""
+    return model.transfer_batch_to_device(strategy.precision_plugin.convert_input(batch), strategy.root_device, 0)
+
+
 def _check_batches(
     model: pl.LightningModule, strategy: Any, loader: Any, args: argparse.Namespace
 ) -> tuple[list[RecomputationReport], int, GraphScan | None]:
     """The reports of the first ``--batches`` batches that give a loss, how many batches it took, and the scan."""
-    device = strategy.root_device
     reports: list[RecomputationReport] = []
     seen = 0
     # A compiled model compiles through the graph scan from its first pass: the check's scan of a compiler_recompute
@@ -305,7 +310,7 @@ def _check_batches(
     ):
         for batch_idx, batch in enumerate(loader):
             seen += 1
-            report = _check_batch(model, strategy, model.transfer_batch_to_device(batch, device, 0), batch_idx, args)
+            report = _check_batch(model, strategy, _prepared(model, strategy, batch), batch_idx, args)
             if report is not None:
                 reports.append(report)
                 progress.update()
