@@ -1,6 +1,7 @@
 import csv
 import functools
 import math
+import random
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
@@ -1354,3 +1355,27 @@ def test_a_divergence_a_warning_filter_turns_into_an_error_ends_the_fit_as_befor
         diverged = r"^lightning_ckpt_determinism: recomputation diverged at step 0"
         with pytest.raises(LightningCkptDeterminismWarning, match=diverged):
             fit(tmp_path, monitor=monitor, config={"preserve_rng_state": False})
+
+
+def test_a_divergence_under_a_grad_scaler_is_figured_in_the_units_of_the_gradients_stepped_with(tmp_path):
+    # The live gradients are the loss scale times those the optimizer steps with: the figures are divided back.
+    figures = []
+    for scale in (1.0, 1024.0):
+        monitor = RecomputationMonitor(every_n_steps=1, on_divergence="ignore")
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        random.seed(0)
+        fit(
+            tmp_path / str(scale),
+            monitor=monitor,
+            block="PythonRandomBlock",
+            max_steps=1,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        )
+        report = monitor.last_report
+        figures.append((report.grad_divergence, report.max_abs_diff, report.worst_parameters))
+    (divergence, max_abs_diff, worst), scaled = figures
+    assert divergence > 0 and max_abs_diff > 0
+    assert scaled[0] == pytest.approx(divergence, rel=1e-6)
+    assert scaled[1] == pytest.approx(max_abs_diff, rel=1e-3)
+    assert [name for name, _ in scaled[2]] == [name for name, _ in worst]
+    assert [diff for _, diff in scaled[2]] == pytest.approx([diff for _, diff in worst], rel=1e-3)

@@ -28,6 +28,7 @@ from lightning_ckpt_determinism.lightning.step import (
     logging_suppressed,
     loss_fn_loss,
     loss_on_every_rank,
+    loss_scale,
     scales_the_loss,
 )
 from lightning_ckpt_determinism.lightning.support import StrategySupport
@@ -174,7 +175,7 @@ class StepCheck:
     ) -> RecomputationReport | None:
         """:func:`check_live_step` with this ``reference`` pass."""
         pl_module, capture, settings, strategy = self.pl_module, self.capture, self.settings, self.trainer.strategy
-        return check_live_step(
+        report = check_live_step(
             pl_module,
             reference,
             capture.state,
@@ -196,6 +197,8 @@ class StepCheck:
             backward_drew_torch_rng=capture.backward_drew_torch_rng,
             device=strategy.root_device,
         )
+        scale = loss_scale(strategy)
+        return report if report is None or scale == 1.0 else _unscaled(report, scale)
 
     def _two_pass(self, *, attribution: bool) -> RecomputationReport:
         """:func:`check_recomputation` from the step's captured state and arguments, the live gradients set aside.
@@ -239,6 +242,17 @@ class StepCheck:
                     exclude_attributes=settings.exclude_attributes,
                     written_parameters=capture.written_parameters,
                 )
+
+
+def _unscaled(report: RecomputationReport, scale: float) -> RecomputationReport:
+    """``report`` of gradients a GradScaler scaled by ``scale``, its differences in the units of the gradients the
+    optimizer steps with (its divergences are relative, and so the same)."""
+    return replace(
+        report,
+        max_abs_diff=report.max_abs_diff / scale,
+        per_parameter={name: diff / scale for name, diff in report.per_parameter.items()},
+        worst_parameters=[(name, diff / scale) for name, diff in report.worst_parameters],
+    )
 
 
 def _with_manual_loss_hint(report: RecomputationReport) -> RecomputationReport:

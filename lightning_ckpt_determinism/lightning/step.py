@@ -33,6 +33,7 @@ __all__ = [
     "logging_suppressed",
     "loss_fn_loss",
     "loss_on_every_rank",
+    "loss_scale",
     "scales_the_loss",
     "training_step_arguments",
     "training_step_loss",
@@ -177,6 +178,17 @@ def scales_the_loss(strategy: Any) -> bool:
         strategy: The Trainer's strategy.
     """
     return getattr(strategy.precision_plugin, "scaler", None) is not None
+
+
+def loss_scale(strategy: Any) -> float:
+    """The factor the strategy's GradScaler multiplies the loss by before backward at this step (``1.0`` without one,
+    or with one disabled): the live gradients are that many times those the optimizer steps with.
+
+    Args:
+        strategy: The Trainer's strategy.
+    """
+    scaler = getattr(strategy.precision_plugin, "scaler", None)
+    return 1.0 if scaler is None else float(scaler.get_scale())
 
 
 def training_step_loss(pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> torch.Tensor:
