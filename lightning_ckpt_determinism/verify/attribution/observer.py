@@ -667,9 +667,10 @@ class Attribution:
             for value in region_call.inputs
             if isinstance(value, torch.Tensor)
         ]
+        # A subclass without a storage of its own (None) would match every other such tensor: left out.
         call.input_storages = frozenset(
             storage_pointer(value) for value in region_call.inputs if isinstance(value, torch.Tensor)
-        )
+        ) - {None}
         return partial(self._forward, call), partial(self._recompute, call)
 
     @contextlib.contextmanager
