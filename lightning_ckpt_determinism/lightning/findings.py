@@ -294,6 +294,8 @@ class SentinelTotals:
             them; one that graph-breaks runs eagerly and is compared).
         on_new_paths: Saved tensors left uncompared because their call took a code path its region had not learned
             yet (a branch taken for the first time).
+        on_new_paths_last: Of ``on_new_paths``, those of the last step the sentinel watched, whose paths no later
+            step of the fit compared.
 
     Example::
 
@@ -305,6 +307,7 @@ class SentinelTotals:
     mismatches: dict[str, int] = field(default_factory=dict)
     compiled: list[str] = field(default_factory=list)
     on_new_paths: int = 0
+    on_new_paths_last: int = 0
 
 
 @dataclass
@@ -385,6 +388,12 @@ class FitSummary:
                     f"It left out {sentinel.on_new_paths} saved tensors of calls down code paths their regions had"
                     " not taken before: a path is compared from its second call on, and a check reruns a step's"
                     " first micro-batch only."
+                    + (
+                        f" {sentinel.on_new_paths_last} of them were of the last step it watched, whose new paths no"
+                        " later step compared: a defect arriving with them would show at a next step."
+                        if sentinel.on_new_paths_last
+                        else ""
+                    )
                 )
             if sentinel.compiled:
                 unseen = len(sentinel.compiled)

@@ -105,6 +105,8 @@ class _StepCounts:
     compared: int = 0
     mismatches: dict[str, int] = field(default_factory=dict)
     on_new_paths: int = 0
+    # Of `on_new_paths`, those of the last step read: no later step of the fit compares their paths, if it ends there.
+    on_new_paths_last: int = 0
 
 
 class SentinelWatch:
@@ -232,7 +234,8 @@ class SentinelWatch:
         regions = self.sentinel.report().regions
         compiled = self.sentinel.regions if self.steps_compiled else self.sentinel.compiled
         unseen = [name for name in compiled if name not in regions or not regions[name].compared]
-        return SentinelTotals(self._read_totals.compared, mismatches, unseen, self._read_totals.on_new_paths)
+        totals = self._read_totals
+        return SentinelTotals(totals.compared, mismatches, unseen, totals.on_new_paths, totals.on_new_paths_last)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Watch nothing inside this block (the monitor's check passes)."""
@@ -313,26 +316,31 @@ class SentinelWatch:
         regions = len(sentinel.regions)
         failed = next((error for _, _, error in pending if error is not None), self._failed_since_read)
         self._failed_since_read = None
-        counts, compared, new_paths = [], [], 0
+        counts, compared, new_paths, new_paths_last = [], [], 0, 0
         for _, record, _ in pending:
-            found, seen = None, 0
+            found, seen, new_paths_last = None, 0, 0
             try:
                 if record is not None and failed is None:
                     found, seen = record.mismatch_counts(device), record.compared
-                    new_paths += record.on_new_paths
+                    new_paths_last = record.on_new_paths
+                    new_paths += new_paths_last
             except Exception as err:
                 failed, found = err, None
             counts.append(found if found is not None else torch.zeros(regions, dtype=torch.int64, device=device))
             compared.append(seen)
         # Each record's mismatches per region, then what every record compared, what calls on new code paths left
-        # out, then the failure flag: summed over ranks in one collective, so that each counts the same ranks.
-        tail = torch.tensor([*compared, new_paths, int(failed is not None)], dtype=torch.int64, device=device)
-        reduced = all_reduce(strategy)(torch.cat([*counts, tail]), "sum").tolist()
+        # out (in all, and in the last record), then the failure flag: summed over ranks in one collective, so that
+        # each counts the same ranks.
+        tail = [*compared, new_paths, new_paths_last, int(failed is not None)]
+        reduced = all_reduce(strategy)(
+            torch.cat([*counts, torch.tensor(tail, dtype=torch.int64, device=device)]), "sum"
+        ).tolist()
         if reduced[-1]:
             self._fail(failed)
             return []
-        compared_by_all = reduced[len(pending) * regions : -2]
-        self._read_totals.on_new_paths += reduced[-2]
+        compared_by_all = reduced[len(pending) * regions : -3]
+        self._read_totals.on_new_paths += reduced[-3]
+        self._read_totals.on_new_paths_last = reduced[-2]
         differed = []
         for index, (step, record, _) in enumerate(pending):
             row = reduced[index * regions : (index + 1) * regions]
