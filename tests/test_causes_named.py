@@ -9,7 +9,7 @@ import random
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import get_args
+from typing import ClassVar, get_args
 
 import lightning.pytorch as pl
 import numpy as np
@@ -1183,4 +1183,54 @@ def test_python_state_read_by_an_op_on_the_regions_input_keeps_its_own_hint() ->
     x = torch.randn(4, DIM)
     report = check_recomputation(model, lambda: model(x).square().sum(), attribution=True)
     # The op that differs reads the region's input, unchanged, and a factor the counter gave: not the input's doing.
+    assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]
+
+
+class PicksAnInput(nn.Module):
+    """Reads one of its two inputs, as a global counter says: Python state choosing what the op reads."""
+
+    calls: ClassVar[list[int]] = [0]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        self.calls[0] += 1
+        return torch.tanh(self.linear(first if self.calls[0] % 2 else second))
+
+
+class ReadsACachedView(nn.Module):
+    """Reads a tensor a global cache holds beside its input, both views of one storage."""
+
+    cache: ClassVar[dict[str, torch.Tensor]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) * self.cache["key"])
+
+
+def test_python_state_choosing_among_unchanged_inputs_or_views_of_their_storage_keeps_its_own_hint() -> None:
+    picks = nn.Sequential(PicksAnInput())
+    apply_activation_checkpointing(picks, CheckpointingConfig(names=["0"]))
+    first, second = torch.randn(4, DIM), torch.randn(4, DIM)
+    # Recomputation reads the other input, unchanged: not an input that reached it changed.
+    report = check_recomputation(picks, lambda: picks[0](first, second).square().sum(), attribution=True)
+    assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]
+
+    cached = nn.Sequential(ReadsACachedView())
+    apply_activation_checkpointing(cached, CheckpointingConfig(names=["0"]))
+    fused = torch.randn(4, 3 * DIM)
+
+    def closure() -> torch.Tensor:
+        ReadsACachedView.cache["key"] = fused[:, DIM : 2 * DIM]
+        loss = cached(fused[:, :DIM]).square().sum()
+        ReadsACachedView.cache["key"] = fused[:, 2 * DIM :]  # the next layer's, before backward
+        return loss
+
+    # The cached view changed, not the region's input, though both lie on one storage.
+    report = check_recomputation(cached, closure, attribution=True)
     assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]

@@ -173,8 +173,10 @@ class CallRecord:
     buffer_ids: frozenset[int] = frozenset()
     buffer_storages: frozenset[int | None] = frozenset()
     parameter_storages: dict[int | None, str] = field(default_factory=dict)
-    # The storages of the call's own tensor arguments, as its forward received them.
-    input_storages: frozenset[int | None] = frozenset()
+    # Where the call's own tensor arguments lie (storage, offset, elements: the tensors themselves and their whole
+    # views), and the fingerprints of every tensor lying there that its forward read, the arguments' included.
+    input_extents: frozenset[tuple[int, int, int]] = frozenset()
+    input_prints: list[Fingerprint] = field(default_factory=list)
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     protects_buffers: bool = True
@@ -289,8 +291,30 @@ class CallRecord:
                 buffer_inputs=self._positions(leaves, self.buffer_storages),
                 parameter_inputs=parameter_inputs,
                 parameter_names=self._parameters_at(leaves, parameter_inputs),
-                region_inputs=self._positions(leaves, self.input_storages) if self.input_storages else (),
+                region_inputs=self._input_positions(leaves, inputs) if self.input_extents else (),
             )
+        )
+
+    def _input_positions(self, leaves: Sequence[Any], inputs: list[Any]) -> tuple[int, ...]:
+        """Where the call's own tensor arguments, or whole views of them, are among an op's arguments; their
+        fingerprints (``inputs``, as :meth:`signature` makes them) are noted as values the recomputation may read."""
+        positions = tuple(
+            position
+            for position, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and _extent(leaf) in self.input_extents
+        )
+        self.input_prints.extend(
+            inputs[position] for position in positions if isinstance(inputs[position], Fingerprint)
+        )
+        return positions
+
+    def _input_changed(self, recorded: _Op, inputs: list[Any]) -> bool:
+        """Whether a recomputed op got, where its forward read the call's own arguments, values that are none of
+        those the forward read there: the recomputation started from other inputs (a value of another argument, which
+        Python state swapped in, is not that)."""
+        return any(
+            not any(known.same_as(inputs[position]) for known in self.input_prints)
+            for position in _changed_inputs(recorded, inputs, recorded.region_inputs)
         )
 
     def _unwritten(self, func: OpOverload, outputs: Sequence[Any]) -> tuple[int, ...]:
@@ -365,7 +389,7 @@ class CallRecord:
         from_buffer_writer = region_input = False
         if kind is not None and inputs is not None:
             changed = _changed_inputs(recorded, inputs)
-            region_input = bool(_changed_inputs(recorded, inputs, recorded.region_inputs))
+            region_input = self._input_changed(recorded, inputs)
             leaves = _flatten([args, kwargs or {}])
             # An input that an op which updated the region's buffers gave it, changed (QAT's fused fake-quantize hands
             # the statistics it updated again on through its output, which is not compared).
@@ -667,10 +691,9 @@ class Attribution:
             for value in region_call.inputs
             if isinstance(value, torch.Tensor)
         ]
-        # A subclass without a storage of its own (None) would match every other such tensor: left out.
-        call.input_storages = frozenset(
-            storage_pointer(value) for value in region_call.inputs if isinstance(value, torch.Tensor)
-        ) - {None}
+        arguments = [value for value in region_call.inputs if isinstance(value, torch.Tensor)]
+        call.input_extents = frozenset(extent for value in arguments if (extent := _extent(value)) is not None)
+        call.input_prints = [fingerprint(value) for value in arguments]
         return partial(self._forward, call), partial(self._recompute, call)
 
     @contextlib.contextmanager
@@ -720,6 +743,7 @@ class Attribution:
             call.release()
             call.buffers_after_forward = []
             call.input_versions = []
+            call.input_prints = []
 
     def _note_saved_differences(self) -> None:
         """A call whose recomputed ops all matched but a saved tensor differed: torch saves an op's inputs before the
@@ -883,6 +907,20 @@ def _changed_inputs(recorded: _Op, inputs: list[Any], positions: Sequence[int] |
         and isinstance(recorded.inputs[position], Fingerprint)
         and not recorded.inputs[position].same_as(inputs[position])
     )
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """Where ``tensor`` lies: its storage (this rank's shard of a DTensor), offset and number of elements, which the
+    tensor and its whole views (``view``, ``reshape`` without a copy) share; ``None`` for a subclass without a storage
+    of its own."""
+    pointer = storage_pointer(tensor)
+    if pointer is None:
+        return None
+    local = tensor if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter else local_tensor(tensor)
+    try:
+        return pointer, int(local.storage_offset()), local.numel()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass without strides
+        return None
 
 
 def _failure(error: BaseException | None) -> RecomputeFailure | None:
