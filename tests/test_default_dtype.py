@@ -51,3 +51,23 @@ def test_a_fit_in_a_true_precision_trains_as_the_plain_twin_and_its_checks_find_
         if checkpointed:
             assert [(entry.step, entry.grad_divergence) for entry in monitor.history] == [(0, 0.0), (1, 0.0), (2, 0.0)]
     assert all(torch.equal(trained["plain"][key], value) for key, value in trained["checkpointed"].items())
+
+
+def test_blocks_closed_out_of_order_by_two_threads_put_back_the_dtype_the_first_found() -> None:
+    # Two threads' recomputations: the first entered closes first, while the second still runs.
+    first, second = default_dtype(torch.float64), default_dtype(torch.bfloat16)
+    try:
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert torch.get_default_dtype() is torch.bfloat16  # the open one keeps its dtype
+        second.__exit__(None, None, None)
+        assert torch.get_default_dtype() is torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)  # for the tests after this one, should it fail
+    # Nested in one thread, each puts back what it found.
+    with default_dtype(torch.float64):
+        with default_dtype(torch.bfloat16):
+            assert torch.get_default_dtype() is torch.bfloat16
+        assert torch.get_default_dtype() is torch.float64
+    assert torch.get_default_dtype() is torch.float32

@@ -10,6 +10,7 @@ back by the region's call itself, :class:`AttributeReplay`, and its modules' ``t
 
 import contextlib
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -536,9 +537,42 @@ def _swap_in(buffer: torch.Tensor, value: torch.Tensor) -> _LiveValues:
     return live
 
 
+class _DefaultDtypeEntries:
+    """The :func:`default_dtype` blocks open in this process, in the order they were entered, each with the dtype it
+    found: torch's default dtype is one per process, and blocks of several threads (backward on each device's thread)
+    may close out of order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: list[list[Any]] = []
+
+    def enter(self, dtype: torch.dtype) -> list[Any]:
+        with self.lock:
+            entry = [torch.get_default_dtype()]
+            self.open.append(entry)
+            torch.set_default_dtype(dtype)
+            return entry
+
+    def exit(self, entry: list[Any]) -> None:
+        with self.lock:
+            position = next(index for index, held in enumerate(self.open) if held is entry)
+            del self.open[position]
+            if position == len(self.open):
+                torch.set_default_dtype(entry[0])  # the last one entered: what it found comes back
+            else:
+                # One entered after it is still open: the dtype it found is this one's, which is now gone; it puts
+                # back what this one found instead.
+                self.open[position][0] = entry[0]
+
+
+_DEFAULT_DTYPE_ENTRIES = _DefaultDtypeEntries()
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """torch's default dtype set to ``dtype`` inside the block, and put back after it.
+    """torch's default dtype set to ``dtype`` inside the block, and put back after it. Blocks open in several threads
+    at once share the one default torch has (the last entered sets it), and whatever order they close in, the dtype
+    the first one found comes back when the last closes.
 
     Args:
         dtype: A floating dtype.
@@ -551,12 +585,11 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         >>> torch.tensor(0.5).dtype
         torch.float32
     """
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    entry = _DEFAULT_DTYPE_ENTRIES.enter(dtype)
     try:
         yield
     finally:
-        torch.set_default_dtype(before)
+        _DEFAULT_DTYPE_ENTRIES.exit(entry)
 
 
 @contextlib.contextmanager
