@@ -270,3 +270,19 @@ def test_saved_tensor_hooks_around_a_region_leave_it_to_checkpointing_unwarned()
     plain(x).square().mean().backward()
     assert recomputations_by_region(model) == {"0": 1, "1": 1}
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+
+
+class OffloadingCheckpointBlock(InlineCheckpointBlock):
+    """Its own checkpoint, offloaded as transformers' `activation_checkpointing_enable(offload=True)` does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return x + checkpoint(self.linear, x, use_reentrant=False)
+
+
+def test_saved_tensor_hooks_that_come_with_a_checkpoint_inside_are_left_to_its_warning() -> None:
+    model = nn.Sequential(OffloadingCheckpointBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    (message,) = warned(model)
+    what = "a checkpoint call in OffloadingCheckpointBlock.forward ("
+    assert message.startswith(PREFIX.format("OffloadingCheckpointBlock", "inside") + what)

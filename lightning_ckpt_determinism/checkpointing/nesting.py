@@ -126,7 +126,9 @@ def probing_for_nesting(region_class: str, region_code: CodeType) -> Iterator[No
         yield
     if inside:
         _warn_nested(region_class, inside[0], inside=True)
-    if hooks:
+    elif hooks:
+        # Hooks that come with a checkpoint inside (transformers' offloading one) go with it: its warning says what
+        # to turn off.
         _warn_hooks(region_class, hooks[0])
 
 
