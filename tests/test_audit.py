@@ -1,3 +1,4 @@
+import dataclasses
 import errno
 import io
 import json
@@ -8,11 +9,13 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import yaml
+from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from examples.gpt import GPTModule
@@ -844,3 +847,17 @@ def test_a_true_precision_audit_gives_training_step_its_batch_converted_as_fit_d
     code, out, err = audit(capsys, "--config", str(config), f"--trainer.precision={precision}")
     assert code == 0, err
     assert out.splitlines()[-1] == "result: none of the 4 checkpointed regions diverged"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenBatch:
+    features: torch.Tensor
+
+
+def test_a_batch_the_precision_cannot_convert_is_a_usage_error_naming_it() -> None:
+    strategy = SimpleNamespace(precision_plugin=HalfPrecision("bf16-true"), root_device=torch.device("cpu"))
+    # As `fit` fails before `training_step` under this precision: Lightning cannot rebuild a frozen dataclass.
+    with pytest.raises(running.UsageError, match=r"^the precision plugin cannot convert a batch of _FrozenBatch"):
+        running._prepared(GPTModule(), strategy, _FrozenBatch(torch.ones(2)))
+    converted = running._prepared(GPTModule(), strategy, (torch.ones(2), torch.ones(2, dtype=torch.long)))
+    assert [tensor.dtype for tensor in converted] == [torch.bfloat16, torch.long]

@@ -289,8 +289,20 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
 
 def _prepared(model: pl.LightningModule, strategy: Any, batch: Any) -> Any:
     """``batch`` as `fit` gives it to ``training_step``: converted to the precision's dtype (``"bf16-true"`` casts
-    floating inputs to bfloat16), then moved to the strategy's device."""
-    return model.transfer_batch_to_device(strategy.precision_plugin.convert_input(batch), strategy.root_device, 0)
+    floating inputs to bfloat16), then moved to the strategy's device.
+
+    Raises:
+        UsageError: If the precision plugin cannot convert it (a frozen dataclass under ``"bf16-true"``), as it
+            cannot in `fit`.
+    """
+    try:
+        converted = strategy.precision_plugin.convert_input(batch)
+    except Exception as err:
+        raise UsageError(
+            f"the precision plugin cannot convert a batch of {type(batch).__name__} to its dtype, as `fit` does before"
+            f" `training_step`: {type(err).__name__}: {err}"
+        ) from err
+    return model.transfer_batch_to_device(converted, strategy.root_device, 0)
 
 
 def _check_batches(
