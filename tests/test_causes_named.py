@@ -1216,10 +1216,15 @@ class ReadsACachedView(nn.Module):
 def test_python_state_choosing_among_unchanged_inputs_or_views_of_their_storage_keeps_its_own_hint() -> None:
     picks = nn.Sequential(PicksAnInput())
     apply_activation_checkpointing(picks, CheckpointingConfig(names=["0"]))
-    first, second = torch.randn(4, DIM), torch.randn(4, DIM)
-    # Recomputation reads the other input, unchanged: not an input that reached it changed.
-    report = check_recomputation(picks, lambda: picks[0](first, second).square().sum(), attribution=True)
-    assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]
+    for shape in ((4, DIM), (2, 4, DIM)):  # in 3-D, `F.linear` reads a 2-D view of the input it picked
+        first, second = torch.randn(shape), torch.randn(shape)
+        # Recomputation reads the other input, unchanged: not an input that reached it changed.
+        report = check_recomputation(
+            picks, lambda first=first, second=second: picks[0](first, second).square().sum(), attribution=True
+        )
+        assert [(region.cause, region.hint) for region in report.regions] == [
+            ("python_state", Cause.PYTHON_STATE.hint)
+        ], shape
 
     cached = nn.Sequential(ReadsACachedView())
     apply_activation_checkpointing(cached, CheckpointingConfig(names=["0"]))
@@ -1234,3 +1239,32 @@ def test_python_state_choosing_among_unchanged_inputs_or_views_of_their_storage_
     # The cached view changed, not the region's input, though both lie on one storage.
     report = check_recomputation(cached, closure, attribution=True)
     assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]
+
+
+class ChunkedBlock(nn.Module):
+    """Splits its input in two halves, each read by its own op (a reversible block's coupling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM // 2, DIM // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat([first, second + torch.tanh(self.linear(first))], dim=-1)
+
+
+def test_an_input_changed_on_its_way_to_recomputation_is_named_where_the_ops_read_parts_of_it() -> None:
+    plain, model = twins(lambda: nn.Sequential(nn.Linear(DIM, DIM), ChunkedBlock(), nn.Linear(DIM, 1)), ["1"])
+    x = torch.randn(2, 4, DIM)
+
+    def loss(module: nn.Module) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t.float()):
+            return module(x).square().sum()
+
+    loss(plain).backward()
+    loss(model).backward()
+    assert not all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    report = check_recomputation(model, lambda: loss(model), attribution=True)
+    assert [(region.name, region.cause, region.hint) for region in report.regions] == [
+        ("1", "python_state", INPUT_CHANGED_HINT)
+    ]

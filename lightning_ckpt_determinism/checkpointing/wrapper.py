@@ -165,6 +165,9 @@ class RegionCall:
             what is written to them between its forward and a recomputation is then no write of the recomputation.
         exposed_buffers: The buffers whose live values the call's recomputations could change (none it puts back:
             with ``protect_buffers``, the larger ones no forward was seen to change).
+        recomputed_from: The arguments each recomputation of the call started from, appended as it starts (saved
+            tensors come back through the saved-tensor hooks around the forward, which may give other values); an
+            observer empties it when it has read them.
     """
 
     region: str
@@ -173,6 +176,7 @@ class RegionCall:
     data_dependent: KeptOutputs
     protects_buffers: bool = True
     exposed_buffers: frozenset[str] = frozenset()
+    recomputed_from: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 class RegionObserver(Protocol):
@@ -495,9 +499,10 @@ class CheckpointedForward:
                 return self._forward_from(flat, num_positional, keys)
             if not fallback:
                 attributes = self._current_modules()
-                contexts = self._make_contexts(flat)
                 replay = AttributeReplay(attributes, AttributeReplay.slots_of(attributes))
-                fallback.append(_EagerCall(self, num_positional, keys, contexts, replay, first=False))
+                call = _EagerCall(self, num_positional, keys, None, replay, first=False)
+                call.contexts = self._make_contexts(flat, call)
+                fallback.append(call)
             return fallback[0].run(*flat)
 
         return run
@@ -523,15 +528,14 @@ class CheckpointedForward:
         if self.profile is not None and not self._generators_in_place():
             self._profiles.clear()  # what the profiles replay is stale
             self.profile = None
-        context_fn = self._context_fn(inputs)
-        in_run = None
-        if context_fn is not None and checkpoint_debug_enabled():
-            # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
-            in_run, context_fn = context_fn(), None
         replay = AttributeReplay(attributes, self._attribute_slots[1])
         # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
         torch_keeps = self.profile is not None and self._watching_observer() is None and self._frame_counted
-        call = _EagerCall(self, num_positional, keys, in_run, replay, first=first, key=key, torch_keeps=torch_keeps)
+        call = _EagerCall(self, num_positional, keys, None, replay, first=first, key=key, torch_keeps=torch_keeps)
+        context_fn = self._context_fn(inputs, call)
+        if context_fn is not None and checkpoint_debug_enabled():
+            # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
+            call.contexts, context_fn = context_fn(), None
         return self._checkpoint(call.run, inputs, context_fn, torch_keeps=torch_keeps)
 
     def forget_paths(self) -> None:
@@ -701,13 +705,13 @@ class CheckpointedForward:
             )
             self._replay_buffers(frozenset({name}))
 
-    def _context_fn(self, inputs: tuple[Any, ...]) -> Callable[[], _ContextPair] | None:
+    def _context_fn(self, inputs: tuple[Any, ...], call: "_EagerCall") -> Callable[[], _ContextPair] | None:
         """The ``context_fn`` of an eager call, as the plan says: the package's contexts, torch's selective pair alone
         (the form `torch.compile` accepts), or none."""
         # The saved-tensor observer is entered by the call itself (`_EagerCall.run`), so it composes nothing here.
         observed = self.region_observer is not None
         if self.plan.composes_contexts(self.profile, self.data_dependent, observed):
-            return partial(self._make_contexts, inputs)
+            return partial(self._make_contexts, inputs, call)
         if self.plan.save_ops or self.kept_calls:
             return self._selective_pair
         return None
@@ -741,7 +745,7 @@ class CheckpointedForward:
         if found or self.data_dependent is None:
             self.data_dependent = found
 
-    def _make_contexts(self, inputs: tuple[Any, ...]) -> tuple[Reenterable, Reenterable]:
+    def _make_contexts(self, inputs: tuple[Any, ...], call: "_EagerCall") -> tuple[Reenterable, Reenterable]:
         """One eager call's forward and recompute contexts, in the order the plan composes them: host RNG, the
         forward's state, selective checkpointing, the data-dependent guard, then the op observer registered on the
         region (the saved-tensor observer's contexts the call enters itself, innermost)."""
@@ -788,16 +792,15 @@ class CheckpointedForward:
         if observer is not None:
             # Above the other contexts, so its dispatch mode sits on top of the selective-checkpointing one and of the
             # guard and sees every op, including those whose outputs they serve from their caches.
-            observe_forward, observe_recompute = observer.contexts(
-                RegionCall(
-                    self.region,
-                    self.module,
-                    inputs,
-                    kept,
-                    self.plan.protect_buffers,
-                    frozenset(name for name, _ in self._exposed_buffers()),
-                )
+            call.observed_as = RegionCall(
+                self.region,
+                self.module,
+                inputs,
+                kept,
+                self.plan.protect_buffers,
+                frozenset(name for name, _ in self._exposed_buffers()),
             )
+            observe_forward, observe_recompute = observer.contexts(call.observed_as)
             forward.append(observe_forward)
             recompute.append(observe_recompute)
         return Reenterable(forward), Reenterable(recompute)
@@ -943,6 +946,7 @@ class _EagerCall:
         modules: The region's modules as the call started, whose training flags its key holds.
         torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
             observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
+        observed_as: The call as the region's observer got it, which is told what each recomputation starts from.
         default_dtype: torch's default dtype as the forward ran, which each recomputation runs with: Lightning's
             ``"bf16-true"``, ``"16-true"`` and ``"64-true"`` set it around ``training_step`` only, so backward, where
             recomputation runs, would make the region's new tensors (``torch.linspace``, ``torch.tensor(0.1)``) in
@@ -964,6 +968,7 @@ class _EagerCall:
     made: list[tuple[nn.Module, str]] = field(default_factory=list, init=False)
     modules: tuple[nn.Module, ...] = field(default=(), init=False)
     default_dtype: torch.dtype = field(default=torch.float32, init=False)
+    observed_as: RegionCall | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # The region's modules as the call starts: its forward may make others, which the next call reads.
@@ -985,6 +990,8 @@ class _EagerCall:
             # The buffers of submodules the forward made, which the region protects from its next call on.
             made = values_kept(_held_buffers(self.made)) if self.made else NO_CONTEXT
             dtype = NO_CONTEXT if torch.get_default_dtype() is self.default_dtype else default_dtype(self.default_dtype)
+            if self.observed_as is not None:
+                self.observed_as.recomputed_from.append(flat)
             with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out, made, dtype:
                 out = wrapper._forward_from(flat, self.num_positional, self.keys)
             if self.full:

@@ -155,7 +155,6 @@ class _Op:
     parameter_inputs: tuple[int, ...] = ()
     # The name of the parameter at each of `parameter_inputs`.
     parameter_names: tuple[str, ...] = ()
-    region_inputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -173,10 +172,12 @@ class CallRecord:
     buffer_ids: frozenset[int] = frozenset()
     buffer_storages: frozenset[int | None] = frozenset()
     parameter_storages: dict[int | None, str] = field(default_factory=dict)
-    # Where the call's own tensor arguments lie (storage, offset, elements: the tensors themselves and their whole
-    # views), and the fingerprints of every tensor lying there that its forward read, the arguments' included.
-    input_extents: frozenset[tuple[int, int, int]] = frozenset()
+    # The call's tensor arguments until its forward's first op fingerprints them (where the observer's own ops are
+    # seen by no mode), their fingerprints, and the arguments each recomputation started from (the wrapper appends
+    # them: `RegionCall.recomputed_from`).
+    arguments: list[torch.Tensor] = field(default_factory=list)
     input_prints: list[Fingerprint] = field(default_factory=list)
+    recomputed_from: list[tuple[Any, ...]] = field(default_factory=list)
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     protects_buffers: bool = True
@@ -261,6 +262,9 @@ class CallRecord:
             return True
 
     def record(self, func: OpOverload, inputs: list[Any], args: Any, kwargs: Any, out: Any) -> None:
+        if self.arguments:
+            self.input_prints = [fingerprint(value) for value in self.arguments]
+            self.arguments = []
         outputs = _flatten(out)
         writes_buffer = self._writes_buffer(func, args, kwargs)
         if writes_buffer:
@@ -291,30 +295,18 @@ class CallRecord:
                 buffer_inputs=self._positions(leaves, self.buffer_storages),
                 parameter_inputs=parameter_inputs,
                 parameter_names=self._parameters_at(leaves, parameter_inputs),
-                region_inputs=self._input_positions(leaves, inputs) if self.input_extents else (),
             )
         )
 
-    def _input_positions(self, leaves: Sequence[Any], inputs: list[Any]) -> tuple[int, ...]:
-        """Where the call's own tensor arguments, or whole views of them, are among an op's arguments; their
-        fingerprints (``inputs``, as :meth:`signature` makes them) are noted as values the recomputation may read."""
-        positions = tuple(
-            position
-            for position, leaf in enumerate(leaves)
-            if isinstance(leaf, torch.Tensor) and _extent(leaf) in self.input_extents
-        )
-        self.input_prints.extend(
-            inputs[position] for position in positions if isinstance(inputs[position], Fingerprint)
-        )
-        return positions
-
-    def _input_changed(self, recorded: _Op, inputs: list[Any]) -> bool:
-        """Whether a recomputed op got, where its forward read the call's own arguments, values that are none of
-        those the forward read there: the recomputation started from other inputs (a value of another argument, which
-        Python state swapped in, is not that)."""
-        return any(
-            not any(known.same_as(inputs[position]) for known in self.input_prints)
-            for position in _changed_inputs(recorded, inputs, recorded.region_inputs)
+    def _arguments_changed(self) -> bool:
+        """Whether the recomputation under way started from other values of the call's tensor arguments than its
+        forward received (what torch saved came back otherwise through saved-tensor hooks, or was written through
+        ``.data``)."""
+        if not self.recomputed_from or not self.input_prints:
+            return False
+        arguments = [value for value in self.recomputed_from[-1] if isinstance(value, torch.Tensor)]
+        return len(arguments) == len(self.input_prints) and any(
+            not known.same_as(fingerprint(value)) for known, value in zip(self.input_prints, arguments, strict=True)
         )
 
     def _unwritten(self, func: OpOverload, outputs: Sequence[Any]) -> tuple[int, ...]:
@@ -386,10 +378,9 @@ class CallRecord:
                 kind = "values"
         same_inputs = kind is not None and inputs is not None and self.same_inputs(recorded.inputs, inputs)
         changed: frozenset[int] = frozenset()
-        from_buffer_writer = region_input = False
+        from_buffer_writer = False
         if kind is not None and inputs is not None:
             changed = _changed_inputs(recorded, inputs)
-            region_input = self._input_changed(recorded, inputs)
             leaves = _flatten([args, kwargs or {}])
             # An input that an op which updated the region's buffers gave it, changed (QAT's fused fake-quantize hands
             # the statistics it updated again on through its output, which is not compared).
@@ -415,7 +406,7 @@ class CallRecord:
             diff=diff,
             buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
-            region_input=region_input,
+            region_input=self.divergence is None and kind is not None and not same_inputs and self._arguments_changed(),
         )
 
     def release(self) -> None:
@@ -691,9 +682,8 @@ class Attribution:
             for value in region_call.inputs
             if isinstance(value, torch.Tensor)
         ]
-        arguments = [value for value in region_call.inputs if isinstance(value, torch.Tensor)]
-        call.input_extents = frozenset(extent for value in arguments if (extent := _extent(value)) is not None)
-        call.input_prints = [fingerprint(value) for value in arguments]
+        call.arguments = [value for value in region_call.inputs if isinstance(value, torch.Tensor)]
+        call.recomputed_from = region_call.recomputed_from
         return partial(self._forward, call), partial(self._recompute, call)
 
     @contextlib.contextmanager
@@ -743,7 +733,7 @@ class Attribution:
             call.release()
             call.buffers_after_forward = []
             call.input_versions = []
-            call.input_prints = []
+            call.arguments, call.input_prints = [], []
 
     def _note_saved_differences(self) -> None:
         """A call whose recomputed ops all matched but a saved tensor differed: torch saves an op's inputs before the
@@ -862,6 +852,7 @@ class Attribution:
                 if metrics is not None:
                     call.metrics_updated = metrics.changed()
                 call.recomputations += 1
+                call.recomputed_from.clear()  # read, if at all, by this recomputation's comparison
                 call.release()
 
 
@@ -907,20 +898,6 @@ def _changed_inputs(recorded: _Op, inputs: list[Any], positions: Sequence[int] |
         and isinstance(recorded.inputs[position], Fingerprint)
         and not recorded.inputs[position].same_as(inputs[position])
     )
-
-
-def _extent(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """Where ``tensor`` lies: its storage (this rank's shard of a DTensor), offset and number of elements, which the
-    tensor and its whole views (``view``, ``reshape`` without a copy) share; ``None`` for a subclass without a storage
-    of its own."""
-    pointer = storage_pointer(tensor)
-    if pointer is None:
-        return None
-    local = tensor if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter else local_tensor(tensor)
-    try:
-        return pointer, int(local.storage_offset()), local.numel()
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass without strides
-        return None
 
 
 def _failure(error: BaseException | None) -> RecomputeFailure | None:
