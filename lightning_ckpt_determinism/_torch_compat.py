@@ -95,7 +95,7 @@ __all__ = [
     "returns_what_it_wrote",
     "run_and_save_rng_state",
     "run_with_rng_state",
-    "saved_tensors_hooks_entered",
+    "saved_tensors_hooks_codes",
     "set_compiled_call",
     "set_dynamo_context",
     "statically_known_true",
@@ -383,10 +383,12 @@ def reentrant_backward_code() -> CodeType:
     return _torch_checkpoint.CheckpointFunction.backward.__code__
 
 
-def saved_tensors_hooks_entered() -> CodeType:
-    """The code of ``torch.autograd.graph.saved_tensors_hooks.__enter__`` (>= 1.13), which every saved-tensor hooks
-    context runs (``save_on_cpu``, ``allow_mutation_on_saved_tensors``, a user's own, and checkpoint's)."""
-    return torch.autograd.graph.saved_tensors_hooks.__enter__.__code__
+def saved_tensors_hooks_codes() -> tuple[CodeType, CodeType]:
+    """The code of ``torch.autograd.graph.saved_tensors_hooks.__enter__`` and ``__exit__`` (>= 1.13), which every
+    saved-tensor hooks context runs (``save_on_cpu``, ``allow_mutation_on_saved_tensors``, a user's own, and
+    checkpoint's)."""
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    return hooks.__enter__.__code__, hooks.__exit__.__code__
 
 
 def is_checkpoint_hooks(hooks: object) -> bool:

@@ -286,3 +286,28 @@ def test_saved_tensor_hooks_that_come_with_a_checkpoint_inside_are_left_to_its_w
     (message,) = warned(model)
     what = "a checkpoint call in OffloadingCheckpointBlock.forward ("
     assert message.startswith(PREFIX.format("OffloadingCheckpointBlock", "inside") + what)
+
+
+class OffloadingBesideCheckpointBlock(nn.Module):
+    """Offloads one part and checkpoints another: the hooks hold no checkpoint, and keep that part's tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(DIM, DIM)
+        self.mlp = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            hidden = x + torch.tanh(self.attn(x))
+        return hidden + checkpoint(self.mlp, hidden, use_reentrant=False)
+
+
+def test_saved_tensor_hooks_beside_a_checkpoint_inside_are_warned_with_it() -> None:
+    model = nn.Sequential(OffloadingBesideCheckpointBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    nested, hooks = warned(model)
+    assert nested.startswith(PREFIX.format("OffloadingBesideCheckpointBlock", "inside") + "a checkpoint call in")
+    assert hooks.startswith(
+        "lightning_ckpt_determinism: checkpointed `OffloadingBesideCheckpointBlock` regions enter saved-tensor hooks"
+        " inside them: `save_on_cpu` entered in OffloadingBesideCheckpointBlock.forward ("
+    )

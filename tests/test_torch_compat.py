@@ -882,14 +882,17 @@ def test_every_entry_names_the_torch_versions_it_exists_in() -> None:
     assert [name for name in compat.__all__ if not versions.search(documentation.get(name, ""))] == []
 
 
-@pins("saved_tensors_hooks_entered", "is_checkpoint_hooks")
+@pins("saved_tensors_hooks_codes", "is_checkpoint_hooks")
 def test_saved_tensor_hooks_are_told_from_checkpoints_own() -> None:
-    entered = compat.saved_tensors_hooks_entered()
+    entered, exited = compat.saved_tensors_hooks_codes()
     seen: list[bool] = []
+    left: list[bool] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is entered:
             seen.append(compat.is_checkpoint_hooks(frame.f_locals["self"]))
+        if event == "call" and frame.f_code is exited:
+            left.append(compat.is_checkpoint_hooks(frame.f_locals["self"]))
 
     x = torch.ones(2, requires_grad=True)
     sys.setprofile(profile)
@@ -900,5 +903,5 @@ def test_saved_tensor_hooks_are_told_from_checkpoints_own() -> None:
     finally:
         sys.setprofile(None)
     y.sum().backward()
-    # `save_on_cpu`, then the checkpoint's forward hooks and its recomputation's.
-    assert seen == [False, True, True]
+    # `save_on_cpu`, then the checkpoint's forward hooks and its recomputation's, each left.
+    assert seen == left == [False, True, True]

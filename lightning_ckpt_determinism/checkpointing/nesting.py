@@ -29,7 +29,7 @@ from lightning_ckpt_determinism._torch_compat import (
     checkpoint_codes,
     is_checkpoint_hooks,
     reentrant_backward_code,
-    saved_tensors_hooks_entered,
+    saved_tensors_hooks_codes,
 )
 from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
@@ -126,9 +126,7 @@ def probing_for_nesting(region_class: str, region_code: CodeType) -> Iterator[No
         yield
     if inside:
         _warn_nested(region_class, inside[0], inside=True)
-    elif hooks:
-        # Hooks that come with a checkpoint inside (transformers' offloading one) go with it: its warning says what
-        # to turn off.
+    if hooks:
         _warn_hooks(region_class, hooks[0])
 
 
@@ -149,28 +147,46 @@ def _checkpoint_around(frame: FrameType | None, region_code: CodeType, region: o
 @contextmanager
 def _checkpoints_inside(region_code: CodeType, region: object) -> Iterator[tuple[list[NestedCheckpoint], list[str]]]:
     """Collect the checkpoint calls and the saved-tensor hooks (described) entered inside this block (in this
-    thread); nothing if a profiler is set."""
+    thread); nothing if a profiler is set. Hooks open around a checkpoint call come with it (transformers'
+    offloading checkpoint enters `save_on_cpu` around its `checkpoint`): the checkpoint's warning covers them."""
     found: list[NestedCheckpoint] = []
     hooks: list[str] = []
     if sys.getprofile() is not None:
         yield found, hooks
         return
     codes = checkpoint_codes()
-    entered = saved_tensors_hooks_entered()
+    entered, exited = saved_tensors_hooks_codes()
+    # The user's hooks entered and not left yet, and those seen (held until the block ends, so that identities stay
+    # theirs): each described, or None once a checkpoint was called inside them.
+    open_hooks: list[object] = []
+    seen: list[tuple[object, list[str | None]]] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event != "call":
             return
-        if not found and frame.f_code in codes:
-            found.append(NestedCheckpoint(_caller(frame.f_back), region_code, region))
-        elif not hooks and frame.f_code is entered and not is_checkpoint_hooks(frame.f_locals["self"]):
-            hooks.append(_hooks_entered(frame))
+        code = frame.f_code
+        if code in codes:
+            if not found:
+                found.append(NestedCheckpoint(_caller(frame.f_back), region_code, region))
+            for held, description in seen:
+                if any(held is other for other in open_hooks):
+                    description[0] = None
+        elif code is entered or code is exited:
+            held = frame.f_locals["self"]
+            if is_checkpoint_hooks(held):
+                return
+            if code is exited:
+                open_hooks[:] = [other for other in open_hooks if other is not held]
+            elif not any(held is other for other, _ in seen):
+                open_hooks.append(held)
+                seen.append((held, [_hooks_entered(frame)]))
 
     sys.setprofile(profile)
     try:
         yield found, hooks
     finally:
         sys.setprofile(None)
+        hooks.extend(description[0] for _, description in seen if description[0] is not None)
 
 
 def _hooks_entered(frame: FrameType) -> str:
