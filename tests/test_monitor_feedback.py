@@ -75,16 +75,18 @@ class CountsOnceArmed(PlainBlock):
         return x + torch.tanh(hidden)
 
 
-class ArmedAtTheSecondMicroBatch(StackModule):
-    """Arms its blocks for the second micro-batch of the second step, and for it alone."""
+class ArmedAtOneMicroBatch(StackModule):
+    """Arms its blocks for one micro-batch of the second step (of two, under `accumulate_grad_batches=2`), and for it
+    alone: the second by default."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_idx: int = 3) -> None:
         super().__init__(block="PlainBlock", n=2)
         self.model.blocks = torch.nn.ModuleList([CountsOnceArmed(), CountsOnceArmed()])
+        self.armed_at = batch_idx
 
     def on_train_batch_start(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         for block in self.model.blocks:
-            block.armed = batch_idx == 3
+            block.armed = batch_idx == self.armed_at
 
 
 def _saved_by_one_armed_call() -> int:
@@ -98,31 +100,33 @@ def _saved_by_one_armed_call() -> int:
     return sum(saved.untyped_storage().data_ptr() not in weights for saved in packs)
 
 
-@pytest.mark.parametrize("max_steps", [2, 3])
+# The first micro-batch is the one a check reruns: armed there, the step is left unchecked (checks at step 0 only).
+@pytest.mark.parametrize(("max_steps", "armed_at", "every_n_steps"), [(2, 3, 1), (3, 3, 1), (2, 2, 100)])
 def test_calls_down_a_first_taken_code_path_are_said_to_be_left_out_not_that_none_differed(
-    tmp_path: Path, lightning_info, max_steps: int
+    tmp_path: Path, lightning_info, max_steps: int, armed_at: int, every_n_steps: int
 ) -> None:
     strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["CountsOnceArmed"]))
-    monitor = RecomputationMonitor(every_n_steps=1, sentinel="exact")
+    monitor = RecomputationMonitor(every_n_steps=every_n_steps, sentinel="exact")
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         **trainer_kwargs(
             tmp_path, strategy=strategy, callbacks=[monitor], max_steps=max_steps, accumulate_grad_batches=2
         )
     )
-    trainer.fit(ArmedAtTheSecondMicroBatch())
+    trainer.fit(ArmedAtOneMicroBatch(armed_at))
     # Neither engine saw it: the path's one call is learned, and the check reruns the first micro-batch only.
-    assert [entry.grad_divergence for entry in monitor.history] == [0.0] * max_steps
+    assert [entry.grad_divergence for entry in monitor.history] == [0.0] * len(range(0, max_steps, every_n_steps))
     (summary,) = summaries(lightning_info)
     left_out = 2 * _saved_by_one_armed_call()
     said = (
         f" It left out {left_out} saved tensors of calls down code paths their regions had not taken before: a path is"
         " compared from its second call on, and a check reruns a step's first micro-batch only."
     )
-    # Taken at step 1: where that is the fit's last step, no later step compared the path, which the summary adds.
+    # Taken at step 1 (by either micro-batch): where that is the fit's last step, no later step compared the path,
+    # which the summary adds.
     last = (
         f" {left_out} of them were of the last step it watched, whose new paths no later step compared: a defect"
-        " arriving with them would show at a next step."
+        " arriving with them would show only at a later step, which this fit did not run."
     )
     assert summary.endswith(said + last if max_steps == 2 else said)
 

@@ -390,7 +390,8 @@ class FitSummary:
                     " first micro-batch only."
                     + (
                         f" {sentinel.on_new_paths_last} of them were of the last step it watched, whose new paths no"
-                        " later step compared: a defect arriving with them would show at a next step."
+                        " later step compared: a defect arriving with them would show only at a later step, which this"
+                        " fit did not run."
                         if sentinel.on_new_paths_last
                         else ""
                     )

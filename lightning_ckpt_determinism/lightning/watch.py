@@ -105,7 +105,8 @@ class _StepCounts:
     compared: int = 0
     mismatches: dict[str, int] = field(default_factory=dict)
     on_new_paths: int = 0
-    # Of `on_new_paths`, those of the last step read: no later step of the fit compares their paths, if it ends there.
+    # Of `on_new_paths`, those of the last step read that compared or left out anything: no later step of the fit
+    # compares their paths, if it ends there.
     on_new_paths_last: int = 0
 
 
@@ -316,31 +317,37 @@ class SentinelWatch:
         regions = len(sentinel.regions)
         failed = next((error for _, _, error in pending if error is not None), self._failed_since_read)
         self._failed_since_read = None
-        counts, compared, new_paths, new_paths_last = [], [], 0, 0
-        for _, record, _ in pending:
-            found, seen, new_paths_last = None, 0, 0
+        counts, compared, new_paths = [], [], 0
+        # What calls on new code paths left out at each step whose records compared or left out anything (a step's
+        # micro-batches each close a record; a step without a backward closes an empty one).
+        new_paths_at: dict[int, int] = {}
+        for step, record, _ in pending:
+            found, seen = None, 0
             try:
                 if record is not None and failed is None:
                     found, seen = record.mismatch_counts(device), record.compared
-                    new_paths_last = record.on_new_paths
-                    new_paths += new_paths_last
+                    new_paths += record.on_new_paths
+                    if seen or record.on_new_paths:
+                        new_paths_at[step] = new_paths_at.get(step, 0) + record.on_new_paths
             except Exception as err:
                 failed, found = err, None
             counts.append(found if found is not None else torch.zeros(regions, dtype=torch.int64, device=device))
             compared.append(seen)
+        last = new_paths_at[max(new_paths_at)] if new_paths_at else 0
         # Each record's mismatches per region, then what every record compared, what calls on new code paths left
-        # out (in all, and in the last record), then the failure flag: summed over ranks in one collective, so that
-        # each counts the same ranks.
-        tail = [*compared, new_paths, new_paths_last, int(failed is not None)]
+        # out (in all, and at the last step that compared or left out anything, with whether there was one), then
+        # the failure flag: summed over ranks in one collective, so that each counts the same ranks.
+        tail = [*compared, new_paths, last, int(bool(new_paths_at)), int(failed is not None)]
         reduced = all_reduce(strategy)(
             torch.cat([*counts, torch.tensor(tail, dtype=torch.int64, device=device)]), "sum"
         ).tolist()
         if reduced[-1]:
             self._fail(failed)
             return []
-        compared_by_all = reduced[len(pending) * regions : -3]
-        self._read_totals.on_new_paths += reduced[-3]
-        self._read_totals.on_new_paths_last = reduced[-2]
+        compared_by_all = reduced[len(pending) * regions : -4]
+        self._read_totals.on_new_paths += reduced[-4]
+        if reduced[-2]:  # else the last step that did is one an earlier read counted
+            self._read_totals.on_new_paths_last = reduced[-3]
         differed = []
         for index, (step, record, _) in enumerate(pending):
             row = reduced[index * regions : (index + 1) * regions]
