@@ -857,7 +857,8 @@ class _FrozenBatch:
 def test_a_batch_the_precision_cannot_convert_is_a_usage_error_naming_it() -> None:
     strategy = SimpleNamespace(precision_plugin=HalfPrecision("bf16-true"), root_device=torch.device("cpu"))
     # As `fit` fails before `training_step` under this precision: Lightning cannot rebuild a frozen dataclass.
-    with pytest.raises(running.UsageError, match=r"^the precision plugin cannot convert a batch of _FrozenBatch"):
+    message = r"^a batch of _FrozenBatch cannot be converted to the precision's dtype and moved to the device"
+    with pytest.raises(running.UsageError, match=message):
         running._prepared(GPTModule(), strategy, _FrozenBatch(torch.ones(2)))
     converted = running._prepared(GPTModule(), strategy, (torch.ones(2), torch.ones(2, dtype=torch.long)))
     assert [tensor.dtype for tensor in converted] == [torch.bfloat16, torch.long]

@@ -71,3 +71,11 @@ def test_blocks_closed_out_of_order_by_two_threads_put_back_the_dtype_the_first_
             assert torch.get_default_dtype() is torch.bfloat16
         assert torch.get_default_dtype() is torch.float64
     assert torch.get_default_dtype() is torch.float32
+
+
+def test_a_dtype_torch_refuses_leaves_no_block_open() -> None:
+    with default_dtype(torch.float64):
+        with pytest.raises(TypeError), default_dtype(torch.int64):
+            pass
+        assert torch.get_default_dtype() is torch.float64
+    assert torch.get_default_dtype() is torch.float32

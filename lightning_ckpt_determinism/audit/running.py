@@ -292,17 +292,16 @@ def _prepared(model: pl.LightningModule, strategy: Any, batch: Any) -> Any:
     floating inputs to bfloat16), then moved to the strategy's device.
 
     Raises:
-        UsageError: If the precision plugin cannot convert it (a frozen dataclass under ``"bf16-true"``), as it
-            cannot in `fit`.
+        UsageError: If the precision plugin cannot convert it or it cannot be moved (a frozen dataclass, which
+            Lightning cannot rebuild), as in `fit`.
     """
     try:
-        converted = strategy.precision_plugin.convert_input(batch)
+        return model.transfer_batch_to_device(strategy.precision_plugin.convert_input(batch), strategy.root_device, 0)
     except Exception as err:
         raise UsageError(
-            f"the precision plugin cannot convert a batch of {type(batch).__name__} to its dtype, as `fit` does before"
-            f" `training_step`: {type(err).__name__}: {err}"
+            f"a batch of {type(batch).__name__} cannot be converted to the precision's dtype and moved to the device,"
+            f" as `fit` does before `training_step`: {type(err).__name__}: {err}"
         ) from err
-    return model.transfer_batch_to_device(converted, strategy.root_device, 0)
 
 
 def _check_batches(

@@ -549,8 +549,8 @@ class _DefaultDtypeEntries:
     def enter(self, dtype: torch.dtype) -> list[Any]:
         with self.lock:
             entry = [torch.get_default_dtype()]
+            torch.set_default_dtype(dtype)  # first: a dtype torch refuses leaves no entry open
             self.open.append(entry)
-            torch.set_default_dtype(dtype)
             return entry
 
     def exit(self, entry: list[Any]) -> None:
