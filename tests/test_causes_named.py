@@ -3,10 +3,12 @@ a parameter written in place in forward is ``parameter_write``, and only when it
 running statistics is ``buffer_mutation``; a torchmetrics metric updated inside a region is ``metric_update``."""
 
 import copy
+import gc
 import itertools
 import math
 import random
 import re
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, get_args
@@ -35,6 +37,7 @@ from lightning_ckpt_determinism import (
 )
 from lightning_ckpt_determinism.verify.attribution import observer as observer_module
 from lightning_ckpt_determinism.verify.attribution.evidence import Divergence
+from lightning_ckpt_determinism.verify.attribution.observer import Attribution
 from lightning_ckpt_determinism.verify.attribution.region_cause import evidence_cause
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import DigestTier
@@ -1268,3 +1271,42 @@ def test_an_input_changed_on_its_way_to_recomputation_is_named_where_the_ops_rea
     assert [(region.name, region.cause, region.hint) for region in report.regions] == [
         ("1", "python_state", INPUT_CHANGED_HINT)
     ]
+
+
+class SparseAdjacencyLayer(nn.Module):
+    """A graph layer given a sparse adjacency, which the digest cannot read, and scaled by a global counter."""
+
+    calls: ClassVar[list[int]] = [0]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+        self.calls[0] += 1
+        return torch.sparse.mm(adjacency, torch.tanh(self.linear(x * (1.0 + self.calls[0]))))
+
+
+def test_an_argument_the_digest_cannot_read_is_not_taken_for_an_input_that_changed() -> None:
+    model = nn.Sequential(SparseAdjacencyLayer())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x, adjacency = torch.randn(4, DIM), torch.rand(4, 4).to_sparse()
+    report = check_recomputation(model, lambda: model[0](x, adjacency).square().sum(), attribution=True)
+    assert [(region.cause, region.hint) for region in report.regions] == [("python_state", Cause.PYTHON_STATE.hint)]
+
+
+def test_an_attributed_pass_keeps_no_region_input_alive_that_offloading_hooks_let_go() -> None:
+    model = nn.Sequential(PlainBlock(), PlainBlock(), PlainBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["1", "2"]))
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    model[1].register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    model[2].register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    attribution = Attribution(model)
+    with attribution.observing():
+        # Offloading as `save_on_cpu` does: the copy is kept, the original let go.
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            loss = model(torch.randn(4, DIM)).square().sum()
+        gc.collect()
+        assert [ref() is None for ref in inputs] == [True, True]
+        loss.backward()
+    attribution.finish(None)

@@ -311,3 +311,32 @@ def test_saved_tensor_hooks_beside_a_checkpoint_inside_are_warned_with_it() -> N
         "lightning_ckpt_determinism: checkpointed `OffloadingBesideCheckpointBlock` regions enter saved-tensor hooks"
         " inside them: `save_on_cpu` entered in OffloadingBesideCheckpointBlock.forward ("
     )
+
+
+class ReusedHooksBlock(nn.Module):
+    """Uses one hooks object twice: around its checkpoint and, as `beside` says, once more beside it."""
+
+    def __init__(self, beside: bool) -> None:
+        super().__init__()
+        self.attn = nn.Linear(DIM, DIM)
+        self.mlp = nn.Linear(DIM, DIM)
+        self.beside = beside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hooks = torch.autograd.graph.save_on_cpu()
+        with hooks:
+            with hooks:  # entered again while open: the same use
+                hidden = x + torch.tanh(self.attn(x))
+            hidden = hidden + checkpoint(self.mlp, hidden, use_reentrant=False)
+        if self.beside:
+            with hooks:
+                hidden = hidden + torch.tanh(self.attn(hidden))
+        return hidden
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_each_use_of_saved_tensor_hooks_is_told_apart_by_whether_a_checkpoint_runs_in_it(beside: bool) -> None:
+    model = nn.Sequential(ReusedHooksBlock(beside))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    kinds = [("saved-tensor hooks" in said, "another activation checkpointing" in said) for said in warned(model)]
+    assert kinds == [(False, True), *([(True, False)] if beside else [])]

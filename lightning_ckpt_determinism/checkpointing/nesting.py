@@ -156,10 +156,10 @@ def _checkpoints_inside(region_code: CodeType, region: object) -> Iterator[tuple
         return
     codes = checkpoint_codes()
     entered, exited = saved_tensors_hooks_codes()
-    # The user's hooks entered and not left yet, and those seen (held until the block ends, so that identities stay
-    # theirs): each described, or None once a checkpoint was called inside them.
-    open_hooks: list[object] = []
-    seen: list[tuple[object, list[str | None]]] = []
+    # Each use of the user's hooks: described, or None once a checkpoint was called while it was open; and the entries
+    # not left yet, each with the hooks entered (alive while open, so that an identity names one object).
+    entries: list[list[str | None]] = []
+    open_entries: list[tuple[object, list[str | None]]] = []
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event != "call":
@@ -168,25 +168,30 @@ def _checkpoints_inside(region_code: CodeType, region: object) -> Iterator[tuple
         if code in codes:
             if not found:
                 found.append(NestedCheckpoint(_caller(frame.f_back), region_code, region))
-            for held, description in seen:
-                if any(held is other for other in open_hooks):
-                    description[0] = None
+            for _, entry in open_entries:
+                entry[0] = None
         elif code is entered or code is exited:
             held = frame.f_locals["self"]
             if is_checkpoint_hooks(held):
                 return
-            if code is exited:
-                open_hooks[:] = [other for other in open_hooks if other is not held]
-            elif not any(held is other for other, _ in seen):
-                open_hooks.append(held)
-                seen.append((held, [_hooks_entered(frame)]))
+            if code is entered:
+                # Entered again while open (`with hooks:` inside `with hooks:`): the same use of them.
+                again = [entry for other, entry in open_entries if other is held]
+                entry = again[0] if again else [_hooks_entered(frame)]
+                if not again:
+                    entries.append(entry)
+                open_entries.append((held, entry))
+            else:  # the latest entry into these hooks is left
+                last = max((at for at, (other, _) in enumerate(open_entries) if other is held), default=None)
+                if last is not None:
+                    del open_entries[last]
 
     sys.setprofile(profile)
     try:
         yield found, hooks
     finally:
         sys.setprofile(None)
-        hooks.extend(description[0] for _, description in seen if description[0] is not None)
+        hooks.extend(entry[0] for entry in entries if entry[0] is not None)
 
 
 def _hooks_entered(frame: FrameType) -> str:

@@ -165,9 +165,9 @@ class RegionCall:
             what is written to them between its forward and a recomputation is then no write of the recomputation.
         exposed_buffers: The buffers whose live values the call's recomputations could change (none it puts back:
             with ``protect_buffers``, the larger ones no forward was seen to change).
-        recomputed_from: The arguments each recomputation of the call started from, appended as it starts (saved
-            tensors come back through the saved-tensor hooks around the forward, which may give other values); an
-            observer empties it when it has read them.
+        recomputed_from: The arguments the recomputation of the call under way started from, appended as it starts
+            and emptied as it ends (saved tensors come back through the saved-tensor hooks around the forward, which
+            may give other values).
     """
 
     region: str
@@ -792,7 +792,7 @@ class CheckpointedForward:
         if observer is not None:
             # Above the other contexts, so its dispatch mode sits on top of the selective-checkpointing one and of the
             # guard and sees every op, including those whose outputs they serve from their caches.
-            call.observed_as = RegionCall(
+            observed = RegionCall(
                 self.region,
                 self.module,
                 inputs,
@@ -800,7 +800,9 @@ class CheckpointedForward:
                 self.plan.protect_buffers,
                 frozenset(name for name, _ in self._exposed_buffers()),
             )
-            observe_forward, observe_recompute = observer.contexts(call.observed_as)
+            # The call holds the list alone, not the inputs: what the forward saved stays torch's to keep or drop.
+            call.recomputed_from = observed.recomputed_from
+            observe_forward, observe_recompute = observer.contexts(observed)
             forward.append(observe_forward)
             recompute.append(observe_recompute)
         return Reenterable(forward), Reenterable(recompute)
@@ -946,7 +948,8 @@ class _EagerCall:
         modules: The region's modules as the call started, whose training flags its key holds.
         torch_keeps: Whether the call passed torch's own ``determinism_check`` name (no probe learns from it and no
             observer reads it): torch's extractor keeps its tensors' metadata, and torch's frame counts them.
-        observed_as: The call as the region's observer got it, which is told what each recomputation starts from.
+        recomputed_from: Where the region's observer reads what each recomputation starts from (its
+            ``RegionCall.recomputed_from``), emptied after each; ``None`` without an observer.
         default_dtype: torch's default dtype as the forward ran, which each recomputation runs with: Lightning's
             ``"bf16-true"``, ``"16-true"`` and ``"64-true"`` set it around ``training_step`` only, so backward, where
             recomputation runs, would make the region's new tensors (``torch.linspace``, ``torch.tensor(0.1)``) in
@@ -968,7 +971,7 @@ class _EagerCall:
     made: list[tuple[nn.Module, str]] = field(default_factory=list, init=False)
     modules: tuple[nn.Module, ...] = field(default=(), init=False)
     default_dtype: torch.dtype = field(default=torch.float32, init=False)
-    observed_as: RegionCall | None = field(default=None, init=False)
+    recomputed_from: list[tuple[Any, ...]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # The region's modules as the call starts: its forward may make others, which the next call reads.
@@ -990,10 +993,15 @@ class _EagerCall:
             # The buffers of submodules the forward made, which the region protects from its next call on.
             made = values_kept(_held_buffers(self.made)) if self.made else NO_CONTEXT
             dtype = NO_CONTEXT if torch.get_default_dtype() is self.default_dtype else default_dtype(self.default_dtype)
-            if self.observed_as is not None:
-                self.observed_as.recomputed_from.append(flat)
-            with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out, made, dtype:
-                out = wrapper._forward_from(flat, self.num_positional, self.keys)
+            started = self.recomputed_from
+            if started is not None:
+                started.append(flat)
+            try:
+                with entered, wrapper._saved_recompute(), self.attributes.replay(), modes, left_out, made, dtype:
+                    out = wrapper._forward_from(flat, self.num_positional, self.keys)
+            finally:
+                if started is not None:
+                    started.clear()
             if self.full:
                 _mark_end()
             return out

@@ -305,8 +305,13 @@ class CallRecord:
         if not self.recomputed_from or not self.input_prints:
             return False
         arguments = [value for value in self.recomputed_from[-1] if isinstance(value, torch.Tensor)]
-        return len(arguments) == len(self.input_prints) and any(
-            not known.same_as(fingerprint(value)) for known, value in zip(self.input_prints, arguments, strict=True)
+        if len(arguments) != len(self.input_prints):
+            return False
+        # An argument the digest cannot read (sparse, meta) has a fingerprint that matches none: not compared.
+        started = (fingerprint(value) for value in arguments)
+        return any(
+            known.digest is not None and now.digest is not None and not known.same_as(now)
+            for known, now in zip(self.input_prints, started, strict=True)
         )
 
     def _unwritten(self, func: OpOverload, outputs: Sequence[Any]) -> tuple[int, ...]:
@@ -852,7 +857,6 @@ class Attribution:
                 if metrics is not None:
                     call.metrics_updated = metrics.changed()
                 call.recomputations += 1
-                call.recomputed_from.clear()  # read, if at all, by this recomputation's comparison
                 call.release()
 
 
