@@ -340,3 +340,20 @@ def test_each_use_of_saved_tensor_hooks_is_told_apart_by_whether_a_checkpoint_ru
     apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
     kinds = [("saved-tensor hooks" in said, "another activation checkpointing" in said) for said in warned(model)]
     assert kinds == [(False, True), *([(True, False)] if beside else [])]
+
+
+class MutationHooksBlock(PlainBlock):
+    """Enters torch's `allow_mutation_on_saved_tensors`, saved-tensor hooks a generator of torch's makes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            return super().forward(x)
+
+
+def test_hooks_a_generator_of_torch_makes_are_named_where_the_forward_enters_them() -> None:
+    model = nn.Sequential(MutationHooksBlock())
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    with pytest.warns(LightningCkptDeterminismWarning) as caught:
+        model(torch.randn(4, DIM, requires_grad=True))  # the warning comes with the first forward
+    (message,) = [str(w.message) for w in caught]
+    assert "`_swap_with_cloned` entered in MutationHooksBlock.forward (" in message, message

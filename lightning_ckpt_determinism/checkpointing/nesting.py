@@ -15,6 +15,7 @@ frames above the region's call (a checkpoint around it), and a profile function 
 that forward runs and only if no profiler is set) catches a checkpoint or saved-tensor hooks entered inside it.
 """
 
+import contextlib
 import os
 import sys
 import warnings
@@ -35,8 +36,9 @@ from lightning_ckpt_determinism.errors import LightningCkptDeterminismWarning
 
 __all__ = ["probing_for_nesting"]
 
-# Frames of files below this folder are torch's: the hooks' caller is the first frame outside it.
-_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
+# Frames of torch's files, and of `contextlib` (hooks made by a generator, as `allow_mutation_on_saved_tensors`), are
+# passed through: the hooks' caller is the first frame outside them.
+_PASSED_THROUGH = (os.path.join(os.path.dirname(torch.__file__), ""), contextlib.__file__)
 # Frames of these files are torch's checkpoint machinery or its dynamo wrappers, never the caller.
 _MACHINERY = tuple(
     os.path.join("torch", *parts)
@@ -199,7 +201,7 @@ def _hooks_entered(frame: FrameType) -> str:
     them."""
     name = type(frame.f_locals["self"]).__name__
     caller = frame.f_back
-    while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+    while caller is not None and caller.f_code.co_filename.startswith(_PASSED_THROUGH):
         caller = caller.f_back
     if caller is None:
         return f"`{name}`"
