@@ -1149,12 +1149,11 @@ def test_a_norm_outside_the_regions_downstream_of_a_python_state_region_leaves_i
     assert [(region.name, region.cause) for region in report.regions] == [("0", "python_state")]
 
 
-def test_lossy_saved_tensor_hooks_around_the_regions_are_named_by_the_input_recomputation_started_from() -> None:
-    plain, model = twins(lambda: nn.Sequential(PlainBlock(), PlainBlock(), nn.Linear(DIM, 1)), ["0", "1"])
-    x = torch.randn(4, DIM)
+def _checked_under_lossy_hooks(plain: nn.Module, model: nn.Module, x: torch.Tensor) -> RecomputationReport:
+    """Train both twins one step under activation compression (what the hooks give back is rounded to bfloat16),
+    show that their gradients differ, and check the checkpointed one under the same hooks."""
 
     def loss(module: nn.Module) -> torch.Tensor:
-        # Activation compression: what the hooks give back is rounded to bfloat16.
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t.float()):
             return module(x).square().sum()
 
@@ -1163,7 +1162,12 @@ def test_lossy_saved_tensor_hooks_around_the_regions_are_named_by_the_input_reco
     # The twin saves its activations through the hooks, the checkpointed model its regions' inputs, which every
     # recomputed op reads rounded: gradients differ.
     assert not all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
-    report = check_recomputation(model, lambda: loss(model), attribution=True)
+    return check_recomputation(model, lambda: loss(model), attribution=True)
+
+
+def test_lossy_saved_tensor_hooks_around_the_regions_are_named_by_the_input_recomputation_started_from() -> None:
+    plain, model = twins(lambda: nn.Sequential(PlainBlock(), PlainBlock(), nn.Linear(DIM, 1)), ["0", "1"])
+    report = _checked_under_lossy_hooks(plain, model, torch.randn(4, DIM))
     assert report.diverged
     assert [(region.name, region.cause, region.hint) for region in report.regions] == [
         (name, "python_state", INPUT_CHANGED_HINT) for name in ("0", "1")
@@ -1258,16 +1262,7 @@ class ChunkedBlock(nn.Module):
 
 def test_an_input_changed_on_its_way_to_recomputation_is_named_where_the_ops_read_parts_of_it() -> None:
     plain, model = twins(lambda: nn.Sequential(nn.Linear(DIM, DIM), ChunkedBlock(), nn.Linear(DIM, 1)), ["1"])
-    x = torch.randn(2, 4, DIM)
-
-    def loss(module: nn.Module) -> torch.Tensor:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.bfloat16), lambda t: t.float()):
-            return module(x).square().sum()
-
-    loss(plain).backward()
-    loss(model).backward()
-    assert not all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
-    report = check_recomputation(model, lambda: loss(model), attribution=True)
+    report = _checked_under_lossy_hooks(plain, model, torch.randn(2, 4, DIM))
     assert [(region.name, region.cause, region.hint) for region in report.regions] == [
         ("1", "python_state", INPUT_CHANGED_HINT)
     ]
