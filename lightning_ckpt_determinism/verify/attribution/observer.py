@@ -682,12 +682,8 @@ class Attribution:
         )
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext
-        call.input_versions = [
-            (weakref.ref(value), buffer_version_counter(value))
-            for value in region_call.inputs
-            if isinstance(value, torch.Tensor)
-        ]
         call.arguments = [value for value in region_call.inputs if isinstance(value, torch.Tensor)]
+        call.input_versions = [(weakref.ref(value), buffer_version_counter(value)) for value in call.arguments]
         call.recomputed_from = region_call.recomputed_from
         return partial(self._forward, call), partial(self._recompute, call)
 
