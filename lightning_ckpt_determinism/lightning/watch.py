@@ -317,7 +317,7 @@ class SentinelWatch:
         regions = len(sentinel.regions)
         failed = next((error for _, _, error in pending if error is not None), self._failed_since_read)
         self._failed_since_read = None
-        counts, compared, new_paths = [], [], 0
+        counts, compared = [], []
         # What calls on new code paths left out at each step whose records compared or left out anything (a step's
         # micro-batches each close a record; a step without a backward closes an empty one).
         new_paths_at: dict[int, int] = {}
@@ -326,7 +326,6 @@ class SentinelWatch:
             try:
                 if record is not None and failed is None:
                     found, seen = record.mismatch_counts(device), record.compared
-                    new_paths += record.on_new_paths
                     if seen or record.on_new_paths:
                         new_paths_at[step] = new_paths_at.get(step, 0) + record.on_new_paths
             except Exception as err:
@@ -337,7 +336,7 @@ class SentinelWatch:
         # Each record's mismatches per region, then what every record compared, what calls on new code paths left
         # out (in all, and at the last step that compared or left out anything, with whether there was one), then
         # the failure flag: summed over ranks in one collective, so that each counts the same ranks.
-        tail = [*compared, new_paths, last, int(bool(new_paths_at)), int(failed is not None)]
+        tail = [*compared, sum(new_paths_at.values()), last, int(bool(new_paths_at)), int(failed is not None)]
         reduced = all_reduce(strategy)(
             torch.cat([*counts, torch.tensor(tail, dtype=torch.int64, device=device)]), "sum"
         ).tolist()
