@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
 
 from examples.broken import SyntheticRegression
 from examples.moe import MoEModule
@@ -118,6 +120,39 @@ def test_the_setup_line_of_a_monitored_fit_says_what_was_applied_and_one_module_
         "lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to 1 module (1 x DropoutBlock);"
         " every_n=1, save_ops=none."
     ]
+
+
+class _EvaluatedStack(StackModule):
+    """A :class:`StackModule` with a validation and a test loop over its training data."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", F.mse_loss(self.model(batch[0]), batch[1]))
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("test/loss", F.mse_loss(self.model(batch[0]), batch[1]))
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
+def test_the_setup_line_is_said_once_across_fit_validate_and_test_of_one_trainer(
+    tmp_path: Path, lightning_info: pytest.LogCaptureFixture
+) -> None:
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.1"]))
+    module = _EvaluatedStack()
+    trainer = _fit(tmp_path, module, strategy, max_steps=1, callbacks=[RecomputationMonitor()])
+    trainer.validate(module, verbose=False)
+    trainer.test(module, verbose=False)
+    said = [record.getMessage() for record in lightning_info.records if "applied to" in record.getMessage()]
+    assert len(said) == 1
+
+    other = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.0"]))
+    _fit(tmp_path, StackModule(), other, max_steps=1, callbacks=[RecomputationMonitor()])
+    said = [record.getMessage() for record in lightning_info.records if "applied to" in record.getMessage()]
+    assert len(said) == 2
 
 
 @pytest.mark.parametrize("keep", [True, False])

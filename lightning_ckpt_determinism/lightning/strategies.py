@@ -104,6 +104,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         self._applied_checkpointing: dict[str, nn.Module] = {}
         # What `apply_checkpointing` checkpointed, in which module: a budget measures them all again after a restore.
         self._selected: tuple[nn.Module, dict[str, nn.Module]] | None = None
+        # The line `apply_checkpointing` last said: validate, test, predict and a Tuner's trials apply the same again.
+        self._said_applied: str | None = None
         self._model_set_up = False
         self._budgeted: BudgetedCheckpointing | None = None
         # The package's warnings and notes while this strategy's run lasts (see `fit_output`).
@@ -266,8 +268,9 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         return select_modules(module, self.checkpointing)
 
     def apply_checkpointing(self, selected: dict[str, nn.Module], root: nn.Module | None = None) -> None:
-        """Checkpoint the modules :meth:`select_for_checkpointing` chose, with one info line saying what was done;
-        :meth:`teardown` removes it again. A transformers model around them runs without its key-value cache
+        """Checkpoint the modules :meth:`select_for_checkpointing` chose, with one info line saying what was done
+        (said once while it stays the same: ``validate``, ``test`` and ``predict`` apply it again); :meth:`teardown`
+        removes it again. A transformers model around them runs without its key-value cache
         meanwhile (see :func:`~lightning_ckpt_determinism.apply_activation_checkpointing`).
 
         Args:
@@ -293,12 +296,15 @@ class ActivationCheckpointingMixin(ModelSetupHook):
             if not _monitored(root)
             else ""
         )
-        rank_zero_info(
+        line = (
             f"lightning_ckpt_determinism: activation checkpointing (non-reentrant) applied to {len(selected)}"
             f" module{'s' if len(selected) != 1 else ''} ({_summary(selected)}{chose});"
             f" every_n={self.checkpointing.every_n}, save_ops={self.checkpointing.save_ops or 'none'}.{pending}"
             f"{unwatched}"
         )
+        if line != self._said_applied:
+            rank_zero_info(line)
+            self._said_applied = line
 
 
 def _monitored(root: nn.Module) -> bool:
