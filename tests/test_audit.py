@@ -12,11 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from lightning.pytorch.plugins.precision import HalfPrecision
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch.utils.data import DataLoader
 
 from examples.gpt import GPTModule
 from lightning_ckpt_determinism import (
@@ -27,6 +29,7 @@ from lightning_ckpt_determinism import (
     plan_activation_checkpointing,
 )
 from lightning_ckpt_determinism.audit import files, loading, main, running
+from tests.helpers import trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -857,8 +860,54 @@ class _FrozenBatch:
 def test_a_batch_the_precision_cannot_convert_is_a_usage_error_naming_it() -> None:
     strategy = SimpleNamespace(precision_plugin=HalfPrecision("bf16-true"), root_device=torch.device("cpu"))
     # As `fit` fails before `training_step` under this precision: Lightning cannot rebuild a frozen dataclass.
-    message = r"^a batch of _FrozenBatch cannot be converted to the precision's dtype and moved to the device"
+    message = r"^a batch of _FrozenBatch cannot be prepared as `fit` prepares it for `training_step`"
     with pytest.raises(running.UsageError, match=message):
         running._prepared(GPTModule(), strategy, _FrozenBatch(torch.ones(2)))
     converted = running._prepared(GPTModule(), strategy, (torch.ones(2), torch.ones(2, dtype=torch.long)))
     assert [tensor.dtype for tensor in converted] == [torch.bfloat16, torch.long]
+
+
+class _HookedData(pl.LightningDataModule):
+    """Dicts of features, doubled after the transfer: the datamodule's hook, which `fit` prefers to the model's."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([{"x": torch.full((4,), float(i))} for i in range(4)], batch_size=2)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch[0] * 2, batch[1]
+
+
+class _HookedModule(pl.LightningModule):
+    """Turns a dict batch into features and targets before the transfer; records what `training_step` is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.seen: list[Any] = []
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch["x"], batch["x"].sum(dim=1, keepdim=True)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch[0] + 100, batch[1]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch)
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:You have overridden `on_after_batch_transfer`")
+def test_the_audit_gives_training_step_its_batch_through_the_batch_hooks_as_fit_does(tmp_path: Path) -> None:
+    data, fitted = _HookedData(), _HookedModule()
+    pl.Trainer(**trainer_kwargs(tmp_path, max_steps=1)).fit(fitted, datamodule=data)
+    strategy = SimpleNamespace(precision_plugin=Precision(), root_device=torch.device("cpu"))
+    raw = next(iter(data.train_dataloader()))
+    prepared = running._prepared(_HookedModule(), strategy, raw, data)
+    assert len(prepared) == 2
+    assert all(torch.equal(mine, fits) for mine, fits in zip(prepared, fitted.seen[0], strict=True))
+    # Without a datamodule, the model's own hook is the one `fit` runs.
+    alone = running._prepared(_HookedModule(), strategy, raw)
+    assert torch.equal(alone[0], raw["x"] + 100)

@@ -27,6 +27,7 @@ from typing import Any, cast
 import lightning
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from tqdm import tqdm
 
 from lightning_ckpt_determinism.audit.arguments import (
@@ -206,7 +207,7 @@ def _audit(args: argparse.Namespace) -> int:
     with quiet_lightning():
         model = _set_up(cli.model, strategy)
     try:
-        reports, seen, scan = _check_batches(model, strategy, loader, args)
+        reports, seen, scan = _check_batches(model, strategy, loader, cli.datamodule, args)
         if not reports:
             raise UsageError(
                 f"the training data of {configs_text(args.config)} gave no batch whose `training_step` returned a loss"
@@ -218,7 +219,7 @@ def _audit(args: argparse.Namespace) -> int:
         summaries = summarize(reports)
         found = None
         if budgeted:
-            plan = _plan(model, strategy, loader)
+            plan = _plan(model, strategy, loader, cli.datamodule)
             found = trade_off(plan)
             print(trade_off_table(found, plan) + "\n")
         print(table(summaries))
@@ -263,7 +264,9 @@ def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
     return model
 
 
-def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> CheckpointingPlan:
+def _plan(
+    model: pl.LightningModule, strategy: Any, loader: Any, datamodule: pl.LightningDataModule | None
+) -> CheckpointingPlan:
     """The plan for the config's ``memory_budget``, measured on the first batch that gives a loss, with each
     candidate's op calls, from which the trade-off plans both granularities."""
     try:
@@ -271,7 +274,7 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
     except CheckpointingConfigError as err:
         raise UsageError(_keyed(err)) from err
     for batch_idx, batch in enumerate(loader):
-        batch = _prepared(model, strategy, batch)
+        batch = _prepared(model, strategy, batch, datamodule)
 
         def step(batch: Any = batch, batch_idx: int = batch_idx) -> None:
             training_step_loss(model, *training_step_arguments(model, batch, batch_idx)).backward()
@@ -287,25 +290,45 @@ def _plan(model: pl.LightningModule, strategy: Any, loader: Any) -> Checkpointin
     raise UsageError("the training data gave no batch whose `training_step` returned a loss to plan the budget on")
 
 
-def _prepared(model: pl.LightningModule, strategy: Any, batch: Any) -> Any:
+def _prepared(
+    model: pl.LightningModule, strategy: Any, batch: Any, datamodule: pl.LightningDataModule | None = None
+) -> Any:
     """``batch`` as `fit` gives it to ``training_step``: converted to the precision's dtype (``"bf16-true"`` casts
-    floating inputs to bfloat16), then moved to the strategy's device.
+    floating inputs to bfloat16), through ``on_before_batch_transfer``, moved to the strategy's device by
+    ``transfer_batch_to_device``, then through ``on_after_batch_transfer``; each hook the datamodule's where it
+    overrides it, as in `fit`.
 
     Raises:
-        UsageError: If the precision plugin cannot convert it or it cannot be moved (a frozen dataclass, which
-            Lightning cannot rebuild), as in `fit`.
+        UsageError: If a step fails (a frozen dataclass, which Lightning cannot rebuild, or a hook that raises), as it
+            would in `fit`.
     """
     try:
-        return model.transfer_batch_to_device(strategy.precision_plugin.convert_input(batch), strategy.root_device, 0)
+        prepared = _batch_hook(model, datamodule, "on_before_batch_transfer")(
+            strategy.precision_plugin.convert_input(batch), 0
+        )
+        prepared = _batch_hook(model, datamodule, "transfer_batch_to_device")(prepared, strategy.root_device, 0)
+        return _batch_hook(model, datamodule, "on_after_batch_transfer")(prepared, 0)
     except Exception as err:
         raise UsageError(
-            f"a batch of {type(batch).__name__} cannot be converted to the precision's dtype and moved to the device,"
-            f" as `fit` does before `training_step`: {type(err).__name__}: {err}"
+            f"a batch of {type(batch).__name__} cannot be prepared as `fit` prepares it for `training_step` (the"
+            " precision's conversion, `on_before_batch_transfer`, the move to the device, `on_after_batch_transfer`):"
+            f" {type(err).__name__}: {err}"
         ) from err
 
 
+def _batch_hook(model: pl.LightningModule, datamodule: pl.LightningDataModule | None, name: str) -> Any:
+    """The datamodule's batch hook ``name`` where it overrides it, else the model's, as `fit` chooses."""
+    if datamodule is not None and is_overridden(name, datamodule):
+        return getattr(datamodule, name)
+    return getattr(model, name)
+
+
 def _check_batches(
-    model: pl.LightningModule, strategy: Any, loader: Any, args: argparse.Namespace
+    model: pl.LightningModule,
+    strategy: Any,
+    loader: Any,
+    datamodule: pl.LightningDataModule | None,
+    args: argparse.Namespace,
 ) -> tuple[list[RecomputationReport], int, GraphScan | None]:
     """The reports of the first ``--batches`` batches that give a loss, how many batches it took, and the scan."""
     reports: list[RecomputationReport] = []
@@ -321,7 +344,7 @@ def _check_batches(
     ):
         for batch_idx, batch in enumerate(loader):
             seen += 1
-            report = _check_batch(model, strategy, _prepared(model, strategy, batch), batch_idx, args)
+            report = _check_batch(model, strategy, _prepared(model, strategy, batch, datamodule), batch_idx, args)
             if report is not None:
                 reports.append(report)
                 progress.update()
