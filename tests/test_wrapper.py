@@ -737,10 +737,13 @@ def test_entries_matching_nothing_warn_while_the_others_apply() -> None:
     config = CheckpointingConfig(classes=["DropoutBlock", "NoSuchBlock", "torch.nn.Conv2d"], names=["layers.*"])
     with pytest.warns(
         LightningCkptDeterminismWarning,
-        match=r"`CheckpointingConfig` entries \['NoSuchBlock', 'Conv2d', 'layers\.\*'\] match no module of Stack",
+        # Each entry as written: the dotted one by its path, which says what was looked for.
+        match=r"entries \['NoSuchBlock', 'torch\.nn\.Conv2d', 'layers\.\*'\] match no module of Stack",
     ):
         names = apply_activation_checkpointing(model, config)
     assert names == BLOCKS
+    with pytest.raises(ValueError, match=r"matches no module of Stack: classes=\['torch\.nn\.Conv2d'\], names=\[\]\."):
+        apply_activation_checkpointing(make_stack(DropoutBlock), CheckpointingConfig(classes=["torch.nn.Conv2d"]))
 
 
 def test_config_matching_the_gpt_blocks_by_class_and_by_path() -> None:

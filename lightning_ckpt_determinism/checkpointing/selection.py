@@ -16,7 +16,7 @@ from lightning_ckpt_determinism.config import (
     AUTO_CLASSES,
     CheckpointingConfig,
     class_entries,
-    class_name,
+    entry_shown,
     resolve_class_path,
 )
 from lightning_ckpt_determinism.errors import (
@@ -61,7 +61,8 @@ def _select(module: nn.Module, config: CheckpointingConfig) -> tuple[dict[str, n
     paths = class_entries(config)  # the config stores classes as paths
     chosen = set(auto_layers(module).names) if config.classes == AUTO_CLASSES else set()
     bare_names = {path for path in paths if "." not in path}
-    classes = tuple(resolve_class_path(path) for path in paths if "." in path)
+    dotted = {path: resolve_class_path(path) for path in paths if "." in path}
+    classes = tuple(dotted.values())
     wrapped_names = [name for name, sub in named_modules(module) if is_checkpointed(sub)]
 
     _refuse_containers(module, config)
@@ -86,7 +87,7 @@ def _select(module: nn.Module, config: CheckpointingConfig) -> tuple[dict[str, n
             matched.append((name, sub))
     if not matched:
         raise CheckpointingConfigError(_nothing_matched_message(module, config))
-    _warn_unused_entries(module, config, bare_names, classes)
+    _warn_unused_entries(module, config, bare_names, dotted)
     if len(matched) < config.every_n:
         # Otherwise nothing would be checkpointed and training would run silently without it.
         raise CheckpointingConfigError(
@@ -329,16 +330,16 @@ def _did_you_mean(entries: list[str], class_names: list[str]) -> str:
 def _classes_shown(module: nn.Module, config: CheckpointingConfig) -> str:
     if config.classes == AUTO_CLASSES:
         return f"auto (found {auto_layers(module).reason})"
-    return str([class_name(entry) for entry in config.classes])
+    return str([entry_shown(entry) for entry in config.classes])
 
 
 def _warn_unused_entries(
-    module: nn.Module, config: CheckpointingConfig, bare_names: set[str], classes: tuple[type, ...]
+    module: nn.Module, config: CheckpointingConfig, bare_names: set[str], dotted: dict[str, type]
 ) -> None:
     named = [(name, sub) for name, sub in named_modules(module) if name]
     seen_class_names = {base.__name__ for _, sub in named for base in type(sub).__mro__}
     unused = [name for name in sorted(bare_names) if name not in seen_class_names]
-    unused += [cls.__name__ for cls in classes if not any(isinstance(sub, cls) for _, sub in named)]
+    unused += [entry_shown(path) for path, cls in dotted.items() if not any(isinstance(sub, cls) for _, sub in named)]
     patterns = [pattern for pattern in config.names if not any(fnmatch.fnmatchcase(n, pattern) for n, _ in named)]
     unused += patterns
     if unused:
