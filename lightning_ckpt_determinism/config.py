@@ -660,26 +660,26 @@ def class_name(entry: str | type) -> str:
     return entry.__name__ if isinstance(entry, type) else entry.rpartition(".")[2]
 
 
-
-def entry_shown(entry: str) -> str:
+def entry_shown(entry: str | type) -> str:
     """An entry of ``classes`` as messages show it: by its class name where it is the class's own path (a class given
     as an object is stored so), else as written (``"torch.nn.Conv2d"``, whose class lives in ``torch.nn.modules``).
 
     Args:
-        entry: An entry as the config stores it.
+        entry: An entry as the config stores it (a class, by its name).
 
     Example::
 
         >>> entry_shown("torch.nn.Conv2d"), entry_shown("torch.nn.modules.conv.Conv2d"), entry_shown("Block")
         ('torch.nn.Conv2d', 'Conv2d', 'Block')
     """
-    if isinstance(entry, _HeldClass) or "." not in entry:
+    if isinstance(entry, (type, _HeldClass)) or "." not in entry:
         return class_name(entry)
     try:
         cls = resolve_class_path(entry)
     except CheckpointingConfigError:
         return entry
     return cls.__name__ if f"{cls.__module__}.{cls.__qualname__}" == entry else entry
+
 
 class _HeldClass(str):
     """The dotted path of a class that cannot be imported by it (defined inside a function, or made at run time),
