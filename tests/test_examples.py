@@ -142,7 +142,7 @@ def test_broken_config_trains_to_a_visible_defect(path: Path, tmp_path: Path, mo
     if "parameter_write" in path.name:
         # The step writes a parameter in place (the forward's renormalisation), which the check cannot rerun from
         # where it started: it skips the step, and the sentinel counts the recomputation's write at every step.
-        assert monitor.history[0].skipped == "parameters changed in place in training_step"
+        assert monitor.history[0].skipped == "parameters changed in place in the step"
         assert cli.trainer.callback_metrics["recompute/sentinel/mismatches"].item() > 0
         return
     assert monitor.history[0].diverged

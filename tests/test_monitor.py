@@ -919,7 +919,7 @@ def test_parameters_a_step_changes_in_place_are_copied_after_the_first_skip_and_
             # The first check cannot rerun the step (the teacher was not copied); the next step is checked, with the
             # teacher copied at its start and put back after, and so is every later check.
             skipped, *checked = monitor.history
-            assert (skipped.step, skipped.skipped) == (0, "parameters changed in place in training_step")
+            assert (skipped.step, skipped.skipped) == (0, "parameters changed in place in the step")
             expected = [1, 2, 3] if every_n_steps == 1 else [1, 2]
             assert [(entry.step, entry.skipped, entry.grad_divergence) for entry in checked] == [
                 (step, None, 0.0) for step in expected
@@ -1088,6 +1088,40 @@ def test_a_dataloader_without_a_length_shows_the_counts_at_the_epochs_end_on_one
     # Read at step 0 (checked) and at the epoch's end (step 2), however long the logging interval.
     compared = monitor.sentinel_report.compared
     assert compared > 0 and trainer.callback_metrics["recompute/sentinel/compared"] == compared
+
+
+class _HalvesAWeightBeforeBackward(pl.Callback):
+    """Halves a block's weight in place between the forward and the backward of step 2."""
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_step == 2:
+            with torch.no_grad():
+                pl_module.model.blocks[1].linear.weight.mul_(0.5)
+
+
+def test_a_parameter_a_hook_writes_before_backward_is_named_as_the_steps_write_and_the_follow_ups_cause(tmp_path):
+    # Without checkpointing, autograd refuses the write: the weight the forward saved changed before its backward.
+    plain = pl.Trainer(**trainer_kwargs(tmp_path / "plain", callbacks=[_HalvesAWeightBeforeBackward()], max_steps=4))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain.fit(StackModule(block="PlainBlock"))
+    monitor = RecomputationMonitor(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_with(tmp_path / "checked", monitor, "PlainBlock", [_HalvesAWeightBeforeBackward()], max_steps=4)
+    said = [str(warning.message) for warning in caught if "lightning_ckpt_determinism" in str(warning.message)]
+    written = "model.blocks.1.linear.weight"
+    assert any(
+        f"step 2 was skipped: the step changed parameters in place ({written}) in `training_step` or a hook before"
+        " its backward" in line
+        for line in said
+    ), said
+    (follow_up,) = [line for line in said if "which a sentinel finding asked for" in line]
+    assert f"step 2 changed parameters in place ({written}), and a region whose parameter is written" in follow_up
+    assert "(`parameter_write`)" in follow_up
+    assert [(entry.step, entry.skipped) for entry in monitor.history][:2] == [
+        (0, None),
+        (1, None),
+    ] and monitor.history[2].skipped == "parameters changed in place in the step"
 
 
 def fit_with(tmp_path, monitor, block, callbacks_extra=(), **overrides):
