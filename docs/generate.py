@@ -22,6 +22,7 @@ from lightning_ckpt_determinism.verify.reports import (
     READ_OTHERWISE_HINT,
     ROUTING_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
+    UNREPLAYED_GENERATOR_HINT,
     UNSEEN_WRITE_HINT,
 )
 
@@ -88,6 +89,10 @@ def causes_page() -> str:
         "has a hint of its own:",
         "",
         f"> {INPUT_MODIFIED_HINT}",
+        "",
+        "A `rng_not_preserved` in a region with `preserve_rng_state` on (a generator it does not replay) has one:",
+        "",
+        f"> {UNREPLAYED_GENERATOR_HINT}",
         "",
         "A `parameter_write` whose forward found other tensors than the module's own parameters has one, naming them:",
         "",

@@ -46,6 +46,7 @@ from lightning_ckpt_determinism.verify.reports import (
     INPUT_CHANGED_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
     TORCH_RNG_STREAM_HINT,
+    UNREPLAYED_GENERATOR_HINT,
 )
 from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
 from tests.test_verdicts import (
@@ -1305,3 +1306,39 @@ def test_an_attributed_pass_keeps_no_region_input_alive_that_offloading_hooks_le
         assert [ref() is None for ref in inputs] == [True, True]
         loss.backward()
     attribution.finish(None)
+
+
+class _NoisyBlock(nn.Module):
+    """A block whose inner layer's forward hook adds noise from a generator the hook holds, not the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        generator = torch.Generator().manual_seed(7)
+        self.linear.register_forward_hook(
+            lambda module, inputs, output: output + 0.01 * torch.randn(output.shape, generator=generator)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_a_generator_no_module_holds_is_named_as_not_replayed_whatever_preserve_rng_state_says(
+    preserve_rng_state: bool,
+) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(_NoisyBlock(), nn.Linear(DIM, 1))
+    model = nn.Sequential(_NoisyBlock(), nn.Linear(DIM, 1))
+    model.load_state_dict(plain.state_dict())
+    config = CheckpointingConfig(names=["0"], preserve_rng_state=preserve_rng_state)
+    apply_activation_checkpointing(model, config)
+    x = torch.randn(4, DIM)
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    assert not torch.equal(plain[0].linear.weight.grad, model[0].linear.weight.grad)
+    report = check_recomputation(model, lambda: model(x).square().sum(), attribution=True)
+    (region,) = report.regions
+    assert (region.cause, region.first_divergent_op) == ("rng_not_preserved", ("aten.randn.generator", 2))
+    # With the setting on, the hint does not ask for it: it says which generators are replayed and which are not.
+    assert region.hint == (UNREPLAYED_GENERATOR_HINT if preserve_rng_state else Cause.RNG_NOT_PRESERVED.hint)

@@ -169,6 +169,7 @@ class RegionCall:
         recomputed_from: The arguments the recomputation of the call under way started from, appended as it starts
             and emptied as it ends (saved tensors come back through the saved-tensor hooks around the forward, which
             may give other values).
+        replays_rng: Whether the region replays torch's generators in recomputation (``preserve_rng_state``).
     """
 
     region: str
@@ -178,6 +179,7 @@ class RegionCall:
     protects_buffers: bool = True
     exposed_buffers: frozenset[str] = frozenset()
     recomputed_from: list[tuple[Any, ...]] = field(default_factory=list)
+    replays_rng: bool = True
 
 
 class RegionObserver(Protocol):
@@ -805,6 +807,7 @@ class CheckpointedForward:
                 kept,
                 self.plan.protect_buffers,
                 frozenset(name for name, _ in self._exposed_buffers()),
+                replays_rng=self.config.preserve_rng_state,
             )
             # The call holds the list alone, not the inputs: what the forward saved stays torch's to keep or drop.
             call.recomputed_from = observed.recomputed_from

@@ -25,6 +25,7 @@ __all__ = [
     "SAVED_DIFFERS_HINT",
     "SUBSTITUTED_PARAMETERS_HINT",
     "TORCH_RNG_STREAM_HINT",
+    "UNREPLAYED_GENERATOR_HINT",
     "UNSEEN_WRITE_HINT",
     "RecomputationReport",
     "RegionReport",
@@ -80,6 +81,14 @@ INPUT_CHANGED_HINT = (
     " write a copy."
 )
 """The hint of a ``python_state`` whose first differing op read one of the region's own inputs, changed."""
+
+UNREPLAYED_GENERATOR_HINT = (
+    "A random op draws other numbers in recomputation from a generator the region does not replay: with"
+    " `preserve_rng_state` on, as here, it replays torch's default generators and those its modules hold as"
+    " attributes, not one held elsewhere (in a hook's closure, a global, another object). Hold that generator as an"
+    " attribute of a module of the region, or draw from torch's default generator."
+)
+"""The hint of a ``rng_not_preserved`` in a region that replays torch's generators."""
 
 SAVED_DIFFERS_HINT = (
     "Differs: {saved}, made by no op the recomputation ran (made outside the region's ops: `torch.from_numpy`, a"

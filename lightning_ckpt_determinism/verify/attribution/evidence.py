@@ -85,6 +85,7 @@ class CallEvidence:
         metrics_updated: The torchmetrics metrics inside the region (relative to it) whose states its recomputation
             changed.
         protects_buffers: Whether the region puts its buffers back around each recomputation (``protect_buffers``).
+        replays_rng: Whether the region replays torch's generators in recomputation (``preserve_rng_state``).
         parameters_substituted: The parameters (relative to the region) its forward found held by other tensors than
             its recomputation did (``torch.func.functional_call``).
         exposed_buffers: The buffers (relative to the region) whose live values its recomputations could change: none
@@ -112,5 +113,6 @@ class CallEvidence:
     parameters_written_in_forward: tuple[str, ...] = ()
     metrics_updated: tuple[str, ...] = ()
     protects_buffers: bool = False
+    replays_rng: bool = False
     parameters_substituted: tuple[str, ...] = ()
     exposed_buffers: frozenset[str] = frozenset()

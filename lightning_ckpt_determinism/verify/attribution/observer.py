@@ -181,6 +181,7 @@ class CallRecord:
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     protects_buffers: bool = True
+    replays_rng: bool = True
     exposed_buffers: frozenset[str] = frozenset()
     # The positions of the forward's ops that wrote a buffer of the region (their outputs are not compared), and the
     # storages of those ops' outputs in the recomputation under way.
@@ -439,6 +440,7 @@ class CallRecord:
             parameters_written_in_forward=tuple(self.parameters_written_in_forward),
             metrics_updated=tuple(self.metrics_updated),
             protects_buffers=self.protects_buffers,
+            replays_rng=self.replays_rng,
             parameters_substituted=self.parameters_substituted,
             exposed_buffers=self.exposed_buffers,
         )
@@ -678,6 +680,7 @@ class Attribution:
             module=module,
             kept=region_call.data_dependent,
             protects_buffers=region_call.protects_buffers,
+            replays_rng=region_call.replays_rng,
             exposed_buffers=region_call.exposed_buffers,
         )
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:

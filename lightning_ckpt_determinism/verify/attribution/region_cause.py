@@ -53,6 +53,7 @@ from lightning_ckpt_determinism.verify.reports import (
     ROUTING_TOO_LARGE_HINT,
     SAVED_DIFFERS_HINT,
     SUBSTITUTED_PARAMETERS_HINT,
+    UNREPLAYED_GENERATOR_HINT,
     UNSEEN_WRITE_HINT,
     RegionReport,
     buffer_hint,
@@ -256,6 +257,8 @@ def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[st
         return f"{cause.hint} Written: {', '.join(written)}." if written else cause.hint
     if cause == Cause.RECOMPUTE_ERROR and call.error is not None and KEPT_OUTPUT_MUTATED in call.error:
         return KEPT_OUTPUT_WRITTEN_HINT
+    if cause == Cause.RNG_NOT_PRESERVED and call.replays_rng:
+        return UNREPLAYED_GENERATOR_HINT
     return cause.hint
 
 
