@@ -245,10 +245,10 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
         ),
         Cause.PYTHON_STATE: _hints(
             "The forward reads Python state that changed before recomputation (a list or dict it appends to, a"
-            " tensor attribute it changes in place, another object's field, a global; the region's own scalar"
-            " attributes, such as counters and flags, are replayed): compute it outside the checkpointed module and"
-            " pass it in, change it only outside forward, or register a tensor it changes as a buffer, which {}"
-            " replays.",
+            " tensor attribute it changes in place, another object's field, a global, a counter in a hook's closure;"
+            " the region's own scalar attributes, such as counters and flags, are replayed): compute it outside the"
+            " checkpointed module and pass it in, change it only outside forward, or register a tensor it changes"
+            " as a buffer, which {} replays.",
             _checkpointing("protect_buffers"),
         ),
         Cause.PARAMETER_WRITE: _hints(
