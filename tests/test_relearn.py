@@ -615,6 +615,52 @@ def test_a_branch_taken_every_other_call_is_compared_from_its_second_call_on(tie
     assert seen == [(False, False)] + [(True, noisy)] * 5
 
 
+class BranchingCell(nn.Module):
+    """A recurrent cell whose call at one timestep takes a branch of its own, scaled by NumPy's RNG when ``noisy``."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.noisy = noisy
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        if branch:
+            x = torch.sigmoid(x) * (float(np.random.rand()) if self.noisy else 2.0)
+        return x + torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("noisy", [True, False], ids=["host noise", "exact"])
+def test_a_branch_one_timestep_of_each_pass_takes_is_compared_from_the_second_pass_on(tier: str, noisy: bool) -> None:
+    # Its 19 other calls of each pass lie between two calls of the branch: more than probing the next calls reaches.
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"inp": nn.Linear(WIDTH, WIDTH), "cell": BranchingCell(noisy)})
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["cell"]))
+    seen, differ = [], []
+    for step in range(4):
+        x = tokens(step)
+        for net in (plain, model):
+            np.random.seed(step)
+            net.zero_grad()
+            hidden = net["inp"](x)
+            with recomputation_sentinel(model, mode=tier) if net is model else contextlib.nullcontext() as sentinel:
+                for timestep in range(20):
+                    hidden = net["cell"](hidden, branch=timestep == 5)
+                hidden.square().mean().backward()
+        region = sentinel.report().regions["cell"]
+        seen.append((region.on_new_paths > 0, region.mismatches > 0))
+        differ.append(
+            not all(map(torch.equal, [p.grad for p in plain.parameters()], [p.grad for p in model.parameters()]))
+        )
+    # The noise makes the checkpointed gradients differ at every step; the sentinel compares the branch from the
+    # second pass on, and sees the noise there (the light tier digests one drawn tensor of a call: at some steps).
+    assert differ == [noisy] * 4
+    assert [new for new, _ in seen] == [True, False, False, False]
+    found = [mismatched for _, mismatched in seen]
+    assert found == [False] + [noisy] * 3 if tier != "light" else (found[0], any(found[1:])) == (False, noisy)
+
+
 class OneOrTwoStages(nn.Module):
     """Runs a first stage at every call and a second one unless ``skip`` is set: both paths save activations. When
     ``counted``, the second stage reads a counter kept in a dict, which recomputation does not replay (a real

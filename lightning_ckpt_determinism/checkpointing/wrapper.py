@@ -150,6 +150,8 @@ _PROFILES = 8
 # How many calls in a row probe for a code path seen without a profile while they take other paths, at first (a branch
 # taken every other call is learned at the next call that takes it); halved each time a key gives up on a path.
 _PROBES_FOR_A_PATH = 8
+# How many positions in a pass a region awaits a path at, at most (see `CheckpointedForward._await_at`).
+_AWAITED = 64
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,13 @@ class CheckpointedForward:
         # each key probes for the next such path (see `_next_path`).
         self._probes_left: dict[_CallKey, int] = {}
         self._probe_budget: dict[_CallKey, int] = {}
+        # Where in a pass (the calls between two backwards) a path no profile knew was taken, with how many more
+        # passes its call there learns it if it comes (see `_await_at`): an RNN's cell that branches at one timestep
+        # takes it at that call of every step, however many calls lie between.
+        self._awaited: dict[tuple[_CallKey, int], tuple[_Path, int]] = {}
+        self._await_budget: dict[_CallKey, int] = {}
+        self._pass_mark = 0
+        self._calls_in_pass = 0
         # The generators the profiles replay, where they are held: one replaced makes the region learn again.
         self._generators: tuple[tuple[dict[str, Any], str, torch.Generator], ...] = ()
         # The buffers every profile replays: those any call was seen to change.
@@ -433,6 +442,7 @@ class CheckpointedForward:
         state["profile"] = None
         state["_profiles"], state["_paths"], state["_generators"], state["_replayed"] = {}, {}, (), frozenset()
         state["_probes_left"], state["_probe_budget"], state["_buffer_starts"] = {}, {}, BufferStarts()
+        state["_awaited"], state["_await_budget"] = {}, {}
         state["region_observer"] = state["saved_observer"] = None
         state["plain_depth"] = 0  # a copy made under `run_plainly` is checkpointed, as the original is after it
         return state
@@ -529,7 +539,11 @@ class CheckpointedForward:
         key = (training_flags(self._region_modules), sizes)
         if self._attribute_slots[0] != sizes:
             self._attribute_slots = (sizes, AttributeReplay.slots_of(attributes))
-        path = self._paths.get(key)
+        position = self._position_in_pass()
+        awaited = self._awaited.get((key, position))
+        # Awaited while still unknown (a probe of the next calls may have learned it since).
+        unknown = awaited is not None and (key, awaited[0]) not in self._profiles
+        path = awaited[0] if awaited is not None and unknown else self._paths.get(key)
         self.profile = None if path is None else self._profiles.get((key, path))
         if self.profile is not None and not self._generators_in_place():
             self._profiles.clear()  # what the profiles replay is stale
@@ -539,7 +553,9 @@ class CheckpointedForward:
         self._hooks_seen = hooks_made
         # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
         torch_keeps = self.profile is not None and self._watching_observer() is None and self._frame_counted
-        call = _EagerCall(self, num_positional, keys, None, replay, first=first, key=key, torch_keeps=torch_keeps)
+        call = _EagerCall(
+            self, num_positional, keys, None, replay, first=first, key=key, position=position, torch_keeps=torch_keeps
+        )
         context_fn = self._context_fn(inputs, call)
         if context_fn is not None and checkpoint_debug_enabled():
             # torch's checkpoint debug mode refuses a `context_fn`: the call enters the contexts itself.
@@ -551,6 +567,8 @@ class CheckpointedForward:
         op outputs changes what every path saves)."""
         self._paths.clear()
         self._profiles.clear()
+        self._awaited.clear()
+        self._await_budget.clear()
         self.profile = None
 
     def _buffers_registered(self, count: int) -> list[RegisteredBuffer]:
@@ -569,10 +587,11 @@ class CheckpointedForward:
             return True
         return all(held.get(name) is generator for held, name, generator in self._generators)
 
-    def _path_taken(self, key: _CallKey, path: _Path, learned: RegionProfile | None) -> bool:
-        """A forward of ``key`` took ``path`` (and a probe ``learned`` its profile): the profile of that path becomes
-        the region's :attr:`profile` (``None`` for a path no profile knows); whether its recomputation must run to its
-        end (a saved tensor filled late, a path not known on one process, or an ``nn.RReLU`` in training mode)."""
+    def _path_taken(self, key: _CallKey, path: _Path, learned: RegionProfile | None, position: int) -> bool:
+        """A forward of ``key``, the ``position``-th call of its pass, took ``path`` (and a probe ``learned`` its
+        profile): the profile of that path becomes the region's :attr:`profile` (``None`` for a path no profile
+        knows); whether its recomputation must run to its end (a saved tensor filled late, a path not known on one
+        process, or an ``nn.RReLU`` in training mode)."""
         if learned is not None:
             self._replay_buffers(learned.buffers)
             self._profiles.pop((key, path), None)
@@ -587,6 +606,7 @@ class CheckpointedForward:
             )
         self.profile = self._profiles.get((key, path))
         self._paths[key] = self._next_path(key, path)
+        self._await_at((key, position), path)
         if self.profile is None:
             # A path no profile knows may hold a tensor filled late, so it recomputes to its end; but not across
             # ranks: one rank may take the path alone, and on that rank alone the recomputation would then run the
@@ -619,6 +639,34 @@ class CheckpointedForward:
             return path
         self._probes_left[key] = left - 1
         return expected
+
+    def _position_in_pass(self) -> int:
+        """How many eager calls of the region came before this one in the pass under way: a pass ends where a
+        recomputation of the region ran (its backward)."""
+        if self.recomputations != self._pass_mark:
+            self._pass_mark, self._calls_in_pass = self.recomputations, 0
+        position = self._calls_in_pass
+        self._calls_in_pass += 1
+        return position
+
+    def _await_at(self, at: tuple[_CallKey, int], path: _Path) -> None:
+        """The call at ``at`` (its key, and its position in the pass) took ``path``, known or not (:attr:`profile`).
+        A path taken there without a profile is awaited there in the next passes: the call at that position learns
+        it, however many calls of other paths lie between (which :meth:`_next_path`'s probes, a few calls long, do
+        not reach). A call there that takes another path counts one try; after :data:`_PROBES_FOR_A_PATH` tries at
+        first, half as many after each time the key gave up, and at least one, it gives up."""
+        awaited = self._awaited.pop(at, None)
+        if self.profile is None:
+            self._awaited[at] = (path, self._await_budget.get(at[0], _PROBES_FOR_A_PATH))
+            while len(self._awaited) > _AWAITED:
+                del self._awaited[next(iter(self._awaited))]
+            return
+        if awaited is None or awaited[0] == path or (at[0], awaited[0]) in self._profiles:
+            return
+        if awaited[1] > 1:
+            self._awaited[at] = (awaited[0], awaited[1] - 1)
+        else:
+            self._await_budget[at[0]] = max(1, self._await_budget.get(at[0], _PROBES_FOR_A_PATH) // 2)
 
     def _replay_buffers(self, names: frozenset[str]) -> None:
         """Every profile, and the call under way, replays ``names`` too, with the other buffers of the modules that
@@ -945,6 +993,8 @@ class _EagerCall:
         first: Whether this is the region's first eager call, which looks for checkpointing around and inside it.
         key: The call's key, by which the region keeps what it learns (``None``: the call neither learns nor
             checks its path, as for a region dynamo could not trace).
+        position: How many eager calls of the region came before it in the pass (since the region's last
+            recomputation), where a path it takes without a profile is awaited in the next passes.
         full: Whether its recomputations run to the region's end (a saved tensor filled late, a path not known on one
             process, or an ``nn.RReLU`` in training mode).
         runs: How many times torch ran it: the forward, then each recomputation.
@@ -972,6 +1022,7 @@ class _EagerCall:
     attributes: AttributeReplay
     first: bool = field(kw_only=True)
     key: _CallKey | None = field(default=None, kw_only=True)
+    position: int = field(default=0, kw_only=True)
     torch_keeps: bool = field(default=False, kw_only=True)
     full: bool = field(default=False, init=False)
     runs: int = field(default=0, init=False)
@@ -1047,7 +1098,7 @@ class _EagerCall:
             wrapper.saved = saved
             if self.key is not None:
                 path = (saved, nodes, _output_node(out))
-                self.full = wrapper._path_taken(self.key, path, None if probe is None else probe.profile)
+                self.full = wrapper._path_taken(self.key, path, None if probe is None else probe.profile, self.position)
             wrapper.recomputes_to_end = self.full
         if self.full:
             _mark_end()
