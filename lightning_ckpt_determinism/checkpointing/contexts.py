@@ -725,15 +725,12 @@ class AttributeReplay:
     activation a hook stores), so the recomputation reads the live one, which the sentinel sees. Hooks the forward
     registered on the region's modules are left out of each recomputation, and the live hooks are back after it: a
     forward that registers a hook once, behind an attribute it creates, registers it again in a recomputation that
-    starts without that attribute. A hook the forward removed (a one-shot hook that removes itself) is put back for
-    the recomputation where the call held the hooks as it started, which it does where ``watch_hooks`` says so: the
-    region's first call after any hook was registered in the process. One removed at a later call is not (the
-    sentinel sees what it changed).
+    starts without that attribute. A hook the forward removed is not put back for the recomputation (a one-shot hook
+    that removes itself): the sentinel sees what it changed.
 
     Args:
         attributes: The attribute dictionaries (``vars(module)``) of the region's modules.
         slots: The attributes to watch, as ``(module index, name)``: every one that is not framework bookkeeping.
-        watch_hooks: Whether the call holds the hooks as it starts, to put back those its forward removes.
 
     Example::
 
@@ -757,15 +754,12 @@ class AttributeReplay:
         "_found",
         "_hooks",
         "_hooks_made",
-        "_hooks_started",
         "_sizes",
         "_slots",
         "_values",
     )
 
-    def __init__(
-        self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]], watch_hooks: bool = False
-    ) -> None:
+    def __init__(self, attributes: Sequence[dict[str, Any]], slots: Sequence[tuple[int, str]]) -> None:
         self._attributes = attributes
         self._slots = slots
         self._sizes: list[int] = []
@@ -778,9 +772,6 @@ class AttributeReplay:
         self._hooks_made = 0
         # The hooks the forward registered on the region's modules, by the dictionary that holds them.
         self._hooks: list[tuple[dict[int, Any], list[int]]] = []
-        # The hooks as the forward started, where watched (`True` until it starts); kept after it only where it
-        # removed one of them.
-        self._hooks_started: HookSnapshot | bool | None = watch_hooks or None
 
     @staticmethod
     def slots_of(attributes: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
@@ -800,8 +791,6 @@ class AttributeReplay:
         self._sizes = list(map(len, attributes))
         self._values = [attributes[index].get(name, _MISSING) for index, name in self._slots]
         self._hooks_made = hook_handles_made()
-        if self._hooks_started is not None:
-            self._hooks_started = HookSnapshot(attributes)
 
     def end(self) -> None:
         """The forward ended: keep what it rebound, created or deleted, as it was at the start."""
@@ -840,13 +829,11 @@ class AttributeReplay:
         # Any hook registered anywhere moves the count; those on the region's modules are looked for only then.
         moved = hook_handles_made() != self._hooks_made
         self._hooks = hooks_added_since(attributes, self._hooks_made) if moved else []
-        if isinstance(self._hooks_started, HookSnapshot) and not self._hooks_started.removed_since():
-            self._hooks_started = None
 
     def replay(self) -> AbstractContextManager[None]:
         """The forward's starting values in, the live ones back afterwards, whatever is raised."""
         if self._ended_sizes is None:  # recomputed before its forward ended (a backward inside it): nothing since
-            return self._replayed(None) if self._found or self._hooks or self._hooks_started else NO_CONTEXT
+            return self._replayed(None) if self._found or self._hooks else NO_CONTEXT
         attributes = self._attributes
         current = [attributes[index].get(name, _MISSING) for index, name in self._slots]
         if self._ended_all:
@@ -858,7 +845,7 @@ class AttributeReplay:
         sizes = list(map(len, attributes))
         if changed or sizes != self._ended_sizes:
             return self._replayed(self._since_forward(current, sizes, self._ended_sizes))
-        return self._replayed(None) if self._found or self._hooks or self._hooks_started else NO_CONTEXT
+        return self._replayed(None) if self._found or self._hooks else NO_CONTEXT
 
     @contextlib.contextmanager
     def _replayed(self, since: dict[tuple[int, str], Any] | None) -> Iterator[None]:
@@ -867,11 +854,8 @@ class AttributeReplay:
         replayed = {} if since is None else since
         replayed.update((at, value) for at, value in self._found.items() if value is not _LIVE)
         live = {(index, name): attributes[index].get(name, _MISSING) for index, name in {**self._found, **replayed}}
-        started = self._hooks_started
-        hooks = HookSnapshot(attributes) if self._hooks or started else None
+        hooks = HookSnapshot(attributes) if self._hooks else None
         self._set(replayed)
-        if isinstance(started, HookSnapshot):  # the forward removed a hook: all as they were when it started
-            started.restore()
         for registered, ids in self._hooks:
             for key in ids:
                 registered.pop(key, None)

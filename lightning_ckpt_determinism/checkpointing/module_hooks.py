@@ -35,21 +35,6 @@ class HookSnapshot:
         # Every dictionary, empty ones too: a hook removed since from one that holds none now comes back.
         self._held = [(hooks, dict(hooks)) for held in attributes for hooks in hook_dicts(held)]
 
-    def removed_since(self) -> bool:
-        """Whether a hook held when the snapshot was taken has been removed since.
-
-        Example::
-
-            >>> import torch
-            >>> layer = torch.nn.Linear(2, 2)
-            >>> handle = layer.register_forward_hook(lambda module, inputs, output: None)
-            >>> hooks = HookSnapshot([vars(layer)])
-            >>> handle.remove()
-            >>> hooks.removed_since()
-            True
-        """
-        return any(not held.keys() <= hooks.keys() for hooks, held in self._held)
-
     def restore(self) -> None:
         """Put the hooks back as they were when the snapshot was taken."""
         if hook_handles_made() == self._made and all(len(hooks) == len(held) for hooks, held in self._held):

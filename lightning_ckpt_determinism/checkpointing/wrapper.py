@@ -57,7 +57,6 @@ from lightning_ckpt_determinism._torch_compat import (
     checkpoint_saved_counter,
     child_modules,
     disable_current_modes,
-    hook_handles_made,
     is_kept_output_mutation,
     own_buffers,
 )
@@ -378,9 +377,6 @@ class CheckpointedForward:
         # Whether torch's checkpoint frame could be counted so far: a call no probe learns from and no observer reads
         # then passes torch's own `determinism_check` name, and the frame counts what it saves.
         self._frame_counted = True
-        # How many hooks the process had registered at this region's latest eager call: the first call after another
-        # is registered holds the hooks as it starts, to put back one its forward removes (see `AttributeReplay`).
-        self._hooks_seen = -1
         # The observers registered on this region, by `observing` and `observing_saved_tensors` on its model: read
         # only by eager calls, so compiled graphs never guard on them.
         self.region_observer: RegionObserver | None = None
@@ -548,9 +544,7 @@ class CheckpointedForward:
         if self.profile is not None and not self._generators_in_place():
             self._profiles.clear()  # what the profiles replay is stale
             self.profile = None
-        hooks_made = hook_handles_made()
-        replay = AttributeReplay(attributes, self._attribute_slots[1], watch_hooks=hooks_made != self._hooks_seen)
-        self._hooks_seen = hooks_made
+        replay = AttributeReplay(attributes, self._attribute_slots[1])
         # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
         torch_keeps = self.profile is not None and self._watching_observer() is None and self._frame_counted
         call = _EagerCall(
