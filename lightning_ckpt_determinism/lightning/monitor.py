@@ -262,9 +262,8 @@ class RecomputationMonitor(Callback):
         # together at an epoch's end.
         self._epochs_end_together = True
         # Parameters a skipped step wrote in place (in `training_step` or a hook before its backward): captured from
-        # the next check on; and the latest such step with the parameters it wrote, which a follow-up names.
+        # the next check on.
         self._written_parameters: set[str] = set()
-        self._written_at: tuple[int, list[str]] | None = None
         # Whether this fit said that no module is checkpointed (a memory budget's plan may leave every one plain).
         self._said_nothing_to_check = False
         # The package's warnings and notes while this monitor's fit lasts (see `fit_output`).
@@ -304,7 +303,6 @@ class RecomputationMonitor(Callback):
         self._internals = lightning_internals()
         self._schedule.start_fit()
         self._diverged_in_fit = set()
-        self._written_at = None
         # The regions' counts outlive a fit where the model was checkpointed by hand: this fit's are those that grow.
         self._read_otherwise_at_start = buffers_read_otherwise(pl_module)
         self._support = support_of(trainer.strategy)
@@ -746,14 +744,7 @@ class RecomputationMonitor(Callback):
         own = [name for name, count in buffers_read_otherwise(pl_module).items() if count > before.get(name, 0)]
         # Every rank's (a rank alone may have read a buffer otherwise): each rank reaches here at the same check.
         read = sorted(set().union(*gather(trainer.strategy, own)))
-        causes = [read_otherwise_hint(read)] if read else []
-        if self._written_at is not None and self._written_at[0] == step - 1:
-            causes.append(
-                f"step {step - 1} changed parameters in place ({_some(self._written_at[1])}), and a region whose"
-                " parameter is written between its forward and its backward is recomputed from the new values"
-                " (`parameter_write`): write them before the forward or after the optimizer step."
-            )
-        seen = f" A cause seen this fit: {' '.join(causes)}" if causes else ""
+        seen = f" A cause seen this fit: {read_otherwise_hint(read)}" if read else ""
         divergence = self._results.history[-1].grad_divergence if self._results.history else 0.0
         floor = self.last_report.noise_floor if self.last_report is not None else 0.0
         allowed = "the noise floor `calibrate_noise` measured" if floor > self.tolerance else "`tolerance`"
@@ -825,7 +816,6 @@ class RecomputationMonitor(Callback):
             return
         self._results.skipped(step, "parameters changed in place in the step")
         self._written_parameters.update(written)
-        self._written_at = (step, written)
         self._results.warn_once(
             "changed_parameters",
             f"lightning_ckpt_determinism: the check at step {step} was skipped: the step changed parameters in place"
