@@ -90,7 +90,7 @@ def causes_page() -> str:
         "",
         f"> {INPUT_MODIFIED_HINT}",
         "",
-        "A `rng_not_preserved` in a region with `preserve_rng_state` on (a generator it does not replay) has one:",
+        "A `rng_not_preserved` at an op given a generator of its own, under `preserve_rng_state: true`, has one:",
         "",
         f"> {UNREPLAYED_GENERATOR_HINT}",
         "",

@@ -1342,3 +1342,30 @@ def test_a_generator_no_module_holds_is_named_as_not_replayed_whatever_preserve_
     assert (region.cause, region.first_divergent_op) == ("rng_not_preserved", ("aten.randn.generator", 2))
     # With the setting on, the hint does not ask for it: it says which generators are replayed and which are not.
     assert region.hint == (UNREPLAYED_GENERATOR_HINT if preserve_rng_state else Cause.RNG_NOT_PRESERVED.hint)
+
+
+def test_a_random_op_drawing_from_torchs_replayed_generator_is_not_told_of_a_generator_of_its_own() -> None:
+    rates = {"p": 0.1}
+
+    class ScheduledDropout(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(DIM, DIM)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + F.dropout(torch.tanh(self.linear(x)), p=rates["p"], training=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ScheduledDropout(), nn.Linear(DIM, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(4, DIM)
+
+    def closure() -> torch.Tensor:
+        rates["p"] = 0.1
+        loss = model(x).square().sum()
+        rates["p"] = 0.5  # a schedule moves on before the backward: recomputation draws the other rate's mask
+        return loss
+
+    (region,) = check_recomputation(model, closure, attribution=True).regions
+    assert region.diverged and region.first_divergent_op is not None
+    assert region.first_divergent_op[0] == "aten.bernoulli_.float" and region.hint != UNREPLAYED_GENERATOR_HINT

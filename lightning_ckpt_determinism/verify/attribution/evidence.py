@@ -42,6 +42,7 @@ class Divergence:
         region_input: Whether one of the region's own inputs, among the op's inputs, held other values than in the
             forward: what recomputation started from was not what the forward received (saved-tensor hooks around
             the region that give back other values than they were given, a write through ``.data``).
+        generator: Whether the op was given a ``torch.Generator`` of its own to draw from.
 
     Example::
 
@@ -58,6 +59,7 @@ class Divergence:
     parameter_input: bool = False
     saved: str | None = None
     region_input: bool = False
+    generator: bool = False
 
 
 @dataclass(frozen=True)

@@ -413,6 +413,7 @@ class CallRecord:
             buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
             region_input=self.divergence is None and kind is not None and not same_inputs and self._arguments_changed(),
+            generator=any(isinstance(leaf, torch.Generator) for leaf in _flatten([args, kwargs or {}])),
         )
 
     def release(self) -> None:
@@ -522,11 +523,12 @@ class CallRecord:
         parameter_input: bool = False,
         saved: str | None = None,
         region_input: bool = False,
+        generator: bool = False,
     ) -> None:
         self.max_abs_diff = max(self.max_abs_diff, diff)
         if self.divergence is None:
             self.divergence = Divergence(
-                index, op, kind, random, same_inputs, buffer_input, parameter_input, saved, region_input
+                index, op, kind, random, same_inputs, buffer_input, parameter_input, saved, region_input, generator
             )
 
     def parameters_before(self, func: OpOverload, args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor, Any]]:
