@@ -874,7 +874,7 @@ class _HookedData(pl.LightningDataModule):
         return DataLoader([{"x": torch.full((4,), float(i))} for i in range(4)], batch_size=2)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch[0] * 2, batch[1]
+        return batch[0] * (2 if self.trainer.training else 1), batch[1]
 
 
 class _HookedModule(pl.LightningModule):
@@ -889,7 +889,7 @@ class _HookedModule(pl.LightningModule):
         return batch["x"], batch["x"].sum(dim=1, keepdim=True)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch[0] + 100, batch[1]
+        return batch[0] + (100 if self.trainer.training else 0), batch[1]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.seen.append(batch)
@@ -905,9 +905,15 @@ def test_the_audit_gives_training_step_its_batch_through_the_batch_hooks_as_fit_
     pl.Trainer(**trainer_kwargs(tmp_path, max_steps=1)).fit(fitted, datamodule=data)
     strategy = SimpleNamespace(precision_plugin=Precision(), root_device=torch.device("cpu"))
     raw = next(iter(data.train_dataloader()))
-    prepared = running._prepared(_HookedModule(), strategy, raw, data)
+    # The hooks read `self.trainer.training`, as a hook that augments only in training does: the audit's model and
+    # datamodule are attached to the config's Trainer while they run, and detached after.
+    trainer, model, fresh = pl.Trainer(**trainer_kwargs(tmp_path)), _HookedModule(), _HookedData()
+    prepared = running._prepared(model, strategy, raw, fresh, trainer)
     assert len(prepared) == 2
     assert all(torch.equal(mine, fits) for mine, fits in zip(prepared, fitted.seen[0], strict=True))
+    assert fresh.trainer is None and not trainer.training
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        model.trainer  # noqa: B018
     # Without a datamodule, the model's own hook is the one `fit` runs.
-    alone = running._prepared(_HookedModule(), strategy, raw)
+    alone = running._prepared(_HookedModule(), strategy, raw, trainer=trainer)
     assert torch.equal(alone[0], raw["x"] + 100)

@@ -207,7 +207,7 @@ def _audit(args: argparse.Namespace) -> int:
     with quiet_lightning():
         model = _set_up(cli.model, strategy)
     try:
-        reports, seen, scan = _check_batches(model, strategy, loader, cli.datamodule, args)
+        reports, seen, scan = _check_batches(model, strategy, loader, cli.datamodule, cli.trainer, args)
         if not reports:
             raise UsageError(
                 f"the training data of {configs_text(args.config)} gave no batch whose `training_step` returned a loss"
@@ -219,7 +219,7 @@ def _audit(args: argparse.Namespace) -> int:
         summaries = summarize(reports)
         found = None
         if budgeted:
-            plan = _plan(model, strategy, loader, cli.datamodule)
+            plan = _plan(model, strategy, loader, cli.datamodule, cli.trainer)
             found = trade_off(plan)
             print(trade_off_table(found, plan) + "\n")
         print(table(summaries))
@@ -265,7 +265,11 @@ def _set_up(model: pl.LightningModule, strategy: Any) -> pl.LightningModule:
 
 
 def _plan(
-    model: pl.LightningModule, strategy: Any, loader: Any, datamodule: pl.LightningDataModule | None
+    model: pl.LightningModule,
+    strategy: Any,
+    loader: Any,
+    datamodule: pl.LightningDataModule | None,
+    trainer: pl.Trainer,
 ) -> CheckpointingPlan:
     """The plan for the config's ``memory_budget``, measured on the first batch that gives a loss, with each
     candidate's op calls, from which the trade-off plans both granularities."""
@@ -274,7 +278,7 @@ def _plan(
     except CheckpointingConfigError as err:
         raise UsageError(_keyed(err)) from err
     for batch_idx, batch in enumerate(loader):
-        batch = _prepared(model, strategy, batch, datamodule)
+        batch = _prepared(model, strategy, batch, datamodule, trainer)
 
         def step(batch: Any = batch, batch_idx: int = batch_idx) -> None:
             training_step_loss(model, *training_step_arguments(model, batch, batch_idx)).backward()
@@ -291,29 +295,62 @@ def _plan(
 
 
 def _prepared(
-    model: pl.LightningModule, strategy: Any, batch: Any, datamodule: pl.LightningDataModule | None = None
+    model: pl.LightningModule,
+    strategy: Any,
+    batch: Any,
+    datamodule: pl.LightningDataModule | None = None,
+    trainer: pl.Trainer | None = None,
 ) -> Any:
     """``batch`` as `fit` gives it to ``training_step``: converted to the precision's dtype (``"bf16-true"`` casts
     floating inputs to bfloat16), through ``on_before_batch_transfer``, moved to the strategy's device by
     ``transfer_batch_to_device``, then through ``on_after_batch_transfer``; each hook the datamodule's where it
-    overrides it, as in `fit`.
+    overrides it, and run with the model and the datamodule attached to ``trainer`` in its training stage, as in
+    `fit` (a hook that augments only while ``self.trainer.training``).
 
     Raises:
         UsageError: If a step fails (a frozen dataclass, which Lightning cannot rebuild, or a hook that raises), as it
             would in `fit`.
     """
     try:
-        prepared = _batch_hook(model, datamodule, "on_before_batch_transfer")(
-            strategy.precision_plugin.convert_input(batch), 0
-        )
-        prepared = _batch_hook(model, datamodule, "transfer_batch_to_device")(prepared, strategy.root_device, 0)
-        return _batch_hook(model, datamodule, "on_after_batch_transfer")(prepared, 0)
+        with _attached(trainer, model, datamodule):
+            prepared = _batch_hook(model, datamodule, "on_before_batch_transfer")(
+                strategy.precision_plugin.convert_input(batch), 0
+            )
+            prepared = _batch_hook(model, datamodule, "transfer_batch_to_device")(prepared, strategy.root_device, 0)
+            return _batch_hook(model, datamodule, "on_after_batch_transfer")(prepared, 0)
     except Exception as err:
         raise UsageError(
             f"a batch of {type(batch).__name__} cannot be prepared as `fit` prepares it for `training_step` (the"
             " precision's conversion, `on_before_batch_transfer`, the move to the device, `on_after_batch_transfer`):"
             f" {type(err).__name__}: {err}"
         ) from err
+
+
+@contextlib.contextmanager
+def _attached(
+    trainer: pl.Trainer | None, model: pl.LightningModule, datamodule: pl.LightningDataModule | None
+) -> Iterator[None]:
+    """The model and the datamodule attached to ``trainer`` in its training stage, then as they were."""
+    if trainer is None:
+        yield
+        return
+    try:
+        held = model.trainer
+    except RuntimeError:  # not attached
+        held = None
+    held_by_data = datamodule.trainer if datamodule is not None else None
+    training = trainer.training
+    model.trainer = trainer
+    if datamodule is not None:
+        datamodule.trainer = trainer
+    trainer.training = True
+    try:
+        yield
+    finally:
+        trainer.training = training
+        model.trainer = held  # type: ignore[assignment]
+        if datamodule is not None:
+            datamodule.trainer = held_by_data
 
 
 def _batch_hook(model: pl.LightningModule, datamodule: pl.LightningDataModule | None, name: str) -> Any:
@@ -328,6 +365,7 @@ def _check_batches(
     strategy: Any,
     loader: Any,
     datamodule: pl.LightningDataModule | None,
+    trainer: pl.Trainer,
     args: argparse.Namespace,
 ) -> tuple[list[RecomputationReport], int, GraphScan | None]:
     """The reports of the first ``--batches`` batches that give a loss, how many batches it took, and the scan."""
@@ -344,7 +382,9 @@ def _check_batches(
     ):
         for batch_idx, batch in enumerate(loader):
             seen += 1
-            report = _check_batch(model, strategy, _prepared(model, strategy, batch, datamodule), batch_idx, args)
+            report = _check_batch(
+                model, strategy, _prepared(model, strategy, batch, datamodule, trainer), batch_idx, args
+            )
             if report is not None:
                 reports.append(report)
                 progress.update()
