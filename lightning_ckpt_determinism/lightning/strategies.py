@@ -104,7 +104,7 @@ class ActivationCheckpointingMixin(ModelSetupHook):
         self._applied_checkpointing: dict[str, nn.Module] = {}
         # What `apply_checkpointing` checkpointed, in which module: a budget measures them all again after a restore.
         self._selected: tuple[nn.Module, dict[str, nn.Module]] | None = None
-        # The line `apply_checkpointing` last said: validate, test, predict and a Tuner's trials apply the same again.
+        # The line `apply_checkpointing` last said this fit: validate, test and predict apply the same again.
         self._said_applied: str | None = None
         self._model_set_up = False
         self._budgeted: BudgetedCheckpointing | None = None
@@ -124,6 +124,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self._model_set_up = False
+        if trainer.state.fn == TrainerFn.FITTING:  # each fit says what it applies, once
+            self._said_applied = None
         self._batches_started, self._batch_step = 0, -1
         self._fit_output.hold(trainer)
         if self.checkpointing.memory_budget is not None:
@@ -269,8 +271,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
 
     def apply_checkpointing(self, selected: dict[str, nn.Module], root: nn.Module | None = None) -> None:
         """Checkpoint the modules :meth:`select_for_checkpointing` chose, with one info line saying what was done
-        (said once while it stays the same: ``validate``, ``test`` and ``predict`` apply it again); :meth:`teardown`
-        removes it again. A transformers model around them runs without its key-value cache
+        (said once a fit while it stays the same: ``validate``, ``test`` and ``predict`` apply it again);
+        :meth:`teardown` removes it again. A transformers model around them runs without its key-value cache
         meanwhile (see :func:`~lightning_ckpt_determinism.apply_activation_checkpointing`).
 
         Args:
