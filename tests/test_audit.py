@@ -911,7 +911,7 @@ def test_the_audit_gives_training_step_its_batch_through_the_batch_hooks_as_fit_
     prepared = running._prepared(model, strategy, raw, fresh, trainer)
     assert len(prepared) == 2
     assert all(torch.equal(mine, fits) for mine, fits in zip(prepared, fitted.seen[0], strict=True))
-    assert fresh.trainer is None and not trainer.training
+    assert fresh.trainer is None and (trainer.state.fn, trainer.state.stage) == (None, None)
     with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
         model.trainer  # noqa: B018
     # Without a datamodule, the model's own hook is the one `fit` runs.

@@ -1369,3 +1369,32 @@ def test_a_random_op_drawing_from_torchs_replayed_generator_is_not_told_of_a_gen
     (region,) = check_recomputation(model, closure, attribution=True).regions
     assert region.diverged and region.first_divergent_op is not None
     assert region.first_divergent_op[0] == "aten.bernoulli_.float" and region.hint != UNREPLAYED_GENERATOR_HINT
+
+
+def test_a_random_op_drawing_from_a_generator_the_region_holds_is_not_told_it_is_unreplayed() -> None:
+    spread = {"std": 0.1}
+
+    class HeldGenerator(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(DIM, DIM)
+            self.generator = torch.Generator().manual_seed(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.tanh(self.linear(x))
+            return x + hidden * torch.normal(1.0, spread["std"], size=hidden.shape, generator=self.generator)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(HeldGenerator(), nn.Linear(DIM, 1))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(4, DIM)
+
+    def closure() -> torch.Tensor:
+        spread["std"] = 0.1
+        loss = model(x).square().sum()
+        spread["std"] = 0.5  # the draw's spread moves on; its generator, the region's own, is replayed
+        return loss
+
+    (region,) = check_recomputation(model, closure, attribution=True).regions
+    assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.normal.float_float"
+    assert region.hint != UNREPLAYED_GENERATOR_HINT

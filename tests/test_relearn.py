@@ -660,6 +660,42 @@ def test_a_branch_one_timestep_of_each_pass_takes_is_compared_from_the_second_pa
     assert found == [False] + [noisy] * 3 if tier != "light" else (found[0], any(found[1:])) == (False, noisy)
 
 
+class RandomOnceACell(nn.Module):
+    """A cell whose ``F.rrelu`` draws its noise at one timestep only (``noisy``), and which branches when told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, branch: bool, noisy: bool) -> torch.Tensor:
+        if branch:
+            x = torch.sigmoid(x) * 2.0
+        return x + F.rrelu(self.linear(x), training=noisy)
+
+
+def test_a_call_probing_for_an_awaited_path_keeps_the_profile_of_the_known_path_it_takes() -> None:
+    # The branch at timestep 5 of the first step is awaited there; the calls there probe for it, each taking the
+    # known path with the noise drawn, which that path was learned without: its profile must stay as learned.
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"inp": nn.Linear(WIDTH, WIDTH), "cell": RandomOnceACell()})
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["cell"]))
+    mismatches = []
+    for step in range(5):
+        x = tokens(step)[:, 0]
+        for net in (plain, model):
+            torch.manual_seed(1000 + step)
+            net.zero_grad()
+            with recomputation_sentinel(model, mode="exact") if net is model else contextlib.nullcontext() as sentinel:
+                hidden = net["inp"](x)
+                for timestep in range(20):
+                    hidden = net["cell"](hidden, branch=step == 0 and timestep == 5, noisy=timestep == 5)
+                hidden.square().mean().backward()
+        assert all(map(torch.equal, [p.grad for p in plain.parameters()], [p.grad for p in model.parameters()]))
+        mismatches.append(sentinel.report().mismatches)
+    assert mismatches == [0] * 5
+
+
 class OneOrTwoStages(nn.Module):
     """Runs a first stage at every call and a second one unless ``skip`` is set: both paths save activations. When
     ``counted``, the second stage reads a counter kept in a dict, which recomputation does not replay (a real

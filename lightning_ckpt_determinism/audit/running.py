@@ -27,6 +27,7 @@ from typing import Any, cast
 import lightning
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from tqdm import tqdm
 
@@ -330,7 +331,8 @@ def _prepared(
 def _attached(
     trainer: pl.Trainer | None, model: pl.LightningModule, datamodule: pl.LightningDataModule | None
 ) -> Iterator[None]:
-    """The model and the datamodule attached to ``trainer`` in its training stage, then as they were."""
+    """The model and the datamodule attached to ``trainer``, fitting in its training stage, then as they were (the
+    trainer's ``datamodule`` stays unset: `fit` attaches it through Lightning's own data connector)."""
     if trainer is None:
         yield
         return
@@ -339,15 +341,15 @@ def _attached(
     except RuntimeError:  # not attached
         held = None
     held_by_data = datamodule.trainer if datamodule is not None else None
-    training = trainer.training
+    state = (trainer.state.fn, trainer.state.stage)
     model.trainer = trainer
     if datamodule is not None:
         datamodule.trainer = trainer
-    trainer.training = True
+    trainer.state.fn, trainer.state.stage = TrainerFn.FITTING, RunningStage.TRAINING
     try:
         yield
     finally:
-        trainer.training = training
+        trainer.state.fn, trainer.state.stage = state
         model.trainer = held  # type: ignore[assignment]
         if datamodule is not None:
             datamodule.trainer = held_by_data

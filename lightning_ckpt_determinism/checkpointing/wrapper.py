@@ -548,7 +548,16 @@ class CheckpointedForward:
         # A call that nothing learns from nor reads keeps torch's own extractor: it costs a hand-written checkpoint's.
         torch_keeps = self.profile is not None and self._watching_observer() is None and self._frame_counted
         call = _EagerCall(
-            self, num_positional, keys, None, replay, first=first, key=key, position=position, torch_keeps=torch_keeps
+            self,
+            num_positional,
+            keys,
+            None,
+            replay,
+            first=first,
+            key=key,
+            position=position,
+            awaiting=awaited is not None and unknown,
+            torch_keeps=torch_keeps,
         )
         context_fn = self._context_fn(inputs, call)
         if context_fn is not None and checkpoint_debug_enabled():
@@ -581,11 +590,17 @@ class CheckpointedForward:
             return True
         return all(held.get(name) is generator for held, name, generator in self._generators)
 
-    def _path_taken(self, key: _CallKey, path: _Path, learned: RegionProfile | None, position: int) -> bool:
+    def _path_taken(
+        self, key: _CallKey, path: _Path, learned: RegionProfile | None, position: int, awaiting: bool
+    ) -> bool:
         """A forward of ``key``, the ``position``-th call of its pass, took ``path`` (and a probe ``learned`` its
         profile): the profile of that path becomes the region's :attr:`profile` (``None`` for a path no profile
         knows); whether its recomputation must run to its end (a saved tensor filled late, a path not known on one
-        process, or an ``nn.RReLU`` in training mode)."""
+        process, or an ``nn.RReLU`` in training mode). A call that probed for a path awaited at its position
+        (``awaiting``) and took a known one leaves that one's profile as it was: the conditions at that position
+        (a flag set at one timestep) may differ from those it was learned under."""
+        if learned is not None and awaiting and (key, path) in self._profiles:
+            learned = None
         if learned is not None:
             self._replay_buffers(learned.buffers)
             self._profiles.pop((key, path), None)
@@ -989,6 +1004,7 @@ class _EagerCall:
             checks its path, as for a region dynamo could not trace).
         position: How many eager calls of the region came before it in the pass (since the region's last
             recomputation), where a path it takes without a profile is awaited in the next passes.
+        awaiting: Whether it probes for a path awaited at its position.
         full: Whether its recomputations run to the region's end (a saved tensor filled late, a path not known on one
             process, or an ``nn.RReLU`` in training mode).
         runs: How many times torch ran it: the forward, then each recomputation.
@@ -1017,6 +1033,7 @@ class _EagerCall:
     first: bool = field(kw_only=True)
     key: _CallKey | None = field(default=None, kw_only=True)
     position: int = field(default=0, kw_only=True)
+    awaiting: bool = field(default=False, kw_only=True)
     torch_keeps: bool = field(default=False, kw_only=True)
     full: bool = field(default=False, init=False)
     runs: int = field(default=0, init=False)
@@ -1092,7 +1109,9 @@ class _EagerCall:
             wrapper.saved = saved
             if self.key is not None:
                 path = (saved, nodes, _output_node(out))
-                self.full = wrapper._path_taken(self.key, path, None if probe is None else probe.profile, self.position)
+                self.full = wrapper._path_taken(
+                    self.key, path, None if probe is None else probe.profile, self.position, self.awaiting
+                )
             wrapper.recomputes_to_end = self.full
         if self.full:
             _mark_end()

@@ -42,7 +42,8 @@ class Divergence:
         region_input: Whether one of the region's own inputs, among the op's inputs, held other values than in the
             forward: what recomputation started from was not what the forward received (saved-tensor hooks around
             the region that give back other values than they were given, a write through ``.data``).
-        generator: Whether the op was given a ``torch.Generator`` of its own to draw from.
+        generator: Whether the op was given a ``torch.Generator`` to draw from that no module of the region holds
+            (one the region does not replay).
 
     Example::
 

@@ -413,7 +413,23 @@ class CallRecord:
             buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
             region_input=self.divergence is None and kind is not None and not same_inputs and self._arguments_changed(),
-            generator=any(isinstance(leaf, torch.Generator) for leaf in _flatten([args, kwargs or {}])),
+            generator=self._foreign_generator(args, kwargs),
+        )
+
+    def _foreign_generator(self, args: Any, kwargs: Any) -> bool:
+        """Whether an op was given a ``torch.Generator`` no module of the region holds as an attribute (those the
+        region replays). The dispatcher hands ops a new Python object for the same generator: told by its state."""
+        given = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Generator)]
+        if not given:
+            return False
+        held = [
+            value for sub in self.module.modules() for value in vars(sub).values() if isinstance(value, torch.Generator)
+        ]
+        return any(
+            not any(
+                generator.device == own.device and torch.equal(generator.get_state(), own.get_state()) for own in held
+            )
+            for generator in given
         )
 
     def release(self) -> None:
