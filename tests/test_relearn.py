@@ -26,6 +26,7 @@ from lightning_ckpt_determinism.checkpointing import wrapper as wrapper_module
 from lightning_ckpt_determinism.checkpointing.profile import FirstForwardProbe
 from lightning_ckpt_determinism.verify.digest import DigestTier
 from lightning_ckpt_determinism.verify.sentinel.calls import RegionCall
+from lightning_ckpt_determinism.verify.sentinel.report import SentinelRegion
 from tests.test_verdicts import (
     WIDTH,
     Around,
@@ -628,35 +629,42 @@ class BranchingCell(nn.Module):
         return x + torch.tanh(self.linear(x))
 
 
+def _over_timesteps(
+    cell: nn.Module, steps: int, tier: str, arguments: Callable[[int, int], dict[str, bool]]
+) -> list[tuple[SentinelRegion, bool]]:
+    """Train a plain twin of a linear layer then ``cell`` run over 20 timesteps (each call given ``arguments(step,
+    timestep)``) beside a copy whose cell is checkpointed, under the sentinel; for each step, what the sentinel counted
+    for the cell and whether the twins' gradients are equal."""
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"inp": nn.Linear(WIDTH, WIDTH), "cell": cell})
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["cell"]))
+    results = []
+    for step in range(steps):
+        for net in (plain, model):
+            np.random.seed(step)
+            torch.manual_seed(1000 + step)
+            net.zero_grad()
+            with recomputation_sentinel(model, mode=tier) if net is model else contextlib.nullcontext() as sentinel:
+                hidden = net["inp"](tokens(step))
+                for timestep in range(20):
+                    hidden = net["cell"](hidden, **arguments(step, timestep))
+                hidden.square().mean().backward()
+        equal = all(map(torch.equal, [p.grad for p in plain.parameters()], [p.grad for p in model.parameters()]))
+        results.append((sentinel.report().regions["cell"], equal))
+    return results
+
+
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("noisy", [True, False], ids=["host noise", "exact"])
 def test_a_branch_one_timestep_of_each_pass_takes_is_compared_from_the_second_pass_on(tier: str, noisy: bool) -> None:
     # Its 19 other calls of each pass lie between two calls of the branch: more than probing the next calls reaches.
-    torch.manual_seed(0)
-    plain = nn.ModuleDict({"inp": nn.Linear(WIDTH, WIDTH), "cell": BranchingCell(noisy)})
-    model = copy.deepcopy(plain)
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["cell"]))
-    seen, differ = [], []
-    for step in range(4):
-        x = tokens(step)
-        for net in (plain, model):
-            np.random.seed(step)
-            net.zero_grad()
-            hidden = net["inp"](x)
-            with recomputation_sentinel(model, mode=tier) if net is model else contextlib.nullcontext() as sentinel:
-                for timestep in range(20):
-                    hidden = net["cell"](hidden, branch=timestep == 5)
-                hidden.square().mean().backward()
-        region = sentinel.report().regions["cell"]
-        seen.append((region.on_new_paths > 0, region.mismatches > 0))
-        differ.append(
-            not all(map(torch.equal, [p.grad for p in plain.parameters()], [p.grad for p in model.parameters()]))
-        )
+    results = _over_timesteps(BranchingCell(noisy), 4, tier, lambda step, timestep: {"branch": timestep == 5})
     # The noise makes the checkpointed gradients differ at every step; the sentinel compares the branch from the
     # second pass on, and sees the noise there (the light tier digests one drawn tensor of a call: at some steps).
-    assert differ == [noisy] * 4
-    assert [new for new, _ in seen] == [True, False, False, False]
-    found = [mismatched for _, mismatched in seen]
+    assert [not equal for _, equal in results] == [noisy] * 4
+    assert [region.on_new_paths > 0 for region, _ in results] == [True, False, False, False]
+    found = [region.mismatches > 0 for region, _ in results]
     assert found == [False] + [noisy] * 3 if tier != "light" else (found[0], any(found[1:])) == (False, noisy)
 
 
@@ -676,24 +684,13 @@ class RandomOnceACell(nn.Module):
 def test_a_call_probing_for_an_awaited_path_keeps_the_profile_of_the_known_path_it_takes() -> None:
     # The branch at timestep 5 of the first step is awaited there; the calls there probe for it, each taking the
     # known path with the noise drawn, which that path was learned without: its profile must stay as learned.
-    torch.manual_seed(0)
-    plain = nn.ModuleDict({"inp": nn.Linear(WIDTH, WIDTH), "cell": RandomOnceACell()})
-    model = copy.deepcopy(plain)
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["cell"]))
-    mismatches = []
-    for step in range(5):
-        x = tokens(step)[:, 0]
-        for net in (plain, model):
-            torch.manual_seed(1000 + step)
-            net.zero_grad()
-            with recomputation_sentinel(model, mode="exact") if net is model else contextlib.nullcontext() as sentinel:
-                hidden = net["inp"](x)
-                for timestep in range(20):
-                    hidden = net["cell"](hidden, branch=step == 0 and timestep == 5, noisy=timestep == 5)
-                hidden.square().mean().backward()
-        assert all(map(torch.equal, [p.grad for p in plain.parameters()], [p.grad for p in model.parameters()]))
-        mismatches.append(sentinel.report().mismatches)
-    assert mismatches == [0] * 5
+    results = _over_timesteps(
+        RandomOnceACell(),
+        5,
+        "exact",
+        lambda step, timestep: {"branch": step == 0 and timestep == 5, "noisy": timestep == 5},
+    )
+    assert [(region.mismatches, equal) for region, equal in results] == [(0, True)] * 5
 
 
 class OneOrTwoStages(nn.Module):
