@@ -62,7 +62,13 @@ from lightning_ckpt_determinism._torch_compat import (
 from lightning_ckpt_determinism.checkpointing.contexts import ContextFactory, written_owners
 from lightning_ckpt_determinism.checkpointing.equality import same_item
 from lightning_ckpt_determinism.checkpointing.framework_ops import FrameworkOps
-from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, plain_parts, state_copy, storage_pointer
+from lightning_ckpt_determinism.checkpointing.modules import (
+    buffer_slots,
+    generator_slots,
+    plain_parts,
+    state_copy,
+    storage_pointer,
+)
 from lightning_ckpt_determinism.checkpointing.profile import OPAQUE_WORKSPACES
 from lightning_ckpt_determinism.checkpointing.rng import (
     HostRNGState,
@@ -403,17 +409,22 @@ class CallRecord:
             return
         if recorded.data_dependent and self.routing_changed is None:
             self.routing_changed = str(func)
+        # What only the call's first difference keeps (see `_diverge`) is worked out for it alone.
+        first = self.divergence is None
+        random = first and (
+            is_random_op(func) or (kind == "values" and same_inputs and _draws_torch_rng(func, args, kwargs))
+        )
         self._diverge(
             index,
             str(func),
             kind,
-            random=is_random_op(func) or (kind == "values" and same_inputs and _draws_torch_rng(func, args, kwargs)),
+            random=random,
             same_inputs=same_inputs,
             diff=diff,
             buffer_input=from_buffer_writer or any(position in changed for position in recorded.buffer_inputs),
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
-            region_input=self.divergence is None and kind is not None and not same_inputs and self._arguments_changed(),
-            generator=self._foreign_generator(args, kwargs),
+            region_input=first and not same_inputs and self._arguments_changed(),
+            generator=random and self._foreign_generator(args, kwargs),
         )
 
     def _foreign_generator(self, args: Any, kwargs: Any) -> bool:
@@ -422,9 +433,7 @@ class CallRecord:
         given = [leaf for leaf in _flatten([args, kwargs or {}]) if isinstance(leaf, torch.Generator)]
         if not given:
             return False
-        held = [
-            value for sub in self.module.modules() for value in vars(sub).values() if isinstance(value, torch.Generator)
-        ]
+        held = [own for _, own in generator_slots(self.module)]
         return any(
             not any(
                 generator.device == own.device and torch.equal(generator.get_state(), own.get_state()) for own in held
