@@ -257,10 +257,10 @@ def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[st
         return f"{cause.hint} Written: {', '.join(written)}." if written else cause.hint
     if cause == Cause.RECOMPUTE_ERROR and call.error is not None and KEPT_OUTPUT_MUTATED in call.error:
         return KEPT_OUTPUT_WRITTEN_HINT
-    if cause == Cause.RNG_NOT_PRESERVED and call.replays_rng and call.divergence is not None:
-        # An op given a generator of its own draws from one the region does not replay; one drawing from torch's
-        # default generator, replayed, differs for another reason (its arguments changed: keeps the cause's hint).
-        return UNREPLAYED_GENERATOR_HINT if call.divergence.generator else cause.hint
+    if cause == Cause.RNG_NOT_PRESERVED and call.replays_rng and call.divergence and call.divergence.generator:
+        # A generator no module of the region holds is not replayed; one drawing from a replayed generator differs
+        # for another reason (its arguments changed) and keeps the cause's hint.
+        return UNREPLAYED_GENERATOR_HINT
     return cause.hint
 
 
