@@ -538,8 +538,8 @@ class CheckpointedForward:
         position = self._position_in_pass()
         awaited = self._awaited.get((key, position))
         # Awaited while still unknown (a probe of the next calls may have learned it since).
-        unknown = awaited is not None and (key, awaited[0]) not in self._profiles
-        path = awaited[0] if awaited is not None and unknown else self._paths.get(key)
+        awaiting = awaited is not None and (key, awaited[0]) not in self._profiles
+        path = awaited[0] if awaited is not None and awaiting else self._paths.get(key)
         self.profile = None if path is None else self._profiles.get((key, path))
         if self.profile is not None and not self._generators_in_place():
             self._profiles.clear()  # what the profiles replay is stale
@@ -556,7 +556,7 @@ class CheckpointedForward:
             first=first,
             key=key,
             position=position,
-            awaiting=awaited is not None and unknown,
+            awaiting=awaiting,
             torch_keeps=torch_keeps,
         )
         context_fn = self._context_fn(inputs, call)
