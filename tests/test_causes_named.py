@@ -1344,57 +1344,51 @@ def test_a_generator_no_module_holds_is_named_as_not_replayed_whatever_preserve_
     assert region.hint == (UNREPLAYED_GENERATOR_HINT if preserve_rng_state else Cause.RNG_NOT_PRESERVED.hint)
 
 
-def test_a_random_op_drawing_from_torchs_replayed_generator_is_not_told_of_a_generator_of_its_own() -> None:
-    rates = {"p": 0.1}
+class _ScheduledDropout(nn.Module):
+    """Dropout at the rate a schedule (a dict) gives, drawn from torch's default generator."""
 
-    class ScheduledDropout(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(DIM, DIM)
+    schedule: ClassVar[dict[str, float]] = {"value": 0.1}
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + F.dropout(torch.tanh(self.linear(x)), p=rates["p"], training=True)
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(torch.tanh(self.linear(x)), p=self.schedule["value"], training=True)
+
+
+class _ScheduledNoise(nn.Module):
+    """Noise of the spread a schedule (a dict) gives, drawn from a generator the module holds (the region's own)."""
+
+    schedule: ClassVar[dict[str, float]] = {"value": 0.1}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.linear(x))
+        return x + hidden * torch.normal(1.0, self.schedule["value"], size=hidden.shape, generator=self.generator)
+
+
+@pytest.mark.parametrize(
+    ("block", "op"), [(_ScheduledDropout, "aten.bernoulli_.float"), (_ScheduledNoise, "aten.normal.float_float")]
+)
+def test_a_random_op_drawing_from_a_generator_the_region_replays_is_not_told_it_is_unreplayed(
+    block: type[_ScheduledDropout | _ScheduledNoise], op: str
+) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(ScheduledDropout(), nn.Linear(DIM, 1))
+    model = nn.Sequential(block(), nn.Linear(DIM, 1))
     apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
     x = torch.randn(4, DIM)
 
     def closure() -> torch.Tensor:
-        rates["p"] = 0.1
+        block.schedule["value"] = 0.1
         loss = model(x).square().sum()
-        rates["p"] = 0.5  # a schedule moves on before the backward: recomputation draws the other rate's mask
+        block.schedule["value"] = 0.5  # the schedule moves on before the backward: recomputation draws otherwise
         return loss
 
     (region,) = check_recomputation(model, closure, attribution=True).regions
     assert region.diverged and region.first_divergent_op is not None
-    assert region.first_divergent_op[0] == "aten.bernoulli_.float" and region.hint != UNREPLAYED_GENERATOR_HINT
-
-
-def test_a_random_op_drawing_from_a_generator_the_region_holds_is_not_told_it_is_unreplayed() -> None:
-    spread = {"std": 0.1}
-
-    class HeldGenerator(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = nn.Linear(DIM, DIM)
-            self.generator = torch.Generator().manual_seed(3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            hidden = torch.tanh(self.linear(x))
-            return x + hidden * torch.normal(1.0, spread["std"], size=hidden.shape, generator=self.generator)
-
-    torch.manual_seed(0)
-    model = nn.Sequential(HeldGenerator(), nn.Linear(DIM, 1))
-    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
-    x = torch.randn(4, DIM)
-
-    def closure() -> torch.Tensor:
-        spread["std"] = 0.1
-        loss = model(x).square().sum()
-        spread["std"] = 0.5  # the draw's spread moves on; its generator, the region's own, is replayed
-        return loss
-
-    (region,) = check_recomputation(model, closure, attribution=True).regions
-    assert region.first_divergent_op is not None and region.first_divergent_op[0] == "aten.normal.float_float"
-    assert region.hint != UNREPLAYED_GENERATOR_HINT
+    assert region.first_divergent_op[0] == op and region.hint != UNREPLAYED_GENERATOR_HINT
