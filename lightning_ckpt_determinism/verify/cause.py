@@ -307,7 +307,8 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
 _WHEN: Mapping[Cause, str] = MappingProxyType(
     {
         Cause.RNG_NOT_PRESERVED: (
-            "a random op (dropout, `rand*`, `bernoulli` ...) drew other numbers in recomputation; or the step left"
+            "a random op (dropout, `rand*`, `bernoulli` ...) asked for the same draw (rate, spread, size) drew other"
+            " numbers in recomputation (one asked for another draw is Python state); or the step left"
             " torch's RNG in another state than the same step without checkpointing, with exact gradients (a region"
             " drew from it again, its results kept from the forward: masking by `argsort`, as ViTMAE's, or a"
             " LayerDrop decision), so that whatever draws from it next draws other numbers."

@@ -44,6 +44,8 @@ class Divergence:
             the region that give back other values than they were given, a write through ``.data``).
         generator: Whether the op was given a ``torch.Generator`` to draw from that no module of the region holds
             (one the region does not replay).
+        draw_changed: Whether a random op was asked for another draw than in the forward: one of its arguments other
+            than tensors and generators (a dropout rate, a spread, a size) differs, so Python state decided it.
 
     Example::
 
@@ -61,6 +63,7 @@ class Divergence:
     saved: str | None = None
     region_input: bool = False
     generator: bool = False
+    draw_changed: bool = False
 
 
 @dataclass(frozen=True)

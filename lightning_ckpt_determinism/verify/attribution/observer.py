@@ -404,8 +404,8 @@ class CallRecord:
                 now = self._parameters_at(leaves, recorded.parameter_inputs)
                 names = zip(recorded.parameter_inputs, recorded.parameter_names, now, strict=True)
                 changed -= {position for position, before, after in names if before and after and before != after}
-        recorded.outputs, recorded.inputs = [], []
         if kind is None:
+            recorded.outputs, recorded.inputs = [], []
             return
         if recorded.data_dependent and self.routing_changed is None:
             self.routing_changed = str(func)
@@ -414,6 +414,8 @@ class CallRecord:
         random = first and (
             is_random_op(func) or (kind == "values" and same_inputs and _draws_torch_rng(func, args, kwargs))
         )
+        draw_changed = random and inputs is not None and self._draw_changed(recorded.inputs, inputs)
+        recorded.outputs, recorded.inputs = [], []
         self._diverge(
             index,
             str(func),
@@ -425,6 +427,18 @@ class CallRecord:
             parameter_input=any(position in changed for position in recorded.parameter_inputs),
             region_input=first and not same_inputs and self._arguments_changed(),
             generator=random and self._foreign_generator(args, kwargs),
+            draw_changed=draw_changed,
+        )
+
+    def _draw_changed(self, recorded: list[Any], seen: list[Any]) -> bool:
+        """Whether an op's arguments other than tensors and generators (a rate, a spread, a size) differ from the
+        forward's. Generators are left to :meth:`_foreign_generator`: the dispatcher hands a new object for each."""
+        if len(recorded) != len(seen):
+            return True
+        return any(
+            type(expected) is not type(actual) or not self._equal_arguments(expected, actual)
+            for expected, actual in zip(recorded, seen, strict=True)
+            if not isinstance(expected, Fingerprint | torch.Generator)
         )
 
     def _foreign_generator(self, args: Any, kwargs: Any) -> bool:
@@ -549,11 +563,22 @@ class CallRecord:
         saved: str | None = None,
         region_input: bool = False,
         generator: bool = False,
+        draw_changed: bool = False,
     ) -> None:
         self.max_abs_diff = max(self.max_abs_diff, diff)
         if self.divergence is None:
             self.divergence = Divergence(
-                index, op, kind, random, same_inputs, buffer_input, parameter_input, saved, region_input, generator
+                index,
+                op,
+                kind,
+                random,
+                same_inputs,
+                buffer_input,
+                parameter_input,
+                saved,
+                region_input,
+                generator,
+                draw_changed,
             )
 
     def parameters_before(self, func: OpOverload, args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor, Any]]:

@@ -1,7 +1,8 @@
 """How attribution decides each region's cause, from the evidence its observer gathered in one pass.
 
-1. the differing op carries ``torch.Tag.nondeterministic_seeded`` (dropout, ``rand*``, ``bernoulli`` ...):
-   ``rng_not_preserved``;
+1. the differing op carries ``torch.Tag.nondeterministic_seeded`` (dropout, ``rand*``, ``bernoulli`` ...) and was
+   asked for the same draw as in the forward (its rate, spread and size alike): ``rng_not_preserved``; asked for
+   another (a rate a global changed after the forward), it goes on through the rules below, as any op;
 2. the same op returned a tensor of another shape or dtype: ``shape_change``;
 3. the op received exactly the inputs it had in the forward (tensor fingerprints and every scalar argument equal)
    and still returned other values: ``nondeterministic_kernel``, the kernel differs from itself (with
@@ -75,7 +76,7 @@ def evidence_cause(divergence: Divergence) -> Cause | None:
     """
     if divergence.kind == "structure":
         return None
-    if divergence.random:
+    if divergence.random and not divergence.draw_changed:
         return Cause.RNG_NOT_PRESERVED
     if divergence.kind == "shape":
         return Cause.SHAPE_CHANGE
