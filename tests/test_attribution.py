@@ -6,7 +6,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import numpy as np
@@ -974,3 +974,44 @@ def test_a_counter_the_forward_increments_is_replayed_and_compares_clean():
     _, report = attributed(CounterOnlyBlock)
     assert_clean(report)
     assert report.attribute_mutations == []
+
+
+class _TimestepCell(nn.Module):
+    """An RNN cell that reads the timestep from a global its caller sets, and scales its input at one timestep."""
+
+    timestep: ClassVar[dict[str, int]] = {"value": 0}
+
+    def __init__(self, scaled_at: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.scaled_at = scaled_at
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        scale = 1.5 if self.timestep["value"] == self.scaled_at else 1.0
+        return torch.tanh(self.linear(state * scale))
+
+
+def test_the_report_names_the_call_of_a_region_called_once_a_timestep_that_differed() -> None:
+    steps, scaled_at = 8, 5
+    torch.manual_seed(0)
+    plain, model = _TimestepCell(scaled_at), _TimestepCell(scaled_at)
+    model.load_state_dict(plain.state_dict())
+    rnn = nn.ModuleDict({"cell": model})
+    apply_activation_checkpointing(rnn, CheckpointingConfig(names=["cell"]))
+    start = torch.randn(4, DIM)
+
+    def unrolled(cell: nn.Module) -> torch.Tensor:
+        state = start
+        for step in range(steps):
+            _TimestepCell.timestep["value"] = step
+            state = cell(state)
+        return state.square().sum()  # the global holds the last timestep while backward recomputes every call
+
+    unrolled(plain).backward()
+    unrolled(rnn["cell"]).backward()
+    assert not torch.equal(plain.linear.weight.grad, model.linear.weight.grad)
+    report = check_recomputation(rnn, lambda: unrolled(rnn["cell"]), attribution=True)
+    (region,) = report.regions
+    # Only the forward at the timestep the branch names took it: that call is the one named, out of every call made.
+    assert (region.cause, region.calls, region.first_divergent_call) == ("python_state", steps, scaled_at)
+    assert f"at `aten.mul.Tensor` (op 0 of the region's call {scaled_at} of {steps})" in region_outcome(region).finding

@@ -1177,3 +1177,12 @@ def test_a_weight_a_pre_hook_sets_before_each_of_two_calls_is_read_anew_and_the_
             loss_of(twin, tokens(0)).backward()
     assert not all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
     assert sentinel.report().regions["body.0"].mismatches > 0
+
+
+def test_the_sentinel_names_the_call_of_a_region_called_once_a_timestep_whose_tensor_differed() -> None:
+    # The branch at timestep 5 draws NumPy noise: from the second pass on, its call is compared and differs.
+    _, (region, equal) = _over_timesteps(
+        BranchingCell(True), 2, "exact", lambda step, timestep: {"branch": timestep == 5}
+    )
+    assert not equal and region.mismatches > 0 and region.first_mismatch is not None
+    assert region.first_mismatch.endswith(", at the region's call 5 (from 0) of its forward pass")

@@ -32,6 +32,8 @@ class RegionSummary:
     batches_diverged: int = 0
     ops_compared: int = 0
     data_dependent_ops: dict[str, bool] = field(default_factory=dict)
+    first_divergent_call: int | None = None
+    calls: int = 0
 
 
 def summarize(reports: list[RecomputationReport]) -> list[RegionSummary]:
@@ -54,6 +56,7 @@ def summarize(reports: list[RecomputationReport]) -> list[RegionSummary]:
                 if outcome.verdict == "noise" and summary.hint is not None:
                     summary.hint = _within_the_floor(summary.hint)
                 summary.first_divergent_op = region.first_divergent_op
+                summary.first_divergent_call, summary.calls = region.first_divergent_call, region.calls
             summary.verdict = worse(summary.verdict, outcome.verdict)
             summary.ops_compared += region.ops_compared
             for op, kept in region.data_dependent_ops.items():
@@ -81,7 +84,12 @@ def table(summaries: list[RegionSummary]) -> str:
     for summary in summaries:
         op = "-"
         if summary.first_divergent_op is not None:
-            op = f"{summary.first_divergent_op[0]} (op {summary.first_divergent_op[1]})"
+            call = (
+                f", call {summary.first_divergent_call} of {summary.calls}"
+                if summary.first_divergent_call is not None and summary.calls > 1
+                else ""
+            )
+            op = f"{summary.first_divergent_op[0]} (op {summary.first_divergent_op[1]}{call})"
         rows.append(
             (
                 summary.name,

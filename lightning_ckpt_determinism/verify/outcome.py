@@ -124,7 +124,16 @@ def _finding(region: RegionReport, cause: Cause | None) -> str:
     where = ""
     if region.first_divergent_op is not None:
         op, index = region.first_divergent_op
-        where = f" at `{op}` (op {index} of the region)"
+        where = f" at `{op}` (op {index} of the region{_of_call(region)})"
+    elif region.first_divergent_call is not None and region.calls > 1:
+        where = f" at its call {region.first_divergent_call} of {region.calls}"
     # A region the graph scan named differs only compiled: its eager values, which `max_abs_diff` measures, agree.
     diff = "" if cause == Cause.COMPILER_RECOMPUTE else f", max abs diff {region.max_abs_diff:.3g}"
     return f"Region `{region.name}` diverged{where}{diff}, cause {cause}: {region.hint}"
+
+
+def _of_call(region: RegionReport) -> str:
+    """Which call of a region called several times in the pass differed (an RNN's timestep), for the finding."""
+    if region.first_divergent_call is None or region.calls < 2:
+        return ""
+    return f"'s call {region.first_divergent_call} of {region.calls}"

@@ -295,6 +295,9 @@ class RegionReport:
         data_dependent_ops: The data-dependent ops the region's forward ran (aten name), each with whether
             ``keep_data_dependent`` (or ``save_ops``) kept its outputs from the forward at every call; ``False``
             when they were recomputed (the option is off, or their floating outputs exceed the size rule).
+        calls: How many times the region was called in the checked pass (an RNN's cell: once a timestep).
+        first_divergent_call: Which of those calls ``first_divergent_op`` (or the failure that decided ``cause``)
+            came from, from 0 in the order the forward made them; ``None`` when no call differed.
 
     Example::
 
@@ -315,6 +318,8 @@ class RegionReport:
     error: str | None = None
     recomputations: int = 0
     data_dependent_ops: dict[str, bool] = field(default_factory=dict)
+    calls: int = 0
+    first_divergent_call: int | None = None
 
 
 @dataclass(frozen=True)

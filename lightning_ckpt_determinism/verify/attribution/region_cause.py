@@ -180,12 +180,13 @@ def _region_report(
     name: str, calls: list[CallEvidence], buffers: list[str], *, gradients_diverged: bool, host_rng_explained: bool
 ) -> RegionReport:
     max_abs_diff = max((call.max_abs_diff for call in calls), default=0.0)
-    cause = hint = error = first_op = None
+    cause = hint = error = first_op = first_call = None
     written = _names(name, (param for call in calls for param in call.parameters_written))
     metrics = _names(name, (metric for call in calls for metric in call.metrics_updated))
-    for call in calls:
+    for position, call in enumerate(calls):
         cause = call_cause(call, host_rng_explained=host_rng_explained)
         if cause is not None:
+            first_call = position
             hint = INPUT_MODIFIED_HINT if call.input_modified else _hint(cause, call, buffers, metrics)
             hint += _routing_hint(call)
             error = call.error
@@ -215,6 +216,8 @@ def _region_report(
         error=error,
         recomputations=sum(call.recomputations for call in calls),
         data_dependent_ops=_data_dependent_ops(calls),
+        calls=len(calls),
+        first_divergent_call=first_call,
     )
 
 
@@ -260,7 +263,7 @@ def _hint(cause: Cause, call: CallEvidence, buffers: list[str], metrics: list[st
         return KEPT_OUTPUT_WRITTEN_HINT
     if cause == Cause.RNG_NOT_PRESERVED and call.replays_rng and call.divergence and call.divergence.generator:
         # A generator no module of the region holds is not replayed; one drawing from a replayed generator differs
-        # for another reason (its arguments changed) and keeps the cause's hint.
+        # for another reason and keeps the cause's hint.
         return UNREPLAYED_GENERATOR_HINT
     return cause.hint
 

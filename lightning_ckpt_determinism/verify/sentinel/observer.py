@@ -109,6 +109,8 @@ class RecomputationSentinel:
         self._open: list[RegionCall] = []
         # How many calls of each region started while watched (see `RegionCall.ordinal`).
         self._started: dict[str, int] = {}
+        # The ordinal of each region's first call since its last recomputation (see `RegionCall.position`).
+        self._pass_start: dict[str, int] = {}
         self._step = SentinelStep(self)
         self._unread: list[SentinelStep] = []
         self._recomputing: RegionCall | None = None
@@ -186,6 +188,7 @@ class RecomputationSentinel:
                     self._buffers_found.add(name)
             call = RegionCall(self, name, self._buffers[name], profile, layout)
             call.ordinal = ordinal
+            call.position = ordinal - self._pass_start.get(name, 0)
             self._forward_versions[name] = self._parameters[name].now()[1]
         except Exception as err:  # the sentinel's own failure stops it, never the step
             self._stop(err)
@@ -241,6 +244,7 @@ class RecomputationSentinel:
         name = self._name_of.get(id(module))
         watch = None
         if not self._paused and name is not None:
+            self._pass_start[name] = self._started.get(name, -1) + 1
             try:
                 parameters = self._parameters[name]
                 now = parameters.now()

@@ -150,6 +150,9 @@ class SentinelStep:
             compared[owner] += isinstance(item, KeptTensor)
             if flag:
                 found[owner].append(item)
+        # The saved tensors that differed, earliest call first (an RNN's cell: the earliest timestep).
+        for items in found.values():
+            items.sort(key=_earliest)
         for call in self.calls:
             compared[call.region] += len(call.metadata_mismatches)
             not_compared[call.region] += call.not_compared
@@ -161,13 +164,27 @@ class SentinelStep:
             name: SentinelRegion(
                 compared=compared[name],
                 mismatches=len(found[name]),
-                first_mismatch=found[name][0].describe() if found[name] else None,
+                first_mismatch=self._described(found[name][0]) if found[name] else None,
                 not_compared=not_compared[name],
                 cause=found[name][0].cause if found[name] else None,
                 on_new_paths=on_new_paths[name],
             )
             for name in names
         }
+
+    def _described(self, mismatch: Any) -> str:
+        """A mismatch in words; for a saved tensor of a region called several times before its backward (an RNN's
+        cell), with the call."""
+        if not isinstance(mismatch, KeptTensor):
+            return str(mismatch.describe())
+        if not any(call.position for call in self.calls if call.region == mismatch.call.region):
+            return mismatch.describe()  # called once a pass
+        return f"{mismatch.describe()}, at the region's call {mismatch.call.position} (from 0) of its forward pass"
+
+
+def _earliest(item: Any) -> tuple[int, int, int]:
+    """Orders a step's mismatches: saved tensors by call, then position; what else differed after, as found."""
+    return (0, item.call.ordinal, item.position) if isinstance(item, KeptTensor) else (1, 0, 0)
 
 
 def _flagged(layout: list[Entry], differed: list[int]) -> Iterator[tuple[str, Any, bool]]:
