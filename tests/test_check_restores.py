@@ -220,6 +220,52 @@ class NanStatistic(nn.Module):
         return torch.tanh(h)
 
 
+class ListedTrackers(Outside):
+    """Counts its calls in objects of the user's own class held in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trackers = [Tracker(), Tracker()]
+
+    def scale(self, x: torch.Tensor) -> float:
+        for tracker in self.trackers:
+            tracker.count += 1
+            tracker.seen.append(tracker.count)
+        return 1.0 + 0.1 * self.trackers[0].count
+
+
+class Memory:
+    """A block's memory of its last input, as Transformer-XL keeps one: ``None`` until the first call."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+
+
+class RemembersInput(nn.Module):
+    """A region that reads the memory it is given and replaces it with its input: its recomputation reads the input it
+    stored, not the one its forward read (a real defect)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, memory: Memory) -> torch.Tensor:
+        previous = torch.zeros_like(x) if memory.last is None else memory.last
+        memory.last = x.detach()
+        return torch.tanh(self.inp(x) + 0.5 * previous)
+
+
+class ListedMemories(Outside):
+    """Hands its region the first of the memories it holds in a list."""
+
+    def __init__(self) -> None:
+        super().__init__(RemembersInput())
+        self.memories = [Memory(), Memory()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x, self.memories[0]))
+
+
 @dataclass(frozen=True)
 class Case:
     """A model, and whether its checkpointed copy trains like the plain one (recomputation writes nothing twice)."""
@@ -242,6 +288,9 @@ CASES = {
     "a head frozen by turns": Case(FrozenByTurns),
     "subclasses of dict and list": Case(SubclassedContainers),
     "a running metric": Case(RunningScale),
+    "objects of the user's own class in a list": Case(ListedTrackers),
+    # The region reads what its own forward stored: wrong with or without a check, and a check must not change it.
+    "a memory in a list, replaced inside a region": Case(ListedMemories, like_plain=False),
     # NaN is not `==` to itself: a NaN set again by recomputation is the same value, not a mutation.
     "a NaN statistic kept as an attribute": Case(lambda: Outside(NanStatistic())),
 }
@@ -263,6 +312,8 @@ def held_state(model: nn.Module) -> list[object]:
         dict(getattr(model, "ordered", {})),
         list(getattr(model, "seen_list", [])),
         None if not hasattr(model, "running") else (model.running._num_vals_seen, float(model.running.compute())),
+        [(tracker.count, list(tracker.seen)) for tracker in getattr(model, "trackers", [])],
+        [None if memory.last is None else memory.last.tolist() for memory in getattr(model, "memories", [])],
     ]
 
 
@@ -454,11 +505,12 @@ def test_the_monitor_checking_every_step_changes_no_training(tmp_path, name: str
     monitor = RecomputationMonitor(every_n_steps=1, sentinel="off", attribution=attribution)  # type: ignore[arg-type]
     writes = "parameter" in name
     # A parameter written inside a region is written again by recomputation: attribution names that (a second
-    # decay is a divergence), and training is compared with and without the monitor alike.
+    # decay is a divergence), and training is compared with and without the monitor alike; so is a region that
+    # reads what its forward wrote.
     inside = "inside a region" in name
     said = "changed parameters in place" + ("|recomputation diverged" if inside else "")
     learned = pytest.warns(LightningCkptDeterminismWarning, match=said)
-    with learned if writes else contextlib.nullcontext():
+    with learned if writes or inside else contextlib.nullcontext():
         monitored = fit(tmp_path / "monitored", case, monitor)
     assert same_state(plain, monitored)
     assert held_state(plain.model) == held_state(monitored.model)

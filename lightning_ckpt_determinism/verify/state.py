@@ -556,7 +556,7 @@ def _metrics(module: nn.Module) -> list[Any]:
 
 class _PythonState:
     """The plain attributes of a module and its submodules (metrics excepted: :class:`_MetricSnapshot` has them), and
-    the objects of the user's own classes they hold, one level deep."""
+    the objects of the user's own classes they hold, directly or in a short container, one level deep."""
 
     def __init__(self, module: nn.Module, exclude: frozenset[str]) -> None:
         from torchmetrics import Metric
@@ -595,27 +595,36 @@ class _PythonState:
         if isinstance(value, np.ndarray):
             return [(value, value.copy())]
         if _is_object(value):
-            if id(value) in self._objects:
-                return self._objects[id(value)]
-            own = vars(value)
-            # One level: the object's tensors and arrays by value, the objects it holds by reference.
-            held = [(value, key, item) for key, item in own.items() if type(item) is torch.Tensor]
-            self.tensors.extend(held)
-            self._noted.update(id(item) for _, _, item in held)
-            contents = self._objects[id(value)] = self._held(_contents(own))
-        else:
-            contents = self._held(_contents(value))
+            return self._object(value, objects=False)
+        return self._held(_contents(value), objects=True)
+
+    def _object(self, value: Any, *, objects: bool) -> list[tuple[Any, Any]]:
+        """An object of the user's own kind: its attributes' dict and the containers it reaches, with copies; its
+        tensors noted by value; the objects it holds by reference (their own state too where ``objects``)."""
+        if id(value) in self._objects:
+            return self._objects[id(value)]
+        own = vars(value)
+        held = [(value, key, item) for key, item in own.items() if type(item) is torch.Tensor]
+        self.tensors.extend(held)
+        self._noted.update(id(item) for _, _, item in held)
+        self._objects[id(value)] = []  # an object that holds itself, through a container, is captured once
+        contents = self._objects[id(value)] = self._held(_contents(own), objects=objects)
         return contents
 
-    def _held(self, containers: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    def _held(self, containers: list[tuple[Any, Any]], *, objects: bool) -> list[tuple[Any, Any]]:
         """``containers`` (with their copies) and the small arrays they hold, with copies; their small tensors and
-        their generators are noted on the way (see :func:`_held_by_value`)."""
+        their generators are noted on the way (see :func:`_held_by_value`). Where ``objects``, the objects of the
+        user's own kind a short container holds (a list of memories, one a block) are captured as an attribute's
+        are, one level: a container is the attribute's level, not one more."""
         arrays: dict[int, tuple[Any, Any]] = {}
+        found: list[tuple[Any, Any]] = []
         for _, copy in containers:
             items = _items(copy)
             for item in items:
                 if isinstance(item, _GENERATORS):
                     self._found[id(item)] = item
+                elif objects and len(items) <= _HELD_ITEMS and _is_object(item):
+                    found.extend(self._object(item, objects=False))
                 elif not _held_by_value(item, len(items)) or id(item) in self._noted:
                     continue
                 elif isinstance(item, np.ndarray):
@@ -623,7 +632,7 @@ class _PythonState:
                 else:
                     self._noted.add(id(item))
                     self.tensors.append((None, "", item))
-        return containers + list(arrays.values())
+        return containers + list(arrays.values()) + found
 
     def _captures(self, name: str) -> bool:
         return name not in self._exclude and not is_framework_attribute(name)
