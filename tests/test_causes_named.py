@@ -120,15 +120,22 @@ class Mean(torchmetrics.Metric):
 
 
 class Metered(nn.Module):
-    """Updates a torchmetrics mean of its input in forward, before the ops whose outputs backward needs."""
+    """Updates a torchmetrics mean of its input in forward, before the ops whose outputs backward needs; the metric
+    held as a submodule, or in a plain dict or list (not registered)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: str = "submodule") -> None:
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
-        self.seen = Mean()
+        if held == "submodule":
+            self.seen = Mean()
+        else:
+            self.metrics = {"seen": Mean()} if held == "dict" else [Mean()]
+
+    def metric(self) -> Mean:
+        return self.seen if hasattr(self, "seen") else self.metrics["seen" if isinstance(self.metrics, dict) else 0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.update(x.abs().mean())
+        self.metric().update(x.abs().mean())
         return torch.tanh(self.inp(x))
 
 
@@ -308,24 +315,28 @@ def test_every_norm_with_running_statistics_is_exact_with_protect_buffers(norm: 
     assert all(named(report) == [] and not report.diverged for report in checks)
 
 
+METRICS_HELD = {"submodule": "body.seen", "dict": "body.metrics['seen']", "list": "body.metrics[0]"}
+
+
+@pytest.mark.parametrize("held", list(METRICS_HELD))
 @pytest.mark.parametrize("mode", MODES)
-def test_a_metric_updated_in_a_region_is_a_metric_update(mode: str) -> None:
+def test_a_metric_updated_in_a_region_is_a_metric_update(mode: str, held: str) -> None:
     plain, checkpointed, checks, equal, sentinel = _twin_steps(
-        lambda: Head(Metered()), CheckpointingConfig(names=["body"]), mode
+        lambda: Head(Metered(held)), CheckpointingConfig(names=["body"]), mode
     )
     # Ground truth: the gradients agree, and the checkpointed copy's metric counted every step twice.
     assert equal
-    assert float(plain.body.seen.weight) == 2.0
-    assert float(checkpointed.body.seen.weight) == 4.0
+    assert float(plain.body.metric().weight) == 2.0
+    assert float(checkpointed.body.metric().weight) == 4.0
     # Both states (the weighted sum and the weight) at every recomputation: the check's and the training step's.
     found = sentinel.regions["body"]
     assert (found.mismatches, found.cause) == (2 * 2 * 2, "metric_update")
-    assert found.first_mismatch == "metric `body.seen` (total) updated by recomputation"
+    assert found.first_mismatch == f"metric `{METRICS_HELD[held]}` (total) updated by recomputation"
     for report in checks:
         assert not report.diverged and report.grad_divergence == 0.0
         ((region, cause, hint),) = named(report)
         assert (region, cause) == ("body", "metric_update")
-        assert hint is not None and hint.endswith("Updated: body.seen.")
+        assert hint is not None and hint.endswith(f"Updated: {METRICS_HELD[held]}.")
 
 
 def test_a_metric_update_is_put_back_by_the_check() -> None:

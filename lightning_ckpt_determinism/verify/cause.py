@@ -362,8 +362,9 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             "run eagerly does not. The regions whose compiled backward graph draws a random op afresh get it too."
         ),
         Cause.METRIC_UPDATE: (
-            "the states of a torchmetrics `Metric` inside a region changed in its recomputation: an update in "
-            "forward, made again. The hint names the metrics; the gradients may well be exact, and the check puts "
+            "the states of a torchmetrics `Metric` inside a region (a submodule, or held in a plain list or dict) "
+            "changed in its recomputation: an update in forward, made again. The hint names the metrics (one in a "
+            "container as the code reaches it: `metrics['acc']`); the gradients may well be exact, and the check puts "
             "the metrics back after its own passes."
         ),
     }

@@ -520,38 +520,59 @@ def _copy_state(value: object) -> object:
 
 
 def named_metrics(module: nn.Module) -> list[tuple[str, Any]]:
-    """The torchmetrics metrics among ``module`` and its submodules, by dotted name: a region's, whose states its
-    forward may update (recomputation then updates them again).
+    """The torchmetrics metrics among ``module`` and its submodules, and those held in plain containers of their
+    attributes, by name as the code reaches them: a region's, whose states its forward may update (recomputation then
+    updates them again).
 
     Args:
         module: The module.
 
     Example::
 
-        >>> from torchmetrics import MeanMetric
+        >>> from torchmetrics import MeanMetric, SumMetric
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), MeanMetric())
+        >>> model.extra = {"rows": [SumMetric()]}
         >>> [name for name, _ in named_metrics(model)]
-        ['1']
+        ['1', "extra['rows'][0]"]
     """
     from torchmetrics import Metric
 
-    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, Metric)]
+    found = {id(sub): (name, sub) for name, sub in module.named_modules() if isinstance(sub, Metric)}
+    for prefix, sub in module.named_modules():
+        # nn.Module's own dicts (`_modules`, `_parameters`, hooks) hold no metric the walk of submodules missed.
+        for attribute, value in vars(sub).items():
+            if is_framework_attribute(attribute) or isinstance(value, nn.Module):
+                continue
+            for place, item in _placed(value, f"{prefix}.{attribute}" if prefix else attribute):
+                if isinstance(item, Metric):
+                    found.setdefault(id(item), (place, item))
+    return list(found.values())
+
+
+def _placed(value: Any, name: str) -> list[tuple[str, Any]]:
+    """The items reachable from ``value`` through plain containers, each with the expression that reaches it from
+    ``name`` (``metrics['rows']``, ``metrics[0]``); a set's items are named by the set."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    pending = [(name, value)]
+    while pending:
+        place, item = pending.pop()
+        if not isinstance(item, _CONTAINERS) or isinstance(item, nn.Module) or id(item) in seen:
+            found.append((place, item))
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            pending.extend((f"{place}[{key!r}]", inner) for key, inner in reversed(item.items()))
+        elif isinstance(item, set):
+            pending.extend((place, inner) for inner in item)
+        else:
+            pending.extend((f"{place}[{index}]", inner) for index, inner in reversed(list(enumerate(item))))
+    return found
 
 
 def _metrics(module: nn.Module) -> list[Any]:
     """The torchmetrics metrics of a module: its submodules, and those held in plain containers of its attributes."""
-    from torchmetrics import Metric
-
-    found = {id(sub): sub for _, sub in named_metrics(module)}
-    for sub in module.modules():
-        # nn.Module's own dicts (`_modules`, `_parameters`, hooks) hold no metric the walk of submodules missed.
-        for name, value in vars(sub).items():
-            if is_framework_attribute(name):
-                continue
-            for container, _ in _contents(value):
-                items = container.values() if isinstance(container, dict) else container
-                found.update((id(item), item) for item in items if isinstance(item, Metric))
-    return list(found.values())
+    return [metric for _, metric in named_metrics(module)]
 
 
 class _PythonState:
