@@ -957,8 +957,10 @@ def test_a_step_that_initialises_lazy_modules_is_skipped_as_such_and_the_next_is
     # The first step's calls ran plainly, which is why the sentinel compared nothing at it.
     assert [m for m in said if "compared nothing" in m] == [
         "lightning_ckpt_determinism: the sentinel compared nothing in the steps logged at step 0: no checkpointed"
-        " region ran checkpointed, eagerly and with gradients, in the steps since the last logged one (a call that"
-        " initialises a region's lazy modules runs without checkpointing). `recompute/sentinel/compared` is 0 and no"
+        " region saved a tensor for backward, running checkpointed, eagerly and with gradients, in the steps since"
+        " the last logged one (every call returned before saving one, as a LayerDrop that returns its input; or a"
+        " call that initialises a region's lazy modules, which runs without checkpointing)."
+        " `recompute/sentinel/compared` is 0 and no"
         " `recompute/sentinel/mismatches` is logged for them; the periodic check still compares gradients at the steps"
         " that recompute a region."
     ]

@@ -596,8 +596,10 @@ class SentinelWatch:
             )
         else:
             why = (
-                "no checkpointed region ran checkpointed, eagerly and with gradients, in the steps since the last"
-                " logged one (a call that initialises a region's lazy modules runs without checkpointing)"
+                "no checkpointed region saved a tensor for backward, running checkpointed, eagerly and with"
+                " gradients, in the steps since the last logged one (every call returned before saving one, as a"
+                " LayerDrop that returns its input; or a call that initialises a region's lazy modules, which runs"
+                " without checkpointing)"
             )
         rank_zero_warn(
             f"lightning_ckpt_determinism: the sentinel compared nothing in the steps logged at step {self.step}:"

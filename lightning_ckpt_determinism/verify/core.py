@@ -522,6 +522,8 @@ def step_report(
             or bool(evidence.step_attributes)
             or evidence.step_host_rng
             or evidence.step_torch_rng
+            # A region's recomputation changed its state (a metric updated again, which the check puts back).
+            or any(region.diverged and _changes_state(region.cause) for region in decision.regions)
         ),
         tolerance=tolerance,
         per_parameter=per_parameter,
@@ -537,6 +539,10 @@ def step_report(
         hint=decision.hint,
         not_restored=list(evidence.not_restored),
     )
+
+
+def _changes_state(cause: Cause | str | None) -> bool:
+    return cause is not None and Cause(cause).state_change is not None
 
 
 def with_attribution(live: RecomputationReport, attributed: RecomputationReport) -> RecomputationReport:
@@ -567,6 +573,8 @@ def with_attribution(live: RecomputationReport, attributed: RecomputationReport)
     provisional = live.cause is not None and Cause(live.cause).blames == "step" and not found_nothing
     return replace(
         live,
+        diverged=live.diverged
+        or any(region.diverged and _changes_state(region.cause) for region in attributed.regions),
         regions=attributed.regions,
         buffer_mutations=attributed.buffer_mutations or live.buffer_mutations,
         cause=attributed.cause if provisional else attributed.cause or live.cause,

@@ -295,7 +295,8 @@ class RegionReport:
         data_dependent_ops: The data-dependent ops the region's forward ran (aten name), each with whether
             ``keep_data_dependent`` (or ``save_ops``) kept its outputs from the forward at every call; ``False``
             when they were recomputed (the option is off, or their floating outputs exceed the size rule).
-        calls: How many times the region was called in the checked pass (an RNN's cell: once a timestep).
+        calls: How many times the region ran checkpointed (eagerly, with gradients enabled) in the checked pass (an
+            RNN's cell: once a timestep); calls under ``no_grad`` run plainly and are not counted.
         first_divergent_call: Which of those calls ``first_divergent_op`` (or the failure that decided ``cause``)
             came from, from 0 in the order the forward made them; ``None`` when no call differed.
 
@@ -333,8 +334,10 @@ class RecomputationReport:
         max_abs_diff: Largest absolute difference of any gradient element.
         diverged: Whether ``grad_divergence`` exceeds both the tolerance and the noise floor, or the checkpointed
             pass raised, or state that changes no gradient (buffers, attributes) ended the checked pass otherwise
-            than the reference pass: a plain twin would not have it (``cause`` says which where nothing else
-            explains the step, and with attribution ``regions`` say where). Both engines decide it alike.
+            than the reference pass, or a region's recomputation changed its state (``regions``, a cause such as
+            ``metric_update``, which the check puts back): a plain twin would not have it (``cause`` says which
+            where nothing else explains the step, and with attribution ``regions`` say where). Both engines decide
+            it alike.
         tolerance: The tolerance the verdict used.
         per_parameter: Largest absolute gradient difference for each parameter, by parameter name.
         worst_parameters: The parameters with the largest differences, worst first (at most five, only those
