@@ -1186,3 +1186,34 @@ def test_the_sentinel_names_the_call_of_a_region_called_once_a_timestep_whose_te
     )
     assert not equal and region.mismatches > 0 and region.first_mismatch is not None
     assert region.first_mismatch.endswith(", at the region's call 5 (from 0) of its forward pass")
+
+
+class NoisyGenerator(nn.Module):
+    """A generator whose output is scaled by NumPy's RNG: its recomputation differs (a real defect)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(z) * float(np.random.rand()))
+
+
+def test_a_call_never_backpropagated_leaves_the_next_steps_calls_named_as_they_are() -> None:
+    # Lightning's GAN example: per step the generator runs for logging (never backpropagated), for its own loss
+    # (backpropagated: the only call recomputed) and detached for the discriminator's loss.
+    torch.manual_seed(0)
+    np.random.seed(0)
+    model = nn.ModuleDict({"generator": NoisyGenerator(), "discriminator": nn.Linear(WIDTH, 1)})
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["generator"]))
+    firsts = []
+    with recomputation_sentinel(model, mode="exact") as sentinel:
+        for step in range(3):
+            z = tokens(step)
+            model["generator"](z)
+            model["discriminator"](model["generator"](z)).mean().backward()
+            model["discriminator"](model["generator"](z).detach()).mean().backward()
+            firsts.append(sentinel.settle()["generator"].first_mismatch)
+    assert [
+        first is not None and first.endswith("at the region's call 1 (from 0) of its forward pass") for first in firsts
+    ] == [True] * 3

@@ -141,7 +141,8 @@ class RegionCall:
         self.step: object | None = None
         # Its place among the calls of its region the sentinel saw start, from 0: those that save nothing count too.
         self.ordinal = 0
-        # Its place among those calls since the region's last recomputation, from 0 (an RNN's cell: its timestep).
+        # Its place among those calls since the region's last recomputation or the step's start, from 0 (an RNN's
+        # cell: its timestep).
         self.position = 0
         self.region = region
         self.buffers = buffers

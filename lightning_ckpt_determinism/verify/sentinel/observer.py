@@ -109,7 +109,8 @@ class RecomputationSentinel:
         self._open: list[RegionCall] = []
         # How many calls of each region started while watched (see `RegionCall.ordinal`).
         self._started: dict[str, int] = {}
-        # The ordinal of each region's first call since its last recomputation (see `RegionCall.position`).
+        # The ordinal of each region's first call since its last recomputation or the last step's end (see
+        # `RegionCall.position`).
         self._pass_start: dict[str, int] = {}
         self._step = SentinelStep(self)
         self._unread: list[SentinelStep] = []
@@ -396,6 +397,8 @@ class RecomputationSentinel:
             self._recomputing.recomputation_done()
         step, self._step = self._step, SentinelStep(self)
         self._unread.append(step)
+        # A step's calls never backpropagated (a GAN's detached generator call) are no part of the next step's pass.
+        self._pass_start = {name: started + 1 for name, started in self._started.items()}
         return step
 
     def read(self, step: SentinelStep, *, clean: bool = False) -> dict[str, SentinelRegion]:
