@@ -96,8 +96,8 @@ def assert_clean(report: RecomputationReport) -> None:
     assert report.buffer_mutations == []
     assert [region.name for region in report.regions] == REGIONS
     for region in report.regions:
-        # One recomputation per region, compared op by op.
-        assert region == RegionReport(name=region.name, ops_compared=region.ops_compared, recomputations=1)
+        # One call and one recomputation per region, compared op by op.
+        assert region == RegionReport(name=region.name, ops_compared=region.ops_compared, recomputations=1, calls=1)
         assert region.ops_compared > 0
 
 
@@ -231,6 +231,7 @@ def test_batchnorm_buffer_mutation_is_reported_although_gradients_agree():
         ),
         buffer_mutations=report.buffer_mutations,
         recomputations=1,
+        calls=1,
     )
     _, protected = attributed(BatchNormBlock)
     assert_clean(protected)
@@ -244,7 +245,7 @@ def test_buffers_written_outside_a_region_between_its_forward_and_recomputation_
         report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
         assert (report.diverged, report.grad_divergence, report.buffer_mutations) == (False, 0.0, [])
         (region,) = report.regions
-        assert region == RegionReport(name="block", ops_compared=region.ops_compared, recomputations=1)
+        assert region == RegionReport(name="block", ops_compared=region.ops_compared, recomputations=1, calls=1)
         # The check puts the state back: the model trains on as its plain twin does.
         for net in (model, twin):
             net.zero_grad(set_to_none=True)
