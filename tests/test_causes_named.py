@@ -48,6 +48,7 @@ from lightning_ckpt_determinism.verify.reports import (
     TORCH_RNG_STREAM_HINT,
     UNREPLAYED_GENERATOR_HINT,
 )
+from lightning_ckpt_determinism.verify.state import named_metrics
 from tests.helpers import DIM, PlainBlock, trainer_kwargs, twins
 from tests.test_verdicts import (
     STEPS,
@@ -316,6 +317,20 @@ def test_every_norm_with_running_statistics_is_exact_with_protect_buffers(norm: 
 
 
 METRICS_HELD = {"submodule": "body.seen", "dict": "body.metrics['seen']", "list": "body.metrics[0]"}
+
+
+class _Unprintable:
+    """A dict key whose ``repr`` fails."""
+
+    def __repr__(self) -> str:
+        raise AttributeError("no repr")
+
+
+def test_metrics_in_containers_are_named_whatever_their_keys_and_long_containers_are_not_searched() -> None:
+    body = Metered("dict")
+    body.metrics = {_Unprintable(): body.metrics["seen"]}
+    body.history = [Mean() for _ in range(65)]  # longer than a container searched for metrics (a log, not a state)
+    assert [name for name, _ in named_metrics(body)] == ["metrics[<_Unprintable>]"]
 
 
 @pytest.mark.parametrize("held", list(METRICS_HELD))

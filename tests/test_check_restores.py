@@ -755,6 +755,33 @@ def test_a_model_output_held_as_an_attribute_is_put_back_as_it_was() -> None:
     assert torch.equal(last.last_hidden_state, tokens(STEPS - 1))
 
 
+class Record:
+    """What a block keeps of its last call, for logging: a value made afresh at every call."""
+
+    def __init__(self) -> None:
+        self.last: Tracker | None = None
+
+
+class KeepsRecords(nn.Module):
+    """A region that writes a fresh record of its call to an object it holds in a list, and never reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.records = [Record()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.records[0].last = Tracker()
+        return torch.tanh(self.inp(x))
+
+
+def test_a_record_rebound_at_every_call_on_an_object_in_a_list_is_no_finding() -> None:
+    # The record is made afresh by the forward and again by recomputation: nothing the gradients or the step read.
+    checked = train(Case(lambda: Outside(KeepsRecords())), checkpointed=True, check=True)
+    assert same_run(checked, train(Case(lambda: Outside(KeepsRecords())), checkpointed=False, check=False))
+    assert [(report.diverged, report.attribute_mutations) for report in checked.reports] == [(False, [])] * STEPS
+
+
 def test_the_state_of_a_compiled_module_is_named_as_users_write_it() -> None:
     # `torch.compile` wraps the model in a module holding it as `_orig_mod`: hints name what the config and the
     # warnings' own figures name, without it (nothing is compiled here: the wrapper compiles at its first call).

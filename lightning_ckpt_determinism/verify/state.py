@@ -543,31 +543,44 @@ def named_metrics(module: nn.Module) -> list[tuple[str, Any]]:
         for attribute, value in vars(sub).items():
             if is_framework_attribute(attribute) or isinstance(value, nn.Module):
                 continue
-            for place, item in _placed(value, f"{prefix}.{attribute}" if prefix else attribute):
-                if isinstance(item, Metric):
-                    found.setdefault(id(item), (place, item))
+            for place, metric in _placed(value, f"{prefix}.{attribute}" if prefix else attribute):
+                found.setdefault(id(metric), (place, metric))
     return list(found.values())
 
 
 def _placed(value: Any, name: str) -> list[tuple[str, Any]]:
-    """The items reachable from ``value`` through plain containers, each with the expression that reaches it from
-    ``name`` (``metrics['rows']``, ``metrics[0]``); a set's items are named by the set."""
+    """The torchmetrics metrics reachable from ``value`` through plain containers of at most ``_HELD_ITEMS`` items (a
+    longer one, as a list of every step's loss, is not searched), each with the expression that reaches it from
+    ``name`` (``metrics['rows']``, ``metrics[0]``; a set's items are named by the set)."""
+    from torchmetrics import Metric
+
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
-    pending = [(name, value)]
+    pending: list[tuple[tuple[Any, ...], Any]] = [((), value)]
     while pending:
-        place, item = pending.pop()
+        path, item = pending.pop()
+        if isinstance(item, Metric):
+            found.append((name + "".join(map(_subscript, path)), item))
         if not isinstance(item, _CONTAINERS) or isinstance(item, nn.Module) or id(item) in seen:
-            found.append((place, item))
             continue
         seen.add(id(item))
+        if len(item) > _HELD_ITEMS:
+            continue
         if isinstance(item, dict):
-            pending.extend((f"{place}[{key!r}]", inner) for key, inner in reversed(item.items()))
+            pending.extend(((*path, (key,)), inner) for key, inner in item.items())
         elif isinstance(item, set):
-            pending.extend((place, inner) for inner in item)
+            pending.extend((path, inner) for inner in item)
         else:
-            pending.extend((f"{place}[{index}]", inner) for index, inner in reversed(list(enumerate(item))))
+            pending.extend(((*path, (index,)), inner) for index, inner in enumerate(item))
     return found
+
+
+def _subscript(step: tuple[Any]) -> str:
+    """``[key]`` as the code writes it, for a step of a path to a metric; a key whose ``repr`` fails, by its type."""
+    try:
+        return f"[{step[0]!r}]"
+    except Exception:
+        return f"[<{type(step[0]).__name__}>]"
 
 
 def _metrics(module: nn.Module) -> list[Any]:
@@ -592,6 +605,9 @@ class _PythonState:
         self._noted: set[int] = set()
         # An object several modules hold (transformers' `config` on every layer) is copied once.
         self._objects: dict[int, list[tuple[Any, Any]]] = {}
+        # Objects held in containers (see `_listed`), and the copies made for them, which are restored, never compared.
+        self._listed_objects: dict[int, list[tuple[Any, Any]]] = {}
+        self._restore_only: set[int] = set()
         for prefix, sub in module.named_modules():
             if isinstance(sub, Metric) or is_fsdp1_unit(sub):
                 continue
@@ -616,36 +632,50 @@ class _PythonState:
         if isinstance(value, np.ndarray):
             return [(value, value.copy())]
         if _is_object(value):
-            return self._object(value, objects=False)
+            if id(value) in self._objects:
+                return self._objects[id(value)]
+            own = vars(value)
+            # One level: the object's tensors and arrays by value, the objects it holds by reference.
+            held = [(value, key, item) for key, item in own.items() if type(item) is torch.Tensor]
+            self.tensors.extend(held)
+            self._noted.update(id(item) for _, _, item in held)
+            contents = self._objects[id(value)] = self._held(_contents(own), objects=False)
+            return contents
         return self._held(_contents(value), objects=True)
 
-    def _object(self, value: Any, *, objects: bool) -> list[tuple[Any, Any]]:
-        """An object of the user's own kind: its attributes' dict and the containers it reaches, with copies; its
-        tensors noted by value; the objects it holds by reference (their own state too where ``objects``)."""
-        if id(value) in self._objects:
-            return self._objects[id(value)]
+    def _listed(self, value: Any) -> list[tuple[Any, Any]]:
+        """An object of the user's own kind a short container holds (a list of memories, one a block), for the restore
+        alone: its attributes' dict and its short containers, with copies, and its small tensors by value. Its
+        attributes are not compared (:meth:`differing`): records rebound at every pass are no finding."""
+        if id(value) in self._listed_objects:
+            return self._listed_objects[id(value)]
+        self._listed_objects[id(value)] = []  # an object that holds itself, through a container, is captured once
         own = vars(value)
-        held = [(value, key, item) for key, item in own.items() if type(item) is torch.Tensor]
+        held = [
+            (value, key, item)
+            for key, item in own.items()
+            if _held_by_value(item, len(own)) and type(item) is torch.Tensor and id(item) not in self._noted
+        ]
         self.tensors.extend(held)
         self._noted.update(id(item) for _, _, item in held)
-        self._objects[id(value)] = []  # an object that holds itself, through a container, is captured once
-        contents = self._objects[id(value)] = self._held(_contents(own), objects=objects)
+        contents = self._held(_contents(own, limit=_HELD_ITEMS), objects=False)
+        self._restore_only.update(id(pair) for pair in contents)
+        self._listed_objects[id(value)] = contents
         return contents
 
     def _held(self, containers: list[tuple[Any, Any]], *, objects: bool) -> list[tuple[Any, Any]]:
         """``containers`` (with their copies) and the small arrays they hold, with copies; their small tensors and
         their generators are noted on the way (see :func:`_held_by_value`). Where ``objects``, the objects of the
-        user's own kind a short container holds (a list of memories, one a block) are captured as an attribute's
-        are, one level: a container is the attribute's level, not one more."""
+        user's own kind a short container holds are captured for the restore (see :meth:`_listed`)."""
         arrays: dict[int, tuple[Any, Any]] = {}
-        found: list[tuple[Any, Any]] = []
+        listed: list[tuple[Any, Any]] = []
         for _, copy in containers:
             items = _items(copy)
             for item in items:
                 if isinstance(item, _GENERATORS):
                     self._found[id(item)] = item
                 elif objects and len(items) <= _HELD_ITEMS and _is_object(item):
-                    found.extend(self._object(item, objects=False))
+                    listed.extend(self._listed(item))
                 elif not _held_by_value(item, len(items)) or id(item) in self._noted:
                     continue
                 elif isinstance(item, np.ndarray):
@@ -653,7 +683,7 @@ class _PythonState:
                 else:
                     self._noted.add(id(item))
                     self.tensors.append((None, "", item))
-        return containers + list(arrays.values()) + found
+        return containers + list(arrays.values()) + listed
 
     def _captures(self, name: str) -> bool:
         return name not in self._exclude and not is_framework_attribute(name)
@@ -676,7 +706,8 @@ class _PythonState:
             attributes = vars(sub)
             names = []
             for name, (value, contents) in captured.items():
-                if not _changed(attributes, name, value, contents):
+                compared = [pair for pair in contents if id(pair) not in self._restore_only]
+                if not _changed(attributes, name, value, compared):
                     continue
                 if _is_object(value) and attributes.get(name) is value:
                     if id(value) in named_objects:
@@ -786,8 +817,9 @@ def _same_contents(container: Any, copy: Any) -> bool:
     return len(items) == len(copy) and all(same_item(a, b) for a, b in zip(items, copy, strict=True))
 
 
-def _contents(value: Any) -> list[tuple[Any, Any]]:
-    """Each container reachable from ``value`` through containers (``value`` included), with a shallow copy of it.
+def _contents(value: Any, limit: int | None = None) -> list[tuple[Any, Any]]:
+    """Each container reachable from ``value`` through containers (``value`` included), with a shallow copy of it;
+    with a ``limit``, only those of at most that many items (a longer one is neither copied nor searched).
 
     A step that appends to a list inside a dict (``self.outputs["train"].append(...)``) changes the inner list,
     not the dict: restoring the outer container alone would leave the inner one changed.
@@ -800,6 +832,8 @@ def _contents(value: Any) -> list[tuple[Any, Any]]:
         if not isinstance(item, _CONTAINERS) or isinstance(item, nn.Module) or id(item) in seen:
             continue
         seen.add(id(item))
+        if limit is not None and len(item) > limit:
+            continue
         items = list(item.values()) if isinstance(item, dict) else list(item)
         found.append((item, dict(item) if isinstance(item, dict) else items))
         pending.extend(items)
