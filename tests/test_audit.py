@@ -28,7 +28,8 @@ from lightning_ckpt_determinism import (
     checkpointed_modules,
     plan_activation_checkpointing,
 )
-from lightning_ckpt_determinism.audit import files, loading, main, running
+from lightning_ckpt_determinism.audit import files, loading, main, rendering, running
+from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 from tests.helpers import trainer_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -917,3 +918,14 @@ def test_the_audit_gives_training_step_its_batch_through_the_batch_hooks_as_fit_
     # Without a datamodule, the model's own hook is the one `fit` runs.
     alone = running._prepared(_HookedModule(), strategy, raw, trainer=trainer)
     assert torch.equal(alone[0], raw["x"] + 100)
+
+
+def test_the_table_names_the_call_of_a_region_called_several_times_that_diverged() -> None:
+    cell = RegionReport(
+        "cell", 12, 0.5, ("aten.mul.Tensor", 0), True, "python_state", "Fix it.", calls=8, first_divergent_call=5
+    )
+    head = RegionReport("head", 3, 0.5, ("aten.add.Tensor", 2), True, "python_state", "Fix it.", calls=1)
+    summaries = rendering.summarize([RecomputationReport(0.1, 0.1, True, 0.0, regions=[cell, head])])
+    rows = table(rendering.table(summaries))
+    assert rows["cell"]["first divergent op"] == "aten.mul.Tensor (op 0, call 5 of 8)"
+    assert rows["head"]["first divergent op"] == "aten.add.Tensor (op 2)"

@@ -8,7 +8,7 @@ from lightning_ckpt_determinism._text import aligned
 from lightning_ckpt_determinism.verify.cause import Cause, respelt
 from lightning_ckpt_determinism.verify.compiled.graph_scan import GraphScan
 from lightning_ckpt_determinism.verify.core import step_cause
-from lightning_ckpt_determinism.verify.outcome import Verdict, region_outcome, report_diverged, worse
+from lightning_ckpt_determinism.verify.outcome import Verdict, divergent_call, region_outcome, report_diverged, worse
 from lightning_ckpt_determinism.verify.reports import RecomputationReport
 
 __all__ = ["diverged", "document", "footer", "scan_notes", "shortfall_note", "summarize", "table"]
@@ -84,12 +84,9 @@ def table(summaries: list[RegionSummary]) -> str:
     for summary in summaries:
         op = "-"
         if summary.first_divergent_op is not None:
-            call = (
-                f", call {summary.first_divergent_call} of {summary.calls}"
-                if summary.first_divergent_call is not None and summary.calls > 1
-                else ""
-            )
-            op = f"{summary.first_divergent_op[0]} (op {summary.first_divergent_op[1]}{call})"
+            call = divergent_call(summary.first_divergent_call, summary.calls)
+            where = f"op {summary.first_divergent_op[1]}, {call}" if call else f"op {summary.first_divergent_op[1]}"
+            op = f"{summary.first_divergent_op[0]} ({where})"
         rows.append(
             (
                 summary.name,

@@ -8,7 +8,7 @@ from typing import Literal
 from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.reports import RecomputationReport, RegionReport
 
-__all__ = ["Verdict", "diverging", "region_outcome", "report_diverged", "worse"]
+__all__ = ["Verdict", "divergent_call", "diverging", "region_outcome", "report_diverged", "worse"]
 
 Verdict = Literal["diverged", "noise", "unchecked", "ok"]
 """A region's verdict: ``"diverged"`` (its difference counts), ``"noise"`` (it differed, within the noise floor),
@@ -122,18 +122,29 @@ def _finding(region: RegionReport, cause: Cause | None) -> str:
     if cause == Cause.HOST_RNG and region.first_divergent_op is None and region.max_abs_diff == 0.0:
         return f"Region `{region.name}` drew from the host's random streams again, cause {cause}: {region.hint}"
     where = ""
+    call = divergent_call(region.first_divergent_call, region.calls)
     if region.first_divergent_op is not None:
         op, index = region.first_divergent_op
-        where = f" at `{op}` (op {index} of the region{_of_call(region)})"
-    elif region.first_divergent_call is not None and region.calls > 1:
-        where = f" at its call {region.first_divergent_call} of {region.calls}"
+        of = f"the region's {call}" if call else "the region"
+        where = f" at `{op}` (op {index} of {of})"
+    elif call:
+        where = f" at its {call}"
     # A region the graph scan named differs only compiled: its eager values, which `max_abs_diff` measures, agree.
     diff = "" if cause == Cause.COMPILER_RECOMPUTE else f", max abs diff {region.max_abs_diff:.3g}"
     return f"Region `{region.name}` diverged{where}{diff}, cause {cause}: {region.hint}"
 
 
-def _of_call(region: RegionReport) -> str:
-    """Which call of a region called several times in the pass differed (an RNN's timestep), for the finding."""
-    if region.first_divergent_call is None or region.calls < 2:
-        return ""
-    return f"'s call {region.first_divergent_call} of {region.calls}"
+def divergent_call(first: int | None, calls: int) -> str | None:
+    """Which call of a region called several times in the pass differed first (an RNN's timestep), in words;
+    ``None`` for a region called once, or where no call differed.
+
+    Args:
+        first: The call's place, from 0 (:attr:`RegionReport.first_divergent_call`).
+        calls: The region's calls in the pass (:attr:`RegionReport.calls`).
+
+    Example::
+
+        >>> divergent_call(5, 8), divergent_call(0, 1)
+        ('call 5 of 8', None)
+    """
+    return f"call {first} of {calls}" if first is not None and calls > 1 else None
