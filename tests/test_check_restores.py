@@ -759,26 +759,42 @@ class Record:
     """What a block keeps of its last call, for logging: a value made afresh at every call."""
 
     def __init__(self) -> None:
-        self.last: Tracker | None = None
+        self.last: object | None = None
+
+
+@dataclass
+class Summary:
+    """A record whose generated ``==`` is no truth value (it compares the tensor it holds)."""
+
+    mean: torch.Tensor
 
 
 class KeepsRecords(nn.Module):
-    """A region that writes a fresh record of its call to an object it holds in a list, and never reads it."""
+    """A region that writes a fresh record of its call to an object it holds, in a list or as an attribute, and never
+    reads it."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: str, kind: str) -> None:
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
-        self.records = [Record()]
+        self.kind = kind
+        if held == "list":
+            self.records = [Record()]
+        else:
+            self.record = Record()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.records[0].last = Tracker()
+        record = self.records[0] if hasattr(self, "records") else self.record
+        record.last = Tracker() if self.kind == "object" else Summary(x.detach().mean(dim=0))
         return torch.tanh(self.inp(x))
 
 
-def test_a_record_rebound_at_every_call_on_an_object_in_a_list_is_no_finding() -> None:
-    # The record is made afresh by the forward and again by recomputation: nothing the gradients or the step read.
-    checked = train(Case(lambda: Outside(KeepsRecords())), checkpointed=True, check=True)
-    assert same_run(checked, train(Case(lambda: Outside(KeepsRecords())), checkpointed=False, check=False))
+@pytest.mark.parametrize("kind", ["object", "dataclass holding a tensor"])
+@pytest.mark.parametrize("held", ["list", "attribute"])
+def test_a_record_rebound_at_every_call_on_an_object_the_region_holds_is_no_finding(held: str, kind: str) -> None:
+    # The record is made afresh by the forward and again by recomputation, alike: nothing the step reads changed.
+    case = Case(lambda: Outside(KeepsRecords(held, kind)))
+    checked = train(case, checkpointed=True, check=True)
+    assert same_run(checked, train(case, checkpointed=False, check=False))
     assert [(report.diverged, report.attribute_mutations) for report in checked.reports] == [(False, [])] * STEPS
 
 

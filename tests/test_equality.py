@@ -40,7 +40,9 @@ def test_same_item_compares_tensors_by_values_and_anything_else_by_type_and_equa
     assert not same_item(torch.ones(1), 1.0)
     assert same_item(3, 3) and not same_item(3, 3.0) and not same_item(True, 1)
     assert not same_item(torch.ones(2), torch.ones(2) + 1)
-    assert not same_item(Ambiguous(), Ambiguous())  # `==` that is not a truth value: unequal, never raised
+    # An `==` that is no truth value never raises: such objects are compared by their attributes, where they have any.
+    assert same_item(Ambiguous(1), Ambiguous(1)) and not same_item(Ambiguous(1), Ambiguous(2))
+    assert not same_item(SlottedAmbiguous(), SlottedAmbiguous())  # no attributes to read: unequal
 
 
 def test_same_item_compares_tuples_lists_dicts_and_arrays_item_by_item() -> None:
@@ -62,16 +64,48 @@ def test_same_item_answers_unequal_where_no_comparison_ends_and_never_raises() -
     again: list[object] = []
     again.append(again)
     assert not same_item(loop, again)
-    assert not same_item({"a": Ambiguous()}, {"a": Ambiguous()})
+    assert not same_item({"a": Ambiguous(1)}, {"a": Ambiguous(2)})
+
+
+def test_objects_of_the_users_own_classes_are_compared_by_their_attributes_a_few_objects_deep() -> None:
+    # A record made afresh with the same values is the same state; other values, or another class, are not.
+    assert same_item(Record(Record(torch.ones(2))), Record(Record(torch.ones(2))))
+    assert not same_item(Record(Record(torch.ones(2))), Record(Record(torch.zeros(2))))
+    assert not same_item(Record(1), Ambiguous(1))
+    # Deeper than three objects, identity decides: a chain of fresh records is unequal, the same chain equal.
+    deep = Record(Record(Record(Record(1))))
+    assert same_item(deep, deep) and not same_item(deep, Record(Record(Record(Record(1)))))
+    assert not same_item(len, abs)  # callables are never compared by their attributes
 
 
 class Ambiguous:
     """An object whose ``==`` returns a tensor of several elements."""
 
+    def __init__(self, value: object) -> None:
+        self.value = value
+
     def __eq__(self, other: object) -> torch.Tensor:  # type: ignore[override]
         return torch.ones(2) == torch.ones(2)
 
     __hash__ = object.__hash__
+
+
+class SlottedAmbiguous:
+    """An object whose ``==`` returns a tensor of several elements, and which has no ``__dict__``."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> torch.Tensor:  # type: ignore[override]
+        return torch.ones(2) == torch.ones(2)
+
+    __hash__ = object.__hash__
+
+
+class Record:
+    """An object of a user's own class, compared by identity by ``==``."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
 
 
 def test_same_item_takes_nan_for_nan_in_the_same_parts_of_a_number() -> None:

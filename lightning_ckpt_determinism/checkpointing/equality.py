@@ -1,4 +1,5 @@
-"""Whether state kept its value: tensors by shape, dtype and elements, anything else by identity or ``==``.
+"""Whether state kept its value: tensors by shape, dtype and elements, objects of the user's own classes by their
+attributes, anything else by identity or ``==``.
 
 The probe of a region's first call and the checks read it alike: NaN in the same place on both sides, or the same
 infinity, counts as equal. DTensors are compared as this rank's local shards, so no comparison runs a collective.
@@ -47,7 +48,9 @@ def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
 def same_item(first: Any, second: Any) -> bool:
     """Identity, or equal values: tensors by :func:`same_values`, NumPy arrays alike, tuples, lists and dicts item by
     item, hook handles by the hooks they were registered into, anything else of one type by a usable ``==`` (a
-    number holding NaN equal to one holding NaN in the same parts).
+    number holding NaN equal to one holding NaN in the same parts); an object of the user's own class whose ``==`` is
+    identity, or is no truth value (a dataclass holding tensors), by its own attributes, to a depth of
+    ``_OBJECT_DEPTH`` objects (a record made afresh at each pass with the same values is the same).
 
     Args:
         first: One value (an attribute, a container's item).
@@ -61,7 +64,23 @@ def same_item(first: Any, second: Any) -> bool:
         (True, False)
         >>> same_item((torch.ones(2), torch.zeros(2)), (torch.ones(2), torch.zeros(2)))
         True
+        >>> class Record:
+        ...     def __init__(self, value):
+        ...         self.value = value
+        >>> same_item(Record(torch.ones(2)), Record(torch.ones(2))), same_item(Record(1), Record(2))
+        (True, False)
     """
+    return _same(first, second, _OBJECT_DEPTH)
+
+
+_OBJECT_DEPTH = 3
+"""How many objects deep :func:`same_item` compares objects by their attributes; deeper ones by identity."""
+
+_OBJECT_ATTRIBUTES = 64
+"""The most attributes an object compared by its attributes may have; one with more is compared by identity."""
+
+
+def _same(first: Any, second: Any, depth: int) -> bool:
     if first is second:
         return True
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
@@ -69,28 +88,50 @@ def same_item(first: Any, second: Any) -> bool:
     if type(first) is not type(second):
         return False
     try:
-        return _same_of_one_type(first, second)
-    except Exception:  # a value whose `==` is no truth value, a container that holds itself
+        return _same_of_one_type(first, second, depth)
+    except Exception:  # a container that holds itself
         return False
 
 
-def _same_of_one_type(first: Any, second: Any) -> bool:
+def _same_of_one_type(first: Any, second: Any, depth: int) -> bool:
     """:func:`same_item` of two values of one type that are not tensors."""
     if isinstance(first, RemovableHandle):
         # A step run again registers its hook again, under another id: a handle into the same hooks is the same.
         return first.hooks_dict_ref() is second.hooks_dict_ref()
     # Item by item: `==` over tensors in a tuple, list, dict or object array is no truth value.
     if isinstance(first, tuple | list):
-        return len(first) == len(second) and all(map(same_item, first, second))
+        return len(first) == len(second) and all(
+            _same(one, other, depth) for one, other in zip(first, second, strict=True)
+        )
     if isinstance(first, dict):
-        return first.keys() == second.keys() and all(same_item(value, second[key]) for key, value in first.items())
+        return first.keys() == second.keys() and all(_same(value, second[key], depth) for key, value in first.items())
     if isinstance(first, np.ndarray):
         if first.shape != second.shape or first.dtype != second.dtype:
             return False
         if first.dtype.kind == "O":
-            return all(map(same_item, first.flat, second.flat))
+            return all(_same(one, other, depth) for one, other in zip(first.flat, second.flat, strict=True))
         return bool(np.array_equal(first, second, equal_nan=first.dtype.kind in "fc"))
-    return bool(first == second) or (isinstance(first, numbers.Complex) and _both_nan_alike(first, second))
+    try:
+        if bool(first == second):
+            return True
+    except Exception:  # an `==` that is no truth value: over tensors a dataclass holds, elementwise
+        return _same_attributes(first, second, depth)
+    if isinstance(first, numbers.Complex):
+        return _both_nan_alike(first, second)
+    return type(first).__eq__ is object.__eq__ and _same_attributes(first, second, depth)
+
+
+def _same_attributes(first: Any, second: Any, depth: int) -> bool:
+    """Whether two objects of the user's own class hold the same attributes (``depth`` more objects deep)."""
+    if depth <= 0 or callable(first):
+        return False
+    try:
+        own, other = vars(first), vars(second)
+    except TypeError:  # no `__dict__`
+        return False
+    if len(own) > _OBJECT_ATTRIBUTES or own.keys() != other.keys():
+        return False
+    return all(_same(value, other[key], depth - 1) for key, value in own.items())
 
 
 def _both_nan_alike(first: numbers.Complex, second: numbers.Complex) -> bool:
