@@ -1,5 +1,7 @@
+import copy
 import csv
 import functools
+import io
 import math
 import random
 import warnings
@@ -1415,3 +1417,30 @@ def test_a_divergence_under_a_grad_scaler_is_figured_in_the_units_of_the_gradien
     assert scaled[1] == pytest.approx(max_abs_diff, rel=1e-3)
     assert [name for name, _ in scaled[2]] == [name for name, _ in worst]
     assert [diff for _, diff in scaled[2]] == pytest.approx([diff for _, diff in worst], rel=1e-3)
+
+
+class SnapshotsAtBatchStart(pl.Callback):
+    """Saves and copies the LightningModule at every batch's start, as a callback keeping snapshots does."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[pl.LightningModule, pl.LightningModule]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        saved = io.BytesIO()
+        torch.save(pl_module, saved)
+        saved.seek(0)
+        self.copies.append((torch.load(saved, weights_only=False), copy.deepcopy(pl_module)))
+
+
+def test_a_module_saved_or_copied_while_a_check_waits_for_its_step_is_the_modules_own(tmp_path):
+    snapshots = SnapshotsAtBatchStart()
+    monitor = RecomputationMonitor(every_n_steps=1)
+    trainer, _ = fit_with(tmp_path, monitor, "DropoutBlock", callbacks_extra=[snapshots], max_steps=2)
+    assert [record.step for record in monitor.history] == [0, 1]
+    batch = next(iter(trainer.train_dataloader))
+    for loaded, copied in snapshots.copies:
+        for snapshot in (loaded, copied):
+            # Its `training_step` is its own: it runs on the snapshot, not on the module being trained.
+            step = snapshot.training_step
+            assert getattr(step, "__self__", None) is snapshot and step.__func__ is type(snapshot).training_step
+            assert torch.isfinite(snapshot.training_step(batch, 0))

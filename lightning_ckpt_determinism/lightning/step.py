@@ -319,13 +319,7 @@ class StepCapture:
         """Capture at the next ``training_step`` call inside this block; the module's own method is back after it."""
         module = self.pl_module
         own = module.__dict__.get("training_step")
-        real = module.training_step
-
-        @functools.wraps(real)
-        def capturing(*args: Any, **kwargs: Any) -> Any:
-            _put_back(module, own, capturing)
-            return self._run(real, args, kwargs)
-
+        capturing = _CapturingStep(self, module, own)
         module.training_step = capturing  # type: ignore[method-assign]
         try:
             yield self
@@ -429,6 +423,24 @@ class StepCapture:
                 _log.debug("could not compare the random streams after the backward", exc_info=True)
 
         return ended
+
+
+class _CapturingStep:
+    """What stands in for the module's ``training_step`` until the step starts (see :meth:`StepCapture.installed`):
+    it puts the module's own method back and runs it, captured. A pickle or copy of the module taken meanwhile (a
+    callback saving it at the batch's start) gets the copy's own method in its place, as if nothing stood in."""
+
+    def __init__(self, capture: StepCapture, module: "pl.LightningModule", own: Any) -> None:
+        self._capture, self._module, self._own = capture, module, own
+        self._real = module.training_step
+        functools.update_wrapper(self, self._real)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _put_back(self._module, self._own, self)
+        return self._capture._run(self._real, args, kwargs)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return getattr, (self._module, "training_step")
 
 
 def _put_back(module: "pl.LightningModule", own: Any, installed: Callable[..., Any]) -> None:
