@@ -262,7 +262,8 @@ class ActivationCheckpointingMixin(ModelSetupHook):
                 f" {type(module).__name__} {'are' if len(already) != 1 else 'is'} already checkpointed"
                 f" ({_summary(already)}); `{type(self).__name__}` leaves them as they are and applies"
                 f" nothing{ignored}. Remove `apply_activation_checkpointing` from the model to let the strategy apply"
-                " it.",
+                " it; a model saved or copied while checkpointed (`torch.save`, `copy.deepcopy` during a fit) carries"
+                " its checkpointing with it: call `remove_activation_checkpointing` on it first.",
                 category=LightningCkptDeterminismWarning,
             )
             self._budgeted = None
