@@ -101,6 +101,7 @@ __all__ = [
     "statically_known_true",
     "tree_leaves",
     "tree_map",
+    "under_transform",
     "version_counter",
     "view_base",
     "waited",
@@ -158,6 +159,25 @@ def waited(tensor: torch.Tensor) -> torch.Tensor:
     if _AsyncCollectiveTensor is not None and isinstance(tensor, _AsyncCollectiveTensor):
         return tensor.trigger_wait()
     return tensor
+
+
+def under_transform(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is wrapped by a ``torch.func`` transform (``vmap``, ``grad``: a functorch wrapper), or a
+    forward-mode AD level is open (dual tensors, ``torch.func.jvp``): values a dispatch mode must not reduce (a
+    reduction of a dual argument inside a mode ends the process on 2.13, and unpacking one there fails an internal
+    assert). ``is_functorch_wrapped_tensor`` and ``forward_ad._current_level``: checked on 2.13.
+
+    Example::
+
+        >>> from torch.autograd import forward_ad
+        >>> with forward_ad.dual_level():
+        ...     inside = under_transform(torch.ones(2))
+        >>> inside, under_transform(torch.ones(2))
+        (True, False)
+    """
+    return torch.autograd.forward_ad._current_level >= 0 or bool(
+        torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+    )
 
 
 # The functorch config the partitioner reads: `activation_memory_budget` (>= 2.4), `enable_autograd_cache` (>= 2.5).

@@ -1016,3 +1016,35 @@ def test_the_report_names_the_call_of_a_region_called_once_a_timestep_that_diffe
     # Only the forward at the timestep the branch names took it: that call is the one named, out of every call made.
     assert (region.cause, region.calls, region.first_divergent_call) == ("python_state", steps, scaled_at)
     assert f"at `aten.mul.Tensor` (op 0 of the region's call {scaled_at} of {steps})" in region_outcome(region).finding
+
+
+class JvpBlock(nn.Module):
+    """A block whose forward takes a Jacobian-vector product of its layers (`torch.func.jvp`: forward-mode AD)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def layers(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, tangent = torch.func.jvp(self.layers, (x,), (torch.ones_like(x),))
+        return x + value + 0.1 * tangent
+
+
+def test_attribution_leaves_a_call_under_forward_mode_ad_unobserved_and_the_check_answers(caplog) -> None:
+    # Reading a dual tensor's values inside a dispatch mode ended the process: the call is left out, with a warning.
+    torch.manual_seed(0)
+    plain = nn.Sequential(JvpBlock(), nn.Linear(DIM, 1))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(4, DIM)
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    assert all(map(torch.equal, [p.grad for p in plain.parameters()], [p.grad for p in model.parameters()]))
+    with caplog.at_level(logging.WARNING):
+        report = check_recomputation(model, lambda: model(x).square().sum(), attribution=True)
+    assert (report.diverged, report.grad_divergence, report.error) == (False, 0.0, None)
+    assert "ran under a function transform or forward-mode AD" in caplog.text

@@ -56,6 +56,7 @@ from lightning_ckpt_determinism._torch_compat import (
     is_metadata_mismatch,
     own_buffers,
     returned_views,
+    under_transform,
     writes_its_arguments,
     written_tensors,
 )
@@ -663,6 +664,7 @@ class _CallMode(TorchDispatchMode):
         before: list[tuple[str, torch.Tensor, Any]] = []
         # The observer's own ops must reach no mode below (selective checkpointing would cache them).
         with disable_current_modes(), call.contained(self.stage):
+            _refuse_transformed(func, args, kwargs)
             if not self.comparing or call.divergence is None:
                 inputs = call.signature(args, kwargs)
             before = call.parameters_before(func, args, kwargs)
@@ -941,6 +943,21 @@ def _same_state(copy: Any, value: Any) -> bool:
     if isinstance(copy, list) and isinstance(value, list):
         return len(copy) == len(value) and all(a is b for a, b in zip(copy, value, strict=True))
     return same_item(copy, local_tensor(value) if isinstance(value, torch.Tensor) else value)
+
+
+def _refuse_transformed(func: OpOverload, args: Any, kwargs: Any) -> None:
+    """Raise where an op's tensors are under a function transform or forward-mode AD (see
+    :func:`~lightning_ckpt_determinism._torch_compat.under_transform`): the call is then no longer observed, as for
+    any failure of the observer's own, instead of reading values no mode may read."""
+    if any(isinstance(leaf, torch.Tensor) and under_transform(leaf) for leaf in _flatten([args, kwargs])):
+        raise TransformedTensors(
+            f"`{func}` ran under a function transform or forward-mode AD (`torch.func.jvp`, `vmap`, dual tensors),"
+            " whose values attribution cannot read"
+        )
+
+
+class TransformedTensors(RuntimeError):
+    """An op's tensors are under a function transform or forward-mode AD: attribution leaves the call unobserved."""
 
 
 def _changed_inputs(recorded: _Op, inputs: list[Any], positions: Sequence[int] | None = None) -> frozenset[int]:
