@@ -905,3 +905,17 @@ def test_saved_tensor_hooks_are_told_from_checkpoints_own() -> None:
     y.sum().backward()
     # `save_on_cpu`, then the checkpoint's forward hooks and its recomputation's, each left.
     assert seen == left == [False, True, True]
+
+
+@pins("under_transform")
+def test_tensors_under_a_transform_or_an_open_dual_level_are_told_apart() -> None:
+    from torch.autograd import forward_ad
+
+    plain = torch.ones(2)
+    assert not compat.under_transform(plain)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(torch.ones(2), torch.ones(2))
+        assert compat.under_transform(dual) and compat.under_transform(plain)  # the open level covers every tensor
+    seen = []
+    torch.func.vmap(lambda row: seen.append(compat.under_transform(row)) or row)(torch.ones(3, 2))
+    assert seen == [True] and not compat.under_transform(plain)
