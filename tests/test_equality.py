@@ -1,6 +1,9 @@
 """`same_values` and `same_item` (`checkpointing/equality.py`), which the first-call probe and the checks share, held
 against the checks' own elementwise difference: equal exactly where that difference is zero."""
 
+import io
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -78,6 +81,14 @@ def test_objects_of_the_users_own_classes_are_compared_by_their_attributes_a_few
     assert not same_item(len, abs)  # callables are never compared by their attributes
 
 
+def test_objects_keeping_state_outside_their_dict_are_never_taken_for_the_same_by_their_attributes() -> None:
+    # Their `__dict__` says nothing of a slot, a C base's state or an exception's arguments: identity decides.
+    assert not same_item(random.Random(1), random.Random(2)) and not same_item(random.Random(1), random.Random(1))
+    assert not same_item(io.StringIO("a"), io.StringIO("b"))
+    assert not same_item(ValueError("a"), ValueError("b"))
+    assert not same_item(Slotted(1), Slotted(2)) and not same_item(Record(Slotted(1)), Record(Slotted(2)))
+
+
 class Ambiguous:
     """An object whose ``==`` returns a tensor of several elements."""
 
@@ -99,6 +110,15 @@ class SlottedAmbiguous:
         return torch.ones(2) == torch.ones(2)
 
     __hash__ = object.__hash__
+
+
+class Slotted:
+    """An object keeping part of its state in a slot, beside its ``__dict__``."""
+
+    __slots__ = ("__dict__", "count")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
 
 
 class Record:

@@ -1444,3 +1444,29 @@ def test_a_module_saved_or_copied_while_a_check_waits_for_its_step_is_the_module
             step = snapshot.training_step
             assert getattr(step, "__self__", None) is snapshot and step.__func__ is type(snapshot).training_step
             assert torch.isfinite(snapshot.training_step(batch, 0))
+
+
+def _own_step(module: pl.LightningModule, batch: Any, batch_idx: int) -> torch.Tensor:
+    return StackModule.training_step(module, batch, batch_idx)
+
+
+class OwnStepModule(StackModule):
+    """A module whose ``training_step`` is an instance attribute of its own (a ``partial``), set in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__(block="DropoutBlock")
+        self.training_step = functools.partial(_own_step, self)
+
+
+def test_a_copy_taken_while_a_check_waits_keeps_the_modules_own_training_step_attribute(tmp_path):
+    snapshots = SnapshotsAtBatchStart()
+    pl.seed_everything(0, verbose=False)
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(classes=["DropoutBlock"]))
+    monitor = RecomputationMonitor(every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(tmp_path, callbacks=[monitor, snapshots], strategy=strategy, max_steps=2))
+    trainer.fit(OwnStepModule())
+    assert [record.step for record in monitor.history] == [0, 1]
+    for loaded, copied in snapshots.copies:
+        for snapshot in (loaded, copied):
+            step = vars(snapshot)["training_step"]
+            assert isinstance(step, functools.partial) and step.func is _own_step and step.args[0] is snapshot

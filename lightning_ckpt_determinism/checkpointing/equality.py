@@ -122,8 +122,10 @@ def _same_of_one_type(first: Any, second: Any, depth: int) -> bool:
 
 
 def _same_attributes(first: Any, second: Any, depth: int) -> bool:
-    """Whether two objects of the user's own class hold the same attributes (``depth`` more objects deep)."""
-    if depth <= 0 or callable(first):
+    """Whether two objects of the user's own class hold the same attributes (``depth`` more objects deep); an object
+    that keeps state outside its ``__dict__`` (slots, a C base such as ``random.Random``'s or ``io.StringIO``'s, an
+    exception's ``args``) is never the same as another."""
+    if depth <= 0 or callable(first) or not _state_in_dict(type(first)):
         return False
     try:
         own, other = vars(first), vars(second)
@@ -141,3 +143,20 @@ def _both_nan_alike(first: numbers.Complex, second: numbers.Complex) -> bool:
         one == other or (math.isnan(one) and math.isnan(other))
         for one, other in ((first.real, second.real), (first.imag, second.imag))
     )
+
+
+class _Plain:
+    """A class of the user's own kind at its plainest: its instances' state is their ``__dict__``."""
+
+
+def _state_in_dict(cls: type) -> bool:
+    """Whether instances of ``cls`` keep all their state in their ``__dict__``: no C base with fields of its own (the
+    instance's size is a plain class's) and no slots besides ``__dict__`` and ``__weakref__``."""
+    if cls.__basicsize__ != _Plain.__basicsize__ or cls.__itemsize__:
+        return False
+    for base in cls.__mro__:
+        slots = vars(base).get("__slots__", ())
+        names = {slots} if isinstance(slots, str) else set(slots)
+        if not names <= {"__dict__", "__weakref__"}:
+            return False
+    return True

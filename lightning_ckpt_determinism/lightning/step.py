@@ -440,7 +440,14 @@ class _CapturingStep:
         return self._capture._run(self._real, args, kwargs)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if self._own is not None:  # the module's own instance attribute (a `partial`, a compiled step), copied
+            return _given, (self._own,)
         return getattr, (self._module, "training_step")
+
+
+def _given(value: Any) -> Any:
+    """``value``: what a copy of a :class:`_CapturingStep` becomes where the module held its own ``training_step``."""
+    return value
 
 
 def _put_back(module: "pl.LightningModule", own: Any, installed: Callable[..., Any]) -> None:
