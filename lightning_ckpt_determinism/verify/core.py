@@ -522,8 +522,7 @@ def step_report(
             or bool(evidence.step_attributes)
             or evidence.step_host_rng
             or evidence.step_torch_rng
-            # A region's recomputation changed its state (a metric updated again, which the check puts back).
-            or any(region.diverged and _changes_state(region.cause) for region in decision.regions)
+            or _changed_state(decision.regions)
         ),
         tolerance=tolerance,
         per_parameter=per_parameter,
@@ -541,8 +540,13 @@ def step_report(
     )
 
 
-def _changes_state(cause: Cause | str | None) -> bool:
-    return cause is not None and Cause(cause).state_change is not None
+def _changed_state(regions: Sequence[RegionReport]) -> bool:
+    """Whether a region's recomputation changed its state (a metric updated again, which the check puts back): a
+    region diverged with a cause that changes state."""
+    return any(
+        region.diverged and region.cause is not None and Cause(region.cause).state_change is not None
+        for region in regions
+    )
 
 
 def with_attribution(live: RecomputationReport, attributed: RecomputationReport) -> RecomputationReport:
@@ -573,8 +577,7 @@ def with_attribution(live: RecomputationReport, attributed: RecomputationReport)
     provisional = live.cause is not None and Cause(live.cause).blames == "step" and not found_nothing
     return replace(
         live,
-        diverged=live.diverged
-        or any(region.diverged and _changes_state(region.cause) for region in attributed.regions),
+        diverged=live.diverged or _changed_state(attributed.regions),
         regions=attributed.regions,
         buffer_mutations=attributed.buffer_mutations or live.buffer_mutations,
         cause=attributed.cause if provisional else attributed.cause or live.cause,
