@@ -127,10 +127,7 @@ def _same_attributes(first: Any, second: Any, depth: int) -> bool:
     exception's ``args``) is never the same as another."""
     if depth <= 0 or callable(first) or not _state_in_dict(type(first)):
         return False
-    try:
-        own, other = vars(first), vars(second)
-    except TypeError:  # no `__dict__`
-        return False
+    own, other = vars(first), vars(second)
     if len(own) > _OBJECT_ATTRIBUTES or own.keys() != other.keys():
         return False
     return all(_same(value, other[key], depth - 1) for key, value in own.items())
@@ -149,14 +146,14 @@ class _Plain:
     """A class of the user's own kind at its plainest: its instances' state is their ``__dict__``."""
 
 
+def _layout(cls: type) -> tuple[int, int, int, int]:
+    return cls.__basicsize__, cls.__itemsize__, cls.__dictoffset__, cls.__weakrefoffset__
+
+
+_PLAIN_LAYOUT = _layout(_Plain)
+
+
 def _state_in_dict(cls: type) -> bool:
-    """Whether instances of ``cls`` keep all their state in their ``__dict__``: no C base with fields of its own (the
-    instance's size is a plain class's) and no slots besides ``__dict__`` and ``__weakref__``."""
-    if cls.__basicsize__ != _Plain.__basicsize__ or cls.__itemsize__:
-        return False
-    for base in cls.__mro__:
-        slots = vars(base).get("__slots__", ())
-        names = {slots} if isinstance(slots, str) else set(slots)
-        if not names <= {"__dict__", "__weakref__"}:
-            return False
-    return True
+    """Whether instances of ``cls`` keep all their state in their ``__dict__``: laid out as a plain class's (no C base
+    with fields of its own, no slots besides ``__dict__`` and ``__weakref__``, a ``__dict__`` where a plain one is)."""
+    return _layout(cls) == _PLAIN_LAYOUT
