@@ -96,6 +96,7 @@ __all__ = [
     "run_and_save_rng_state",
     "run_with_rng_state",
     "saved_tensors_hooks_codes",
+    "saved_tensors_hooks_enabled",
     "set_compiled_call",
     "set_dynamo_context",
     "statically_known_true",
@@ -159,6 +160,21 @@ def waited(tensor: torch.Tensor) -> torch.Tensor:
     if _AsyncCollectiveTensor is not None and isinstance(tensor, _AsyncCollectiveTensor):
         return tensor.trigger_wait()
     return tensor
+
+
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be registered here: ``False`` inside
+    ``torch.autograd.graph.disable_saved_tensors_hooks``, which ``torch.func.grad``, ``vjp``, ``jacrev`` and
+    ``hessian`` enter (no checkpoint can run there). ``_saved_tensors_hooks_is_enabled``: checked on 2.13.
+
+    Example::
+
+        >>> with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+        ...     inside = saved_tensors_hooks_enabled()
+        >>> inside, saved_tensors_hooks_enabled()
+        (False, True)
+    """
+    return bool(torch._C._autograd._saved_tensors_hooks_is_enabled())  # type: ignore[attr-defined]
 
 
 def under_transform(tensor: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ import contextvars
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 import numpy as np
@@ -44,6 +44,14 @@ class Tracker:
         self.seen: list[int] = []
 
 
+@dataclass(slots=True)
+class SlottedTracker:
+    """A user's object of a class with ``__slots__``: no ``__dict__``, its state in its slots."""
+
+    count: int = 0
+    seen: list[int] = field(default_factory=list)
+
+
 class Outside(nn.Module):
     """A checkpointed block (``body``) between an input scale and a linear head; each subclass computes the scale from
     state its forward changes outside the region."""
@@ -63,9 +71,9 @@ class Outside(nn.Module):
 class ObjectCounter(Outside):
     """Counts its calls in an object of the user's own class."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracker: type[Tracker | SlottedTracker] = Tracker) -> None:
         super().__init__()
-        self.tracker = Tracker()
+        self.tracker = tracker()
 
     def scale(self, x: torch.Tensor) -> float:
         self.tracker.count += 1
@@ -241,6 +249,15 @@ class Memory:
         self.last: torch.Tensor | None = None
 
 
+class SlottedMemory:
+    """:class:`Memory` with ``__slots__``."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+
+
 class RemembersInput(nn.Module):
     """A region that reads the memory it is given and replaces it with its input: its recomputation reads the input it
     stored, not the one its forward read (a real defect)."""
@@ -249,7 +266,7 @@ class RemembersInput(nn.Module):
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
 
-    def forward(self, x: torch.Tensor, memory: Memory) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory: Memory | SlottedMemory) -> torch.Tensor:
         previous = torch.zeros_like(x) if memory.last is None else memory.last
         memory.last = x.detach()
         return torch.tanh(self.inp(x) + 0.5 * previous)
@@ -258,9 +275,9 @@ class RemembersInput(nn.Module):
 class ListedMemories(Outside):
     """Hands its region the first of the memories it holds in a list."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: type[Memory | SlottedMemory] = Memory) -> None:
         super().__init__(RemembersInput())
-        self.memories = [Memory(), Memory()]
+        self.memories = [memory(), memory()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x, self.memories[0]))
@@ -291,6 +308,10 @@ CASES = {
     "objects of the user's own class in a list": Case(ListedTrackers),
     # The region reads what its own forward stored: wrong with or without a check, and a check must not change it.
     "a memory in a list, replaced inside a region": Case(ListedMemories, like_plain=False),
+    "a slotted object's counter": Case(lambda: ObjectCounter(SlottedTracker)),
+    "a slotted memory in a list, replaced inside a region": Case(
+        lambda: ListedMemories(SlottedMemory), like_plain=False
+    ),
     # NaN is not `==` to itself: a NaN set again by recomputation is the same value, not a mutation.
     "a NaN statistic kept as an attribute": Case(lambda: Outside(NanStatistic())),
 }
@@ -769,6 +790,20 @@ class Summary:
     mean: torch.Tensor
 
 
+@dataclass(slots=True)
+class SlottedRecord:
+    """:class:`Record` with slots."""
+
+    last: object | None = None
+
+
+@dataclass(slots=True)
+class SlottedSummary:
+    """:class:`Summary` with slots."""
+
+    mean: torch.Tensor
+
+
 class KeepsRecords(nn.Module):
     """A region that writes a fresh record of its call to an object it holds, in a list or as an attribute, and never
     reads it."""
@@ -777,18 +812,26 @@ class KeepsRecords(nn.Module):
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
         self.kind = kind
+        holder = SlottedRecord if kind.startswith("slotted") else Record
         if held == "list":
-            self.records = [Record()]
+            self.records = [holder()]
         else:
-            self.record = Record()
+            self.record = holder()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         record = self.records[0] if hasattr(self, "records") else self.record
-        record.last = Tracker() if self.kind == "object" else Summary(x.detach().mean(dim=0))
+        mean = x.detach().mean(dim=0)
+        made: dict[str, Callable[[], object]] = {
+            "object": Tracker,
+            "dataclass holding a tensor": lambda: Summary(mean),
+            "slotted": SlottedTracker,
+            "slotted holding a tensor": lambda: SlottedSummary(mean),
+        }
+        record.last = made[self.kind]()
         return torch.tanh(self.inp(x))
 
 
-@pytest.mark.parametrize("kind", ["object", "dataclass holding a tensor"])
+@pytest.mark.parametrize("kind", ["object", "dataclass holding a tensor", "slotted", "slotted holding a tensor"])
 @pytest.mark.parametrize("held", ["list", "attribute"])
 def test_a_record_rebound_at_every_call_on_an_object_the_region_holds_is_no_finding(held: str, kind: str) -> None:
     # The record is made afresh by the forward and again by recomputation, alike: nothing the step reads changed.

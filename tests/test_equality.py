@@ -89,6 +89,26 @@ def test_objects_keeping_state_outside_their_dict_are_never_taken_for_the_same_b
     assert not same_item(Slotted(1), Slotted(2)) and not same_item(Record(Slotted(1)), Record(Slotted(2)))
 
 
+def test_objects_keeping_all_their_state_in_slots_are_compared_by_their_slots() -> None:
+    assert same_item(OnlySlots(1, torch.ones(2)), OnlySlots(1, torch.ones(2)))
+    assert not same_item(OnlySlots(1, torch.ones(2)), OnlySlots(2, torch.ones(2)))
+    assert not same_item(OnlySlots(1, torch.ones(2)), OnlySlots(1, torch.zeros(2)))
+    unset = OnlySlots(1, torch.ones(2))
+    del unset.mean
+    assert not same_item(unset, OnlySlots(1, torch.ones(2)))
+    assert same_item(Record(OnlySlots(3, None)), Record(OnlySlots(3, None)))
+
+
+class OnlySlots:
+    """An object keeping all its state in slots, one of them private (stored under a mangled name)."""
+
+    __slots__ = ("__count", "mean")
+
+    def __init__(self, count: int, mean: torch.Tensor | None) -> None:
+        self.__count = count
+        self.mean = mean
+
+
 class Ambiguous:
     """An object whose ``==`` returns a tensor of several elements."""
 

@@ -919,3 +919,13 @@ def test_tensors_under_a_transform_or_an_open_dual_level_are_told_apart() -> Non
     seen = []
     torch.func.vmap(lambda row: seen.append(compat.under_transform(row)) or row)(torch.ones(3, 2))
     assert seen == [True] and not compat.under_transform(plain)
+
+
+@pins("saved_tensors_hooks_enabled")
+def test_saved_tensor_hooks_disabled_by_torch_func_grad_are_seen() -> None:
+    seen: list[bool] = []
+    assert compat.saved_tensors_hooks_enabled()
+    torch.func.grad(lambda x: seen.append(compat.saved_tensors_hooks_enabled()) or x.sum())(torch.ones(2))
+    with torch.autograd.graph.disable_saved_tensors_hooks("a user's own"):
+        seen.append(compat.saved_tensors_hooks_enabled())
+    assert seen == [False, False] and compat.saved_tensors_hooks_enabled()

@@ -567,6 +567,39 @@ def test_checkpointing_disabled_recomputes_nothing_and_restores_after_an_excepti
     assert _calls_per_step(model) == [2, 2, 2]
 
 
+def test_a_region_under_torch_func_grad_says_to_run_it_plainly_and_then_matches_the_plain_twin() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1))
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(3, 4)
+
+    def loss_of(module: nn.Module) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        return lambda parameters: torch.func.functional_call(module, parameters, (x,)).sum()
+
+    parameters = dict(plain.named_parameters())
+    with pytest.raises(RuntimeError, match="saved tensor hooks") as raised:
+        torch.func.grad(loss_of(model))(parameters)
+    assert raised.value.__notes__ == [
+        "lightning_ckpt_determinism: the checkpointed Sequential cannot run here: activation checkpointing needs "
+        "saved-tensor hooks, and they are disabled (torch.func's grad, vjp, jacrev and hessian disable them). Run "
+        "this call inside `with lightning_ckpt_determinism.checkpointing_disabled():`, where checkpointed modules "
+        "run their plain forward."
+    ]
+    with checkpointing_disabled():
+        grads = torch.func.grad(loss_of(model))(parameters)
+    expected = torch.func.grad(loss_of(plain))(parameters)
+    assert grads.keys() == expected.keys()
+    assert all(torch.equal(grads[name], expected[name]) for name in expected)
+
+
+def test_an_error_under_enabled_saved_tensor_hooks_gets_no_note() -> None:
+    model = _checkpointed(make_stack(CounterBlock), CheckpointingConfig(classes=["CounterBlock"]))
+    with pytest.raises(RuntimeError) as raised:
+        model(torch.ones(2, 3, requires_grad=True))
+    assert not getattr(raised.value, "__notes__", [])
+
+
 @pytest.fixture
 def checkpoint_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The keyword arguments of every call the wrapped modules make to torch's ``checkpoint``."""

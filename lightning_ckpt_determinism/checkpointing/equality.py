@@ -7,6 +7,7 @@ infinity, counts as equal. DTensors are compared as this rank's local shards, so
 
 import math
 import numbers
+import struct
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, same_inner_tensors
 
-__all__ = ["same_item", "same_values"]
+__all__ = ["object_state", "same_item", "same_values", "slot_names"]
 
 
 def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
@@ -123,12 +124,12 @@ def _same_of_one_type(first: Any, second: Any, depth: int) -> bool:
 
 def _same_attributes(first: Any, second: Any, depth: int) -> bool:
     """Whether two objects of the user's own class hold the same attributes (``depth`` more objects deep); an object
-    that keeps state outside its ``__dict__`` (slots, a C base such as ``random.Random``'s or ``io.StringIO``'s, an
-    exception's ``args``) is never the same as another."""
-    if depth <= 0 or callable(first) or not _state_in_dict(type(first)):
+    that keeps state :func:`object_state` cannot read (a C base's, such as ``random.Random``'s or ``io.StringIO``'s,
+    an exception's ``args``) is never the same as another."""
+    if depth <= 0 or callable(first):
         return False
-    own, other = vars(first), vars(second)
-    if len(own) > _OBJECT_ATTRIBUTES or own.keys() != other.keys():
+    own, other = object_state(first), object_state(second)
+    if own is None or other is None or len(own) > _OBJECT_ATTRIBUTES or own.keys() != other.keys():
         return False
     return all(_same(value, other[key], depth - 1) for key, value in own.items())
 
@@ -157,3 +158,69 @@ def _state_in_dict(cls: type) -> bool:
     """Whether instances of ``cls`` keep all their state in their ``__dict__``: laid out as a plain class's (no C base
     with fields of its own, no slots besides ``__dict__`` and ``__weakref__``, a ``__dict__`` where a plain one is)."""
     return _layout(cls) == _PLAIN_LAYOUT
+
+
+_POINTER = struct.calcsize("P")
+
+
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The attribute names of the slots in which instances of ``cls`` keep all their state (a class with
+    ``__slots__`` and no ``__dict__``, as ``@dataclass(slots=True)`` makes), mangled as Python stores them; empty for
+    any other class (one with a ``__dict__``, a C base's fields, items as a tuple's, or no slots).
+
+    Args:
+        cls: The class of an object.
+
+    Example::
+
+        >>> class Memory:
+        ...     __slots__ = ("last", "__count")
+        >>> slot_names(Memory), slot_names(int)
+        (('last', '_Memory__count'), ())
+    """
+    names: list[str] = []
+    for klass in cls.__mro__[:-1]:
+        declared = klass.__dict__.get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name not in ("__dict__", "__weakref__"):
+                names.append(_mangled(klass, name))
+    # Laid out as object's, with one pointer per slot (and one for `__weakref__`): no field a slot does not show.
+    pointers = len(names) + (cls.__weakrefoffset__ != 0)
+    plain = cls.__dictoffset__ == 0 and cls.__itemsize__ == 0
+    if not names or not plain or cls.__basicsize__ != object.__basicsize__ + _POINTER * pointers:
+        return ()
+    return tuple(names)
+
+
+def _mangled(cls: type, name: str) -> str:
+    """``name`` as Python stores a private one (``__count`` in ``Memory``: ``_Memory__count``)."""
+    owner = cls.__name__.lstrip("_")
+    return f"_{owner}{name}" if name.startswith("__") and not name.endswith("__") and owner else name
+
+
+def object_state(value: object) -> dict[str, Any] | None:
+    """The state of an object of the user's own class as its attributes: its ``__dict__`` (the live one) where its
+    class is laid out as a plain class's, a new dict of its set slots where it keeps all its state in slots
+    (:func:`slot_names`); ``None`` where it keeps state neither shows (a C base's fields, an exception's ``args``).
+
+    Args:
+        value: The object.
+
+    Example::
+
+        >>> class Memory:
+        ...     __slots__ = ("last",)
+        >>> memory = Memory()
+        >>> object_state(memory)
+        {}
+        >>> memory.last = 1
+        >>> object_state(memory), object_state(ValueError("no"))
+        ({'last': 1}, None)
+    """
+    cls = type(value)
+    if _state_in_dict(cls):
+        return vars(value)
+    names = slot_names(cls)
+    if not names:
+        return None
+    return {name: getattr(value, name) for name in names if hasattr(value, name)}

@@ -59,6 +59,7 @@ from lightning_ckpt_determinism._torch_compat import (
     disable_current_modes,
     is_kept_output_mutation,
     own_buffers,
+    saved_tensors_hooks_enabled,
 )
 from lightning_ckpt_determinism.checkpointing.compile_context import RecompileLimitFilter
 from lightning_ckpt_determinism.checkpointing.contexts import (
@@ -705,15 +706,29 @@ class CheckpointedForward:
         options: dict[str, Any] = {}
         if context_fn is not None:
             options["context_fn"] = context_fn
-        return checkpoint(
-            run,
-            *inputs,
-            use_reentrant=False,
-            preserve_rng_state=self.config.preserve_rng_state,
-            determinism_check=(
-                self.config.determinism_check if torch_keeps else DETERMINISM_CHECKS[self.config.determinism_check]
-            ),
-            **options,
+        try:
+            return checkpoint(
+                run,
+                *inputs,
+                use_reentrant=False,
+                preserve_rng_state=self.config.preserve_rng_state,
+                determinism_check=(
+                    self.config.determinism_check if torch_keeps else DETERMINISM_CHECKS[self.config.determinism_check]
+                ),
+                **options,
+            )
+        except RuntimeError as error:
+            if not saved_tensors_hooks_enabled() and hasattr(error, "add_note"):
+                error.add_note(self._hooks_disabled_note())
+            raise
+
+    def _hooks_disabled_note(self) -> str:
+        """The line under torch's error where a region is called with saved-tensor hooks disabled."""
+        return (
+            f"lightning_ckpt_determinism: the checkpointed {type(self.module).__name__} cannot run here: activation "
+            "checkpointing needs saved-tensor hooks, and they are disabled (torch.func's grad, vjp, jacrev and "
+            "hessian disable them). Run this call inside `with lightning_ckpt_determinism.checkpointing_disabled():`, "
+            "where checkpointed modules run their plain forward."
         )
 
     def _forward_from(self, flat: tuple[Any, ...], num_positional: int, keys: tuple[str, ...]) -> Any:

@@ -48,7 +48,7 @@ from lightning_ckpt_determinism._torch_compat import (
     own_buffers,
     own_parameters,
 )
-from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
+from lightning_ckpt_determinism.checkpointing.equality import object_state, same_item, same_values, slot_names
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot
 from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
@@ -370,7 +370,7 @@ class _TensorAttributes:
         with torch.no_grad():
             for owner, name, tensor, value in self._entries:
                 if owner is not None:
-                    vars(owner)[name] = tensor
+                    _rebind(owner, name, tensor)
                 _put_back(tensor, value)
 
 
@@ -634,12 +634,12 @@ class _PythonState:
         if _is_object(value):
             if id(value) in self._objects:
                 return self._objects[id(value)]
-            own = vars(value)
+            own = _attributes(value)
             # One level: the object's tensors and arrays by value, the objects it holds by reference.
             held = [(value, key, item) for key, item in own.items() if type(item) is torch.Tensor]
             self.tensors.extend(held)
             self._noted.update(id(item) for _, _, item in held)
-            contents = self._objects[id(value)] = self._held(_contents(own), objects=False)
+            contents = self._objects[id(value)] = self._held(_object_contents(value, own), objects=False)
             return contents
         return self._held(_contents(value), objects=True)
 
@@ -650,7 +650,7 @@ class _PythonState:
         if id(value) in self._listed_objects:
             return self._listed_objects[id(value)]
         self._listed_objects[id(value)] = []  # an object that holds itself, through a container, is captured once
-        own = vars(value)
+        own = _attributes(value)
         held = [
             (value, key, item)
             for key, item in own.items()
@@ -658,7 +658,7 @@ class _PythonState:
         ]
         self.tensors.extend(held)
         self._noted.update(id(item) for _, _, item in held)
-        contents = self._held(_contents(own, limit=_HELD_ITEMS), objects=False)
+        contents = self._held(_object_contents(value, own, limit=_HELD_ITEMS), objects=False)
         self._restore_only.update(id(pair) for pair in contents)
         self._listed_objects[id(value)] = contents
         return contents
@@ -766,8 +766,8 @@ def _is_object(value: object) -> bool:
         return False
     try:
         own = vars(value)
-    except TypeError:  # no `__dict__`
-        return False
+    except TypeError:  # no `__dict__`: one keeping all its state in slots (`@dataclass(slots=True)`) is an object
+        return bool(slot_names(type(value)))
     return isinstance(own, dict) and (bool(own) or not isinstance(value, _CONTAINERS))
 
 
@@ -801,7 +801,7 @@ def _same_attribute(current: Any, value: Any) -> bool:
     if isinstance(value, RemovableHandle):
         return same_item(current, value)  # by the hooks it was registered into, not by its id
     if _is_object(value):
-        return _same_contents(vars(current), vars(value))
+        return _same_contents(_attributes(current), _attributes(value))
     return same_item(current, value)
 
 
@@ -809,6 +809,8 @@ def _same_contents(container: Any, copy: Any) -> bool:
     """Whether a container or array holds what ``copy`` (its copy at capture, shallow for a container) held."""
     if isinstance(container, np.ndarray):
         return same_item(container, copy)
+    if isinstance(container, _Slots):
+        container = container.read()
     if isinstance(container, dict):
         return container.keys() == copy.keys() and all(same_item(container[key], copy[key]) for key in container)
     if isinstance(container, set):
@@ -840,11 +842,68 @@ def _contents(value: Any, limit: int | None = None) -> list[tuple[Any, Any]]:
     return found
 
 
+class _Slots:
+    """The slots of an object keeping all its state in slots (see :func:`_is_object`), read and written as the
+    ``__dict__`` of other objects is, in :func:`_same_contents` and :func:`_refill`: a slot not set is absent."""
+
+    __slots__ = ("names", "owner")
+
+    def __init__(self, owner: object) -> None:
+        self.owner = owner
+        self.names = slot_names(type(owner))
+
+    def read(self) -> dict[str, Any]:
+        return object_state(self.owner) or {}
+
+    def write(self, values: dict[str, Any]) -> None:
+        # Through `object`'s own methods, as a `__dict__` is refilled: a frozen dataclass refuses its `__setattr__`.
+        for name in self.names:
+            if name in values:
+                object.__setattr__(self.owner, name, values[name])
+            elif hasattr(self.owner, name):
+                object.__delattr__(self.owner, name)
+
+
+def _attributes(value: object) -> dict[str, Any]:
+    """The attributes of an object of the user's own kind: its live ``__dict__``, or a new dict of its set slots."""
+    try:
+        return vars(value)
+    except TypeError:
+        return _Slots(value).read()
+
+
+def _object_contents(value: object, own: dict[str, Any], limit: int | None = None) -> list[tuple[Any, Any]]:
+    """:func:`_contents` of an object's attributes ``own`` (:func:`_attributes`); for an object keeping its state in
+    slots, the attributes' dict is a new one, and its slots stand for it."""
+    contents = _contents(own, limit=limit)
+    if _has_dict(value):
+        return contents
+    return [(_Slots(value), dict(own))] + [pair for pair in contents if pair[0] is not own]
+
+
+def _has_dict(value: object) -> bool:
+    try:
+        vars(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _rebind(owner: object, name: str, value: Any) -> None:
+    """Set an attribute back without the owner's ``__setattr__``: in its ``__dict__``, or its slot."""
+    try:
+        vars(owner)[name] = value
+    except TypeError:
+        object.__setattr__(owner, name, value)
+
+
 def _refill(original: Any, copy: Any) -> None:
     """Give a mutable container or an array its captured contents back, in place, through the base class's own
     methods: a subclass may refuse its ``update`` (transformers' ``ModelOutput``) or count in its ``__setitem__``."""
     if isinstance(original, np.ndarray):
         np.copyto(original, copy)
+    elif isinstance(original, _Slots):
+        original.write(copy)
     elif isinstance(original, dict):
         dict.clear(original)
         dict.update(original, copy)
