@@ -97,6 +97,17 @@ def test_objects_keeping_all_their_state_in_slots_are_compared_by_their_slots() 
     del unset.mean
     assert not same_item(unset, OnlySlots(1, torch.ones(2)))
     assert same_item(Record(OnlySlots(3, None)), Record(OnlySlots(3, None)))
+    # A slot not set is read as absent, without the class's own `__getattr__` (which may raise anything).
+    assert same_item(AnswersUnknownNames(), AnswersUnknownNames())
+
+
+class AnswersUnknownNames:
+    """A slotted object whose ``__getattr__`` raises ``KeyError`` for a name it does not know, its slot not set."""
+
+    __slots__ = ("value",)
+
+    def __getattr__(self, name: str) -> object:
+        raise KeyError(name)
 
 
 class OnlySlots:

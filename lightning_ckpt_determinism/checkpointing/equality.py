@@ -223,4 +223,10 @@ def object_state(value: object) -> dict[str, Any] | None:
     names = slot_names(cls)
     if not names:
         return None
-    return {name: getattr(value, name) for name in names if hasattr(value, name)}
+    state = {}
+    for name in names:
+        try:  # the slot itself: no `__getattr__` of the class's is asked for one not set
+            state[name] = object.__getattribute__(value, name)
+        except AttributeError:
+            continue
+    return state

@@ -860,8 +860,9 @@ class _Slots:
         for name in self.names:
             if name in values:
                 object.__setattr__(self.owner, name, values[name])
-            elif hasattr(self.owner, name):
-                object.__delattr__(self.owner, name)
+            else:
+                with contextlib.suppress(AttributeError):  # a slot not set at capture, nor now
+                    object.__delattr__(self.owner, name)
 
 
 def _attributes(value: object) -> dict[str, Any]:
