@@ -10,6 +10,7 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
@@ -52,6 +53,36 @@ class SlottedTracker:
     seen: list[int] = field(default_factory=list)
 
 
+class TrackerWithADict(SlottedTracker):
+    """A plain subclass of a slotted class: its state is in its slots and its ``__dict__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label = "tracker"
+
+
+class PrivateSlotTracker:
+    """A tracker whose count is in a private slot, stored as ``_PrivateSlotTracker__count``; the class is renamed
+    after its creation below, as factories and decorators do."""
+
+    __slots__ = ("__count", "seen")
+
+    def __init__(self) -> None:
+        self.__count = 0
+        self.seen: list[int] = []
+
+    @property
+    def count(self) -> int:
+        return self.__count
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.__count = value
+
+
+PrivateSlotTracker.__name__ = "Renamed"
+
+
 class Outside(nn.Module):
     """A checkpointed block (``body``) between an input scale and a linear head; each subclass computes the scale from
     state its forward changes outside the region."""
@@ -71,7 +102,7 @@ class Outside(nn.Module):
 class ObjectCounter(Outside):
     """Counts its calls in an object of the user's own class."""
 
-    def __init__(self, tracker: type[Tracker | SlottedTracker] = Tracker) -> None:
+    def __init__(self, tracker: Callable[[], Any] = Tracker) -> None:
         super().__init__()
         self.tracker = tracker()
 
@@ -309,6 +340,8 @@ CASES = {
     # The region reads what its own forward stored: wrong with or without a check, and a check must not change it.
     "a memory in a list, replaced inside a region": Case(ListedMemories, like_plain=False),
     "a slotted object's counter": Case(lambda: ObjectCounter(SlottedTracker)),
+    "a counter in a slot of an object with a __dict__ too": Case(lambda: ObjectCounter(TrackerWithADict)),
+    "a counter in a private slot of a renamed class": Case(lambda: ObjectCounter(PrivateSlotTracker)),
     "a slotted memory in a list, replaced inside a region": Case(
         lambda: ListedMemories(SlottedMemory), like_plain=False
     ),
@@ -788,6 +821,39 @@ class Summary:
     """A record whose generated ``==`` is no truth value (it compares the tensor it holds)."""
 
     mean: torch.Tensor
+
+
+class OneSlot:
+    __slots__ = ("x",)
+
+
+class ShadowedByAProperty(OneSlot):
+    __slots__ = ()
+
+    @property
+    def x(self) -> int:
+        raise RuntimeError("not ready")
+
+
+class ShadowedByAClassAttribute(OneSlot):
+    """As sympy's ``Integer`` shadows the slot ``q`` of its base ``Rational`` with a class attribute."""
+
+    __slots__ = ()
+    x = 1
+
+
+def test_objects_whose_slot_a_subclass_shadows_are_checked_and_put_back_through_the_slot() -> None:
+    torch.manual_seed(0)
+    model = Outside()
+    held = [ShadowedByAProperty(), ShadowedByAClassAttribute()]
+    model.body.held = held
+    model.body.shadowed = ShadowedByAClassAttribute()
+    OneSlot.x.__set__(held[0], 5)  # type: ignore[attr-defined]
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
+    x = tokens(0)
+    report = check_recomputation(model, lambda: loss_of(model, x), attribution=True)
+    assert (report.diverged, report.error, report.attribute_mutations) == (False, None, [])
+    assert OneSlot.x.__get__(held[0]) == 5  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ckpt_determinism.checkpointing.equality import same_item, same_values
+from lightning_ckpt_determinism.checkpointing.equality import object_state, own_dict, same_item, same_values
 from lightning_ckpt_determinism.verify.compare import max_abs_difference
 
 NAN, INF = float("nan"), float("inf")
@@ -99,6 +99,7 @@ def test_objects_keeping_all_their_state_in_slots_are_compared_by_their_slots() 
     assert same_item(Record(OnlySlots(3, None)), Record(OnlySlots(3, None)))
     # A slot not set is read as absent, without the class's own `__getattr__` (which may raise anything).
     assert same_item(AnswersUnknownNames(), AnswersUnknownNames())
+    assert object_state(AnswersUnknownNames()) == {} and own_dict(AnswersUnknownNames()) is None
 
 
 class AnswersUnknownNames:

@@ -8,6 +8,8 @@ infinity, counts as equal. DTensors are compared as this rank's local shards, so
 import math
 import numbers
 import struct
+import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, same_inner_tensors
 
-__all__ = ["object_state", "same_item", "same_values", "slot_names"]
+__all__ = ["object_state", "own_dict", "same_item", "same_values", "slots_of"]
 
 
 def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
@@ -143,30 +145,17 @@ def _both_nan_alike(first: numbers.Complex, second: numbers.Complex) -> bool:
     )
 
 
-class _Plain:
-    """A class of the user's own kind at its plainest: its instances' state is their ``__dict__``."""
-
-
-def _layout(cls: type) -> tuple[int, int, int, int]:
-    return cls.__basicsize__, cls.__itemsize__, cls.__dictoffset__, cls.__weakrefoffset__
-
-
-_PLAIN_LAYOUT = _layout(_Plain)
-
-
-def _state_in_dict(cls: type) -> bool:
-    """Whether instances of ``cls`` keep all their state in their ``__dict__``: laid out as a plain class's (no C base
-    with fields of its own, no slots besides ``__dict__`` and ``__weakref__``, a ``__dict__`` where a plain one is)."""
-    return _layout(cls) == _PLAIN_LAYOUT
-
-
 _POINTER = struct.calcsize("P")
 
+# Each class's slots, found once (classes hold them until they are collected).
+_SLOTS: "weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...] | None]" = weakref.WeakKeyDictionary()
 
-def slot_names(cls: type) -> tuple[str, ...]:
-    """The attribute names of the slots in which instances of ``cls`` keep all their state (a class with
-    ``__slots__`` and no ``__dict__``, as ``@dataclass(slots=True)`` makes), mangled as Python stores them; empty for
-    any other class (one with a ``__dict__``, a C base's fields, items as a tuple's, or no slots).
+
+def slots_of(cls: type) -> tuple[tuple[str, Any], ...] | None:
+    """The slots of ``cls``'s instances (``__slots__``, as ``@dataclass(slots=True)`` makes), as ``(attribute name,
+    member descriptor)`` pairs, where its instances keep all their state in their ``__dict__`` and these slots; ``None``
+    where they keep state neither shows (a C base's fields, such as ``random.Random``'s or an exception's ``args``,
+    or items, as a tuple's), or a slot shares its name with another.
 
     Args:
         cls: The class of an object.
@@ -175,33 +164,40 @@ def slot_names(cls: type) -> tuple[str, ...]:
 
         >>> class Memory:
         ...     __slots__ = ("last", "__count")
-        >>> slot_names(Memory), slot_names(int)
-        (('last', '_Memory__count'), ())
+        >>> [name for name, _ in slots_of(Memory)], slots_of(int)
+        (['last', '_Memory__count'], None)
     """
-    names: list[str] = []
-    for klass in cls.__mro__[:-1]:
-        declared = klass.__dict__.get("__slots__", ())
-        for name in (declared,) if isinstance(declared, str) else declared:
-            if name not in ("__dict__", "__weakref__"):
-                names.append(_mangled(klass, name))
-    # Laid out as object's, with one pointer per slot (and one for `__weakref__`): no field a slot does not show.
-    pointers = len(names) + (cls.__weakrefoffset__ != 0)
-    plain = cls.__dictoffset__ == 0 and cls.__itemsize__ == 0
-    if not names or not plain or cls.__basicsize__ != object.__basicsize__ + _POINTER * pointers:
-        return ()
-    return tuple(names)
+    try:
+        return _SLOTS[cls]
+    except KeyError:
+        found = _SLOTS[cls] = _slots_of(cls)
+        return found
+    except TypeError:  # a class that takes no weak reference
+        return _slots_of(cls)
 
 
-def _mangled(cls: type, name: str) -> str:
-    """``name`` as Python stores a private one (``__count`` in ``Memory``: ``_Memory__count``)."""
-    owner = cls.__name__.lstrip("_")
-    return f"_{owner}{name}" if name.startswith("__") and not name.endswith("__") and owner else name
+def _slots_of(cls: type) -> tuple[tuple[str, Any], ...] | None:
+    # Each slot is a member descriptor in the `__dict__` of the class that declared it, under its stored name.
+    members = [
+        (name, member)
+        for klass in cls.__mro__[:-1]
+        for name, member in vars(klass).items()
+        if isinstance(member, types.MemberDescriptorType)
+    ]
+    # Laid out as object's, with one pointer per slot, per `__weakref__` and per `__dict__` held inside the instance
+    # (a dict Python manages lies before it): no field a slot or the `__dict__` does not show.
+    pointers = len(members) + (cls.__weakrefoffset__ != 0) + (cls.__dictoffset__ > 0)
+    if cls.__itemsize__ or cls.__basicsize__ != object.__basicsize__ + _POINTER * pointers:
+        return None
+    if len({name for name, _ in members}) != len(members):
+        return None
+    return tuple(members)
 
 
 def object_state(value: object) -> dict[str, Any] | None:
-    """The state of an object of the user's own class as its attributes: its ``__dict__`` (the live one) where its
-    class is laid out as a plain class's, a new dict of its set slots where it keeps all its state in slots
-    (:func:`slot_names`); ``None`` where it keeps state neither shows (a C base's fields, an exception's ``args``).
+    """The state of an object of the user's own class as its attributes: its ``__dict__`` (the live one) where that
+    is all of it, a new dict of its ``__dict__``'s items and its set slots where it has slots (:func:`slots_of`);
+    ``None`` where it keeps state neither shows (a C base's fields, an exception's ``args``), or has neither.
 
     Args:
         value: The object.
@@ -218,15 +214,37 @@ def object_state(value: object) -> dict[str, Any] | None:
         ({'last': 1}, None)
     """
     cls = type(value)
-    if _state_in_dict(cls):
-        return vars(value)
-    names = slot_names(cls)
-    if not names:
+    members = slots_of(cls)
+    if members is None:
         return None
-    state = {}
-    for name in names:
-        try:  # the slot itself: no `__getattr__` of the class's is asked for one not set
-            state[name] = object.__getattribute__(value, name)
-        except AttributeError:
+    own = own_dict(value)
+    if not members:
+        return own
+    state = {} if own is None else dict(own)
+    for name, member in members:
+        try:  # through the slot's own descriptor: no property or `__getattr__` of the class is asked
+            state[name] = member.__get__(value, cls)
+        except AttributeError:  # not set
             continue
     return state
+
+
+def own_dict(value: object) -> dict[str, Any] | None:
+    """``value``'s own ``__dict__``, or ``None`` where its class gives its instances none (read without the class's
+    ``__getattr__``, which may answer a missing ``__dict__`` with anything).
+
+    Args:
+        value: Any object.
+
+    Example::
+
+        >>> own_dict(1), own_dict(types.SimpleNamespace(a=1))
+        (None, {'a': 1})
+    """
+    if not type(value).__dictoffset__:
+        return None
+    try:
+        own = object.__getattribute__(value, "__dict__")
+    except Exception:
+        return None
+    return own if isinstance(own, dict) else None

@@ -29,7 +29,6 @@ that bumps no version counter (through ``.data``) is not seen.
 """
 
 import contextlib
-import random
 import types
 from collections import deque
 from collections.abc import Collection, Iterable
@@ -48,7 +47,7 @@ from lightning_ckpt_determinism._torch_compat import (
     own_buffers,
     own_parameters,
 )
-from lightning_ckpt_determinism.checkpointing.equality import object_state, same_item, same_values, slot_names
+from lightning_ckpt_determinism.checkpointing.equality import object_state, own_dict, same_item, same_values, slots_of
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot
 from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
@@ -65,12 +64,15 @@ from lightning_ckpt_determinism.checkpointing.modules import (
     write_values,
 )
 from lightning_ckpt_determinism.checkpointing.rng import (
+    HOST_GENERATORS,
     HostRNGState,
     capture_host_rng,
     capture_rng,
+    generator_state,
     restore_rng,
     same_host_rng,
     same_torch_rng,
+    set_generator_state,
 )
 from lightning_ckpt_determinism.verify.digest import INTEGER_OF_SIZE
 
@@ -457,27 +459,14 @@ class _GeneratorSnapshot:
     (found by :class:`_PythonState`'s walk of the attributes)."""
 
     def __init__(self, generators: list[Any]) -> None:
-        self._entries = [(generator, _generator_state(generator)) for generator in generators]
+        self._entries = [(generator, generator_state(generator)) for generator in generators]
 
     def restore(self) -> None:
         for generator, state in self._entries:
-            if isinstance(generator, np.random.Generator):
-                generator.bit_generator.state = state
-            elif isinstance(generator, random.Random):
-                generator.setstate(state)
-            else:  # torch.Generator, np.random.RandomState
-                generator.set_state(state)
+            set_generator_state(generator, state)
 
 
-def _generator_state(generator: Any) -> Any:
-    if isinstance(generator, np.random.Generator):
-        return generator.bit_generator.state
-    if isinstance(generator, random.Random):
-        return generator.getstate()
-    return generator.get_state()  # torch.Generator, np.random.RandomState
-
-
-_GENERATORS = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_GENERATORS = (torch.Generator, *HOST_GENERATORS)
 
 
 def _items(container: Any) -> list[Any]:
@@ -764,11 +753,10 @@ def _is_object(value: object) -> bool:
     own, as transformers' ``ModelOutput``, is an object)."""
     if callable(value) or isinstance(value, (types.ModuleType, torch.Tensor, np.ndarray, *_GENERATORS)):
         return False
-    try:
-        own = vars(value)
-    except TypeError:  # no `__dict__`: one keeping all its state in slots (`@dataclass(slots=True)`) is an object
-        return bool(slot_names(type(value)))
-    return isinstance(own, dict) and (bool(own) or not isinstance(value, _CONTAINERS))
+    own = own_dict(value)
+    if own is None:  # no `__dict__`: one keeping all its state in slots (`@dataclass(slots=True)`) is an object
+        return bool(slots_of(type(value)))
+    return bool(own) or not isinstance(value, _CONTAINERS)
 
 
 def _is_state(value: object) -> bool:
@@ -797,7 +785,7 @@ def _same_attribute(current: Any, value: Any) -> bool:
     if type(current) is not type(value):
         return False
     if isinstance(value, _GENERATORS):
-        return same_item(_generator_state(current), _generator_state(value))
+        return same_item(generator_state(current), generator_state(value))
     if isinstance(value, RemovableHandle):
         return same_item(current, value)  # by the hooks it was registered into, not by its id
     if _is_object(value):
@@ -843,59 +831,65 @@ def _contents(value: Any, limit: int | None = None) -> list[tuple[Any, Any]]:
 
 
 class _Slots:
-    """The slots of an object keeping all its state in slots (see :func:`_is_object`), read and written as the
-    ``__dict__`` of other objects is, in :func:`_same_contents` and :func:`_refill`: a slot not set is absent."""
+    """The slots of an object of the user's own kind (see
+    :func:`~lightning_ckpt_determinism.checkpointing.equality.slots_of`), read and written as its ``__dict__`` is, in
+    :func:`_same_contents` and :func:`_refill`: through each slot's own descriptor (no property, ``__getattr__`` or
+    ``__setattr__`` of the class is asked; a frozen dataclass refuses its ``__setattr__``), a slot not set absent."""
 
-    __slots__ = ("names", "owner")
+    __slots__ = ("members", "owner")
 
     def __init__(self, owner: object) -> None:
         self.owner = owner
-        self.names = slot_names(type(owner))
+        self.members = slots_of(type(owner)) or ()
 
     def read(self) -> dict[str, Any]:
-        return object_state(self.owner) or {}
+        values = {}
+        for name, member in self.members:
+            with contextlib.suppress(AttributeError):  # not set
+                values[name] = member.__get__(self.owner, type(self.owner))
+        return values
 
     def write(self, values: dict[str, Any]) -> None:
-        # Through `object`'s own methods, as a `__dict__` is refilled: a frozen dataclass refuses its `__setattr__`.
-        for name in self.names:
+        for name, member in self.members:
             if name in values:
-                object.__setattr__(self.owner, name, values[name])
+                member.__set__(self.owner, values[name])
             else:
-                with contextlib.suppress(AttributeError):  # a slot not set at capture, nor now
-                    object.__delattr__(self.owner, name)
+                with contextlib.suppress(AttributeError):  # not set at capture, nor now
+                    member.__delete__(self.owner)
 
 
 def _attributes(value: object) -> dict[str, Any]:
-    """The attributes of an object of the user's own kind: its live ``__dict__``, or a new dict of its set slots."""
-    try:
-        return vars(value)
-    except TypeError:
-        return _Slots(value).read()
+    """The attributes of an object of the user's own kind: its live ``__dict__`` where that holds all its state, else
+    a new dict of its ``__dict__``'s items and its set slots (an object keeping state that neither shows: its
+    ``__dict__`` alone)."""
+    state = object_state(value)
+    if state is not None:
+        return state
+    own = own_dict(value)
+    return {} if own is None else own
 
 
 def _object_contents(value: object, own: dict[str, Any], limit: int | None = None) -> list[tuple[Any, Any]]:
-    """:func:`_contents` of an object's attributes ``own`` (:func:`_attributes`); for an object keeping its state in
-    slots, the attributes' dict is a new one, and its slots stand for it."""
+    """:func:`_contents` of an object's attributes ``own`` (:func:`_attributes`); for an object with slots, that dict
+    is a new one, and its slots and its live ``__dict__`` stand for it."""
     contents = _contents(own, limit=limit)
-    if _has_dict(value):
+    if not slots_of(type(value)):
         return contents
-    return [(_Slots(value), dict(own))] + [pair for pair in contents if pair[0] is not own]
-
-
-def _has_dict(value: object) -> bool:
-    try:
-        vars(value)
-    except TypeError:
-        return False
-    return True
+    held = [pair for pair in contents if pair[0] is not own]
+    slots = _Slots(value)
+    live = own_dict(value)
+    return [(slots, slots.read()), *([] if live is None else [(live, dict(live))]), *held]
 
 
 def _rebind(owner: object, name: str, value: Any) -> None:
-    """Set an attribute back without the owner's ``__setattr__``: in its ``__dict__``, or its slot."""
-    try:
-        vars(owner)[name] = value
-    except TypeError:
-        object.__setattr__(owner, name, value)
+    """Set an attribute back without the owner's ``__setattr__``: its slot, or in its ``__dict__``."""
+    for slot, member in slots_of(type(owner)) or ():
+        if slot == name:
+            member.__set__(owner, value)
+            return
+    own = own_dict(owner)
+    if own is not None:
+        own[name] = value
 
 
 def _refill(original: Any, copy: Any) -> None:
