@@ -147,6 +147,30 @@ def tensor_parallel_sentinel(mesh: Any) -> list[int]:
     return [report.compared, report.mismatches]
 
 
+def inner_units_sentinel(mesh: Any) -> list[list[list[Any]]]:
+    """FSDP2 units inside checkpointed blocks, NumPy noise in the middle one, watched by a sentinel opened afresh at
+    each of three steps: what each step found, region by region (mismatched, cause)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _stack("MLPBlock", True)
+    for block in model.blocks:
+        for layer in block.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["MLPBlock"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    found = []
+    for step in range(3):
+        with recomputation_sentinel(model, mode="exact") as sentinel:
+            model(torch.randn(8, DIM, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        regions = sentinel.report().regions.values()
+        found.append([[region.mismatches > 0, region.cause] for region in regions])
+    return found
+
+
 def main(out_dir: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     results: dict[str, Any] = {}
@@ -194,6 +218,7 @@ def main(out_dir: Path) -> None:
         results[f"tp_fit_{name}"] = fit(module, tp, _monitor(defect), out_dir)
     results["path_of_one_rank"] = path_of_one_rank()
     results["tp_sentinel"] = tensor_parallel_sentinel(mesh)
+    results["inner_units_sentinel"] = inner_units_sentinel(mesh)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 

@@ -70,6 +70,10 @@ def test_regions_holding_fsdp2_units_of_their_own_train_exactly_and_name_only_th
     assert defect["history"] == rank1["fsdp2_inner_units_numpy_noise"]["history"]
     assert all(diverged and divergence > 0.0 for _, divergence, diverged in defect["history"])
     assert defect["regions"] == [[REGIONS[0], None], [REGIONS[1], "host_rng"], [REGIONS[2], None]]
+    # FSDP2 gathers the parameters again for recomputation, into the tensors it gathered them into for the forward:
+    # their versions move, their values do not, and the sentinel names no parameter write at any step.
+    for rank in found:
+        assert rank["inner_units_sentinel"] == [[[False, None], [True, None], [False, None]]] * 3
 
 
 def test_check_recomputation_under_tensor_parallelism_compares_shards_and_names_the_defect(found):

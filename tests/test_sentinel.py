@@ -147,6 +147,46 @@ def test_buffers_recomputation_updates_again_are_mismatches_with_their_cause_unl
     assert protected.mismatches == 0
 
 
+def stepped_before_backward(model: nn.Module, mode: str = "light") -> Any:
+    """A GAN's bug: the discriminator's optimizer steps between its forward and the generator's backward through it.
+    The sentinel's report."""
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    optimizer = torch.optim.SGD(model.blocks.parameters(), lr=0.5)
+    with recomputation_sentinel(model, mode=mode) as sentinel:
+        out = model(x)
+        out.square().sum().backward(retain_graph=True)
+        optimizer.step()  # the weights the graph of `out` was built from, written in place
+        out.sum().backward()
+        sentinel.next_step()
+    return sentinel.report()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameters_an_optimizer_writes_between_forward_and_recomputation_are_named_as_the_cause(mode: str) -> None:
+    plain = make_stack(PlainBlock)  # a GAN's discriminator
+    model = checkpointed(copy.deepcopy(plain))
+    # Without checkpointing, torch refuses the backward through the stepped weights; with it, the gradients are wrong.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stepped_before_backward(plain)
+    report = stepped_before_backward(model, mode)
+    assert report.mismatches > 0
+    for name in REGIONS:
+        region = report.regions[name]
+        assert region.cause == "parameter_write"
+        assert region.first_mismatch is not None
+        assert region.first_mismatch.endswith(
+            f"recomputed after `{name}.linear.weight`, `{name}.linear.bias` changed in place since the region's"
+            " forward (by its forward, or by code between the forward and this backward, such as an optimizer step)"
+        )
+
+
+def test_a_mismatch_with_the_parameters_untouched_since_the_forward_has_no_cause_of_the_sentinels() -> None:
+    report = watched_steps(checkpointed(stack_with(NumpyNoiseBlock)), mode="exact")
+    region = report.regions["blocks.1"]
+    assert region.mismatches > 0 and region.cause is None
+    assert region.first_mismatch is not None and "changed in place" not in region.first_mismatch
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_modules_swapped_into_a_watched_region_are_watched_as_the_region_holds_them(mode: str) -> None:
     model = checkpointed(make_stack(PartsBlock))

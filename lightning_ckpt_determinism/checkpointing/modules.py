@@ -23,6 +23,7 @@ __all__ = [
     "buffer_slots",
     "buffer_written",
     "generator_slots",
+    "holds_fsdp_units",
     "holds_values",
     "is_framework_attribute",
     "is_fsdp1_unit",
@@ -45,7 +46,9 @@ SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
 _DTensor: Any = None
 _FSDP1: Any = None
-if torch.distributed.is_available():  # a build without torch.distributed has neither
+_FSDP2: Any = None
+if torch.distributed.is_available():  # a build without torch.distributed has none
+    from torch.distributed.fsdp import FSDPModule as _FSDP2
     from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
     from torch.distributed.tensor import DTensor as _DTensor
 
@@ -346,6 +349,23 @@ def region_name(name: str) -> str:
         'model.blocks.0.linear.weight'
     """
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def holds_fsdp_units(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it is an FSDP unit: FSDP1's ``FullyShardedDataParallel``, or a module
+    FSDP2's ``fully_shard`` made an ``FSDPModule``. Both gather parameters into tensors they reuse, moving their
+    version counters with their values unchanged.
+
+    Args:
+        module: Any module.
+
+    Example::
+
+        >>> holds_fsdp_units(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        False
+    """
+    units = tuple(unit for unit in (_FSDP1, _FSDP2) if unit is not None)
+    return bool(units) and any(isinstance(sub, units) for sub in module.modules())
 
 
 def is_fsdp1_unit(module: nn.Module) -> bool:

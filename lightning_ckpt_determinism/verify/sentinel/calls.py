@@ -18,6 +18,7 @@ from lightning_ckpt_determinism.checkpointing.determinism_check import (
 )
 from lightning_ckpt_determinism.checkpointing.modules import plain_parts, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
+from lightning_ckpt_determinism.verify.cause import Cause
 from lightning_ckpt_determinism.verify.digest import DigestMode, DigestPlans, Sums, readable
 from lightning_ckpt_determinism.verify.gradients import local_tensor
 from lightning_ckpt_determinism.verify.sentinel.light_layout import SavedLayout
@@ -60,8 +61,6 @@ class KeptTensor:
     """
 
     __slots__ = ("broken", "call", "device", "dtype", "mode", "position", "producer", "shape", "slot", "strict")
-
-    cause = None
 
     def __init__(self, call: "RegionCall", position: int, *, strict: bool) -> None:
         self.call = call
@@ -110,8 +109,21 @@ class KeptTensor:
         local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
         return (local.shape, local.dtype, local.device) == (self.shape, self.dtype, self.device)
 
+    @property
+    def cause(self) -> Cause | None:
+        """``parameter_write`` where the region's parameters changed in place between its forward and this
+        recomputation (see :attr:`RegionCall.parameters_written`): recomputation read other values; else unknown."""
+        return Cause.PARAMETER_WRITE if self.call.parameters_written else None
+
     def describe(self) -> str:
-        return describe_saved(self.position, self.producer or None, self.shape, self.dtype)
+        described = describe_saved(self.position, self.producer or None, self.shape, self.dtype)
+        if not self.call.parameters_written:
+            return described
+        names = ", ".join(f"`{self.call.region}.{name}`" for name in self.call.parameters_written)
+        return (
+            f"{described}, recomputed after {names} changed in place since the region's forward (by its forward, or"
+            " by code between the forward and this backward, such as an optimizer step)"
+        )
 
 
 class RegionCall:
@@ -145,6 +157,9 @@ class RegionCall:
         # cell: its timestep).
         self.position = 0
         self.region = region
+        # The region's parameters whose versions moved between its latest forward's start and this call's
+        # recomputation, set when the recomputation starts comparing.
+        self.parameters_written: tuple[str, ...] = ()
         self.buffers = buffers
         self.profile = profile
         self.mode = sentinel.mode

@@ -14,7 +14,7 @@ from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism._torch_compat import is_compiled_module
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan
-from lightning_ckpt_determinism.checkpointing.modules import storage_pointer
+from lightning_ckpt_determinism.checkpointing.modules import holds_fsdp_units, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
 from lightning_ckpt_determinism.checkpointing.wrapper import checkpointed_modules
 from lightning_ckpt_determinism.config import choice_message
@@ -93,6 +93,11 @@ class RecomputationSentinel:
         # since a forward started (by that forward, as a rule): those are digested around its recomputations.
         self._forward_versions: dict[str, tuple[int, ...]] = {}
         self._forward_written: dict[str, frozenset[str]] = {}
+        # The parameters written since its latest forward started, as its latest recomputation found them (see
+        # `RegionCall.parameters_written`). FSDP gathers its parameters into the same tensors again for recomputation,
+        # which moves their versions with their values unchanged: under it, none are named.
+        self._written_at_recompute: dict[str, tuple[str, ...]] = {}
+        self._gathers_parameters = holds_fsdp_units(module)
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
         self._layouts: dict[str, SavedLayout] = {}
@@ -250,7 +255,9 @@ class RecomputationSentinel:
                 parameters = self._parameters[name]
                 now = parameters.now()
                 since = self._forward_versions.get(name, now[1])
-                written = {parameters.names[at] for at in changed(since, now[1])}
+                moved = tuple(parameters.names[at] for at in changed(since, now[1]))
+                self._written_at_recompute[name] = () if self._gathers_parameters else moved
+                written = set(moved)
                 if not written <= self._forward_written[name]:
                     self._forward_written[name] |= written
                 watch = StateWatch(
@@ -346,9 +353,11 @@ class RecomputationSentinel:
         if call.step is not None and call.step is not self._step:  # `None`: a backward inside its own forward
             call = call.continued()
             self._joined(call)
-        if self._recomputing is not None and self._recomputing is not call:
-            self._recomputing.recomputation_done()
-        self._recomputing = call
+        if self._recomputing is not call:
+            if self._recomputing is not None:
+                self._recomputing.recomputation_done()
+            call.parameters_written = self._written_at_recompute.get(call.region, ())
+            self._recomputing = call
         return call
 
     def _compared(self, call: RegionCall) -> None:
