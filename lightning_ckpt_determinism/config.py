@@ -392,9 +392,10 @@ class CheckpointingConfig:
             (``aten.mm``, ``aten.addmm``): checkpointing never sees it.
         preserve_rng_state: Replay torch's CPU and accelerator RNG during recomputation (torch's own mechanism).
             Turning it off saves a little time and makes dropout masks differ between forward and recomputation.
-        preserve_host_rng: Also capture Python's ``random`` and NumPy's global RNG at the original forward and
-            replay them during recomputation, leaving the live streams exactly where they were. Needed by custom
-            layers that draw from NumPy or ``random``; costs one state copy per checkpointed call.
+        preserve_host_rng: Also capture Python's ``random`` and NumPy's global RNG, and the NumPy and ``random``
+            generators the region's modules hold as attributes, at the original forward and replay them during
+            recomputation, leaving the live streams exactly where they were. Needed by custom layers that draw from
+            NumPy or ``random``; costs one state copy per stream per checkpointed call.
         protect_buffers: Recomputation never mutates module buffers: BatchNorm running statistics and
             ``num_batches_tracked`` are updated once per step, as without checkpointing. Costs a copy of the
             region's buffers while it is recomputed (nothing for regions without buffers). Recomputation reads the

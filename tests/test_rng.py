@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing
+from lightning_ckpt_determinism import CheckpointingConfig, apply_activation_checkpointing, check_recomputation
 from lightning_ckpt_determinism.checkpointing.rng import capture_host_rng, capture_rng, restore_host_rng, restore_rng
-from tests.helpers import DropoutBlock, NumpyNoiseBlock, PythonRandomBlock, make_stack, step_gradients
+from tests.helpers import DropoutBlock, NumpyNoiseBlock, PythonRandomBlock, batch, make_stack, step_gradients
 
 
 def _draws() -> tuple[float, float, float]:
@@ -124,3 +125,55 @@ def test_host_rng_replay_with_torch_rng_off_still_replays_the_host_streams() -> 
     gradients, draws = _host_rng_step(NumpyNoiseBlock, config)
     assert _unequal(reference_gradients, gradients) == []
     assert draws[1:] == reference_draws[1:]
+
+
+class HeldGeneratorBlock(nn.Module):
+    """Scales its output by draws from the NumPy and ``random`` generators it holds, as exploration code does."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.numpy_rng = np.random.default_rng(0)
+        self.legacy_rng = np.random.RandomState(1)
+        self.python_rng = random.Random(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.numpy_rng.random() + self.legacy_rng.rand() + self.python_rng.random()
+        return x + torch.tanh(self.linear(x) * scale)
+
+
+def _held_generator_step(config: CheckpointingConfig | None) -> tuple[dict, list[float]]:
+    """Gradients of one step of a stack of :class:`HeldGeneratorBlock`, and the next draw of each block's generators."""
+    model = make_stack(HeldGeneratorBlock)
+    if config is not None:
+        apply_activation_checkpointing(model, config)
+    gradients = step_gradients(model)
+    draws = [
+        draw
+        for block in model.blocks
+        for draw in (block.numpy_rng.random(), block.legacy_rng.rand(), block.python_rng.random())
+    ]
+    return gradients, draws
+
+
+def test_host_rng_replay_replays_the_generators_a_region_holds_and_leaves_them_as_unchecked() -> None:
+    reference_gradients, reference_draws = _held_generator_step(None)
+    replayed = CheckpointingConfig(classes=["HeldGeneratorBlock"], preserve_host_rng=True)
+    gradients, draws = _held_generator_step(replayed)
+    assert _unequal(reference_gradients, gradients) == []
+    assert draws == reference_draws
+    # Without the replay, recomputation draws again: other gradients, and every generator ahead.
+    unreplayed, ahead = _held_generator_step(CheckpointingConfig(classes=["HeldGeneratorBlock"]))
+    assert _unequal(reference_gradients, unreplayed) != []
+    assert all(one != other for one, other in zip(ahead, reference_draws, strict=True))
+
+
+def test_a_region_drawing_from_generators_it_holds_is_named_host_rng() -> None:
+    model = make_stack(HeldGeneratorBlock)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=["HeldGeneratorBlock"]))
+    x, y = batch()
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
+    assert report.diverged
+    assert [(region.name, region.cause) for region in report.regions] == [
+        (f"blocks.{index}", "host_rng") for index in range(3)
+    ]

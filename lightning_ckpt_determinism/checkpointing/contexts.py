@@ -116,8 +116,8 @@ def same_context(context: AbstractContextManager[Any]) -> AbstractContextManager
 
 
 class HostRNGReplay:
-    """Capture Python's and NumPy's RNG at the forward; replay it during each recomputation, then put the live state
-    back.
+    """Capture Python's and NumPy's RNG, and the host generators ``held`` (those the region's modules hold), at the
+    forward; replay them during each recomputation, then put the live states back.
 
     Example::
 
@@ -130,12 +130,13 @@ class HostRNGReplay:
         True
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held: Sequence[Any] = ()) -> None:
+        self._held = held
         self._state: HostRNGState | None = None
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        self._state = capture_host_rng()
+        self._state = capture_host_rng(self._held)
         yield
 
     @contextlib.contextmanager

@@ -8,25 +8,94 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 __all__ = [
+    "HOST_GENERATORS",
     "HostRNGState",
     "capture_host_rng",
     "capture_rng",
+    "generator_state",
+    "held_host_generators",
     "replaying_host_rng",
     "restore_host_rng",
     "restore_rng",
     "same_host_rng",
     "same_torch_rng",
+    "set_generator_state",
 ]
+
+
+HOST_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random)
+"""The host's random generators a module may hold as attributes (``self.rng = np.random.default_rng(0)``)."""
 
 
 @dataclass(frozen=True)
 class HostRNGState:
-    """The state of the host's random streams outside torch: Python's ``random`` and NumPy's global RNG."""
+    """The state of the host's random streams outside torch: Python's ``random`` and NumPy's global RNG, and the
+    host generators given at capture (those a region's modules hold), each with its state."""
 
     python: Any
     numpy: Any
+    held: tuple[tuple[Any, Any], ...] = ()
+
+
+def held_host_generators(modules: Iterable[nn.Module]) -> list[Any]:
+    """The host generators (:data:`HOST_GENERATORS`) ``modules`` hold as attributes, each once.
+
+    Args:
+        modules: The modules (a region's, as ``module.modules()`` gives them).
+
+    Example::
+
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> layer.rng = np.random.default_rng(0)
+        >>> [type(found).__name__ for found in held_host_generators(layer.modules())]
+        ['Generator']
+    """
+    found: dict[int, Any] = {}
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, HOST_GENERATORS):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def generator_state(generator: Any) -> Any:
+    """The state of a random generator: a ``torch.Generator``, or one of :data:`HOST_GENERATORS`.
+
+    Args:
+        generator: The generator.
+
+    Example::
+
+        >>> rng = random.Random(0)
+        >>> state = generator_state(rng)
+        >>> drawn = rng.random()
+        >>> set_generator_state(rng, state)
+        >>> rng.random() == drawn
+        True
+    """
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    return generator.get_state()  # torch.Generator, np.random.RandomState
+
+
+def set_generator_state(generator: Any, state: Any) -> None:
+    """Give a random generator a state :func:`generator_state` read.
+
+    Args:
+        generator: The generator.
+        state: Its state.
+    """
+    if isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    else:  # torch.Generator, np.random.RandomState
+        generator.set_state(state)
 
 
 @dataclass(frozen=True)
@@ -38,8 +107,11 @@ class RNGState:
     devices: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
 
-def capture_host_rng() -> HostRNGState:
-    """Snapshot Python's ``random`` and NumPy's global RNG.
+def capture_host_rng(held: Iterable[Any] = ()) -> HostRNGState:
+    """Snapshot Python's ``random`` and NumPy's global RNG, and the host generators ``held``.
+
+    Args:
+        held: Host generators a region's modules hold (:func:`held_host_generators`).
 
     Example::
 
@@ -49,7 +121,11 @@ def capture_host_rng() -> HostRNGState:
         >>> a == random.random()
         True
     """
-    return HostRNGState(python=random.getstate(), numpy=np.random.get_state())
+    return HostRNGState(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        held=tuple((generator, generator_state(generator)) for generator in held),
+    )
 
 
 def restore_host_rng(state: HostRNGState) -> None:
@@ -60,6 +136,8 @@ def restore_host_rng(state: HostRNGState) -> None:
     """
     random.setstate(state.python)
     np.random.set_state(state.numpy)
+    for generator, held in state.held:
+        set_generator_state(generator, held)
 
 
 @contextlib.contextmanager
@@ -83,7 +161,7 @@ def replaying_host_rng(state: HostRNGState) -> Iterator[None]:
         >>> same_host_rng(live, capture_host_rng())
         True
     """
-    live = capture_host_rng()
+    live = capture_host_rng(generator for generator, _ in state.held)
     restore_host_rng(state)
     try:
         yield
@@ -104,10 +182,22 @@ def same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
         >>> same_host_rng(before, capture_host_rng()), (random.random(), same_host_rng(before, capture_host_rng()))[1]
         (True, False)
     """
-    numpy_same = before.numpy[0] == after.numpy[0] and all(
-        np.array_equal(a, b) for a, b in zip(before.numpy[1:], after.numpy[1:], strict=True)
+    held_same = len(before.held) == len(after.held) and all(
+        one is other and _same_state(first, second)
+        for (one, first), (other, second) in zip(before.held, after.held, strict=True)
     )
-    return bool(before.python == after.python and numpy_same)
+    return bool(before.python == after.python and _same_state(before.numpy, after.numpy) and held_same)
+
+
+def _same_state(first: Any, second: Any) -> bool:
+    """Two states of a host generator (tuples and dicts holding numbers and NumPy arrays) item by item."""
+    if isinstance(first, np.ndarray) or isinstance(second, np.ndarray):
+        return bool(np.array_equal(first, second))
+    if isinstance(first, dict) and isinstance(second, dict):
+        return first.keys() == second.keys() and all(_same_state(first[key], second[key]) for key in first)
+    if isinstance(first, tuple) and isinstance(second, tuple):
+        return len(first) == len(second) and all(map(_same_state, first, second))
+    return bool(first == second)
 
 
 def same_torch_rng(before: RNGState, after: RNGState) -> bool:

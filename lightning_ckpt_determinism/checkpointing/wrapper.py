@@ -102,6 +102,7 @@ from lightning_ckpt_determinism.checkpointing.registered_buffers import (
     buffers_left_out,
     registered_since,
 )
+from lightning_ckpt_determinism.checkpointing.rng import held_host_generators
 from lightning_ckpt_determinism.checkpointing.routing import KeptOutputs, mark_region_inputs
 from lightning_ckpt_determinism.checkpointing.switch import _SWITCH
 from lightning_ckpt_determinism.config import CheckpointingConfig
@@ -833,7 +834,7 @@ class CheckpointedForward:
         forward: list[ContextFactory] = []
         recompute: list[ContextFactory] = []
         if plan.host_rng:
-            replay = HostRNGReplay()
+            replay = HostRNGReplay(held_host_generators(self._region_modules))
             forward.append(replay.capture)
             recompute.append(replay.replay)
         if plan.replays_state(profile):

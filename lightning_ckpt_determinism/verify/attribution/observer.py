@@ -75,6 +75,7 @@ from lightning_ckpt_determinism.checkpointing.rng import (
     HostRNGState,
     capture_host_rng,
     capture_rng,
+    held_host_generators,
     replaying_host_rng,
     restore_rng,
     same_host_rng,
@@ -873,7 +874,7 @@ class Attribution:
         self.calls.append(call)
         call.start_observing()
         call.note_forward_parameters()
-        before = call.host_rng_before = capture_host_rng()
+        before = call.host_rng_before = capture_host_rng(held_host_generators(call.module.modules()))
         try:
             with _CallMode(call, comparing=False):
                 yield
@@ -881,7 +882,7 @@ class Attribution:
             call.error = err
             raise
         finally:
-            call.host_rng_read = not same_host_rng(before, capture_host_rng())
+            call.host_rng_read = not same_host_rng(before, capture_host_rng(held for held, _ in before.held))
             call.snapshot_buffers()
 
     @contextlib.contextmanager
