@@ -189,6 +189,29 @@ def test_a_tolerance_does_not_hide_a_random_stream_recomputation_moved():
     assert (strict.diverged, lenient.diverged, lenient.cause) == (True, True, "rng_not_preserved")
 
 
+@pytest.mark.parametrize("gradients", ["autograd", "backward"])
+def test_a_closure_that_runs_backward_itself_is_told_to_return_the_loss_and_leaves_no_gradient(gradients):
+    model = checked_stack(PlainBlock)
+    x, y = batch()
+
+    def closure_of_lbfgs() -> torch.Tensor:
+        model.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    said = (
+        r"the check's closure ran a backward itself \(it wrote the `.grad` of 10 parameters\), .* give a closure that"
+        r" returns the loss without calling `backward\(\)`"
+    )
+    with pytest.raises(ValueError, match=said):
+        check_recomputation(model, closure_of_lbfgs, gradients=gradients)
+    assert [param.grad for param in model.parameters()] == [None] * 10
+    # The loss alone is checked.
+    report = check_recomputation(model, lambda: F.mse_loss(model(x), y), gradients=gradients)
+    assert (report.diverged, report.grad_divergence) == (False, 0.0)
+
+
 def test_bad_input_raises_clear_errors():
     model = checked_stack(PlainBlock)
     with pytest.raises(ValueError, match="`tolerance` must be a non-negative float, got -1"):

@@ -244,6 +244,9 @@ class RecomputationMonitor(Callback):
         # The global steps whose check diverged in this fit.
         self._diverged_in_fit: set[int] = set()
         self._read_otherwise_at_start: dict[str, int] = {}
+        # How many backwards the batch under way and the one before it ran (an optimizer calling its closure again,
+        # as LBFGS and SAM do, or several `manual_backward` calls): a check reruns the first alone.
+        self._backwards = (0, 0)
         self._unchecked_here = "under this strategy"
         # Whether the last check was skipped because the step's first `manual_backward` recomputed nothing.
         self._backward_unrecomputed = False
@@ -402,6 +405,7 @@ class RecomputationMonitor(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
+        self._backwards = (0, self._backwards[0])
         self._watch.step_started(trainer.global_step)
         if not self._enabled or self._checks_off or not self._schedule.due(trainer.global_step):
             return
@@ -420,6 +424,7 @@ class RecomputationMonitor(Callback):
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._watch.backward_started()
+        self._backwards = (self._backwards[0] + 1, self._backwards[1])
         if self._capture is None or not self._capture.captured or self._support is None:
             return
         self._capture.backward_started(loss)
@@ -735,11 +740,17 @@ class RecomputationMonitor(Callback):
     def _follow_up_exact(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
         """Say once that a check a sentinel finding asked for found the step exact: the finding stays unexplained,
         but for the large buffers some calls of this fit recomputed from other values than their forwards read."""
-        where = (
-            "its first micro-batch, the one a check reruns under `accumulate_grad_batches`"
-            if trainer.accumulate_grad_batches > 1
-            else "that step"
-        )
+        backwards = self._backwards[1]
+        if trainer.accumulate_grad_batches > 1:
+            where = "its first micro-batch, the one a check reruns under `accumulate_grad_batches`"
+        elif backwards > 1:
+            where = (
+                f"the first backward of that step, the one a check reruns (the batch before it ran {backwards}"
+                " backwards: an optimizer calling its closure again, as LBFGS and SAM do, or several `manual_backward`"
+                " calls; a difference at a later one is the sentinel's alone to see)"
+            )
+        else:
+            where = "that step"
         before = self._read_otherwise_at_start
         own = [name for name, count in buffers_read_otherwise(pl_module).items() if count > before.get(name, 0)]
         # Every rank's (a rank alone may have read a buffer otherwise): each rank reaches here at the same check.

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from lightning_ckpt_determinism._library_compat import compiled_by_lightning
+from lightning_ckpt_determinism._torch_compat import version_counter
 from lightning_ckpt_determinism.checkpointing.modules import buffer_slots, region_name
 from lightning_ckpt_determinism.checkpointing.wrapper import (
     buffers_read_otherwise,
@@ -683,7 +684,13 @@ def _gradients(
 ) -> tuple[float, _Gradients]:
     context = reference_pass(model=model) if disable_checkpointing else contextlib.nullcontext()
     with context, torch.enable_grad():
+        held = [(param.grad, None if param.grad is None else version_counter(param.grad)) for param in params]
         loss = closure()
+        wrote = [
+            param
+            for param, (grad, version) in zip(params, held, strict=True)
+            if param.grad is not grad or (grad is not None and version_counter(grad) != version)
+        ]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 "lightning_ckpt_determinism: the check's closure must return a scalar loss tensor, got"
@@ -694,14 +701,31 @@ def _gradients(
                 "lightning_ckpt_determinism: the check's loss does not require grad; compute it from the module's"
                 " parameters with grad enabled."
             )
-        if not use_backward:
-            return float(loss.detach()), _autograd_gradients(loss, params)
         try:
-            loss.backward()
-        finally:
-            # Taken even when backward raises: the next pass must start from no gradient.
-            grads = take_gradients(params)
+            if not use_backward:
+                return float(loss.detach()), _autograd_gradients(loss, params)
+            try:
+                loss.backward()
+            finally:
+                # Taken even when backward raises: the next pass must start from no gradient.
+                grads = take_gradients(params)
+        except RuntimeError as error:
+            if not wrote:
+                raise
+            for param, (grad, _) in zip(params, held, strict=True):
+                if grad is None:  # what the closure's own backward left, gone (one it added to stays added)
+                    param.grad = None
+            raise ValueError(_ran_backward_message(len(wrote))) from error
     return float(loss.detach()), grads
+
+
+def _ran_backward_message(written: int) -> str:
+    return (
+        "lightning_ckpt_determinism: the check's closure ran a backward itself (it wrote the `.grad` of"
+        f" {written} parameter{'s' if written != 1 else ''}), and its loss's graph was freed before the check could"
+        " take the gradients: give a closure that returns the loss without calling `backward()` (for an LBFGS-style"
+        " closure that zeroes the gradients, runs backward and returns the loss, pass `lambda: <that loss>`)."
+    )
 
 
 def raised_in_autograd(error: BaseException) -> bool:
