@@ -231,7 +231,8 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
             _checkpointing("preserve_rng_state"),
         ),
         Cause.HOST_RNG: _hints(
-            "The forward reads Python's `random` or NumPy's global RNG: set {}, or draw from torch's RNG instead.",
+            "The forward reads Python's `random` or NumPy's RNG (global, or a generator its modules hold): set {},"
+            " or draw from torch's RNG instead.",
             _checkpointing("preserve_host_rng"),
         ),
         Cause.BUFFER_MUTATION: _hints(
@@ -253,10 +254,13 @@ _HINTS: Mapping[Cause, Hints] = MappingProxyType(
         ),
         Cause.PARAMETER_WRITE: _hints(
             "The region writes a parameter in place in forward (a decay or clamp under `no_grad`, an `nn.Embedding`"
-            " with `max_norm` renormalising rows beyond it): recomputation reads other values than the forward did,"
-            " or writes them a second time, so gradients or weights drift from training without checkpointing. Write"
-            " it outside the checkpointed module (in `training_step` or an optimizer hook), or leave that module out"
-            " of checkpointing."
+            " with `max_norm` renormalising rows beyond it), or code writes one between the forward and the backward"
+            " that recomputes it (an optimizer step before a backward through an earlier forward, as a GAN stepping"
+            " its discriminator before the generator's backward through it): recomputation reads other values than"
+            " the forward did, or writes them a second time, so gradients or weights drift from training without"
+            " checkpointing (which raises on the second kind: a variable modified by an inplace operation). Write it"
+            " outside the checkpointed module (in `training_step` or an optimizer hook), step an optimizer only after"
+            " every backward through the forwards before it, or leave that module out of checkpointing."
         ),
         Cause.OUTSIDE_STATE: _hints(
             "The step computed another loss in the check's rerun than live, before anything was recomputed: state"
@@ -314,7 +318,8 @@ _WHEN: Mapping[Cause, str] = MappingProxyType(
             " LayerDrop decision), so that whatever draws from it next draws other numbers."
         ),
         Cause.HOST_RNG: (
-            "the forward read Python's `random` or NumPy's global RNG, confirmed by replaying them for that region;"
+            "the forward read Python's `random` or NumPy's RNG (global, or a generator the region's modules hold),"
+            " confirmed by replaying them for that region;"
             " or the step left them in another state than the same step without checkpointing, with exact gradients"
             " (a region drew from them again, the same values after a seed of its own, as BigBird's attention does),"
             " so that whatever draws from them next draws other numbers."
