@@ -6,6 +6,7 @@ check's own passes advanced."""
 
 import contextlib
 import contextvars
+import datetime
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -842,12 +843,16 @@ class ShadowedByAClassAttribute(OneSlot):
     x = 1
 
 
-def test_objects_whose_slot_a_subclass_shadows_are_checked_and_put_back_through_the_slot() -> None:
+def test_objects_whose_slot_a_subclass_shadows_and_read_only_c_members_are_checked_and_put_back() -> None:
     torch.manual_seed(0)
     model = Outside()
     held = [ShadowedByAProperty(), ShadowedByAClassAttribute()]
     model.body.held = held
     model.body.shadowed = ShadowedByAClassAttribute()
+    # Classes written in C with read-only members, one pointer each, are no slotted objects; nor is the system's
+    # entropy a generator with a state.
+    model.body.delay, model.body.window = datetime.timedelta(seconds=30), slice(1, 5, 2)
+    model.body.entropy = random.SystemRandom()
     OneSlot.x.__set__(held[0], 5)  # type: ignore[attr-defined]
     apply_activation_checkpointing(model, CheckpointingConfig(names=["body"]))
     x = tokens(0)

@@ -137,40 +137,61 @@ class HeldGeneratorBlock(nn.Module):
         self.legacy_rng = np.random.RandomState(1)
         self.python_rng = random.Random(2)
 
+    def generators(self) -> tuple[np.random.Generator, np.random.RandomState, random.Random]:
+        return self.numpy_rng, self.legacy_rng, self.python_rng
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 + self.numpy_rng.random() + self.legacy_rng.rand() + self.python_rng.random()
+        numpy_rng, legacy_rng, python_rng = self.generators()
+        scale = 1.0 + numpy_rng.random() + legacy_rng.rand() + python_rng.random()
         return x + torch.tanh(self.linear(x) * scale)
 
 
-def _held_generator_step(config: CheckpointingConfig | None) -> tuple[dict, list[float]]:
-    """Gradients of one step of a stack of :class:`HeldGeneratorBlock`, and the next draw of each block's generators."""
-    model = make_stack(HeldGeneratorBlock)
+class ContainedGeneratorBlock(HeldGeneratorBlock):
+    """:class:`HeldGeneratorBlock` with its generators in a list and a dict, beside a ``random.SystemRandom`` (the
+    system's entropy: no state to replay) it never draws from."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__(dim)
+        self.rngs = [self.__dict__.pop("numpy_rng"), self.__dict__.pop("legacy_rng")]
+        self.by_name = {"python": self.__dict__.pop("python_rng")}
+        self.entropy = random.SystemRandom()
+
+    def generators(self) -> tuple[np.random.Generator, np.random.RandomState, random.Random]:
+        return self.rngs[0], self.rngs[1], self.by_name["python"]
+
+
+def _held_generator_step(block: type[nn.Module], config: CheckpointingConfig | None) -> tuple[dict, list[float]]:
+    """Gradients of one step of a stack of ``block``, and the next draw of each block's generators."""
+    model = make_stack(block)
     if config is not None:
         apply_activation_checkpointing(model, config)
     gradients = step_gradients(model)
-    draws = [
-        draw
-        for block in model.blocks
-        for draw in (block.numpy_rng.random(), block.legacy_rng.rand(), block.python_rng.random())
-    ]
+    draws = []
+    for held in model.blocks:
+        numpy_rng, legacy_rng, python_rng = held.generators()
+        draws += [numpy_rng.random(), legacy_rng.rand(), python_rng.random()]
     return gradients, draws
 
 
-def test_host_rng_replay_replays_the_generators_a_region_holds_and_leaves_them_as_unchecked() -> None:
-    reference_gradients, reference_draws = _held_generator_step(None)
-    replayed = CheckpointingConfig(classes=["HeldGeneratorBlock"], preserve_host_rng=True)
-    gradients, draws = _held_generator_step(replayed)
+@pytest.mark.parametrize("block", [HeldGeneratorBlock, ContainedGeneratorBlock])
+def test_host_rng_replay_replays_the_generators_a_region_holds_and_leaves_them_as_unchecked(
+    block: type[nn.Module],
+) -> None:
+    reference_gradients, reference_draws = _held_generator_step(block, None)
+    replayed = CheckpointingConfig(classes=[block.__name__], preserve_host_rng=True)
+    gradients, draws = _held_generator_step(block, replayed)
     assert _unequal(reference_gradients, gradients) == []
     assert draws == reference_draws
     # Without the replay, recomputation draws again: other gradients, and every generator ahead.
-    unreplayed, ahead = _held_generator_step(CheckpointingConfig(classes=["HeldGeneratorBlock"]))
+    unreplayed, ahead = _held_generator_step(block, CheckpointingConfig(classes=[block.__name__]))
     assert _unequal(reference_gradients, unreplayed) != []
     assert all(one != other for one, other in zip(ahead, reference_draws, strict=True))
 
 
-def test_a_region_drawing_from_generators_it_holds_is_named_host_rng() -> None:
-    model = make_stack(HeldGeneratorBlock)
-    apply_activation_checkpointing(model, CheckpointingConfig(classes=["HeldGeneratorBlock"]))
+@pytest.mark.parametrize("block", [HeldGeneratorBlock, ContainedGeneratorBlock])
+def test_a_region_drawing_from_generators_it_holds_is_named_host_rng(block: type[nn.Module]) -> None:
+    model = make_stack(block)
+    apply_activation_checkpointing(model, CheckpointingConfig(classes=[block.__name__]))
     x, y = batch()
     report = check_recomputation(model, lambda: F.mse_loss(model(x), y), attribution=True)
     assert report.diverged

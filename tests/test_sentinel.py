@@ -156,6 +156,7 @@ def stepped_before_backward(model: nn.Module, mode: str = "light") -> Any:
         out = model(x)
         out.square().sum().backward(retain_graph=True)
         optimizer.step()  # the weights the graph of `out` was built from, written in place
+        model(x)  # the regions run again at the new weights (a forward on the real batch) before the backward
         out.sum().backward()
         sentinel.next_step()
     return sentinel.report()

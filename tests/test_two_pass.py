@@ -212,6 +212,35 @@ def test_a_closure_that_runs_backward_itself_is_told_to_return_the_loss_and_leav
     assert (report.diverged, report.grad_divergence) == (False, 0.0)
 
 
+class RaggedWidth(nn.Module):
+    """Keeps a NumPy-drawn number of its features: recomputation saves a tensor of another shape, and torch raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = int(np.random.randint(1, 9))
+        return torch.tanh(self.linear(x))[:, :kept].exp().sum(1, keepdim=True).expand(-1, 8)
+
+
+@pytest.mark.parametrize("gradients", ["autograd", "backward"])
+def test_a_closure_that_runs_a_backward_of_its_own_still_gets_its_recomputations_error(gradients):
+    # The closure's own backward reaches a parameter outside the region; the check's error is the region's, not it.
+    np.random.seed(0)
+    model = nn.Sequential(RaggedWidth(), nn.Linear(8, 1))
+    model.scale = nn.Parameter(torch.ones(8))
+    apply_activation_checkpointing(model, CheckpointingConfig(names=["0"]))
+    x = torch.randn(3, 8)
+
+    def closure() -> torch.Tensor:
+        model.scale.square().sum().backward()
+        return model(x).sum() + model.scale.square().sum()
+
+    report = check_recomputation(model, closure, gradients=gradients)
+    assert report.diverged and report.error is not None and report.error.startswith("CheckpointError")
+
+
 def test_bad_input_raises_clear_errors():
     model = checked_stack(PlainBlock)
     with pytest.raises(ValueError, match="`tolerance` must be a non-negative float, got -1"):

@@ -146,6 +146,7 @@ def _both_nan_alike(first: numbers.Complex, second: numbers.Complex) -> bool:
 
 
 _POINTER = struct.calcsize("P")
+_HEAP_TYPE = 1 << 9  # `Py_TPFLAGS_HEAPTYPE`: a class made by a `class` statement
 
 # Each class's slots, found once (classes hold them until they are collected).
 _SLOTS: "weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...] | None]" = weakref.WeakKeyDictionary()
@@ -154,8 +155,8 @@ _SLOTS: "weakref.WeakKeyDictionary[type, tuple[tuple[str, Any], ...] | None]" = 
 def slots_of(cls: type) -> tuple[tuple[str, Any], ...] | None:
     """The slots of ``cls``'s instances (``__slots__``, as ``@dataclass(slots=True)`` makes), as ``(attribute name,
     member descriptor)`` pairs, where its instances keep all their state in their ``__dict__`` and these slots; ``None``
-    where they keep state neither shows (a C base's fields, such as ``random.Random``'s or an exception's ``args``,
-    or items, as a tuple's), or a slot shares its name with another.
+    where they keep state neither shows (a class written in C, or a C base's fields, such as ``random.Random``'s or
+    an exception's ``args``, or items, as a tuple's), or a slot shares its name with another.
 
     Args:
         cls: The class of an object.
@@ -165,7 +166,7 @@ def slots_of(cls: type) -> tuple[tuple[str, Any], ...] | None:
         >>> class Memory:
         ...     __slots__ = ("last", "__count")
         >>> [name for name, _ in slots_of(Memory)], slots_of(int)
-        (['last', '_Memory__count'], None)
+        (['_Memory__count', 'last'], None)
     """
     try:
         return _SLOTS[cls]
@@ -177,6 +178,9 @@ def slots_of(cls: type) -> tuple[tuple[str, Any], ...] | None:
 
 
 def _slots_of(cls: type) -> tuple[tuple[str, Any], ...] | None:
+    # A class written in C keeps fields of its own, read-only members among them (`timedelta.days`, `slice.start`).
+    if not all(klass.__flags__ & _HEAP_TYPE for klass in cls.__mro__[:-1]):
+        return None
     # Each slot is a member descriptor in the `__dict__` of the class that declared it, under its stored name.
     members = [
         (name, member)

@@ -16,6 +16,7 @@ __all__ = [
     "capture_host_rng",
     "capture_rng",
     "generator_state",
+    "has_state",
     "held_host_generators",
     "replaying_host_rng",
     "restore_host_rng",
@@ -40,25 +41,48 @@ class HostRNGState:
     held: tuple[tuple[Any, Any], ...] = ()
 
 
-def held_host_generators(modules: Iterable[nn.Module]) -> list[Any]:
-    """The host generators (:data:`HOST_GENERATORS`) ``modules`` hold as attributes, each once.
+def held_host_generators(modules: Iterable[nn.Module], inputs: Iterable[Any] = ()) -> list[Any]:
+    """The host generators with a state (:data:`HOST_GENERATORS`, ``random.SystemRandom`` aside) ``modules`` hold as
+    attributes or in lists, tuples and dicts of up to 64 items they hold, and those among ``inputs`` (or in such a
+    container among them), each once.
 
     Args:
         modules: The modules (a region's, as ``module.modules()`` gives them).
+        inputs: A call's arguments.
 
     Example::
 
         >>> layer = torch.nn.Linear(2, 2)
-        >>> layer.rng = np.random.default_rng(0)
-        >>> [type(found).__name__ for found in held_host_generators(layer.modules())]
-        ['Generator']
+        >>> layer.rngs = [np.random.default_rng(0), random.SystemRandom()]
+        >>> [type(found).__name__ for found in held_host_generators(layer.modules(), (random.Random(1),))]
+        ['Generator', 'Random']
     """
     found: dict[int, Any] = {}
-    for module in modules:
-        for value in vars(module).values():
-            if isinstance(value, HOST_GENERATORS):
-                found.setdefault(id(value), value)
+    values = [*(value for module in modules for value in vars(module).values()), *inputs]
+    for value in values:
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        for item in (value, *(items if len(items) <= _CONTAINER_ITEMS else ())):
+            if has_state(item):
+                found.setdefault(id(item), item)
     return list(found.values())
+
+
+_CONTAINER_ITEMS = 64
+
+
+def has_state(value: object) -> bool:
+    """Whether ``value`` is a random generator with a state to capture: a ``torch.Generator`` or one of
+    :data:`HOST_GENERATORS`, but ``random.SystemRandom`` (the system's entropy, which has none).
+
+    Args:
+        value: Any object.
+
+    Example::
+
+        >>> has_state(random.Random(0)), has_state(random.SystemRandom()), has_state(torch.Generator())
+        (True, False, True)
+    """
+    return isinstance(value, (torch.Generator, *HOST_GENERATORS)) and not isinstance(value, random.SystemRandom)
 
 
 def generator_state(generator: Any) -> Any:

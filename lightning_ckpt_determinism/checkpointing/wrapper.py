@@ -834,7 +834,7 @@ class CheckpointedForward:
         forward: list[ContextFactory] = []
         recompute: list[ContextFactory] = []
         if plan.host_rng:
-            replay = HostRNGReplay(held_host_generators(self._region_modules))
+            replay = HostRNGReplay(held_host_generators(self._region_modules, inputs))
             forward.append(replay.capture)
             recompute.append(replay.replay)
         if plan.replays_state(profile):

@@ -69,6 +69,7 @@ from lightning_ckpt_determinism.checkpointing.rng import (
     capture_host_rng,
     capture_rng,
     generator_state,
+    has_state,
     restore_rng,
     same_host_rng,
     same_torch_rng,
@@ -612,7 +613,8 @@ class _PythonState:
         """The containers and arrays ``value`` (held as ``owner.name``) reaches, with copies; tensors and generators
         are noted on the way."""
         if isinstance(value, _GENERATORS):
-            self._found[id(value)] = value
+            if has_state(value):  # `random.SystemRandom` has none to put back
+                self._found[id(value)] = value
             return []
         if type(value) is torch.Tensor:
             self.tensors.append((owner, name, value))
@@ -662,7 +664,8 @@ class _PythonState:
             items = _items(copy)
             for item in items:
                 if isinstance(item, _GENERATORS):
-                    self._found[id(item)] = item
+                    if has_state(item):
+                        self._found[id(item)] = item
                 elif objects and len(items) <= _HELD_ITEMS and _is_object(item):
                     listed.extend(self._listed(item))
                 elif not _held_by_value(item, len(items)) or id(item) in self._noted:
@@ -785,7 +788,7 @@ def _same_attribute(current: Any, value: Any) -> bool:
     if type(current) is not type(value):
         return False
     if isinstance(value, _GENERATORS):
-        return same_item(generator_state(current), generator_state(value))
+        return has_state(value) and same_item(generator_state(current), generator_state(value))
     if isinstance(value, RemovableHandle):
         return same_item(current, value)  # by the hooks it was registered into, not by its id
     if _is_object(value):

@@ -710,13 +710,17 @@ def _gradients(
                 # Taken even when backward raises: the next pass must start from no gradient.
                 grads = take_gradients(params)
         except RuntimeError as error:
-            if not wrote:
+            if not wrote or _FREED_GRAPH not in str(error):
                 raise
             for param, (grad, _) in zip(params, held, strict=True):
                 if grad is None:  # what the closure's own backward left, gone (one it added to stays added)
                     param.grad = None
             raise ValueError(_ran_backward_message(len(wrote))) from error
     return float(loss.detach()), grads
+
+
+# What torch says where a backward reaches a graph an earlier backward freed.
+_FREED_GRAPH = "backward through the graph a second time"
 
 
 def _ran_backward_message(written: int) -> str:

@@ -186,6 +186,8 @@ class CallRecord:
     arguments: list[torch.Tensor] = field(default_factory=list)
     input_prints: list[Fingerprint] = field(default_factory=list)
     recomputed_from: list[tuple[Any, ...]] = field(default_factory=list)
+    # The host generators the region's modules hold or its call was given (see `held_host_generators`).
+    host_generators: list[Any] = field(default_factory=list)
     host_rng_before: HostRNGState | None = None
     host_rng_read: bool = False
     protects_buffers: bool = True
@@ -741,6 +743,7 @@ class Attribution:
         if self._replay_host_rng is not None and call.region not in self._replay_host_rng:
             return contextlib.nullcontext, contextlib.nullcontext
         call.arguments = [value for value in region_call.inputs if isinstance(value, torch.Tensor)]
+        call.host_generators = held_host_generators(module.modules(), region_call.inputs)
         call.input_versions = [(weakref.ref(value), buffer_version_counter(value)) for value in call.arguments]
         call.recomputed_from = region_call.recomputed_from
         return partial(self._forward, call), partial(self._recompute, call)
@@ -874,7 +877,7 @@ class Attribution:
         self.calls.append(call)
         call.start_observing()
         call.note_forward_parameters()
-        before = call.host_rng_before = capture_host_rng(held_host_generators(call.module.modules()))
+        before = call.host_rng_before = capture_host_rng(call.host_generators)
         try:
             with _CallMode(call, comparing=False):
                 yield

@@ -157,8 +157,9 @@ class RegionCall:
         # cell: its timestep).
         self.position = 0
         self.region = region
-        # The region's parameters whose versions moved between its latest forward's start and this call's
-        # recomputation, set when the recomputation starts comparing.
+        # Its region's parameter versions when its forward started, and the parameters whose versions moved between
+        # then and its latest recomputation (set when that starts comparing).
+        self.forward_versions: tuple[int, ...] | None = None
         self.parameters_written: tuple[str, ...] = ()
         self.buffers = buffers
         self.profile = profile

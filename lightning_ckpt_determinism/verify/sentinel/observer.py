@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from lightning_ckpt_determinism._torch_compat import is_compiled_module
+from lightning_ckpt_determinism._torch_compat import is_compiled_module, is_fsdp1_parameter_view
 from lightning_ckpt_determinism.checkpointing.determinism_check import SavedPlan
 from lightning_ckpt_determinism.checkpointing.modules import holds_fsdp_units, storage_pointer
 from lightning_ckpt_determinism.checkpointing.profile import RegionProfile
@@ -93,10 +93,10 @@ class RecomputationSentinel:
         # since a forward started (by that forward, as a rule): those are digested around its recomputations.
         self._forward_versions: dict[str, tuple[int, ...]] = {}
         self._forward_written: dict[str, frozenset[str]] = {}
-        # The parameters written since its latest forward started, as its latest recomputation found them (see
-        # `RegionCall.parameters_written`). FSDP gathers its parameters into the same tensors again for recomputation,
+        # The parameters' versions at each region's latest recomputation, for the calls it compares (see
+        # `RegionCall.parameters_written`). FSDP gathers parameters into the same tensors again for recomputation,
         # which moves their versions with their values unchanged: under it, none are named.
-        self._written_at_recompute: dict[str, tuple[str, ...]] = {}
+        self._versions_at_recompute: dict[str, tuple[int, ...]] = {}
         self._gathers_parameters = holds_fsdp_units(module)
         self._totals = {name: SentinelRegion() for name in self._names}
         self._saved_bytes: dict[str, int] = {}
@@ -195,7 +195,8 @@ class RecomputationSentinel:
             call = RegionCall(self, name, self._buffers[name], profile, layout)
             call.ordinal = ordinal
             call.position = ordinal - self._pass_start.get(name, 0)
-            self._forward_versions[name] = self._parameters[name].now()[1]
+            versions = self._forward_versions[name] = self._parameters[name].now()[1]
+            call.forward_versions = versions
         except Exception as err:  # the sentinel's own failure stops it, never the step
             self._stop(err)
         if call is None:
@@ -255,9 +256,10 @@ class RecomputationSentinel:
                 parameters = self._parameters[name]
                 now = parameters.now()
                 since = self._forward_versions.get(name, now[1])
-                moved = tuple(parameters.names[at] for at in changed(since, now[1]))
-                self._written_at_recompute[name] = () if self._gathers_parameters else moved
-                written = set(moved)
+                written = {parameters.names[at] for at in changed(since, now[1])}
+                self._versions_at_recompute[name] = now[1]
+                if written and any(is_fsdp1_parameter_view(held) for held in now[0] if held is not None):
+                    self._gathers_parameters = True  # an FSDP1 unit around the model the sentinel watches
                 if not written <= self._forward_written[name]:
                     self._forward_written[name] |= written
                 watch = StateWatch(
@@ -356,9 +358,18 @@ class RecomputationSentinel:
         if self._recomputing is not call:
             if self._recomputing is not None:
                 self._recomputing.recomputation_done()
-            call.parameters_written = self._written_at_recompute.get(call.region, ())
+            # Versions only move on: the latest recomputation's count holds every earlier one's.
+            call.parameters_written = self._written_since_forward(call)
             self._recomputing = call
         return call
+
+    def _written_since_forward(self, call: RegionCall) -> tuple[str, ...]:
+        """The parameters of ``call``'s region whose versions moved between its forward and this recomputation."""
+        now = self._versions_at_recompute.get(call.region)
+        if now is None or call.forward_versions is None or self._gathers_parameters:
+            return ()
+        names = self._parameters[call.region].names
+        return tuple(names[at] for at in changed(call.forward_versions, now))
 
     def _compared(self, call: RegionCall) -> None:
         """``call``'s recomputation is digested."""
