@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ckpt_determinism import (
@@ -850,11 +851,49 @@ def test_a_follow_up_check_of_a_step_with_several_backwards_says_it_reran_the_fi
     assert [(record.step, record.grad_divergence) for record in monitor.history] == [(0, 0.0), (1, 0.0)]
     assert [line for line in said if "which a sentinel finding asked for" in line] == [
         "lightning_ckpt_determinism: the full check at step 1, which a sentinel finding asked for, found recomputation"
-        " exact in the first backward of that step, the one a check reruns (the batch before it ran 3 backwards: an"
-        " optimizer calling its closure again, as LBFGS and SAM do, or several `manual_backward` calls; a difference"
-        " at a later one is the sentinel's alone to see): the difference shows at some calls only, so no check names"
-        " its cause; the sentinel's finding and its region stand."
+        " exact in the first backward of that step, the one a check reruns (batches of this fit ran up to 3 backwards:"
+        " an optimizer calling its closure again, as LBFGS and SAM do, or several `manual_backward` calls; a"
+        " difference at a later one is the sentinel's alone to see): the difference shows at some calls only, so no"
+        " check names its cause; the sentinel's finding and its region stand."
     ]
+
+
+class ThreeBackwardsThenASkippedBatch(StackModule):
+    """Manual optimization with three `manual_backward` calls a batch, the last two through its middle block armed
+    at batch 0; batch 1 returns before any backward."""
+
+    def __init__(self) -> None:
+        super().__init__(block="PlainBlock")
+        self.model.blocks[1] = CountsWhenArmed()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        if batch_idx == 1:
+            return
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        for backward in range(3):
+            self.model.blocks[1].armed = batch_idx == 0 and backward > 0
+            self.manual_backward(F.mse_loss(self.model(x), y))
+        self.model.blocks[1].armed = False
+        optimizer.step()  # type: ignore[union-attr]
+
+
+def test_a_follow_up_after_a_batch_without_backward_still_says_it_reran_the_first_backward_alone(tmp_path) -> None:
+    monitor = RecomputationMonitor(
+        every_n_steps=100,
+        sentinel="exact",
+        loss_fn=lambda module, batch, _: F.mse_loss(module.model(batch[0]), batch[1]),
+    )
+    strategy = SingleDeviceCheckpointingStrategy(checkpointing=CheckpointingConfig(names=["model.blocks.*"]))
+    kwargs = trainer_kwargs(tmp_path, max_steps=2, strategy=strategy, callbacks=[monitor])
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LightningCkptDeterminismWarning)
+        pl.Trainer(**kwargs).fit(ThreeBackwardsThenASkippedBatch())
+    said = [str(warning.message) for warning in caught if "which a sentinel finding asked for" in str(warning.message)]
+    assert len(said) == 1 and "(batches of this fit ran up to 3 backwards:" in said[0], said
 
 
 class ShiftsALargeTableFromAStep(PlainBlock):

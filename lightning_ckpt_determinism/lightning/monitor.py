@@ -244,9 +244,9 @@ class RecomputationMonitor(Callback):
         # The global steps whose check diverged in this fit.
         self._diverged_in_fit: set[int] = set()
         self._read_otherwise_at_start: dict[str, int] = {}
-        # How many backwards the batch under way and the one before it ran (an optimizer calling its closure again,
-        # as LBFGS and SAM do, or several `manual_backward` calls): a check reruns the first alone.
-        self._backwards = (0, 0)
+        # How many backwards the batch under way ran, and the most any batch of this fit ran (an optimizer calling
+        # its closure again, as LBFGS and SAM do, or several `manual_backward` calls): a check reruns the first alone.
+        self._backwards_in_batch = self._most_backwards = 0
         self._unchecked_here = "under this strategy"
         # Whether the last check was skipped because the step's first `manual_backward` recomputed nothing.
         self._backward_unrecomputed = False
@@ -308,6 +308,7 @@ class RecomputationMonitor(Callback):
         self._diverged_in_fit = set()
         # The regions' counts outlive a fit where the model was checkpointed by hand: this fit's are those that grow.
         self._read_otherwise_at_start = buffers_read_otherwise(pl_module)
+        self._backwards_in_batch = self._most_backwards = 0
         self._support = support_of(trainer.strategy)
         problem = unmonitored(self._support, trainer.strategy, pl_module, _hint_syntax(self.hint_syntax))
         unattributed = None if self._support is None else self._support.two_pass_unavailable()
@@ -405,7 +406,7 @@ class RecomputationMonitor(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
         self._disarm()
-        self._backwards = (0, self._backwards[0])
+        self._backwards_in_batch = 0
         self._watch.step_started(trainer.global_step)
         if not self._enabled or self._checks_off or not self._schedule.due(trainer.global_step):
             return
@@ -424,7 +425,8 @@ class RecomputationMonitor(Callback):
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._watch.backward_started()
-        self._backwards = (self._backwards[0] + 1, self._backwards[1])
+        self._backwards_in_batch += 1
+        self._most_backwards = max(self._most_backwards, self._backwards_in_batch)
         if self._capture is None or not self._capture.captured or self._support is None:
             return
         self._capture.backward_started(loss)
@@ -740,12 +742,12 @@ class RecomputationMonitor(Callback):
     def _follow_up_exact(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
         """Say once that a check a sentinel finding asked for found the step exact: the finding stays unexplained,
         but for the large buffers some calls of this fit recomputed from other values than their forwards read."""
-        backwards = self._backwards[1]
+        backwards = self._most_backwards
         if trainer.accumulate_grad_batches > 1:
             where = "its first micro-batch, the one a check reruns under `accumulate_grad_batches`"
         elif backwards > 1:
             where = (
-                f"the first backward of that step, the one a check reruns (the batch before it ran {backwards}"
+                f"the first backward of that step, the one a check reruns (batches of this fit ran up to {backwards}"
                 " backwards: an optimizer calling its closure again, as LBFGS and SAM do, or several `manual_backward`"
                 " calls; a difference at a later one is the sentinel's alone to see)"
             )
