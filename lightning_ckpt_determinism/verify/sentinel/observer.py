@@ -368,6 +368,8 @@ class RecomputationSentinel:
         now = self._versions_at_recompute.get(call.region)
         if now is None or call.forward_versions is None or self._gathers_parameters:
             return ()
+        if len(now) != len(call.forward_versions):  # the region's modules changed since (its parameters found again)
+            return ()
         names = self._parameters[call.region].names
         return tuple(names[at] for at in changed(call.forward_versions, now))
 
