@@ -53,7 +53,7 @@ def held_host_generators(modules: Iterable[nn.Module], inputs: Iterable[Any] = (
     Example::
 
         >>> layer = torch.nn.Linear(2, 2)
-        >>> layer.rngs = [np.random.default_rng(0), random.SystemRandom()]
+        >>> layer.rngs = [np.random.default_rng(0), random.SystemRandom(), torch.Generator()]
         >>> [type(found).__name__ for found in held_host_generators(layer.modules(), (random.Random(1),))]
         ['Generator', 'Random']
     """
@@ -62,7 +62,7 @@ def held_host_generators(modules: Iterable[nn.Module], inputs: Iterable[Any] = (
     for value in values:
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
         for item in (value, *(items if len(items) <= _CONTAINER_ITEMS else ())):
-            if has_state(item):
+            if isinstance(item, HOST_GENERATORS) and has_state(item):  # torch's: `preserve_rng_state`'s to replay
                 found.setdefault(id(item), item)
     return list(found.values())
 
