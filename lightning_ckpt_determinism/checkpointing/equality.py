@@ -5,6 +5,7 @@ The probe of a region's first call and the checks read it alike: NaN in the same
 infinity, counts as equal. DTensors are compared as this rank's local shards, so no comparison runs a collective.
 """
 
+import contextlib
 import math
 import numbers
 import struct
@@ -18,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ckpt_determinism.checkpointing.modules import local_tensor, same_inner_tensors
 
-__all__ = ["object_state", "own_dict", "same_item", "same_values", "slots_of"]
+__all__ = ["object_state", "own_dict", "same_item", "same_values", "slot_values", "slots_of"]
 
 
 def same_values(expected: torch.Tensor, actual: torch.Tensor) -> bool:
@@ -224,13 +225,31 @@ def object_state(value: object) -> dict[str, Any] | None:
     own = own_dict(value)
     if not members:
         return own
-    state = {} if own is None else dict(own)
+    return {**({} if own is None else own), **slot_values(value, members)}
+
+
+def slot_values(value: object, members: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """The values of ``value``'s slots that are set, read through each slot's own descriptor (``members``, from
+    :func:`slots_of`): no property or ``__getattr__`` of the class is asked.
+
+    Args:
+        value: The object.
+        members: Its class's slots.
+
+    Example::
+
+        >>> class Memory:
+        ...     __slots__ = ("last", "count")
+        >>> memory = Memory()
+        >>> memory.count = 2
+        >>> slot_values(memory, slots_of(Memory))
+        {'count': 2}
+    """
+    values = {}
     for name, member in members:
-        try:  # through the slot's own descriptor: no property or `__getattr__` of the class is asked
-            state[name] = member.__get__(value, cls)
-        except AttributeError:  # not set
-            continue
-    return state
+        with contextlib.suppress(AttributeError):  # not set
+            values[name] = member.__get__(value, type(value))
+    return values
 
 
 def own_dict(value: object) -> dict[str, Any] | None:

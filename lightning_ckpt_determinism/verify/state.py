@@ -47,7 +47,14 @@ from lightning_ckpt_determinism._torch_compat import (
     own_buffers,
     own_parameters,
 )
-from lightning_ckpt_determinism.checkpointing.equality import object_state, own_dict, same_item, same_values, slots_of
+from lightning_ckpt_determinism.checkpointing.equality import (
+    object_state,
+    own_dict,
+    same_item,
+    same_values,
+    slot_values,
+    slots_of,
+)
 from lightning_ckpt_determinism.checkpointing.module_hooks import HookSnapshot
 from lightning_ckpt_determinism.checkpointing.modules import (
     SCALARS,
@@ -846,11 +853,7 @@ class _Slots:
         self.members = slots_of(type(owner)) or ()
 
     def read(self) -> dict[str, Any]:
-        values = {}
-        for name, member in self.members:
-            with contextlib.suppress(AttributeError):  # not set
-                values[name] = member.__get__(self.owner, type(self.owner))
-        return values
+        return slot_values(self.owner, self.members)
 
     def write(self, values: dict[str, Any]) -> None:
         for name, member in self.members:
