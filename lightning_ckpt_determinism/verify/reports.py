@@ -86,7 +86,8 @@ UNREPLAYED_GENERATOR_HINT = (
     "A random op draws other numbers in recomputation from a generator the region does not replay: with"
     " `preserve_rng_state` on, as here, it replays torch's default generators and those its modules hold as"
     " attributes, not one held elsewhere (in a hook's closure, a global, another object). Hold that generator as an"
-    " attribute of a module of the region, or draw from torch's default generator."
+    " attribute of a module of the region, or draw from torch's default generator. Until then each rerun of a check"
+    " draws from it too, so a fit with `RecomputationMonitor` trains on other numbers than one without it."
 )
 """The hint of a ``rng_not_preserved`` in a region that replays torch's generators."""
 
