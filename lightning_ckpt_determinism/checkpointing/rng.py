@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_ckpt_determinism.checkpointing.equality import same_item
+
 __all__ = [
     "HOST_GENERATORS",
     "HostRNGState",
@@ -207,21 +209,10 @@ def same_host_rng(before: HostRNGState, after: HostRNGState) -> bool:
         (True, False)
     """
     held_same = len(before.held) == len(after.held) and all(
-        one is other and _same_state(first, second)
+        one is other and same_item(first, second)
         for (one, first), (other, second) in zip(before.held, after.held, strict=True)
     )
-    return bool(before.python == after.python and _same_state(before.numpy, after.numpy) and held_same)
-
-
-def _same_state(first: Any, second: Any) -> bool:
-    """Two states of a host generator (tuples and dicts holding numbers and NumPy arrays) item by item."""
-    if isinstance(first, np.ndarray) or isinstance(second, np.ndarray):
-        return bool(np.array_equal(first, second))
-    if isinstance(first, dict) and isinstance(second, dict):
-        return first.keys() == second.keys() and all(_same_state(first[key], second[key]) for key in first)
-    if isinstance(first, tuple) and isinstance(second, tuple):
-        return len(first) == len(second) and all(map(_same_state, first, second))
-    return bool(first == second)
+    return bool(before.python == after.python and same_item(before.numpy, after.numpy) and held_same)
 
 
 def same_torch_rng(before: RNGState, after: RNGState) -> bool:
